@@ -1,0 +1,72 @@
+"""dbo: dual-batch overlap for mixture-of-experts inference.
+
+Cut a batch into ubatches that run interleaved on one CPU thread, so that one ubatch's
+expert-parallel all-to-all runs on a comm stream while another's matmuls run on the compute
+stream. See README.md.
+"""
+
+from dbo.context import (
+    UBatchContext,
+    active_run,
+    dbo_current_context,
+    dbo_current_ubatch_id,
+    dbo_current_ubatch_token_offset,
+    dbo_enabled,
+    dbo_get_previous_event,
+    dbo_maybe_run_recv_hook,
+    dbo_num_ubatches,
+    dbo_region,
+    dbo_register_recv_hook,
+    dbo_switch_to_comm,
+    dbo_switch_to_comm_sync,
+    dbo_switch_to_compute,
+    dbo_switch_to_compute_sync,
+    dbo_yield,
+    dbo_yield_and_switch_from_comm_to_compute,
+    dbo_yield_and_switch_from_compute_to_comm,
+    run_ubatches,
+)
+from dbo.errors import (
+    CollectiveTimeoutError,
+    DBOError,
+    HookMisuseError,
+    HookSlotOccupiedError,
+    NestedRunError,
+    StreamStateError,
+    UBatchCountError,
+    UBatchError,
+)
+from dbo.trace import Trace
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "run_ubatches",
+    "UBatchContext",
+    "Trace",
+    "active_run",
+    "dbo_enabled",
+    "dbo_num_ubatches",
+    "dbo_current_context",
+    "dbo_current_ubatch_id",
+    "dbo_current_ubatch_token_offset",
+    "dbo_yield",
+    "dbo_maybe_run_recv_hook",
+    "dbo_register_recv_hook",
+    "dbo_switch_to_comm",
+    "dbo_switch_to_compute",
+    "dbo_switch_to_comm_sync",
+    "dbo_switch_to_compute_sync",
+    "dbo_yield_and_switch_from_compute_to_comm",
+    "dbo_yield_and_switch_from_comm_to_compute",
+    "dbo_get_previous_event",
+    "dbo_region",
+    "DBOError",
+    "UBatchError",
+    "UBatchCountError",
+    "NestedRunError",
+    "HookMisuseError",
+    "HookSlotOccupiedError",
+    "StreamStateError",
+    "CollectiveTimeoutError",
+]

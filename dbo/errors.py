@@ -1,0 +1,58 @@
+"""The project's own exceptions.
+
+Caller mistakes also subclass ``ValueError``/``TypeError``; protocol violations subclass
+``RuntimeError``. Every error raised inside a ubatch surfaces as the ``__cause__`` of the
+``UBatchError`` that :func:`dbo.run_ubatches` raises.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "DBOError",
+    "UBatchError",
+    "UBatchCountError",
+    "NestedRunError",
+    "HookMisuseError",
+    "HookSlotOccupiedError",
+    "StreamStateError",
+    "CollectiveTimeoutError",
+]
+
+
+class DBOError(Exception):
+    """Base class of every error dbo raises on purpose."""
+
+
+class UBatchError(DBOError):
+    """A ubatch (or a recv hook it ran) raised; the original exception is ``__cause__``.
+
+    ``ubatch_id`` is the index of the failing ubatch in the ``fns`` given to ``run_ubatches``.
+    """
+
+    def __init__(self, ubatch_id: int, cause: BaseException):
+        self.ubatch_id = ubatch_id
+        super().__init__(f"ubatch {ubatch_id} failed: {type(cause).__name__}: {cause}")
+
+
+class UBatchCountError(DBOError, ValueError):
+    """``run_ubatches`` needs at least two ubatches (and matching per-ubatch arguments)."""
+
+
+class NestedRunError(DBOError, RuntimeError):
+    """``run_ubatches`` was called while a run is active on this thread."""
+
+
+class HookMisuseError(DBOError, RuntimeError):
+    """A recv hook tried to yield or to register another hook."""
+
+
+class HookSlotOccupiedError(DBOError, RuntimeError):
+    """A recv hook was registered into a slot that still holds an unrun hook."""
+
+
+class StreamStateError(DBOError, RuntimeError):
+    """A ``dbo_yield_and_switch_*`` call was made from the wrong stream."""
+
+
+class CollectiveTimeoutError(DBOError, TimeoutError):
+    """A collective did not complete in time (a peer rank failed or stopped)."""
