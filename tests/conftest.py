@@ -1,0 +1,29 @@
+"""Shared test set-up: hypothesis profiles and the no-state-left-behind check."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+import dbo
+from dbo.streams import current_logical_stream
+
+settings.register_profile("default", max_examples=100, deadline=None)
+settings.register_profile(
+    "ci", max_examples=60, deadline=None, derandomize=True, print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.register_profile("nightly", max_examples=2000, deadline=None)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+
+
+@pytest.fixture(autouse=True)
+def _no_run_left_behind():
+    """Every test must leave no active run on the thread and the default CPU stream current."""
+    stream_before = current_logical_stream()
+    yield
+    assert dbo.active_run() is None, "a run_ubatches run was left active on this thread"
+    assert not dbo.dbo_enabled()
+    assert current_logical_stream() is stream_before, "the CPU stand-in's current stream leaked"
