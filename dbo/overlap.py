@@ -1,0 +1,296 @@
+"""Run a model forward as overlapped ubatches: split the inputs, ``run_ubatches``, merge.
+
+:func:`overlapped_forward` (a function) and :class:`DBOWrapper` (an ``nn.Module`` around a
+module or any callable) take token-major tensors ``[num_tokens, ...]``. They decide the split
+with :func:`dbo.split.plan_ubatches` (one all-reduce over the expert-parallel group), cut every
+input at the plan's slices, pad each ubatch to the plan's ``padded_size`` with zero rows, run
+the ubatches with :func:`dbo.run_ubatches` (``token_offsets`` = each slice's first row), and
+concatenate the outputs in ubatch order without the padding rows. When the plan does not split
+(below threshold, ranks disagree, ``DBO_DISABLE=1``) they call the plain forward instead.
+
+Padding rows must route to no expert. Code inside the forward finds its ubatch with
+:func:`current_ubatch` (None in a plain forward) and masks its routing with
+:func:`mask_current_padding`; each ubatch has its own value because every ubatch runs in its
+own copy of the caller's ``contextvars`` context.
+
+CUDA graphs: given a precomputed ``plan=``, nothing on this path syncs with the host. Slicing
+and padding use Python ints from the plan, the merge is one ``torch.cat`` per output, and the
+ubatch context reuses its comm stream and events across runs. Without ``plan=`` the decision's
+all-reduce reads its result back on the host (one ``.tolist()``): decide before capture, or
+capture one graph per plan.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dbo.context import run_ubatches
+from dbo.split import SplitConfig, UBatchPlan, mask_padding_routing, plan_ubatches
+from dbo.trace import Trace
+
+__all__ = [
+    "UBatchInfo",
+    "current_ubatch",
+    "current_num_valid_tokens",
+    "mask_current_padding",
+    "split_inputs",
+    "merge_outputs",
+    "overlapped_forward",
+    "DBOWrapper",
+]
+
+
+@dataclass(frozen=True)
+class UBatchInfo:
+    """What a ubatch's forward knows about its rows.
+
+    ``start``/``stop``: the parent-batch rows of its real tokens; ``padded_size``: rows of its
+    inputs; rows ``num_valid:`` are padding.
+    """
+
+    index: int
+    num_ubatches: int
+    start: int
+    stop: int
+    padded_size: int
+
+    @property
+    def num_valid(self) -> int:
+        return self.stop - self.start
+
+
+_CURRENT: contextvars.ContextVar[UBatchInfo | None] = contextvars.ContextVar("dbo_ubatch", default=None)
+
+
+def current_ubatch() -> UBatchInfo | None:
+    """The running ubatch of an :func:`overlapped_forward`, or None in a plain forward."""
+    return _CURRENT.get()
+
+
+def current_num_valid_tokens(num_rows: int) -> int:
+    """Real rows among the ``num_rows`` of this forward's inputs: the ubatch's ``num_valid``
+    inside a split forward, else ``num_rows``."""
+    info = _CURRENT.get()
+    return num_rows if info is None else min(info.num_valid, num_rows)
+
+
+def mask_current_padding(topk_ids: torch.Tensor,
+                         topk_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Give the current ubatch's padding rows ``topk_ids`` -1 and weight 0 (a no-op in a plain
+    forward or a ubatch without padding).
+
+    Args:
+        topk_ids: ``[num_rows, topk]`` integer expert ids of this forward's rows.
+        topk_weights: ``[num_rows, topk]`` float routing weights.
+    Returns:
+        ``(topk_ids, topk_weights)``, new tensors when any row is padding. No host sync.
+    """
+    return mask_padding_routing(topk_ids, topk_weights, current_num_valid_tokens(topk_ids.shape[0]))
+
+
+# ---- split and merge (pure) ----------------------------------------------------------------
+
+
+def _check_inputs(tensors: Sequence[torch.Tensor]) -> int:
+    if not tensors:
+        raise ValueError("overlapped_forward needs at least one token-major tensor")
+    for i, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"tensors[{i}] must be a torch.Tensor, got {type(t).__name__} "
+                            "(pass other arguments through fn_kwargs)")
+        if t.dim() == 0:
+            raise ValueError(f"tensors[{i}] is a scalar; inputs must be token-major [num_tokens, ...]")
+    num_tokens = tensors[0].shape[0]
+    for i, t in enumerate(tensors):
+        if t.shape[0] != num_tokens:
+            raise ValueError(f"tensors[{i}] has {t.shape[0]} rows, tensors[0] has {num_tokens}: "
+                             "inputs must be token-major with the same number of tokens")
+    return num_tokens
+
+
+def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    if rows == 0:
+        return x
+    return torch.cat([x, x.new_zeros((rows, *x.shape[1:]))])
+
+
+def split_inputs(plan: UBatchPlan, tensors: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, ...]]:
+    """Each ubatch's inputs: rows ``plan.slices[i]`` of every tensor, padded with zero rows to
+    ``plan.padded_size``. An unpadded ubatch gets views of the inputs."""
+    out = []
+    for i, (start, stop) in enumerate(plan.slices):
+        pad = plan.num_padding(i)
+        out.append(tuple(_pad_rows(t[start:stop], pad) for t in tensors))
+    return out
+
+
+def merge_outputs(plan: UBatchPlan, outputs: Sequence[Any]) -> Any:
+    """Concatenate the ubatches' outputs in order, dropping padding rows.
+
+    Every output must have the same structure: a tensor ``[padded_size, ...]``, or a
+    tuple/list/dict of them (nested), or None.
+    """
+    first = outputs[0]
+    if first is None:
+        if any(o is not None for o in outputs):
+            raise TypeError("ubatch outputs differ in structure: some are None")
+        return None
+    if isinstance(first, torch.Tensor):
+        parts = []
+        for i, o in enumerate(outputs):
+            if not isinstance(o, torch.Tensor) or o.dim() == 0 or o.shape[0] != plan.padded_size:
+                shape = tuple(o.shape) if isinstance(o, torch.Tensor) else type(o).__name__
+                raise TypeError(f"ubatch {i} output {shape} is not token-major with "
+                                f"{plan.padded_size} rows")
+            parts.append(o[: plan.num_valid(i)])
+        return torch.cat(parts)
+    if isinstance(first, (tuple, list)):
+        if any(not isinstance(o, type(first)) or len(o) != len(first) for o in outputs):
+            raise TypeError("ubatch outputs differ in structure")
+        merged = [merge_outputs(plan, [o[k] for o in outputs]) for k in range(len(first))]
+        return type(first)(merged) if isinstance(first, list) or not hasattr(first, "_fields") \
+            else type(first)(*merged)
+    if isinstance(first, Mapping):
+        if any(not isinstance(o, Mapping) or o.keys() != first.keys() for o in outputs):
+            raise TypeError("ubatch outputs differ in structure")
+        return {k: merge_outputs(plan, [o[k] for o in outputs]) for k in first}
+    raise TypeError(f"cannot merge ubatch outputs of type {type(first).__name__}: return "
+                    "token-major tensors (or tuples/lists/dicts of them)")
+
+
+# ---- the overlapped forward ----------------------------------------------------------------
+
+
+def _run_device(t: torch.Tensor) -> str:
+    return "cuda" if t.device.type == "cuda" else "cpu"
+
+
+def overlapped_forward(
+    fn: Callable[..., Any],
+    *tensors: torch.Tensor,
+    plan: UBatchPlan | None = None,
+    config: SplitConfig | None = None,
+    request_token_counts: Sequence[int] | None = None,
+    decode_only: bool | None = None,
+    group: Any = None,
+    agree: bool = True,
+    trace: Trace | None = None,
+    comm_stream: Any = None,
+    fn_kwargs: Mapping[str, Any] | None = None,
+) -> Any:
+    """``fn(*tensors, **fn_kwargs)``, run as overlapped ubatches when the plan splits.
+
+    Args:
+        fn: the forward; takes token-major tensors and returns token-major tensors (or
+            tuples/lists/dicts of them) with one row per input row. It should call
+            :func:`dbo.dbo_yield` (directly or through the MoE layer) so that ubatches
+            interleave, and route rows past :func:`current_num_valid_tokens` to no expert.
+        tensors: inputs ``[num_tokens, ...]``, any dtype, all with the same ``num_tokens``.
+        plan: a precomputed :class:`UBatchPlan` for these ``num_tokens`` (skips the decision
+            and its all-reduce; needed under CUDA graph capture). Its ``padded_size`` must be
+            the same on every rank of the group.
+        config, request_token_counts, decode_only, group, agree: passed to
+            :func:`dbo.split.plan_ubatches` when ``plan`` is None.
+        trace: a :class:`dbo.Trace` that records the overlapped run.
+        comm_stream: the comm stream for ``run_ubatches`` (default: its own).
+        fn_kwargs: keyword arguments given unchanged to every call of ``fn``.
+
+    Returns:
+        ``fn``'s output for all ``num_tokens`` rows, in input order (same structure).
+
+    Raises:
+        ValueError/TypeError: inputs that are not token-major, or a plan for another size.
+        dbo.UBatchError: a ubatch raised (``__cause__`` is its exception).
+    """
+    num_tokens = _check_inputs(tensors)
+    kwargs = dict(fn_kwargs or {})
+    if plan is None:
+        plan = plan_ubatches(num_tokens, config, request_token_counts=request_token_counts,
+                             decode_only=decode_only, group=group, agree=agree)
+    elif plan.num_tokens != num_tokens:
+        raise ValueError(f"plan is for {plan.num_tokens} tokens, the inputs have {num_tokens}")
+    if not plan.split:
+        return fn(*tensors, **kwargs)
+
+    inputs = split_inputs(plan, tensors)
+    n = plan.num_ubatches
+
+    def body(i: int) -> Callable[[], Any]:
+        start, stop = plan.slices[i]
+        info = UBatchInfo(i, n, start, stop, plan.padded_size)
+        args = inputs[i]
+
+        def run() -> Any:
+            _CURRENT.set(info)  # this ubatch's own contextvars context: no leak to the others
+            return fn(*args, **kwargs)
+
+        return run
+
+    outputs = run_ubatches([body(i) for i in range(n)], comm_stream=comm_stream,
+                           token_offsets=plan.token_offsets, trace=trace,
+                           device=_run_device(tensors[0]))
+    return merge_outputs(plan, outputs)
+
+
+class DBOWrapper(torch.nn.Module):
+    """A module (or any forward function) whose calls run as overlapped ubatches.
+
+    ``DBOWrapper(model, config, group=ep_group)(x, positions)`` is
+    ``overlapped_forward(model, x, positions, ...)``; keyword arguments other than those below
+    go to the model unchanged. A wrapped ``nn.Module`` is a submodule (``.to()``,
+    ``state_dict()`` reach it). ``last_plan`` is the plan of the latest call.
+
+    Args:
+        module_or_fn: the forward (an ``nn.Module`` or a callable).
+        config: the default :class:`SplitConfig`.
+        group: the process group that must agree on the split (default: the default group).
+        agree: False skips the agreement all-reduce.
+        trace: a default :class:`dbo.Trace` for every overlapped call.
+        comm_stream: passed to ``run_ubatches``.
+    """
+
+    def __init__(self, module_or_fn: torch.nn.Module | Callable[..., Any],
+                 config: SplitConfig | None = None, *, group: Any = None, agree: bool = True,
+                 trace: Trace | None = None, comm_stream: Any = None):
+        super().__init__()
+        if not callable(module_or_fn):
+            raise TypeError(f"module_or_fn must be callable, got {type(module_or_fn).__name__}")
+        if isinstance(module_or_fn, torch.nn.Module):
+            self.module = module_or_fn
+        else:
+            self._fn = module_or_fn
+        self.config = SplitConfig() if config is None else config
+        self.group = group
+        self.agree = agree
+        self.trace = trace
+        self.comm_stream = comm_stream
+        self.last_plan: UBatchPlan | None = None
+
+    @property
+    def fn(self) -> Callable[..., Any]:
+        return self.module if "module" in self._modules else self._fn
+
+    def plan(self, num_tokens: int, *, request_token_counts: Sequence[int] | None = None,
+             decode_only: bool | None = None) -> UBatchPlan:
+        """The plan a call with ``num_tokens`` rows would use (issues the all-reduce)."""
+        return plan_ubatches(num_tokens, self.config, request_token_counts=request_token_counts,
+                             decode_only=decode_only, group=self.group, agree=self.agree)
+
+    def forward(self, *tensors: torch.Tensor, plan: UBatchPlan | None = None,
+                request_token_counts: Sequence[int] | None = None,
+                decode_only: bool | None = None, trace: Trace | None = None,
+                **kwargs: Any) -> Any:
+        """Run the wrapped forward on token-major ``tensors``; see :func:`overlapped_forward`."""
+        num_tokens = _check_inputs(tensors)
+        if plan is None:
+            plan = self.plan(num_tokens, request_token_counts=request_token_counts,
+                             decode_only=decode_only)
+        self.last_plan = plan
+        return overlapped_forward(self.fn, *tensors, plan=plan,
+                                  trace=self.trace if trace is None else trace,
+                                  comm_stream=self.comm_stream, fn_kwargs=kwargs)
