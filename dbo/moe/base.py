@@ -1,0 +1,293 @@
+"""Interfaces of the modular MoE layer: prepare/finalize backends and experts.
+
+The shape follows vLLM's modular MoE kernel (``fused_moe/modular_kernel.py``): a
+:class:`PrepareAndFinalize` backend dispatches tokens to the ranks that hold their experts
+(``prepare``) and combines the expert outputs back (``finalize``); a :class:`MoEExperts`
+computes the experts on what arrived; :class:`dbo.moe.MoEKernel` drives the two and cooperates
+with the ubatch context through ``prepare_async`` / ``finalize_async``.
+
+Conventions used by every backend and experts class of this package:
+
+* ``num_experts`` (``global_num_experts``) experts are spread over the ``num_dispatchers()``
+  ranks; unless a backend says otherwise, rank ``r`` holds the contiguous block
+  ``[r * L, (r + 1) * L)`` with ``L = num_experts // world_size`` local experts.
+* ``topk_ids`` entries are global expert ids in ``[0, num_experts)`` on input; ``-1`` marks a
+  slot that routes to no expert (padding rows use it). After ``prepare`` (STANDARD format) they
+  are LOCAL ids in ``[0, L)``, with ``-1`` for slots whose expert is on another rank.
+* ``topk_weights`` are float32.
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+
+from dbo.moe.weight_and_reduce import (
+    TopKWeightAndReduce,
+    TopKWeightAndReduceContiguous,
+    TopKWeightAndReduceDelegate,
+    TopKWeightAndReduceNoOp,
+)
+
+__all__ = [
+    "ActivationFormat",
+    "ExpertTokensMetadata",
+    "PrepareResult",
+    "Receiver",
+    "PrepareAsyncResult",
+    "FinalizeAsyncResult",
+    "PrepareAndFinalize",
+    "MoEExperts",
+    "Workspace",
+    "TopKWeightAndReduce",
+    "TopKWeightAndReduceContiguous",
+    "TopKWeightAndReduceNoOp",
+    "TopKWeightAndReduceDelegate",
+]
+
+
+class ActivationFormat(enum.Enum):
+    """Layout of the activations handed from ``prepare`` to the experts.
+
+    ``STANDARD``: ``[M_recv, hidden]``, one row per received token, with ``[M_recv, topk]``
+    local expert ids. ``BATCHED_EXPERTS``: ``[num_local_experts, max_tokens, hidden]``, the
+    tokens of each local expert packed at the front of its slab.
+    """
+
+    STANDARD = "standard"
+    BATCHED_EXPERTS = "batched_experts"
+
+
+@dataclass
+class ExpertTokensMetadata:
+    """How many tokens each local expert received.
+
+    ``expert_num_tokens``: ``[num_local_experts]`` int32 on the activations' device.
+    ``expert_num_tokens_cpu``: the same on the CPU, if the backend has it without a sync.
+    """
+
+    expert_num_tokens: torch.Tensor
+    expert_num_tokens_cpu: torch.Tensor | None = None
+
+
+class PrepareResult(NamedTuple):
+    """What ``prepare`` (or a ``prepare_async`` receiver) returns.
+
+    STANDARD format:
+        a1q: ``[M_recv, hidden]`` the tokens this rank received (quantized if asked).
+        a1q_scale: quantization scales, or None.
+        expert_tokens_meta: optional per-local-expert counts.
+        topk_ids: ``[M_recv, topk]`` LOCAL expert ids, ``-1`` for experts not on this rank.
+        topk_weights: ``[M_recv, topk]`` float32.
+    BATCHED_EXPERTS format:
+        a1q: ``[num_local_experts, max_tokens, hidden]``; ``expert_tokens_meta`` gives the
+        valid rows per local expert; ``topk_ids`` / ``topk_weights`` may be None (the backend
+        keeps what it needs to combine).
+    """
+
+    a1q: torch.Tensor
+    a1q_scale: torch.Tensor | None
+    expert_tokens_meta: ExpertTokensMetadata | None
+    topk_ids: torch.Tensor | None
+    topk_weights: torch.Tensor | None
+
+
+Receiver = Callable[[], PrepareResult]
+#: ``prepare_async`` returns a receiver, or ``(hook, receiver)``: the hook completes the
+#: receive (it may block) and must run before the receiver; the kernel hands it to the ubatch
+#: context so that it runs while another ubatch's work is queued.
+PrepareAsyncResult = Receiver | tuple[Callable[[], None], Receiver]
+FinalizeAsyncResult = Callable[[], None] | tuple[Callable[[], None], Callable[[], None]]
+
+
+class PrepareAndFinalize(ABC):
+    """An all-to-all backend: dispatch tokens to experts, combine expert outputs back.
+
+    Subclasses implement either the async pair (``prepare_async``/``finalize_async``; the sync
+    ones then run hook and receiver in place) or override ``prepare``/``finalize`` and return
+    False from ``supports_async``. Anything that lives between ``prepare`` and ``finalize`` or
+    across a yield is kept per ubatch, indexed by ``dbo.dbo_current_ubatch_id()``.
+    """
+
+    @property
+    @abstractmethod
+    def activation_format(self) -> ActivationFormat:
+        """The format ``prepare`` produces."""
+
+    def topk_indices_dtype(self) -> torch.dtype | None:
+        """The dtype ``topk_ids`` should have, or None if any integer dtype will do."""
+        return None
+
+    def max_num_tokens_per_rank(self) -> int | None:
+        """Upper bound on tokens per rank per call, or None if unbounded."""
+        return None
+
+    @abstractmethod
+    def num_dispatchers(self) -> int:
+        """Number of ranks that dispatch to this rank (the EP world size)."""
+
+    @abstractmethod
+    def output_is_reduced(self) -> bool:
+        """True if ``finalize``'s output is already summed over every rank's experts (no
+        further all-reduce is needed)."""
+
+    def supports_async(self) -> bool:
+        """True if ``prepare_async``/``finalize_async`` are implemented."""
+        cls = type(self)
+        return (cls.prepare_async is not PrepareAndFinalize.prepare_async
+                and cls.finalize_async is not PrepareAndFinalize.finalize_async)
+
+    # ---- prepare -----------------------------------------------------------------------
+
+    def prepare(
+        self,
+        a1: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        num_experts: int,
+        expert_map: torch.Tensor | None,
+        apply_router_weight_on_input: bool,
+        quant_config: Any = None,
+    ) -> PrepareResult:
+        """Dispatch ``a1`` ``[M, hidden]`` (bf16/fp32) routed by ``topk_ids`` ``[M, topk]``
+        (global ids, ``-1`` = none) with ``topk_weights`` ``[M, topk]`` float32.
+
+        ``expert_map``: optional ``[num_experts]`` int32, global id -> local id on this rank or
+        ``-1``. ``apply_router_weight_on_input``: multiply ``a1`` by the (top-1) weight before
+        dispatch. ``quant_config``: backend-specific, None for unquantized.
+        """
+        res = self.prepare_async(a1, topk_weights, topk_ids, num_experts, expert_map,
+                                 apply_router_weight_on_input, quant_config)
+        if isinstance(res, tuple):
+            hook, receiver = res
+            hook()
+            return receiver()
+        return res()
+
+    def prepare_async(
+        self,
+        a1: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        num_experts: int,
+        expert_map: torch.Tensor | None,
+        apply_router_weight_on_input: bool,
+        quant_config: Any = None,
+    ) -> PrepareAsyncResult:
+        """Start the dispatch; return a receiver, or ``(hook, receiver)``. Same arguments as
+        :meth:`prepare`; the receiver returns its :class:`PrepareResult`."""
+        raise NotImplementedError(f"{type(self).__name__} has no async prepare")
+
+    # ---- finalize ----------------------------------------------------------------------
+
+    def finalize(
+        self,
+        output: torch.Tensor,
+        fused_expert_output: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        apply_router_weight_on_input: bool,
+        weight_and_reduce: TopKWeightAndReduce,
+    ) -> None:
+        """Combine ``fused_expert_output`` into ``output`` ``[M, hidden]`` in place.
+
+        ``topk_weights``/``topk_ids`` are those ``prepare`` returned (the received ones), or
+        the original ones if it returned None. ``weight_and_reduce`` is the experts' choice;
+        a :class:`TopKWeightAndReduceDelegate` is replaced by the backend's own.
+        """
+        res = self.finalize_async(output, fused_expert_output, topk_weights, topk_ids,
+                                  apply_router_weight_on_input, weight_and_reduce)
+        if isinstance(res, tuple):
+            hook, receiver = res
+            hook()
+            receiver()
+        else:
+            res()
+
+    def finalize_async(
+        self,
+        output: torch.Tensor,
+        fused_expert_output: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        apply_router_weight_on_input: bool,
+        weight_and_reduce: TopKWeightAndReduce,
+    ) -> FinalizeAsyncResult:
+        """Start the combine; return a receiver, or ``(hook, receiver)``. ``output`` is valid
+        only after the receiver returned."""
+        raise NotImplementedError(f"{type(self).__name__} has no async finalize")
+
+    def reset(self) -> None:  # noqa: B027 - optional hook, default does nothing
+        """Drop per-ubatch state left by a failed step (called between steps)."""
+
+
+class Workspace:
+    """Scratch tensors of one ubatch, reused across calls while their shape still fits.
+
+    The kernel keeps one per ubatch, so a buffer that a ubatch's in-flight combine still reads
+    is never handed to another ubatch.
+    """
+
+    def __init__(self) -> None:
+        self._bufs: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype,
+            device: torch.device) -> torch.Tensor:
+        """An uninitialised tensor of ``shape``/``dtype`` on ``device`` named ``name``."""
+        numel = 1
+        for s in shape:
+            numel *= s
+        buf = self._bufs.get(name)
+        if buf is None or buf.dtype != dtype or buf.device != device or buf.numel() < numel:
+            buf = torch.empty(max(numel, 1), dtype=dtype, device=device)
+            self._bufs[name] = buf
+        return buf[:numel].view(shape)
+
+    def clear(self) -> None:
+        self._bufs.clear()
+
+
+class MoEExperts(ABC):
+    """The expert computation on what ``prepare`` delivered (vLLM's "permute-experts-unpermute").
+
+    Weights: ``w1`` ``[num_local_experts, 2 * intermediate, hidden]`` (gate rows first, then up),
+    ``w2`` ``[num_local_experts, hidden, intermediate]``.
+    """
+
+    @abstractmethod
+    def supported_activation_formats(self) -> tuple[ActivationFormat, ...]:
+        """The formats :meth:`apply` accepts."""
+
+    @abstractmethod
+    def apply(
+        self,
+        hidden_states: torch.Tensor,
+        w1: torch.Tensor,
+        w2: torch.Tensor,
+        topk_weights: torch.Tensor | None,
+        topk_ids: torch.Tensor | None,
+        *,
+        activation_format: ActivationFormat,
+        expert_tokens_meta: ExpertTokensMetadata | None,
+        apply_router_weight_on_input: bool,
+        workspace: Workspace,
+    ) -> torch.Tensor:
+        """Run the local experts.
+
+        STANDARD: ``hidden_states`` ``[M, hidden]``, ``topk_ids`` ``[M, topk]`` local ids
+        (``-1`` skipped), ``topk_weights`` ``[M, topk]`` float32; returns what
+        :meth:`finalize_weight_and_reduce_impl` expects (``[M, hidden]`` for NoOp,
+        ``[M, topk, hidden]`` for Contiguous). BATCHED_EXPERTS: ``hidden_states``
+        ``[L, max_tokens, hidden]`` with ``expert_tokens_meta``; returns ``[L, max_tokens,
+        hidden]`` unweighted (rows past each expert's count are unspecified).
+        The result may live in ``workspace``.
+        """
+
+    @abstractmethod
+    def finalize_weight_and_reduce_impl(self) -> TopKWeightAndReduce:
+        """How ``finalize`` must weight and reduce :meth:`apply`'s output."""
