@@ -1,0 +1,181 @@
+"""Pieces the DeepEP backends share: argument checks, hidden padding, fp8 block quantization,
+per-ubatch state, and handing received tensors to the compute stream.
+
+No ``deep_ep`` import here: the buffer objects come from :mod:`dbo.backends.deepep_buffer`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from dbo.context import dbo_current_ubatch_id, dbo_enabled
+from dbo.moe.base import ExpertTokensMetadata
+from dbo.streams import hand_over
+
+from .deepep_buffer import DeepEPDtypeError
+
+__all__ = [
+    "FP8_BLOCK",
+    "FP8_MAX",
+    "PerUBatch",
+    "check_dispatch_args",
+    "pad_hidden",
+    "quantize_fp8_blocks",
+    "dequantize_fp8_blocks",
+    "hand_to_current_stream",
+    "expert_tokens_meta_from_list",
+    "group_size",
+    "group_rank",
+    "check_bf16",
+]
+
+#: DeepEP's fp8 layout: one float32 scale per 128 consecutive hidden elements of a token.
+FP8_BLOCK = 128
+FP8_MAX = 448.0
+
+
+def group_size(group: Any) -> int:
+    return group.size() if hasattr(group, "size") else torch.distributed.get_world_size(group)
+
+
+def group_rank(group: Any) -> int:
+    return group.rank() if hasattr(group, "rank") else torch.distributed.get_rank(group)
+
+
+class PerUBatch:
+    """One slot per ubatch (``dbo_current_ubatch_id()``), for state that lives from
+    ``prepare`` to ``finalize`` or across a yield."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self._slots: list[Any] = []
+
+    def put(self, value: Any) -> int:
+        ub = dbo_current_ubatch_id()
+        while len(self._slots) <= ub:
+            self._slots.append(None)
+        self._slots[ub] = value
+        return ub
+
+    def take(self, what: str) -> Any:
+        """Remove and return this ubatch's value; raise if there is none."""
+        ub = dbo_current_ubatch_id()
+        value = self._slots[ub] if ub < len(self._slots) else None
+        if value is None:
+            raise RuntimeError(f"{self.name}: {what} in ubatch {ub} without a matching prepare "
+                               "(finalize must follow prepare in the same ubatch)")
+        self._slots[ub] = None
+        return value
+
+    def peek(self) -> Any:
+        ub = dbo_current_ubatch_id()
+        return self._slots[ub] if ub < len(self._slots) else None
+
+    def clear(self) -> None:
+        self._slots.clear()
+
+    def __bool__(self) -> bool:
+        return any(s is not None for s in self._slots)
+
+
+def check_dispatch_args(
+    backend: str,
+    a1: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    num_experts: int,
+    expected_num_experts: int,
+    hidden: int,
+    expert_map: torch.Tensor | None,
+    apply_router_weight_on_input: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Validate ``prepare`` arguments; return ``(a1, topk_weights f32, topk_ids i64)``, contiguous,
+    with the router weight applied to ``a1`` if asked."""
+    if a1.dim() != 2 or a1.shape[1] != hidden:
+        raise ValueError(f"{backend}: a1 must be [M, {hidden}], got {tuple(a1.shape)}")
+    if a1.dtype != torch.bfloat16:
+        raise DeepEPDtypeError(f"{backend}: DeepEP dispatches bf16 tokens (fp8 via use_fp8_dispatch), "
+                               f"got a1 of dtype {a1.dtype}")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != a1.shape[0] or topk_weights.shape != topk_ids.shape:
+        raise ValueError(f"{backend}: topk_ids and topk_weights must both be [M={a1.shape[0]}, topk], got "
+                         f"{tuple(topk_ids.shape)} and {tuple(topk_weights.shape)}")
+    if num_experts != expected_num_experts:
+        raise ValueError(f"{backend}: built for {expected_num_experts} experts, called with {num_experts}")
+    if expert_map is not None:
+        raise ValueError(f"{backend}: expert_map is not supported; DeepEP places experts contiguously "
+                         "(rank r holds [r * L, (r + 1) * L))")
+    topk_ids = topk_ids.to(torch.int64).contiguous()
+    topk_weights = topk_weights.to(torch.float32).contiguous()
+    if apply_router_weight_on_input:
+        if topk_ids.shape[1] != 1:
+            raise ValueError(f"{backend}: apply_router_weight_on_input needs topk == 1, got "
+                             f"{topk_ids.shape[1]}")
+        a1 = (a1.float() * topk_weights).to(a1.dtype)
+    return a1, topk_weights, topk_ids
+
+
+def pad_hidden(x: torch.Tensor, padded: int) -> torch.Tensor:
+    """``x`` ``[..., h]`` zero-padded on the last dim to ``[..., padded]``, contiguous."""
+    h = x.shape[-1]
+    if h == padded:
+        return x.contiguous()
+    return F.pad(x, (0, padded - h)).contiguous()
+
+
+def quantize_fp8_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token, per-128-element block fp8 quantization, the layout DeepEP dispatches.
+
+    Args:
+        x: ``[M, H]`` bf16/fp32 with ``H % 128 == 0``.
+
+    Returns:
+        ``(q, scales)``: ``q`` ``[M, H]`` ``torch.float8_e4m3fn``; ``scales`` ``[M, H // 128]``
+        float32 with ``x ~= q * scales`` block-wise.
+    """
+    m, h = x.shape
+    if h % FP8_BLOCK:
+        raise ValueError(f"fp8 block quantization needs hidden % {FP8_BLOCK} == 0, got {h}")
+    blocks = x.float().view(m, h // FP8_BLOCK, FP8_BLOCK)
+    amax = blocks.abs().amax(dim=2).clamp(min=1e-4)
+    scales = amax / FP8_MAX
+    q = (blocks / scales.unsqueeze(2)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.view(m, h), scales.contiguous()
+
+
+def dequantize_fp8_blocks(q: torch.Tensor, scales: torch.Tensor,
+                          dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Inverse of :func:`quantize_fp8_blocks`: ``q`` ``[..., H]``, ``scales`` ``[..., H // 128]``
+    (any strides) -> ``[..., H]`` in ``dtype``."""
+    h = q.shape[-1]
+    blocks = q.float().reshape(*q.shape[:-1], h // FP8_BLOCK, FP8_BLOCK)
+    return (blocks * scales.float().unsqueeze(-1)).reshape(q.shape).to(dtype)
+
+
+def hand_to_current_stream(tensors: Iterable[torch.Tensor | None]) -> None:
+    """Under DBO on CUDA, keep tensors allocated on the comm stream alive for the compute
+    stream's pending reads (``record_stream``); a no-op otherwise."""
+    if not dbo_enabled():
+        return
+    stream = None
+    for t in tensors:
+        if t is None or not t.is_cuda:
+            continue
+        if stream is None:
+            stream = torch.cuda.current_stream(t.device)
+        hand_over(t, stream)
+
+
+def expert_tokens_meta_from_list(counts: list[int], device: torch.device) -> ExpertTokensMetadata:
+    """Metadata from DeepEP's host-side per-local-expert counts."""
+    cpu = torch.tensor(counts, dtype=torch.int32)
+    return ExpertTokensMetadata(expert_num_tokens=cpu.to(device), expert_num_tokens_cpu=cpu)
+
+
+def check_bf16(backend: str, what: str, t: torch.Tensor) -> None:
+    if t.dtype != torch.bfloat16:
+        raise DeepEPDtypeError(f"{backend}: DeepEP's combine only takes bf16, but {what} is {t.dtype}; "
+                               "run the experts in bf16 (or cast their output) before finalize")

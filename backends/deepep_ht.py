@@ -1,0 +1,276 @@
+"""DeepEP high-throughput (normal mode) prepare/finalize: ``get_dispatch_layout`` + ``dispatch``
++ ``combine`` of ``deep_ep.Buffer``.
+
+Normal-mode dispatch blocks the CPU until the receive counts arrive. Under DBO the backend
+therefore captures an event on the compute stream (``dbo_get_previous_event(Buffer.capture)``),
+yields so that the other ubatch queues its compute first, and only then launches the layout and
+dispatch kernels from the comm stream, waiting on that event; then it switches back to the
+compute stream with a sync. Combine does the same. Without DBO, dispatch and combine run with
+``async_finish`` and the receivers wait on DeepEP's events.
+
+Handles live per ubatch. Hidden sizes are padded to DeepEP's 512-byte transfer atom on the way
+out and the padding stripped on the way back. Combine is bf16 only (checked). With
+``use_fp8_dispatch`` the tokens travel as fp8 with one float32 scale per 128 elements.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from dbo.context import (
+    dbo_enabled,
+    dbo_get_previous_event,
+    dbo_switch_to_compute_sync,
+    dbo_yield_and_switch_from_compute_to_comm,
+)
+from dbo.moe.base import (
+    ActivationFormat,
+    FinalizeAsyncResult,
+    PrepareAndFinalize,
+    PrepareAsyncResult,
+    PrepareResult,
+)
+from dbo.moe.weight_and_reduce import (
+    TopKWeightAndReduce,
+    TopKWeightAndReduceContiguous,
+    TopKWeightAndReduceDelegate,
+)
+
+from .deepep_buffer import (
+    BufferMode,
+    DeepEPBufferCache,
+    SharedDeepEPBuffer,
+    get_deepep_buffer,
+    round_up_hidden,
+)
+from .deepep_common import (
+    FP8_BLOCK,
+    PerUBatch,
+    check_bf16,
+    check_dispatch_args,
+    dequantize_fp8_blocks,
+    expert_tokens_meta_from_list,
+    group_size,
+    hand_to_current_stream,
+    pad_hidden,
+    quantize_fp8_blocks,
+)
+
+__all__ = ["DeepEPHTPrepareAndFinalize", "make_prepare_finalize"]
+
+logger = logging.getLogger(__name__)
+
+_NAME = "deepep_ht"
+
+
+class DeepEPHTPrepareAndFinalize(PrepareAndFinalize):
+    """Prepare/finalize over DeepEP's normal (high-throughput) mode, STANDARD format.
+
+    ``prepare`` delivers ``a1q`` ``[M_recv, hidden]`` (bf16; or fp8 with ``a1q_scale``
+    ``[M_recv, hidden // 128]`` float32 if ``dequantize_received=False``), ``topk_ids``
+    ``[M_recv, topk]`` int64 LOCAL expert ids (``-1`` = expert on another rank), ``topk_weights``
+    ``[M_recv, topk]`` float32 (0 where the id is ``-1``) and per-local-expert counts. Received
+    rows are ordered by source rank, then by token. ``finalize`` weights and reduces the experts'
+    output over the local top-k (``TopKWeightAndReduceContiguous`` unless the experts did it),
+    then combines (sums over ranks) into ``output`` ``[M, hidden]``.
+
+    Args:
+        shared: the group's normal-mode buffer (from :func:`get_deepep_buffer`).
+        num_experts: global number of experts (a multiple of the group size).
+        hidden: model hidden size (padded internally to whole 512-byte atoms).
+        use_fp8_dispatch: quantize tokens to fp8 blocks of 128 before dispatch.
+        dequantize_received: with fp8 dispatch, hand bf16 to the experts (default) instead of
+            fp8 + scales.
+        async_finish: without DBO, let the receivers wait on DeepEP's events (default True).
+        expert_alignment: align each local expert's received count to this (DeepEP's option).
+    """
+
+    def __init__(self, shared: SharedDeepEPBuffer, *, num_experts: int, hidden: int,
+                 use_fp8_dispatch: bool = False, dequantize_received: bool = True,
+                 async_finish: bool = True, expert_alignment: int = 1):
+        if shared.request.mode is not BufferMode.HIGH_THROUGHPUT:
+            raise ValueError(f"{_NAME} needs a high-throughput buffer, got mode {shared.request.mode}")
+        self._shared = shared
+        self.num_ranks = group_size(shared.group)
+        if num_experts % self.num_ranks:
+            raise ValueError(f"num_experts ({num_experts}) must be a multiple of the group size "
+                             f"({self.num_ranks})")
+        self.num_experts = num_experts
+        self.num_local_experts = num_experts // self.num_ranks
+        self.hidden = hidden
+        self.use_fp8_dispatch = use_fp8_dispatch
+        # fp8 rows are 1 byte per element and need whole 128-element scale blocks
+        self.padded_hidden = (round_up_hidden(hidden, torch.float8_e4m3fn) if use_fp8_dispatch
+                              else round_up_hidden(hidden, torch.bfloat16))
+        assert self.padded_hidden % FP8_BLOCK == 0 or not use_fp8_dispatch
+        if self.padded_hidden > shared.request.hidden:
+            raise ValueError(f"the shared buffer was sized for hidden {shared.request.hidden}, "
+                             f"this backend needs {self.padded_hidden}")
+        self.dequantize_received = dequantize_received
+        self.async_finish = async_finish
+        self.expert_alignment = expert_alignment
+        self._handles = PerUBatch(_NAME)
+
+    # ---- properties of the contract --------------------------------------------------------
+
+    @property
+    def activation_format(self) -> ActivationFormat:
+        return ActivationFormat.STANDARD
+
+    def topk_indices_dtype(self) -> torch.dtype | None:
+        return torch.int64
+
+    def num_dispatchers(self) -> int:
+        return self.num_ranks
+
+    def output_is_reduced(self) -> bool:
+        return True
+
+    @property
+    def buffer(self) -> Any:
+        """The ``deep_ep.Buffer`` in use (may change if the shared buffer is grown)."""
+        return self._shared.buffer
+
+    def reset(self) -> None:
+        self._handles.clear()
+
+    # ---- prepare ---------------------------------------------------------------------------
+
+    def prepare_async(self, a1: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                      num_experts: int, expert_map: torch.Tensor | None,
+                      apply_router_weight_on_input: bool, quant_config: Any = None) -> PrepareAsyncResult:
+        a1, topk_weights, topk_ids = check_dispatch_args(
+            _NAME, a1, topk_weights, topk_ids, num_experts, self.num_experts, self.hidden,
+            expert_map, apply_router_weight_on_input)
+        x: Any = pad_hidden(a1, self.padded_hidden)
+        if self.use_fp8_dispatch:
+            x = quantize_fp8_blocks(x)
+        buffer = self.buffer
+        config = type(buffer).get_dispatch_config(self.num_ranks)
+        dbo = dbo_enabled()
+        if dbo:
+            # The event covers exactly this ubatch's compute so far; yield before the
+            # CPU-blocking dispatch so the other ubatch's compute is queued ahead of it.
+            previous_event = dbo_get_previous_event(buffer.capture)
+            dbo_yield_and_switch_from_compute_to_comm()
+            async_finish = False
+        else:
+            previous_event = None
+            async_finish = self.async_finish
+        (num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert, is_token_in_rank,
+         layout_event) = buffer.get_dispatch_layout(
+            topk_ids, self.num_experts, previous_event=previous_event, async_finish=async_finish,
+            allocate_on_comm_stream=False)
+        recv_x, recv_topk_ids, recv_topk_weights, counts, handle, event = buffer.dispatch(
+            x,
+            num_tokens_per_rank=num_tokens_per_rank,
+            num_tokens_per_rdma_rank=num_tokens_per_rdma_rank,
+            is_token_in_rank=is_token_in_rank,
+            num_tokens_per_expert=num_tokens_per_expert,
+            topk_idx=topk_ids,
+            topk_weights=topk_weights,
+            expert_alignment=self.expert_alignment,
+            config=config,
+            previous_event=previous_event if dbo else layout_event,
+            async_finish=async_finish,
+            allocate_on_comm_stream=False,
+        )
+        self._handles.put(handle)
+        if dbo:
+            dbo_switch_to_compute_sync()
+        wait_event = event if async_finish else None
+
+        def receiver() -> PrepareResult:
+            if wait_event is not None:
+                wait_event.current_stream_wait()
+            q, scale = recv_x if isinstance(recv_x, tuple) else (recv_x, None)
+            hand_to_current_stream((q, scale, recv_topk_ids, recv_topk_weights))
+            if scale is not None and self.dequantize_received:
+                q, scale = dequantize_fp8_blocks(q, scale), None
+            if scale is not None:
+                scale = scale[:, : -(-self.hidden // FP8_BLOCK)]
+            a1q = q[:, : self.hidden]
+            meta = expert_tokens_meta_from_list(list(counts), a1q.device)
+            return PrepareResult(a1q, scale, meta, recv_topk_ids, recv_topk_weights)
+
+        return receiver
+
+    # ---- finalize --------------------------------------------------------------------------
+
+    def finalize_async(self, output: torch.Tensor, fused_expert_output: torch.Tensor,
+                       topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                       apply_router_weight_on_input: bool,
+                       weight_and_reduce: TopKWeightAndReduce) -> FinalizeAsyncResult:
+        handle = self._handles.take("finalize")
+        if isinstance(weight_and_reduce, TopKWeightAndReduceDelegate):
+            weight_and_reduce = TopKWeightAndReduceContiguous()
+        reduced = weight_and_reduce.apply(None, fused_expert_output, topk_weights, topk_ids,
+                                          apply_router_weight_on_input)
+        check_bf16(_NAME, "the weighted expert output", reduced)
+        if output.dim() != 2 or output.shape[1] != self.hidden:
+            raise ValueError(f"{_NAME}: output must be [M, {self.hidden}], got {tuple(output.shape)}")
+        x = pad_hidden(reduced, self.padded_hidden)
+        buffer = self.buffer
+        config = type(buffer).get_combine_config(self.num_ranks)
+        if dbo_enabled():
+            previous_event = dbo_get_previous_event(buffer.capture)
+            dbo_yield_and_switch_from_compute_to_comm()
+            combined, _, _ = buffer.combine(x, handle, topk_weights=None, config=config,
+                                            previous_event=previous_event, async_finish=False,
+                                            allocate_on_comm_stream=False)
+            # copy on the comm stream, so the comm-allocated result dies on its own stream
+            output.copy_(combined[:, : self.hidden])
+            dbo_switch_to_compute_sync()
+            return _done
+        combined, _, event = buffer.combine(x, handle, topk_weights=None, config=config,
+                                            previous_event=None, async_finish=self.async_finish,
+                                            allocate_on_comm_stream=False)
+        wait_event = event if self.async_finish else None
+
+        def receiver() -> None:
+            if wait_event is not None:
+                wait_event.current_stream_wait()
+            output.copy_(combined[:, : self.hidden])
+
+        return receiver
+
+
+def _done() -> None:
+    return None
+
+
+def make_prepare_finalize(
+    group: Any,
+    *,
+    hidden: int,
+    max_tokens_per_rank: int,
+    num_experts: int,
+    topk: int,
+    dtype: torch.dtype = torch.bfloat16,
+    device: torch.device | str | None = None,
+    use_fp8_dispatch: bool = False,
+    dequantize_received: bool = True,
+    async_finish: bool = True,
+    expert_alignment: int = 1,
+    cache: DeepEPBufferCache | None = None,
+) -> DeepEPHTPrepareAndFinalize:
+    """Build a :class:`DeepEPHTPrepareAndFinalize` on ``group``'s shared normal-mode buffer.
+
+    Collective on first use (creates the buffer). ``dtype`` must be bf16 (DeepEP's combine is
+    bf16 only); ``device`` is accepted for a uniform factory signature (the buffer lives on the
+    current CUDA device); ``max_tokens_per_rank`` is unused by normal mode (no capacity limit).
+    """
+    if dtype != torch.bfloat16:
+        raise TypeError(f"{_NAME}: DeepEP's normal-mode combine is bf16 only, got dtype={dtype}")
+    del device, max_tokens_per_rank
+    padded = round_up_hidden(hidden, torch.float8_e4m3fn if use_fp8_dispatch else torch.bfloat16)
+    shared = get_deepep_buffer(group, mode=BufferMode.HIGH_THROUGHPUT, hidden=padded,
+                               max_tokens_per_rank=1, num_experts=num_experts, topk=topk,
+                               use_fp8_dispatch=use_fp8_dispatch, cache=cache)
+    return DeepEPHTPrepareAndFinalize(shared, num_experts=num_experts, hidden=hidden,
+                                      use_fp8_dispatch=use_fp8_dispatch,
+                                      dequantize_received=dequantize_received,
+                                      async_finish=async_finish, expert_alignment=expert_alignment)
