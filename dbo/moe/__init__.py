@@ -1,4 +1,10 @@
-"""The modular MoE layer: prepare/finalize backends, experts, the kernel that drives them."""
+"""The modular MoE layer: prepare/finalize backends, experts, the kernel that drives them.
+
+Layout: ``base`` (interfaces and result types), ``weight_and_reduce`` (the top-k
+weight-and-reduce variants), ``kernel`` (:class:`MoEKernel`), ``experts`` (reference SwiGLU
+experts), ``router`` (top-k routing), ``local`` (a single-rank backend), ``reference`` (the
+trusted single-process MoE), ``validate`` (argument checks), ``handles`` (per-ubatch state).
+"""
 
 from dbo.moe.base import (
     ActivationFormat,
@@ -11,7 +17,25 @@ from dbo.moe.base import (
     Receiver,
     Workspace,
 )
+from dbo.moe.errors import MoEProtocolError
+from dbo.moe.experts import SwiGLUExperts, swiglu_expert
+from dbo.moe.handles import PerUBatch
 from dbo.moe.kernel import MoEKernel
+from dbo.moe.local import LocalPrepareAndFinalize
+from dbo.moe.reference import (
+    local_expert_weights,
+    make_expert_weights,
+    reference_moe,
+    relative_error,
+)
+from dbo.moe.router import TopKRouter, topk_route
+from dbo.moe.validate import (
+    ACTIVATION_DTYPES,
+    check_expert_weights,
+    check_routing_inputs,
+    contiguous_expert_map,
+    num_local_experts_for,
+)
 from dbo.moe.weight_and_reduce import (
     TopKWeightAndReduce,
     TopKWeightAndReduceContiguous,
@@ -30,8 +54,24 @@ __all__ = [
     "MoEExperts",
     "Workspace",
     "MoEKernel",
+    "MoEProtocolError",
+    "PerUBatch",
     "TopKWeightAndReduce",
     "TopKWeightAndReduceContiguous",
     "TopKWeightAndReduceNoOp",
     "TopKWeightAndReduceDelegate",
+    "SwiGLUExperts",
+    "swiglu_expert",
+    "LocalPrepareAndFinalize",
+    "TopKRouter",
+    "topk_route",
+    "reference_moe",
+    "make_expert_weights",
+    "local_expert_weights",
+    "relative_error",
+    "ACTIVATION_DTYPES",
+    "check_routing_inputs",
+    "check_expert_weights",
+    "contiguous_expert_map",
+    "num_local_experts_for",
 ]
