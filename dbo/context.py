@@ -173,6 +173,7 @@ class UBatchContext:
 
     def _body(self, fn: Callable[[], Any]) -> Callable[[], tuple]:
         def body() -> tuple:
+            self.started = True
             try:
                 result = fn()
                 self.maybe_run_recv_hook()
@@ -308,6 +309,10 @@ class UBatchContext:
 class _Run:
     """One ``run_ubatches`` call: the contexts and the driver loop."""
 
+    __slots__ = ("streams", "trace", "driver", "compute_key", "comm_key", "current_stream",
+                 "set_stream", "caller_modes", "modes", "in_hook", "live_count", "current",
+                 "contexts", "yield_current")
+
     def __init__(self, fns: Sequence[Callable[[], Any]], streams: StreamSet, comm_stream: Any,
                  token_offsets: Sequence[int], trace: Trace | None):
         self.streams = streams
@@ -328,6 +333,7 @@ class _Run:
         events = streams.events(len(fns))
         self.contexts = [UBatchContext(self, i, fn, token_offsets[i], events[i])
                          for i, fn in enumerate(fns)]
+        self.yield_current = self._make_yield()
 
     def next_live(self, idx: int) -> UBatchContext | None:
         """The next live ubatch after ``idx`` in ring order, not ``idx`` itself."""
@@ -354,49 +360,61 @@ class _Run:
         if ctx._stream_key != stream:
             self.set_stream(ctx._stream_key)
         self.current = ctx
-        ctx.started = True
         if self.trace is not None:
             self.trace.record("resume", ctx.id)
         return ctx._greenlet.switch()
 
-    def yield_current(self) -> None:
-        """Suspend the running ubatch and resume the next live one in ring order.
+    def _make_yield(self) -> Callable[[], None]:
+        """Build this run's ``yield_current``: suspend the running ubatch and resume the next
+        live one in ring order.
 
-        The hot path of every switch: kept flat on purpose (one call, locals, no helpers).
+        The hot path of every switch, so it is a closure over locals (no attribute or global
+        lookups it can avoid) and inlines the state capture of ``_capture_modes``.
         """
-        if self.in_hook:
-            raise HookMisuseError("a recv hook may not yield (dbo_yield called inside a hook)")
-        if self.live_count < 2:
-            return
-        ctx = self.current
-        stream = ctx._stream_key = self.current_stream()
-        modes = ctx._modes = _capture_modes()
-        trace = self.trace
-        if trace is not None:
-            trace.record("suspend", ctx.id)
+        run = self
         ctxs = self.contexts
-        i = ctx.id + 1
-        if i == len(ctxs):
-            i = 0
-        nxt = ctxs[i]
-        while not nxt.live:
-            i += 1
-            if i == len(ctxs):
+        n = len(ctxs)
+        current_stream = self.current_stream
+        set_stream = self.set_stream
+        apply_modes = self.modes.apply
+        is_grad, is_inference, any_autocast = (
+            _is_grad_enabled, _is_inference_mode_enabled, _is_any_autocast_enabled)
+        capture = _capture_modes
+
+        def yield_current() -> None:
+            if run.in_hook:
+                raise HookMisuseError("a recv hook may not yield (dbo_yield called inside a hook)")
+            if run.live_count < 2:
+                return
+            ctx = run.current
+            stream = ctx._stream_key = current_stream()
+            modes = ctx._modes = capture() if any_autocast() else (is_grad(), is_inference(), None)
+            trace = run.trace
+            if trace is not None:
+                trace.record("suspend", ctx.id)
+            i = ctx.id + 1
+            if i == n:
                 i = 0
             nxt = ctxs[i]
-        if nxt._modes != modes:
-            self.modes.apply(nxt._modes, modes)
-        if nxt._stream_key != stream:
-            self.set_stream(nxt._stream_key)
-        self.current = nxt
-        nxt.started = True
-        if trace is not None:
-            trace.record("resume", nxt.id)
-        nxt._greenlet.switch()
-        # resumed: a hook we registered that its slot's owner has not run yet runs now
-        pending = ctx._hook_pending_in
-        if pending is not None:
-            pending._run_hook_in(ctx)
+            while not nxt.live:
+                i += 1
+                if i == n:
+                    i = 0
+                nxt = ctxs[i]
+            if nxt._modes != modes:
+                apply_modes(nxt._modes, modes)
+            if nxt._stream_key != stream:
+                set_stream(nxt._stream_key)
+            run.current = nxt
+            if trace is not None:
+                trace.record("resume", nxt.id)
+            nxt._greenlet.switch()
+            # resumed: a hook we registered that its slot's owner has not run yet runs now
+            pending = ctx._hook_pending_in
+            if pending is not None:
+                pending._run_hook_in(ctx)
+
+        return yield_current
 
     def drive(self) -> list[Any]:
         """Run until every ubatch has returned; raise after unwinding if one failed."""

@@ -168,7 +168,10 @@ def _record(stream: LogicalStream) -> LogicalEvent:
 def to_bytes(t: torch.Tensor) -> torch.Tensor:
     """``[N, ...]`` any dtype -> ``[N, nbytes]`` uint8 (a copy if not contiguous)."""
     n = t.shape[0]
-    flat = t.contiguous().reshape(n, -1)
+    width = 1
+    for d in t.shape[1:]:
+        width *= d
+    flat = t.contiguous().reshape(n, width)
     if flat.dtype == torch.bool:
         flat = flat.to(torch.uint8)
     return flat.view(torch.uint8) if flat.shape[1] else flat.new_empty((n, 0), dtype=torch.uint8)
@@ -275,15 +278,16 @@ class Buffer:
         self.nvshmem_qp_depth = 1024
         self.comm_stream = LogicalStream(f"deep_ep.comm.r{self.rank}")
         self._ll = _LLSlots()
-        self.calls: list[tuple[str, tuple[str, ...]]] = []
+        #: every call: {"method", "stream" (current logical stream's name), ...}, for tests
+        self.calls: list[dict] = []
 
     def destroy(self) -> None:
         _check(self.explicitly_destroy, "`explicitly_destroy` flag must be set")
         self.runtime = None
 
-    def _alive(self, name: str, kwargs: dict) -> None:
+    def _alive(self, name: str, info: dict) -> None:
         _check(self.runtime is not None, f"{name} on a destroyed buffer")
-        self.calls.append((name, tuple(sorted(kwargs))))
+        self.calls.append({"method": name, "stream": current_logical_stream().name, **info})
 
     @staticmethod
     def set_num_sms(new_num_sms: int) -> None:
@@ -317,7 +321,8 @@ class Buffer:
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int,
                             previous_event: EventOverlap | None = None, async_finish: bool = False,
                             allocate_on_comm_stream: bool = False) -> tuple:
-        self._alive("get_dispatch_layout", dict(previous_event=previous_event))
+        self._alive("get_dispatch_layout", dict(previous_event=previous_event is not None,
+                                                async_finish=async_finish))
         _check(topk_idx.dim() == 2 and topk_idx.is_contiguous(), "topk_idx must be 2-D contiguous")
         _check(topk_idx.dtype == topk_idx_t, f"topk_idx must be {topk_idx_t}, got {topk_idx.dtype}")
         _check(num_experts > 0 and num_experts % self.group_size == 0, "bad num_experts")
@@ -341,7 +346,7 @@ class Buffer:
                  expert_alignment: int = 1, num_worst_tokens: int = 0, config: Config | None = None,
                  previous_event: EventOverlap | None = None, async_finish: bool = False,
                  allocate_on_comm_stream: bool = False) -> tuple:
-        self._alive("dispatch", dict(previous_event=previous_event))
+        self._alive("dispatch", dict(previous_event=previous_event is not None, async_finish=async_finish))
         _check(handle is None, "cached dispatch (handle=...) is not modelled by the fake")
         _check(num_worst_tokens == 0, "num_worst_tokens is not modelled by the fake")
         _check(num_tokens_per_rank is not None and is_token_in_rank is not None
@@ -423,7 +428,7 @@ class Buffer:
                 bias: torch.Tensor | tuple | None = None, config: Config | None = None,
                 previous_event: EventOverlap | None = None, async_finish: bool = False,
                 allocate_on_comm_stream: bool = False) -> tuple:
-        self._alive("combine", dict(previous_event=previous_event))
+        self._alive("combine", dict(previous_event=previous_event is not None, async_finish=async_finish))
         _check(bias is None, "bias is not modelled by the fake")
         _check(x.dim() == 2 and x.is_contiguous(), "x must be 2-D contiguous")
         _check(x.dtype == torch.bfloat16, f"normal-mode combine supports bf16 only, got {x.dtype}")
@@ -467,7 +472,8 @@ class Buffer:
                              use_fp8: bool = True, round_scale: bool = False, use_ue8m0: bool = False,
                              async_finish: bool = False, return_recv_hook: bool = False) -> tuple:
         from dbo.testing.fake_deep_ep_ll import ll_dispatch
-        self._alive("low_latency_dispatch", dict(use_fp8=use_fp8))
+        self._alive("low_latency_dispatch", dict(use_fp8=use_fp8, async_finish=async_finish,
+                                                 return_recv_hook=return_recv_hook))
         return ll_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
                            cumulative_local_expert_recv_stats, use_fp8, round_scale, use_ue8m0,
                            async_finish, return_recv_hook)
@@ -478,7 +484,8 @@ class Buffer:
                             out: torch.Tensor | None = None,
                             combine_wait_recv_cost_stats: torch.Tensor | None = None) -> tuple:
         from dbo.testing.fake_deep_ep_ll import ll_combine
-        self._alive("low_latency_combine", {})
+        self._alive("low_latency_combine", dict(async_finish=async_finish,
+                                                return_recv_hook=return_recv_hook))
         _check(not use_logfmt and not zero_copy, "use_logfmt/zero_copy are not modelled by the fake")
         return ll_combine(self, x, topk_idx, topk_weights, handle, async_finish, return_recv_hook, out)
 

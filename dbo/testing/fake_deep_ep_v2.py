@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from dbo.streams import LogicalStream
+from dbo.streams import LogicalStream, current_logical_stream
 from dbo.testing.fake_deep_ep import (
     EventHandle,
     _check,
@@ -96,7 +96,8 @@ class _V2Base:
         self.explicitly_destroy = explicitly_destroy
         self.runtime: Any = object()
         self.comm_stream = LogicalStream(f"deep_ep.v2.comm.r{self.rank_idx}")
-        self.calls: list[tuple[str, tuple[str, ...]]] = []
+        #: every call: {"method", "stream" (current logical stream's name), ...}, for tests
+        self.calls: list[dict] = []
 
     def destroy(self) -> None:
         _check(self.explicitly_destroy, "explicitly_destroy must be set")
@@ -111,7 +112,8 @@ class _V2Base:
 
     def _dispatch(self, kwargs: dict) -> tuple:
         _check(self.runtime is not None, "dispatch on a destroyed buffer")
-        self.calls.append(("dispatch", tuple(sorted(kwargs))))
+        self.calls.append({"method": "dispatch", "stream": current_logical_stream().name,
+                           "previous_event": kwargs["previous_event"] is not None})
         x = kwargs["x"]
         topk_idx, topk_weights = kwargs["topk_idx"], kwargs["topk_weights"]
         _check(kwargs["handle"] is None, "cached dispatch is not modelled by the fake")
@@ -227,7 +229,8 @@ class _V2Base:
 
     def _combine(self, kwargs: dict) -> tuple:
         _check(self.runtime is not None, "combine on a destroyed buffer")
-        self.calls.append(("combine", tuple(sorted(kwargs))))
+        self.calls.append({"method": "combine", "stream": current_logical_stream().name,
+                           "previous_event": kwargs["previous_event"] is not None})
         x, handle = kwargs["x"], kwargs["handle"]
         _check(kwargs["bias"] is None, "bias is not modelled by the fake")
         _check(kwargs.get("defer_epilogue", False) is False, "defer_epilogue is not modelled by the fake")
