@@ -1,0 +1,266 @@
+"""What the torch.distributed backends (``naive``, ``all2all``) share.
+
+* :class:`TorchDistPrepareAndFinalize`: process group, expert placement, argument checks, the
+  blocking metadata exchange that also checks that every rank passed compatible arguments, and
+  the stream protocol (NCCL: collectives on the comm stream; gloo: ``async_op`` work whose
+  completion the recv hook waits for).
+* :class:`PendingWork`: async work handles waited on with a bounded timeout; a peer that fails
+  or stops turns into :class:`dbo.errors.CollectiveTimeoutError` instead of a hang.
+* Row packing: tokens, routing ids and weights travel as one ``uint8`` tensor, so a dispatch
+  is one collective, not three.
+
+Collective order: every rank must issue collectives in the same order. Within a step each
+backend call issues a fixed sequence (metadata, then data), and the ubatch schedule is the same
+on every rank, so the order is the same everywhere even when two ubatches interleave.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dbo.context import (
+    dbo_current_context,
+    dbo_current_ubatch_id,
+    dbo_enabled,
+    dbo_switch_to_comm_sync,
+    dbo_switch_to_compute,
+    dbo_yield_and_switch_from_compute_to_comm,
+)
+from dbo.errors import CollectiveTimeoutError
+from dbo.moe.base import ActivationFormat, PrepareAndFinalize
+from dbo.moe.validate import check_routing_inputs, num_local_experts_for
+from dbo.streams import hand_over
+
+__all__ = [
+    "TorchDistPrepareAndFinalize",
+    "PendingWork",
+    "pack_rows",
+    "unpack_rows",
+    "all_gather_single",
+    "reduce_scatter_single",
+    "DTYPE_CODES",
+]
+
+logger = logging.getLogger(__name__)
+
+DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+# metadata columns every rank sends in the first exchange of a step
+_META = ("num_tokens", "hidden", "topk", "dtype", "num_experts", "apply_router_weight_on_input")
+_META_NAMES = {
+    "hidden": "a1 (hidden_states) hidden size",
+    "topk": "topk (topk_ids.shape[1])",
+    "dtype": "a1 (hidden_states) dtype code (bf16=0, fp16=1, fp32=2)",
+    "num_experts": "num_experts",
+    "apply_router_weight_on_input": "apply_router_weight_on_input",
+}
+
+
+# torch 2.13 renamed these (the old names warn); older torch has only the old names
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def all_gather_single(output: torch.Tensor, inp: torch.Tensor, group: Any, async_op: bool) -> Any:
+    """``output`` ``[world * N, ...]`` <- every rank's ``inp`` ``[N, ...]``, in rank order."""
+    return _all_gather_single(output, inp, group=group, async_op=async_op)
+
+
+def reduce_scatter_single(output: torch.Tensor, inp: torch.Tensor, group: Any,
+                          async_op: bool) -> Any:
+    """``output`` ``[N, ...]`` <- sum over ranks of rows ``[rank * N, (rank + 1) * N)`` of
+    ``inp``."""
+    return _reduce_scatter_single(output, inp, op=dist.ReduceOp.SUM, group=group,
+                                  async_op=async_op)
+
+
+def pack_rows(*parts: torch.Tensor) -> torch.Tensor:
+    """Concatenate row-aligned tensors ``[N, ...]`` byte-wise into one ``[N, bytes]`` uint8."""
+    flat = []
+    for p in parts:
+        cols = 1
+        for s in p.shape[1:]:
+            cols *= s
+        flat.append(p.contiguous().view(p.shape[0], cols).view(torch.uint8))
+    return torch.cat(flat, dim=1)
+
+
+def unpack_rows(packed: torch.Tensor, specs: Sequence[tuple[int, torch.dtype]]) -> list[torch.Tensor]:
+    """Inverse of :func:`pack_rows`: ``specs`` lists ``(columns, dtype)`` of each part."""
+    out, col = [], 0
+    for cols, dtype in specs:
+        nbytes = cols * torch.tensor([], dtype=dtype).element_size()
+        out.append(packed[:, col:col + nbytes].contiguous().view(dtype))
+        col += nbytes
+    return out
+
+
+class PendingWork:
+    """Async collective work of one ubatch, waited for once with a bounded timeout.
+
+    ``what`` names the collective in errors. Under NCCL ``wait`` only makes the current stream
+    wait (it does not block the CPU); the process group's timeout and NCCL watchdog bound it.
+    """
+
+    def __init__(self, works: Sequence[Any], what: str, timeout_s: float, nccl: bool):
+        self.works = [w for w in works if w is not None]
+        self.what = what
+        self.timeout_s = timeout_s
+        self.nccl = nccl
+        self.done = False
+
+    def wait(self) -> None:
+        if self.done:
+            return
+        self.done = True
+        if self.nccl:
+            for w in self.works:
+                w.wait()
+            return
+        deadline = time.monotonic() + self.timeout_s
+        for w in self.works:
+            left = max(deadline - time.monotonic(), 0.001)
+            try:
+                w.wait(timeout=datetime.timedelta(seconds=left))
+            except Exception as exc:  # noqa: BLE001 - gloo raises plain RuntimeError/DistError
+                raise CollectiveTimeoutError(
+                    f"{self.what} did not complete within {self.timeout_s:.1f} s: a peer rank "
+                    f"failed or stopped ({type(exc).__name__}: {exc})"
+                ) from exc
+
+
+class TorchDistPrepareAndFinalize(PrepareAndFinalize):
+    """Base of the torch.distributed backends (STANDARD format, contiguous expert placement).
+
+    Args:
+        group: the expert-parallel process group (default: the world).
+        hidden_size: if given, every call must have this hidden size.
+        timeout_s: bound on each wait for a collective (gloo); a peer that fails or stops makes
+            the wait raise :class:`CollectiveTimeoutError`. Under NCCL the process group's own
+            timeout applies.
+        check_inputs: check argument types, shapes and ``topk_ids`` range (the range check
+            reads the ids: a device sync on GPU).
+        use_async: implement ``prepare_async``/``finalize_async`` (else only the sync path).
+    """
+
+    name = "torchdist"
+
+    def __init__(self, group: Any = None, *, hidden_size: int | None = None,
+                 timeout_s: float = 60.0, check_inputs: bool = True, use_async: bool = True):
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(f"{type(self).__name__} needs an initialized torch.distributed "
+                               "process group")
+        if hidden_size is not None and hidden_size <= 0:
+            raise ValueError(f"hidden_size must be positive, got {hidden_size}")
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.nccl = dist.get_backend(group) == "nccl"
+        self.hidden_size = hidden_size
+        self.timeout_s = float(timeout_s)
+        self.check_inputs = check_inputs
+        self.use_async = use_async
+
+    # ---- PrepareAndFinalize properties --------------------------------------------------
+
+    @property
+    def activation_format(self) -> ActivationFormat:
+        return ActivationFormat.STANDARD
+
+    def num_dispatchers(self) -> int:
+        return self.world_size
+
+    def output_is_reduced(self) -> bool:
+        return True
+
+    def supports_async(self) -> bool:
+        return self.use_async
+
+    # ---- argument handling --------------------------------------------------------------
+
+    def _what(self, step: str) -> str:
+        return f"{self.name} {step} (rank {self.rank}, ubatch {dbo_current_ubatch_id()})"
+
+    def _check(self, a1: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+               num_experts: int, router_on_input: bool) -> int:
+        """Check the arguments; return the number of local experts."""
+        if self.check_inputs:
+            check_routing_inputs(a1, topk_weights, topk_ids, num_experts,
+                                 hidden_size=self.hidden_size,
+                                 apply_router_weight_on_input=router_on_input)
+        return num_local_experts_for(num_experts, self.world_size)
+
+    @staticmethod
+    def _router_on_input(a1: torch.Tensor, topk_weights: torch.Tensor, on: bool) -> torch.Tensor:
+        if not on:
+            return a1
+        return (a1.to(torch.float32) * topk_weights).to(a1.dtype)
+
+    # ---- the blocking metadata exchange -------------------------------------------------
+
+    def _exchange_meta(self, a1: torch.Tensor, topk: int, num_experts: int,
+                       router_on_input: bool, extra: Sequence[int] = ()) -> list[list[int]]:
+        """All-gather ``[num_tokens, hidden, topk, dtype, num_experts, router_on_input, *extra]``
+        of every rank (blocking, bounded) and check that the ranks agree.
+
+        Every rank sees the same table, so a disagreement raises the same ``ValueError`` on
+        every rank and none is left waiting in a later collective.
+        """
+        row = [a1.shape[0], a1.shape[1], topk, DTYPE_CODES.get(a1.dtype, -1), num_experts,
+               int(router_on_input), *extra]
+        device = a1.device if self.nccl else torch.device("cpu")
+        mine = torch.tensor(row, dtype=torch.int64, device=device)
+        table = torch.empty(self.world_size * len(row), dtype=torch.int64, device=device)
+        what = self._what("metadata exchange")
+        work = all_gather_single(table, mine, self.group, async_op=True)
+        PendingWork([work], what, self.timeout_s, self.nccl).wait()
+        rows = table.view(self.world_size, len(row)).tolist()
+        for col, key in enumerate(_META):
+            if key == "num_tokens":
+                continue
+            vals = [r[col] for r in rows]
+            if len(set(vals)) > 1:
+                raise ValueError(f"{_META_NAMES[key]} differs across ranks: "
+                                 + ", ".join(f"rank {i}={v}" for i, v in enumerate(vals)))
+        return rows
+
+    # ---- stream protocol ----------------------------------------------------------------
+
+    def _begin_comm(self, cpu_blocking: bool) -> None:
+        """Under NCCL and DBO move to the comm stream, after this ubatch's compute.
+
+        ``cpu_blocking``: the step about to run blocks the CPU on the comm stream (a count
+        exchange), so first yield to let the other ubatch queue its compute.
+        """
+        if not (self.nccl and dbo_enabled()):
+            return
+        if cpu_blocking:
+            dbo_yield_and_switch_from_compute_to_comm()
+        else:
+            dbo_switch_to_comm_sync()
+
+    def _end_comm(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> None:
+        """Back to the compute stream; keep tensors alive for the stream that uses them."""
+        if not (self.nccl and dbo_enabled()):
+            return
+        ctx = dbo_current_context()
+        for t in inputs:
+            hand_over(t, ctx.comm_stream)
+        for t in outputs:
+            hand_over(t, ctx.compute_stream)
+        dbo_switch_to_compute()
+
+    def _async_result(self, pending: PendingWork, receiver: Any) -> Any:
+        """``(hook, receiver)``: the hook waits for the data (gloo) or is only a yield point
+        (NCCL, where the receiver makes the compute stream wait)."""
+        if self.nccl:
+            return (lambda: None), receiver
+        return pending.wait, receiver

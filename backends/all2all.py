@@ -1,0 +1,151 @@
+"""Token-exact expert-parallel backend on ``all_to_all_single``.
+
+Each token goes once to every rank that holds at least one of its experts (never to the
+others), with its full routing row; each receiving rank computes its local experts' weighted
+sum for the token and sends that partial sum back; the owner adds the partial sums. Works under
+gloo (CPU) and NCCL.
+
+Per call: one blocking metadata all-gather (every rank's send counts, which give each rank its
+receive counts, plus the cross-rank argument check), one all-to-all of the packed rows
+(tokens, ids, weights) for dispatch, one all-to-all of the partial sums for combine.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dbo.moe.base import (
+    PrepareResult,
+    TopKWeightAndReduce,
+    TopKWeightAndReduceContiguous,
+    TopKWeightAndReduceDelegate,
+)
+from dbo.moe.handles import PerUBatch
+from dbo.moe.validate import contiguous_expert_map
+
+from ._torchdist import PendingWork, TorchDistPrepareAndFinalize, pack_rows, unpack_rows
+
+__all__ = ["AllToAllPrepareAndFinalize"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _A2AHandle:
+    send_idx: torch.Tensor      # [S] int64: local token of each row sent, grouped by destination
+    send_counts: list[int]      # rows sent to each rank
+    recv_counts: list[int]      # rows received from each rank
+    num_tokens: int
+    hidden: int
+    total: int                  # rows dispatched over the whole group (0: skip the combine)
+
+
+class AllToAllPrepareAndFinalize(TorchDistPrepareAndFinalize):
+    """Token-exact dispatch and combine with ``all_to_all_single`` (STANDARD format).
+
+    ``prepare`` returns ``a1q`` ``[M_recv, hidden]``: the tokens of rank 0 that hit this rank's
+    experts, then rank 1's, ...; ``topk_ids`` ``[M_recv, topk]`` local ids (``-1`` for experts
+    elsewhere) and ``topk_weights`` float32. Experts are placed contiguously (rank ``r`` holds
+    ``[r * L, (r + 1) * L)``); an ``expert_map`` must describe that placement.
+    Constructor arguments: see :class:`TorchDistPrepareAndFinalize`.
+    """
+
+    name = "all2all"
+
+    def __init__(self, group: Any = None, **kwargs: Any):
+        super().__init__(group, **kwargs)
+        self._handles: PerUBatch[_A2AHandle] = PerUBatch("all2all dispatch handle")
+        self._checked_maps: dict[int, int] = {}
+
+    def reset(self) -> None:
+        self._handles.clear()
+
+    def _check_expert_map(self, expert_map: torch.Tensor | None, num_experts: int) -> None:
+        if expert_map is None or self._checked_maps.get(id(expert_map)) == expert_map._version:
+            return
+        want = contiguous_expert_map(num_experts, self.world_size, self.rank, expert_map.device)
+        if expert_map.shape != want.shape or not torch.equal(expert_map.to(torch.int32), want):
+            raise ValueError("expert_map: the all2all backend supports only the contiguous expert "
+                             f"placement (rank r holds experts [r*L, (r+1)*L)); got {expert_map}")
+        self._checked_maps[id(expert_map)] = expert_map._version
+
+    def prepare_async(self, a1, topk_weights, topk_ids, num_experts, expert_map,
+                      apply_router_weight_on_input, quant_config=None):
+        n_local = self._check(a1, topk_weights, topk_ids, num_experts, apply_router_weight_on_input)
+        self._check_expert_map(expert_map, num_experts)
+        x = self._router_on_input(a1, topk_weights, apply_router_weight_on_input)
+        m, hidden = x.shape
+        topk = topk_ids.shape[1]
+        ws = self.world_size
+        ids = topk_ids.to(torch.int64)
+        # destination ranks of each token; -1 slots go to a dummy column that is dropped
+        owner = torch.where(ids >= 0, ids // n_local, ws)
+        dest = torch.zeros(m, ws + 1, dtype=torch.bool, device=x.device)
+        dest.scatter_(1, owner, True)
+        dest = dest[:, :ws]
+        pairs = torch.nonzero(dest.t())  # (rank, token), grouped by rank, tokens ascending
+        send_idx = pairs[:, 1]
+        send_counts = dest.sum(0).tolist()
+        send = pack_rows(x[send_idx], topk_ids[send_idx].to(torch.int32), topk_weights[send_idx])
+        self._begin_comm(cpu_blocking=True)
+        rows = self._exchange_meta(x, topk, num_experts, apply_router_weight_on_input,
+                                   extra=send_counts)
+        recv_counts = [r[6 + self.rank] for r in rows]
+        total = sum(sum(r[6:]) for r in rows)
+        self._handles.put(_A2AHandle(send_idx, send_counts, recv_counts, m, hidden, total))
+        recv = torch.empty(sum(recv_counts), send.shape[1], dtype=torch.uint8, device=send.device)
+        work = None
+        if total:
+            work = dist.all_to_all_single(recv, send, output_split_sizes=recv_counts,
+                                          input_split_sizes=send_counts, group=self.group,
+                                          async_op=True)
+        pending = PendingWork([work], self._what("dispatch all-to-all"), self.timeout_s, self.nccl)
+        self._end_comm([send], [recv])
+        lo = self.rank * n_local
+
+        def receiver() -> PrepareResult:
+            pending.wait()
+            xr, idr, wr = unpack_rows(recv, [(hidden, x.dtype), (topk, torch.int32),
+                                             (topk, torch.float32)])
+            idr = idr.to(torch.int64)
+            local = torch.where((idr >= lo) & (idr < lo + n_local), idr - lo, -1)
+            return PrepareResult(xr, None, None, local, wr)
+
+        return self._async_result(pending, receiver)
+
+    def finalize_async(self, output, fused_expert_output, topk_weights, topk_ids,
+                       apply_router_weight_on_input, weight_and_reduce: TopKWeightAndReduce):
+        h = self._handles.take()
+        if output.shape != (h.num_tokens, h.hidden):
+            raise ValueError(f"output must be [{h.num_tokens}, {h.hidden}] (the prepared tokens), "
+                             f"got shape {tuple(output.shape)}")
+        if isinstance(weight_and_reduce, TopKWeightAndReduceDelegate):
+            weight_and_reduce = TopKWeightAndReduceContiguous()
+        y = weight_and_reduce.apply(None, fused_expert_output, topk_weights, topk_ids,
+                                    apply_router_weight_on_input)
+        y = y.to(output.dtype).contiguous()
+        if y.shape[0] != sum(h.recv_counts):
+            raise ValueError(f"fused_expert_output reduces to {y.shape[0]} rows, but "
+                             f"{sum(h.recv_counts)} were dispatched to this rank")
+        self._begin_comm(cpu_blocking=False)
+        back = torch.empty(h.send_idx.numel(), h.hidden, dtype=output.dtype, device=output.device)
+        # a rank that sends and receives nothing still takes part: the collective is skipped
+        # only when the whole group moved nothing, which every rank knows from prepare
+        work = dist.all_to_all_single(back, y, output_split_sizes=h.send_counts,
+                                      input_split_sizes=h.recv_counts, group=self.group,
+                                      async_op=True) if h.total else None
+        pending = PendingWork([work], self._what("combine all-to-all"), self.timeout_s, self.nccl)
+        self._end_comm([y], [back])
+
+        def receiver() -> None:
+            pending.wait()
+            acc = torch.zeros(h.num_tokens, h.hidden, dtype=torch.float32, device=output.device)
+            acc.index_add_(0, h.send_idx, back.to(torch.float32))
+            output.copy_(acc)
+
+        return self._async_result(pending, receiver)
