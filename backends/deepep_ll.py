@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -105,7 +104,7 @@ def low_latency_max_tokens(max_tokens_per_rank: int, num_ranks: int) -> int:
 class _Result:
     kind: str  # "dispatch" or "combine"
     ubatch: int
-    run: Any  # weakref to the run it was launched in, or None outside a run
+    run: Any  # the run it was launched in, or None outside a run
     received: bool = False
 
     def __str__(self) -> str:
@@ -167,15 +166,15 @@ class LowLatencyResults:
 
 
 def _same_run(ref: Any, run: Any) -> bool:
-    """True if the weakref ``ref`` (None outside a run) points at ``run``."""
-    if ref is None:
-        return run is None
-    target = ref()
-    return target is not None and target is run
+    """True if ``ref`` (the run a result was launched in, None outside a run) is ``run``.
+
+    The run object itself is kept (runs are not weak-referenceable), so its identity cannot be
+    reused while a result refers to it."""
+    return ref is run
 
 
 def _run_ref(run: Any) -> Any:
-    return None if run is None else weakref.ref(run)
+    return run
 
 
 class DeepEPLLPrepareAndFinalize(PrepareAndFinalize):
