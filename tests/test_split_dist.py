@@ -1,0 +1,142 @@
+"""dbo.split's agreement over a real gloo group of 2 ranks: every rank splits or none does, with
+the same padded size; the plans equal what the pure passes predict for the same votes."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from hypothesis import given, note, settings
+from hypothesis import strategies as st
+
+from dbo.split import (
+    DISABLE_ENV_VAR,
+    FALLBACK_LOG,
+    SplitConfig,
+    SplitReason,
+    encode_vote,
+    local_vote,
+    plan_ubatches,
+    resolve_plan,
+)
+from dbo.testing.dist import DistWorld
+
+pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(120)]
+
+WORLD = 2
+
+
+@pytest.fixture(scope="module")
+def world():
+    with DistWorld(WORLD) as w:
+        yield w
+
+
+def _plans_job(cases: list[dict]) -> list[tuple]:
+    """Plan every case on this rank; a case gives per-rank tokens and switches."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    out = []
+    for case in cases:
+        cfg = SplitConfig(**case["config"], enabled=not case["disabled"][rank])
+        if case["env_off"][rank]:
+            os.environ[DISABLE_ENV_VAR] = "1"
+        try:
+            plan = plan_ubatches(case["tokens"][rank], cfg, decode_only=case["decode_only"][rank])
+        finally:
+            os.environ.pop(DISABLE_ENV_VAR, None)
+        out.append((plan.slices, plan.padded_size, plan.reason.value))
+    return out
+
+
+def _predicted(case: dict) -> list[tuple]:
+    """What the pure passes say each rank's plan is (no collective)."""
+    decisions, configs = [], []
+    for r in range(WORLD):
+        cfg = SplitConfig(**case["config"], enabled=not (case["disabled"][r] or case["env_off"][r]))
+        configs.append(cfg)
+        decisions.append(local_vote(case["tokens"][r], cfg, decode_only=case["decode_only"][r]))
+    reduced = [max(c) for c in zip(*(encode_vote(d, cfg.num_ubatches) for d in decisions),
+                                   strict=True)]
+    out = []
+    for r in range(WORLD):
+        p = resolve_plan(case["tokens"][r], decisions[r], configs[r], reduced)
+        out.append((p.slices, p.padded_size, p.reason.value))
+    return out
+
+
+def _pair(elements):
+    return st.lists(elements, min_size=WORLD, max_size=WORLD)
+
+
+case_strategy = st.fixed_dictionaries({
+    "tokens": _pair(st.one_of(st.just(0), st.integers(0, 40), st.integers(0, 2000))),
+    "decode_only": _pair(st.booleans()),
+    "disabled": _pair(st.sampled_from([False] * 7 + [True])),
+    "env_off": _pair(st.sampled_from([False] * 7 + [True])),
+    "config": st.fixed_dictionaries({
+        "num_ubatches": st.integers(2, 3),
+        "decode_token_threshold": st.integers(0, 64),
+        "prefill_token_threshold": st.sampled_from([0, 16, 512]),
+        "pad_to_multiple": st.sampled_from([1, 8]),
+    }),
+})
+
+
+@settings(max_examples=4)
+@given(cases=st.lists(case_strategy, min_size=10, max_size=20))
+def test_ranks_agree(world, cases):
+    per_rank = world.run(_plans_job, cases)
+    for i, case in enumerate(cases):
+        got = [per_rank[r][i] for r in range(WORLD)]
+        note(f"case {i}: {case} -> {got}")
+        splits = {reason == SplitReason.SPLIT.value for _, _, reason in got}
+        assert len(splits) == 1, "ranks disagree on whether to split"
+        if splits == {True}:
+            assert len({padded for _, padded, _ in got}) == 1
+            assert len({len(slices) for slices, _, _ in got}) == 1
+        assert got == _predicted(case)
+
+
+def _examples_job() -> list[tuple]:
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    cfg = SplitConfig(prefill_token_threshold=10)
+    out = []
+    FALLBACK_LOG.reset()
+    for tokens in ([100, 30], [100, 0], [100, 5], [0, 0]):
+        plan = plan_ubatches(tokens[rank], cfg)
+        out.append((plan.slices, plan.padded_size, plan.reason.value))
+    out.append(tuple(sorted(r.value for r in FALLBACK_LOG.seen)))
+    FALLBACK_LOG.reset()
+    return out
+
+
+def test_examples(world):
+    r0, r1 = world.run(_examples_job)
+    # uneven: the smaller rank pads to the larger rank's ubatch size
+    assert r0[0] == (((0, 50), (50, 100)), 50, "split") and r1[0] == (((0, 15), (15, 30)), 50, "split")
+    # an empty rank abstains and runs padding only
+    assert r1[1] == (((0, 0), (0, 0)), 50, "split")
+    # a rank below its threshold vetoes; the other logs a disagreement
+    assert (r0[2][2], r1[2][2]) == ("disagreement", "below_threshold")
+    assert r0[3][2] == r1[3][2] == "empty"
+    assert r0[4] == ("disagreement", "empty") and r1[4] == ("below_threshold", "empty")
+
+
+def _mismatch_job() -> str:
+    import torch.distributed as dist
+
+    cfg = SplitConfig(num_ubatches=2 + dist.get_rank(), prefill_token_threshold=0)
+    try:
+        plan_ubatches(64, cfg)
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_num_ubatches_mismatch_raises_on_every_rank(world):
+    msgs = world.run(_mismatch_job)
+    assert all("num_ubatches differs across ranks" in m for m in msgs), msgs
