@@ -58,7 +58,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=5, help="timed steps of each kind")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--trace", default="moe_overlap_trace.json",
+    p.add_argument("--trace", default="moe_overlap.trace.json",
                    help="where rank 0 writes the Chrome/Perfetto trace ('' for none)")
     args = p.parse_args(argv)
     for name in ("tokens", "hidden", "intermediate", "experts", "topk", "layers"):
