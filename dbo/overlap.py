@@ -166,8 +166,9 @@ def merge_outputs(plan: UBatchPlan, outputs: Sequence[Any]) -> Any:
 # ---- the overlapped forward ----------------------------------------------------------------
 
 
-def _run_device(t: torch.Tensor) -> str:
-    return "cuda" if t.device.type == "cuda" else "cpu"
+def _run_device(t: torch.Tensor) -> torch.device | str:
+    # the inputs' device, not run_ubatches' default (CUDA whenever available)
+    return t.device if t.device.type == "cuda" else "cpu"
 
 
 def overlapped_forward(
