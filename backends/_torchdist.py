@@ -130,7 +130,7 @@ class PendingWork:
                 w.wait(timeout=datetime.timedelta(seconds=left))
             except Exception as exc:  # noqa: BLE001 - gloo raises plain RuntimeError/DistError
                 raise CollectiveTimeoutError(
-                    f"{self.what} did not complete within {self.timeout_s:.1f} s: a peer rank "
+                    f"{self.what} failed or did not complete within {self.timeout_s:.1f} s: a peer rank "
                     f"failed or stopped ({type(exc).__name__}: {exc})"
                 ) from exc
 
