@@ -49,6 +49,7 @@ __all__ = [
     "topk_idx_t",
     "make_fake_deep_ep",
     "install_fake_deep_ep",
+    "ensure_fake_deep_ep",
     "exchange_rows",
     "to_bytes",
     "from_bytes",
@@ -535,3 +536,17 @@ def install_fake_deep_ep(api: str = "v1") -> Iterator[types.ModuleType]:
             sys.modules.pop("deep_ep", None)
         else:
             sys.modules["deep_ep"] = old
+
+
+def ensure_fake_deep_ep(api: str = "v1") -> types.ModuleType:
+    """For test worker processes: make ``sys.modules["deep_ep"]`` the fake of ``api`` for the
+    rest of the process, and drop the DeepEP buffers made with another one."""
+    mod = sys.modules.get("deep_ep")
+    if mod is None or getattr(mod, "FAKE_API", None) != api:
+        from dbo.backends.deepep_buffer import BUFFER_CACHE
+
+        mod = make_fake_deep_ep(api)
+        mod.FAKE_API = api
+        sys.modules["deep_ep"] = mod
+        BUFFER_CACHE.reset()
+    return mod
