@@ -16,7 +16,7 @@ from hypothesis import given, note, settings
 from hypothesis import strategies as st
 
 from dbo.testing.dist import DistWorld
-from dbo.testing.moe_cases import MoECase, check_case
+from dbo.testing.moe_cases import MoECase, check_case, standard_cases
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(120)]
 
@@ -58,28 +58,11 @@ def _assert_all_match(cases: list[MoECase], per_rank: list[list[tuple]]) -> None
     assert not bad, "\n".join(bad)
 
 
-def _fixed_cases(ws: int) -> list[MoECase]:
-    e = 4 * ws
-    uneven = tuple(3 + 5 * r for r in range(ws))
-    cases = [MoECase(100 + k, uneven[::-1] if k % 2 else uneven, e, topk=k) for k in range(1, 9)]
-    cases += [
-        MoECase(200, (0,) + uneven[1:], e, topk=3),                   # a rank with zero tokens
-        MoECase(201, (0,) * ws, e, topk=2),                           # nobody has tokens
-        MoECase(202, (1,) * ws, e, topk=2),                           # one token: one empty ubatch
-        MoECase(203, uneven, e, topk=2, routing=f"avoid_rank:{ws - 1}"),  # a rank gets nothing
-        MoECase(204, uneven, e, topk=4, routing="padding"),           # rows routed nowhere
-        MoECase(205, uneven, e, topk=2, dtype="bfloat16", layers=2),
-        MoECase(206, uneven, e, topk=1, router_on_input=True, reduce_in_experts=False),
-        MoECase(207, uneven, e, topk=3, reduce_in_experts=False, ids_dtype="int64", layers=2),
-    ]
-    return cases
-
-
 @pytest.mark.parametrize("use_async", [True, False], ids=["async", "sync"])
 @pytest.mark.parametrize("backend", sorted(BACKENDS))
 @pytest.mark.parametrize("ws", [2, 4])
 def test_backend_matches_reference(worlds, ws, backend, use_async):
-    cases = _fixed_cases(ws)
+    cases = standard_cases(ws)
     _assert_all_match(cases, worlds(ws).run(_check_cases, cases, backend, use_async, timeout_s=90))
 
 

@@ -16,7 +16,8 @@ env=None)``
     ``fn`` must be picklable by reference (a module-level function of an importable module;
     test modules are fine: the children get the parent's ``sys.path``); arguments and results
     must be picklable. Inside ``fn``, ``torch.distributed`` is initialized:
-    ``dist.get_rank()`` tells the rank. If any rank raised, :class:`DistJobError` is raised
+    ``dist.get_rank()`` tells the rank (under ``backend="nccl"`` rank ``r`` has GPU
+    ``r % device_count`` as its current device). If any rank raised, :class:`DistJobError` is raised
     after all ranks answered, with every failing rank's traceback in its message. If not all
     ranks answer within ``timeout_s`` (a hang), or a process dies, the world is torn down
     (killed) and :class:`DistTimeoutError` / :class:`DistJobError` is raised; the next ``run``
@@ -102,6 +103,8 @@ def _worker(rank: int, world_size: int, backend: str, init_file: str, pg_timeout
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    if backend == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
     logging.basicConfig(level=os.environ.get("DBO_TEST_LOG_LEVEL", "WARNING"))
     dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
                             world_size=world_size,

@@ -26,8 +26,8 @@ from dbo.moe.reference import local_expert_weights, make_expert_weights, referen
 from dbo.moe.router import topk_route
 from dbo.trace import Trace
 
-__all__ = ["MoECase", "CaseInputs", "CaseReport", "case_inputs", "run_case", "check_case",
-           "TOLERANCE"]
+__all__ = ["MoECase", "CaseInputs", "CaseReport", "case_inputs", "run_case", "reference_case",
+           "check_case", "standard_cases", "TOLERANCE"]
 
 #: the match criterion: relative error (norm of difference / norm of reference) per dtype
 TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2}
@@ -90,8 +90,9 @@ class CaseReport:
         return max(self.err_seq, self.err_dbo, self.err_dbo_vs_seq) <= self.tol
 
 
-def case_inputs(case: MoECase, rank: int) -> CaseInputs:
-    """Rank ``rank``'s slice of the case's global data (the same on every rank)."""
+def case_inputs(case: MoECase, rank: int, device: str | torch.device = "cpu") -> CaseInputs:
+    """Rank ``rank``'s slice of the case's global data (the same on every rank), on
+    ``device``."""
     g = torch.Generator().manual_seed(case.seed)
     total = sum(case.tokens_per_rank)
     e, ws = case.num_experts, case.world_size
@@ -113,10 +114,11 @@ def case_inputs(case: MoECase, rank: int) -> CaseInputs:
     mix = (torch.randn(case.hidden, case.hidden, generator=g) / case.hidden ** 0.5)
     start = sum(case.tokens_per_rank[:rank])
     sl = slice(start, start + case.tokens_per_rank[rank])
-    return CaseInputs(x[sl].to(case.torch_dtype).contiguous(), weights[sl].contiguous(),
-                      ids[sl].contiguous(), w1_all, w2_all,
-                      local_expert_weights(w1_all, rank, ws), local_expert_weights(w2_all, rank, ws),
-                      mix.to(case.torch_dtype))
+    dt = case.torch_dtype
+    return CaseInputs(x[sl].to(device, dt), weights[sl].to(device), ids[sl].to(device),
+                      w1_all.to(device), w2_all.to(device),
+                      local_expert_weights(w1_all, rank, ws).to(device),
+                      local_expert_weights(w2_all, rank, ws).to(device), mix.to(device, dt))
 
 
 def _layers(case: MoECase, inp: CaseInputs, h: torch.Tensor, weights: torch.Tensor,
@@ -165,12 +167,35 @@ def reference_case(case: MoECase, inp: CaseInputs) -> torch.Tensor:
 
 
 def check_case(case: MoECase, rank: int, make_backend: Callable[[], PrepareAndFinalize], *,
-               num_ubatches: int = 2) -> CaseReport:
-    """Run ``case`` on this rank plainly and with DBO (fresh backends from ``make_backend``);
-    return the relative errors against the reference and between the two."""
-    inp = case_inputs(case, rank)
+               num_ubatches: int = 2, device: str = "cpu") -> CaseReport:
+    """Run ``case`` on this rank plainly and with DBO (fresh backends from ``make_backend``)
+    on ``device`` (``"cpu"`` or ``"cuda"``); return the relative errors against the reference
+    and between the two."""
+    inp = case_inputs(case, rank, device)
     ref = reference_case(case, inp)
-    seq = run_case(case, inp, make_backend(), use_dbo=False)
-    ovl = run_case(case, inp, make_backend(), use_dbo=True, num_ubatches=num_ubatches)
+    seq = run_case(case, inp, make_backend(), use_dbo=False, device=device)
+    ovl = run_case(case, inp, make_backend(), use_dbo=True, num_ubatches=num_ubatches,
+                   device=device)
     return CaseReport(relative_error(seq, ref), relative_error(ovl, ref), relative_error(ovl, seq),
                       TOLERANCE[case.dtype], inp.x.shape[0])
+
+
+def standard_cases(world_size: int) -> list[MoECase]:
+    """The fixed case list every backend should pass on ``world_size`` ranks: topk 1 to 8 with
+    uneven token counts, a rank with zero tokens, no tokens anywhere, one token per rank (one
+    ubatch empty), a rank that no token routes to, rows routed nowhere, bf16 over two layers,
+    the router weight applied on the input, int64 ids with finalize-side weight-and-reduce."""
+    e = 4 * world_size
+    uneven = tuple(3 + 5 * r for r in range(world_size))
+    cases = [MoECase(100 + k, uneven[::-1] if k % 2 else uneven, e, topk=k) for k in range(1, 9)]
+    cases += [
+        MoECase(200, (0,) + uneven[1:], e, topk=3),
+        MoECase(201, (0,) * world_size, e, topk=2),
+        MoECase(202, (1,) * world_size, e, topk=2),
+        MoECase(203, uneven, e, topk=2, routing=f"avoid_rank:{world_size - 1}"),
+        MoECase(204, uneven, e, topk=4, routing="padding"),
+        MoECase(205, uneven, e, topk=2, dtype="bfloat16", layers=2),
+        MoECase(206, uneven, e, topk=1, router_on_input=True, reduce_in_experts=False),
+        MoECase(207, uneven, e, topk=3, reduce_in_experts=False, ids_dtype="int64", layers=2),
+    ]
+    return cases
