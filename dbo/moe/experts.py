@@ -91,14 +91,12 @@ class SwiGLUExperts(MoEExperts):
         tokens = pairs // topk
         counts = torch.bincount(experts, minlength=n_local)
         xs = x[tokens]
+        ys = None
         if (x.is_cuda and x.dtype == torch.bfloat16 and self.use_grouped_mm
                 and _grouped_mm is not None and pairs.numel() and hidden % 8 == 0
                 and w2.shape[2] % 8 == 0):
-            offs = torch.cumsum(counts, 0).to(torch.int32)
-            h = _grouped_mm(xs, w1.transpose(1, 2), offs=offs)
-            gate, up = h.chunk(2, dim=-1)
-            ys = _grouped_mm((F.silu(gate) * up).contiguous(), w2.transpose(1, 2), offs=offs)
-        else:
+            ys = self._grouped(xs, w1, w2, counts)
+        if ys is None:
             ys = torch.empty_like(xs)
             start = 0
             for e, c in enumerate(counts.tolist()):
@@ -118,6 +116,19 @@ class SwiGLUExperts(MoEExperts):
         out = workspace.get("fused_out", (m, hidden), x.dtype, x.device)
         out.copy_(acc)
         return out
+
+    def _grouped(self, xs: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                 counts: torch.Tensor) -> torch.Tensor | None:
+        """Two grouped matmuls over the expert-sorted rows; None if this torch/GPU refuses."""
+        offs = torch.cumsum(counts, 0).to(torch.int32)
+        try:
+            h = _grouped_mm(xs, w1.transpose(1, 2), offs=offs)
+            gate, up = h.chunk(2, dim=-1)
+            return _grouped_mm((F.silu(gate) * up).contiguous(), w2.transpose(1, 2), offs=offs)
+        except RuntimeError as exc:
+            logger.warning("torch._grouped_mm failed (%s); falling back to a loop over experts", exc)
+            self.use_grouped_mm = False
+            return None
 
     # ---- BATCHED_EXPERTS ------------------------------------------------------------------
 
