@@ -80,15 +80,24 @@ _is_inference_mode_enabled = torch._C.is_inference_mode_enabled
 _is_any_autocast_enabled = torch._C._is_any_autocast_enabled
 
 
-def _capture_modes() -> tuple:
-    """Grad, inference and autocast state of this thread, as a tuple cheap to compare."""
+def _capture_modes() -> int | tuple:
+    """Grad, inference and autocast state of this thread, cheap to compare.
+
+    Without autocast (the common case) it is the int ``grad | inference << 1``; with autocast
+    on for any device, the tuple ``(grad, inference, autocast)``.
+    """
     if _is_any_autocast_enabled():
         autocast = tuple(
             (torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in _AUTOCAST_DEVICES
         ) + (torch.is_autocast_cache_enabled(),)
-    else:
-        autocast = None
-    return (_is_grad_enabled(), _is_inference_mode_enabled(), autocast)
+        return (_is_grad_enabled(), _is_inference_mode_enabled(), autocast)
+    return _is_grad_enabled() | _is_inference_mode_enabled() << 1
+
+
+def _expand_modes(modes: int | tuple) -> tuple:
+    if isinstance(modes, int):
+        return (bool(modes & 1), bool(modes & 2), None)
+    return modes
 
 
 class _ModeRestorer:
@@ -105,7 +114,8 @@ class _ModeRestorer:
     def __init__(self) -> None:
         self.guards: list[Any] = []
 
-    def apply(self, want: tuple, have: tuple) -> None:
+    def apply(self, want: int | tuple, have: int | tuple) -> None:
+        want, have = _expand_modes(want), _expand_modes(have)
         if want[1] != have[1]:
             self.guards.append(torch._C._InferenceMode(want[1]))
         if want[0] != torch.is_grad_enabled():
@@ -120,14 +130,15 @@ class _ModeRestorer:
                     torch.set_autocast_dtype(d, dtype)
                 torch.set_autocast_cache_enabled(want[2][-1])
 
-    def close(self, caller: tuple) -> None:
+    def close(self, caller: int | tuple) -> None:
         while self.guards:
             self.guards.pop()  # destroying a guard restores the state it saw when created
         have = _capture_modes()
-        if have[1] != caller[1]:
-            _ModeRestorer._pinned.append(torch._C._InferenceMode(caller[1]))
+        if _expand_modes(have)[1] != _expand_modes(caller)[1]:
+            _ModeRestorer._pinned.append(torch._C._InferenceMode(_expand_modes(caller)[1]))
             have = _capture_modes()
-        self.apply(caller, have)
+        if have != caller:
+            self.apply(caller, have)
 
 
 # ---- the per-ubatch context ---------------------------------------------------------------
@@ -380,6 +391,7 @@ class _Run:
         is_grad, is_inference, any_autocast = (
             _is_grad_enabled, _is_inference_mode_enabled, _is_any_autocast_enabled)
         capture = _capture_modes
+        switches = [c._greenlet.switch for c in ctxs]
 
         def yield_current() -> None:
             if run.in_hook:
@@ -388,7 +400,7 @@ class _Run:
                 return
             ctx = run.current
             stream = ctx._stream_key = current_stream()
-            modes = ctx._modes = capture() if any_autocast() else (is_grad(), is_inference(), None)
+            modes = ctx._modes = capture() if any_autocast() else is_grad() | is_inference() << 1
             trace = run.trace
             if trace is not None:
                 trace.record("suspend", ctx.id)
@@ -408,7 +420,7 @@ class _Run:
             run.current = nxt
             if trace is not None:
                 trace.record("resume", nxt.id)
-            nxt._greenlet.switch()
+            switches[i]()
             # resumed: a hook we registered that its slot's owner has not run yet runs now
             pending = ctx._hook_pending_in
             if pending is not None:
