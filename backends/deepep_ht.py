@@ -149,7 +149,7 @@ class DeepEPHTPrepareAndFinalize(PrepareAndFinalize):
         if self.use_fp8_dispatch:
             x = quantize_fp8_blocks(x)
         buffer = self.buffer
-        config = type(buffer).get_dispatch_config(self.num_ranks)
+        config = buffer.get_dispatch_config(self.num_ranks)
         dbo = dbo_enabled()
         if dbo:
             # The event covers exactly this ubatch's compute so far; yield before the
@@ -214,7 +214,7 @@ class DeepEPHTPrepareAndFinalize(PrepareAndFinalize):
             raise ValueError(f"{_NAME}: output must be [M, {self.hidden}], got {tuple(output.shape)}")
         x = pad_hidden(reduced, self.padded_hidden)
         buffer = self.buffer
-        config = type(buffer).get_combine_config(self.num_ranks)
+        config = buffer.get_combine_config(self.num_ranks)
         if dbo_enabled():
             previous_event = dbo_get_previous_event(buffer.capture)
             dbo_yield_and_switch_from_compute_to_comm()
