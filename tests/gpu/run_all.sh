@@ -17,7 +17,7 @@ run() {  # run NAME CMD...: log the command, its output and its exit code
   local t0=$SECONDS
   "$@" 2>&1 | tee -a "$log"
   local rc=${PIPESTATUS[0]}
-  echo "=== [$name] rc=$rc (${SECONDS}-${t0}s -> $((SECONDS - t0)) s)" | tee -a "$log"
+  echo "=== [$name] rc=$rc (took $((SECONDS - t0)) s)" | tee -a "$log"
   [ "$rc" -eq 0 ] || status=1
 }
 has() { [[ " $steps " == *" $1 "* ]]; }
