@@ -309,4 +309,4 @@ def get_deepep_buffer(
                         int(topk), bool(use_fp8_dispatch))
     if min(req.hidden, req.max_tokens_per_rank, req.num_experts, req.topk) <= 0:
         raise ValueError(f"hidden, max_tokens_per_rank, num_experts and topk must be positive: {req}")
-    return (cache or BUFFER_CACHE).get(group, req)
+    return (cache if cache is not None else BUFFER_CACHE).get(group, req)
