@@ -225,7 +225,10 @@ class DeepEPLLPrepareAndFinalize(PrepareAndFinalize):
                              f"and {num_experts} experts")
         self.use_fp8_dispatch = use_fp8_dispatch
         self.dequantize_received = dequantize_received
-        self.results = LowLatencyResults()
+        # DeepEP's two low-latency buffers belong to the buffer, not to one layer's backend:
+        # every backend on this buffer shares the bookkeeping
+        self.results: LowLatencyResults = shared.extra.setdefault("low_latency_results",
+                                                                  LowLatencyResults())
         self._state = PerUBatch(_NAME)
 
     # ---- properties of the contract --------------------------------------------------------

@@ -243,3 +243,25 @@ def test_ll_error_paths(world2):
         assert too_many.startswith("ValueError") and "max_tokens_per_rank" in too_many
         assert reduce.startswith("ValueError") and "Delegate or NoOp" in reduce
         assert out["fp32 tokens"].startswith("DeepEPDtypeError")
+
+
+def _two_layers(kind: str):
+    layers = [MoEKernel(_backend(kind), SwiGLUExperts()) for _ in range(2)]
+    assert layers[0].prepare_finalize.buffer is layers[1].prepare_finalize.buffer  # one shared buffer
+    x, weights, ids, w1, w2 = _inputs(16, seed=3)
+
+    def model(s=slice(None)):
+        h = x[s]
+        for k in layers:
+            h = k(h, w1, w2, weights[s], ids[s], global_num_experts=E)
+        return h
+
+    serial = model()
+    dbo = torch.cat(run_ubatches([lambda: model(slice(0, 9)), lambda: model(slice(9, 16))], device="cpu"))
+    return torch.equal(serial, dbo), bool(torch.isfinite(serial.float()).all())
+
+
+@pytest.mark.parametrize("kind", ["ht", "ll"])
+def test_layers_sharing_one_buffer(world2, kind):
+    # two layers' backends on one DeepEP buffer: the low-latency limits are per buffer
+    assert world2.run(_two_layers, kind) == [(True, True)] * 2
