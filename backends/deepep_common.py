@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from dbo.context import dbo_current_ubatch_id, dbo_enabled
 from dbo.moe.base import ExpertTokensMetadata
+from dbo.moe.errors import MoEProtocolError
 from dbo.streams import hand_over
 
 from .deepep_buffer import DeepEPDtypeError
@@ -66,7 +67,7 @@ class PerUBatch:
         ub = dbo_current_ubatch_id()
         value = self._slots[ub] if ub < len(self._slots) else None
         if value is None:
-            raise RuntimeError(f"{self.name}: {what} in ubatch {ub} without a matching prepare "
+            raise MoEProtocolError(f"{self.name}: {what} in ubatch {ub} without a matching prepare "
                                "(finalize must follow prepare in the same ubatch)")
         self._slots[ub] = None
         return value

@@ -38,6 +38,7 @@ from dbo.moe.base import (
     PrepareAsyncResult,
     PrepareResult,
 )
+from dbo.moe.errors import MoEProtocolError
 from dbo.moe.weight_and_reduce import (
     TopKWeightAndReduce,
     TopKWeightAndReduceDelegate,
@@ -279,7 +280,7 @@ class DeepEPLLPrepareAndFinalize(PrepareAndFinalize):
         x = pad_hidden(a1, self.padded_hidden)
         left = self._state.peek()
         if left is not None and _same_run(left[2], active_run()):
-            raise RuntimeError(f"{_NAME}: prepare called twice in ubatch {dbo_current_ubatch_id()} "
+            raise MoEProtocolError(f"{_NAME}: prepare called twice in ubatch {dbo_current_ubatch_id()} "
                                "without finalize (call reset() after a failed step)")
         token = self._launch_guard("dispatch")
         use_hook = dbo_enabled()
