@@ -53,11 +53,13 @@ def make_backend(name: str, group: Any, *, hidden: int, num_experts: int, topk: 
     """Build the prepare/finalize backend ``name`` (a key of :data:`BACKENDS`) on ``group``.
 
     The backend module is imported here, so DeepEP is needed only when a DeepEP backend is
-    chosen. ``max_tokens_per_rank``: the most tokens any rank sends in one call (sizes the
-    low-latency buffers).
+    chosen. ``group`` None is the default (world) group. ``max_tokens_per_rank``: the most
+    tokens any rank sends in one call (sizes the low-latency buffers).
     """
     if name not in BACKENDS:
         raise ValueError(f"unknown backend {name!r}; choose from {sorted(BACKENDS)}")
+    if group is None:
+        group = torch.distributed.group.WORLD  # DeepEP's Buffer needs the group object itself
     module = importlib.import_module(f"dbo.backends.{BACKENDS[name]}")
     if name in _TORCHDIST_CLASSES:
         return getattr(module, _TORCHDIST_CLASSES[name])(group, hidden_size=hidden)
