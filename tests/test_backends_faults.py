@@ -13,9 +13,9 @@ import time
 
 import pytest
 import torch.distributed as dist
+
 from dbo.backends.all2all import AllToAllPrepareAndFinalize
 from dbo.backends.naive import NaivePrepareAndFinalize
-
 from dbo.context import dbo_current_ubatch_id, run_ubatches
 from dbo.moe import MoEKernel, SwiGLUExperts
 from dbo.testing.dist import DistWorld

@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+
 from dbo.backends.all2all import AllToAllPrepareAndFinalize
 from dbo.backends.naive import NaivePrepareAndFinalize
-
 from dbo.testing.dist import DistWorld
 from dbo.testing.moe_cases import check_case, standard_cases
 

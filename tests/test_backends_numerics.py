@@ -10,11 +10,11 @@ import math
 
 import pytest
 import torch.distributed as dist
-from dbo.backends.all2all import AllToAllPrepareAndFinalize
-from dbo.backends.naive import NaivePrepareAndFinalize
 from hypothesis import given, note, settings
 from hypothesis import strategies as st
 
+from dbo.backends.all2all import AllToAllPrepareAndFinalize
+from dbo.backends.naive import NaivePrepareAndFinalize
 from dbo.testing.dist import DistWorld
 from dbo.testing.moe_cases import MoECase, check_case, standard_cases
 

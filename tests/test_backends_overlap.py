@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from dbo.backends.all2all import AllToAllPrepareAndFinalize
-from dbo.backends.naive import NaivePrepareAndFinalize
 
 import dbo
+from dbo.backends.all2all import AllToAllPrepareAndFinalize
+from dbo.backends.naive import NaivePrepareAndFinalize
 from dbo.moe import MoEKernel, MoEProtocolError, SwiGLUExperts, TopKWeightAndReduceNoOp, relative_error
 from dbo.testing.dist import DistWorld
 from dbo.testing.moe_cases import MoECase, case_inputs, run_case
