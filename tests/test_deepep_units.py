@@ -7,6 +7,10 @@ import sys
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from dbo import run_ubatches
 from dbo.backends import deepep_buffer as db
 from dbo.backends.deepep_common import dequantize_fp8_blocks, quantize_fp8_blocks
 from dbo.backends.deepep_ll import (
@@ -16,10 +20,6 @@ from dbo.backends.deepep_ll import (
     low_latency_max_tokens,
 )
 from dbo.backends.deepep_v2 import expanded_row_experts
-from hypothesis import given
-from hypothesis import strategies as st
-
-from dbo import run_ubatches
 from dbo.testing.fake_deep_ep import install_fake_deep_ep, make_fake_deep_ep
 
 
