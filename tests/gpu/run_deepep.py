@@ -6,11 +6,12 @@ Run on a host with 2 GPUs and DeepEP's ``Buffer`` wheel, from the project root::
     source .whl/prelude.sh && torchrun --nproc-per-node 2 tests/gpu/run_deepep.py
 
 Options: ``--backends ht ll``, ``--hidden 2048 7168``, ``--topk 1 2 ... 8``, ``--quick`` (fewer
-cases), ``--json PATH`` (write every rank's results). Rank 0 prints one PASS/FAIL line per
+cases), ``--fp8`` (fp8-dispatch cases for every backend), ``--json PATH`` (write every rank's
+results). Rank 0 prints one PASS/FAIL line per
 (case, rank) and a summary; the exit status is 0 only if every case passed on every rank.
 
 Cases: bf16, 32 experts, SwiGLU experts with intermediate 128; deepep_ht over token counts
-(128, 96), (0, 64) (rank 0 has no tokens) and (256, 256), plus fp8 dispatch; deepep_ll with
+(128, 96), (0, 64) (rank 0 has no tokens) and (256, 256), plus fp8 dispatch (top-k 8); deepep_ll with
 max 128 tokens per rank over (64, 48) and (128, 128); each for every hidden and top-k. Exit
 status 3: deep_ep missing; 4: fewer than 2 GPUs.
 """
@@ -71,13 +72,13 @@ def build_cases(args: argparse.Namespace) -> list[ConformanceCase]:
                         f"{backend} h={hidden} k={topk} T={tokens[0]}/{tokens[1]}", tokens, hidden, topk,
                         NUM_EXPERTS, intermediate=128, seed=seed, tol_ref=3e-2, tol_dbo=1e-2,
                         options=opts))
-        if backend == "ht" and not args.quick:
+        if args.fp8 or (backend == "ht" and not args.quick):
             for hidden in args.hidden:
                 seed += 1
                 cases.append(ConformanceCase(
-                    f"ht fp8 h={hidden} k=8 T=128/96", (128, 96), hidden, 8, NUM_EXPERTS,
+                    f"{backend} fp8 h={hidden} k=8 T=128/96", (128, 96), hidden, 8, NUM_EXPERTS,
                     intermediate=128, seed=seed, tol_ref=8e-2, tol_dbo=1e-2,
-                    options=(("backend", "ht"), ("use_fp8_dispatch", True))))
+                    options=_opts(backend) + (("use_fp8_dispatch", True),)))
     return cases
 
 
@@ -87,6 +88,7 @@ def main() -> int:
     p.add_argument("--hidden", nargs="+", type=int, default=[2048, 7168])
     p.add_argument("--topk", nargs="+", type=int, default=list(range(1, 9)))
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--fp8", action="store_true", help="fp8-dispatch cases for every backend")
     p.add_argument("--json", default=None)
     args = p.parse_args()
 
