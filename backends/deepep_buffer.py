@@ -292,7 +292,7 @@ def get_deepep_buffer(
     """Create or reuse the DeepEP buffer of ``group`` for ``mode`` (collective on first use).
 
     Args:
-        group: the expert-parallel process group (NCCL on GPUs).
+        group: the expert-parallel process group (NCCL on GPUs); None for the world group.
         mode: ``"ht"`` (v1 normal mode), ``"ll"`` (v1 low-latency) or ``"v2"``.
         hidden: hidden size as transferred, already padded by the backend.
         max_tokens_per_rank: most tokens one rank sends per call (ll and v2 size by it).
@@ -305,6 +305,8 @@ def get_deepep_buffer(
         DeepEPNotInstalledError: ``deep_ep`` is missing (the message names the install step).
         DeepEPAPIError: the installed DeepEP lacks the API for ``mode``.
     """
+    if group is None:  # DeepEP needs a group object; None means the default (world) group
+        group = torch.distributed.group.WORLD
     req = BufferRequest(BufferMode(mode), int(hidden), int(max_tokens_per_rank), int(num_experts),
                         int(topk), bool(use_fp8_dispatch))
     if min(req.hidden, req.max_tokens_per_rank, req.num_experts, req.topk) <= 0:
