@@ -1,0 +1,213 @@
+"""Summaries, the text table and the plot of the overlap benchmark.
+
+Definitions (per shape; every time is per MoE layer: a step's time over its layers):
+
+* ``compute``: the fastest compute-alone configuration (over expert chunkings).
+* ``comm``: the fastest communication-alone configuration (over DeepEP SM counts).
+* ``serial``: the fastest serial configuration (over chunkings and SM counts).
+* ``dbo``: the fastest DBO configuration (likewise); all are in the JSON.
+* ``speedup = serial / dbo``; ``efficiency = (serial - dbo) / min(compute, comm)``: the
+  share of the hideable time that was hidden (1: perfect overlap; 0: none).
+* ``peak_ratio``: peak memory of the best DBO configuration over that of the best serial one
+  (``torch.cuda.max_memory_allocated``, weights included); ``peak_extra_ratio``: the same for
+  the memory allocated during the step only.
+* ``wrapper``: what ``DBOWrapper`` with the default :class:`dbo.split.SplitConfig` would run
+  (DBO when its thresholds split this batch, else serial), over the serial time.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+__all__ = ["summarize_shape", "format_table", "write_plot"]
+
+
+def _best(meas: list[dict], mode: str, **match: Any) -> dict | None:
+    cands = [m for m in meas if m["mode"] == mode and m.get("timing")
+             and all(m.get(k) == v for k, v in match.items())]
+    return min(cands, key=lambda m: m["timing"]["median_ms"]) if cands else None
+
+
+def _ms(m: dict | None, layers: int) -> float | None:
+    return None if m is None else m["timing"]["median_ms"] / layers
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    if a is None or b is None or b == 0:
+        return None
+    return a / b
+
+
+def _cfg(m: dict | None) -> str:
+    if m is None:
+        return "-"
+    parts = [f"c{m['expert_chunks']}" if m.get("expert_chunks") is not None else "",
+             f"s{m['num_sms']}" if m.get("num_sms") is not None else ""]
+    return " ".join(p for p in parts if p) or "-"
+
+
+def summarize_shape(shape: dict, default_splits: bool) -> dict:
+    """The summary of one shape's measurements (see the module docstring)."""
+    meas, layers = shape["measurements"], shape["layers"]
+    compute, comm = _best(meas, "compute"), _best(meas, "comm")
+    serial, dbo = _best(meas, "serial"), _best(meas, "dbo")
+    t_compute, t_comm = _ms(compute, layers), _ms(comm, layers)
+    t_serial, t_dbo = _ms(serial, layers), _ms(dbo, layers)
+    hideable = None if t_compute is None or t_comm is None else min(t_compute, t_comm)
+
+    def eff(t_d: float | None) -> float | None:
+        if t_serial is None or t_d is None or not hideable:
+            return None
+        return (t_serial - t_d) / hideable
+
+    out: dict[str, Any] = {
+        "compute_ms": t_compute, "compute_config": _cfg(compute),
+        "comm_ms": t_comm, "comm_config": _cfg(comm),
+        "serial_ms": t_serial, "serial_config": _cfg(serial),
+        "dbo_ms": t_dbo, "dbo_config": _cfg(dbo),
+        "dbo_compute_ms": _ms(_best(meas, "dbo_compute"), layers),
+        "speedup": _ratio(t_serial, t_dbo),
+        "efficiency": eff(t_dbo),
+        "comm_share": _ratio(t_comm, t_serial),
+        "ideal_ms": None if t_compute is None or t_comm is None else max(t_compute, t_comm),
+        "peak_ratio": _ratio(*(None if m is None else m["timing"].get("peak_bytes") for m in (dbo, serial))),
+        "peak_extra_ratio": _ratio(*(None if m is None else m["timing"].get("peak_extra_bytes")
+                                     for m in (dbo, serial))),
+        "default_config_splits": default_splits,
+    }
+    wrapper = t_dbo if default_splits else t_serial
+    out["wrapper_vs_serial"] = _ratio(wrapper, t_serial)
+    sms = sorted({m["num_sms"] for m in meas if m.get("num_sms") is not None})
+    out["per_num_sms"] = [{
+        "num_sms": s,
+        "comm_ms": _ms(_best(meas, "comm", num_sms=s), layers),
+        "serial_ms": _ms(_best(meas, "serial", num_sms=s), layers),
+        "dbo_ms": _ms(_best(meas, "dbo", num_sms=s), layers),
+        "dbo_config": _cfg(_best(meas, "dbo", num_sms=s)),
+        "speedup": _ratio(t_serial, _ms(_best(meas, "dbo", num_sms=s), layers)),
+        "efficiency": eff(_ms(_best(meas, "dbo", num_sms=s), layers)),
+    } for s in sms]
+    chunks = sorted({m["expert_chunks"] for m in meas if m.get("expert_chunks") is not None})
+    out["per_chunks"] = [{
+        "expert_chunks": c,
+        "compute_ms": _ms(_best(meas, "compute", expert_chunks=c), layers),
+        "serial_ms": _ms(_best(meas, "serial", expert_chunks=c), layers),
+        "dbo_ms": _ms(_best(meas, "dbo", expert_chunks=c), layers),
+        "speedup": _ratio(t_serial, _ms(_best(meas, "dbo", expert_chunks=c), layers)),
+        "efficiency": eff(_ms(_best(meas, "dbo", expert_chunks=c), layers)),
+    } for c in chunks]
+    return out
+
+
+def _f(x: float | None, spec: str = ".2f") -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+
+
+def format_table(bundle: dict) -> str:
+    """The short text table printed at the end (per-layer milliseconds)."""
+    env, args = bundle["env"], bundle["args"]
+    lines = [f"dbo bench_overlap: backend={args['backend']} world={env.get('world_size')} "
+             f"device={env.get('device_name')} layers/step={args['layers']} hidden={args['hidden']} "
+             f"experts={args['experts']} top-{args['topk']} attn_width={args['attn_width']}",
+             f"times per layer in ms: median of {args['steps']} steps (step time = slowest rank); "
+             "cfg cN = N expert chunks, sN = DeepEP SMs"]
+    head = (f"{'tokens':>6} {'I':>5} {'compute':>8} {'comm':>7} {'comm%':>5} {'serial':>7} {'[cfg]':>8} "
+            f"{'dbo':>7} {'[cfg]':>8} {'speedup':>7} {'eff':>5} {'dbo-cmp':>7} {'peak':>5} {'peak+':>5} "
+            f"{'wrap':>5}")
+    lines.append(head)
+    for sh in bundle["shapes"]:
+        s = sh.get("summary") or {}
+        share = s.get("comm_share")
+        lines.append(
+            f"{sh['tokens']:>6} {sh['intermediate']:>5} {_f(s.get('compute_ms')):>8} "
+            f"{_f(s.get('comm_ms')):>7} {_f(None if share is None else 100 * share, '.0f'):>5} "
+            f"{_f(s.get('serial_ms')):>7} {s.get('serial_config', '-'):>8} {_f(s.get('dbo_ms')):>7} "
+            f"{s.get('dbo_config', '-'):>8} {_f(s.get('speedup'), '.3f'):>7} "
+            f"{_f(s.get('efficiency')):>5} {_f(s.get('dbo_compute_ms')):>7} "
+            f"{_f(s.get('peak_ratio')):>5} {_f(s.get('peak_extra_ratio')):>5} "
+            f"{_f(s.get('wrapper_vs_serial'), '.3f'):>5}")
+    if any((sh.get("summary") or {}).get("per_num_sms") for sh in bundle["shapes"]):
+        lines.append("DeepEP SM count (Buffer.set_num_sms): comm alone, best serial/DBO at that count, "
+                     "speedup and efficiency against the best serial overall")
+        lines.append(f"{'tokens':>6} {'I':>5} {'sms':>4} {'comm':>7} {'serial':>7} {'dbo':>7} {'[cfg]':>8} "
+                     f"{'speedup':>7} {'eff':>5}")
+        for sh in bundle["shapes"]:
+            for r in (sh.get("summary") or {}).get("per_num_sms", []):
+                lines.append(f"{sh['tokens']:>6} {sh['intermediate']:>5} {r['num_sms']:>4} "
+                             f"{_f(r['comm_ms']):>7} {_f(r['serial_ms']):>7} {_f(r['dbo_ms']):>7} "
+                             f"{r['dbo_config']:>8} {_f(r['speedup'], '.3f'):>7} {_f(r['efficiency']):>5}")
+    lines.append("expert chunks: compute alone, best serial/DBO with that chunking")
+    lines.append(f"{'tokens':>6} {'I':>5} {'chunks':>6} {'compute':>8} {'serial':>7} {'dbo':>7} "
+                 f"{'speedup':>7} {'eff':>5}")
+    for sh in bundle["shapes"]:
+        for r in (sh.get("summary") or {}).get("per_chunks", []):
+            lines.append(f"{sh['tokens']:>6} {sh['intermediate']:>5} {r['expert_chunks']:>6} "
+                         f"{_f(r['compute_ms']):>8} {_f(r['serial_ms']):>7} {_f(r['dbo_ms']):>7} "
+                         f"{_f(r['speedup'], '.3f'):>7} {_f(r['efficiency']):>5}")
+    graphs = [sh for sh in bundle["shapes"] if sh.get("cuda_graph")]
+    if graphs:
+        lines.append("CUDA graph (whole step captured; per layer ms): eager serial/DBO, replayed "
+                     "serial/DBO, DBO replay == eager DBO")
+        lines.append(f"{'tokens':>6} {'I':>5} {'eager-s':>7} {'eager-d':>7} {'graph-s':>7} {'graph-d':>7} "
+                     f"{'d/s':>6} {'equal':>6}")
+        for sh in graphs:
+            g = sh["cuda_graph"]
+            if not g.get("ok"):
+                lines.append(f"{sh['tokens']:>6} {sh['intermediate']:>5} FAILED: {g.get('error', '?')[:90]}")
+                continue
+            lines.append(f"{sh['tokens']:>6} {sh['intermediate']:>5} {_f(g['eager_serial_ms']):>7} "
+                         f"{_f(g['eager_dbo_ms']):>7} {_f(g['graph_serial_ms']):>7} "
+                         f"{_f(g['graph_dbo_ms']):>7} {_f(g['graph_dbo_over_serial'], '.3f'):>6} "
+                         f"{str(g['dbo_replay_equals_eager']):>6}")
+    for cross in bundle.get("crossover") or []:
+        lines.append(f"I={cross['intermediate']}: DBO faster than serial from "
+                     f"{cross.get('eager', '-')} tokens/rank on (eager), {cross.get('graph', '-')} "
+                     "(CUDA graph); None: at no size of the grid")
+    for w in bundle.get("warnings", []):
+        lines.append(f"WARNING: {w}")
+    files = bundle.get("files", {})
+    lines.append("bundle: " + ", ".join(f"{k}={v}" for k, v in files.items() if v))
+    return "\n".join(lines)
+
+
+def write_plot(bundle: dict, path: str) -> str | None:
+    """Speedup and efficiency per shape as a PNG; None (with a reason in the bundle) when
+    matplotlib is missing."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    shapes = [sh for sh in bundle["shapes"] if sh.get("summary")]
+    labels = [f"T={sh['tokens']}\nI={sh['intermediate']}" for sh in shapes]
+    x = list(range(len(shapes)))
+    fig, axes = plt.subplots(1, 2, figsize=(max(8, 1.6 * len(shapes) + 4), 4.5))
+    ax = axes[0]
+    ax.plot(x, [sh["summary"].get("speedup") or float("nan") for sh in shapes], "o-", label="best DBO")
+    sms = sorted({r["num_sms"] for sh in shapes for r in sh["summary"].get("per_num_sms", [])})
+    for s in sms:
+        ys = [next((r["speedup"] for r in sh["summary"]["per_num_sms"] if r["num_sms"] == s), None)
+              for sh in shapes]
+        ax.plot(x, [float("nan") if y is None else y for y in ys], ".--", label=f"DeepEP {s} SMs")
+    if any(sh.get("cuda_graph", {}).get("ok") for sh in shapes):
+        ys = [(sh.get("cuda_graph") or {}).get("graph_serial_over_dbo") for sh in shapes]
+        ax.plot(x, [float("nan") if y is None else y for y in ys], "s-", label="CUDA graph")
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_title("speedup = serial / DBO")
+    ax.set_xticks(x, labels, fontsize=8)
+    ax.legend(fontsize=8)
+    ax = axes[1]
+    ax.bar(x, [sh["summary"].get("efficiency") or 0.0 for sh in shapes], color="tab:green")
+    ax.axhline(0.6, color="tab:red", lw=0.8, ls="--", label="target 0.6")
+    ax.set_title("overlap efficiency = (serial - DBO) / min(compute, comm)")
+    ax.set_xticks(x, labels, fontsize=8)
+    ax.legend(fontsize=8)
+    args = bundle["args"]
+    fig.suptitle(f"dbo DBO vs serial, {args['backend']}, {bundle['env'].get('device_name')} "
+                 f"x{bundle['env'].get('world_size')}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
