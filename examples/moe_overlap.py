@@ -8,17 +8,19 @@
 Every rank builds the same model (examples/_model.py: attention stand-in + MoE block per layer,
 routed experts spread over the ranks) and its own batch of tokens. The script runs the plain
 forward ("serial") and the overlapped one (dbo.DBOWrapper: two ubatches, all-to-all of one
-under the compute of the other), checks that they agree (relative error <= 1e-5 in float32,
-<= 2e-2 in bfloat16), prints both step times and the error, writes rank 0's schedule of one
-overlapped step as a Perfetto trace, and exits 1 if the outputs differ. Run without torchrun it
-starts a one-rank group by itself.
+under the compute of the other), checks that they agree (relative error <= 1e-5 in float32 for
+the whole output and for each layer run on the same input; in bfloat16 <= 2e-2 for each layer on
+the same input, the end-to-end error only printed), prints both step times and the error,
+writes rank 0's schedule of one overlapped step as a Perfetto trace, and exits 1 if the outputs
+differ. Run without torchrun it starts a one-rank group by itself.
 
 bfloat16 on GPUs: the two runs are not bitwise equal there, because cuBLAS picks its kernels by
 the number of rows, so a ubatch's matmuls round differently from the whole batch's; a one-ulp
 difference can flip a near-tie in a later layer's top-k routing, which changes that token's
 output entirely. The error grows with depth and is largest with --topk 1 (2 H200s, hidden 2048,
 256 tokens per rank, 16 experts, any backend: rel err 1.2e-3 with 1 layer, 1.5e-2 with 4 layers
-at top-4, 5.2e-2 at top-1, which fails the check). float32 compares to ~1e-6.
+at top-4, 5.2e-2 at top-1). Hence the bf16 check compares each layer's DBO and serial outputs on
+the same input. float32 compares end to end to ~1e-6.
 """
 
 from __future__ import annotations
@@ -152,11 +154,24 @@ def main(argv: list[str] | None = None) -> int:
             t_serial = time_steps(lambda: model(x), args.steps, device)
             t_dbo = time_steps(lambda: overlapped(x), args.steps, device)
 
+            # Layer by layer on the serial run's activations: in bf16 an end-to-end comparison
+            # mixes in routing flips that rounding starts in an earlier layer (see above).
+            layer_rel = []
+            h = x
+            for layer in model.layers:
+                want = layer(h)
+                got = DBOWrapper(layer, split)(h)
+                layer_rel.append(relative_error(got, want) if tokens else 0.0)
+                h = want
+
         rel = relative_error(out, ref) if tokens else 0.0
         max_abs = (out.float() - ref.float()).abs().max().item() if tokens else 0.0
-        t_serial, t_dbo, rel, max_abs = all_max([t_serial, t_dbo, rel, max_abs], device)
+        t_serial, t_dbo, rel, max_abs, *layer_rel = all_max(
+            [t_serial, t_dbo, rel, max_abs, *layer_rel], device)
         limit = TOLERANCE[dtype]
-        ok = rel <= limit
+        worst_layer = max(layer_rel)
+        # float32: the whole output must match; bf16: every layer on the same input must match.
+        ok = worst_layer <= limit and (rel <= limit or dtype != torch.float32)
         counts = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
         dist.all_gather(counts, torch.tensor([tokens], dtype=torch.int64, device=device))
         if rank == 0:
@@ -166,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"plan (rank 0): {plan}")
             print(f"serial: {t_serial * 1e3:8.2f} ms/step   dbo: {t_dbo * 1e3:8.2f} ms/step   "
                   f"speedup {t_serial / t_dbo:.2f}x   (mean of {args.steps} steps, slowest rank)")
-            print(f"max abs err {max_abs:.3e}   rel err {rel:.3e}   (limit {limit:g})   -> "
+            print(f"end to end: max abs err {max_abs:.3e}   rel err {rel:.3e}   per layer on the "
+                  f"same input: worst rel err {worst_layer:.3e}   (limit {limit:g})   -> "
                   + ("OK: DBO output == serial output" if ok else "MISMATCH"))
             if args.trace:
                 path = trace.write_chrome(args.trace)
@@ -174,6 +190,9 @@ def main(argv: list[str] | None = None) -> int:
                       "(open at https://ui.perfetto.dev)")
         return 0 if ok else 1
     finally:
+        if args.backend.startswith("deepep"):
+            from dbo.backends.deepep_buffer import BUFFER_CACHE
+            BUFFER_CACHE.reset()  # collective: DeepEP buffers must be destroyed before the group
         dist.destroy_process_group()
 
 
