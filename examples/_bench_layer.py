@@ -100,6 +100,8 @@ class ChunkedSwiGLUExperts(MoEExperts):
     expert are sorted by expert on the device; the number of pairs per expert comes from
     ``expert_tokens_meta.expert_num_tokens_cpu`` when the backend has it (DeepEP normal mode
     does), so nothing reads the GPU back; otherwise it is read back once per call (a sync).
+    (Experts are contiguous after the sort, so group ``[e0, e1)`` is rows ``[start(e0),
+    start(e1))`` and its grouped-GEMM offsets are host arithmetic.)
     Each group runs two ``torch._grouped_mm`` (CUDA, bf16) or a loop over its experts, the
     router weights scaling the down projection's input, and its rows are added into an
     ``[M, hidden]`` accumulator (``index_add_``). Output ``[M, hidden]``, already weighted and
@@ -163,13 +165,12 @@ class ChunkedSwiGLUExperts(MoEExperts):
         key = topk_ids.reshape(-1).to(torch.int64)
         key = torch.where(key >= 0, key, n_local)  # slots of other ranks' experts sort last
         sorted_key, order = torch.sort(key, stable=True)
-        # ends[e]: one past expert e's last sorted pair; no host sync
-        ends = torch.searchsorted(sorted_key, torch.arange(1, n_local + 1, device=x.device))
         counts = None
         if meta is not None and meta.expert_num_tokens_cpu is not None \
                 and meta.expert_num_tokens_cpu.numel() == n_local:
             counts = [int(c) for c in meta.expert_num_tokens_cpu.tolist()]
         if counts is None or self.observe:
+            ends = torch.searchsorted(sorted_key, torch.arange(1, n_local + 1, device=x.device))
             dev_counts = torch.diff(ends, prepend=ends.new_zeros(1)).tolist()
             if counts is not None and counts != dev_counts:
                 raise RuntimeError(f"the backend's host-side expert counts {counts[:8]}... differ from "
@@ -194,12 +195,18 @@ class ChunkedSwiGLUExperts(MoEExperts):
         starts = [0]
         for c in counts:
             starts.append(starts[-1] + c)
-        for e0, e1 in _split_even(n_local, self.chunks):
+        groups = _split_even(n_local, self.chunks)
+        if grouped:
+            # every group's offsets (its experts' row ends, from the group's first row) in one
+            # pinned, non-blocking copy: no sync, one launch
+            rel = [starts[e + 1] - starts[e0] for e0, e1 in groups for e in range(e0, e1)]
+            offs_all = torch.tensor(rel, dtype=torch.int32).pin_memory().to(x.device, non_blocking=True)
+        for e0, e1 in groups:
             r0, r1 = starts[e0], starts[e1]
             if r1 == r0:
                 continue
             if grouped:
-                offs = (ends[e0:e1] - r0).to(torch.int32)
+                offs = offs_all[e0:e1]
                 h = _grouped_mm(xs[r0:r1], w1[e0:e1].transpose(1, 2), offs=offs)
                 gate, up = h.chunk(2, dim=-1)
                 y = _grouped_mm(F.silu(gate) * up * ws[r0:r1], w2[e0:e1].transpose(1, 2), offs=offs)

@@ -99,7 +99,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="attention stand-in width: 4 * tokens * hidden * width flops (4096)")
     p.add_argument("--attn-yield", action="store_true",
                    help="yield inside the attention stand-in too (as examples/_model.py does)")
-    p.add_argument("--layers", type=int, default=None, help="MoE layers per step (2)")
+    p.add_argument("--layers", type=int, default=None,
+                   help="MoE layers per step (deepep_ll 4, else 2); times are reported per layer")
     p.add_argument("--expert-chunks", type=int, nargs="+", default=None,
                    help="expert groups launched one after the other (1 2 4 8)")
     p.add_argument("--num-sms", type=int, nargs="+", default=None,
@@ -161,7 +162,9 @@ def resolve_defaults(args: argparse.Namespace) -> None:
                  tokens=[64] if quick else [64, 256], intermediate=[64], expert_chunks=[1, 2],
                  steps=3 if quick else 10, warmup=1, time_budget_s=0.0)
     else:
-        d = dict(dtype="bfloat16", hidden=7168, experts=256, topk=8, attn_width=4096, layers=2,
+        # decode steps are short: more layers per step (the CUDA graph captures "several")
+        d = dict(dtype="bfloat16", hidden=7168, experts=256, topk=8, attn_width=4096,
+                 layers=4 if ll else 2,
                  steps=20, warmup=3, time_budget_s=280.0,
                  expert_chunks=[1, 8] if quick else [1, 2, 4, 8])
         if ll:
@@ -605,6 +608,12 @@ class ShapeBench:
             res["error"] = f"{type(exc).__name__}: {exc}"
             self.rec["warnings"].append(f"T={self.T}: CUDA graph capture/replay failed: {res['error']}")
             try:
+                torch.cuda.synchronize()
+                # an aborted capture advanced DeepEP's host-side buffer index without running the
+                # kernels: clean both low-latency buffers (collective; the failure is symmetric)
+                pf = self.pf
+                pf.buffer.clean_low_latency_buffer(pf.max_tokens_per_rank, pf.padded_hidden,
+                                                   pf.num_experts)
                 torch.cuda.synchronize()
             except Exception as exc2:  # noqa: BLE001 - a sticky CUDA error: nothing more can run
                 res["error"] += f"; then {type(exc2).__name__}: {exc2}"
