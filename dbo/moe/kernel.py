@@ -148,6 +148,9 @@ class MoEKernel:
         output = torch.empty_like(hidden_states)
         shared_out = None
         if pf.supports_async():
+            # As before prepare: a receive the other ubatch left for us must complete before
+            # our launch (DeepEP's next low-latency launch reuses the buffer it reads from).
+            dbo_maybe_run_recv_hook()
             with dbo_region("combine"):
                 res = pf.finalize_async(output, fused, weights, ids, apply_router_weight_on_input,
                                         weight_and_reduce)
