@@ -36,6 +36,8 @@ from dbo.errors import (
     UBatchCountError,
     UBatchError,
 )
+from dbo.overlap import DBOWrapper, overlapped_forward
+from dbo.split import SplitConfig, UBatchPlan, plan_ubatches
 from dbo.trace import Trace
 
 __version__ = "0.1.0"
@@ -44,6 +46,11 @@ __all__ = [
     "run_ubatches",
     "UBatchContext",
     "Trace",
+    "SplitConfig",
+    "UBatchPlan",
+    "plan_ubatches",
+    "DBOWrapper",
+    "overlapped_forward",
     "active_run",
     "dbo_enabled",
     "dbo_num_ubatches",
