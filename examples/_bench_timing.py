@@ -189,7 +189,8 @@ class Progress:
             except ImportError:
                 tqdm = None
             if tqdm is not None:
-                self._bar = tqdm(total=total, file=sys.stderr, dynamic_ncols=True, unit="cfg")
+                self._bar = tqdm(total=total, file=sys.stderr, dynamic_ncols=True, unit="cfg",
+                                 mininterval=2.0)
 
     def update(self, desc: str) -> None:
         self.done += 1
