@@ -37,9 +37,13 @@ if has nccl; then
   run nccl-backend-tests python3 -m pytest -q -p no:cacheprovider tests/test_backends_nccl.py -rA
 fi
 if has demo; then
-  for b in naive all2all deepep_ht deepep_ll; do
+  for b in naive all2all; do
     run "demo-$b" torchrun --nproc-per-node 2 examples/moe_overlap.py --device cuda --backend "$b" \
-      --dtype bfloat16 --trace "$out/demo_$b.trace.json"
+      --trace "$out/demo_$b.trace.json"
+  done
+  for b in deepep_ht deepep_ll; do  # DeepEP combines bf16 only
+    run "demo-$b" torchrun --nproc-per-node 2 examples/moe_overlap.py --device cuda --backend "$b" \
+      --dtype bfloat16 --hidden 2048 --tokens 256 --experts 16 --topk 4 --trace "$out/demo_$b.trace.json"
   done
 fi
 if has deepep; then
