@@ -171,8 +171,18 @@ def hand_to_current_stream(tensors: Iterable[torch.Tensor | None]) -> None:
 
 
 def expert_tokens_meta_from_list(counts: list[int], device: torch.device) -> ExpertTokensMetadata:
-    """Metadata from DeepEP's host-side per-local-expert counts."""
+    """Metadata from DeepEP's host-side per-local-expert counts.
+
+    On CUDA the counts go through pinned memory with a non-blocking copy: a pageable copy
+    would block the CPU until the compute stream drained, which under DBO means until the
+    other ubatch's queued work has run (torch's host allocator keeps the pinned block alive
+    until the copy is done).
+    """
     cpu = torch.tensor(counts, dtype=torch.int32)
+    if device.type == "cuda":
+        cpu = cpu.pin_memory()
+        return ExpertTokensMetadata(expert_num_tokens=cpu.to(device, non_blocking=True),
+                                    expert_num_tokens_cpu=cpu)
     return ExpertTokensMetadata(expert_num_tokens=cpu.to(device), expert_num_tokens_cpu=cpu)
 
 

@@ -100,45 +100,88 @@ def _expand_modes(modes: int | tuple) -> tuple:
     return modes
 
 
-class _ModeRestorer:
-    """Sets this thread's grad/inference/autocast state to a captured tuple.
+def _autocast_state() -> tuple:
+    """``((enabled, dtype) per device in _AUTOCAST_DEVICES) + (cache_enabled,)``."""
+    return tuple(
+        (torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in _AUTOCAST_DEVICES
+    ) + (torch.is_autocast_cache_enabled(),)
 
-    Inference mode has no setter in torch, only a RAII guard: to change it we create a guard
-    and keep it alive until the run ends, then release the guards newest first and, if user
-    guards interleaved with ours left the thread in another state, pin the caller's state
-    with one more guard held by the restorer that outlives the run (see ``close``).
+
+class _ModeRestorer:
+    """Sets this thread's grad/inference/autocast state to a captured one, and puts the
+    caller's back at the end of the run.
+
+    Inference mode has no setter in torch, only a RAII guard (``torch._C._InferenceMode``) whose
+    destruction restores the whole autograd state and dispatch-key set it saw when it was
+    created. So at the start of the run, in the caller's state, the restorer creates one *base*
+    guard with the caller's own inference flag (a no-op change) that saves exactly the caller's
+    state. To change the inference flag at a switch, it drops the guard it holds (back to the
+    caller's state) and creates a new one from there, which again saves the caller's state. It
+    therefore holds exactly one guard at any time, always saving the caller's state, and
+    dropping it in ``close`` restores the caller whatever guards the ubatches created and
+    destroyed in between. Ubatches' own guards are created and destroyed while the thread holds
+    that ubatch's state, so they restore it.
+
+    The autocast dtypes are not part of that state: a ubatch whose autocast is off gets the
+    caller's dtypes (known limit: a dtype set inside a disabled autocast block is not carried).
     """
 
-    _pinned: list[Any] = []  # guards that must outlive their run; see close()
+    live_guards = 0  # guards held by restorers of this process (a test checks it returns to 0)
 
-    def __init__(self) -> None:
-        self.guards: list[Any] = []
+    __slots__ = ("caller", "caller_autocast", "caller_fw_mt", "guard")
+
+    def __init__(self, caller: int | tuple) -> None:
+        self.caller = _expand_modes(caller)
+        self.caller_autocast = _autocast_state()
+        self.caller_fw_mt = (torch._C._is_fwd_grad_enabled(), torch._C._is_multithreading_enabled())
+        self.guard: Any = None
+        self._new_guard(self.caller[1])
+
+    def _new_guard(self, inference: bool) -> None:
+        # The guard sets grad, forward-grad and multithreading to `not inference`: the caller's
+        # own values are put back (for the base guard they are the state the guard changed).
+        self.guard = torch._C._InferenceMode(inference)
+        _ModeRestorer.live_guards += 1
+        torch._C._set_grad_enabled(self.caller[0])
+        fw, mt = self.caller_fw_mt
+        if inference == self.caller[1]:
+            torch._C._set_fwd_grad_enabled(fw)
+            torch._C._set_multithreading_enabled(mt)
+
+    def _drop_guard(self) -> None:
+        if self.guard is not None:
+            self.guard = None  # destroying it restores the caller's autograd state and key set
+            _ModeRestorer.live_guards -= 1
 
     def apply(self, want: int | tuple, have: int | tuple) -> None:
         want, have = _expand_modes(want), _expand_modes(have)
+        had_autocast = have[2]
         if want[1] != have[1]:
-            self.guards.append(torch._C._InferenceMode(want[1]))
-        if want[0] != torch.is_grad_enabled():
+            self._drop_guard()
+            self._new_guard(want[1])  # always one held, so that dropping it restores the caller
+            # The guard swap reset the autocast keys (not the dtypes) to the caller's.
+            have = _expand_modes(_capture_modes())
+        if want[0] != have[0]:
             torch._C._set_grad_enabled(want[0])
-        if want[2] != have[2]:
-            if want[2] is None:
-                for d in _AUTOCAST_DEVICES:
-                    torch.set_autocast_enabled(d, False)
-            else:
-                for d, (enabled, dtype) in zip(_AUTOCAST_DEVICES, want[2][:-1], strict=True):
-                    torch.set_autocast_enabled(d, enabled)
-                    torch.set_autocast_dtype(d, dtype)
-                torch.set_autocast_cache_enabled(want[2][-1])
+        if want[2] != have[2] or want[2] != had_autocast:
+            self._set_autocast(want[2])
 
-    def close(self, caller: int | tuple) -> None:
-        while self.guards:
-            self.guards.pop()  # destroying a guard restores the state it saw when created
-        have = _capture_modes()
-        if _expand_modes(have)[1] != _expand_modes(caller)[1]:
-            _ModeRestorer._pinned.append(torch._C._InferenceMode(_expand_modes(caller)[1]))
-            have = _capture_modes()
-        if have != caller:
-            self.apply(caller, have)
+    def _set_autocast(self, autocast: tuple | None) -> None:
+        if autocast is None:  # off everywhere, with the caller's dtypes
+            autocast = tuple((False, dtype) for _, dtype in self.caller_autocast[:-1]) \
+                + (self.caller_autocast[-1],)
+        for d, (enabled, dtype) in zip(_AUTOCAST_DEVICES, autocast[:-1], strict=True):
+            torch.set_autocast_enabled(d, enabled)
+            torch.set_autocast_dtype(d, dtype)
+        torch.set_autocast_cache_enabled(autocast[-1])
+
+    def close(self) -> None:
+        """Restore the caller's state (drop the guard, then grad and autocast)."""
+        self._drop_guard()
+        if torch.is_grad_enabled() != self.caller[0]:
+            torch._C._set_grad_enabled(self.caller[0])
+        if _autocast_state() != self.caller_autocast:
+            self._set_autocast(self.caller_autocast)
 
 
 # ---- the per-ubatch context ---------------------------------------------------------------
@@ -336,7 +379,6 @@ class _Run:
         self.current_stream = streams.current_getter()
         self.set_stream = streams.set_current
         self.caller_modes = _capture_modes()
-        self.modes = _ModeRestorer()
         self.in_hook = False
         self.live_count = len(fns)
         self.current: UBatchContext | None = None
@@ -344,6 +386,8 @@ class _Run:
         events = streams.events(len(fns))
         self.contexts = [UBatchContext(self, i, fn, token_offsets[i], events[i])
                          for i, fn in enumerate(fns)]
+        # Last: it holds an inference-mode guard that only close() releases.
+        self.modes = _ModeRestorer(self.caller_modes)
         self.yield_current = self._make_yield()
 
     def next_live(self, idx: int) -> UBatchContext | None:
@@ -496,6 +540,8 @@ class _Run:
                 if isinstance(ret, tuple) and ret and ret[0] is _FAILED and \
                         not isinstance(ret[1], greenlet.GreenletExit):
                     logger.error("ubatch %d raised while being unwound", c.id, exc_info=ret[1])
+            if self.trace is not None:
+                self.trace.record("unwound", c.id)
             c.live = False
             self.live_count = 0
 
@@ -507,7 +553,7 @@ class _Run:
         streams.record(end_ev, streams.stream(self.comm_key))
         streams.set_current(self.compute_key)
         streams.wait(streams.stream(self.compute_key), end_ev)
-        self.modes.close(self.caller_modes)
+        self.modes.close()
         self.current = None
 
 
@@ -566,13 +612,13 @@ def run_ubatches(
             device = "cpu"
     streams = STREAM_POOL.get(device)
     run = _Run(fns, streams, comm_stream, offsets, trace)
-    if trace is not None:
-        trace.begin_run(len(fns), streams.device.type == "cuda")
-    start_ev, _ = streams.join_events()
-    streams.record(start_ev, streams.stream(run.compute_key))
-    streams.wait(streams.stream(run.comm_key), start_ev)
     _tls.run = run
     try:
+        if trace is not None:
+            trace.begin_run(len(fns), streams.device.type == "cuda")
+        start_ev, _ = streams.join_events()
+        streams.record(start_ev, streams.stream(run.compute_key))
+        streams.wait(streams.stream(run.comm_key), start_ev)
         try:
             return run.drive()
         except BaseException:

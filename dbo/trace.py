@@ -28,7 +28,8 @@ EVENT_KINDS = (
     "suspend",        # the ubatch yielded back to the driver
     "finish",         # the ubatch's callable returned
     "fail",           # the ubatch raised; detail: exception type
-    "unwind",         # GreenletExit was thrown into the ubatch
+    "unwind",         # GreenletExit was thrown into the ubatch, which runs its finally blocks
+    "unwound",        # ... and has ended
     "stream",         # the ubatch's current stream changed; detail: "compute" / "comm"
     "record",         # an event was recorded; detail: event name
     "wait",           # a stream waits on an event; detail: event name
@@ -104,7 +105,9 @@ class Trace:
                                       kind, ubatch, detail))
         if kind == "resume":
             self._ranges.begin(("run", ubatch), f"dbo.ub{ubatch}")
-        elif kind in ("suspend", "finish", "fail", "unwind"):
+        elif kind == "unwind":
+            self._ranges.begin(("run", ubatch), f"dbo.ub{ubatch}.unwind")
+        elif kind in ("suspend", "finish", "fail", "unwound"):
             self._ranges.end(("run", ubatch))
 
     def begin_run(self, num_ubatches: int, cuda: bool) -> None:
@@ -154,10 +157,12 @@ class Trace:
             run_tid, region_tid = 2 * e.ubatch, 2 * e.ubatch + 1
             names.setdefault(run_tid, f"ubatch {e.ubatch}")
             base = {"pid": 0, "ts": us(e.t_ns)}
-            if e.kind == "resume":
-                out.append({**base, "tid": run_tid, "ph": "B", "name": f"ub{e.ubatch} running", "cat": "run"})
-            elif e.kind in ("suspend", "finish", "fail", "unwind"):
-                if e.kind != "suspend":
+            if e.kind in ("resume", "unwind"):
+                what = "running" if e.kind == "resume" else "unwinding"
+                out.append({**base, "tid": run_tid, "ph": "B", "name": f"ub{e.ubatch} {what}",
+                            "cat": "run"})
+            elif e.kind in ("suspend", "finish", "fail", "unwound"):
+                if e.kind in ("finish", "fail"):
                     out.append({**base, "tid": run_tid, "ph": "i", "s": "t", "name": e.kind,
                                 "cat": "run", "args": {"detail": e.detail}})
                 out.append({**base, "tid": run_tid, "ph": "E", "cat": "run"})

@@ -122,9 +122,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "torch.profiler, 'auto' or 'none'")
     p.add_argument("--sm-carveout", type=int, default=None,
                    help="torch._C._set_sm_carveout_experimental(N) for cuBLAS matmuls (experiment)")
-    p.add_argument("--ht-meta-nosync", action="store_true",
-                   help="experiment: patch deepep_ht's receive-count copy to a pinned non-blocking "
-                        "one (the backend's own copy syncs the compute stream)")
     p.add_argument("--quick", action="store_true", help="a small grid (a smoke test)")
     p.add_argument("--fake-deep-ep", action="store_true",
                    help="testing: run the DeepEP backends on dbo.testing's fake deep_ep (CPU, gloo); "
@@ -314,16 +311,6 @@ def configure_deepep(args: argparse.Namespace) -> dict[str, Any]:
         if args.num_sms:
             # the normal-mode buffer is sized by Buffer.num_sms when created: size it for the most
             api.buffer_cls.set_num_sms(max(args.num_sms))
-        if args.ht_meta_nosync:
-            from dbo.backends import deepep_ht
-            from dbo.moe import ExpertTokensMetadata
-
-            def meta_nosync(counts: list[int], device: torch.device) -> ExpertTokensMetadata:
-                cpu = torch.tensor(counts, dtype=torch.int32).pin_memory()
-                return ExpertTokensMetadata(cpu.to(device, non_blocking=True), cpu)
-
-            deepep_ht.expert_tokens_meta_from_list = meta_nosync
-            found["patched"] = "deepep_ht.expert_tokens_meta_from_list (pinned, non-blocking)"
     return found
 
 

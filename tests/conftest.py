@@ -8,6 +8,8 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 import dbo
+from dbo.backends.deepep_buffer import BUFFER_CACHE
+from dbo.split import FALLBACK_LOG
 from dbo.streams import current_logical_stream
 
 settings.register_profile("default", max_examples=100, deadline=None)
@@ -27,3 +29,5 @@ def _no_run_left_behind():
     assert dbo.active_run() is None, "a run_ubatches run was left active on this thread"
     assert not dbo.dbo_enabled()
     assert current_logical_stream() is stream_before, "the CPU stand-in's current stream leaked"
+    assert len(BUFFER_CACHE) == 0, "a test left DeepEP buffers in the process-wide cache"
+    FALLBACK_LOG.reset()  # each test sees each fallback reason logged afresh

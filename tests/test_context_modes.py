@@ -139,13 +139,13 @@ def test_no_mode_guard_outlives_its_run(inference):
     # piles up one per step.
     programs = [[("inference", not inference), ("yield",), ("set_grad", False), ("yield",)],
                 [("no_grad",), ("yield",), ("pop",), ("inference", inference), ("yield",)]]
-    pinned = len(_ModeRestorer._pinned)
+    held = _ModeRestorer.live_guards
     with torch.inference_mode(inference):
         before = observe()
         for _ in range(20):
             run_ubatches([interpret(p, []) for p in programs], device="cpu")
             assert observe() == before
-    assert len(_ModeRestorer._pinned) == pinned, "mode guards were pinned beyond their runs"
+            assert _ModeRestorer.live_guards == held, "a mode guard outlived its run"
 
 
 def _autocast_dtype_seen_by_peer(peer_block) -> torch.dtype:

@@ -2,20 +2,35 @@
 # Everything that needs the GPU host, in one call (device time is scarce).
 # From the project root on a host with 2 GPUs, after `bash ../shared/gpu/fetch-wheels.sh`:
 #   source .whl/prelude.sh && bash tests/gpu/run_all.sh [OUTDIR]
-# Writes OUTDIR/gpu_log.txt (everything printed) and a few JSON files; exits non-zero if any
-# step failed. Steps can be picked with STEPS="env core bench nccl demo deepep" (default: all).
+# Writes OUTDIR/gpu_log.txt (everything printed) and OUTDIR/gpu_bundle.tgz (JSON results and
+# traces of every step); exits non-zero if any step failed.
+#   STEPS="env core bench demo deepep nccl overlap"   which steps (default: all, in this order)
+#   DEADLINE_S=420                                     the whole script's time; each step gets
+#                                                      at most its own cap and what is left,
+#                                                      and is skipped under 20 s left
 set -uo pipefail
 out=${1:-${OUT:-out}}
-mkdir -p "$out"
+mkdir -p "$out/files"
 log="$out/gpu_log.txt"
-steps=${STEPS:-"env core bench nccl demo deepep"}
+files="$out/files"
+steps=${STEPS:-"env core bench demo deepep nccl overlap"}
+deadline=$((SECONDS + ${DEADLINE_S:-420}))
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
+# The host's shared GPUs must never use NVLink multicast (KINDS.md of the device tool).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 status=0
-run() {  # run NAME CMD...: log the command, its output and its exit code
-  local name=$1; shift
-  echo "=== [$name] \$ $*" | tee -a "$log"
+run() {  # run NAME CAP_S CMD...: log the command, its output and its exit code
+  local name=$1 cap=$2; shift 2
+  local left=$((deadline - SECONDS))
+  if [ "$left" -lt 20 ]; then
+    echo "=== [$name] SKIPPED: ${left}s left of the deadline" | tee -a "$log"
+    status=1
+    return
+  fi
+  [ "$cap" -gt "$left" ] && cap=$left
+  echo "=== [$name] (cap ${cap}s) \$ $*" | tee -a "$log"
   local t0=$SECONDS
-  "$@" 2>&1 | tee -a "$log"
+  timeout -k 5 "$cap" "$@" 2>&1 | tee -a "$log"
   local rc=${PIPESTATUS[0]}
   echo "=== [$name] rc=$rc (took $((SECONDS - t0)) s)" | tee -a "$log"
   [ "$rc" -eq 0 ] || status=1
@@ -23,31 +38,40 @@ run() {  # run NAME CMD...: log the command, its output and its exit code
 has() { [[ " $steps " == *" $1 "* ]]; }
 
 if has env; then
-  run env bash -c 'nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; nvidia-smi topo -m | head -5;
+  run env 30 bash -c 'nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; nvidia-smi topo -m | head -5;
     python3 -c "import torch, greenlet; print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, \"gpus\", torch.cuda.device_count(), \"nccl\", torch.cuda.nccl.version(), \"greenlet\", greenlet.__version__)"'
 fi
 if has core; then
-  run core-gpu-tests python3 -m pytest -q -p no:cacheprovider tests/gpu/test_streams_gpu.py -rA
+  run core-gpu-tests 120 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_streams_gpu.py -rA
 fi
 if has bench; then
-  run bench-switch-cuda python3 examples/bench_switch.py --device cuda --json "$out/bench_switch_cuda.json"
-  run bench-switch-cpu python3 examples/bench_switch.py --device cpu --json "$out/bench_switch_cpu.json"
-fi
-if has nccl; then
-  run nccl-backend-tests python3 -m pytest -q -p no:cacheprovider tests/test_backends_nccl.py -rA
+  run bench-switch-cuda 60 python3 examples/bench_switch.py --device cuda --json "$files/bench_switch_cuda.json"
+  run bench-switch-cpu 60 python3 examples/bench_switch.py --device cpu --json "$files/bench_switch_cpu.json"
 fi
 if has demo; then
   for b in naive all2all; do
-    run "demo-$b" torchrun --nproc-per-node 2 examples/moe_overlap.py --device cuda --backend "$b" \
-      --trace "$out/demo_$b.trace.json"
-  done
-  for b in deepep_ht deepep_ll; do  # DeepEP combines bf16 only
-    run "demo-$b" torchrun --nproc-per-node 2 examples/moe_overlap.py --device cuda --backend "$b" \
-      --dtype bfloat16 --hidden 2048 --tokens 256 --experts 16 --topk 4 --trace "$out/demo_$b.trace.json"
+    run "demo-$b" 90 torchrun --nproc-per-node 2 examples/moe_overlap.py --device cuda --backend "$b" \
+      --trace "$files/demo_$b.trace.json"
   done
 fi
 if has deepep; then
-  run deepep-gpu-tests torchrun --nproc-per-node 2 tests/gpu/run_deepep.py --json "$out/deepep_results.json"
+  run deepep-gpu-tests 180 torchrun --nproc-per-node 2 tests/gpu/run_deepep.py --json "$files/deepep_results.json"
+  for b in deepep_ht deepep_ll; do  # DeepEP combines bf16 only
+    run "demo-$b" 90 torchrun --nproc-per-node 2 examples/moe_overlap.py --device cuda --backend "$b" \
+      --dtype bfloat16 --hidden 2048 --tokens 256 --experts 16 --topk 4 --trace "$files/demo_$b.trace.json"
+  done
+fi
+if has nccl; then
+  run nccl-backend-tests 180 python3 -m pytest -q -p no:cacheprovider tests/test_backends_nccl.py -rA
+fi
+if has overlap; then
+  # A short pass of the overlap benchmark (the full grids: docs/perf_notes.md).
+  run overlap-deepep_ht 150 torchrun --nproc-per-node 2 examples/bench_overlap.py --device cuda \
+    --backend deepep_ht --tokens 4096 --intermediate 512 --expert-chunks 1 4 --num-sms 24 \
+    --time-budget-s 100 --out "$files/overlap_ht"
+  run overlap-deepep_ll 150 torchrun --nproc-per-node 2 examples/bench_overlap.py --device cuda \
+    --backend deepep_ll --tokens 64 256 --cuda-graph --time-budget-s 100 --out "$files/overlap_ll"
 fi
 echo "=== overall status $status" | tee -a "$log"
+tar -czf "$out/gpu_bundle.tgz" -C "$files" . && rm -rf "$files"
 exit $status
