@@ -34,6 +34,25 @@ def bench_dbo(n: int, device: str) -> float:
     return (time.perf_counter() - t0) / (2 * n)
 
 
+def bench_greenlet_floor(n: int) -> float:
+    """Two bare greenlets switching to each other: the floor under any greenlet scheme."""
+    import greenlet
+
+    peers: list = []
+
+    def body(me: int) -> None:
+        other = peers[1 - me].switch
+        for _ in range(n):
+            other()
+
+    peers.extend([greenlet.greenlet(lambda: body(0)), greenlet.greenlet(lambda: body(1))])
+    t0 = time.perf_counter()
+    peers[0].switch()
+    dt = time.perf_counter() - t0
+    peers[1].switch()  # let the second one finish too
+    return dt / (2 * n)
+
+
 def bench_threads(n: int, device: str) -> float:
     go = [threading.Event(), threading.Event()]
     cuda = device == "cuda"
@@ -73,10 +92,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     bench_dbo(1000, args.device)  # warm-up: streams, events, code paths
     bench_threads(1000, args.device)
-    dbo_us, thr_us = [], []
+    dbo_us, thr_us, floor_us = [], [], []
     for _ in range(args.repeats):
         dbo_us.append(bench_dbo(args.switches, args.device) * 1e6)
         thr_us.append(bench_threads(args.thread_switches, args.device) * 1e6)
+        floor_us.append(bench_greenlet_floor(args.switches) * 1e6)
     res = {
         "device": args.device,
         "python": sys.version.split()[0],
@@ -85,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
         "dbo_us_median": statistics.median(dbo_us),
         "threads_us_min": min(thr_us),
         "threads_us_median": statistics.median(thr_us),
+        "greenlet_floor_us_min": min(floor_us),
+        "greenlet_floor_us_median": statistics.median(floor_us),
     }
     res["ratio_median"] = res["threads_us_median"] / res["dbo_us_median"]
     print(f"device={args.device} python={res['python']} torch={res['torch']} repeats={args.repeats}")
@@ -92,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'dbo greenlet (dbo_yield)':<28}{res['dbo_us_min']:>15.3f}{res['dbo_us_median']:>18.3f}")
     print(f"{'threads + threading.Event':<28}{res['threads_us_min']:>15.3f}"
           f"{res['threads_us_median']:>18.3f}")
+    print(f"{'bare greenlet switch (floor)':<28}{res['greenlet_floor_us_min']:>15.3f}"
+          f"{res['greenlet_floor_us_median']:>18.3f}")
     print(f"dbo is {res['ratio_median']:.1f}x cheaper per switch (medians)")
     if args.json:
         with open(args.json, "w") as f:
