@@ -43,6 +43,7 @@ import torch
 
 __all__ = [
     "DISABLE_ENV_VAR",
+    "NEVER_SPLIT",
     "SplitMode",
     "SplitReason",
     "SplitConfig",
@@ -94,6 +95,12 @@ class Vote(enum.IntEnum):
     NO = 0
     YES = 1
     ABSTAIN = 2  #: a rank with no tokens goes along with the others
+
+
+#: a token threshold no batch reaches. A config whose two thresholds are both this never
+#: splits on any rank, so :func:`plan_ubatches` issues no collective for it: every rank of
+#: the group must then use such a config (dbo.autotune gives every rank the same one).
+NEVER_SPLIT = 2**62
 
 
 @dataclass(frozen=True)
@@ -412,7 +419,8 @@ def plan_ubatches(
     decision = local_vote(num_tokens, config, request_token_counts=request_token_counts,
                           decode_only=decode_only)
     vec = encode_vote(decision, config.num_ubatches)
-    if agree and _group_size(group) > 1:
+    never = min(config.decode_token_threshold, config.prefill_token_threshold) >= NEVER_SPLIT
+    if agree and not never and _group_size(group) > 1:
         vec = _reduce_max(vec, group, device)
     plan = resolve_plan(num_tokens, decision, config, vec)
     FALLBACK_LOG.note(plan)

@@ -11,8 +11,10 @@ Definitions (per shape; every time is per MoE layer: a step's time over its laye
 * ``peak_ratio``: peak memory of the best DBO configuration over that of the best serial one
   (``torch.cuda.max_memory_allocated``, weights included); ``peak_extra_ratio``: the same for
   the memory allocated during the step only.
-* ``wrapper``: what ``DBOWrapper`` with the default :class:`dbo.split.SplitConfig` would run
-  (DBO when its thresholds split this batch, else serial), over the serial time.
+* ``wrapper``: the overlapped forward deciding by itself, over the serial time: measured with
+  the config that ``dbo.autotune`` tuned on the same grid (the default, unless
+  ``--no-autotune``); otherwise what the default :class:`dbo.split.SplitConfig` would run (DBO
+  when its thresholds split this batch, else serial).
 """
 
 from __future__ import annotations
@@ -76,7 +78,10 @@ def summarize_shape(shape: dict, default_splits: bool) -> dict:
                                      for m in (dbo, serial))),
         "default_config_splits": default_splits,
     }
-    wrapper = t_dbo if default_splits else t_serial
+    measured = _ms(_best(meas, "wrapper"), layers)
+    wrapper = measured if measured is not None else (t_dbo if default_splits else t_serial)
+    out["wrapper_ms"] = wrapper
+    out["wrapper_measured"] = measured is not None
     out["wrapper_vs_serial"] = _ratio(wrapper, t_serial)
     sms = sorted({m["num_sms"] for m in meas if m.get("num_sms") is not None})
     out["per_num_sms"] = [{
@@ -164,6 +169,13 @@ def format_table(bundle: dict) -> str:
         lines.append(f"I={cross['intermediate']}: DBO faster than serial from "
                      f"{cross.get('eager', '-')} tokens/rank on (eager), {cross.get('graph', '-')} "
                      "(CUDA graph); None: at no size of the grid")
+    for inter, tuned in (bundle.get("autotune") or {}).items():
+        if not tuned.get("ok"):
+            lines.append(f"I={inter}: autotune {tuned.get('error', 'failed')}")
+            continue
+        lines.append(f"I={inter}: dbo.autotune (per step, both ranks' slowest; 'wrap' above is the "
+                     "wrapper measured with this config):")
+        lines.extend("  " + ln for ln in tuned["table"].splitlines())
     for w in bundle.get("warnings", []):
         lines.append(f"WARNING: {w}")
     files = bundle.get("files", {})

@@ -37,6 +37,7 @@ the profiled shape), and prints a short table last. Exits 1 if an output mismatc
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -64,6 +65,7 @@ from _bench_timing import Progress, measure, reduce_max
 from _model import BACKENDS, make_backend
 
 import dbo
+from dbo.autotune import NEVER_SPLIT, autotune_split_config
 from dbo.moe import MoEKernel, SwiGLUExperts, relative_error
 from dbo.overlap import overlapped_forward
 from dbo.split import SplitConfig, Vote, local_vote, plan_ubatches
@@ -122,6 +124,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "torch.profiler, 'auto' or 'none'")
     p.add_argument("--sm-carveout", type=int, default=None,
                    help="torch._C._set_sm_carveout_experimental(N) for cuBLAS matmuls (experiment)")
+    p.add_argument("--no-autotune", dest="autotune", action="store_false",
+                   help="skip dbo.autotune (by default, after each intermediate size's shapes, "
+                        "the thresholds are tuned over the grid's token counts and the wrapper "
+                        "is timed with the tuned config at every shape)")
     p.add_argument("--quick", action="store_true", help="a small grid (a smoke test)")
     p.add_argument("--fake-deep-ep", action="store_true",
                    help="testing: run the DeepEP backends on dbo.testing's fake deep_ep (CPU, gloo); "
@@ -320,7 +326,9 @@ def count_configs(args: argparse.Namespace) -> int:
     n = sum(per[m] for m in args.modes) + 1  # +1: traces
     if args.cuda_graph:
         n += 1
-    return n * len(args.tokens) * len(args.intermediate)
+    if args.autotune:
+        n += 1  # the wrapper with the tuned config (the tuning itself: one more per size)
+    return n * len(args.tokens) * len(args.intermediate) + (len(args.intermediate) if args.autotune else 0)
 
 
 def profile_target(args: argparse.Namespace) -> tuple[int, int] | None:
@@ -501,6 +509,30 @@ class ShapeBench:
         m = min(cands, key=lambda m: m["timing"]["median_ms"])
         return m["expert_chunks"], m["num_sms"]
 
+    def adaptive_forward(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The model's forward with each mode's best configuration: the one DBO measured best
+        inside a run, the one serial measured best outside (what a tuned wrapper runs)."""
+        (c_ser, s_ser), (c_dbo, s_dbo) = self.best("serial"), self.best("dbo")
+
+        def fn(x: torch.Tensor) -> torch.Tensor:
+            in_dbo = dbo.dbo_enabled()
+            if dbo.dbo_current_ubatch_id() == 0:  # once per step; set_num_sms is not free
+                self.sms.set(s_dbo if in_dbo else s_ser)
+            self.use(self.pf, c_dbo if in_dbo else c_ser, "dbo" if in_dbo else "serial")
+            return self.model(x)
+
+        return fn
+
+    def wrapper(self, config: SplitConfig, group: Any) -> None:
+        """Time the overlapped forward with ``config`` deciding (one all-reduce per step over
+        ``group``, a gloo group on GPUs so that the decision does not wait for the GPU)."""
+        fn = self.adaptive_forward()
+        decode = self.args.backend == "deepep_ll"
+        self.run_config("wrapper", None, None,
+                        lambda: overlapped_forward(fn, self.x, config=config, decode_only=decode,
+                                                   group=group),
+                        self._check_against(self.ref, "wrapper"))
+
     def traces(self, profile: bool, out_dir: Path) -> dict | None:
         """One DBO step recorded by dbo.Trace (returned as Chrome JSON); on the profiled shape
         torch.profiler kernel traces of the best DBO and serial steps."""
@@ -614,6 +646,46 @@ class ShapeBench:
 # ---- the run --------------------------------------------------------------------------------
 
 
+def tune_and_time_wrapper(args: argparse.Namespace, benches: list[ShapeBench], budget: Budget,
+                          progress: Progress, group: Any) -> dict:
+    """dbo.autotune over the measured token counts of one model, then the wrapper with the
+    tuned config at every shape; each shape's summary is recomputed with that wrapper time."""
+    ready = [sb for sb in benches if "skipped" not in sb.rec and hasattr(sb, "ref")]
+    res: dict[str, Any] = {"ok": False}
+    if budget.expired() or not ready:
+        res["error"] = "skipped: time budget" if ready else "no measured shape"
+        progress.update("autotune (skipped)")
+        return res
+    by_tokens = {sb.T: sb for sb in ready}
+
+    forwards = {t: sb.adaptive_forward() for t, sb in by_tokens.items()}
+    current: list[Callable[[torch.Tensor], torch.Tensor]] = []
+
+    def make_inputs(t: int) -> list[torch.Tensor]:
+        current[:] = [forwards[t]]
+        return [by_tokens[t].x]
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return current[0](x)
+
+    decode = args.backend == "deepep_ll"
+    result = autotune_split_config(fn, make_inputs, sorted(by_tokens), decode_only=decode,
+                                   group=group, warmup=args.warmup, steps=max(5, args.steps // 2))
+    for sb in ready:
+        sb.pf.reset()
+    progress.update(f"I={ready[0].model.dims.intermediate} autotune")
+    res.update(ok=True, decode_only=decode, threshold=result.threshold,
+               never_split=result.threshold >= NEVER_SPLIT, margin=result.margin,
+               rows=[dataclasses.asdict(r) for r in result.rows], table=result.table())
+    for sb in ready:
+        sb.wrapper(result.config, group)
+        sb.pf.reset()
+        splits = local_vote(sb.T, result.config, decode_only=decode).vote is Vote.YES
+        sb.rec["summary"] = summarize_shape(sb.rec, splits)
+        sb.rec["summary"]["wrapper_config"] = "autotuned"
+    return res
+
+
 def build_backend(args: argparse.Namespace, tokens: int, device: torch.device, dtype: torch.dtype) -> Any:
     return make_backend(args.backend, None, hidden=args.hidden, num_experts=args.experts,
                         topk=args.topk, max_tokens_per_rank=tokens, dtype=dtype, device=device)
@@ -636,6 +708,10 @@ def run(args: argparse.Namespace, rank: int, world: int, device: torch.device, o
     shared_backend = build_backend(args, max(args.tokens), device, dtype)
     target = profile_target(args)
     shapes, chrome = [], []
+    tuned: dict[int, dict] = {}
+    # The split decision's all-reduce over NCCL would read its result back on the host, i.e.
+    # wait for the GPU every step: decide over a CPU (gloo) group instead, as an engine would.
+    decision_group = dist.new_group(backend="gloo") if args.autotune and device.type == "cuda" else None
     try:
         for inter in args.intermediate:
             dims = LayerDims(hidden=args.hidden, intermediate=inter,
@@ -643,6 +719,7 @@ def run(args: argparse.Namespace, rank: int, world: int, device: torch.device, o
                              num_experts=args.experts, topk=args.topk, attn_width=args.attn_width,
                              layers=args.layers, dtype=dtype, attn_yield=args.attn_yield)
             model = BenchModel(dims, rank, world, device, seed=args.seed)
+            benches: list[ShapeBench] = []
             for tokens in args.tokens:
                 backend = shared_backend
                 if args.backend == "deepep_ll" and tokens != max(args.tokens):
@@ -673,6 +750,7 @@ def run(args: argparse.Namespace, rank: int, world: int, device: torch.device, o
                 splits = local_vote(tokens, SplitConfig(), decode_only=decode).vote is Vote.YES
                 sb.rec["summary"] = summarize_shape(sb.rec, splits)
                 shapes.append(sb.rec)
+                benches.append(sb)
                 if rank == 0:  # what is done so far survives a later crash or kill
                     out_dir.mkdir(parents=True, exist_ok=True)
                     (out_dir / "bench_overlap.json").write_text(json.dumps(
@@ -680,14 +758,16 @@ def run(args: argparse.Namespace, rank: int, world: int, device: torch.device, o
                          "shapes": shapes}, indent=1, default=str))
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
-            del model
+            if args.autotune:
+                tuned[inter] = tune_and_time_wrapper(args, benches, budget, progress, decision_group)
+            del model, benches
     finally:
         progress.close()
     if budget.hit:
         warnings.append(f"time budget of {args.time_budget_s:.0f} s reached: some configurations "
                         "were skipped (see 'skipped' in the JSON)")
     bundle = {"schema": SCHEMA, "partial": False, "env": env, "args": _jsonable(vars(args)), "shapes": shapes,
-              "warnings": warnings, "files": {}}
+              "autotune": {str(k): v for k, v in tuned.items()}, "warnings": warnings, "files": {}}
     finish(bundle, chrome, out_dir, rank)
     return bundle
 
@@ -741,8 +821,10 @@ def finish(bundle: dict, chrome: list[tuple[str, dict]], out_dir: Path, rank: in
         if s.get("peak_ratio") is not None and s["peak_ratio"] > 1.1:
             w.append(f"{label}: DBO peak memory is {s['peak_ratio']:.2f}x the serial peak (target <= 1.1)")
         if s.get("wrapper_vs_serial") is not None and s["wrapper_vs_serial"] > 1.02:
-            w.append(f"{label}: the default SplitConfig splits this batch and DBO is "
-                     f"{100 * (s['wrapper_vs_serial'] - 1):.0f}% slower than serial (limit 2%)")
+            who = ("the wrapper with the autotuned config" if s.get("wrapper_measured")
+                   else "the default SplitConfig")
+            w.append(f"{label}: {who} is {100 * (s['wrapper_vs_serial'] - 1):.0f}% slower than "
+                     "serial (limit 2%)")
         share, eff = s.get("comm_share"), s.get("efficiency")
         if share is not None and eff is not None and share >= 0.25 and eff < 0.6:
             w.append(f"{label}: communication is {100 * share:.0f}% of the serial layer and the overlap "

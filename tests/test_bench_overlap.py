@@ -95,7 +95,8 @@ def _check_structure(bundle: dict, backend: str, chunks: list[int], sms: list[in
         s_or_none = sms or [None]
         want = ({("compute", c, None) for c in chunks} | {("dbo_compute", c, None) for c in chunks}
                 | {("comm", None, s) for s in s_or_none}
-                | {(mode, c, s) for mode in ("serial", "dbo") for c in chunks for s in s_or_none})
+                | {(mode, c, s) for mode in ("serial", "dbo") for c in chunks for s in s_or_none}
+                | {("wrapper", None, None)})
         assert got == want
         for m in sh["measurements"]:
             t = m["timing"]
@@ -103,7 +104,7 @@ def _check_structure(bundle: dict, backend: str, chunks: list[int], sms: list[in
             assert 0 < t["p10_ms"] <= t["median_ms"] <= t["p90_ms"]
             assert t["cpu_launch_ms"] > 0
         # every DBO and chunked output was checked against the serial one, and matched
-        checked = {"dbo_vs_serial", *(f"dbo_c{c}_s{s}" for c in chunks for s in s_or_none)}
+        checked = {"dbo_vs_serial", "wrapper", *(f"dbo_c{c}_s{s}" for c in chunks for s in s_or_none)}
         assert checked <= sh["checks"].keys()
         assert all(v["token_median"] <= 2e-2 for v in sh["checks"].values())
         s = sh["summary"]
@@ -114,6 +115,15 @@ def _check_structure(bundle: dict, backend: str, chunks: list[int], sms: list[in
         assert s["efficiency"] == pytest.approx((s["serial_ms"] - s["dbo_ms"]) / hideable)
         assert [r["expert_chunks"] for r in s["per_chunks"]] == chunks
         assert [r["num_sms"] for r in s["per_num_sms"]] == sms
+        # the wrapper was timed with the autotuned config, which the autotune section records
+        assert s["wrapper_measured"] is True and s["wrapper_config"] == "autotuned"
+        assert s["wrapper_vs_serial"] == pytest.approx(s["wrapper_ms"] / s["serial_ms"])
+    for inter, tuned in bundle["autotune"].items():
+        assert tuned["ok"], tuned
+        assert sorted(r["tokens"] for r in tuned["rows"]) == sorted(
+            sh["tokens"] for sh in bundle["shapes"] if str(sh["intermediate"]) == inter)
+        assert all(r["serial_ms"] > 0 for r in tuned["rows"])
+        assert "threshold: split" in tuned["table"]
 
 
 

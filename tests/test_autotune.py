@@ -1,0 +1,191 @@
+"""dbo.autotune: the threshold rule (pure, property-tested) and real measurements on the CPU.
+
+The measured forward is built so that the answer is known: a fixed per-call cost (a stand-in
+for kernel launches and weight reads, paid once per ubatch), then a "communication" that runs
+on a worker thread while the ubatch yields, then "compute". Small batches lose under DBO (the
+fixed cost is paid twice), large ones win (one ubatch's communication runs during the other's
+compute); the margins are wide (>= 20%) so that timer noise cannot flip them.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from hypothesis import given, note
+from hypothesis import strategies as st
+
+from dbo import SplitConfig, dbo_yield, overlapped_forward
+from dbo.autotune import NEVER_SPLIT, AutotuneRow, autotune_split_config, pick_threshold
+from dbo.split import plan_ubatches
+from dbo.testing.dist import DistJobError, DistWorld
+
+FIXED_S = 0.002
+PER_TOKEN_S = 1e-5  # communication and compute each
+
+
+def sleepy_forward(pool: ThreadPoolExecutor, scale: float = 1.0):
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        t = x.shape[0]
+        time.sleep(FIXED_S * scale)
+        comm = pool.submit(time.sleep, PER_TOKEN_S * t * scale)
+        dbo_yield()
+        comm.result()
+        time.sleep(PER_TOKEN_S * t * scale)
+        return x * 2
+
+    return fn
+
+
+rows_strategy = st.lists(
+    st.tuples(st.integers(1, 10_000), st.floats(0.01, 100), st.one_of(st.none(), st.floats(0.01, 100))),
+    max_size=8, unique_by=lambda r: r[0],
+).map(lambda rs: [AutotuneRow(t, s, d) for t, s, d in rs])
+
+
+@given(rows_strategy, st.floats(0, 0.5))
+def test_threshold_is_where_dbo_wins_from_there_on(rows, margin):
+    thr = pick_threshold(rows, margin)
+    note(f"threshold {thr}")
+
+    def wins(r: AutotuneRow) -> bool:
+        return r.dbo_ms is not None and r.dbo_ms <= r.serial_ms * (1 - margin)
+
+    above = [r for r in rows if r.tokens >= thr]
+    assert all(wins(r) for r in above)
+    below = sorted((r for r in rows if r.tokens < thr), key=lambda r: r.tokens)
+    if below:  # the largest size below the threshold lost: the threshold is the smallest possible
+        assert not wins(below[-1])
+    if thr != NEVER_SPLIT:
+        assert thr in {r.tokens for r in rows}
+    # a stricter margin never splits more
+    assert pick_threshold(rows, min(0.99, margin + 0.1)) >= thr
+
+
+def test_threshold_examples_and_errors():
+    r = [AutotuneRow(32, 1.0, 1.5), AutotuneRow(64, 1.0, 0.9), AutotuneRow(128, 1.0, 0.8)]
+    assert pick_threshold(r) == 64
+    assert pick_threshold(r, margin=0.15) == 128
+    assert pick_threshold([AutotuneRow(32, 1.0, 0.5), AutotuneRow(64, 1.0, 1.2)]) == NEVER_SPLIT
+    assert pick_threshold([]) == NEVER_SPLIT
+    with pytest.raises(ValueError, match="distinct"):
+        pick_threshold([AutotuneRow(32, 1.0, 0.5), AutotuneRow(32, 1.0, 0.5)])
+    with pytest.raises(ValueError, match="margin"):
+        pick_threshold(r, margin=1.0)
+
+
+def test_autotune_finds_the_crossover_and_the_wrapper_follows_it():
+    with ThreadPoolExecutor(1) as pool:
+        fn = sleepy_forward(pool)
+        res = autotune_split_config(fn, lambda t: [torch.ones(t, 4)], [2000, 25, 50, 4000],
+                                    decode_only=True, warmup=1, steps=3, rounds=1)
+        assert [r.tokens for r in res.rows] == [25, 50, 2000, 4000]
+        assert res.rows[0].ratio > 1.2 and res.rows[1].ratio > 1.2, res.table()
+        assert res.rows[2].ratio < 0.9 and res.rows[3].ratio < 0.9, res.table()
+        assert res.threshold == 2000
+        assert res.config.decode_token_threshold == 2000
+        assert res.config.prefill_token_threshold == SplitConfig().prefill_token_threshold
+        # the wrapper with the tuned config splits where DBO won, and gives the plain numbers
+        assert not plan_ubatches(50, res.config, decode_only=True).split
+        assert plan_ubatches(2000, res.config, decode_only=True).split
+        x = torch.randn(2000, 4)
+        torch.testing.assert_close(overlapped_forward(fn, x, config=res.config, decode_only=True), x * 2,
+                                   rtol=0, atol=0)
+        assert "threshold: split >= 2000 tokens" in res.table()
+
+
+def test_autotune_never_splits_when_dbo_never_wins():
+    def fn(x: torch.Tensor) -> torch.Tensor:  # no communication to hide: DBO only adds cost
+        time.sleep(FIXED_S)
+        dbo_yield()
+        return x + 1
+
+    res = autotune_split_config(fn, lambda t: [torch.zeros(t, 2)], [64, 512], decode_only=False,
+                                warmup=0, steps=2, rounds=1)
+    assert res.threshold == NEVER_SPLIT
+    assert res.config.prefill_token_threshold == NEVER_SPLIT
+    assert not plan_ubatches(10**9, res.config, decode_only=False).split
+    assert "split never" in res.table()
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(token_counts=[]), "token_counts"),
+    (dict(token_counts=[0, 4]), "token_counts"),
+    (dict(token_counts=[4, 4]), "token_counts"),
+    (dict(steps=0), "steps"),
+    (dict(margin=-0.1), "margin"),
+])
+def test_bad_arguments(kwargs, match):
+    args = dict(token_counts=[4, 8], steps=1)
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        autotune_split_config(lambda x: x, lambda t: [torch.zeros(t)], decode_only=True, **args)
+
+
+# ---- two ranks over gloo: the same answer everywhere, and mismatches fail on every rank -------
+
+
+@pytest.fixture(scope="module")
+def world():
+    with DistWorld(2) as w:
+        yield w
+
+
+def _tune_job(counts_by_rank: list[list[int]]) -> tuple:
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        # a collective per call, as an MoE forward has; rank 1 is slower, so it sets the pace
+        time.sleep(0.001 * (1 + rank))
+        y = x.clone()
+        dist.all_reduce(y)
+        dbo_yield()
+        return y
+
+    res = autotune_split_config(fn, lambda t: [torch.ones(t, 3)], counts_by_rank[rank],
+                                decode_only=False, warmup=1, steps=2, rounds=1)
+    return res.threshold, res.rows
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(120)
+def test_ranks_get_the_same_answer(world):
+    (thr0, rows0), (thr1, rows1) = world.run(_tune_job, [[8, 64], [8, 64]])
+    assert thr0 == thr1 and rows0 == rows1
+    # the slowest rank's time: rank 1 sleeps 2 ms per call
+    assert all(r.serial_ms >= 2.0 for r in rows0)
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(120)
+def test_different_token_counts_fail_on_every_rank(world):
+    with pytest.raises(DistJobError) as info:
+        world.run(_tune_job, [[8, 64], [8, 128]])
+    assert [o.ok for o in info.value.outcomes] == [False, False]
+    assert all("different token_counts" in o.error for o in info.value.outcomes)
+
+
+def _never_job() -> list[float]:
+    import torch.distributed as dist
+
+    from dbo.split import NEVER_SPLIT
+
+    # rank 0 plans with a never-split config, rank 1 does not plan at all: no collective may
+    # be issued for it, or the all-reduce below would pair with the plan's and fail or hang
+    if dist.get_rank() == 0:
+        plan = plan_ubatches(10**6, SplitConfig(decode_token_threshold=NEVER_SPLIT,
+                                                prefill_token_threshold=NEVER_SPLIT))
+        assert not plan.split
+    t = torch.tensor([1.0 + dist.get_rank()])
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(120)
+def test_a_never_split_config_issues_no_collective(world):
+    assert world.run(_never_job, timeout_s=30) == [[3.0], [3.0]]
