@@ -179,8 +179,6 @@ def autotune_split_config(
     kwargs = dict(fn_kwargs or {})
     multi = _group_size(group) > 1
     counts.sort()
-    first_inputs = list(make_inputs(counts[0]))
-    device = _device_of(first_inputs)
     if multi:
         # One mismatch would make the ranks issue different collectives: check first.
         mine = [len(counts), sum(counts), steps, rounds, warmup]
@@ -192,8 +190,8 @@ def autotune_split_config(
                                 enabled=True)
     local: list[float] = []
     for t in counts:
-        inputs = first_inputs if t == counts[0] else list(make_inputs(t))
-        first_inputs = []
+        inputs = list(make_inputs(t))
+        device = _device_of(inputs)
         plan = plan_ubatches(t, force, decode_only=decode_only, group=group)
         best = {"serial": float("inf"), "dbo": float("inf")}
         for _ in range(rounds):
