@@ -22,8 +22,9 @@ capture one graph per plan.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +43,7 @@ __all__ = [
     "merge_outputs",
     "overlapped_forward",
     "DBOWrapper",
+    "sm_carveout",
 ]
 
 
@@ -171,6 +173,47 @@ def _run_device(t: torch.Tensor) -> torch.device | str:
     return t.device if t.device.type == "cuda" else "cpu"
 
 
+def _check_carveout(num_sms: Any) -> int | None:
+    if num_sms is not None and (isinstance(num_sms, bool) or not isinstance(num_sms, int)
+                                or num_sms < 0):
+        raise ValueError(f"sm_carveout must be a non-negative int or None, got {num_sms!r}")
+    return num_sms
+
+
+@contextlib.contextmanager
+def sm_carveout(num_sms: int | None) -> Iterator[None]:
+    """Leave ``num_sms`` SMs to other kernels in the matmuls launched inside the block.
+
+    Sets torch's experimental SM carve-out (``torch._C._set_sm_carveout_experimental``): cuBLASLt
+    matmuls target that many fewer SMs, and the persistent CUTLASS kernels of
+    ``torch._grouped_mm`` size their grid to the rest. Under DBO this keeps SMs free for the
+    other ubatch's communication kernels (DeepEP's normal mode runs on ``Buffer.num_sms`` SMs),
+    which otherwise wait for a persistent GEMM to finish. The previous value is restored on exit.
+    ``None`` does nothing.
+
+    Raises:
+        ValueError: ``num_sms`` is negative or not an int.
+        RuntimeError: this torch has no SM carve-out.
+    """
+    if _check_carveout(num_sms) is None:
+        yield
+        return
+    setter = getattr(torch._C, "_set_sm_carveout_experimental", None)
+    getter = getattr(torch._C, "_get_sm_carveout_experimental", None)
+    if setter is None or getter is None:
+        raise RuntimeError(f"sm_carveout={num_sms}: torch {torch.__version__} has no "
+                           "_set_sm_carveout_experimental")
+    previous = getter()
+    setter(num_sms)
+    try:
+        yield
+    finally:
+        setter(previous)
+
+
+_carveout_block = sm_carveout  # overlapped_forward's argument of the same name hides it
+
+
 def overlapped_forward(
     fn: Callable[..., Any],
     *tensors: torch.Tensor,
@@ -183,6 +226,7 @@ def overlapped_forward(
     trace: Trace | None = None,
     comm_stream: Any = None,
     fn_kwargs: Mapping[str, Any] | None = None,
+    sm_carveout: int | None = None,
 ) -> Any:
     """``fn(*tensors, **fn_kwargs)``, run as overlapped ubatches when the plan splits.
 
@@ -200,6 +244,9 @@ def overlapped_forward(
         trace: a :class:`dbo.Trace` that records the overlapped run.
         comm_stream: the comm stream for ``run_ubatches`` (default: its own).
         fn_kwargs: keyword arguments given unchanged to every call of ``fn``.
+        sm_carveout: SMs the matmuls leave free while the ubatches run (see
+            :func:`sm_carveout`); None (default) leaves torch's setting alone. A plain
+            (unsplit) call runs without it.
 
     Returns:
         ``fn``'s output for all ``num_tokens`` rows, in input order (same structure).
@@ -209,6 +256,7 @@ def overlapped_forward(
         dbo.UBatchError: a ubatch raised (``__cause__`` is its exception).
     """
     num_tokens = _check_inputs(tensors)
+    _check_carveout(sm_carveout)
     kwargs = dict(fn_kwargs or {})
     if plan is None:
         plan = plan_ubatches(num_tokens, config, request_token_counts=request_token_counts,
@@ -232,9 +280,10 @@ def overlapped_forward(
 
         return run
 
-    outputs = run_ubatches([body(i) for i in range(n)], comm_stream=comm_stream,
-                           token_offsets=plan.token_offsets, trace=trace,
-                           device=_run_device(tensors[0]))
+    with _carveout_block(sm_carveout):
+        outputs = run_ubatches([body(i) for i in range(n)], comm_stream=comm_stream,
+                               token_offsets=plan.token_offsets, trace=trace,
+                               device=_run_device(tensors[0]))
     return merge_outputs(plan, outputs)
 
 
@@ -253,11 +302,13 @@ class DBOWrapper(torch.nn.Module):
         agree: False skips the agreement all-reduce.
         trace: a default :class:`dbo.Trace` for every overlapped call.
         comm_stream: passed to ``run_ubatches``.
+        sm_carveout: SMs the matmuls leave free in overlapped calls (see :func:`sm_carveout`).
     """
 
     def __init__(self, module_or_fn: torch.nn.Module | Callable[..., Any],
                  config: SplitConfig | None = None, *, group: Any = None, agree: bool = True,
-                 trace: Trace | None = None, comm_stream: Any = None):
+                 trace: Trace | None = None, comm_stream: Any = None,
+                 sm_carveout: int | None = None):
         super().__init__()
         if not callable(module_or_fn):
             raise TypeError(f"module_or_fn must be callable, got {type(module_or_fn).__name__}")
@@ -270,6 +321,7 @@ class DBOWrapper(torch.nn.Module):
         self.agree = agree
         self.trace = trace
         self.comm_stream = comm_stream
+        self.sm_carveout = sm_carveout
         self.last_plan: UBatchPlan | None = None
 
     @property
@@ -294,4 +346,5 @@ class DBOWrapper(torch.nn.Module):
         self.last_plan = plan
         return overlapped_forward(self.fn, *tensors, plan=plan,
                                   trace=self.trace if trace is None else trace,
-                                  comm_stream=self.comm_stream, fn_kwargs=kwargs)
+                                  comm_stream=self.comm_stream, fn_kwargs=kwargs,
+                                  sm_carveout=self.sm_carveout)

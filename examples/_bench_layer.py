@@ -102,9 +102,12 @@ class ChunkedSwiGLUExperts(MoEExperts):
     does), so nothing reads the GPU back; otherwise it is read back once per call (a sync).
     (Experts are contiguous after the sort, so group ``[e0, e1)`` is rows ``[start(e0),
     start(e1))`` and its grouped-GEMM offsets are host arithmetic.)
-    Each group runs two ``torch._grouped_mm`` (CUDA, bf16) or a loop over its experts, the
-    router weights scaling the down projection's input, and its rows are added into an
-    ``[M, hidden]`` accumulator (``index_add_``). Output ``[M, hidden]``, already weighted and
+    Each group runs two ``torch._grouped_mm`` (CUDA, bf16) or a loop over its experts. The
+    weighted reduction over each token's local slots is one ``embedding_bag`` (sum, the router
+    weights as per-sample weights, float accumulation, no atomics): each token's bag holds the
+    expert-output rows of its slots, slots of other ranks' experts weigh 0. (Before 2026-11-22
+    it was a bf16 ``index_add_``, whose atomics took about a third of the layer's compute on an
+    H200; ``reduce="index_add"`` keeps that variant.) Output ``[M, hidden]``, already weighted and
     reduced (``TopKWeightAndReduceNoOp``).
 
     BATCHED_EXPERTS format (deepep_ll): ``[L, cap, hidden]`` slabs; each group runs two
@@ -118,13 +121,17 @@ class ChunkedSwiGLUExperts(MoEExperts):
         chunks: number of expert groups (1 = one launch sequence over all experts).
         rows: BATCHED_EXPERTS rows computed per expert (None: the whole capacity).
         use_grouped_mm: use ``torch._grouped_mm`` on CUDA bf16 (default: when available).
+        reduce: STANDARD format's weighted reduction, ``"bag"`` (default) or ``"index_add"``.
     """
 
     def __init__(self, chunks: int = 1, *, rows: int | None = None,
-                 use_grouped_mm: bool | None = None):
+                 use_grouped_mm: bool | None = None, reduce: str = "bag"):
         if chunks < 1:
             raise ValueError(f"chunks must be >= 1, got {chunks}")
+        if reduce not in ("bag", "index_add"):
+            raise ValueError(f"reduce must be 'bag' or 'index_add', got {reduce!r}")
         self.chunks = chunks
+        self.reduce = reduce
         self.rows = rows
         self.use_grouped_mm = _grouped_mm is not None if use_grouped_mm is None else use_grouped_mm
         self.observe = False  #: track the most rows any expert received (BATCHED) / check counts
@@ -179,11 +186,69 @@ class ChunkedSwiGLUExperts(MoEExperts):
                 self.host_count_reads += 1
             counts = dev_counts
         total = sum(counts)
-        # accumulated in the activations' dtype (bf16 atomics on GPUs): a float32 copy of
-        # every expert output row would add more memory traffic than the reduction itself
-        acc = torch.zeros(m, hidden, dtype=x.dtype, device=x.device)
         if total == 0:
+            return torch.zeros(m, hidden, dtype=x.dtype, device=x.device)
+        pairs = order[:total]
+        tokens = pairs // topk
+        xs = x.index_select(0, tokens)
+        bag = self.reduce == "bag"
+        ws = None
+        if not bag:
+            # the router weight scales the down projection's input rows (a linear map), which
+            # are intermediate-wide, not hidden-wide
+            ws = topk_weights.reshape(-1).index_select(0, pairs).to(x.dtype).unsqueeze(1)
+        grouped = (x.is_cuda and x.dtype == torch.bfloat16 and self.use_grouped_mm
+                   and _grouped_mm is not None and hidden % 8 == 0 and w2.shape[2] % 8 == 0)
+        starts = [0]
+        for c in counts:
+            starts.append(starts[-1] + c)
+        groups = _split_even(n_local, self.chunks)
+        if grouped:
+            # every group's offsets (its experts' row ends, from the group's first row) in one
+            # pinned, non-blocking copy: no sync, one launch
+            rel = [starts[e + 1] - starts[e0] for e0, e1 in groups for e in range(e0, e1)]
+            offs_all = torch.tensor(rel, dtype=torch.int32).pin_memory().to(x.device, non_blocking=True)
+        acc = None if bag else torch.zeros(m, hidden, dtype=x.dtype, device=x.device)
+        ys: list[torch.Tensor] = []
+        for e0, e1 in groups:
+            r0, r1 = starts[e0], starts[e1]
+            if r1 == r0:
+                continue
+            a_scale = None if ws is None else ws[r0:r1]
+            if grouped:
+                offs = offs_all[e0:e1]
+                h = _grouped_mm(xs[r0:r1], w1[e0:e1].transpose(1, 2), offs=offs)
+                gate, up = h.chunk(2, dim=-1)
+                a = F.silu(gate) * up
+                y = _grouped_mm(a if a_scale is None else a * a_scale, w2[e0:e1].transpose(1, 2),
+                                offs=offs)
+            else:
+                y = torch.empty(r1 - r0, hidden, dtype=x.dtype, device=x.device)
+                for e in range(e0, e1):
+                    a0, b0 = starts[e], starts[e + 1]
+                    if b0 > a0:
+                        gate, up = (xs[a0:b0] @ w1[e].t()).chunk(2, dim=-1)
+                        a = F.silu(gate) * up
+                        if ws is not None:
+                            a = a * ws[a0:b0]
+                        y[a0 - r0:b0 - r0] = a @ w2[e].t()
+            if bag:
+                ys.append(y)
+            else:
+                # bf16 atomics on GPUs
+                acc.index_add_(0, tokens[r0:r1], y)
+        if not bag:
             return acc
+        y_all = ys[0] if len(ys) == 1 else torch.cat(ys)
+        # token t's bag: the rows of y_all holding its slots' outputs; a slot routed to another
+        # rank points at row 0 with weight 0
+        flat = m * topk
+        pos = torch.zeros(flat, dtype=torch.int64, device=x.device)
+        pos[pairs] = torch.arange(total, device=x.device)
+        weights = torch.zeros(flat, dtype=x.dtype, device=x.device)
+        weights[pairs] = topk_weights.reshape(-1).index_select(0, pairs).to(x.dtype)
+        return F.embedding_bag(pos.view(m, topk), y_all, mode="sum",
+                               per_sample_weights=weights.view(m, topk))
         pairs = order[:total]
         tokens = pairs // topk
         xs = x.index_select(0, tokens)

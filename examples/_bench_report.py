@@ -5,7 +5,8 @@ Definitions (per shape; every time is per MoE layer: a step's time over its laye
 * ``compute``: the fastest compute-alone configuration (over expert chunkings).
 * ``comm``: the fastest communication-alone configuration (over DeepEP SM counts).
 * ``serial``: the fastest serial configuration (over chunkings and SM counts).
-* ``dbo``: the fastest DBO configuration (likewise); all are in the JSON.
+* ``dbo``: the fastest DBO configuration (likewise, and over the SM carve-outs tried); all are
+  in the JSON.
 * ``speedup = serial / dbo``; ``efficiency = (serial - dbo) / min(compute, comm)``: the
   share of the hideable time that was hidden (1: perfect overlap; 0: none).
 * ``peak_ratio``: peak memory of the best DBO configuration over that of the best serial one
@@ -45,7 +46,8 @@ def _cfg(m: dict | None) -> str:
     if m is None:
         return "-"
     parts = [f"c{m['expert_chunks']}" if m.get("expert_chunks") is not None else "",
-             f"s{m['num_sms']}" if m.get("num_sms") is not None else ""]
+             f"s{m['num_sms']}" if m.get("num_sms") is not None else "",
+             f"k{m['sm_carveout']}" if m.get("sm_carveout") is not None else ""]
     return " ".join(p for p in parts if p) or "-"
 
 
@@ -116,7 +118,7 @@ def format_table(bundle: dict) -> str:
              f"device={env.get('device_name')} layers/step={args['layers']} hidden={args['hidden']} "
              f"experts={args['experts']} top-{args['topk']} attn_width={args['attn_width']}",
              f"times per layer in ms: median of {args['steps']} steps (step time = slowest rank); "
-             "cfg cN = N expert chunks, sN = DeepEP SMs"]
+             "cfg cN = N expert chunks, sN = DeepEP SMs, kN = DBO SM carve-out"]
     head = (f"{'tokens':>6} {'I':>5} {'compute':>8} {'comm':>7} {'comm%':>5} {'serial':>7} {'[cfg]':>8} "
             f"{'dbo':>7} {'[cfg]':>8} {'speedup':>7} {'eff':>5} {'dbo-cmp':>7} {'peak':>5} {'peak+':>5} "
             f"{'wrap':>5}")

@@ -79,6 +79,15 @@ SCHEMA = "dbo.bench_overlap/1"
 # ---- arguments ------------------------------------------------------------------------------
 
 
+def _opt_int(v: str) -> int | None:
+    if v.lower() == "none":
+        return None
+    n = int(v)
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 or 'none', got {v}")
+    return n
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -123,7 +132,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="TOKENS:INTERMEDIATE whose best serial and DBO steps are profiled with "
                         "torch.profiler, 'auto' or 'none'")
     p.add_argument("--sm-carveout", type=int, default=None,
-                   help="torch._C._set_sm_carveout_experimental(N) for cuBLAS matmuls (experiment)")
+                   help="torch._C._set_sm_carveout_experimental(N) for every run (experiment)")
+    p.add_argument("--dbo-sm-carveout", type=_opt_int, nargs="+", default=None,
+                   help="SM carve-outs tried for the DBO runs only (overlapped_forward's "
+                        "sm_carveout: matmuls and grouped GEMMs leave N SMs to DeepEP), e.g. "
+                        "'none 24 48' (default: none)")
     p.add_argument("--no-autotune", dest="autotune", action="store_false",
                    help="skip dbo.autotune (by default, after each intermediate size's shapes, "
                         "the thresholds are tuned over the grid's token counts and the wrapper "
@@ -183,6 +196,8 @@ def resolve_defaults(args: argparse.Namespace) -> None:
         args.num_sms = []
     if args.experts_impl == "project":
         args.expert_chunks = [1]
+    if args.dbo_sm_carveout is None:
+        args.dbo_sm_carveout = [None]
 
 
 # ---- process group and environment ---------------------------------------------------------
@@ -322,7 +337,8 @@ def configure_deepep(args: argparse.Namespace) -> dict[str, Any]:
 
 def count_configs(args: argparse.Namespace) -> int:
     c, s = len(args.expert_chunks), max(1, len(args.num_sms))
-    per = {"compute": c, "dbo_compute": c, "comm": s, "serial": c * s, "dbo": c * s}
+    per = {"compute": c, "dbo_compute": c, "comm": s, "serial": c * s,
+           "dbo": c * s * len(args.dbo_sm_carveout)}
     n = sum(per[m] for m in args.modes) + 1  # +1: traces
     if args.cuda_graph:
         n += 1
@@ -349,8 +365,12 @@ class ShapeBench:
     """Every measurement of one (tokens, intermediate) shape on an existing model."""
 
     def __init__(self, args: argparse.Namespace, model: BenchModel, backend: Any, tokens: int,
-                 device: torch.device, rank: int, progress: Progress, budget: Budget):
+                 device: torch.device, rank: int, progress: Progress, budget: Budget,
+                 dbo_backend: Any = None):
         self.args, self.model, self.pf, self.T = args, model, backend, tokens
+        #: the backend of the DBO runs: deepep_ll's is sized for one ubatch (its capacity is the
+        #: most tokens one dispatch sends), as an engine running DBO would size it
+        self.pf_dbo = backend if dbo_backend is None else dbo_backend
         self.device, self.rank, self.progress, self.budget = device, rank, progress, budget
         self.layers = model.dims.layers
         self.tol = TOLERANCE[model.dims.dtype]
@@ -370,6 +390,7 @@ class ShapeBench:
         else:
             self.experts = {c: ChunkedSwiGLUExperts(c) for c in args.expert_chunks}
         self.rows: dict[str, int | None] = {"serial": None, "dbo": None}
+        self.carveout: int | None = None  #: the DBO runs' sm_carveout
         self.batched = backend.activation_format.name == "BATCHED_EXPERTS"
 
     # -- steps --
@@ -378,34 +399,41 @@ class ShapeBench:
         return self.model(self.x)
 
     def dbo(self, trace: dbo.Trace | None = None) -> torch.Tensor:
-        return overlapped_forward(self.model, self.x, plan=self.plan, trace=trace)
+        return overlapped_forward(self.model, self.x, plan=self.plan, trace=trace,
+                                  sm_carveout=self.carveout)
 
     def use(self, backend: Any, chunks: int, mode: str) -> None:
+        if mode.startswith("dbo") and backend is self.pf:
+            backend = self.pf_dbo
         self.model.use(backend, self.experts[chunks])
         _set_rows(self.experts, self.rows["dbo" if mode.startswith("dbo") else "serial"])
 
-    def _label(self, mode: str, chunks: int | None, sms: int | None) -> str:
+    def _label(self, mode: str, chunks: int | None, sms: int | None,
+               carveout: int | None = None) -> str:
         s = f"T={self.T} I={self.model.dims.intermediate} {mode}"
         if chunks is not None:
             s += f" c{chunks}"
         if sms is not None:
             s += f" s{sms}"
+        if carveout is not None:
+            s += f" k{carveout}"
         return s
 
     def run_config(self, mode: str, chunks: int | None, sms: int | None, step: Callable[[], Any],
-                   check: Callable[[torch.Tensor], None] | None = None) -> dict | None:
-        entry = {"mode": mode, "expert_chunks": chunks, "num_sms": sms}
+                   check: Callable[[torch.Tensor], None] | None = None,
+                   carveout: int | None = None) -> dict | None:
+        entry = {"mode": mode, "expert_chunks": chunks, "num_sms": sms, "sm_carveout": carveout}
         if self.budget.expired():
             entry["skipped"] = "time budget"
             self.rec["measurements"].append(entry)
-            self.progress.update(self._label(mode, chunks, sms) + " (skipped)")
+            self.progress.update(self._label(mode, chunks, sms, carveout) + " (skipped)")
             return None
         if check is not None:
             check(step())
         timing = measure(step, warmup=self.args.warmup, steps=self.args.steps, device=self.device)
         entry["timing"] = timing.to_json()
         self.rec["measurements"].append(entry)
-        self.progress.update(self._label(mode, chunks, sms))
+        self.progress.update(self._label(mode, chunks, sms, carveout))
         return entry
 
     def _check_against(self, ref: torch.Tensor, name: str) -> Callable[[torch.Tensor], None]:
@@ -432,9 +460,10 @@ class ShapeBench:
         self.serial()  # warm-up (the LL buffer layout, cuBLAS handles)
         self.dbo()
         if isinstance(e, ChunkedSwiGLUExperts) and self.batched and self.args.ll_rows != "full":
-            cap = self.pf.max_num_tokens_per_rank() * self.pf.num_dispatchers()
             if self.args.ll_rows == "auto":
-                for mode, fn in (("serial", self.serial), ("dbo", self.dbo)):
+                for mode, fn, pf in (("serial", self.serial, self.pf), ("dbo", self.dbo, self.pf_dbo)):
+                    self.use(pf, first, mode)
+                    cap = pf.max_num_tokens_per_rank() * pf.num_dispatchers()
                     e.max_rows_seen = None
                     fn()
                     seen = int(reduce_max([float(e.max_rows_seen.item())], self.device)[0])
@@ -458,7 +487,7 @@ class ShapeBench:
         first = min(self.experts)
         records: dict[str, dict] = {}
         for mode, fn in (("serial", self.serial), ("dbo", self.dbo)):
-            recorder = RecordingPrepareAndFinalize(self.pf)
+            recorder = RecordingPrepareAndFinalize(self.pf_dbo if mode == "dbo" else self.pf)
             self.use(recorder, first, mode)
             recorder.begin_step()
             fn()
@@ -467,7 +496,8 @@ class ShapeBench:
             for mode, src, fn in (("compute", "serial", self.serial), ("dbo_compute", "dbo", self.dbo)):
                 if mode not in modes:
                     continue
-                replay = ReplayPrepareAndFinalize(self.pf, records[src])
+                replay = ReplayPrepareAndFinalize(self.pf_dbo if src == "dbo" else self.pf,
+                                                  records[src])
                 self.use(replay, c, mode)
 
                 def step(replay=replay, fn=fn) -> torch.Tensor:
@@ -498,15 +528,25 @@ class ShapeBench:
                     self.run_config("serial", c, s, self.serial,
                                     self._check_against(self.ref, f"serial_c{c}_s{s}"))
                 if "dbo" in self.args.modes:
-                    self.use(self.pf, c, "dbo")
-                    self.run_config("dbo", c, s, self.dbo,
-                                    self._check_against(self.ref, f"dbo_c{c}_s{s}"))
+                    for k in self.args.dbo_sm_carveout:
+                        self.use(self.pf_dbo, c, "dbo")
+                        self.carveout = k
+                        self.run_config("dbo", c, s, self.dbo,
+                                        self._check_against(self.ref, f"dbo_c{c}_s{s}" + (
+                                            "" if k is None else f"_k{k}")),
+                                        carveout=k)
+                    self.carveout = None
 
     def best(self, mode: str) -> tuple[int, int | None]:
+        """The chunks and SM count of the fastest ``mode`` run; for "dbo" it also sets
+        ``self.carveout`` to that run's carve-out (None for the other modes)."""
         cands = [m for m in self.rec["measurements"] if m["mode"] == mode and m.get("timing")]
+        self.carveout = None
         if not cands:
             return min(self.experts), (self.args.num_sms[0] if self.args.num_sms else None)
         m = min(cands, key=lambda m: m["timing"]["median_ms"])
+        if mode == "dbo":
+            self.carveout = m.get("sm_carveout")
         return m["expert_chunks"], m["num_sms"]
 
     def adaptive_forward(self) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -524,10 +564,18 @@ class ShapeBench:
         k_dbo = self.model.kernels
         rows_ser, rows_dbo = self.rows["serial"], self.rows["dbo"]
         model, experts, sms = self.model, self.experts, self.sms
+        # the best DBO run's carve-out, set per call (the global setting is one int; every
+        # call sets it, so it cannot go stale between plain and overlapped calls)
+        cv_dbo, cv_ser = self.carveout, self.args.sm_carveout
+        self.carveout = None
+        carve = (torch._C._set_sm_carveout_experimental
+                 if self.args.dbo_sm_carveout != [None] else None)
 
         def fn(x: torch.Tensor) -> torch.Tensor:
             in_dbo = dbo.dbo_enabled()
             sms.set(s_dbo if in_dbo else s_ser)  # a no-op unless it changes
+            if carve is not None:
+                carve(cv_dbo if in_dbo else cv_ser)
             model.kernels = k_dbo if in_dbo else k_ser
             _set_rows(experts, rows_dbo if in_dbo else rows_ser)
             return model(x)
@@ -651,6 +699,7 @@ class ShapeBench:
         finally:
             graphs.clear()
             self.pf.reset()
+            self.pf_dbo.reset()
         self.progress.update(self._label("cuda graph", None, None))
 
 
@@ -684,6 +733,7 @@ def tune_and_time_wrapper(args: argparse.Namespace, benches: list[ShapeBench], b
                                    group=group, warmup=args.warmup, steps=max(5, args.steps // 2))
     for sb in ready:
         sb.pf.reset()
+        sb.pf_dbo.reset()
     progress.update(f"I={ready[0].model.dims.intermediate} autotune")
     res.update(ok=True, decode_only=decode, threshold=result.threshold,
                never_split=result.threshold >= NEVER_SPLIT, margin=result.margin,
@@ -691,9 +741,12 @@ def tune_and_time_wrapper(args: argparse.Namespace, benches: list[ShapeBench], b
     for sb in ready:
         sb.wrapper(result.config, group)
         sb.pf.reset()
+        sb.pf_dbo.reset()
         splits = local_vote(sb.T, result.config, decode_only=decode).vote is Vote.YES
         sb.rec["summary"] = summarize_shape(sb.rec, splits)
         sb.rec["summary"]["wrapper_config"] = "autotuned"
+    if args.dbo_sm_carveout != [None]:  # the adaptive forward set it per call
+        torch._C._set_sm_carveout_experimental(args.sm_carveout)
     return res
 
 
@@ -735,7 +788,11 @@ def run(args: argparse.Namespace, rank: int, world: int, device: torch.device, o
                 backend = shared_backend
                 if args.backend == "deepep_ll" and tokens != max(args.tokens):
                     backend = build_backend(args, tokens, device, dtype)
-                sb = ShapeBench(args, model, backend, tokens, device, rank, progress, budget)
+                dbo_backend = None
+                if args.backend == "deepep_ll":
+                    dbo_backend = build_backend(args, -(-tokens // 2), device, dtype)
+                sb = ShapeBench(args, model, backend, tokens, device, rank, progress, budget,
+                                dbo_backend)
                 sb.rec["flops_per_token_per_layer"] = dims.flops_per_token()
                 if not budget.expired():
                     sb.reference()
@@ -755,6 +812,7 @@ def run(args: argparse.Namespace, rank: int, world: int, device: torch.device, o
                 else:
                     sb.rec["skipped"] = "time budget"
                 backend.reset()
+                sb.pf_dbo.reset()
                 sb.rec["expert_host_count_reads"] = sum(
                     e.host_count_reads for e in sb.experts.values() if isinstance(e, ChunkedSwiGLUExperts))
                 decode = args.backend == "deepep_ll"

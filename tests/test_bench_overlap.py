@@ -39,15 +39,28 @@ def _case(m=24, hidden=32, inter=16, experts=8, topk=3, seed=0):
     return x, w1, w2, weights, ids
 
 
-@pytest.mark.parametrize("fmt", [ActivationFormat.STANDARD, ActivationFormat.BATCHED_EXPERTS])
+@pytest.mark.parametrize("fmt,reduce", [(ActivationFormat.STANDARD, "bag"),
+                                        (ActivationFormat.STANDARD, "index_add"),
+                                        (ActivationFormat.BATCHED_EXPERTS, "bag")])
 @pytest.mark.parametrize("chunks", [1, 3, 8])
-def test_chunked_experts_match_reference(fmt, chunks):
+def test_chunked_experts_match_reference(fmt, reduce, chunks):
     x, w1, w2, weights, ids = _case()
     ref = reference_moe(x, w1, w2, weights, ids)
-    experts = ChunkedSwiGLUExperts(chunks)
+    experts = ChunkedSwiGLUExperts(chunks, reduce=reduce)
     kernel = MoEKernel(LocalPrepareAndFinalize(fmt, use_async=False), experts)
     out = kernel(x, w1, w2, weights, ids, global_num_experts=w1.shape[0])
     assert relative_error(out, ref) < 1e-5
+
+
+def test_chunked_experts_no_local_pairs_and_bad_reduce():
+    x, w1, w2, weights, ids = _case()
+    ids.fill_(-1)
+    kernel = MoEKernel(LocalPrepareAndFinalize(ActivationFormat.STANDARD, use_async=False),
+                       ChunkedSwiGLUExperts(2))
+    out = kernel(x, w1, w2, weights, ids, global_num_experts=w1.shape[0])
+    assert out.shape == x.shape and not out.any()
+    with pytest.raises(ValueError, match="reduce"):
+        ChunkedSwiGLUExperts(reduce="atomic")
 
 
 def test_batched_row_bound_computes_only_received_rows():
@@ -134,6 +147,19 @@ def test_bench_naive_cpu_bundle(tmp_path):
     bundle = _run_bench(tmp_path, "--backend", "naive")
     _check_structure(bundle, "naive", [1, 2], [])
     assert bundle["shapes"][0]["tokens"] == 64
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(180)
+def test_bench_dbo_sm_carveout_variants(tmp_path):
+    bundle = _run_bench(tmp_path, "--backend", "naive", "--expert-chunks", "1",
+                        "--dbo-sm-carveout", "none", "4")
+    sh = bundle["shapes"][0]
+    carve = sorted((m["sm_carveout"] is None, m["sm_carveout"]) for m in sh["measurements"]
+                   if m["mode"] == "dbo")
+    assert carve == [(False, 4), (True, None)]
+    assert {"dbo_c1_sNone", "dbo_c1_sNone_k4"} <= sh["checks"].keys()
+    assert all(m["sm_carveout"] is None for m in sh["measurements"] if m["mode"] != "dbo")
 
 
 @pytest.mark.multiproc

@@ -344,3 +344,51 @@ def test_ubatch_failure_surfaces_as_ubatch_error():
         overlapped_forward(fn, torch.zeros(8, 2), config=ALWAYS)
     assert info.value.ubatch_id == 1 and isinstance(info.value.__cause__, RuntimeError)
     assert current_ubatch() is None
+
+
+# ---- SM carve-out ------------------------------------------------------------------------
+
+
+def _carveout() -> int | None:
+    return torch._C._get_sm_carveout_experimental()
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_sm_carveout_applies_inside_overlapped_calls_only():
+    seen = []
+
+    def fn(x):
+        seen.append((dbo.dbo_enabled(), _carveout()))
+        dbo.dbo_yield()
+        seen.append((dbo.dbo_enabled(), _carveout()))
+        return x * 2
+
+    before = _carveout()
+    x = torch.arange(16.0).reshape(8, 2)
+    out = overlapped_forward(fn, x, config=ALWAYS, sm_carveout=16)
+    assert torch.equal(out, x * 2) and _carveout() == before
+    assert seen and all(s == (True, 16) for s in seen)
+    seen.clear()
+    wrapped = DBOWrapper(fn, SplitConfig(enabled=False), sm_carveout=16)
+    assert torch.equal(wrapped(x), x * 2) and seen == [(False, before), (False, before)]
+    seen.clear()
+    assert torch.equal(DBOWrapper(fn, ALWAYS, sm_carveout=8)(x), x * 2)
+    assert {s[1] for s in seen} == {8} and _carveout() == before
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_sm_carveout_is_restored_when_a_ubatch_fails():
+    def fn(x):
+        dbo.dbo_yield()
+        raise RuntimeError("boom")
+
+    before = _carveout()
+    with pytest.raises(dbo.UBatchError):
+        overlapped_forward(fn, torch.zeros(8, 2), config=ALWAYS, sm_carveout=4)
+    assert _carveout() == before
+
+
+@pytest.mark.parametrize("bad", [-1, 2.5, True, "8"])
+def test_sm_carveout_rejects_bad_values(bad):
+    with pytest.raises(ValueError, match="sm_carveout"):
+        overlapped_forward(lambda x: x, torch.zeros(8, 2), config=ALWAYS, sm_carveout=bad)
