@@ -4,7 +4,8 @@
 #   source .whl/prelude.sh && bash tests/gpu/run_all.sh [OUTDIR]
 # Writes OUTDIR/gpu_log.txt (everything printed) and OUTDIR/gpu_bundle.tgz (JSON results and
 # traces of every step); exits non-zero if any step failed.
-#   STEPS="env core bench demo deepep nccl overlap"   which steps (default: all, in this order)
+#   STEPS="env core bench demo deepep nccl overlap thin"   which steps (default: all, in
+#                                                      this order)
 #   DEADLINE_S=420                                     the whole script's time; each step gets
 #                                                      at most its own cap and what is left,
 #                                                      and is skipped under 20 s left
@@ -13,7 +14,7 @@ out=${1:-${OUT:-out}}
 mkdir -p "$out/files"
 log="$out/gpu_log.txt"
 files="$out/files"
-steps=${STEPS:-"env core bench demo deepep nccl overlap"}
+steps=${STEPS:-"env core bench demo deepep nccl overlap thin"}
 deadline=$((SECONDS + ${DEADLINE_S:-420}))
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
 # The host's shared GPUs must never use NVLink multicast (KINDS.md of the device tool).
@@ -70,9 +71,22 @@ if has overlap; then
   run overlap-deepep_ll 140 torchrun --nproc-per-node 2 examples/bench_overlap.py --device cuda \
     --backend deepep_ll --tokens 32 64 128 256 512 --expert-chunks 1 2 --cuda-graph \
     --time-budget-s 110 --out "$files/overlap_ll"
-  run overlap-deepep_ht 140 torchrun --nproc-per-node 2 examples/bench_overlap.py --device cuda \
+  run overlap-deepep_ht 160 torchrun --nproc-per-node 2 examples/bench_overlap.py --device cuda \
     --backend deepep_ht --tokens 1024 4096 16384 --intermediate 512 --expert-chunks 1 8 \
-    --num-sms 24 48 --time-budget-s 110 --out "$files/overlap_ht"
+    --num-sms 24 48 --dbo-sm-carveout none 24 48 --time-budget-s 130 --out "$files/overlap_ht"
+fi
+if has thin; then
+  # deepep_ht where communication is a larger share of the layer: thin experts (I=256) and a
+  # thin attention stand-in (width 1024); SM carve-outs for DBO; then the same with a yield
+  # inside the attention stand-in.
+  run overlap-thin 170 torchrun --nproc-per-node 2 examples/bench_overlap.py --device cuda \
+    --backend deepep_ht --tokens 4096 8192 16384 --intermediate 256 --attn-width 1024 \
+    --expert-chunks 1 4 --num-sms 24 48 --dbo-sm-carveout none 24 48 --time-budget-s 140 \
+    --out "$files/overlap_thin"
+  run overlap-thin-yield 120 torchrun --nproc-per-node 2 examples/bench_overlap.py --device cuda \
+    --backend deepep_ht --tokens 4096 16384 --intermediate 256 --attn-width 1024 --attn-yield \
+    --expert-chunks 1 --num-sms 24 48 --dbo-sm-carveout none 24 48 --time-budget-s 90 \
+    --out "$files/overlap_thin_yield"
 fi
 echo "=== overall status $status" | tee -a "$log"
 tar -czf "$out/gpu_bundle.tgz" -C "$files" . && rm -rf "$files"
