@@ -57,6 +57,48 @@ logger = logging.getLogger(__name__)
 
 _grouped_mm = getattr(torch, "_grouped_mm", None)
 
+try:  # the weighted gather-reduce of the STANDARD experts' output (CUDA only)
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the embedding_bag reduction is used
+    triton = None
+
+if triton is not None:
+
+    @triton.jit
+    def _gather_reduce_kernel(y_ptr, pos_ptr, w_ptr, out_ptr, hidden,
+                              TOPK: tl.constexpr, BLOCK: tl.constexpr):
+        """out[m, :] = sum over slots s of w[m, s] * y[pos[m, s], :] (float32 accumulation);
+        a slot with weight 0 (routed to another rank) reads nothing."""
+        m = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < hidden
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for s in tl.static_range(TOPK):
+            w = tl.load(w_ptr + m * TOPK + s)
+            if w != 0.0:
+                row = tl.load(pos_ptr + m * TOPK + s).to(tl.int64)
+                acc += w * tl.load(y_ptr + row * hidden + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + m * hidden + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def gather_reduce(y: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """``out[m] = sum_s weights[m, s] * y[pos[m, s]]``: ``y [P, hidden]``, ``pos [M, topk]``
+    int64, ``weights [M, topk]`` float32 (0 for a slot to skip). One Triton kernel on CUDA
+    (each output row reads only its own slots' rows: no atomics, no ``[M, topk, hidden]``
+    intermediate); ``F.embedding_bag`` elsewhere."""
+    m, topk = pos.shape
+    hidden = y.shape[1]
+    if triton is None or not y.is_cuda:
+        return F.embedding_bag(pos, y, mode="sum", per_sample_weights=weights.to(y.dtype))
+    out = torch.empty(m, hidden, dtype=y.dtype, device=y.device)
+    if m:
+        block = 1024 if hidden >= 1024 else triton.next_power_of_2(hidden)
+        _gather_reduce_kernel[(m, triton.cdiv(hidden, block))](
+            y.contiguous(), pos.contiguous(), weights.float().contiguous(), out, hidden,
+            TOPK=topk, BLOCK=block)
+    return out
+
 
 @dataclass(frozen=True)
 class LayerDims:
@@ -103,12 +145,13 @@ class ChunkedSwiGLUExperts(MoEExperts):
     (Experts are contiguous after the sort, so group ``[e0, e1)`` is rows ``[start(e0),
     start(e1))`` and its grouped-GEMM offsets are host arithmetic.)
     Each group runs two ``torch._grouped_mm`` (CUDA, bf16) or a loop over its experts. The
-    weighted reduction over each token's local slots is one ``embedding_bag`` (sum, the router
-    weights as per-sample weights, float accumulation, no atomics): each token's bag holds the
-    expert-output rows of its slots, slots of other ranks' experts weigh 0. (Before 2026-11-22
-    it was a bf16 ``index_add_``, whose atomics took about a third of the layer's compute on an
-    H200; ``reduce="index_add"`` keeps that variant.) Output ``[M, hidden]``, already weighted and
-    reduced (``TopKWeightAndReduceNoOp``).
+    weighted reduction over each token's local slots is one gather-reduce kernel
+    (:func:`gather_reduce`: Triton on CUDA, ``embedding_bag`` elsewhere; float32 accumulation, no
+    atomics): each token's output row sums the expert-output rows of its slots, weighted by the
+    router; slots of other ranks' experts weigh 0. (Until 2026-11-22 it was a bf16 ``index_add_``,
+    whose atomics took about a third of the layer's compute on an H200; then ``embedding_bag``,
+    whose CUDA kernel was as slow; ``reduce="index_add"`` keeps the first.) Output
+    ``[M, hidden]``, already weighted and reduced (``TopKWeightAndReduceNoOp``).
 
     BATCHED_EXPERTS format (deepep_ll): ``[L, cap, hidden]`` slabs; each group runs two
     ``bmm`` over the first ``rows`` rows of its experts' slabs (default all ``cap``).
@@ -245,10 +288,9 @@ class ChunkedSwiGLUExperts(MoEExperts):
         flat = m * topk
         pos = torch.zeros(flat, dtype=torch.int64, device=x.device)
         pos[pairs] = torch.arange(total, device=x.device)
-        weights = torch.zeros(flat, dtype=x.dtype, device=x.device)
-        weights[pairs] = topk_weights.reshape(-1).index_select(0, pairs).to(x.dtype)
-        return F.embedding_bag(pos.view(m, topk), y_all, mode="sum",
-                               per_sample_weights=weights.view(m, topk))
+        weights = torch.zeros(flat, dtype=torch.float32, device=x.device)
+        weights[pairs] = topk_weights.reshape(-1).index_select(0, pairs).float()
+        return gather_reduce(y_all, pos.view(m, topk), weights.view(m, topk))
         pairs = order[:total]
         tokens = pairs // topk
         xs = x.index_select(0, tokens)

@@ -14,8 +14,10 @@ Definitions (per shape; every time is per MoE layer: a step's time over its laye
   the memory allocated during the step only.
 * ``wrapper``: the overlapped forward deciding by itself, over the serial time: measured with
   the config that ``dbo.autotune`` tuned on the same grid (the default, unless
-  ``--no-autotune``); otherwise what the default :class:`dbo.split.SplitConfig` would run (DBO
-  when its thresholds split this batch, else serial).
+  ``--no-autotune``), alternating with the best serial configuration for three rounds and
+  divided by that paired serial time (``serial_paired``); otherwise what the default
+  :class:`dbo.split.SplitConfig` would run (DBO when its thresholds split this batch, else
+  serial), over the serial time.
 """
 
 from __future__ import annotations
@@ -81,10 +83,14 @@ def summarize_shape(shape: dict, default_splits: bool) -> dict:
         "default_config_splits": default_splits,
     }
     measured = _ms(_best(meas, "wrapper"), layers)
+    paired = _ms(_best(meas, "serial_paired"), layers)
     wrapper = measured if measured is not None else (t_dbo if default_splits else t_serial)
     out["wrapper_ms"] = wrapper
     out["wrapper_measured"] = measured is not None
-    out["wrapper_vs_serial"] = _ratio(wrapper, t_serial)
+    out["serial_paired_ms"] = paired
+    # against the serial forward timed alternately with it when there is one (same minutes)
+    out["wrapper_vs_serial"] = _ratio(wrapper, paired if measured is not None and paired else t_serial)
+    out["wrapper_vs_serial_unpaired"] = _ratio(wrapper, t_serial)
     sms = sorted({m["num_sms"] for m in meas if m.get("num_sms") is not None})
     out["per_num_sms"] = [{
         "num_sms": s,

@@ -109,7 +109,7 @@ def _check_structure(bundle: dict, backend: str, chunks: list[int], sms: list[in
         want = ({("compute", c, None) for c in chunks} | {("dbo_compute", c, None) for c in chunks}
                 | {("comm", None, s) for s in s_or_none}
                 | {(mode, c, s) for mode in ("serial", "dbo") for c in chunks for s in s_or_none}
-                | {("wrapper", None, None)})
+                | {("wrapper", None, None), ("serial_paired", None, None)})
         assert got == want
         for m in sh["measurements"]:
             t = m["timing"]
@@ -130,7 +130,10 @@ def _check_structure(bundle: dict, backend: str, chunks: list[int], sms: list[in
         assert [r["num_sms"] for r in s["per_num_sms"]] == sms
         # the wrapper was timed with the autotuned config, which the autotune section records
         assert s["wrapper_measured"] is True and s["wrapper_config"] == "autotuned"
-        assert s["wrapper_vs_serial"] == pytest.approx(s["wrapper_ms"] / s["serial_ms"])
+        # ... against the serial forward timed in alternation with it
+        assert s["serial_paired_ms"] > 0
+        assert s["wrapper_vs_serial"] == pytest.approx(s["wrapper_ms"] / s["serial_paired_ms"])
+        assert s["wrapper_vs_serial_unpaired"] == pytest.approx(s["wrapper_ms"] / s["serial_ms"])
     for inter, tuned in bundle["autotune"].items():
         assert tuned["ok"], tuned
         assert sorted(r["tokens"] for r in tuned["rows"]) == sorted(

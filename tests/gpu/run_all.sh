@@ -4,8 +4,9 @@
 #   source .whl/prelude.sh && bash tests/gpu/run_all.sh [OUTDIR]
 # Writes OUTDIR/gpu_log.txt (everything printed) and OUTDIR/gpu_bundle.tgz (JSON results and
 # traces of every step); exits non-zero if any step failed.
-#   STEPS="env core bench demo deepep nccl overlap thin"   which steps (default: all, in
-#                                                      this order)
+#   STEPS="env core bench demo deepep nccl overlap thin thin4"   which steps (default: all
+#                                                      but thin4, in this order; thin4 needs
+#                                                      4 GPUs)
 #   DEADLINE_S=420                                     the whole script's time; each step gets
 #                                                      at most its own cap and what is left,
 #                                                      and is skipped under 20 s left
@@ -68,25 +69,32 @@ fi
 if has overlap; then
   # The overlap benchmark on a reduced grid that fits one device call (the full grids:
   # docs/perf_notes.md), each followed by dbo.autotune and the wrapper with the tuned config.
+  run bench-kernels-gpu 90 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_bench_kernels_gpu.py -rA
   run overlap-deepep_ll 140 torchrun --nproc-per-node 2 examples/bench_overlap.py --device cuda \
     --backend deepep_ll --tokens 32 64 128 256 512 --expert-chunks 1 2 --cuda-graph \
     --time-budget-s 110 --out "$files/overlap_ll"
   run overlap-deepep_ht 160 torchrun --nproc-per-node 2 examples/bench_overlap.py --device cuda \
-    --backend deepep_ht --tokens 1024 4096 16384 --intermediate 512 --expert-chunks 1 8 \
-    --num-sms 24 48 --dbo-sm-carveout none 24 48 --time-budget-s 130 --out "$files/overlap_ht"
+    --backend deepep_ht --layers 8 --tokens 1024 4096 16384 --intermediate 512 --expert-chunks 1 \
+    --num-sms 24 48 --dbo-sm-carveout none 24 --time-budget-s 130 --out "$files/overlap_ht"
 fi
+thin() {  # thin NAME NPROC EXTRA...: deepep_ht where communication is a larger share of a layer
+  local name=$1 nproc=$2; shift 2
+  run "$name" 170 torchrun --nproc-per-node "$nproc" examples/bench_overlap.py --device cuda \
+    --backend deepep_ht --layers 8 --intermediate 256 --attn-width 1024 --expert-chunks 1 \
+    --num-sms 24 48 --time-budget-s 140 --out "$files/$name" "$@"
+}
 if has thin; then
-  # deepep_ht where communication is a larger share of the layer: thin experts (I=256) and a
-  # thin attention stand-in (width 1024); SM carve-outs for DBO; then the same with a yield
-  # inside the attention stand-in.
-  run overlap-thin 170 torchrun --nproc-per-node 2 examples/bench_overlap.py --device cuda \
-    --backend deepep_ht --tokens 4096 8192 16384 --intermediate 256 --attn-width 1024 \
-    --expert-chunks 1 4 --num-sms 24 48 --dbo-sm-carveout none 24 48 --time-budget-s 140 \
-    --out "$files/overlap_thin"
-  run overlap-thin-yield 120 torchrun --nproc-per-node 2 examples/bench_overlap.py --device cuda \
-    --backend deepep_ht --tokens 4096 16384 --intermediate 256 --attn-width 1024 --attn-yield \
-    --expert-chunks 1 --num-sms 24 48 --dbo-sm-carveout none 24 48 --time-budget-s 90 \
-    --out "$files/overlap_thin_yield"
+  # thin experts (I=256) and a thin attention stand-in (width 1024); SM carve-outs for DBO;
+  # then the same with a yield inside the attention stand-in
+  thin overlap_thin 2 --tokens 4096 8192 16384 --dbo-sm-carveout none 24 48
+  thin overlap_thin_yield 2 --tokens 4096 16384 --attn-yield --dbo-sm-carveout none 24
+fi
+if has thin4; then  # the same on 4 GPUs (more of each rank's traffic leaves the GPU)
+  if [ "$(nvidia-smi -L | wc -l)" -ge 4 ]; then
+    thin overlap_thin4 4 --tokens 4096 8192 16384 --dbo-sm-carveout none 24 48
+  else
+    echo "=== [thin4] SKIPPED: fewer than 4 GPUs" | tee -a "$log"
+  fi
 fi
 echo "=== overall status $status" | tee -a "$log"
 tar -czf "$out/gpu_bundle.tgz" -C "$files" . && rm -rf "$files"
