@@ -5,8 +5,10 @@ Normal-mode dispatch blocks the CPU until the receive counts arrive. Under DBO t
 therefore captures an event on the compute stream (``dbo_get_previous_event(Buffer.capture)``),
 yields so that the other ubatch queues its compute first, and only then launches the layout and
 dispatch kernels from the comm stream, waiting on that event; then it switches back to the
-compute stream with a sync. Combine does the same. Without DBO, dispatch and combine run with
-``async_finish`` and the receivers wait on DeepEP's events.
+compute stream with a sync. Combine does the same up to the switch back, which does not wait:
+its receiver makes the compute stream wait for the combine, so a shared expert queued between
+``finalize_async`` and the receiver runs alongside the combine. Without DBO, dispatch and
+combine run with ``async_finish`` and the receivers wait on DeepEP's events.
 
 Handles live per ubatch. Hidden sizes are padded to DeepEP's 512-byte transfer atom on the way
 out and the padding stripped on the way back. Combine is bf16 only (checked). With
@@ -23,6 +25,7 @@ import torch
 from dbo.context import (
     dbo_enabled,
     dbo_get_previous_event,
+    dbo_switch_to_compute_deferred,
     dbo_switch_to_compute_sync,
     dbo_yield_and_switch_from_compute_to_comm,
 )
@@ -223,8 +226,9 @@ class DeepEPHTPrepareAndFinalize(PrepareAndFinalize):
                                             allocate_on_comm_stream=False)
             # copy on the comm stream, so the comm-allocated result dies on its own stream
             output.copy_(combined[:, : self.hidden])
-            dbo_switch_to_compute_sync()
-            return _done
+            # Back to compute without waiting: what the caller queues before the receiver
+            # (the shared experts) runs alongside the combine; the receiver waits.
+            return dbo_switch_to_compute_deferred()
         combined, _, event = buffer.combine(x, handle, topk_weights=None, config=config,
                                             previous_event=None, async_finish=self.async_finish,
                                             allocate_on_comm_stream=False)
@@ -236,10 +240,6 @@ class DeepEPHTPrepareAndFinalize(PrepareAndFinalize):
             output.copy_(combined[:, : self.hidden])
 
         return receiver
-
-
-def _done() -> None:
-    return None
 
 
 def make_prepare_finalize(

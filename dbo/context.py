@@ -48,6 +48,7 @@ __all__ = [
     "dbo_switch_to_compute",
     "dbo_switch_to_comm_sync",
     "dbo_switch_to_compute_sync",
+    "dbo_switch_to_compute_deferred",
     "dbo_yield_and_switch_from_compute_to_comm",
     "dbo_yield_and_switch_from_comm_to_compute",
     "dbo_get_previous_event",
@@ -293,6 +294,22 @@ class UBatchContext:
         self._record(self.comm_done_event, self._comm_key, f"ub{self.id}.comm_done")
         self._set_stream(self._compute_key, "compute")
         self._wait(self._compute_key, self.comm_done_event, f"ub{self.id}.comm_done")
+
+    def switch_to_compute_deferred(self) -> Callable[[], None]:
+        """Switch to the compute stream without waiting; return ``wait()``, which makes the
+        compute stream wait for this ubatch's comm so far.
+
+        Work queued between the switch and ``wait()`` (a shared expert) runs alongside the
+        comm. ``wait()`` must come before anything reads the comm's results; calling it after
+        a later ``*_sync`` switch waits for that later point instead (never for less).
+        """
+        self._record(self.comm_done_event, self._comm_key, f"ub{self.id}.comm_done")
+        self._set_stream(self._compute_key, "compute")
+
+        def wait() -> None:
+            self._wait(self._compute_key, self.comm_done_event, f"ub{self.id}.comm_done")
+
+        return wait
 
     def yield_and_switch_from_compute_to_comm(self) -> None:
         """Mark our compute done, yield, then continue on the comm stream after that compute."""
@@ -724,6 +741,20 @@ def dbo_switch_to_compute_sync() -> None:
     run = _tls.run
     if run is not None:
         run.current.switch_to_compute_sync()
+
+
+def dbo_switch_to_compute_deferred() -> Callable[[], None]:
+    """Switch to the compute stream now and return ``wait()``, which makes it wait for this
+    ubatch's comm so far (see :meth:`UBatchContext.switch_to_compute_deferred`). Outside a run
+    returns a no-op."""
+    run = _tls.run
+    if run is None:
+        return _no_wait
+    return run.current.switch_to_compute_deferred()
+
+
+def _no_wait() -> None:
+    return None
 
 
 def dbo_yield_and_switch_from_compute_to_comm() -> None:

@@ -589,7 +589,7 @@ class ShapeBench:
         Paired with the plain forward of the best serial configuration: the two alternate for
         ``rounds`` rounds and each keeps its best median ("wrapper", "serial_paired"), so their
         ratio is not a drift between two moments of the run (the GPU's clocks move by a few
-        percent over minutes)."""
+        percent over minutes); the order alternates too."""
         if self.budget.expired():
             self.rec["measurements"].append({"mode": "wrapper", "skipped": "time budget"})
             self.progress.update(self._label("wrapper", None, None) + " (skipped)")
@@ -602,8 +602,9 @@ class ShapeBench:
 
         self._check_against(self.ref, "wrapper")(wrapped())
         best: dict[str, Any] = {}
-        for _ in range(rounds):
-            for mode, step in (("serial_paired", lambda: fn(self.x)), ("wrapper", wrapped)):
+        pair = [("serial_paired", lambda: fn(self.x)), ("wrapper", wrapped)]
+        for r in range(rounds):
+            for mode, step in (pair if r % 2 == 0 else pair[::-1]):  # neither always goes first
                 t = measure(step, warmup=self.args.warmup, steps=self.args.steps, device=self.device)
                 if mode not in best or t.median_ms < best[mode].median_ms:
                     best[mode] = t

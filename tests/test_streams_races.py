@@ -19,6 +19,7 @@ from dbo import (
     dbo_switch_to_comm,
     dbo_switch_to_comm_sync,
     dbo_switch_to_compute,
+    dbo_switch_to_compute_deferred,
     dbo_switch_to_compute_sync,
     dbo_yield,
     dbo_yield_and_switch_from_comm_to_compute,
@@ -36,8 +37,20 @@ def _yield_then(switch):
     return missing_wait
 
 
+def _deferred_then_wait():
+    wait = dbo_switch_to_compute_deferred()
+    record_access("z", write=True, label="ub0 queues unrelated compute before the wait")
+    wait()
+
+
+def _deferred_never_waits():
+    dbo_switch_to_compute_deferred()
+    record_access("z", write=True, label="ub0 queues unrelated compute")
+
+
 # (name, stream the producer starts on, the switch with its wait, the same switch without it)
 SWITCHES = [
+    ("deferred comm->compute", dbo_switch_to_comm, _deferred_then_wait, _deferred_never_waits),
     ("compute->comm", None, dbo_switch_to_comm_sync, dbo_switch_to_comm),
     ("comm->compute", dbo_switch_to_comm, dbo_switch_to_compute_sync, dbo_switch_to_compute),
     ("yield compute->comm", None, dbo_yield_and_switch_from_compute_to_comm,
@@ -92,6 +105,11 @@ def test_the_run_joins_the_callers_stream_at_start_and_end():
         assert streams.current() is streams.default_stream
         record_access("out", write=False, label="caller reads the output")
     assert rd.races() == [], rd.report()
+
+
+def test_deferred_switch_outside_a_run_is_a_no_op():
+    wait = dbo_switch_to_compute_deferred()
+    assert wait() is None
 
 
 def test_streams_and_events_are_created_once_and_reused():

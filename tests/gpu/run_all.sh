@@ -89,9 +89,12 @@ if has thin; then
   thin overlap_thin 2 --tokens 4096 8192 16384 --dbo-sm-carveout none 24 48
   thin overlap_thin_yield 2 --tokens 4096 16384 --attn-yield --dbo-sm-carveout none 24
 fi
-if has thin4; then  # the same on 4 GPUs (more of each rank's traffic leaves the GPU)
+if has thin4; then  # on 4 GPUs (more of each rank's traffic leaves the GPU)
   if [ "$(nvidia-smi -L | wc -l)" -ge 4 ]; then
-    thin overlap_thin4 4 --tokens 4096 8192 16384 --dbo-sm-carveout none 24 48
+    thin overlap_thin4 4 --tokens 8192 16384 --dbo-sm-carveout none 24
+    # the full attention stand-in (width 4096): enough compute on both sides of the combine
+    thin overlap_balanced4 4 --tokens 16384 --attn-width 4096 --intermediate 256 512 \
+      --dbo-sm-carveout none 24
   else
     echo "=== [thin4] SKIPPED: fewer than 4 GPUs" | tee -a "$log"
   fi

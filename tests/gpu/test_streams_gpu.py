@@ -22,6 +22,7 @@ from dbo import (
     dbo_switch_to_comm,
     dbo_switch_to_comm_sync,
     dbo_switch_to_compute,
+    dbo_switch_to_compute_deferred,
     dbo_switch_to_compute_sync,
     dbo_yield,
     dbo_yield_and_switch_from_comm_to_compute,
@@ -59,8 +60,20 @@ def _yield_then(switch):
     return missing_wait
 
 
+def _deferred(wait: bool):
+    def switch():
+        w = dbo_switch_to_compute_deferred()
+        torch.empty(16, device="cuda").fill_(1.0)  # queued before the wait (a shared expert)
+        if wait:
+            w()
+
+    return switch
+
+
 # name -> (A's switch from comm back to compute, whether it waits)
 BACK_TO_COMPUTE = {
+    "switch_to_compute_deferred_then_wait": (_deferred(True), True),
+    "switch_to_compute_deferred_no_wait": (_deferred(False), False),
     "switch_to_compute_sync": (dbo_switch_to_compute_sync, True),
     "switch_to_compute": (dbo_switch_to_compute, False),
     "yield_and_switch_from_comm_to_compute": (dbo_yield_and_switch_from_comm_to_compute, True),
