@@ -99,6 +99,13 @@ if has thin4; then  # on 4 GPUs (more of each rank's traffic leaves the GPU)
     echo "=== [thin4] SKIPPED: fewer than 4 GPUs" | tee -a "$log"
   fi
 fi
+if has big4; then  # the best 4-GPU shape at 32k tokens and 12 layers a step (less fill/drain)
+  if [ "$(nvidia-smi -L | wc -l)" -ge 4 ]; then
+    thin overlap_big4 4 --tokens 16384 32768 --layers 12 --num-sms 48 --no-autotune
+  else
+    echo "=== [big4] SKIPPED: fewer than 4 GPUs" | tee -a "$log"
+  fi
+fi
 echo "=== overall status $status" | tee -a "$log"
 tar -czf "$out/gpu_bundle.tgz" -C "$files" . && rm -rf "$files"
 exit $status
