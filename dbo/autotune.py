@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from dbo.overlap import overlapped_forward
+from dbo.overlap import _check_carveout, overlapped_forward
 from dbo.split import NEVER_SPLIT, SplitConfig, _group_size, _reduce_max, plan_ubatches
 
 __all__ = [
@@ -142,6 +142,7 @@ def autotune_split_config(
     rounds: int = 2,
     margin: float = 0.02,
     fn_kwargs: Mapping[str, Any] | None = None,
+    sm_carveout: int | None = None,
 ) -> AutotuneResult:
     """Time ``fn`` plainly and overlapped at each token count; return a tuned config.
 
@@ -160,6 +161,8 @@ def autotune_split_config(
         rounds: plain and overlapped loops alternate this many times; each keeps its best.
         margin: DBO must be at least this much faster (0.02: 2%) to count as winning.
         fn_kwargs: passed to every call of ``fn``.
+        sm_carveout: given to the overlapped runs (``overlapped_forward(sm_carveout=...)``):
+            tune with the setting the wrapper will run with.
 
     Returns:
         :class:`AutotuneResult`; ``.config`` is what to give the wrapper.
@@ -176,6 +179,7 @@ def autotune_split_config(
         raise ValueError(f"need warmup >= 0, steps >= 1, rounds >= 1; got {warmup}, {steps}, {rounds}")
     if not 0 <= margin < 1:
         raise ValueError(f"margin must be in [0, 1), got {margin!r}")
+    _check_carveout(sm_carveout)
     kwargs = dict(fn_kwargs or {})
     multi = _group_size(group) > 1
     counts.sort()
@@ -199,7 +203,8 @@ def autotune_split_config(
                                                           warmup, steps, device))
             if plan.split:
                 best["dbo"] = min(best["dbo"], _time_ms(
-                    lambda x=inputs, p=plan: overlapped_forward(fn, *x, plan=p, fn_kwargs=kwargs),
+                    lambda x=inputs, p=plan: overlapped_forward(fn, *x, plan=p, fn_kwargs=kwargs,
+                                                                  sm_carveout=sm_carveout),
                     warmup, steps, device))
         local += [best["serial"], best["dbo"] if plan.split else -1.0]
         del inputs

@@ -321,7 +321,7 @@ class DBOWrapper(torch.nn.Module):
         self.agree = agree
         self.trace = trace
         self.comm_stream = comm_stream
-        self.sm_carveout = sm_carveout
+        self.sm_carveout = _check_carveout(sm_carveout)
         self.last_plan: UBatchPlan | None = None
 
     @property

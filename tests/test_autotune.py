@@ -17,6 +17,7 @@ import torch
 from hypothesis import given, note
 from hypothesis import strategies as st
 
+import dbo
 from dbo import SplitConfig, dbo_yield, overlapped_forward
 from dbo.autotune import NEVER_SPLIT, AutotuneRow, autotune_split_config, pick_threshold
 from dbo.split import plan_ubatches
@@ -112,12 +113,29 @@ def test_autotune_never_splits_when_dbo_never_wins():
     assert "split never" in res.table()
 
 
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_overlapped_runs_get_the_carveout_and_plain_runs_do_not():
+    seen = set()
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        seen.add((dbo.dbo_enabled(), torch._C._get_sm_carveout_experimental()))
+        dbo_yield()
+        return x + 1
+
+    before = torch._C._get_sm_carveout_experimental()
+    autotune_split_config(fn, lambda t: [torch.zeros(t, 2)], [8], decode_only=False, warmup=0,
+                          steps=1, rounds=1, sm_carveout=6)
+    assert seen == {(False, before), (True, 6)}
+    assert torch._C._get_sm_carveout_experimental() == before
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(token_counts=[]), "token_counts"),
     (dict(token_counts=[0, 4]), "token_counts"),
     (dict(token_counts=[4, 4]), "token_counts"),
     (dict(steps=0), "steps"),
     (dict(margin=-0.1), "margin"),
+    (dict(sm_carveout=-2), "sm_carveout"),
 ])
 def test_bad_arguments(kwargs, match):
     args = dict(token_counts=[4, 8], steps=1)

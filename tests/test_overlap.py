@@ -392,3 +392,5 @@ def test_sm_carveout_is_restored_when_a_ubatch_fails():
 def test_sm_carveout_rejects_bad_values(bad):
     with pytest.raises(ValueError, match="sm_carveout"):
         overlapped_forward(lambda x: x, torch.zeros(8, 2), config=ALWAYS, sm_carveout=bad)
+    with pytest.raises(ValueError, match="sm_carveout"):
+        DBOWrapper(lambda x: x, ALWAYS, sm_carveout=bad)
