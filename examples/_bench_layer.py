@@ -164,15 +164,15 @@ class ChunkedSwiGLUExperts(MoEExperts):
         chunks: number of expert groups (1 = one launch sequence over all experts).
         rows: BATCHED_EXPERTS rows computed per expert (None: the whole capacity).
         use_grouped_mm: use ``torch._grouped_mm`` on CUDA bf16 (default: when available).
-        reduce: STANDARD format's weighted reduction, ``"bag"`` (default) or ``"index_add"``.
+        reduce: STANDARD format's weighted reduction, ``"gather"`` (default: :func:`gather_reduce`) or ``"index_add"``.
     """
 
     def __init__(self, chunks: int = 1, *, rows: int | None = None,
-                 use_grouped_mm: bool | None = None, reduce: str = "bag"):
+                 use_grouped_mm: bool | None = None, reduce: str = "gather"):
         if chunks < 1:
             raise ValueError(f"chunks must be >= 1, got {chunks}")
-        if reduce not in ("bag", "index_add"):
-            raise ValueError(f"reduce must be 'bag' or 'index_add', got {reduce!r}")
+        if reduce not in ("gather", "index_add"):
+            raise ValueError(f"reduce must be 'gather' or 'index_add', got {reduce!r}")
         self.chunks = chunks
         self.reduce = reduce
         self.rows = rows
@@ -234,9 +234,9 @@ class ChunkedSwiGLUExperts(MoEExperts):
         pairs = order[:total]
         tokens = pairs // topk
         xs = x.index_select(0, tokens)
-        bag = self.reduce == "bag"
+        gather = self.reduce == "gather"
         ws = None
-        if not bag:
+        if not gather:
             # the router weight scales the down projection's input rows (a linear map), which
             # are intermediate-wide, not hidden-wide
             ws = topk_weights.reshape(-1).index_select(0, pairs).to(x.dtype).unsqueeze(1)
@@ -251,7 +251,7 @@ class ChunkedSwiGLUExperts(MoEExperts):
             # pinned, non-blocking copy: no sync, one launch
             rel = [starts[e + 1] - starts[e0] for e0, e1 in groups for e in range(e0, e1)]
             offs_all = torch.tensor(rel, dtype=torch.int32).pin_memory().to(x.device, non_blocking=True)
-        acc = None if bag else torch.zeros(m, hidden, dtype=x.dtype, device=x.device)
+        acc = None if gather else torch.zeros(m, hidden, dtype=x.dtype, device=x.device)
         ys: list[torch.Tensor] = []
         for e0, e1 in groups:
             r0, r1 = starts[e0], starts[e1]
@@ -275,57 +275,22 @@ class ChunkedSwiGLUExperts(MoEExperts):
                         if ws is not None:
                             a = a * ws[a0:b0]
                         y[a0 - r0:b0 - r0] = a @ w2[e].t()
-            if bag:
+            if gather:
                 ys.append(y)
             else:
                 # bf16 atomics on GPUs
                 acc.index_add_(0, tokens[r0:r1], y)
-        if not bag:
+        if not gather:
             return acc
         y_all = ys[0] if len(ys) == 1 else torch.cat(ys)
-        # token t's bag: the rows of y_all holding its slots' outputs; a slot routed to another
-        # rank points at row 0 with weight 0
+        # token t's output sums the rows of y_all that hold its slots' outputs; a slot routed
+        # to another rank points at row 0 with weight 0
         flat = m * topk
         pos = torch.zeros(flat, dtype=torch.int64, device=x.device)
         pos[pairs] = torch.arange(total, device=x.device)
         weights = torch.zeros(flat, dtype=torch.float32, device=x.device)
         weights[pairs] = topk_weights.reshape(-1).index_select(0, pairs).float()
         return gather_reduce(y_all, pos.view(m, topk), weights.view(m, topk))
-        pairs = order[:total]
-        tokens = pairs // topk
-        xs = x.index_select(0, tokens)
-        # the router weight scales the down projection's input rows (a linear map), which are
-        # intermediate-wide, not hidden-wide
-        ws = topk_weights.reshape(-1).index_select(0, pairs).to(x.dtype).unsqueeze(1)
-        grouped = (x.is_cuda and x.dtype == torch.bfloat16 and self.use_grouped_mm
-                   and _grouped_mm is not None and hidden % 8 == 0 and w2.shape[2] % 8 == 0)
-        starts = [0]
-        for c in counts:
-            starts.append(starts[-1] + c)
-        groups = _split_even(n_local, self.chunks)
-        if grouped:
-            # every group's offsets (its experts' row ends, from the group's first row) in one
-            # pinned, non-blocking copy: no sync, one launch
-            rel = [starts[e + 1] - starts[e0] for e0, e1 in groups for e in range(e0, e1)]
-            offs_all = torch.tensor(rel, dtype=torch.int32).pin_memory().to(x.device, non_blocking=True)
-        for e0, e1 in groups:
-            r0, r1 = starts[e0], starts[e1]
-            if r1 == r0:
-                continue
-            if grouped:
-                offs = offs_all[e0:e1]
-                h = _grouped_mm(xs[r0:r1], w1[e0:e1].transpose(1, 2), offs=offs)
-                gate, up = h.chunk(2, dim=-1)
-                y = _grouped_mm(F.silu(gate) * up * ws[r0:r1], w2[e0:e1].transpose(1, 2), offs=offs)
-            else:
-                y = torch.empty(r1 - r0, hidden, dtype=x.dtype, device=x.device)
-                for e in range(e0, e1):
-                    a, b = starts[e], starts[e + 1]
-                    if b > a:
-                        gate, up = (xs[a:b] @ w1[e].t()).chunk(2, dim=-1)
-                        y[a - r0:b - r0] = (F.silu(gate) * up * ws[a:b]) @ w2[e].t()
-            acc.index_add_(0, tokens[r0:r1], y)
-        return acc
 
     # ---- BATCHED_EXPERTS ------------------------------------------------------------------
 

@@ -39,9 +39,9 @@ def _case(m=24, hidden=32, inter=16, experts=8, topk=3, seed=0):
     return x, w1, w2, weights, ids
 
 
-@pytest.mark.parametrize("fmt,reduce", [(ActivationFormat.STANDARD, "bag"),
+@pytest.mark.parametrize("fmt,reduce", [(ActivationFormat.STANDARD, "gather"),
                                         (ActivationFormat.STANDARD, "index_add"),
-                                        (ActivationFormat.BATCHED_EXPERTS, "bag")])
+                                        (ActivationFormat.BATCHED_EXPERTS, "gather")])
 @pytest.mark.parametrize("chunks", [1, 3, 8])
 def test_chunked_experts_match_reference(fmt, reduce, chunks):
     x, w1, w2, weights, ids = _case()
