@@ -164,7 +164,8 @@ class ChunkedSwiGLUExperts(MoEExperts):
         chunks: number of expert groups (1 = one launch sequence over all experts).
         rows: BATCHED_EXPERTS rows computed per expert (None: the whole capacity).
         use_grouped_mm: use ``torch._grouped_mm`` on CUDA bf16 (default: when available).
-        reduce: STANDARD format's weighted reduction, ``"gather"`` (default: :func:`gather_reduce`) or ``"index_add"``.
+        reduce: STANDARD format's weighted reduction, ``"gather"`` (default:
+            :func:`gather_reduce`) or ``"index_add"``.
     """
 
     def __init__(self, chunks: int = 1, *, rows: int | None = None,
