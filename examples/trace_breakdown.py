@@ -1,0 +1,92 @@
+"""Where the time of a DBO step goes, from the benchmark's torch.profiler traces.
+
+``python examples/trace_breakdown.py SERIAL.json DBO.json`` (``gpu_trace_serial.json`` and
+``gpu_trace_dbo.json`` of a bench_overlap bundle; ``.json.gz`` works too) prints, for each step,
+the GPU time of each kernel category, the busy and idle time of the compute stream (the stream
+with the most kernel time) and the step's span, then the overlap arithmetic: idle time removed,
+compute time added, and the share of the serial step's idle (its communication) that was hidden.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+from collections import defaultdict
+
+CATEGORIES = (  # (name, substring of the kernel name), first match wins
+    ("DeepEP", "deep_ep"),
+    ("grouped GEMM", "cutlass"),
+    ("dense GEMM", "nvjet"),
+    ("dense GEMM", "gemm"),
+    ("token gather", "gather_kernel"),
+    ("gather-reduce", "gather_reduce"),
+    ("index_add", "indexFunc"),
+)
+
+
+def _load(path: str) -> list[dict]:
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        trace = json.load(f)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    gpu = ("kernel", "gpu_memcpy", "gpu_memset")
+    return [e for e in events if e.get("ph") == "X" and e.get("cat") in gpu]
+
+
+def _category(name: str) -> str:
+    for cat, key in CATEGORIES:
+        if key in name:
+            return cat
+    return "other"
+
+
+def breakdown(path: str) -> dict:
+    kernels = _load(path)
+    if not kernels:
+        raise SystemExit(f"{path}: no GPU kernels in this trace")
+    per_stream: dict[int, float] = defaultdict(float)
+    for k in kernels:
+        per_stream[k["args"].get("stream")] += k["dur"]
+    deepep_streams = {k["args"].get("stream") for k in kernels if "deep_ep" in k["name"]}
+    compute = max((s for s in per_stream if s not in deepep_streams), key=per_stream.get)
+    cats: dict[str, float] = defaultdict(float)
+    for k in kernels:
+        cats[_category(k["name"])] += k["dur"] / 1000
+    start = min(k["ts"] for k in kernels)
+    span = (max(k["ts"] + k["dur"] for k in kernels) - start) / 1000
+    comp = sorted((k for k in kernels if k["args"].get("stream") == compute), key=lambda k: k["ts"])
+    busy, end = 0.0, comp[0]["ts"]
+    for k in comp:  # union of the compute stream's kernel intervals
+        s, e = max(k["ts"], end), k["ts"] + k["dur"]
+        if e > s:
+            busy += e - s
+        end = max(end, e)
+    return {"span": span, "compute_busy": busy / 1000, "compute_idle": span - busy / 1000,
+            "categories": dict(cats)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("serial")
+    p.add_argument("dbo")
+    a = p.parse_args()
+    s, d = breakdown(a.serial), breakdown(a.dbo)
+    print(f"{'':32} {'serial ms':>10} {'DBO ms':>10} {'DBO/serial':>10}")
+    rows = [("step span", s["span"], d["span"]),
+            ("compute stream busy", s["compute_busy"], d["compute_busy"]),
+            ("compute stream idle", s["compute_idle"], d["compute_idle"])]
+    for cat in sorted(set(s["categories"]) | set(d["categories"])):
+        rows.append((f"  kernels: {cat}", s["categories"].get(cat, 0.0), d["categories"].get(cat, 0.0)))
+    for name, x, y in rows:
+        ratio = f"{y / x:10.2f}" if x else f"{'-':>10}"
+        print(f"{name:32} {x:10.2f} {y:10.2f} {ratio}")
+    removed = s["compute_idle"] - d["compute_idle"]
+    added = d["compute_busy"] - s["compute_busy"]
+    print(f"idle removed {removed:.2f} ms, compute added {added:.2f} ms: "
+          f"{removed - added:.2f} ms of the serial step's {s['compute_idle']:.2f} ms idle hidden "
+          f"({(removed - added) / s['compute_idle']:.2f})" if s["compute_idle"] else "")
+
+
+if __name__ == "__main__":
+    main()
