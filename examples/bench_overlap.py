@@ -62,7 +62,7 @@ from _bench_layer import (  # examples/ is on sys.path
 )
 from _bench_report import format_table, summarize_shape, write_plot
 from _bench_timing import Progress, measure, reduce_max
-from _model import BACKENDS, make_backend
+from _model import BACKENDS, make_backend, shutdown_distributed
 
 import dbo
 from dbo.autotune import NEVER_SPLIT, autotune_split_config
@@ -971,6 +971,7 @@ def main(argv: list[str] | None = None) -> int:
     rank, world, local_rank = init_distributed(args.device)
     device = torch.device("cuda", local_rank) if args.device == "cuda" else torch.device("cpu")
     out_dir = Path(args.out)
+    finished = False
     try:
         env = collect_env(args, device, world)
         env["deepep_setup"] = deepep_setup
@@ -978,12 +979,13 @@ def main(argv: list[str] | None = None) -> int:
             bundle = run(args, rank, world, device, out_dir, env)
         if rank == 0:
             print(format_table(bundle), flush=True)
+        finished = True
         return 1 if failed(bundle) else 0
     finally:
         if args.backend.startswith("deepep"):
             from dbo.backends.deepep_buffer import BUFFER_CACHE
             BUFFER_CACHE.reset()
-        dist.destroy_process_group()
+        shutdown_distributed(wait_for_peers=finished)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,13 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-from _model import BACKENDS, DemoMoEModel, ModelConfig, make_backend  # examples/ is on sys.path
+from _model import (  # examples/ is on sys.path
+    BACKENDS,
+    DemoMoEModel,
+    ModelConfig,
+    make_backend,
+    shutdown_distributed,
+)
 
 import dbo
 from dbo.moe import relative_error
@@ -125,78 +131,86 @@ def all_max(values: list[float], device: torch.device) -> list[float]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     rank, world, local_rank = init_distributed(args.device)
-    device = torch.device("cuda", local_rank) if args.device == "cuda" else torch.device("cpu")
-    dtype = DTYPES[args.dtype]
+    finished = False
     try:
-        tokens = args.tokens - (rank * args.tokens) // (2 * world) if args.uneven else args.tokens
-        cfg = ModelConfig(hidden=args.hidden, intermediate=args.intermediate,
-                          shared_intermediate=args.intermediate, num_experts=args.experts,
-                          topk=args.topk, num_layers=args.layers, dtype=dtype, seed=args.seed)
-        backends = [make_backend(args.backend, None, hidden=args.hidden, num_experts=args.experts,
-                                 topk=args.topk, max_tokens_per_rank=max(args.tokens, 1),
-                                 dtype=dtype, device=device) for _ in range(args.layers)]
-        model = DemoMoEModel(cfg, backends, rank, world).to(device)
-        g = torch.Generator().manual_seed(args.seed * 7919 + rank + 1)
-        x = torch.randn(tokens, args.hidden, generator=g).to(dtype=dtype, device=device)
-        split = SplitConfig(num_ubatches=args.ubatches, decode_token_threshold=args.min_split_tokens,
-                            prefill_token_threshold=args.min_split_tokens)
-        overlapped = DBOWrapper(model, split)
-
-        with torch.inference_mode():
-            for _ in range(args.warmup):
-                model(x)
-                overlapped(x)
-            ref = model(x)
-            trace = dbo.Trace()
-            out = overlapped(x, trace=trace)
-            plan = overlapped.last_plan
-            sync(device)
-            t_serial = time_steps(lambda: model(x), args.steps, device)
-            t_dbo = time_steps(lambda: overlapped(x), args.steps, device)
-
-            # Layer by layer on the serial run's activations: in bf16 an end-to-end comparison
-            # mixes in routing flips that rounding starts in an earlier layer (see above).
-            layer_rel = []
-            h = x
-            for layer in model.layers:
-                want = layer(h)
-                got = DBOWrapper(layer, split)(h)
-                layer_rel.append(relative_error(got, want) if tokens else 0.0)
-                h = want
-
-        rel = relative_error(out, ref) if tokens else 0.0
-        max_abs = (out.float() - ref.float()).abs().max().item() if tokens else 0.0
-        t_serial, t_dbo, rel, max_abs, *layer_rel = all_max(
-            [t_serial, t_dbo, rel, max_abs, *layer_rel], device)
-        limit = TOLERANCE[dtype]
-        worst_layer = max(layer_rel)
-        # float32: the whole output must match; bf16: every layer on the same input must match.
-        ok = worst_layer <= limit and (rel <= limit or dtype != torch.float32)
-        counts = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
-        dist.all_gather(counts, torch.tensor([tokens], dtype=torch.int64, device=device))
-        if rank == 0:
-            print(f"dbo moe_overlap: backend={args.backend} world={world} device={args.device} "
-                  f"dtype={args.dtype} tokens/rank={[int(c) for c in counts]} hidden={args.hidden} "
-                  f"experts={args.experts} topk={args.topk} layers={args.layers}")
-            print(f"plan (rank 0): {plan}")
-            print(f"serial: {t_serial * 1e3:8.2f} ms/step   dbo: {t_dbo * 1e3:8.2f} ms/step   "
-                  f"speedup {t_serial / t_dbo:.2f}x   (mean of {args.steps} steps, slowest rank)")
-            if t_dbo > t_serial:
-                print("  (this demo checks numbers at small sizes, where splitting costs more than "
-                      "it hides; examples/bench_overlap.py measures the overlap)")
-            print(f"end to end: max abs err {max_abs:.3e}   rel err {rel:.3e}   per layer on the "
-                  f"same input: worst rel err {worst_layer:.3e}   (limit {limit:g})   -> "
-                  + ("OK: DBO output == serial output" if ok else "MISMATCH"))
-            if args.trace:
-                path = trace.write_chrome(args.trace)
-                print(f"trace of one overlapped step (rank 0, {len(trace.events)} events): {path} "
-                      "(open at https://ui.perfetto.dev)")
-        return 0 if ok else 1
+        rc = run(args, rank, world, local_rank)
+        finished = True
+        return rc
     finally:
         if args.backend.startswith("deepep"):
             from dbo.backends.deepep_buffer import BUFFER_CACHE
             BUFFER_CACHE.reset()  # collective: DeepEP buffers must be destroyed before the group
-        dist.destroy_process_group()
+        shutdown_distributed(wait_for_peers=finished)
+
+
+def run(args: argparse.Namespace, rank: int, world: int, local_rank: int) -> int:
+    """The demo on this rank; returns the exit code (0: DBO output == serial output)."""
+    device = torch.device("cuda", local_rank) if args.device == "cuda" else torch.device("cpu")
+    dtype = DTYPES[args.dtype]
+    tokens = args.tokens - (rank * args.tokens) // (2 * world) if args.uneven else args.tokens
+    cfg = ModelConfig(hidden=args.hidden, intermediate=args.intermediate,
+                      shared_intermediate=args.intermediate, num_experts=args.experts,
+                      topk=args.topk, num_layers=args.layers, dtype=dtype, seed=args.seed)
+    backends = [make_backend(args.backend, None, hidden=args.hidden, num_experts=args.experts,
+                             topk=args.topk, max_tokens_per_rank=max(args.tokens, 1),
+                             dtype=dtype, device=device) for _ in range(args.layers)]
+    model = DemoMoEModel(cfg, backends, rank, world).to(device)
+    g = torch.Generator().manual_seed(args.seed * 7919 + rank + 1)
+    x = torch.randn(tokens, args.hidden, generator=g).to(dtype=dtype, device=device)
+    split = SplitConfig(num_ubatches=args.ubatches, decode_token_threshold=args.min_split_tokens,
+                        prefill_token_threshold=args.min_split_tokens)
+    overlapped = DBOWrapper(model, split)
+
+    with torch.inference_mode():
+        for _ in range(args.warmup):
+            model(x)
+            overlapped(x)
+        ref = model(x)
+        trace = dbo.Trace()
+        out = overlapped(x, trace=trace)
+        plan = overlapped.last_plan
+        sync(device)
+        t_serial = time_steps(lambda: model(x), args.steps, device)
+        t_dbo = time_steps(lambda: overlapped(x), args.steps, device)
+
+        # Layer by layer on the serial run's activations: in bf16 an end-to-end comparison
+        # mixes in routing flips that rounding starts in an earlier layer (see above).
+        layer_rel = []
+        h = x
+        for layer in model.layers:
+            want = layer(h)
+            got = DBOWrapper(layer, split)(h)
+            layer_rel.append(relative_error(got, want) if tokens else 0.0)
+            h = want
+
+    rel = relative_error(out, ref) if tokens else 0.0
+    max_abs = (out.float() - ref.float()).abs().max().item() if tokens else 0.0
+    t_serial, t_dbo, rel, max_abs, *layer_rel = all_max(
+        [t_serial, t_dbo, rel, max_abs, *layer_rel], device)
+    limit = TOLERANCE[dtype]
+    worst_layer = max(layer_rel)
+    # float32: the whole output must match; bf16: every layer on the same input must match.
+    ok = worst_layer <= limit and (rel <= limit or dtype != torch.float32)
+    counts = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
+    dist.all_gather(counts, torch.tensor([tokens], dtype=torch.int64, device=device))
+    if rank == 0:
+        print(f"dbo moe_overlap: backend={args.backend} world={world} device={args.device} "
+              f"dtype={args.dtype} tokens/rank={[int(c) for c in counts]} hidden={args.hidden} "
+              f"experts={args.experts} topk={args.topk} layers={args.layers}")
+        print(f"plan (rank 0): {plan}")
+        print(f"serial: {t_serial * 1e3:8.2f} ms/step   dbo: {t_dbo * 1e3:8.2f} ms/step   "
+              f"speedup {t_serial / t_dbo:.2f}x   (mean of {args.steps} steps, slowest rank)")
+        if t_dbo > t_serial:
+            print("  (this demo checks numbers at small sizes, where splitting costs more than "
+                  "it hides; examples/bench_overlap.py measures the overlap)")
+        print(f"end to end: max abs err {max_abs:.3e}   rel err {rel:.3e}   per layer on the "
+              f"same input: worst rel err {worst_layer:.3e}   (limit {limit:g})   -> "
+              + ("OK: DBO output == serial output" if ok else "MISMATCH"))
+        if args.trace:
+            path = trace.write_chrome(args.trace)
+            print(f"trace of one overlapped step (rank 0, {len(trace.events)} events): {path} "
+                  "(open at https://ui.perfetto.dev)")
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -53,6 +53,7 @@ Not thread-safe: one job at a time per world.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import queue
@@ -128,6 +129,8 @@ def _worker(rank: int, world_size: int, backend: str, init_file: str, pg_timeout
             results.put((job_id, rank, RankOutcome(rank, False, None, type(exc).__name__,
                                                    f"result not picklable: {exc}",
                                                    traceback.format_exc())))
+    job = fn = args = kwargs = value = out = None  # noqa: F841 - drop the last job's objects
+    gc.collect()  # backends and their pending work die before the group (see examples/_model.py)
     with contextlib.suppress(Exception):  # the group may be broken after a fault test
         dist.destroy_process_group()
 
