@@ -64,7 +64,7 @@ _DONE = object()
 _FAILED = object()
 
 
-def _no_yield() -> None:
+def _noop() -> None:
     pass
 
 
@@ -72,7 +72,7 @@ class _ThreadState(threading.local):
     run: _Run | None = None
     # dbo_yield calls this without looking at `run`: the run's yield_current during a run,
     # a no-op outside one (one attribute load on the hottest path instead of three).
-    yield_current: Callable[[], None] = staticmethod(_no_yield)
+    yield_current: Callable[[], None] = staticmethod(_noop)
 
 
 _tls = _ThreadState()
@@ -652,7 +652,7 @@ def run_ubatches(
             raise
     finally:
         _tls.run = None
-        _tls.yield_current = _no_yield
+        _tls.yield_current = _noop
         run.close()
         if trace is not None:
             trace.end_run()
@@ -749,12 +749,8 @@ def dbo_switch_to_compute_deferred() -> Callable[[], None]:
     returns a no-op."""
     run = _tls.run
     if run is None:
-        return _no_wait
+        return _noop
     return run.current.switch_to_compute_deferred()
-
-
-def _no_wait() -> None:
-    return None
 
 
 def dbo_yield_and_switch_from_compute_to_comm() -> None:

@@ -537,17 +537,22 @@ class ShapeBench:
                                         carveout=k)
                     self.carveout = None
 
-    def best(self, mode: str) -> tuple[int, int | None]:
-        """The chunks and SM count of the fastest ``mode`` run; for "dbo" it also sets
-        ``self.carveout`` to that run's carve-out (None for the other modes)."""
+    def best(self, mode: str) -> tuple[int, int | None, int | None]:
+        """The chunks, DeepEP SM count and SM carve-out of the fastest ``mode`` run."""
         cands = [m for m in self.rec["measurements"] if m["mode"] == mode and m.get("timing")]
-        self.carveout = None
         if not cands:
-            return min(self.experts), (self.args.num_sms[0] if self.args.num_sms else None)
+            return min(self.experts), (self.args.num_sms[0] if self.args.num_sms else None), None
         m = min(cands, key=lambda m: m["timing"]["median_ms"])
-        if mode == "dbo":
-            self.carveout = m.get("sm_carveout")
-        return m["expert_chunks"], m["num_sms"]
+        return m["expert_chunks"], m["num_sms"], m.get("sm_carveout")
+
+    def use_best(self, mode: str) -> int:
+        """Run the next ``mode`` steps ("serial" or "dbo") in its fastest configuration;
+        returns its expert chunks."""
+        c, s, k = self.best(mode)
+        self.sms.set(s)
+        self.use(self.pf, c, mode)
+        self.carveout = k if mode == "dbo" else None
+        return c
 
     def adaptive_forward(self) -> Callable[[torch.Tensor], torch.Tensor]:
         """The model's forward with each mode's best configuration: the one DBO measured best
@@ -557,7 +562,7 @@ class ShapeBench:
         call costs what the serial and DBO measurements cost (a fresh ``MoEKernel`` per call
         would allocate its per-ubatch workspaces again every step).
         """
-        (c_ser, s_ser), (c_dbo, s_dbo) = self.best("serial"), self.best("dbo")
+        (c_ser, s_ser, _), (c_dbo, s_dbo, cv_dbo) = self.best("serial"), self.best("dbo")
         self.use(self.pf, c_ser, "serial")
         k_ser = self.model.kernels
         self.use(self.pf, c_dbo, "dbo")
@@ -566,8 +571,7 @@ class ShapeBench:
         model, experts, sms = self.model, self.experts, self.sms
         # the best DBO run's carve-out, set per call (the global setting is one int; every
         # call sets it, so it cannot go stale between plain and overlapped calls)
-        cv_dbo, cv_ser = self.carveout, self.args.sm_carveout
-        self.carveout = None
+        cv_ser = self.args.sm_carveout
         carve = (torch._C._set_sm_carveout_experimental
                  if self.args.dbo_sm_carveout != [None] else None)
 
@@ -617,17 +621,13 @@ class ShapeBench:
     def traces(self, profile: bool, out_dir: Path) -> dict | None:
         """One DBO step recorded by dbo.Trace (returned as Chrome JSON); on the profiled shape
         torch.profiler kernel traces of the best DBO and serial steps."""
-        c, s = self.best("dbo")
-        self.sms.set(s)
-        self.use(self.pf, c, "dbo")
+        self.use_best("dbo")
         trace = dbo.Trace()
         self.dbo(trace=trace)
         files = {}
         if profile and self.device.type == "cuda":
             for mode in ("dbo", "serial"):
-                c, s = self.best(mode)
-                self.sms.set(s)
-                self.use(self.pf, c, mode)
+                self.use_best(mode)
                 fn = self.dbo if mode == "dbo" else self.serial
                 fn()
                 torch.cuda.synchronize()
@@ -667,8 +667,7 @@ class ShapeBench:
         try:
             outs = {}
             for mode in ("serial", "dbo"):
-                c, _ = self.best(mode)
-                self.use(self.pf, c, mode)
+                c = self.use_best(mode)
                 fn = self.serial if mode == "serial" else self.dbo
                 eager = fn()
                 res[f"eager_{mode}_ms"] = measure(fn, warmup=1, steps=self.args.steps, device=self.device,
