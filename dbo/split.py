@@ -2,21 +2,25 @@
 
 Three separate passes, the first two pure:
 
-1. :func:`split_tokens` / :func:`split_requests` give the cut points of one rank's batch (at
-   even token counts, a request may straddle a cut; or at request boundaries, balanced by
-   token count).
-2. :func:`local_vote` applies the off switches and the thresholds to one rank's batch and says
-   whether this rank wants to split; :func:`resolve_plan` turns the group's reduced votes into
-   this rank's :class:`UBatchPlan`.
-3. :func:`plan_ubatches` runs both with one ``all_reduce`` (op MAX, five int64) in between, so
+1. :func:`local_vote` picks this rank's cut points with one of the policies of
+   :mod:`dbo.split_policies` (even token counts; request boundaries balanced by tokens, with the
+   "two-chunk" fallback; the caller's own points; or filling each ubatch up to the padded size),
+   applies the off switches and the thresholds, and says whether this rank wants to split.
+2. :func:`resolve_plan` turns the group's reduced votes into this rank's :class:`UBatchPlan`.
+3. :func:`plan_ubatches` runs both with one ``all_reduce`` (op MAX, ten int64) in between, so
    every rank of the group splits or none does, and when they split they all run the same
    number of ubatches of the same padded size: the all-to-all collectives inside the model are
    then issued in the same order, with the same shapes, everywhere. A rank with fewer tokens
    pads; a rank with no tokens abstains from the vote and pads every ubatch.
 
+The group does not split when any rank votes no, when a rank with tokens would run a ubatch of
+padding only (vLLM's empty-last-ubatch rule), or when the voting ranks run batches of different
+kinds (decode on one, prefill on another) and ``SplitConfig.allow_mixed_kinds`` is False.
+
 Padding rows sit at the end of each ubatch (rows ``num_valid(i):padded_size``); they must route
 to no expert (:func:`mask_padding_routing` gives them ``topk_ids = -1`` and weight 0) and their
-outputs are dropped on merge.
+outputs are dropped on merge. With ``SplitConfig.cudagraph_sizes`` the whole batch pads to the
+smallest captured size that holds it (``UBatchPlan.graph_size``), each ubatch to an equal share.
 
 Thresholds (defaults as vLLM's ``dbo_decode_token_threshold`` / ``dbo_prefill_token_threshold``):
 a decode-only batch is split from 32 tokens on, a batch with any prefill from 512. Below that
@@ -26,20 +30,32 @@ so overlapping costs more (extra launches, padding, a yield per layer) than it h
 The environment variable ``DBO_DISABLE`` (``1``/``true``/``yes``/``on``) switches splitting
 off for the whole process, as does ``SplitConfig(enabled=False)``. A disabled rank still takes
 part in the vote (it votes no), so a switch set on some ranks only cannot desynchronise the
-group's collectives; it costs that one small all-reduce.
+group's collectives; it costs that one small all-reduce. See ``docs/splitting.md``.
 """
 
 from __future__ import annotations
 
-import enum
-import logging
 import os
-import threading
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from dbo.split_log import FALLBACK_LOG, FallbackLog
+from dbo.split_padding import graph_padded_size, mask_padding_routing
+from dbo.split_policies import (
+    Slice,
+    fill_cuts,
+    is_uniform_decode,
+    max_capacity_with_nonempty_last,
+    min_fill_capacity,
+    split_at,
+    split_requests,
+    split_requests_two_chunk,
+    split_tokens,
+)
+from dbo.split_types import NEVER_SPLIT, SplitConfig, SplitMode, SplitReason, UBatchPlan, Vote
 
 __all__ = [
     "DISABLE_ENV_VAR",
@@ -51,6 +67,9 @@ __all__ = [
     "Vote",
     "split_tokens",
     "split_requests",
+    "split_requests_two_chunk",
+    "split_at",
+    "fill_cuts",
     "LocalDecision",
     "local_vote",
     "encode_vote",
@@ -58,205 +77,17 @@ __all__ = [
     "plan_ubatches",
     "no_split_plan",
     "dbo_disabled_by_env",
+    "graph_padded_size",
     "mask_padding_routing",
     "FallbackLog",
     "FALLBACK_LOG",
 ]
 
-logger = logging.getLogger(__name__)
-
 #: set to 1/true/yes/on to run every forward plainly (read at each decision)
 DISABLE_ENV_VAR = "DBO_DISABLE"
 
-Slice = tuple[int, int]
 
-
-class SplitMode(str, enum.Enum):
-    """Where the cuts go."""
-
-    TOKENS = "tokens"  #: even token counts; a request may straddle a cut
-    REQUESTS = "requests"  #: at request boundaries, balanced by token count
-
-
-class SplitReason(str, enum.Enum):
-    """Why a plan splits or does not. Every value but ``SPLIT`` is a fallback to the plain forward."""
-
-    SPLIT = "split"
-    DISABLED = "disabled"  #: SplitConfig(enabled=False) or DBO_DISABLE on this rank
-    BELOW_THRESHOLD = "below_threshold"  #: this rank has fewer tokens than its threshold
-    TOO_FEW_REQUESTS = "too_few_requests"  #: REQUESTS mode with fewer requests than ubatches
-    EMPTY = "empty"  #: no rank of the group has a token
-    DISAGREEMENT = "disagreement"  #: this rank wanted to split, another rank did not
-
-
-class Vote(enum.IntEnum):
-    """One rank's wish, before the group's all-reduce."""
-
-    NO = 0
-    YES = 1
-    ABSTAIN = 2  #: a rank with no tokens goes along with the others
-
-
-#: a token threshold no batch reaches. A config whose two thresholds are both this never
-#: splits on any rank, so :func:`plan_ubatches` issues no collective for it: every rank of
-#: the group must then use such a config (dbo.autotune gives every rank the same one).
-NEVER_SPLIT = 2**62
-
-
-@dataclass(frozen=True)
-class SplitConfig:
-    """When and how to split.
-
-    Attributes:
-        num_ubatches: ubatches per split batch (>= 2); must be the same on every rank.
-        mode: :class:`SplitMode` (or its string value).
-        decode_token_threshold: a decode-only batch is split when it has at least this many
-            tokens on this rank. Default 32.
-        prefill_token_threshold: a batch with any prefill (or of unknown kind) is split when it
-            has at least this many tokens. Default 512.
-        pad_to_multiple: round the padded ubatch size up to a multiple of this (e.g. a CUDA
-            graph bucket size). Default 1.
-        enabled: False runs every forward plainly (as does ``DBO_DISABLE=1``).
-    """
-
-    num_ubatches: int = 2
-    mode: SplitMode = SplitMode.TOKENS
-    decode_token_threshold: int = 32
-    prefill_token_threshold: int = 512
-    pad_to_multiple: int = 1
-    enabled: bool = True
-
-    def __post_init__(self) -> None:
-        if isinstance(self.num_ubatches, bool) or not isinstance(self.num_ubatches, int) \
-                or self.num_ubatches < 2:
-            raise ValueError(f"num_ubatches must be an int >= 2, got {self.num_ubatches!r}")
-        try:
-            object.__setattr__(self, "mode", SplitMode(self.mode))
-        except ValueError:
-            raise ValueError(f"mode must be one of {[m.value for m in SplitMode]}, "
-                             f"got {self.mode!r}") from None
-        for name in ("decode_token_threshold", "prefill_token_threshold"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
-        if not isinstance(self.pad_to_multiple, int) or self.pad_to_multiple < 1:
-            raise ValueError(f"pad_to_multiple must be an int >= 1, got {self.pad_to_multiple!r}")
-
-    def threshold(self, decode_only: bool) -> int:
-        """The token threshold for a decode-only batch or any other."""
-        return self.decode_token_threshold if decode_only else self.prefill_token_threshold
-
-
-@dataclass(frozen=True)
-class UBatchPlan:
-    """How one rank runs one forward: split into ubatches, or plainly.
-
-    Attributes:
-        num_tokens: this rank's real tokens (rows of its token-major inputs).
-        slices: ``(start, stop)`` rows of this rank's batch in each ubatch, in order, covering
-            ``0..num_tokens`` without gaps. A plan that does not split has one slice,
-            ``(0, num_tokens)``.
-        padded_size: rows of every ubatch after padding, the same on every rank of the group
-            (``num_tokens`` when not split). Ubatch ``i``'s rows ``num_valid(i):padded_size``
-            are padding.
-        reason: :class:`SplitReason`; ``SPLIT`` or why the forward falls back.
-        detail: a human-readable note on the reason.
-    """
-
-    num_tokens: int
-    slices: tuple[Slice, ...]
-    padded_size: int
-    reason: SplitReason
-    detail: str = field(default="", compare=False)
-
-    @property
-    def split(self) -> bool:
-        """True when the forward runs as ubatches."""
-        return self.reason is SplitReason.SPLIT
-
-    @property
-    def num_ubatches(self) -> int:
-        return len(self.slices)
-
-    @property
-    def token_offsets(self) -> tuple[int, ...]:
-        """Each ubatch's first row in this rank's batch (for ``run_ubatches(token_offsets=)``)."""
-        return tuple(s for s, _ in self.slices)
-
-    def num_valid(self, i: int) -> int:
-        """Real (non-padding) rows of ubatch ``i``; they come first."""
-        start, stop = self.slices[i]
-        return stop - start
-
-    def num_padding(self, i: int) -> int:
-        return self.padded_size - self.num_valid(i)
-
-    def valid_mask(self, i: int, device: torch.device | str | None = None) -> torch.Tensor:
-        """``bool[padded_size]``: True for ubatch ``i``'s real rows. No host sync."""
-        return torch.arange(self.padded_size, device=device) < self.num_valid(i)
-
-    def __str__(self) -> str:
-        if not self.split:
-            return f"plain({self.num_tokens} tokens; {self.reason.value}: {self.detail})"
-        parts = " ".join(f"[{a}:{b})" for a, b in self.slices)
-        return f"split({self.num_tokens} tokens -> {parts} padded to {self.padded_size})"
-
-
-# ---- pass 1: cut points --------------------------------------------------------------------
-
-
-def split_tokens(num_tokens: int, num_ubatches: int) -> tuple[Slice, ...]:
-    """Cut ``num_tokens`` rows into ``num_ubatches`` contiguous slices whose sizes differ by at
-    most one (larger ones first). Slices may be empty when ``num_tokens < num_ubatches``."""
-    if num_tokens < 0:
-        raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
-    if num_ubatches < 1:
-        raise ValueError(f"num_ubatches must be >= 1, got {num_ubatches}")
-    base, extra = divmod(num_tokens, num_ubatches)
-    out = []
-    start = 0
-    for i in range(num_ubatches):
-        stop = start + base + (1 if i < extra else 0)
-        out.append((start, stop))
-        start = stop
-    return tuple(out)
-
-
-def split_requests(request_token_counts: Sequence[int], num_ubatches: int) -> tuple[Slice, ...] | None:
-    """Cut at request boundaries into ``num_ubatches`` slices of whole requests, balanced by
-    token count; None when there are fewer requests than ubatches.
-
-    Cut ``j`` goes to the request boundary nearest ``j * total / num_ubatches`` that keeps at
-    least one request in every ubatch (ties go to the earlier boundary). For two ubatches this
-    minimises the larger ubatch, hence the padded size.
-
-    Args:
-        request_token_counts: tokens of each request, in batch order (ints >= 0).
-    Returns:
-        ``(start, stop)`` token rows of each ubatch.
-    """
-    counts = [int(c) for c in request_token_counts]
-    if any(c < 0 for c in counts):
-        raise ValueError("request_token_counts must be >= 0")
-    num_requests = len(counts)
-    if num_requests < num_ubatches:
-        return None
-    prefix = [0]
-    for c in counts:
-        prefix.append(prefix[-1] + c)
-    total = prefix[-1]
-    cuts = [0]  # request indices where each ubatch starts
-    for j in range(1, num_ubatches):
-        lo = cuts[-1] + 1  # at least one request in the previous ubatch
-        hi = num_requests - (num_ubatches - j)  # at least one request left for each later one
-        target = j * total / num_ubatches
-        best = min(range(lo, hi + 1), key=lambda k: (abs(prefix[k] - target), k))
-        cuts.append(best)
-    cuts.append(num_requests)
-    return tuple((prefix[a], prefix[b]) for a, b in zip(cuts, cuts[1:], strict=False))
-
-
-# ---- pass 2: votes and their resolution ----------------------------------------------------
+# ---- pass 1 and 2: one rank's vote, and its resolution -------------------------------------
 
 
 def dbo_disabled_by_env() -> bool:
@@ -266,12 +97,26 @@ def dbo_disabled_by_env() -> bool:
 
 @dataclass(frozen=True)
 class LocalDecision:
-    """One rank's vote, its cut points (for YES and ABSTAIN) and the reason behind a NO."""
+    """One rank's vote, its cut points (for YES and ABSTAIN) and the reason behind a NO.
+
+    ``rows`` is the padded ubatch size this rank needs; ``decode`` the kind of its batch.
+    In FILL mode (``refill`` set) the cuts are redone at the group's padded size, and
+    ``max_fill`` is the largest padded size that still leaves a real row in the last ubatch.
+    """
 
     vote: Vote
-    slices: tuple[Slice, ...]  # this rank's cut points when vote is YES or ABSTAIN
+    slices: tuple[Slice, ...]
     reason: SplitReason
     detail: str
+    rows: int = 0
+    decode: bool = False
+    two_chunk: bool = False
+    refill: tuple[tuple[int, ...] | None, int] | None = None  # (request counts, unit)
+    max_fill: int = NEVER_SPLIT
+
+
+def _no(reason: SplitReason, detail: str) -> LocalDecision:
+    return LocalDecision(Vote.NO, (), reason, detail)
 
 
 def local_vote(
@@ -280,58 +125,110 @@ def local_vote(
     *,
     request_token_counts: Sequence[int] | None = None,
     decode_only: bool | None = None,
+    split_points: Sequence[int] | None = None,
 ) -> LocalDecision:
     """This rank's wish and cut points, before agreement. Pure; no collective, no host sync.
 
-    ``decode_only=None`` infers it from ``request_token_counts`` (every request has one
-    token); with no counts the batch counts as mixed (the larger threshold applies).
+    ``decode_only=None`` infers it from ``request_token_counts`` (every request carries
+    ``1 + config.num_speculative_tokens`` tokens); with no counts the batch counts as mixed
+    (the larger threshold applies). ``split_points`` (``num_ubatches - 1`` rows) replace the
+    mode's cuts; the thresholds and the group's agreement still apply.
     """
-    if request_token_counts is not None and sum(int(c) for c in request_token_counts) != num_tokens:
-        raise ValueError(f"request_token_counts sum to {sum(request_token_counts)}, "
-                         f"not num_tokens={num_tokens}")
+    counts = None if request_token_counts is None else tuple(int(c) for c in request_token_counts)
+    if counts is not None and sum(counts) != num_tokens:
+        raise ValueError(f"request_token_counts sum to {sum(counts)}, not num_tokens={num_tokens}")
     n = config.num_ubatches
+    if split_points is not None and len(split_points) != n - 1:
+        raise ValueError(f"split_points needs {n - 1} points for {n} ubatches, got {list(split_points)}")
     if not config.enabled or dbo_disabled_by_env():
-        why = "SplitConfig(enabled=False)" if not config.enabled else f"{DISABLE_ENV_VAR} is set"
-        return LocalDecision(Vote.NO, (), SplitReason.DISABLED, why)
+        return _no(SplitReason.DISABLED,
+                   "SplitConfig(enabled=False)" if not config.enabled else f"{DISABLE_ENV_VAR} is set")
     if num_tokens == 0:
         return LocalDecision(Vote.ABSTAIN, ((0, 0),) * n, SplitReason.EMPTY, "no tokens on any rank")
     if decode_only is None:
-        decode_only = request_token_counts is not None and all(int(c) == 1 for c in request_token_counts)
+        decode_only = counts is not None and is_uniform_decode(counts, config.num_speculative_tokens)
     threshold = config.threshold(decode_only)
     if num_tokens < threshold:
         kind = "decode" if decode_only else "prefill/mixed"
-        return LocalDecision(Vote.NO, (), SplitReason.BELOW_THRESHOLD,
-                              f"{num_tokens} tokens < {kind} threshold {threshold}")
-    if config.mode is SplitMode.REQUESTS:
-        if request_token_counts is None:
+        return _no(SplitReason.BELOW_THRESHOLD, f"{num_tokens} tokens < {kind} threshold {threshold}")
+    # a speculative decode step's requests are draft + 1 tokens each, never to be separated
+    unit = 1 + config.num_speculative_tokens if decode_only and counts is None else 1
+    two_chunk, refill, max_fill = False, None, NEVER_SPLIT
+    if split_points is not None:
+        slices = split_at(num_tokens, split_points)
+    elif config.mode is SplitMode.FILL:
+        refill = (counts, unit)
+        rows = min_fill_capacity(num_tokens, n, request_token_counts=counts, unit=unit)
+        slices = fill_cuts(num_tokens, rows, n, request_token_counts=counts, unit=unit)
+        max_fill = max_capacity_with_nonempty_last(num_tokens, n, request_token_counts=counts, unit=unit)
+    elif config.mode is SplitMode.REQUESTS:
+        if counts is None:
             raise ValueError("SplitMode.REQUESTS needs request_token_counts")
-        slices = split_requests(request_token_counts, n)
-        if slices is None:
-            return LocalDecision(Vote.NO, (), SplitReason.TOO_FEW_REQUESTS,
-                                  f"{len(request_token_counts)} requests < {n} ubatches")
+        threshold = 0.0 if decode_only else config.two_chunk_threshold
+        found = split_requests_two_chunk(counts, n, threshold)
+        if found is None:
+            return _no(SplitReason.TOO_FEW_REQUESTS,
+                       f"{sum(1 for c in counts if c)} requests with tokens < {n} ubatches")
+        slices, two_chunk = found
+    elif decode_only and counts is not None and config.num_speculative_tokens:
+        found = split_requests(counts, n)
+        if found is None:
+            return _no(SplitReason.TOO_FEW_REQUESTS, f"{len(counts)} decode requests < {n} ubatches")
+        slices = found
     else:
-        slices = split_tokens(num_tokens, n)
-    return LocalDecision(Vote.YES, slices, SplitReason.SPLIT, "")
+        slices = split_tokens(num_tokens, n, unit=unit)
+    if any(a == b for a, b in slices):
+        return _no(SplitReason.EMPTY_UBATCH,
+                   f"{num_tokens} tokens leave a ubatch of padding only: {list(slices)}")
+    rows = max(b - a for a, b in slices)
+    return LocalDecision(Vote.YES, slices, SplitReason.SPLIT, "", rows, bool(decode_only), two_chunk,
+                         refill, max_fill)
 
 
-def encode_vote(decision: LocalDecision, num_ubatches: int) -> list[int]:
-    """The five ints every rank contributes to the MAX all-reduce."""
-    rows = max((b - a for a, b in decision.slices), default=0)
-    return [int(decision.vote is Vote.YES), int(decision.vote is Vote.NO), rows,
-            num_ubatches, -num_ubatches]
+#: length of :func:`encode_vote`'s vector
+VOTE_LEN = 10
+
+
+def encode_vote(decision: LocalDecision, config: SplitConfig) -> list[int]:
+    """The ints every rank contributes to the MAX all-reduce: yes, no, rows, the number of
+    ubatches (and its negation), decode and prefill among the yes votes, the negated
+    ``max_fill``, and the config's agreement key (and its negation)."""
+    yes = decision.vote is Vote.YES
+    key = config.agreement_key()
+    return [int(yes), int(decision.vote is Vote.NO), decision.rows if yes else 0,
+            config.num_ubatches, -config.num_ubatches, int(yes and decision.decode),
+            int(yes and not decision.decode), -decision.max_fill if yes else -NEVER_SPLIT, key, -key]
 
 
 def resolve_plan(num_tokens: int, decision: LocalDecision, config: SplitConfig,
                  reduced: Sequence[int]) -> UBatchPlan:
     """This rank's plan from its own decision and the group's element-wise MAX of
     :func:`encode_vote` vectors (its own vector, for a group of one). Pure."""
-    any_yes, any_no, max_rows, max_n, neg_min_n = (int(v) for v in reduced)
+    any_yes, any_no, max_rows, max_n, neg_min_n, any_decode, any_prefill, neg_fill, key, neg_key = \
+        (int(v) for v in reduced)
     if max_n != -neg_min_n:
         raise ValueError(f"SplitConfig.num_ubatches differs across ranks (from {-neg_min_n} to {max_n})")
+    if key != -neg_key:
+        raise ValueError("SplitConfig differs across ranks in mode, pad_to_multiple, cudagraph_sizes, "
+                         "allow_mixed_kinds or num_speculative_tokens")
     if any_yes and not any_no:
-        m = config.pad_to_multiple
+        if any_decode and any_prefill and not config.allow_mixed_kinds:
+            return no_split_plan(num_tokens, SplitReason.MIXED_KINDS,
+                                 "decode batches on some ranks, prefill on others")
+        n, m = config.num_ubatches, config.pad_to_multiple
         padded = -(-max_rows // m) * m
-        return UBatchPlan(num_tokens, decision.slices, padded, SplitReason.SPLIT)
+        graph = graph_padded_size(padded, n, config.cudagraph_sizes)
+        padded = padded if graph is None else graph // n
+        slices = decision.slices
+        if decision.refill is not None:
+            if padded > -neg_fill:
+                return no_split_plan(num_tokens, SplitReason.EMPTY_UBATCH,
+                                     f"at {padded} rows per ubatch a rank's last ubatch is padding only")
+            counts, unit = decision.refill
+            slices = fill_cuts(num_tokens, padded, n, request_token_counts=counts, unit=unit)
+            assert slices is not None, "a padded size >= every rank's need must fit"
+        return UBatchPlan(num_tokens, slices, padded, SplitReason.SPLIT, graph_size=graph,
+                          two_chunk=decision.two_chunk)
     if decision.vote is Vote.YES:
         reason, detail = SplitReason.DISAGREEMENT, "another rank of the group did not split"
     elif decision.vote is Vote.ABSTAIN:
@@ -379,6 +276,7 @@ def plan_ubatches(
     *,
     request_token_counts: Sequence[int] | None = None,
     decode_only: bool | None = None,
+    split_points: Sequence[int] | None = None,
     group: Any = None,
     agree: bool = True,
     device: torch.device | str | None = None,
@@ -393,15 +291,17 @@ def plan_ubatches(
         num_tokens: rows of this rank's token-major inputs (may be 0).
         config: thresholds, mode, number of ubatches (default :class:`SplitConfig`).
         request_token_counts: tokens of each request in batch order, summing to
-            ``num_tokens``; needed by ``SplitMode.REQUESTS`` and used to tell decode-only
-            batches. Pass a list: a tensor costs a host sync.
+            ``num_tokens``; needed by ``SplitMode.REQUESTS``, used by FILL and to tell
+            decode-only batches. Pass a list: a tensor costs a host sync.
         decode_only: whether the batch holds decodes only (default: inferred, see
             :func:`local_vote`).
+        split_points: this rank's own cut rows (``num_ubatches - 1`` of them), replacing the
+            mode's cuts (an engine that has decided where to cut).
         group: the ``torch.distributed`` process group that must agree (the group the MoE
             all-to-all runs over); None is the default group. Ignored when torch.distributed
             is not initialised.
         agree: False skips the all-reduce (a model that is not expert-parallel).
-        device: where the 5-int64 all-reduce tensor lives (default: the current CUDA device
+        device: where the 10-int64 all-reduce tensor lives (default: the current CUDA device
             for NCCL, CPU otherwise).
 
     Returns:
@@ -409,7 +309,7 @@ def plan_ubatches(
 
     Raises:
         ValueError: ``num_tokens`` < 0, counts that do not sum to it, REQUESTS mode without
-            counts, or ``num_ubatches`` that differs across ranks.
+            counts, bad ``split_points``, or a config that differs across ranks.
     """
     config = SplitConfig() if config is None else config
     if not isinstance(num_tokens, int) or num_tokens < 0:
@@ -417,72 +317,11 @@ def plan_ubatches(
     if isinstance(request_token_counts, torch.Tensor):
         request_token_counts = request_token_counts.tolist()
     decision = local_vote(num_tokens, config, request_token_counts=request_token_counts,
-                          decode_only=decode_only)
-    vec = encode_vote(decision, config.num_ubatches)
+                          decode_only=decode_only, split_points=split_points)
+    vec = encode_vote(decision, config)
     never = min(config.decode_token_threshold, config.prefill_token_threshold) >= NEVER_SPLIT
     if agree and not never and _group_size(group) > 1:
         vec = _reduce_max(vec, group, device)
     plan = resolve_plan(num_tokens, decision, config, vec)
     FALLBACK_LOG.note(plan)
     return plan
-
-
-# ---- padding -------------------------------------------------------------------------------
-
-
-def mask_padding_routing(topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                         num_valid: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Route rows ``num_valid:`` to no expert: ``topk_ids`` -1 and ``topk_weights`` 0.
-
-    Args:
-        topk_ids: ``[num_rows, topk]`` integer expert ids.
-        topk_weights: ``[num_rows, topk]`` float weights.
-        num_valid: real rows (the first ones), e.g. ``plan.num_valid(i)``.
-    Returns:
-        New ``(topk_ids, topk_weights)``; the inputs are not modified. No host sync.
-    """
-    if topk_ids.shape != topk_weights.shape:
-        raise ValueError(f"topk_ids {tuple(topk_ids.shape)} and topk_weights "
-                         f"{tuple(topk_weights.shape)} must have the same shape")
-    if num_valid >= topk_ids.shape[0]:
-        return topk_ids, topk_weights
-    valid = (torch.arange(topk_ids.shape[0], device=topk_ids.device) < num_valid).unsqueeze(1)
-    ids = torch.where(valid, topk_ids, torch.full_like(topk_ids, -1))
-    weights = torch.where(valid, topk_weights, torch.zeros_like(topk_weights))
-    return ids, weights
-
-
-# ---- logging each fallback reason once -----------------------------------------------------
-
-
-class FallbackLog:
-    """The fallback reasons already logged in this process (one registry, with ``reset()``)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._seen: set[SplitReason] = set()
-
-    def note(self, plan: UBatchPlan) -> bool:
-        """Log ``plan``'s fallback reason if it was not logged before; True if logged now."""
-        if plan.split:
-            return False
-        with self._lock:
-            if plan.reason in self._seen:
-                return False
-            self._seen.add(plan.reason)
-        level = logging.WARNING if plan.reason is SplitReason.DISAGREEMENT else logging.INFO
-        logger.log(level, "dbo: running the plain forward (reason: %s; %s); logged once per reason",
-                   plan.reason.value, plan.detail)
-        return True
-
-    @property
-    def seen(self) -> frozenset[SplitReason]:
-        return frozenset(self._seen)
-
-    def reset(self) -> None:
-        with self._lock:
-            self._seen.clear()
-
-
-#: the process-wide registry of logged fallback reasons
-FALLBACK_LOG = FallbackLog()
