@@ -285,7 +285,9 @@ class MoEExperts(ABC):
         ``[M, topk, hidden]`` for Contiguous). BATCHED_EXPERTS: ``hidden_states``
         ``[L, max_tokens, hidden]`` with ``expert_tokens_meta``; returns ``[L, max_tokens,
         hidden]`` unweighted (rows past each expert's count are unspecified).
-        The result may live in ``workspace``.
+        The result may live in ``workspace``. When the backend delivered quantized
+        activations, :class:`MoEKernel` also passes their scales as ``a1q_scale=``; experts
+        that accept quantized inputs take that keyword (:class:`SwiGLUExperts` does).
         """
 
     @abstractmethod

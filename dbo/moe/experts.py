@@ -1,14 +1,27 @@
-"""Reference SwiGLU experts for both activation formats.
+"""SwiGLU experts for both activation formats, without a host sync on CUDA.
 
-``y = w2 @ (silu(g) * u)`` with ``[g; u] = w1 @ x``. On CUDA with bf16 and ``torch._grouped_mm``
-available, STANDARD format sorts the (token, expert) pairs by expert and runs two grouped
-matmuls; BATCHED_EXPERTS uses two batched matmuls. Elsewhere (CPU, fp32) a plain loop over the
-experts that received tokens.
+``y = w2 @ (silu(g) * u)`` with ``[g; u] = w1 @ x``.
+
+STANDARD format: the (token, slot) pairs are sorted by local expert on the device
+(:mod:`dbo.moe.grouping`); two grouped GEMMs (:mod:`dbo.moe.grouped_gemm`: ``torch._grouped_mm``
+for bf16 on Hopper, a Triton grouped GEMM otherwise on CUDA) run on the per-expert end rows,
+which come from the backend's host-side counts when it has them
+(``ExpertTokensMetadata.expert_num_tokens_cpu``, DeepEP normal mode) or are computed on the
+device; the activation is one fused kernel; each token's output is a gather-reduce of its slots'
+rows weighted by the router (:mod:`dbo.moe.gather_reduce`: Triton, float32 accumulation, no
+atomics). Nothing in :meth:`SwiGLUExperts.apply` reads the GPU back, so under DBO the CPU
+queues the other ubatch's work while these kernels run. On the CPU (and without Triton) the
+same steps run in plain torch.
+
+BATCHED_EXPERTS format: two batched matmuls over each expert's slab on CUDA; a loop over the
+experts that received tokens on the CPU.
+
+fp8 inputs: a backend that hands over fp8 activations with DeepEP's block scales (one float32
+scale per 128 hidden elements, ``a1q_scale``) gets them dequantized to the weights' dtype before
+the first GEMM; the GEMMs themselves run in the weights' dtype.
 """
 
 from __future__ import annotations
-
-import logging
 
 import torch
 import torch.nn.functional as F
@@ -23,13 +36,17 @@ from dbo.moe.base import (
     TopKWeightAndReduceNoOp,
     Workspace,
 )
+from dbo.moe.gather_reduce import gather_reduce, silu_and_mul
+from dbo.moe.grouped_gemm import grouped_mm
+from dbo.moe.grouping import group_by_expert
 from dbo.moe.validate import check_expert_weights
 
-__all__ = ["SwiGLUExperts", "swiglu_expert"]
+__all__ = ["SwiGLUExperts", "swiglu_expert", "dequantize_blocks", "FP8_SCALE_BLOCK"]
 
-logger = logging.getLogger(__name__)
-
-_grouped_mm = getattr(torch, "_grouped_mm", None)
+#: hidden elements per fp8 scale (DeepEP's layout)
+FP8_SCALE_BLOCK = 128
+_FP8 = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+             if hasattr(torch, n))
 
 
 def swiglu_expert(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
@@ -40,20 +57,44 @@ def swiglu_expert(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.
     return (F.silu(gate) * up) @ w2.t()
 
 
+def dequantize_blocks(x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` ``[..., H]`` (fp8, or any dtype when ``scale`` is None) times ``scale``
+    ``[..., ceil(H / 128)]`` float32, block-wise, as ``dtype``; ``x`` itself when ``scale`` is None."""
+    if scale is None:
+        if x.dtype in _FP8:
+            raise TypeError(f"activations of dtype {x.dtype} need their scales (a1q_scale)")
+        return x
+    h = x.shape[-1]
+    if scale.shape[:-1] != x.shape[:-1] or scale.shape[-1] != -(-h // FP8_SCALE_BLOCK):
+        raise ValueError(f"a1q_scale must be [..., ceil(hidden / {FP8_SCALE_BLOCK})] = "
+                         f"{(*x.shape[:-1], -(-h // FP8_SCALE_BLOCK))}, got {tuple(scale.shape)}")
+    s = scale.to(torch.float32).repeat_interleave(FP8_SCALE_BLOCK, dim=-1)[..., :h]
+    return (x.to(torch.float32) * s).to(dtype)
+
+
 class SwiGLUExperts(MoEExperts):
-    """SwiGLU experts on local expert weights.
+    """SwiGLU experts on local expert weights (see the module docstring).
 
     Args:
         reduce_in_experts: in STANDARD format, weight by ``topk_weights`` and sum over top-k
             here (output ``[M, hidden]``, finalize does nothing more); if False return
             ``[M, topk, hidden]`` unweighted and leave it to TopKWeightAndReduceContiguous.
-        use_grouped_mm: use ``torch._grouped_mm`` when on CUDA with bf16 (default: when
-            available).
+        use_grouped_mm: allow ``torch._grouped_mm`` (default: where it applies).
+        use_triton: use the Triton kernels (default: on CUDA when Triton is importable; False
+            forces the plain torch versions, True forces Triton, e.g. under TRITON_INTERPRET).
+        batched_rows: BATCHED_EXPERTS on CUDA: compute only the first ``batched_rows`` rows of
+            each expert's slab (rows past it are left unwritten). Only for a caller that knows
+            no expert receives more (a masked grouped GEMM's expected rows); default all.
     """
 
-    def __init__(self, *, reduce_in_experts: bool = True, use_grouped_mm: bool | None = None):
+    def __init__(self, *, reduce_in_experts: bool = True, use_grouped_mm: bool | None = None,
+                 use_triton: bool | None = None, batched_rows: int | None = None):
+        if batched_rows is not None and batched_rows < 1:
+            raise ValueError(f"batched_rows must be >= 1 or None, got {batched_rows}")
         self.reduce_in_experts = reduce_in_experts
-        self.use_grouped_mm = _grouped_mm is not None if use_grouped_mm is None else use_grouped_mm
+        self.use_grouped_mm = use_grouped_mm
+        self.use_triton = use_triton
+        self.batched_rows = batched_rows
         self._format: ActivationFormat | None = None
 
     def supported_activation_formats(self) -> tuple[ActivationFormat, ...]:
@@ -67,68 +108,51 @@ class SwiGLUExperts(MoEExperts):
         return TopKWeightAndReduceContiguous()
 
     def apply(self, hidden_states, w1, w2, topk_weights, topk_ids, *, activation_format,
-              expert_tokens_meta, apply_router_weight_on_input, workspace):
+              expert_tokens_meta, apply_router_weight_on_input, workspace, a1q_scale=None):
+        """See :meth:`MoEExperts.apply`; ``a1q_scale``: block scales of fp8 ``hidden_states``
+        (``[..., ceil(hidden / 128)]`` float32), dequantized here."""
         self._format = activation_format
+        x = dequantize_blocks(hidden_states, a1q_scale, w1.dtype)
         if activation_format is ActivationFormat.BATCHED_EXPERTS:
-            return self._apply_batched(hidden_states, w1, w2, expert_tokens_meta, workspace)
-        return self._apply_standard(hidden_states, w1, w2, topk_weights, topk_ids,
+            return self._apply_batched(x, w1, w2, expert_tokens_meta, workspace)
+        return self._apply_standard(x, w1, w2, topk_weights, topk_ids, expert_tokens_meta,
                                     apply_router_weight_on_input, workspace)
 
     # ---- STANDARD -------------------------------------------------------------------------
 
     def _apply_standard(self, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
                         topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                        router_on_input: bool, workspace: Workspace) -> torch.Tensor:
+                        meta: ExpertTokensMetadata | None, router_on_input: bool,
+                        workspace: Workspace) -> torch.Tensor:
+        if x.dim() != 2:
+            raise ValueError(f"STANDARD activations must be [num_tokens, hidden], got {tuple(x.shape)}")
         m, hidden = x.shape
         n_local = check_expert_weights(w1, w2, hidden, x.dtype)
         topk = topk_ids.shape[1]
-        flat_ids = topk_ids.reshape(-1).to(torch.int64)
-        # (token, slot) pairs routed to a local expert, grouped by expert
-        pairs = torch.nonzero(flat_ids >= 0).squeeze(1)
-        order = torch.argsort(flat_ids[pairs], stable=True)
-        pairs = pairs[order]
-        experts = flat_ids[pairs]
-        tokens = pairs // topk
-        counts = torch.bincount(experts, minlength=n_local)
-        xs = x[tokens]
-        ys = None
-        if (x.is_cuda and x.dtype == torch.bfloat16 and self.use_grouped_mm
-                and _grouped_mm is not None and pairs.numel() and hidden % 8 == 0
-                and w2.shape[2] % 8 == 0):
-            ys = self._grouped(xs, w1, w2, counts)
-        if ys is None:
-            ys = torch.empty_like(xs)
-            start = 0
-            for e, c in enumerate(counts.tolist()):
-                if c:
-                    ys[start:start + c] = swiglu_expert(xs[start:start + c], w1[e], w2[e])
-                    start += c
+        shape = (m, hidden) if self.reduce_in_experts else (m, topk, hidden)
+        out = workspace.get("fused_out", shape, x.dtype, x.device)
+        host = None if meta is None else meta.expert_num_tokens_cpu
+        if host is not None and host.numel() != n_local:
+            raise ValueError(f"expert_tokens_meta has {host.numel()} host-side counts for "
+                             f"{n_local} local experts")
+        groups = group_by_expert(topk_ids, n_local, host) if m else None
+        if groups is None or groups.num_rows == 0:
+            return out.zero_()
+        kw = {"use_grouped_mm": self.use_grouped_mm, "use_triton": self.use_triton}
+        xs = x.index_select(0, groups.tokens)
+        h = grouped_mm(xs, w1, groups.offsets, groups.host_counts, **kw)
+        # without host counts the rows past the local pairs are padding: the kernel skips them
+        valid = groups.num_valid if groups.host_counts is None else None
+        act = silu_and_mul(h, valid, use_triton=self.use_triton)
+        y = grouped_mm(act, w2, groups.offsets, groups.host_counts, **kw)
         if not self.reduce_in_experts:
-            out = workspace.get("fused_out", (m, topk, hidden), x.dtype, x.device)
-            out.zero_()
-            out.view(m * topk, hidden)[pairs] = ys
+            rows = y.index_select(0, groups.slot_rows.reshape(-1))
+            zero = rows.new_zeros(())
+            torch.where(groups.local.reshape(-1, 1), rows, zero, out=out.view(m * topk, hidden))
             return out
-        yf = ys.to(torch.float32)
-        if not router_on_input:
-            yf = yf * topk_weights.reshape(-1)[pairs].unsqueeze(1)
-        acc = torch.zeros(m, hidden, dtype=torch.float32, device=x.device)
-        acc.index_add_(0, tokens, yf)
-        out = workspace.get("fused_out", (m, hidden), x.dtype, x.device)
-        out.copy_(acc)
-        return out
-
-    def _grouped(self, xs: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
-                 counts: torch.Tensor) -> torch.Tensor | None:
-        """Two grouped matmuls over the expert-sorted rows; None if this torch/GPU refuses."""
-        offs = torch.cumsum(counts, 0).to(torch.int32)
-        try:
-            h = _grouped_mm(xs, w1.transpose(1, 2), offs=offs)
-            gate, up = h.chunk(2, dim=-1)
-            return _grouped_mm((F.silu(gate) * up).contiguous(), w2.transpose(1, 2), offs=offs)
-        except RuntimeError as exc:
-            logger.warning("torch._grouped_mm failed (%s); falling back to a loop over experts", exc)
-            self.use_grouped_mm = False
-            return None
+        weights = torch.ones_like(topk_weights) if router_on_input else topk_weights
+        return gather_reduce(y, groups.slot_rows, weights, groups.local, out=out,
+                             use_triton=self.use_triton)
 
     # ---- BATCHED_EXPERTS ------------------------------------------------------------------
 
@@ -144,9 +168,14 @@ class SwiGLUExperts(MoEExperts):
         out = workspace.get("fused_out", (n_local, max_tokens, hidden), x.dtype, x.device)
         if x.is_cuda:
             # padded rows compute garbage, which finalize ignores; two launches beat a loop
-            h = torch.bmm(x, w1.transpose(1, 2))
-            gate, up = h.chunk(2, dim=-1)
-            torch.bmm(F.silu(gate) * up, w2.transpose(1, 2), out=out)
+            rows = max_tokens if self.batched_rows is None else min(self.batched_rows, max_tokens)
+            h = torch.bmm(x[:, :rows], w1.transpose(1, 2))
+            act = silu_and_mul(h.view(n_local * rows, -1), use_triton=self.use_triton)
+            y = act.view(n_local, rows, -1)
+            if rows == max_tokens:
+                torch.bmm(y, w2.transpose(1, 2), out=out)
+            else:
+                out[:, :rows] = torch.bmm(y, w2.transpose(1, 2))
             return out
         counts = meta.expert_num_tokens_cpu
         if counts is None:

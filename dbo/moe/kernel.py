@@ -136,6 +136,8 @@ class MoEKernel:
                              expert_map, apply_router_weight_on_input)
         ids = topk_ids if prep.topk_ids is None else prep.topk_ids
         weights = topk_weights if prep.topk_weights is None else prep.topk_weights
+        # quantized activations come with their scales; experts that take none never see any
+        scale = {} if prep.a1q_scale is None else {"a1q_scale": prep.a1q_scale}
         with dbo_region("experts"):
             fused = self.experts.apply(
                 prep.a1q, w1, w2, weights, ids,
@@ -143,6 +145,7 @@ class MoEKernel:
                 expert_tokens_meta=prep.expert_tokens_meta,
                 apply_router_weight_on_input=apply_router_weight_on_input,
                 workspace=self.workspace(),
+                **scale,
             )
         weight_and_reduce = self.experts.finalize_weight_and_reduce_impl()
         output = torch.empty_like(hidden_states)
