@@ -1,0 +1,334 @@
+"""Zero-SM intranode prepare/finalize: copy-engine puts into the peers' receive buffers.
+
+Every rank of one host sends each of its tokens, with its routing row, to every rank
+(``dispatch``); each rank runs its local experts on what it received, weighs and sums each
+token's local top-k, and puts that partial sum back to the token's owner (``combine``), which
+adds the ``world_size`` partial sums. The bytes move with plain ``Tensor.copy_`` into the peers'
+``torch.distributed._symmetric_memory`` buffers, which the GPU's copy engines carry over NVLink:
+no SM runs a communication kernel, so compute beside the transfer keeps the whole GPU (DeepEP's
+normal mode holds 24-48 SMs for its kernels, and the compute beside them ran 15-36% slower on an
+H200; docs/perf_notes.md). Arrival is signalled with the symmetric memory's one-thread
+``put_signal``/``wait_signal`` kernels; the receiver's wait sits on the compute stream right
+before the data is read.
+
+Why every token goes to every rank: a copy needs its size on the host when it is issued. The
+number of rows a rank holds is on the host already; the number of rows it sends to one peer
+(after routing) is on the GPU, and reading it would stall the CPU. With top-8 routing over two
+ranks 99.6% of the tokens have an expert on both ranks anyway; over eight ranks 66%, so this
+moves about 1.5x the bytes of an exact exchange there. Rows with no local expert cost the
+experts nothing (their ids are ``-1``) and come back as zeros.
+
+Where the host waits: in ``prepare``, for every peer's host to publish its token count of the
+same dispatch (host shared memory, :class:`~dbo.backends._ce_transport.HostBoard`); under DBO
+the backend yields first, so the other ubatch's compute is queued on the GPU meanwhile. Nothing
+reads anything back from the GPU. A peer that stops makes that wait raise
+:class:`dbo.errors.CollectiveTimeoutError` after ``timeout_s``; a peer that stops between its
+count and its data makes the GPU wait trap after the same timeout, and the next call of this
+backend raises ``CollectiveTimeoutError`` naming it.
+
+Buffers are allocated once, at construction (collective), per ubatch slot, and reused across
+layers, steps and runs: a rank writes into a peer's slot only after that peer's combine of the
+slot's previous dispatch arrived, which the peer sent after its last read of the slot, so no
+overwrite can race a read. After a failed step, build a new backend.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dbo.context import (
+    dbo_current_ubatch_id,
+    dbo_enabled,
+    dbo_switch_to_comm_sync,
+    dbo_switch_to_compute,
+    dbo_yield_and_switch_from_compute_to_comm,
+)
+from dbo.errors import CollectiveTimeoutError
+from dbo.moe.base import PrepareResult, TopKWeightAndReduce, TopKWeightAndReduceContiguous
+from dbo.moe.base import TopKWeightAndReduceDelegate as _Delegate
+from dbo.moe.handles import PerUBatch
+from dbo.moe.validate import contiguous_expert_map
+from dbo.streams import hand_over
+
+from ._ce_transport import BufferLayout, Transport, open_transport
+from ._torchdist import DTYPE_CODES, TorchDistPrepareAndFinalize
+
+__all__ = ["CopyEnginePrepareAndFinalize", "make_prepare_finalize"]
+
+logger = logging.getLogger(__name__)
+
+_DISPATCH, _COMBINE = 0, 1
+
+
+@dataclass
+class _Handle:
+    counts: list[int]       # tokens of every rank in this dispatch
+    offsets: list[int]      # first received row of each rank
+    seq: int
+    hidden: int
+
+
+class CopyEnginePrepareAndFinalize(TorchDistPrepareAndFinalize):
+    """Dispatch and combine by copy-engine puts between the ranks of one host (STANDARD format).
+
+    ``prepare`` returns ``a1q`` ``[M_recv, hidden]`` (a view of this rank's receive buffer,
+    valid until this ubatch's ``finalize``): the tokens of rank 0, then rank 1's, ...;
+    ``M_recv`` is the sum of every rank's token count. ``topk_ids`` ``[M_recv, topk]`` int64
+    LOCAL ids (``-1`` for experts on other ranks), ``topk_weights`` ``[M_recv, topk]`` float32
+    (0 where the id is ``-1``). ``finalize`` weighs and sums each received token's local top-k
+    (unless the experts did), puts the ``[M_s, hidden]`` partial sums back to each rank ``s``
+    and adds the ``world_size`` partial sums of this rank's tokens into ``output`` (float32
+    accumulation). Experts are placed contiguously (rank ``r`` holds ``[r * L, (r + 1) * L)``).
+
+    Args:
+        group: the expert-parallel group; every rank on this host (checked: a group that spans
+            hosts is refused with ``ValueError``).
+        hidden_size: the hidden size of every call.
+        max_tokens_per_rank: the most tokens any rank passes in one call (one ubatch under DBO).
+        max_topk: the largest ``topk`` of any call.
+        dtype: the largest activation dtype the buffers hold (bf16 buffers take bf16/fp16 calls;
+            float32 buffers take all three).
+        num_ubatches: buffer slots, one per ubatch id (a run with more ubatches is refused).
+        device: ``cuda`` (symmetric memory, copy engines) or ``cpu`` (host shared memory, the
+            stand-in the tests use); default the current CUDA device if any.
+        timeout_s: the longest wait for a peer (host and GPU) before failing.
+        check_inputs: check argument types, shapes and the ``topk_ids`` range (a device sync).
+    """
+
+    name = "copy_engine"
+
+    def __init__(self, group: Any = None, *, hidden_size: int, max_tokens_per_rank: int,
+                 max_topk: int = 8, dtype: torch.dtype = torch.bfloat16, num_ubatches: int = 2,
+                 device: torch.device | str | None = None, timeout_s: float = 60.0,
+                 check_inputs: bool = True):
+        super().__init__(group, hidden_size=hidden_size, timeout_s=timeout_s,
+                         check_inputs=check_inputs, use_async=True)
+        for key, val in (("hidden_size", hidden_size), ("max_tokens_per_rank", max_tokens_per_rank),
+                         ("max_topk", max_topk), ("num_ubatches", num_ubatches)):
+            if not isinstance(val, int) or val < 1:
+                raise ValueError(f"{key} must be a positive int, got {val!r}")
+        if dtype not in DTYPE_CODES:
+            raise ValueError(f"dtype must be one of {sorted(map(str, DTYPE_CODES))}, got {dtype}")
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+                else torch.device("cpu")
+        self.device = torch.device(device)
+        self.max_tokens_per_rank = max_tokens_per_rank
+        self.max_topk = max_topk
+        self.elem_bytes = torch.tensor([], dtype=dtype).element_size()
+        self.num_ubatches = num_ubatches
+        self.layout = BufferLayout(self.world_size, max_tokens_per_rank, hidden_size,
+                                   self.elem_bytes, max_topk, num_ubatches)
+        self.transport: Transport = open_transport(group, self.layout, 2 * num_ubatches,
+                                                   self.timeout_s, self.device)
+        self._seq = [0] * num_ubatches
+        self._handles: PerUBatch[_Handle] = PerUBatch("copy_engine dispatch handle")
+        self._last_wait: dict[int, tuple[Any, str]] = {}
+        logger.info("copy_engine: rank %d of %d on %s, %.1f MiB of buffers", self.rank,
+                    self.world_size, self.device, self.layout.total_bytes / 2**20)
+
+    def reset(self) -> None:
+        self._handles.clear()
+
+    # ---- helpers --------------------------------------------------------------------------
+
+    def _slot(self) -> int:
+        ub = dbo_current_ubatch_id()
+        if ub >= self.num_ubatches:
+            raise ValueError(f"copy_engine was built with num_ubatches={self.num_ubatches}; "
+                             f"ubatch {ub} has no buffer slot (build it with more)")
+        return ub
+
+    def _view(self, peer: int, slot: int, region: str, row0: int, rows: int, cols: int,
+              dtype: torch.dtype) -> torch.Tensor:
+        size = torch.tensor([], dtype=dtype).element_size()
+        raw = self.transport.region(peer, slot, region, rows * cols * size, row0 * cols * size)
+        return raw.view(dtype).view(rows, cols)
+
+    def _raise_device_timeout(self, slot: int) -> None:
+        """A GPU wait of this slot that trapped (a peer's data never came) surfaces here."""
+        last = self._last_wait.pop(slot, None)
+        if last is None:
+            return
+        event, what = last
+        try:
+            event.query()
+        except RuntimeError as exc:  # the trap poisons the context: every CUDA call fails now
+            raise CollectiveTimeoutError(
+                f"copy_engine: rank {self.rank}'s GPU wait for {what} failed, most likely after "
+                f"timeout_s={self.timeout_s:.1f} s without the peer's signal (the peer died or fell "
+                f"out of step); the CUDA context is unusable from here ({exc})") from exc
+
+    def _put_all(self, slot: int, puts: list[tuple[int, str, int, torch.Tensor]],
+                 channel: int) -> Any:
+        """Put each ``(dst, region, row0, src)``: ``src`` ``[rows, cols]`` at row ``row0`` of
+        ``dst``'s region (a dense ``[*, cols]`` view, so every put is one contiguous copy), then
+        signal every peer. Returns an event after the puts to this rank itself (CUDA), or None."""
+        for dst, region, row0, src in puts:
+            if src.shape[0]:
+                self._view(dst, slot, region, row0, src.shape[0], src.shape[1], src.dtype).copy_(src)
+        own = None
+        if self.transport.cuda:
+            own = torch.cuda.Event()
+            own.record()
+        for dst in range(self.world_size):
+            if dst != self.rank:
+                self.transport.signal(dst, channel)
+        return own
+
+    def _wait_all(self, slot: int, channel: int, own: Any, what: str) -> None:
+        """Make the current stream (or, on CPU, the host) wait for every peer's signal."""
+        for src in range(self.world_size):
+            if src != self.rank:
+                self.transport.wait(src, channel)
+        if own is not None:
+            torch.cuda.current_stream().wait_event(own)
+            done = torch.cuda.Event()
+            done.record()
+            self._last_wait[slot] = (done, what)
+
+    def _check_expert_map(self, expert_map: torch.Tensor | None, num_experts: int) -> None:
+        if expert_map is None:
+            return
+        want = contiguous_expert_map(num_experts, self.world_size, self.rank, expert_map.device)
+        if expert_map.shape != want.shape or not torch.equal(expert_map.to(torch.int32), want):
+            raise ValueError("expert_map: copy_engine supports only the contiguous expert placement "
+                             f"(rank r holds experts [r*L, (r+1)*L)); got {expert_map}")
+
+    # ---- dispatch -------------------------------------------------------------------------
+
+    def prepare_async(self, a1, topk_weights, topk_ids, num_experts, expert_map,
+                      apply_router_weight_on_input, quant_config=None):
+        n_local = self._check(a1, topk_weights, topk_ids, num_experts, apply_router_weight_on_input)
+        self._check_expert_map(expert_map, num_experts)
+        slot = self._slot()
+        if self.transport.cuda:
+            self._raise_device_timeout(slot)
+        x = self._router_on_input(a1, topk_weights, apply_router_weight_on_input).contiguous()
+        m, hidden = x.shape
+        topk = topk_ids.shape[1]
+        meta = torch.cat([topk_ids.to(torch.int32), topk_weights.to(torch.float32).view(torch.int32)],
+                         dim=1)
+        # The host is about to wait for its peers' hosts: let the other ubatch queue its compute.
+        if dbo_enabled():
+            dbo_yield_and_switch_from_compute_to_comm()
+        self._seq[slot] += 1
+        seq = self._seq[slot]
+        rows = self.transport.board.exchange(
+            slot, seq, [m, hidden, topk, DTYPE_CODES.get(x.dtype, -1), num_experts])
+        counts = self._agree(rows, x.dtype, topk)
+        offsets = [sum(counts[:r]) for r in range(self.world_size)]
+        me = offsets[self.rank]
+        chan = 2 * slot + _DISPATCH
+        own_x = self._put_all(slot, [p for d in range(self.world_size)
+                                     for p in ((d, "x", me, x), (d, "meta", me, meta))], chan)
+        self._handles.put(_Handle(counts, offsets, seq, hidden))
+        if dbo_enabled():
+            if self.transport.cuda:  # the comm stream reads them after the caller moves on
+                hand_over(x, torch.cuda.current_stream())
+                hand_over(meta, torch.cuda.current_stream())
+            dbo_switch_to_compute()
+        total = sum(counts)
+        lo = self.rank * n_local
+        dtype = x.dtype
+
+        def wait() -> None:
+            if not self.transport.cuda:
+                self._wait_all(slot, chan, None, f"dispatch {seq} of ubatch {slot}")
+
+        def receiver() -> PrepareResult:
+            if self.transport.cuda:
+                self._wait_all(slot, chan, own_x, f"dispatch {seq} of ubatch {slot}")
+            xr = self._view(self.rank, slot, "x", 0, total, hidden, dtype)
+            mr = self._view(self.rank, slot, "meta", 0, total, 2 * topk, torch.int32)
+            ids = mr[:, :topk].to(torch.int64)
+            weights = mr[:, topk:].contiguous().view(torch.float32)
+            mine = (ids >= lo) & (ids < lo + n_local)
+            local = torch.where(mine, ids - lo, -1)
+            weights = torch.where(mine, weights, 0.0)
+            return PrepareResult(xr, None, None, local, weights)
+
+        return wait, receiver
+
+    def _agree(self, rows: list[list[int]], dtype: torch.dtype, topk: int) -> list[int]:
+        """Every rank's token count, after checking that the ranks' calls agree and fit the
+        buffers. Every rank sees the same table, so every rank raises the same error."""
+        names = ("hidden size", "topk", "dtype code", "num_experts")
+        for col, name in enumerate(names, start=1):
+            vals = [r[col] for r in rows]
+            if len(set(vals)) > 1:
+                raise ValueError(f"copy_engine: {name} differs across ranks: "
+                                 + ", ".join(f"rank {i}={v}" for i, v in enumerate(vals)))
+        counts = [r[0] for r in rows]
+        problems = []
+        if max(counts) > self.max_tokens_per_rank:
+            problems.append(f"token counts {counts} exceed max_tokens_per_rank="
+                            f"{self.max_tokens_per_rank}")
+        if topk > self.max_topk:
+            problems.append(f"topk={topk} exceeds max_topk={self.max_topk}")
+        if torch.tensor([], dtype=dtype).element_size() > self.elem_bytes:
+            problems.append(f"dtype {dtype} is wider than the buffers' ({self.elem_bytes} bytes)")
+        if problems:
+            raise ValueError("copy_engine: " + "; ".join(problems) + " (build the backend larger)")
+        return counts
+
+    # ---- combine --------------------------------------------------------------------------
+
+    def finalize_async(self, output, fused_expert_output, topk_weights, topk_ids,
+                       apply_router_weight_on_input, weight_and_reduce: TopKWeightAndReduce):
+        h = self._handles.take()
+        slot = self._slot()
+        m = h.counts[self.rank]
+        if output.shape != (m, h.hidden):
+            raise ValueError(f"output must be [{m}, {h.hidden}] (the prepared tokens), got shape "
+                             f"{tuple(output.shape)}")
+        if isinstance(weight_and_reduce, _Delegate):
+            weight_and_reduce = TopKWeightAndReduceContiguous()
+        y = weight_and_reduce.apply(None, fused_expert_output, topk_weights, topk_ids,
+                                    apply_router_weight_on_input)
+        y = y.to(output.dtype).contiguous()
+        total = sum(h.counts)
+        if y.shape[0] != total:
+            raise ValueError(f"fused_expert_output reduces to {y.shape[0]} rows, but {total} were "
+                             "dispatched to this rank")
+        if dbo_enabled():
+            dbo_switch_to_comm_sync()
+        chan = 2 * slot + _COMBINE
+        # partial sums of rank s's tokens go to rows [rank * M_s, (rank + 1) * M_s) of s
+        own = self._put_all(slot, [(s, "comb", self.rank * h.counts[s],
+                                    y[h.offsets[s]:h.offsets[s] + h.counts[s]])
+                                   for s in range(self.world_size)], chan)
+        if dbo_enabled():
+            if self.transport.cuda:
+                hand_over(y, torch.cuda.current_stream())
+            dbo_switch_to_compute()
+        what = f"combine {h.seq} of ubatch {slot}"
+
+        def wait() -> None:
+            if not self.transport.cuda:
+                self._wait_all(slot, chan, None, what)
+
+        def receiver() -> None:
+            if self.transport.cuda:
+                self._wait_all(slot, chan, own, what)
+            if not m:
+                return
+            parts = self._view(self.rank, slot, "comb", 0, self.world_size * m, h.hidden, y.dtype)
+            output.copy_(parts.view(self.world_size, m, h.hidden).sum(0, dtype=torch.float32))
+
+        return wait, receiver
+
+
+def make_prepare_finalize(group: Any = None, *, hidden: int, max_tokens_per_rank: int,
+                          num_experts: int | None = None, topk: int = 8,
+                          dtype: torch.dtype = torch.bfloat16, device: Any = None,
+                          **kwargs: Any) -> CopyEnginePrepareAndFinalize:
+    """The factory the other backends share (``num_experts`` is not needed here)."""
+    del num_experts
+    return CopyEnginePrepareAndFinalize(group, hidden_size=hidden,
+                                        max_tokens_per_rank=max_tokens_per_rank, max_topk=topk,
+                                        dtype=dtype, device=device, **kwargs)

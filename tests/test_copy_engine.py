@@ -1,0 +1,177 @@
+"""The copy-engine backend on its CPU transport (host shared memory), 2 and 3 gloo ranks.
+
+The conformance suite (DBO == serial == reference, zero-token ranks and ubatches, hooks,
+three ubatches, repeated runs), buffer reuse over many layers, the cross-rank checks, and a
+peer that stops mid-step: the waiting rank fails with CollectiveTimeoutError, never hangs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dbo.testing.conformance import check_backend, default_cases, with_options
+from dbo.testing.dist import DistWorld
+
+pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(180)]
+
+
+@pytest.fixture(scope="module")
+def world2():
+    with DistWorld(2) as w:
+        yield w
+
+
+@pytest.fixture(scope="module")
+def world3():
+    with DistWorld(3) as w:
+        yield w
+
+
+def _make(case):
+    from dbo.backends.copy_engine import make_prepare_finalize
+
+    return make_prepare_finalize(dist.group.WORLD, hidden=case.hidden,
+                                 max_tokens_per_rank=case.max_tokens_per_rank,
+                                 num_experts=case.num_experts, topk=case.topk, dtype=case.dtype,
+                                 device="cpu", num_ubatches=case.num_ubatches, timeout_s=20.0)
+
+
+def test_conformance_2_ranks(world2):
+    cases = default_cases(2)
+    base = cases[1]
+    cases += [
+        dataclasses.replace(base, name="fp32", dtype=torch.float32, tol_ref=1e-4, tol_dbo=1e-5),
+        dataclasses.replace(base, name="topk 8 of 16", topk=8, num_experts=16, seed=21),
+        dataclasses.replace(base, name="hidden 2048", hidden=2048, seed=22),
+        dataclasses.replace(base, name="both ranks empty", num_tokens=(0, 0), seed=23),
+    ]
+    check_backend(world2, _make, cases)
+
+
+def test_conformance_3_ranks(world3):
+    cases = [c for c in default_cases(3, num_experts=12)]
+    check_backend(world3, _make, cases)
+
+
+def _many_layers(layers: int) -> float:
+    """``layers`` MoE layers in a row on one backend (buffers reused), DBO vs serial."""
+    from dbo.backends.copy_engine import CopyEnginePrepareAndFinalize
+    from dbo.context import run_ubatches
+    from dbo.moe import MoEKernel, SwiGLUExperts, local_expert_weights, make_expert_weights, topk_route
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    pf = CopyEnginePrepareAndFinalize(hidden_size=64, max_tokens_per_rank=32, max_topk=2,
+                                      dtype=torch.float32, device="cpu", timeout_s=20.0)
+    kernel = MoEKernel(pf, SwiGLUExperts())
+    w1, w2 = make_expert_weights(4 * world, 64, 32, dtype=torch.float32, seed=3)
+    w1, w2 = local_expert_weights(w1, rank, world), local_expert_weights(w2, rank, world)
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(30 - 7 * rank, 64, generator=g)
+    router = torch.randn(64, 4 * world, generator=torch.Generator().manual_seed(5))
+
+    def layer(h):  # bounded, so that twelve layers neither overflow nor vanish
+        weights, ids = topk_route(h @ router, 2)
+        return torch.tanh(h + kernel(h, w1, w2, weights, ids, global_num_experts=4 * world))
+
+    def run(h, n):
+        for _ in range(n):
+            h = layer(h)
+        return h
+
+    serial = run(x, layers)
+    cut = x.shape[0] // 2
+    parts = run_ubatches([lambda: run(x[:cut], layers), lambda: run(x[cut:], layers)])
+    dbo = torch.cat(parts)
+    return float((dbo - serial).abs().max())
+
+
+def test_buffers_reused_across_layers(world2):
+    assert max(world2.run(_many_layers, 12)) < 1e-4
+
+
+def _disagree(field: str) -> str:
+    from dbo.backends.copy_engine import CopyEnginePrepareAndFinalize
+
+    rank = dist.get_rank()
+    pf = CopyEnginePrepareAndFinalize(hidden_size=32, max_tokens_per_rank=8, max_topk=2,
+                                      dtype=torch.float32, device="cpu", timeout_s=10.0,
+                                      check_inputs=False)
+    m = 9 if field == "tokens" and rank == 1 else 4
+    topk = 2
+    x = torch.randn(m, 32)
+    ids = torch.zeros(m, topk, dtype=torch.int64)
+    w = torch.ones(m, topk)
+    num_experts = 4 + 2 * rank if field == "experts" else 4
+    try:
+        pf.prepare_async(x, w, ids, num_experts, None, False)
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.parametrize("field,words", [("tokens", "exceed max_tokens_per_rank"),
+                                         ("experts", "num_experts differs across ranks")])
+def test_every_rank_raises_the_same_error(world2, field, words):
+    msgs = world2.run(_disagree, field)
+    assert msgs[0] == msgs[1] and words in msgs[0], msgs
+
+
+def _stop_mid_step(stopper: int) -> float:
+    from dbo.backends.copy_engine import CopyEnginePrepareAndFinalize
+    from dbo.errors import CollectiveTimeoutError
+    from dbo.moe import MoEKernel, SwiGLUExperts, local_expert_weights, make_expert_weights, topk_route
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    pf = CopyEnginePrepareAndFinalize(hidden_size=32, max_tokens_per_rank=16, max_topk=2,
+                                      dtype=torch.float32, device="cpu", timeout_s=2.0)
+    kernel = MoEKernel(pf, SwiGLUExperts())
+    w1, w2 = make_expert_weights(2 * world, 32, 16, dtype=torch.float32, seed=1)
+    w1, w2 = local_expert_weights(w1, rank, world), local_expert_weights(w2, rank, world)
+    h = torch.randn(16, 32)
+    t0 = time.monotonic()
+    try:
+        for layer in range(4):
+            if rank == stopper and layer == 2:
+                os._exit(3)  # this rank dies mid-step, between two layers
+            weights, ids = topk_route(torch.randn(16, 2 * world), 2)
+            h = kernel(h, w1, w2, weights, ids, global_num_experts=2 * world)
+    except CollectiveTimeoutError as exc:
+        assert "rank 1" in str(exc) and "died or fell out of step" in str(exc), exc
+        return time.monotonic() - t0
+    return -1.0
+
+
+def test_a_stopped_peer_fails_the_waiting_rank_within_the_timeout():
+    with DistWorld(2) as world:
+        outcomes = world.run_outcomes(_stop_mid_step, 1, timeout_s=30.0)
+    assert outcomes[1].exitcode == 3 or not outcomes[1].ok
+    assert outcomes[0].ok, outcomes[0].traceback
+    assert 1.5 < outcomes[0].value < 10.0, outcomes[0].value
+
+
+def _bad_args() -> list[str]:
+    from dbo.backends.copy_engine import CopyEnginePrepareAndFinalize
+
+    msgs = []
+    for kwargs in ({"hidden_size": 0, "max_tokens_per_rank": 4},
+                   {"hidden_size": 8, "max_tokens_per_rank": -1},
+                   {"hidden_size": 8, "max_tokens_per_rank": 4, "dtype": torch.int8},
+                   {"hidden_size": 8, "max_tokens_per_rank": 4, "device": "meta"}):
+        try:
+            CopyEnginePrepareAndFinalize(device=kwargs.pop("device", "cpu"), **kwargs)
+        except ValueError as exc:
+            msgs.append(str(exc))
+    return msgs
+
+
+def test_bad_constructor_arguments(world2):
+    msgs = world2.run(_bad_args)[0]
+    assert len(msgs) == 4, msgs
+    assert "hidden_size" in msgs[0] and "max_tokens_per_rank" in msgs[1]
+    assert "dtype" in msgs[2] and "cuda or cpu" in msgs[3]
