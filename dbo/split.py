@@ -152,7 +152,9 @@ def local_vote(
         kind = "decode" if decode_only else "prefill/mixed"
         return _no(SplitReason.BELOW_THRESHOLD, f"{num_tokens} tokens < {kind} threshold {threshold}")
     # a speculative decode step's requests are draft + 1 tokens each, never to be separated
-    unit = 1 + config.num_speculative_tokens if decode_only and counts is None else 1
+    spec = config.num_speculative_tokens
+    uniform = counts is None or is_uniform_decode(counts, spec)
+    unit = 1 + spec if decode_only and uniform else 1
     two_chunk, refill, max_fill = False, None, NEVER_SPLIT
     if split_points is not None:
         slices = split_at(num_tokens, split_points)
@@ -170,7 +172,7 @@ def local_vote(
             return _no(SplitReason.TOO_FEW_REQUESTS,
                        f"{sum(1 for c in counts if c)} requests with tokens < {n} ubatches")
         slices, two_chunk = found
-    elif decode_only and counts is not None and config.num_speculative_tokens:
+    elif decode_only and spec and not uniform:  # declared decode, uneven requests: keep them whole
         found = split_requests(counts, n)
         if found is None:
             return _no(SplitReason.TOO_FEW_REQUESTS, f"{len(counts)} decode requests < {n} ubatches")
@@ -219,11 +221,11 @@ def resolve_plan(num_tokens: int, decision: LocalDecision, config: SplitConfig,
         padded = -(-max_rows // m) * m
         graph = graph_padded_size(padded, n, config.cudagraph_sizes)
         padded = padded if graph is None else graph // n
+        if padded > -neg_fill:  # every rank sees the same reduced vector, so all fall back
+            return no_split_plan(num_tokens, SplitReason.EMPTY_UBATCH,
+                                 f"at {padded} rows per ubatch a rank's last ubatch is padding only")
         slices = decision.slices
         if decision.refill is not None:
-            if padded > -neg_fill:
-                return no_split_plan(num_tokens, SplitReason.EMPTY_UBATCH,
-                                     f"at {padded} rows per ubatch a rank's last ubatch is padding only")
             counts, unit = decision.refill
             slices = fill_cuts(num_tokens, padded, n, request_token_counts=counts, unit=unit)
             assert slices is not None, "a padded size >= every rank's need must fit"

@@ -62,12 +62,15 @@ def test_split_tokens_covers_evenly(num_tokens, n):
 @given(st.lists(st.integers(0, 300), min_size=0, max_size=30), st.integers(2, 6))
 def test_split_requests_at_request_boundaries(counts, n):
     slices = split_requests(counts, n)
-    if len(counts) < n:
-        assert slices is None
-        return
     note(f"slices={slices}")
+    if slices is None:
+        # fewer distinct request boundaries with tokens on both sides than cuts needed
+        inner = {sum(counts[:k]) for k in range(1, len(counts))} - {0, sum(counts)}
+        assert len(inner) < n - 1
+        return
     assert len(slices) == n
     assert_covers(slices, sum(counts))
+    assert all(b > a for a, b in slices), "a ubatch with no real tokens"
     prefix = [0]
     for c in counts:
         prefix.append(prefix[-1] + c)
@@ -84,9 +87,14 @@ def test_split_requests_at_request_boundaries(counts, n):
 
 @given(st.lists(st.integers(0, 300), min_size=2, max_size=30))
 def test_split_requests_two_ubatches_minimise_the_larger(counts):
-    (a0, b0), (a1, b1) = split_requests(counts, 2)
     total = sum(counts)
-    prefix = [sum(counts[:k]) for k in range(1, len(counts))]  # cuts leaving >=1 request each
+    # cuts at request boundaries leaving a token on each side
+    prefix = [p for p in (sum(counts[:k]) for k in range(1, len(counts))) if 0 < p < total]
+    slices = split_requests(counts, 2)
+    if not prefix:
+        assert slices is None
+        return
+    (a0, b0), (a1, b1) = slices
     best = min(max(p, total - p) for p in prefix)
     assert max(b0 - a0, b1 - a1) == best
 
@@ -96,6 +104,10 @@ def test_split_requests_examples():
     assert split_requests([1, 1, 1, 1], 2) == ((0, 2), (2, 4))
     assert split_requests([100], 2) is None
     assert split_requests([3, 3, 3], 3) == ((0, 3), (3, 6), (6, 9))
+    # a zero-token request never makes a ubatch on its own (the REQUESTS-mode fix)
+    assert split_requests([0, 5], 2) is None
+    assert split_requests([0, 3, 0, 3, 0], 2) == ((0, 3), (3, 6))
+    assert split_requests([2, 0, 0, 2], 3) is None
 
 
 # ---- one rank's vote -----------------------------------------------------------------------
@@ -134,6 +146,8 @@ def test_requests_mode_needs_counts_and_enough_requests():
         local_vote(10, cfg)
     d = local_vote(10, cfg, request_token_counts=[10])
     assert d.vote is Vote.NO and d.reason is SplitReason.TOO_FEW_REQUESTS
+    d = local_vote(10, cfg, request_token_counts=[0, 10, 0])
+    assert d.vote is Vote.NO and d.reason is SplitReason.TOO_FEW_REQUESTS
 
 
 def test_env_var_and_config_switch_off(monkeypatch):
@@ -152,6 +166,9 @@ def test_env_var_and_config_switch_off(monkeypatch):
     ({"mode": "bogus"}, "mode"),
     ({"decode_token_threshold": -1}, "decode_token_threshold"),
     ({"pad_to_multiple": 0}, "pad_to_multiple"),
+    ({"two_chunk_threshold": 0.6}, "two_chunk_threshold"),
+    ({"num_speculative_tokens": -1}, "num_speculative_tokens"),
+    ({"cudagraph_sizes": (8, 0)}, "cudagraph_sizes"),
 ])
 def test_config_validation(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -173,6 +190,8 @@ rank_strategy = st.fixed_dictionaries({
     "disabled": st.sampled_from([False] * 5 + [True]),  # mostly enabled
 })
 
+KIND_CHECK_OFF = {"allow_mixed_kinds": True}
+
 
 def simulate_group(ranks, cfg_kw):
     decisions, configs = [], []
@@ -180,7 +199,7 @@ def simulate_group(ranks, cfg_kw):
         cfg = SplitConfig(enabled=not r["disabled"], **cfg_kw)
         configs.append(cfg)
         decisions.append(local_vote(r["num_tokens"], cfg, decode_only=r["decode_only"]))
-    vectors = [encode_vote(d, cfg_kw.get("num_ubatches", 2)) for d in decisions]
+    vectors = [encode_vote(d, c) for d, c in zip(decisions, configs, strict=True)]
     reduced = [max(col) for col in zip(*vectors, strict=True)]
     plans = [resolve_plan(r["num_tokens"], d, c, reduced)
              for r, d, c in zip(ranks, decisions, configs, strict=True)]
@@ -193,18 +212,25 @@ def simulate_group(ranks, cfg_kw):
     decode_thr=st.integers(0, 64),
     prefill_thr=st.integers(0, 300),
     multiple=st.sampled_from([1, 1, 4, 16]),
+    allow_mixed=st.booleans(),
 )
-def test_group_agrees(ranks, n, decode_thr, prefill_thr, multiple):
+def test_group_agrees(ranks, n, decode_thr, prefill_thr, multiple, allow_mixed):
     cfg_kw = {"num_ubatches": n, "decode_token_threshold": decode_thr,
-              "prefill_token_threshold": prefill_thr, "pad_to_multiple": multiple}
+              "prefill_token_threshold": prefill_thr, "pad_to_multiple": multiple,
+              "allow_mixed_kinds": allow_mixed}
     decisions, plans = simulate_group(ranks, cfg_kw)
     for i, p in enumerate(plans):
         note(f"rank {i}: {ranks[i]} -> {decisions[i].vote.name} -> {p}")
     votes = [d.vote for d in decisions]
     splits = {p.split for p in plans}
     assert len(splits) == 1, "some ranks split and others did not"
-    should_split = Vote.YES in votes and Vote.NO not in votes
+    kinds = {d.decode for d in decisions if d.vote is Vote.YES}
+    mixed = len(kinds) == 2 and not allow_mixed
+    should_split = Vote.YES in votes and Vote.NO not in votes and not mixed
     assert splits == {should_split}
+    # a rank with tokens never runs a ubatch of padding only
+    assert all(p.num_valid(i) > 0 for p in plans if p.split and p.num_tokens
+               for i in range(p.num_ubatches))
     for r, d, p in zip(ranks, decisions, plans, strict=True):
         assert_covers(p.slices, r["num_tokens"])
         if p.split:
@@ -218,7 +244,8 @@ def test_group_agrees(ranks, n, decode_thr, prefill_thr, multiple):
             if d.vote is Vote.NO:
                 assert p.reason is d.reason
             elif d.vote is Vote.YES:
-                assert p.reason is SplitReason.DISAGREEMENT
+                assert p.reason is (SplitReason.MIXED_KINDS if mixed and Vote.NO not in votes
+                                    else SplitReason.DISAGREEMENT)
     if should_split:
         # the padded size is the smallest multiple that holds the largest ubatch of any rank
         largest = max(b - a for p in plans for a, b in p.slices)
@@ -247,7 +274,7 @@ def test_num_ubatches_mismatch_raises():
     cfg2 = SplitConfig(prefill_token_threshold=0)
     cfg3 = SplitConfig(num_ubatches=3, prefill_token_threshold=0)
     d2, d3 = local_vote(10, cfg2), local_vote(10, cfg3)
-    reduced = [max(a, b) for a, b in zip(encode_vote(d2, 2), encode_vote(d3, 3), strict=True)]
+    reduced = [max(a, b) for a, b in zip(encode_vote(d2, cfg2), encode_vote(d3, cfg3), strict=True)]
     with pytest.raises(ValueError, match="num_ubatches differs"):
         resolve_plan(10, d2, cfg2, reduced)
 
@@ -255,7 +282,7 @@ def test_num_ubatches_mismatch_raises():
 # ---- plans, padding and logging ------------------------------------------------------------
 
 
-@given(st.integers(1, 300), st.integers(2, 5), st.sampled_from([1, 8]))
+@given(st.integers(5, 300), st.integers(2, 5), st.sampled_from([1, 8]))
 def test_plan_accessors(num_tokens, n, multiple):
     plan = plan_ubatches(num_tokens, SplitConfig(num_ubatches=n, prefill_token_threshold=0,
                                                  pad_to_multiple=multiple))
@@ -267,6 +294,8 @@ def test_plan_accessors(num_tokens, n, multiple):
         assert int(mask.sum()) == plan.num_valid(i)
         assert bool(mask[: plan.num_valid(i)].all())
         assert plan.num_valid(i) + plan.num_padding(i) == plan.padded_size
+    assert plan.valid_rows == tuple(b - a for a, b in plan.slices)
+    assert all(v + p == plan.padded_size for v, p in zip(plan.valid_rows, plan.padding_rows, strict=True))
     assert "split(" in str(plan)
 
 
@@ -313,3 +342,8 @@ def test_requests_mode_plan():
     plan = plan_ubatches(10, SplitConfig(mode=SplitMode.REQUESTS, prefill_token_threshold=0),
                          request_token_counts=[4, 4, 2])
     assert plan.split and plan.slices == ((0, 4), (4, 10)) and plan.padded_size == 6
+    assert not plan.two_chunk
+    # balance 4/10 = 0.4 < 0.48: SGLang's two-chunk rule cuts the middle request in two
+    plan = plan_ubatches(10, SplitConfig(mode=SplitMode.REQUESTS, prefill_token_threshold=0,
+                                         two_chunk_threshold=0.48), request_token_counts=[4, 4, 2])
+    assert plan.split and plan.two_chunk and plan.slices == ((0, 5), (5, 10)) and plan.padded_size == 5
