@@ -1,0 +1,187 @@
+"""The library experts' sync-free pieces on the CPU: the device-side grouping against a Python
+model, the plain-torch fallbacks (forced) against the trusted reference, fp8 dequantization
+through the kernel, and (when triton is installed) the Triton kernels in its interpreter."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import given, note, settings
+from hypothesis import strategies as st
+
+from dbo.moe import (
+    ActivationFormat,
+    ExpertTokensMetadata,
+    LocalPrepareAndFinalize,
+    MoEKernel,
+    PrepareResult,
+    SwiGLUExperts,
+    Workspace,
+    make_expert_weights,
+    reference_moe,
+    relative_error,
+    topk_route,
+)
+from dbo.moe.gather_reduce import gather_reduce
+from dbo.moe.grouping import group_by_expert
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _case(seed: int, m: int, n_local: int, topk: int, ranks: int = 2, hidden: int = 24, inter: int = 16):
+    """Tokens routed over ``ranks * n_local`` experts; local ids, -1 for the other ranks'."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, hidden, generator=g)
+    weights, ids = topk_route(torch.randn(m, ranks * n_local, generator=g), topk)
+    local_ids = torch.where(ids < n_local, ids, -1)
+    w1, w2 = make_expert_weights(n_local, hidden, inter, seed=seed)
+    return x, weights, local_ids, w1, w2
+
+
+def _host_counts(ids: torch.Tensor, n_local: int) -> torch.Tensor:
+    return torch.bincount(ids[ids >= 0].flatten(), minlength=n_local).to(torch.int32)
+
+
+def _apply(experts, x, w1, w2, weights, ids, host: bool, *, router_on_input=False, **kw):
+    meta = None
+    if host:
+        c = _host_counts(ids, w1.shape[0])
+        meta = ExpertTokensMetadata(c, c)
+    out = experts.apply(x, w1, w2, weights, ids, activation_format=ActivationFormat.STANDARD,
+                        expert_tokens_meta=meta, apply_router_weight_on_input=router_on_input,
+                        workspace=Workspace(), **kw)
+    if out.dim() == 3:  # reduce_in_experts=False: weight and sum here
+        out = (out.float() * weights[..., None]).sum(1).to(x.dtype)
+    return out
+
+
+@given(seed=st.integers(0, 2**16), m=st.integers(0, 20), n_local=st.integers(1, 6),
+       topk=st.integers(1, 8), host=st.booleans())
+def test_grouping_matches_a_python_model(seed, m, n_local, topk, host):
+    topk = min(topk, 2 * n_local)
+    _, _, ids, _, _ = _case(seed, m, n_local, topk)
+    g = group_by_expert(ids, n_local, _host_counts(ids, n_local) if host else None)
+    pairs = sorted((int(e), t * topk + s) for t, row in enumerate(ids.tolist())
+                   for s, e in enumerate(row) if e >= 0)
+    note(f"pairs {pairs}")
+    counts = [sum(1 for e, _ in pairs if e == x) for x in range(n_local)]
+    assert g.offsets.tolist() == [sum(counts[:i + 1]) for i in range(n_local)]
+    assert g.num_rows == (len(pairs) if host else m * topk)
+    assert g.tokens.shape == (g.num_rows,)
+    for row, (_, slot) in enumerate(pairs):  # stable: by expert, then by slot
+        assert g.slot_rows.view(-1)[slot] == row and g.tokens[row] == slot // topk
+    assert g.local.tolist() == (ids >= 0).tolist()
+    assert (g.slot_rows[~g.local] == 0).all()
+    assert all(0 <= t < max(m, 1) for t in g.tokens.tolist())
+
+
+def test_grouping_argument_errors():
+    ids = torch.zeros(3, 2, dtype=torch.int64)
+    with pytest.raises(ValueError, match="host_counts"):
+        group_by_expert(ids, 4, torch.zeros(3, dtype=torch.int32))
+    with pytest.raises(ValueError, match="num_local_experts"):
+        group_by_expert(ids, 0)
+    with pytest.raises(ValueError, match="topk_ids"):
+        group_by_expert(ids.view(-1), 4)
+
+
+@given(seed=st.integers(0, 2**16), m=st.integers(0, 24), n_local=st.sampled_from([1, 3, 8]),
+       topk=st.integers(1, 8), host=st.booleans(), reduce_in_experts=st.booleans(),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+@settings(deadline=None)
+def test_torch_fallback_matches_reference(seed, m, n_local, topk, host, reduce_in_experts, dtype):
+    topk = min(topk, 2 * n_local)
+    x, weights, ids, w1, w2 = _case(seed, m, n_local, topk)
+    x, w1, w2 = x.to(dtype), w1.to(dtype), w2.to(dtype)
+    ref = reference_moe(x.double(), w1.double(), w2.double(), weights, ids, out_dtype=torch.float64)
+    ex = SwiGLUExperts(use_triton=False, reduce_in_experts=reduce_in_experts)
+    out = _apply(ex, x, w1, w2, weights, ids, host)
+    assert out.shape == x.shape and out.dtype == dtype
+    assert relative_error(out, ref) <= (1e-5 if dtype == torch.float32 else 2e-2)
+
+
+def test_router_weight_on_input_and_no_local_pairs():
+    x, weights, ids, w1, w2 = _case(1, 12, 4, 1)
+    xw = x * weights  # what prepare hands over with apply_router_weight_on_input
+    ref = reference_moe(x, w1, w2, weights, ids, apply_router_weight_on_input=True)
+    for host in (False, True):
+        out = _apply(SwiGLUExperts(use_triton=False), xw, w1, w2, weights, ids, host,
+                     router_on_input=True)
+        assert relative_error(out, ref) < 1e-5
+        none = _apply(SwiGLUExperts(use_triton=False), x, w1, w2, weights, torch.full_like(ids, -1), host)
+        assert none.shape == x.shape and not none.any()
+
+
+def test_gather_reduce_never_reads_rows_of_other_ranks_slots():
+    y = torch.randn(6, 8)
+    y[3:] = float("nan")  # rows past the local pairs: uninitialised in the real kernels
+    rows = torch.tensor([[0, 3], [2, 5], [1, 0]])
+    local = torch.tensor([[True, False], [True, False], [True, True]])
+    w = torch.rand(3, 2)
+    out = gather_reduce(y, rows, w, local, use_triton=False)
+    want = torch.stack([w[0, 0] * y[0], w[1, 0] * y[2], w[2, 0] * y[1] + w[2, 1] * y[0]])
+    assert torch.allclose(out, want)
+
+
+def _quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    blocks = x.view(x.shape[0], -1, 128)
+    scale = blocks.abs().amax(-1).clamp(min=1e-4) / 448.0
+    return (blocks / scale[..., None]).to(torch.float8_e4m3fn).view(x.shape), scale
+
+
+class _Fp8Local(LocalPrepareAndFinalize):
+    """The local backend, handing fp8 activations and their block scales to the experts."""
+
+    def prepare_async(self, *args, **kwargs):
+        hook, receiver = super().prepare_async(*args, **kwargs)
+
+        def quantized() -> PrepareResult:
+            res = receiver()
+            q, scale = _quantize(res.a1q)
+            return res._replace(a1q=q, a1q_scale=scale)
+
+        return hook, quantized
+
+
+def test_fp8_inputs_are_dequantized_with_their_scales():
+    x, weights, ids, w1, w2 = _case(2, 10, 4, 2, ranks=1, hidden=256)
+    q, scale = _quantize(x)
+    deq = (q.float().view(10, 2, 128) * scale[..., None]).view(10, 256)
+    ref = reference_moe(deq, w1, w2, weights, ids)
+    kernel = MoEKernel(_Fp8Local(ActivationFormat.STANDARD, use_async=False), SwiGLUExperts(use_triton=False))
+    out = kernel(x, w1, w2, weights, ids, global_num_experts=4)
+    assert relative_error(out, ref) < 1e-5
+    with pytest.raises(TypeError, match="a1q_scale"):
+        _apply(SwiGLUExperts(use_triton=False), q, w1, w2, weights, ids, False)
+    with pytest.raises(ValueError, match="a1q_scale"):
+        _apply(SwiGLUExperts(use_triton=False), q, w1, w2, weights, ids, False, a1q_scale=scale[:, :1])
+
+
+_TRITON_SCRIPT = """
+import torch
+from tests.test_moe_experts import _apply, _case
+from dbo.moe import SwiGLUExperts, reference_moe, relative_error
+for seed, m, n_local, topk, host, red in [(0, 37, 5, 3, False, True), (1, 37, 5, 3, True, False),
+                                          (2, 1, 3, 1, False, True), (3, 64, 16, 8, False, True),
+                                          (4, 0, 2, 2, False, True), (5, 9, 2, 4, True, True)]:
+    x, weights, ids, w1, w2 = _case(seed, m, n_local, topk, hidden=40, inter=24)
+    ref = reference_moe(x, w1, w2, weights, ids)
+    out = _apply(SwiGLUExperts(use_triton=True, reduce_in_experts=red), x, w1, w2, weights, ids, host)
+    err = relative_error(out, ref)
+    assert err < 1e-5, (seed, err)
+print("ok")
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_triton_kernels_in_the_interpreter():
+    # the grouped GEMM, the activation and the gather-reduce, run by Triton's CPU interpreter
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-c", _TRITON_SCRIPT], cwd=root, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stdout + proc.stderr
