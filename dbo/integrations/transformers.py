@@ -172,9 +172,9 @@ def convert_to_expert_parallel(model: torch.nn.Module, group: Any = None, backen
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; choose from {sorted(BACKENDS)}")
+    blocks = find_moe_blocks(model)
     rank, world = _group_rank_size(group)
     config = getattr(model, "config", None)
-    blocks = find_moe_blocks(model)
     for name, block, family in blocks:
         gate_up, down = _expert_weights(name, block, family)
         _check_activation(name, block, family, config)

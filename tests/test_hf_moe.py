@@ -1,0 +1,216 @@
+"""transformers MoE models (Qwen3-MoE, Mixtral, DeepSeek-V3) made expert-parallel with
+dbo.integrations.transformers, on 2 gloo ranks: the converted model's logits equal the original
+model's, with DBO on (DBOPrefill, split at sequence boundaries) and off, for each CPU backend;
+odd batch sizes, left padding, a rank whose sequences are all padding, a rank whose second
+ubatch is all padding, and random batch shapes (hypothesis). Tiny random-weight configs built
+from each family's config class: no downloads."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, note, settings
+from hypothesis import strategies as st
+
+from dbo.testing.dist import DistWorld
+
+transformers = pytest.importorskip("transformers")
+
+pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(240)]
+
+FAMILIES = ("qwen3_moe", "mixtral", "deepseek_v3")
+BACKENDS = ("naive", "all2all")
+TOL = 1e-4  # float32 end to end, relative to the largest logit
+
+
+@pytest.fixture(scope="module")
+def world():
+    with DistWorld(2, pg_timeout_s=60.0) as w:
+        yield w
+
+
+def _inputs(rank: int, batches: list[int], seq: int, pads: list[list[int]], seed: int):
+    import torch
+
+    g = torch.Generator().manual_seed(seed * 101 + rank)
+    b = batches[rank]
+    ids = torch.randint(0, 64, (b, seq), generator=g)
+    mask = torch.ones(b, seq, dtype=torch.long)
+    for i, p in enumerate(pads[rank][:b]):
+        mask[i, :min(p, seq)] = 0  # left padding (p >= seq: an all-padding sequence)
+    return ids, mask
+
+
+def _hf_job(family: str, backend: str, batches: list[int], seq: int, pads: list[list[int]],
+            min_sequences: int, seed: int, plan_slices: list | None = None) -> dict:
+    import copy
+
+    import torch
+    import torch.distributed as dist
+
+    import dbo
+    from dbo.integrations.hf_presets import causal_lm_class, tiny_config
+    from dbo.integrations.moe_block import ExpertParallelMoE
+    from dbo.integrations.transformers import (
+        DBOPrefill,
+        convert_to_expert_parallel,
+        prefill_logits,
+        prefill_split_config,
+    )
+    from dbo.split import SplitReason, UBatchPlan
+
+    rank = dist.get_rank()
+    torch.manual_seed(seed)  # same weights on every rank
+    model = causal_lm_class(family)(tiny_config(family)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.3)  # large enough that routing differs token to token
+    original = copy.deepcopy(model)
+    convert_to_expert_parallel(model, None, backend=backend)
+    blocks = [m for m in model.modules() if isinstance(m, ExpertParallelMoE)]
+    ids, mask = _inputs(rank, batches, seq, pads, seed)
+    routed = []  # per MoE call of the first converted block: tokens routed to any expert
+    pf = blocks[0].kernel.prepare_finalize
+    prepare_async = pf.prepare_async
+
+    def spy(a1, topk_weights, topk_ids, *args, **kwargs):
+        routed.append(int((topk_ids >= 0).any(dim=1).sum()))
+        return prepare_async(a1, topk_weights, topk_ids, *args, **kwargs)
+
+    pf.prepare_async = spy
+    trace = dbo.Trace()
+    runner = DBOPrefill(model, prefill_split_config(min_sequences), trace=trace)
+    with torch.inference_mode():
+        want = prefill_logits(original, ids, mask, mask_padding_tokens=False)
+        plain = prefill_logits(model, ids, mask)
+        plan = None
+        if plan_slices is not None:  # a given split, whatever the planner's policy
+            slices = tuple(tuple(sl) for sl in plan_slices[rank])
+            padded = max(b - a for sl in plan_slices for a, b in sl)
+            plan = UBatchPlan(batches[rank], slices, padded, SplitReason.SPLIT)
+        overlapped = runner(ids, mask, plan=plan)
+    valid = mask.bool()
+    scale = want[valid].abs().max().item() if valid.any() else 1.0
+
+    def err(a):
+        return (a - want)[valid].abs().max().item() / scale if valid.any() else 0.0
+
+    events = [(e.kind, e.ubatch, e.detail) for e in trace.events]
+    return {
+        "plain_err": err(plain), "dbo_err": err(overlapped),
+        "shape_ok": overlapped.shape == want.shape == plain.shape,
+        "split": runner.last_plan.split, "reason": runner.last_plan.reason.value,
+        "padded": runner.last_plan.padded_size,
+        "local_experts": [b.expert_range for b in blocks],
+        "interleaved": ("resume", 1, "") in events,
+        # padding tokens and ubatch padding rows route to no expert: plain + DBO run
+        "routed_ok": sum(routed) == 2 * int(mask.sum()),
+    }
+
+
+def _check(results: list[dict], *, split: bool | None = True) -> None:
+    for rank, r in enumerate(results):
+        assert r["shape_ok"], f"rank {rank}"
+        assert r["plain_err"] <= TOL, f"rank {rank}: converted != original ({r['plain_err']:.2e})"
+        assert r["dbo_err"] <= TOL, f"rank {rank}: DBO != original ({r['dbo_err']:.2e})"
+        assert r["routed_ok"], f"rank {rank}: a padding token was routed to an expert"
+        assert split is None or r["split"] is split, f"rank {rank}: {r['reason']}"
+        if r["split"]:
+            assert r["interleaved"], f"rank {rank}: the ubatches did not interleave"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_converted_equals_original(world, family, backend):
+    # odd batch sizes, different on each rank, some left-padded sequences
+    results = world.run(_hf_job, family, backend, [3, 5], 7, [[0, 3, 0], [2, 0, 0, 6, 1]], 2, 0,
+                        timeout_s=120)
+    _check(results)
+    assert results[0]["padded"] == results[1]["padded"] == 3
+    # each rank holds its own half of the experts of every MoE layer
+    assert {r["local_experts"][0] for r in results} == {(0, 4), (4, 8)}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_rank_with_only_padding_sequences(world, family):
+    # rank 1 has nothing to do: it still runs (the MoE layers are collective) on padding sequences
+    results = world.run(_hf_job, family, "all2all", [4, 2], 6, [[1, 0, 0, 2], [6, 6]], 2, 1,
+                        timeout_s=120)
+    _check(results)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_ubatch_of_padding_rows(world, backend):
+    # rank 0 has one sequence: its second ubatch is all padding rows (padded to rank 1's 2)
+    slices = [[(0, 1), (1, 1)], [(0, 2), (2, 4)]]
+    results = world.run(_hf_job, "deepseek_v3", backend, [1, 4], 5, [[0], [0, 2, 0, 0]], 1, 2,
+                        slices, timeout_s=120)
+    _check(results)
+    assert [r["padded"] for r in results] == [2, 2]
+
+
+def test_below_threshold_runs_plain_everywhere(world):
+    results = world.run(_hf_job, "qwen3_moe", "all2all", [1, 4], 5, [[0], [0] * 4], 2, 3,
+                        timeout_s=120)
+    _check(results, split=False)
+    assert [r["reason"] for r in results] == ["below_threshold", "disagreement"]
+
+
+@settings(max_examples=6)
+@given(data=st.data())
+def test_random_batch_shapes(world, data):
+    family = data.draw(st.sampled_from(FAMILIES), label="family")
+    backend = data.draw(st.sampled_from(BACKENDS), label="backend")
+    seq = data.draw(st.integers(1, 9), label="seq")
+    batches = data.draw(st.lists(st.integers(1, 6), min_size=2, max_size=2), label="batches")
+    pads = [data.draw(st.lists(st.integers(0, seq), min_size=b, max_size=b), label=f"pads{r}")
+            for r, b in enumerate(batches)]
+    min_sequences = data.draw(st.integers(1, 3), label="min_sequences")
+    note(f"{family} {backend} batches={batches} seq={seq} pads={pads} min_seq={min_sequences}")
+    results = world.run(_hf_job, family, backend, batches, seq, pads, min_sequences, 4, timeout_s=120)
+    # whether it splits is the planner's policy; whatever it chose must give the same logits
+    _check(results, split=None if min(batches) >= min_sequences else False)
+
+
+# ---- single process: what is refused ------------------------------------------------------
+
+
+def test_unsupported_moe_block_is_named():
+    import torch
+
+    from dbo.integrations.transformers import UnsupportedModelError, convert_to_expert_parallel
+
+    cfg = transformers.Qwen2MoeConfig(vocab_size=32, hidden_size=16, intermediate_size=16,
+                                      moe_intermediate_size=8, shared_expert_intermediate_size=8,
+                                      num_hidden_layers=1, num_attention_heads=2,
+                                      num_key_value_heads=2, num_experts=4, num_experts_per_tok=2)
+    with torch.device("meta"):
+        model = transformers.Qwen2MoeForCausalLM(cfg)
+    with pytest.raises(UnsupportedModelError, match="Qwen2MoeSparseMoeBlock.*Qwen3MoeSparseMoeBlock"):
+        convert_to_expert_parallel(model, None, backend="naive")
+
+
+def test_dense_model_is_refused():
+    import torch
+
+    from dbo.integrations.transformers import UnsupportedModelError, convert_to_expert_parallel
+
+    cfg = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=16,
+                                   num_hidden_layers=1, num_attention_heads=2)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(cfg)
+    with pytest.raises(UnsupportedModelError, match="no sparse MoE block.*MixtralSparseMoeBlock"):
+        convert_to_expert_parallel(model, None)
+
+
+def test_backend_registry_checks():
+    import torch
+
+    from dbo.integrations.backends import BACKENDS, cpu_backends, make_backend
+
+    assert cpu_backends() == ["all2all", "naive"]
+    assert {"deepep_ht", "deepep_ll"} <= set(BACKENDS)
+    with pytest.raises(ValueError, match="unknown backend"):
+        make_backend("nope", None, hidden=8, num_experts=4, topk=2, dtype=torch.float32, device="cpu")
+    with pytest.raises(TypeError, match="bf16"):
+        make_backend("deepep_ht", None, hidden=8, num_experts=4, topk=2, dtype=torch.float32,
+                     device="cpu")
