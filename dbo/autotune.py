@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from dbo.overlap import _check_carveout, overlapped_forward
+from dbo.partition import check_num_sms
 from dbo.split import NEVER_SPLIT, SplitConfig, _group_size, _reduce_max, plan_ubatches
 
 __all__ = [
@@ -143,6 +144,7 @@ def autotune_split_config(
     margin: float = 0.02,
     fn_kwargs: Mapping[str, Any] | None = None,
     sm_carveout: int | None = None,
+    compute_sms: int | None = None,
 ) -> AutotuneResult:
     """Time ``fn`` plainly and overlapped at each token count; return a tuned config.
 
@@ -163,6 +165,8 @@ def autotune_split_config(
         fn_kwargs: passed to every call of ``fn``.
         sm_carveout: given to the overlapped runs (``overlapped_forward(sm_carveout=...)``):
             tune with the setting the wrapper will run with.
+        compute_sms: likewise, the green-context SM count of the overlapped runs
+            (``overlapped_forward(compute_sms=...)``).
 
     Returns:
         :class:`AutotuneResult`; ``.config`` is what to give the wrapper.
@@ -180,6 +184,7 @@ def autotune_split_config(
     if not 0 <= margin < 1:
         raise ValueError(f"margin must be in [0, 1), got {margin!r}")
     _check_carveout(sm_carveout)
+    check_num_sms(compute_sms)
     kwargs = dict(fn_kwargs or {})
     multi = _group_size(group) > 1
     counts.sort()
@@ -204,7 +209,8 @@ def autotune_split_config(
             if plan.split:
                 best["dbo"] = min(best["dbo"], _time_ms(
                     lambda x=inputs, p=plan: overlapped_forward(fn, *x, plan=p, fn_kwargs=kwargs,
-                                                                  sm_carveout=sm_carveout),
+                                                                  sm_carveout=sm_carveout,
+                                                                  compute_sms=compute_sms),
                     warmup, steps, device))
         local += [best["serial"], best["dbo"] if plan.split else -1.0]
         del inputs

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from dbo.context import run_ubatches
+from dbo.partition import check_num_sms, compute_on_sms
 from dbo.split import SplitConfig, UBatchPlan, mask_padding_routing, plan_ubatches
 from dbo.trace import Trace
 
@@ -227,6 +228,7 @@ def overlapped_forward(
     comm_stream: Any = None,
     fn_kwargs: Mapping[str, Any] | None = None,
     sm_carveout: int | None = None,
+    compute_sms: int | None = None,
 ) -> Any:
     """``fn(*tensors, **fn_kwargs)``, run as overlapped ubatches when the plan splits.
 
@@ -247,6 +249,10 @@ def overlapped_forward(
         sm_carveout: SMs the matmuls leave free while the ubatches run (see
             :func:`sm_carveout`); None (default) leaves torch's setting alone. A plain
             (unsplit) call runs without it.
+        compute_sms: run the ubatches' compute on a CUDA green context of this many SMs,
+            leaving the others to the communication kernels (see
+            :func:`dbo.partition.compute_on_sms`); None (default) uses every SM. A plain call
+            runs without it.
 
     Returns:
         ``fn``'s output for all ``num_tokens`` rows, in input order (same structure).
@@ -254,9 +260,11 @@ def overlapped_forward(
     Raises:
         ValueError/TypeError: inputs that are not token-major, or a plan for another size.
         dbo.UBatchError: a ubatch raised (``__cause__`` is its exception).
+        dbo.partition.SMPartitionUnsupportedError: ``compute_sms`` without green contexts.
     """
     num_tokens = _check_inputs(tensors)
     _check_carveout(sm_carveout)
+    check_num_sms(compute_sms)
     kwargs = dict(fn_kwargs or {})
     if plan is None:
         plan = plan_ubatches(num_tokens, config, request_token_counts=request_token_counts,
@@ -280,10 +288,11 @@ def overlapped_forward(
 
         return run
 
-    with _carveout_block(sm_carveout):
+    device = _run_device(tensors[0])
+    with _carveout_block(sm_carveout), compute_on_sms(compute_sms, device):
         outputs = run_ubatches([body(i) for i in range(n)], comm_stream=comm_stream,
                                token_offsets=plan.token_offsets, trace=trace,
-                               device=_run_device(tensors[0]))
+                               device=device)
     return merge_outputs(plan, outputs)
 
 
@@ -303,12 +312,14 @@ class DBOWrapper(torch.nn.Module):
         trace: a default :class:`dbo.Trace` for every overlapped call.
         comm_stream: passed to ``run_ubatches``.
         sm_carveout: SMs the matmuls leave free in overlapped calls (see :func:`sm_carveout`).
+        compute_sms: SMs of the green context the overlapped calls compute on (see
+            :func:`dbo.partition.compute_on_sms`); checked here, created on first use.
     """
 
     def __init__(self, module_or_fn: torch.nn.Module | Callable[..., Any],
                  config: SplitConfig | None = None, *, group: Any = None, agree: bool = True,
                  trace: Trace | None = None, comm_stream: Any = None,
-                 sm_carveout: int | None = None):
+                 sm_carveout: int | None = None, compute_sms: int | None = None):
         super().__init__()
         if not callable(module_or_fn):
             raise TypeError(f"module_or_fn must be callable, got {type(module_or_fn).__name__}")
@@ -322,6 +333,7 @@ class DBOWrapper(torch.nn.Module):
         self.trace = trace
         self.comm_stream = comm_stream
         self.sm_carveout = _check_carveout(sm_carveout)
+        self.compute_sms = check_num_sms(compute_sms)
         self.last_plan: UBatchPlan | None = None
 
     @property
@@ -347,4 +359,4 @@ class DBOWrapper(torch.nn.Module):
         return overlapped_forward(self.fn, *tensors, plan=plan,
                                   trace=self.trace if trace is None else trace,
                                   comm_stream=self.comm_stream, fn_kwargs=kwargs,
-                                  sm_carveout=self.sm_carveout)
+                                  sm_carveout=self.sm_carveout, compute_sms=self.compute_sms)

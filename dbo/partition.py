@@ -1,0 +1,147 @@
+"""SM partitioning: run a DBO run's compute on a CUDA green context of N SMs.
+
+On Hopper a large GEMM holds every SM until it finishes, so a communication kernel launched
+behind it (DeepEP's normal mode takes 24-48 SMs) waits for it, and the overlap is lost
+(docs/perf_notes.md). A green context is a CUDA context confined to a set of SMs: kernels
+launched on its stream never run elsewhere, so the SMs outside it stay free for the
+communication kernels of the other ubatch, launched on the (ordinary) comm stream.
+
+:func:`compute_on_sms` makes the caller's work inside the block run on a green-context stream
+of ``num_sms`` SMs, ordered after the caller's stream on entry and before it on exit, so the
+block is a drop-in around :func:`dbo.run_ubatches` (whose compute stream is the current stream
+when it starts). The green contexts and their streams are created once per (device, num_sms)
+and kept in :data:`PARTITIONS` (``reset()`` drops them), so a run can be captured in a CUDA
+graph only if the green context's stream can be captured: not verified (docs/perf_notes.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from dbo.errors import DBOError
+
+__all__ = [
+    "SMPartitionUnsupportedError",
+    "PartitionPool",
+    "PARTITIONS",
+    "green_contexts_supported",
+    "check_num_sms",
+    "compute_on_sms",
+]
+
+logger = logging.getLogger(__name__)
+
+
+class SMPartitionUnsupportedError(DBOError, RuntimeError):
+    """SM partitioning was asked for where CUDA green contexts are not available."""
+
+
+def green_contexts_supported() -> bool:
+    """True when torch has CUDA green contexts and a CUDA device is present."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        from torch.cuda import green_contexts
+    except ImportError:
+        return False
+    return bool(getattr(green_contexts, "SUPPORTED", False))
+
+
+def check_num_sms(num_sms: Any, name: str = "compute_sms") -> int | None:
+    """``num_sms`` as an int, or None; ``ValueError`` unless None or a positive int."""
+    if num_sms is None:
+        return None
+    if isinstance(num_sms, bool) or not isinstance(num_sms, int) or num_sms < 1:
+        raise ValueError(f"{name} must be a positive int or None, got {num_sms!r}")
+    return num_sms
+
+
+class PartitionPool:
+    """Green contexts and their streams, one per ``(device index, num_sms)``, made on first use."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._streams: dict[tuple[int, int], tuple[Any, torch.cuda.Stream]] = {}
+
+    def stream(self, num_sms: int, device: int) -> torch.cuda.Stream:
+        """The stream of a green context of ``num_sms`` SMs on CUDA device ``device``.
+
+        Raises:
+            ValueError: ``num_sms`` is not in ``[1, the device's SM count]``.
+            SMPartitionUnsupportedError: no green contexts in this torch / on this machine.
+        """
+        key = (device, num_sms)
+        with self._lock:
+            hit = self._streams.get(key)
+            if hit is not None:
+                return hit[1]
+            if not green_contexts_supported():
+                raise SMPartitionUnsupportedError(
+                    f"compute_sms={num_sms}: CUDA green contexts are not available (torch "
+                    f"{torch.__version__}, CUDA available: {torch.cuda.is_available()}); run "
+                    "without compute_sms, or use sm_carveout")
+            total = torch.cuda.get_device_properties(device).multi_processor_count
+            if not 1 <= num_sms <= total:
+                raise ValueError(f"compute_sms={num_sms}: device {device} has {total} SMs")
+            from torch.cuda.green_contexts import GreenContext
+
+            ctx = GreenContext.create(num_sms=num_sms, device_id=device)
+            stream = ctx.Stream()
+            self._streams[key] = (ctx, stream)
+            logger.info("dbo: green context of %d of %d SMs on cuda:%d", num_sms, total, device)
+            return stream
+
+    def __len__(self) -> int:
+        return len(self._streams)
+
+    def reset(self) -> None:
+        """Forget every green context (after the work on their streams is done)."""
+        with self._lock:
+            self._streams.clear()
+
+
+#: the process's green contexts (see :class:`PartitionPool`)
+PARTITIONS = PartitionPool()
+
+
+@contextlib.contextmanager
+def compute_on_sms(num_sms: int | None, device: torch.device | int | None = None
+                   ) -> Iterator[Any]:
+    """Run the block's CUDA work on a green context of ``num_sms`` SMs of ``device``.
+
+    The green context's stream waits for the caller's current stream on entry and is current
+    inside the block; on exit (also on an exception) the caller's stream waits for it and is
+    current again. Tensors allocated inside belong to the green stream's pool, like any
+    side stream's. ``None`` does nothing (yields the current stream).
+
+    Raises:
+        ValueError: a bad ``num_sms``.
+        SMPartitionUnsupportedError: ``num_sms`` given without CUDA green contexts (a CPU
+            device included).
+    """
+    if check_num_sms(num_sms) is None:
+        yield None
+        return
+    dev = torch.device("cuda", device) if isinstance(device, int) else \
+        torch.device("cuda") if device is None else torch.device(device)
+    if dev.type != "cuda":
+        raise SMPartitionUnsupportedError(f"compute_sms={num_sms} needs a CUDA device, got {dev}")
+    if not green_contexts_supported():
+        raise SMPartitionUnsupportedError(
+            f"compute_sms={num_sms}: CUDA green contexts are not available (torch "
+            f"{torch.__version__}, CUDA available: {torch.cuda.is_available()})")
+    index = torch.cuda.current_device() if dev.index is None else dev.index
+    green = PARTITIONS.stream(num_sms, index)
+    caller = torch.cuda.current_stream(index)
+    green.wait_stream(caller)
+    try:
+        with torch.cuda.stream(green):
+            yield green
+    finally:
+        caller.wait_stream(green)
