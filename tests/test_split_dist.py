@@ -1,5 +1,7 @@
 """dbo.split's agreement over a real gloo group of 2 ranks: every rank splits or none does, with
-the same padded size; the plans equal what the pure passes predict for the same votes."""
+the same padded size; the plans equal what the pure passes predict for the same votes; and each
+agreement rule (thresholds, switches, empty ranks, empty ubatches, batch kinds, CUDA-graph sizes,
+config mismatches) as a worked example."""
 
 from __future__ import annotations
 
@@ -57,7 +59,7 @@ def _predicted(case: dict) -> list[tuple]:
         cfg = SplitConfig(**case["config"], enabled=not (case["disabled"][r] or case["env_off"][r]))
         configs.append(cfg)
         decisions.append(local_vote(case["tokens"][r], cfg, decode_only=case["decode_only"][r]))
-    reduced = [max(c) for c in zip(*(encode_vote(d, cfg.num_ubatches) for d in decisions),
+    reduced = [max(c) for c in zip(*(encode_vote(d, c) for d, c in zip(decisions, configs, strict=True)),
                                    strict=True)]
     out = []
     for r in range(WORLD):
@@ -80,6 +82,9 @@ case_strategy = st.fixed_dictionaries({
         "decode_token_threshold": st.integers(0, 64),
         "prefill_token_threshold": st.sampled_from([0, 16, 512]),
         "pad_to_multiple": st.sampled_from([1, 8]),
+        "mode": st.sampled_from(["tokens", "fill"]),
+        "cudagraph_sizes": st.sampled_from([(), (24, 48, 96, 384, 1536)]),
+        "allow_mixed_kinds": st.booleans(),
     }),
 })
 
@@ -140,3 +145,94 @@ def _mismatch_job() -> str:
 def test_num_ubatches_mismatch_raises_on_every_rank(world):
     msgs = world.run(_mismatch_job)
     assert all("num_ubatches differs across ranks" in m for m in msgs), msgs
+
+
+# ---- each agreement rule, worked on two ranks ----------------------------------------------
+
+DECODE = {"num_tokens": 64, "request_token_counts": [1] * 64}
+PREFILL = {"num_tokens": 64, "request_token_counts": [32, 32]}
+ALWAYS = {"decode_token_threshold": 0, "prefill_token_threshold": 0}
+
+#: (name, config kwargs, per-rank plan_ubatches kwargs)
+RULE_CASES = [
+    ("uneven", {"prefill_token_threshold": 10}, [{"num_tokens": 100}, {"num_tokens": 30}]),
+    ("empty rank", {"prefill_token_threshold": 10}, [{"num_tokens": 100}, {"num_tokens": 0}]),
+    ("below threshold", {"prefill_token_threshold": 10}, [{"num_tokens": 100}, {"num_tokens": 5}]),
+    ("all empty", {}, [{"num_tokens": 0}, {"num_tokens": 0}]),
+    ("disabled", {"prefill_token_threshold": 0}, [{"num_tokens": 100}, {"num_tokens": 100, "off": True}]),
+    ("padding-only ubatch", {"prefill_token_threshold": 0}, [{"num_tokens": 100}, {"num_tokens": 1}]),
+    ("fill: last ubatch empty", {"mode": "fill", "prefill_token_threshold": 0},
+     [{"num_tokens": 100}, {"num_tokens": 30}]),
+    ("fill: fits", {"mode": "fill", "prefill_token_threshold": 0}, [{"num_tokens": 100}, {"num_tokens": 60}]),
+    ("mixed kinds", ALWAYS, [DECODE, PREFILL]),
+    ("mixed kinds allowed", {**ALWAYS, "allow_mixed_kinds": True}, [DECODE, PREFILL]),
+    ("mixed kinds, empty rank", {"decode_token_threshold": 0},
+     [DECODE, {"num_tokens": 0, "request_token_counts": []}]),
+    ("cuda graph", {"prefill_token_threshold": 0, "cudagraph_sizes": (16, 32, 64, 128)},
+     [{"num_tokens": 20}, {"num_tokens": 40}]),
+    ("requests: zero-token request", {"mode": "requests", "prefill_token_threshold": 0},
+     [{"num_tokens": 5, "request_token_counts": [0, 5]}, {"num_tokens": 6, "request_token_counts": [3, 3]}]),
+    ("two-chunk", {"mode": "requests", "prefill_token_threshold": 0, "two_chunk_threshold": 0.48},
+     [{"num_tokens": 20, "request_token_counts": [18, 2]},
+      {"num_tokens": 10, "request_token_counts": [5, 5]}]),
+    ("caller points", {"prefill_token_threshold": 0},
+     [{"num_tokens": 10, "split_points": [8]}, {"num_tokens": 10}]),
+]
+
+
+def _rules_job(cases: list) -> list[tuple]:
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    out = []
+    for _, cfg_kw, per_rank in cases:
+        kw = dict(per_rank[rank])
+        cfg = SplitConfig(**cfg_kw, enabled=not kw.pop("off", False))
+        plan = plan_ubatches(kw.pop("num_tokens"), cfg, **kw)
+        out.append((plan.slices, plan.padded_size, plan.reason.value, plan.graph_size, plan.two_chunk))
+    return out
+
+
+EXPECTED = {
+    "uneven": [(((0, 50), (50, 100)), 50, "split"), (((0, 15), (15, 30)), 50, "split")],
+    "empty rank": [(((0, 50), (50, 100)), 50, "split"), (((0, 0), (0, 0)), 50, "split")],
+    "below threshold": [(((0, 100),), 100, "disagreement"), (((0, 5),), 5, "below_threshold")],
+    "all empty": [(((0, 0),), 0, "empty")] * 2,
+    "disabled": [(((0, 100),), 100, "disagreement"), (((0, 100),), 100, "disabled")],
+    "padding-only ubatch": [(((0, 100),), 100, "disagreement"), (((0, 1),), 1, "empty_ubatch")],
+    "fill: last ubatch empty": [(((0, 100),), 100, "empty_ubatch"), (((0, 30),), 30, "empty_ubatch")],
+    "fill: fits": [(((0, 50), (50, 100)), 50, "split"), (((0, 50), (50, 60)), 50, "split")],
+    "mixed kinds": [(((0, 64),), 64, "mixed_kinds")] * 2,
+    "mixed kinds allowed": [(((0, 32), (32, 64)), 32, "split")] * 2,
+    "mixed kinds, empty rank": [(((0, 32), (32, 64)), 32, "split"), (((0, 0), (0, 0)), 32, "split")],
+    "cuda graph": [(((0, 10), (10, 20)), 32, "split"), (((0, 20), (20, 40)), 32, "split")],
+    "requests: zero-token request": [(((0, 5),), 5, "too_few_requests"), (((0, 6),), 6, "disagreement")],
+    "two-chunk": [(((0, 10), (10, 20)), 10, "split"), (((0, 5), (5, 10)), 10, "split")],
+    "caller points": [(((0, 8), (8, 10)), 8, "split"), (((0, 5), (5, 10)), 8, "split")],
+}
+
+
+def test_each_agreement_rule(world):
+    per_rank = world.run(_rules_job, RULE_CASES)
+    for i, (name, _, _) in enumerate(RULE_CASES):
+        got = [per_rank[r][i][:3] for r in range(WORLD)]
+        assert got == EXPECTED[name], f"{name}: {got}"
+    by_name = {name: [per_rank[r][i] for r in range(WORLD)] for i, (name, _, _) in enumerate(RULE_CASES)}
+    assert [g[3] for g in by_name["cuda graph"]] == [64, 64]  # the whole batch pads to a captured size
+    assert [g[4] for g in by_name["two-chunk"]] == [True, False]  # rank 0 cut its long request
+
+
+def _config_mismatch_job() -> str:
+    import torch.distributed as dist
+
+    cfg = SplitConfig(prefill_token_threshold=0, cudagraph_sizes=(64,) if dist.get_rank() else ())
+    try:
+        plan_ubatches(64, cfg)
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_config_mismatch_raises_on_every_rank(world):
+    msgs = world.run(_config_mismatch_job)
+    assert all("SplitConfig differs across ranks" in m for m in msgs), msgs
