@@ -14,16 +14,13 @@ and combine, so the other ubatch's attention and experts run while the all-to-al
 
 from __future__ import annotations
 
-import gc
-import importlib
 from dataclasses import dataclass
-from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 import dbo
+from dbo.bench.backends import BACKENDS, make_backend, shutdown_distributed
 from dbo.moe import (
     MoEKernel,
     PrepareAndFinalize,
@@ -36,38 +33,6 @@ from dbo.moe import (
 from dbo.overlap import mask_current_padding
 
 __all__ = ["ModelConfig", "DemoMoEModel", "BACKENDS", "make_backend", "shutdown_distributed"]
-
-#: backend name -> module under dbo.backends (imported only when chosen)
-BACKENDS = {
-    "naive": "naive",
-    "all2all": "all2all",
-    "deepep_ht": "deepep_ht",
-    "deepep_ll": "deepep_ll",
-    "deepep_v2": "deepep_v2",
-}
-
-_TORCHDIST_CLASSES = {"naive": "NaivePrepareAndFinalize", "all2all": "AllToAllPrepareAndFinalize"}
-
-
-def make_backend(name: str, group: Any, *, hidden: int, num_experts: int, topk: int,
-                 max_tokens_per_rank: int, dtype: torch.dtype,
-                 device: torch.device) -> PrepareAndFinalize:
-    """Build the prepare/finalize backend ``name`` (a key of :data:`BACKENDS`) on ``group``.
-
-    The backend module is imported here, so DeepEP is needed only when a DeepEP backend is
-    chosen. ``group`` None is the default (world) group. ``max_tokens_per_rank``: the most
-    tokens any rank sends in one call (sizes the low-latency buffers).
-    """
-    if name not in BACKENDS:
-        raise ValueError(f"unknown backend {name!r}; choose from {sorted(BACKENDS)}")
-    if group is None:
-        group = torch.distributed.group.WORLD  # DeepEP's Buffer needs the group object itself
-    module = importlib.import_module(f"dbo.backends.{BACKENDS[name]}")
-    if name in _TORCHDIST_CLASSES:
-        return getattr(module, _TORCHDIST_CLASSES[name])(group, hidden_size=hidden)
-    return module.make_prepare_finalize(group, hidden=hidden, max_tokens_per_rank=max_tokens_per_rank,
-                                        num_experts=num_experts, topk=topk, dtype=dtype, device=device)
-
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -169,21 +134,3 @@ class DemoMoEModel(torch.nn.Module):
         """Drop per-ubatch state in every layer's kernel and backend (after a failed step)."""
         for layer in self.layers:
             layer[1].kernel.reset()
-
-
-def shutdown_distributed(*, wait_for_peers: bool) -> None:
-    """Destroy the default process group once nothing on this rank still uses it.
-
-    Collects garbage first, so that backends and the async collective work they hold die
-    before the group does, then (``wait_for_peers``, on the success path only: a failed peer
-    would make it wait for the group's timeout) a barrier, so that no rank tears its gloo pairs
-    down while another is still using them. Without both, about one CPU run in ten died at
-    exit with ``terminate called without an active exception`` (SIGABRT) after printing its
-    results.
-    """
-    if not dist.is_initialized():
-        return
-    gc.collect()
-    if wait_for_peers:
-        dist.barrier()
-    dist.destroy_process_group()

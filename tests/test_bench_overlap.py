@@ -1,6 +1,6 @@
-"""The overlap benchmark (examples/bench_overlap.py): its chunked experts against the trusted
-reference, and a torchrun smoke run on gloo whose JSON bundle must have the documented
-structure (the GPU numbers themselves come from the GPU host)."""
+"""The overlap benchmark (``python -m dbo.bench overlap``): a torchrun smoke run on gloo whose
+JSON bundle must have the documented structure (the GPU numbers themselves come from the GPU
+host), and the command-line entry."""
 
 from __future__ import annotations
 
@@ -13,74 +13,31 @@ from pathlib import Path
 import pytest
 import torch
 
-from dbo.moe import (
-    ActivationFormat,
-    LocalPrepareAndFinalize,
-    MoEKernel,
-    reference_moe,
-    relative_error,
-    topk_route,
-)
-
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-SCRIPT = EXAMPLES / "bench_overlap.py"
-sys.path.insert(0, str(EXAMPLES))
-
-from _bench_layer import ChunkedSwiGLUExperts  # noqa: E402 - examples/ is not a package
+from dbo.bench.__main__ import main as bench_main
+from dbo.bench.backends import BACKENDS, make_backend
 
 
-def _case(m=24, hidden=32, inter=16, experts=8, topk=3, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(m, hidden, generator=g)
-    w1 = torch.randn(experts, 2 * inter, hidden, generator=g) / hidden ** 0.5
-    w2 = torch.randn(experts, hidden, inter, generator=g) / inter ** 0.5
-    weights, ids = topk_route(torch.randn(m, experts, generator=g), topk)
-    ids[0, 0] = -1  # a slot routed nowhere
-    return x, w1, w2, weights, ids
+def test_command_line_entry_lists_commands_and_rejects_unknown(capsys):
+    assert bench_main([]) == 2
+    assert bench_main(["nope"]) == 2
+    assert bench_main(["--help"]) == 0
+    err = capsys.readouterr().err
+    assert "overlap, switch, breakdown, experts" in err
 
 
-@pytest.mark.parametrize("fmt,reduce", [(ActivationFormat.STANDARD, "gather"),
-                                        (ActivationFormat.STANDARD, "index_add"),
-                                        (ActivationFormat.BATCHED_EXPERTS, "gather")])
-@pytest.mark.parametrize("chunks", [1, 3, 8])
-def test_chunked_experts_match_reference(fmt, reduce, chunks):
-    x, w1, w2, weights, ids = _case()
-    ref = reference_moe(x, w1, w2, weights, ids)
-    experts = ChunkedSwiGLUExperts(chunks, reduce=reduce)
-    kernel = MoEKernel(LocalPrepareAndFinalize(fmt, use_async=False), experts)
-    out = kernel(x, w1, w2, weights, ids, global_num_experts=w1.shape[0])
-    assert relative_error(out, ref) < 1e-5
-
-
-def test_chunked_experts_no_local_pairs_and_bad_reduce():
-    x, w1, w2, weights, ids = _case()
-    ids.fill_(-1)
-    kernel = MoEKernel(LocalPrepareAndFinalize(ActivationFormat.STANDARD, use_async=False),
-                       ChunkedSwiGLUExperts(2))
-    out = kernel(x, w1, w2, weights, ids, global_num_experts=w1.shape[0])
-    assert out.shape == x.shape and not out.any()
-    with pytest.raises(ValueError, match="reduce"):
-        ChunkedSwiGLUExperts(reduce="atomic")
-
-
-def test_batched_row_bound_computes_only_received_rows():
-    x, w1, w2, weights, ids = _case()
-    ref = reference_moe(x, w1, w2, weights, ids)
-    experts = ChunkedSwiGLUExperts(2)
-    experts.observe = True
-    kernel = MoEKernel(LocalPrepareAndFinalize(ActivationFormat.BATCHED_EXPERTS, use_async=False), experts)
-    kernel(x, w1, w2, weights, ids, global_num_experts=w1.shape[0])
-    most = int(experts.max_rows_seen.item())
-    assert 0 < most < x.shape[0]
-    experts.observe, experts.rows = False, most
-    out = kernel(x, w1, w2, weights, ids, global_num_experts=w1.shape[0])
-    assert relative_error(out, ref) < 1e-5
+def test_backend_registry_names_every_backend_module():
+    root = Path(__file__).resolve().parent.parent / "backends"
+    for name, (module, _) in BACKENDS.items():
+        assert (root / f"{module}.py").exists(), name
+    with pytest.raises(ValueError, match="unknown backend"):
+        make_backend("nope", None, hidden=8, num_experts=2, topk=1, max_tokens_per_rank=4,
+                     dtype=torch.float32, device=torch.device("cpu"))
 
 
 def _run_bench(tmp_path: Path, *args: str) -> dict:
     out = tmp_path / "bundle"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(SCRIPT), "--device", "cpu", "--quick", "--out", str(out), *args]
+           "-m", "dbo.bench", "overlap", "--device", "cpu", "--quick", "--out", str(out), *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("DBO_DISABLE", None)
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
@@ -96,28 +53,27 @@ def _run_bench(tmp_path: Path, *args: str) -> dict:
     return bundle
 
 
-def _check_structure(bundle: dict, backend: str, chunks: list[int], sms: list[int]) -> None:
-    assert bundle["schema"] == "dbo.bench_overlap/1" and bundle["partial"] is False
+def _check_structure(bundle: dict, backend: str, sms: list[int]) -> None:
+    assert bundle["schema"] == "dbo.bench_overlap/2" and bundle["partial"] is False
     assert bundle["env"]["world_size"] == 2 and bundle["env"]["torch"] == torch.__version__
     assert bundle["args"]["backend"] == backend and bundle["args"]["steps"] >= 1
     assert bundle["shapes"], "no shapes measured"
     for sh in bundle["shapes"]:
         assert {"tokens", "intermediate", "layers", "measurements", "checks", "summary", "plan"} <= sh.keys()
         assert sh["plan"].startswith("split(")
-        got = {(m["mode"], m["expert_chunks"], m["num_sms"]) for m in sh["measurements"]}
+        got = {(m["mode"], m["num_sms"]) for m in sh["measurements"]}
         s_or_none = sms or [None]
-        want = ({("compute", c, None) for c in chunks} | {("dbo_compute", c, None) for c in chunks}
-                | {("comm", None, s) for s in s_or_none}
-                | {(mode, c, s) for mode in ("serial", "dbo") for c in chunks for s in s_or_none}
-                | {("wrapper", None, None), ("serial_paired", None, None)})
+        want = ({("compute", None), ("dbo_compute", None), ("wrapper", None), ("serial_paired", None)}
+                | {(mode, s) for mode in ("comm", "serial", "dbo") for s in s_or_none})
         assert got == want
         for m in sh["measurements"]:
             t = m["timing"]
             assert len(t["step_ms"]) == bundle["args"]["steps"]
             assert 0 < t["p10_ms"] <= t["median_ms"] <= t["p90_ms"]
             assert t["cpu_launch_ms"] > 0
-        # every DBO and chunked output was checked against the serial one, and matched
-        checked = {"dbo_vs_serial", "wrapper", *(f"dbo_c{c}_s{s}" for c in chunks for s in s_or_none)}
+        # every serial and DBO output was checked against the serial reference, and matched
+        checked = {"dbo_vs_serial", "wrapper", *(f"{mode}_s{s}" for mode in ("serial", "dbo")
+                                                 for s in s_or_none)}
         assert checked <= sh["checks"].keys()
         assert all(v["token_median"] <= 2e-2 for v in sh["checks"].values())
         s = sh["summary"]
@@ -126,7 +82,6 @@ def _check_structure(bundle: dict, backend: str, chunks: list[int], sms: list[in
         assert s["speedup"] == pytest.approx(s["serial_ms"] / s["dbo_ms"])
         hideable = min(s["compute_ms"], s["comm_ms"])
         assert s["efficiency"] == pytest.approx((s["serial_ms"] - s["dbo_ms"]) / hideable)
-        assert [r["expert_chunks"] for r in s["per_chunks"]] == chunks
         assert [r["num_sms"] for r in s["per_num_sms"]] == sms
         # the wrapper was timed with the autotuned config, which the autotune section records
         assert s["wrapper_measured"] is True and s["wrapper_config"] == "autotuned"
@@ -142,26 +97,23 @@ def _check_structure(bundle: dict, backend: str, chunks: list[int], sms: list[in
         assert "threshold: split" in tuned["table"]
 
 
-
-
 @pytest.mark.multiproc
 @pytest.mark.timeout(180)
 def test_bench_naive_cpu_bundle(tmp_path):
     bundle = _run_bench(tmp_path, "--backend", "naive")
-    _check_structure(bundle, "naive", [1, 2], [])
+    _check_structure(bundle, "naive", [])
     assert bundle["shapes"][0]["tokens"] == 64
 
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(180)
 def test_bench_dbo_sm_carveout_variants(tmp_path):
-    bundle = _run_bench(tmp_path, "--backend", "naive", "--expert-chunks", "1",
-                        "--dbo-sm-carveout", "none", "4")
+    bundle = _run_bench(tmp_path, "--backend", "naive", "--dbo-sm-carveout", "none", "4")
     sh = bundle["shapes"][0]
     carve = sorted((m["sm_carveout"] is None, m["sm_carveout"]) for m in sh["measurements"]
                    if m["mode"] == "dbo")
     assert carve == [(False, 4), (True, None)]
-    assert {"dbo_c1_sNone", "dbo_c1_sNone_k4"} <= sh["checks"].keys()
+    assert {"dbo_sNone", "dbo_sNone_k4"} <= sh["checks"].keys()
     assert all(m["sm_carveout"] is None for m in sh["measurements"] if m["mode"] != "dbo")
 
 
@@ -175,7 +127,7 @@ def test_bench_deepep_paths_on_fake(tmp_path, backend, extra, sms):
     # the fake deep_ep (dbo.testing) runs the DeepEP code paths of the benchmark on gloo:
     # SM-count switching, record/replay, the low-latency row bound
     bundle = _run_bench(tmp_path, "--backend", backend, "--fake-deep-ep", *extra)
-    _check_structure(bundle, backend, [1, 2], sms)
+    _check_structure(bundle, backend, sms)
     sh = bundle["shapes"][0]
     if backend == "deepep_ll":
         rows = sh["ll_rows"]

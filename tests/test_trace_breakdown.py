@@ -1,4 +1,4 @@
-"""examples/trace_breakdown.py on a hand-made pair of profiler traces with known answers."""
+"""``python -m dbo.bench breakdown`` on a hand-made pair of profiler traces with known answers."""
 
 from __future__ import annotations
 
@@ -6,9 +6,6 @@ import gzip
 import json
 import subprocess
 import sys
-from pathlib import Path
-
-SCRIPT = Path(__file__).resolve().parent.parent / "examples" / "trace_breakdown.py"
 
 
 def _k(name: str, stream: int, ts: float, dur: float) -> dict:
@@ -32,8 +29,8 @@ def test_breakdown_of_a_known_pair(tmp_path):
         else:
             p.write_text(text)
         paths.append(str(p))
-    out = subprocess.run([sys.executable, str(SCRIPT), *paths], capture_output=True, text=True,
-                         check=True).stdout
+    out = subprocess.run([sys.executable, "-m", "dbo.bench", "breakdown", *paths],
+                         capture_output=True, text=True, check=True).stdout
     rows = {}
     for line in out.splitlines()[1:-1]:
         *label, a, b, r = line.split()

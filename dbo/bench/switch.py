@@ -1,7 +1,7 @@
 """CPU cost of one ubatch switch: dbo's greenlet context against a thread ping-pong.
 
-    python examples/bench_switch.py                 # CPU stand-in streams
-    python examples/bench_switch.py --device cuda   # real CUDA streams attached
+    python -m dbo.bench switch                 # CPU stand-in streams
+    python -m dbo.bench switch --device cuda   # real CUDA streams attached
 
 dbo: two ubatches each call ``dbo_yield`` N times inside one ``run_ubatches`` (tracing off);
 cost = time / 2N. Threads: two threads hand control back and forth with ``threading.Event``
@@ -22,6 +22,8 @@ import time
 import torch
 
 from dbo import dbo_yield, run_ubatches
+
+__all__ = ["bench_dbo", "bench_threads", "bench_greenlet_floor", "main"]
 
 
 def bench_dbo(n: int, device: str) -> float:
@@ -80,7 +82,7 @@ def bench_threads(n: int, device: str) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m dbo.bench switch", description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--switches", type=int, default=100_000, help="yields per ubatch per run")
     ap.add_argument("--thread-switches", type=int, default=10_000)

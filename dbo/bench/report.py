@@ -1,10 +1,10 @@
-"""Summaries, the text table and the plot of the overlap benchmark.
+"""Summaries, the text table and the plot of the overlap benchmark (``dbo.bench overlap``).
 
 Definitions (per shape; every time is per MoE layer: a step's time over its layers):
 
-* ``compute``: the fastest compute-alone configuration (over expert chunkings).
+* ``compute``: the compute-alone time.
 * ``comm``: the fastest communication-alone configuration (over DeepEP SM counts).
-* ``serial``: the fastest serial configuration (over chunkings and SM counts).
+* ``serial``: the fastest serial configuration (over SM counts).
 * ``dbo``: the fastest DBO configuration (likewise, and over the SM carve-outs tried); all are
   in the JSON.
 * ``speedup = serial / dbo``; ``efficiency = (serial - dbo) / min(compute, comm)``: the
@@ -47,8 +47,7 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 def _cfg(m: dict | None) -> str:
     if m is None:
         return "-"
-    parts = [f"c{m['expert_chunks']}" if m.get("expert_chunks") is not None else "",
-             f"s{m['num_sms']}" if m.get("num_sms") is not None else "",
+    parts = [f"s{m['num_sms']}" if m.get("num_sms") is not None else "",
              f"k{m['sm_carveout']}" if m.get("sm_carveout") is not None else ""]
     return " ".join(p for p in parts if p) or "-"
 
@@ -101,15 +100,6 @@ def summarize_shape(shape: dict, default_splits: bool) -> dict:
         "speedup": _ratio(t_serial, _ms(_best(meas, "dbo", num_sms=s), layers)),
         "efficiency": eff(_ms(_best(meas, "dbo", num_sms=s), layers)),
     } for s in sms]
-    chunks = sorted({m["expert_chunks"] for m in meas if m.get("expert_chunks") is not None})
-    out["per_chunks"] = [{
-        "expert_chunks": c,
-        "compute_ms": _ms(_best(meas, "compute", expert_chunks=c), layers),
-        "serial_ms": _ms(_best(meas, "serial", expert_chunks=c), layers),
-        "dbo_ms": _ms(_best(meas, "dbo", expert_chunks=c), layers),
-        "speedup": _ratio(t_serial, _ms(_best(meas, "dbo", expert_chunks=c), layers)),
-        "efficiency": eff(_ms(_best(meas, "dbo", expert_chunks=c), layers)),
-    } for c in chunks]
     return out
 
 
@@ -124,7 +114,7 @@ def format_table(bundle: dict) -> str:
              f"device={env.get('device_name')} layers/step={args['layers']} hidden={args['hidden']} "
              f"experts={args['experts']} top-{args['topk']} attn_width={args['attn_width']}",
              f"times per layer in ms: median of {args['steps']} steps (step time = slowest rank); "
-             "cfg cN = N expert chunks, sN = DeepEP SMs, kN = DBO SM carve-out"]
+             "cfg sN = DeepEP SMs, kN = DBO SM carve-out"]
     head = (f"{'tokens':>6} {'I':>5} {'compute':>8} {'comm':>7} {'comm%':>5} {'serial':>7} {'[cfg]':>8} "
             f"{'dbo':>7} {'[cfg]':>8} {'speedup':>7} {'eff':>5} {'dbo-cmp':>7} {'peak':>5} {'peak+':>5} "
             f"{'wrap':>5}")
@@ -150,14 +140,6 @@ def format_table(bundle: dict) -> str:
                 lines.append(f"{sh['tokens']:>6} {sh['intermediate']:>5} {r['num_sms']:>4} "
                              f"{_f(r['comm_ms']):>7} {_f(r['serial_ms']):>7} {_f(r['dbo_ms']):>7} "
                              f"{r['dbo_config']:>8} {_f(r['speedup'], '.3f'):>7} {_f(r['efficiency']):>5}")
-    lines.append("expert chunks: compute alone, best serial/DBO with that chunking")
-    lines.append(f"{'tokens':>6} {'I':>5} {'chunks':>6} {'compute':>8} {'serial':>7} {'dbo':>7} "
-                 f"{'speedup':>7} {'eff':>5}")
-    for sh in bundle["shapes"]:
-        for r in (sh.get("summary") or {}).get("per_chunks", []):
-            lines.append(f"{sh['tokens']:>6} {sh['intermediate']:>5} {r['expert_chunks']:>6} "
-                         f"{_f(r['compute_ms']):>8} {_f(r['serial_ms']):>7} {_f(r['dbo_ms']):>7} "
-                         f"{_f(r['speedup'], '.3f'):>7} {_f(r['efficiency']):>5}")
     graphs = [sh for sh in bundle["shapes"] if sh.get("cuda_graph")]
     if graphs:
         lines.append("CUDA graph (whole step captured; per layer ms): eager serial/DBO, replayed "

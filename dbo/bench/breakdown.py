@@ -1,7 +1,7 @@
 """Where the time of a DBO step goes, from the benchmark's torch.profiler traces.
 
-``python examples/trace_breakdown.py SERIAL.json DBO.json`` (``gpu_trace_serial.json`` and
-``gpu_trace_dbo.json`` of a bench_overlap bundle; ``.json.gz`` works too) prints, for each step,
+``python -m dbo.bench breakdown SERIAL.json DBO.json`` (``gpu_trace_serial.json`` and
+``gpu_trace_dbo.json`` of a ``dbo.bench overlap`` bundle; ``.json.gz`` works too) prints, for each step,
 the GPU time of each kernel category, the busy and idle time of the compute stream (the stream
 with the most kernel time) and the step's span, then the overlap arithmetic: idle time removed,
 compute time added, and the share of the serial step's idle (its communication) that was hidden.
@@ -13,6 +13,8 @@ import argparse
 import gzip
 import json
 from collections import defaultdict
+
+__all__ = ["CATEGORIES", "breakdown", "main"]
 
 CATEGORIES = (  # (name, substring of the kernel name), first match wins
     ("DeepEP", "deep_ep"),
@@ -66,11 +68,12 @@ def breakdown(path: str) -> dict:
             "categories": dict(cats)}
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m dbo.bench breakdown", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("serial")
     p.add_argument("dbo")
-    a = p.parse_args()
+    a = p.parse_args(argv)
     s, d = breakdown(a.serial), breakdown(a.dbo)
     print(f"{'':32} {'serial ms':>10} {'DBO ms':>10} {'DBO/serial':>10}")
     rows = [("step span", s["span"], d["span"]),
@@ -86,7 +89,8 @@ def main() -> None:
     print(f"idle removed {removed:.2f} ms, compute added {added:.2f} ms: "
           f"{removed - added:.2f} ms of the serial step's {s['compute_idle']:.2f} ms idle hidden "
           f"({(removed - added) / s['compute_idle']:.2f})" if s["compute_idle"] else "")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -1,0 +1,15 @@
+"""dbo's benchmarks as a package: ``python -m dbo.bench COMMAND ...``.
+
+* ``overlap`` (under torchrun): how much of the all-to-all dual-batch overlap hides, per MoE
+  layer (:mod:`dbo.bench.overlap`);
+* ``switch``: the CPU cost of one ubatch switch against a thread ping-pong (:mod:`dbo.bench.switch`);
+* ``breakdown``: where a DBO step's time goes, from two torch.profiler traces
+  (:mod:`dbo.bench.breakdown`);
+* ``experts``: the library's experts alone at the benchmark's shapes (:mod:`dbo.bench.experts`).
+
+The parts are reusable: :mod:`dbo.bench.timing` (per-step GPU times over a group, launch time,
+host-sync detection), :mod:`dbo.bench.report` (summaries, table, plot), :mod:`dbo.bench.backends`
+(the backend registry), :mod:`dbo.bench.model` (the benchmark's model and its stand-ins).
+"""
+
+__all__: list[str] = []

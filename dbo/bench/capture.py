@@ -1,0 +1,121 @@
+"""Captures of one shape: dbo's schedule trace and torch.profiler kernel traces of a step, and
+a whole serial and DBO step captured into CUDA graphs and replayed (deepep_ll)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import dbo
+from dbo.bench.shape import ShapeBench, max_rel_error
+from dbo.bench.timing import measure, reduce_max
+
+__all__ = ["traces", "cuda_graph"]
+
+
+def traces(sb: ShapeBench, profile: bool, out_dir: Path) -> dict | None:
+    """One DBO step recorded by dbo.Trace (returned as Chrome JSON); on the profiled shape
+    torch.profiler kernel traces of the best DBO and serial steps."""
+    sb.use_best("dbo")
+    trace = dbo.Trace()
+    sb.dbo(trace=trace)
+    files = {}
+    if profile and sb.device.type == "cuda":
+        for mode in ("dbo", "serial"):
+            sb.use_best(mode)
+            fn = sb.dbo if mode == "dbo" else sb.serial
+            fn()
+            torch.cuda.synchronize()
+            path = out_dir / f"gpu_trace_{mode}.json"
+            prof = None
+            if sb.rank == 0:
+                try:
+                    from torch.profiler import ProfilerActivity, profile
+                    prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+                    prof.__enter__()
+                except Exception as exc:  # noqa: BLE001 - a profile is a bonus, never fatal
+                    prof = None
+                    sb.rec["warnings"].append(f"torch.profiler failed: {type(exc).__name__}: {exc}")
+            fn()  # every rank runs the step: its collectives must match
+            torch.cuda.synchronize()
+            if prof is not None:
+                try:
+                    prof.__exit__(None, None, None)
+                    out_dir.mkdir(parents=True, exist_ok=True)
+                    prof.export_chrome_trace(str(path))
+                    files[f"gpu_trace_{mode}"] = path.name
+                except Exception as exc:  # noqa: BLE001
+                    sb.rec["warnings"].append(f"torch.profiler failed: {type(exc).__name__}: {exc}")
+    sb.rec["trace_files"] = files
+    sb.progress.update(sb._label("traces"))
+    return trace.to_chrome() if sb.rank == 0 else None
+
+def cuda_graph(sb: ShapeBench) -> None:
+    """Capture a whole serial step and a whole DBO step; replay; compare with eager."""
+    res: dict[str, Any] = {"ok": False}
+    sb.rec["cuda_graph"] = res
+    if sb.budget.expired():
+        res["error"] = "skipped: time budget"
+        sb.progress.update(sb._label("cuda graph") + " (skipped)")
+        return
+    graphs: list[Any] = []
+    try:
+        outs = {}
+        for mode in ("serial", "dbo"):
+            sb.use_best(mode)
+            fn = sb.serial if mode == "serial" else sb.dbo
+            eager = fn()
+            res[f"eager_{mode}_ms"] = measure(fn, warmup=1, steps=sb.args.steps, device=sb.device,
+                                              memory=False).median_ms / sb.layers
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    fn()
+            torch.cuda.current_stream().wait_stream(side)
+            dist.barrier()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, capture_error_mode="thread_local"):
+                static_out = fn()
+            graphs.append(g)
+            g.replay()
+            torch.cuda.synchronize()
+            res[f"{mode}_replay_rel_err"] = max_rel_error(static_out, eager, sb.device)
+            res[f"{mode}_replay_bitwise_equal"] = bool(
+                reduce_max([0.0 if torch.equal(static_out, eager) else 1.0], sb.device)[0] == 0.0)
+            timing = measure(g.replay, warmup=2, steps=sb.args.steps, device=sb.device)
+            res[f"graph_{mode}_ms"] = timing.median_ms / sb.layers
+            res[f"graph_{mode}_timing"] = timing.to_json()
+            outs[mode] = static_out
+        res["dbo_vs_serial_rel_err"] = max_rel_error(outs["dbo"], outs["serial"], sb.device)
+        res["dbo_replay_equals_eager"] = res["dbo_replay_rel_err"] <= sb.tol
+        res["graph_dbo_over_serial"] = res["graph_dbo_ms"] / res["graph_serial_ms"]
+        res["graph_serial_over_dbo"] = res["graph_serial_ms"] / res["graph_dbo_ms"]
+        res["eager_dbo_over_graph_dbo"] = res["eager_dbo_ms"] / res["graph_dbo_ms"]
+        res["ok"] = True
+        for mode in ("serial", "dbo"):
+            if res[f"{mode}_replay_rel_err"] > sb.tol:
+                sb.rec["warnings"].append(f"T={sb.T}: the replayed {mode} graph differs from "
+                                            f"eager (rel err {res[f'{mode}_replay_rel_err']:.3e})")
+    except Exception as exc:  # noqa: BLE001 - report what prevented capture, keep the bundle
+        res["error"] = f"{type(exc).__name__}: {exc}"
+        sb.rec["warnings"].append(f"T={sb.T}: CUDA graph capture/replay failed: {res['error']}")
+        try:
+            torch.cuda.synchronize()
+            # an aborted capture advanced DeepEP's host-side buffer index without running the
+            # kernels: clean both low-latency buffers (collective; the failure is symmetric)
+            pf = sb.pf
+            pf.buffer.clean_low_latency_buffer(pf.max_tokens_per_rank, pf.padded_hidden,
+                                               pf.num_experts)
+            torch.cuda.synchronize()
+        except Exception as exc2:  # noqa: BLE001 - a sticky CUDA error: nothing more can run
+            res["error"] += f"; then {type(exc2).__name__}: {exc2}"
+            raise
+    finally:
+        graphs.clear()
+        sb.pf.reset()
+        sb.pf_dbo.reset()
+    sb.progress.update(sb._label("cuda graph"))

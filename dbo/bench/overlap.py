@@ -1,0 +1,330 @@
+"""Overlap benchmark: how much of the all-to-all dual-batch overlap hides, per MoE layer.
+
+    # GPUs (2 x H200, NCCL); DeepEP wheels installed (source .whl/prelude.sh)
+    torchrun --nproc-per-node 2 -m dbo.bench overlap --device cuda --backend deepep_ht --out DIR
+    torchrun --nproc-per-node 2 -m dbo.bench overlap --device cuda --backend deepep_ll \\
+        --cuda-graph --out DIR
+    # CPU smoke test (gloo, tiny shapes)
+    torchrun --nproc-per-node 2 -m dbo.bench overlap --device cpu --backend naive --quick
+
+For each shape of the grid (tokens per rank x routed-expert intermediate size) it builds a
+``--layers``-layer MoE model (:mod:`dbo.bench.model`: attention stand-in, router, the library's
+routed experts behind the backend, shared expert) and measures per layer:
+
+* compute alone: the same layer with the communication replaced by a replay of what the
+  backend delivered (same received tokens, same expert kernels);
+* communication alone: dispatch + combine of the same routing, no experts, for each
+  ``--num-sms`` (DeepEP normal mode's ``Buffer.set_num_sms``);
+* serial: the plain forward over the whole batch, for each SM count;
+* DBO: two ubatches through ``dbo.overlap.overlapped_forward`` (``run_ubatches``; the backends
+  yield around their all-to-all), for each SM count and ``--dbo-sm-carveout``;
+* DBO compute alone: the DBO schedule with the replayed communication (the cost of splitting);
+
+with CUDA events after warm-up, the median over ``--steps`` steps of the slowest rank, the CPU
+launch time of a step (and whether the step waits for the GPU from the host), and the peak
+memory of one step. Speedup = best serial / best DBO; overlap efficiency = (serial - DBO) /
+min(compute, comm) (:mod:`dbo.bench.report` has the exact definitions). With ``--cuda-graph``
+(deepep_ll) it also captures a whole serial step and a whole DBO step into CUDA graphs and
+compares their replays with eager DBO, checking that the outputs are equal.
+
+Every serial and DBO output is checked against the serial one. Rank 0 writes the bundle to
+``--out``: ``bench_overlap.json`` (every measurement and the environment), ``bench_overlap.png``
+(matplotlib), ``bench_overlap.trace.json`` (dbo's schedule of one DBO step per shape; open at
+https://ui.perfetto.dev), ``gpu_trace_{dbo,serial}.json`` (torch.profiler kernels of one step of
+the profiled shape), and prints a short table last. Exits 1 if an output mismatched.
+"""
+
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dbo.autotune import NEVER_SPLIT, autotune_split_config
+from dbo.bench.backends import make_backend, shutdown_distributed
+from dbo.bench.capture import cuda_graph, traces
+from dbo.bench.model import BenchModel, LayerDims
+from dbo.bench.overlap_args import (
+    DTYPES,
+    SCHEMA,
+    TOLERANCE,
+    collect_env,
+    configure_deepep,
+    count_configs,
+    init_distributed,
+    parse_args,
+    profile_target,
+)
+from dbo.bench.report import format_table, summarize_shape, write_plot
+from dbo.bench.shape import Budget, ShapeBench
+from dbo.bench.timing import Progress
+from dbo.split import SplitConfig, Vote, local_vote
+
+__all__ = ["run", "main"]
+
+
+def tune_and_time_wrapper(args: argparse.Namespace, benches: list[ShapeBench], budget: Budget,
+                          progress: Progress, group: Any) -> dict:
+    """dbo.autotune over the measured token counts of one model, then the wrapper with the
+    tuned config at every shape; each shape's summary is recomputed with that wrapper time."""
+    ready = [sb for sb in benches if "skipped" not in sb.rec and hasattr(sb, "ref")]
+    res: dict[str, Any] = {"ok": False}
+    if budget.expired() or not ready:
+        res["error"] = "skipped: time budget" if ready else "no measured shape"
+        progress.update("autotune (skipped)")
+        return res
+    by_tokens = {sb.T: sb for sb in ready}
+
+    forwards = {t: sb.adaptive_forward() for t, sb in by_tokens.items()}
+    current: list[Callable[[torch.Tensor], torch.Tensor]] = []
+
+    def make_inputs(t: int) -> list[torch.Tensor]:
+        current[:] = [forwards[t]]
+        return [by_tokens[t].x]
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return current[0](x)
+
+    decode = args.backend == "deepep_ll"
+    result = autotune_split_config(fn, make_inputs, sorted(by_tokens), decode_only=decode,
+                                   group=group, warmup=args.warmup, steps=max(5, args.steps // 2))
+    for sb in ready:
+        sb.pf.reset()
+        sb.pf_dbo.reset()
+    progress.update(f"I={ready[0].model.dims.intermediate} autotune")
+    res.update(ok=True, decode_only=decode, threshold=result.threshold,
+               never_split=result.threshold >= NEVER_SPLIT, margin=result.margin,
+               rows=[dataclasses.asdict(r) for r in result.rows], table=result.table())
+    for sb in ready:
+        sb.wrapper(result.config, group)
+        sb.pf.reset()
+        sb.pf_dbo.reset()
+        splits = local_vote(sb.T, result.config, decode_only=decode).vote is Vote.YES
+        sb.rec["summary"] = summarize_shape(sb.rec, splits)
+        sb.rec["summary"]["wrapper_config"] = "autotuned"
+    if args.dbo_sm_carveout != [None]:  # the adaptive forward set it per call
+        torch._C._set_sm_carveout_experimental(args.sm_carveout)
+    return res
+
+
+def build_backend(args: argparse.Namespace, tokens: int, device: torch.device, dtype: torch.dtype) -> Any:
+    return make_backend(args.backend, None, hidden=args.hidden, num_experts=args.experts,
+                        topk=args.topk, max_tokens_per_rank=tokens, dtype=dtype, device=device)
+
+
+def run(args: argparse.Namespace, rank: int, world: int, device: torch.device, out_dir: Path,
+        env: dict) -> dict:
+    dtype = DTYPES[args.dtype]
+    budget = Budget(args.time_budget_s, device)
+    progress = Progress(count_configs(args), enabled=rank == 0)
+    warnings: list[str] = []
+    if args.sm_carveout is not None:
+        setter = getattr(torch._C, "_set_sm_carveout_experimental", None)
+        if setter is None:
+            warnings.append("--sm-carveout: this torch has no _set_sm_carveout_experimental")
+        else:
+            setter(args.sm_carveout)
+    # one backend for every shape, except deepep_ll whose capacity is the batch: the first one
+    # built is the largest, so the shared DeepEP buffer is sized once
+    shared_backend = build_backend(args, max(args.tokens), device, dtype)
+    target = profile_target(args)
+    shapes, chrome = [], []
+    tuned: dict[int, dict] = {}
+    # The split decision's all-reduce over NCCL would read its result back on the host, i.e.
+    # wait for the GPU every step: decide over a CPU (gloo) group instead, as an engine would.
+    decision_group = dist.new_group(backend="gloo") if args.autotune and device.type == "cuda" else None
+    try:
+        for inter in args.intermediate:
+            dims = LayerDims(hidden=args.hidden, intermediate=inter,
+                             shared_intermediate=args.shared_intermediate or inter,
+                             num_experts=args.experts, topk=args.topk, attn_width=args.attn_width,
+                             layers=args.layers, dtype=dtype, attn_yield=args.attn_yield)
+            model = BenchModel(dims, rank, world, device, seed=args.seed)
+            benches: list[ShapeBench] = []
+            for tokens in args.tokens:
+                backend = shared_backend
+                if args.backend == "deepep_ll" and tokens != max(args.tokens):
+                    backend = build_backend(args, tokens, device, dtype)
+                dbo_backend = None
+                if args.backend == "deepep_ll":
+                    dbo_backend = build_backend(args, -(-tokens // 2), device, dtype)
+                sb = ShapeBench(args, model, backend, tokens, device, rank, progress, budget,
+                                dbo_backend)
+                sb.rec["flops_per_token_per_layer"] = dims.flops_per_token()
+                if not budget.expired():
+                    sb.reference()
+                    sb.compute_alone()
+                    sb.comm_alone()
+                    sb.serial_and_dbo()
+                    trace = traces(sb, target == (tokens, inter), out_dir)
+                    if trace is not None:
+                        chrome.append((f"{args.backend} T={tokens} I={inter}", trace))
+                    if args.cuda_graph:
+                        if device.type == "cuda" and args.backend == "deepep_ll":
+                            cuda_graph(sb)
+                        else:
+                            sb.rec["cuda_graph"] = {"ok": False, "error": "--cuda-graph needs "
+                                                    "--device cuda and --backend deepep_ll"}
+                            progress.update("cuda graph (n/a)")
+                else:
+                    sb.rec["skipped"] = "time budget"
+                backend.reset()
+                sb.pf_dbo.reset()
+                decode = args.backend == "deepep_ll"
+                splits = local_vote(tokens, SplitConfig(), decode_only=decode).vote is Vote.YES
+                sb.rec["summary"] = summarize_shape(sb.rec, splits)
+                shapes.append(sb.rec)
+                benches.append(sb)
+                if rank == 0:  # what is done so far survives a later crash or kill
+                    out_dir.mkdir(parents=True, exist_ok=True)
+                    (out_dir / "bench_overlap.json").write_text(json.dumps(
+                        {"schema": SCHEMA, "partial": True, "env": env, "args": _jsonable(vars(args)),
+                         "shapes": shapes}, indent=1, default=str))
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+            if args.autotune:
+                tuned[inter] = tune_and_time_wrapper(args, benches, budget, progress, decision_group)
+            del model, benches
+    finally:
+        progress.close()
+    if budget.hit:
+        warnings.append(f"time budget of {args.time_budget_s:.0f} s reached: some configurations "
+                        "were skipped (see 'skipped' in the JSON)")
+    bundle = {"schema": SCHEMA, "partial": False, "env": env, "args": _jsonable(vars(args)), "shapes": shapes,
+              "autotune": {str(k): v for k, v in tuned.items()}, "warnings": warnings, "files": {}}
+    finish(bundle, chrome, out_dir, rank)
+    return bundle
+
+
+def _jsonable(d: dict) -> dict:
+    return {k: (v if isinstance(v, (int, float, str, bool, list, type(None))) else str(v))
+            for k, v in d.items()}
+
+
+def _crossovers(bundle: dict) -> list[dict]:
+    out = []
+    for inter in bundle["args"]["intermediate"]:
+        rows = sorted((sh for sh in bundle["shapes"] if sh["intermediate"] == inter),
+                      key=lambda sh: sh["tokens"])
+        res: dict[str, Any] = {"intermediate": inter}
+        for kind, get in (("eager", lambda sh: (sh.get("summary") or {}).get("speedup")),
+                          ("graph", lambda sh: (sh.get("cuda_graph") or {}).get("graph_serial_over_dbo"))):
+            vals = [(sh["tokens"], get(sh)) for sh in rows]
+            if all(v is None for _, v in vals):
+                continue
+            start = None
+            for t, v in reversed(vals):
+                if v is None or v <= 1.0:
+                    break
+                start = t
+            res[kind] = start
+        out.append(res)
+    return out
+
+
+def finish(bundle: dict, chrome: list[tuple[str, dict]], out_dir: Path, rank: int) -> None:
+    """Shape warnings, the crossover, the files and the table (rank 0 writes)."""
+    w = bundle["warnings"]
+    for sh in bundle["shapes"]:
+        label = f"T={sh['tokens']} I={sh['intermediate']}"
+        w.extend(sh.get("warnings", []))
+        s = sh.get("summary") or {}
+        for m in sh["measurements"]:
+            t = m.get("timing")
+            if t and t["cpu_bound"]:
+                w.append(f"{label} {m['mode']} s{m['num_sms']}: CPU launch time "
+                         f"{t['cpu_launch_held_ms'] or t['cpu_launch_ms']:.2f} ms is over 80% of the GPU "
+                         f"time {t['median_ms']:.2f} ms: Python, not the GPU, sets the pace")
+        synced = sorted({m["mode"] for m in sh["measurements"] if (m.get("timing") or {}).get("host_sync")})
+        if synced:
+            w.append(f"{label}: steps of {', '.join(synced)} wait for the GPU from the host (launch time "
+                     "includes those waits; see cpu_launch_* in the JSON)")
+        if s.get("peak_ratio") is not None and s["peak_ratio"] > 1.1:
+            w.append(f"{label}: DBO peak memory is {s['peak_ratio']:.2f}x the serial peak (target <= 1.1)")
+        if s.get("wrapper_vs_serial") is not None and s["wrapper_vs_serial"] > 1.02:
+            who = ("the wrapper with the autotuned config" if s.get("wrapper_measured")
+                   else "the default SplitConfig")
+            w.append(f"{label}: {who} is {100 * (s['wrapper_vs_serial'] - 1):.0f}% slower than "
+                     "serial (limit 2%)")
+        share, eff = s.get("comm_share"), s.get("efficiency")
+        if share is not None and eff is not None and share >= 0.25 and eff < 0.6:
+            w.append(f"{label}: communication is {100 * share:.0f}% of the serial layer and the overlap "
+                     f"efficiency is {eff:.2f} (target >= 0.6)")
+    bundle["crossover"] = _crossovers(bundle) if bundle["args"]["backend"] == "deepep_ll" else None
+    if rank != 0:
+        return
+    out_dir.mkdir(parents=True, exist_ok=True)
+    files = bundle["files"]
+    if chrome:
+        events: list[dict] = []
+        for pid, (name, tr) in enumerate(chrome):
+            for e in tr["traceEvents"]:
+                e = dict(e, pid=pid)
+                if e.get("name") == "process_name":
+                    e["args"] = {"name": f"{name} (one DBO step, rank 0)"}
+                events.append(e)
+        path = out_dir / "bench_overlap.trace.json"
+        path.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ns"}))
+        files["trace"] = path.name
+    for sh in bundle["shapes"]:
+        files.update(sh.get("trace_files", {}))
+    plot = write_plot(bundle, str(out_dir / "bench_overlap.png"))
+    files["plot"] = Path(plot).name if plot else None
+    if plot is None:
+        bundle["warnings"].append("matplotlib is not importable: no PNG plot")
+    files["json"] = "bench_overlap.json"
+    (out_dir / "bench_overlap.json").write_text(json.dumps(bundle, indent=1, default=str))
+
+
+def failed(bundle: dict) -> bool:
+    tol = TOLERANCE[DTYPES[bundle["args"]["dtype"]]]
+    for sh in bundle["shapes"]:
+        if any(not err["token_median"] <= tol for err in sh.get("checks", {}).values()):
+            return True
+        g = sh.get("cuda_graph") or {}
+        if g.get("ok") and not (g["dbo_replay_rel_err"] <= tol and g["serial_replay_rel_err"] <= tol):
+            return True
+    return False
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.backend.startswith("deepep"):
+        if args.fake_deep_ep:
+            from dbo.testing.fake_deep_ep import ensure_fake_deep_ep
+            ensure_fake_deep_ep("v1")
+        elif args.device == "cpu":
+            print("DeepEP backends need --device cuda (or --fake-deep-ep to smoke-test on the CPU)",
+                  file=sys.stderr)
+            return 2
+    deepep_setup = configure_deepep(args)
+    rank, world, local_rank = init_distributed(args.device)
+    device = torch.device("cuda", local_rank) if args.device == "cuda" else torch.device("cpu")
+    out_dir = Path(args.out)
+    finished = False
+    try:
+        env = collect_env(args, device, world)
+        env["deepep_setup"] = deepep_setup
+        with torch.inference_mode():
+            bundle = run(args, rank, world, device, out_dir, env)
+        if rank == 0:
+            print(format_table(bundle), flush=True)
+        finished = True
+        return 1 if failed(bundle) else 0
+    finally:
+        if args.backend.startswith("deepep"):
+            from dbo.backends.deepep_buffer import BUFFER_CACHE
+            BUFFER_CACHE.reset()
+        shutdown_distributed(wait_for_peers=finished)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

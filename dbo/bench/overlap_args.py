@@ -1,0 +1,241 @@
+"""The overlap benchmark's command line, defaults, process group and environment record."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import dbo
+from dbo.bench.backends import BACKENDS
+
+__all__ = ["DTYPES", "TOLERANCE", "MODES", "SCHEMA", "parse_args", "resolve_defaults",
+           "init_distributed", "collect_env", "configure_deepep", "count_configs", "profile_target"]
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
+MODES = ("compute", "dbo_compute", "comm", "serial", "dbo")
+SCHEMA = "dbo.bench_overlap/2"  # 2: one expert implementation (no expert_chunks)
+
+
+# ---- arguments ------------------------------------------------------------------------------
+
+
+def _opt_int(v: str) -> int | None:
+    if v.lower() == "none":
+        return None
+    n = int(v)
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 or 'none', got {v}")
+    return n
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m dbo.bench overlap",
+                                description="How much of the all-to-all dual-batch overlap hides, per "
+                                            "MoE layer (run under torchrun)",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--backend", choices=sorted(BACKENDS), default="deepep_ht")
+    p.add_argument("--device", choices=["cpu", "cuda"], default=None,
+                   help="cuda: NCCL on cuda:LOCAL_RANK; cpu: gloo (default: cuda if available)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                   help="default bfloat16 on cuda, float32 on cpu")
+    p.add_argument("--tokens", type=int, nargs="+", default=None,
+                   help="tokens per rank (default: deepep_ll 32..512, else 1024 4096 16384)")
+    p.add_argument("--intermediate", type=int, nargs="+", default=None,
+                   help="routed expert intermediate sizes, a second grid axis (default: deepep_ll "
+                        "2048; else 2048 (DeepSeek-V3) and 512 (communication >= 25%% of a layer))")
+    p.add_argument("--shared-intermediate", type=int, default=None,
+                   help="shared expert intermediate size (default: the routed one)")
+    p.add_argument("--hidden", type=int, default=None, help="default 7168 (cpu: 128)")
+    p.add_argument("--experts", type=int, default=None, help="routed experts over all ranks (256)")
+    p.add_argument("--topk", type=int, default=None, help="default 8 (cpu: 2)")
+    p.add_argument("--attn-width", type=int, default=None,
+                   help="attention stand-in width: 4 * tokens * hidden * width flops (4096)")
+    p.add_argument("--attn-yield", action="store_true",
+                   help="yield inside the attention stand-in too (as examples/_model.py does)")
+    p.add_argument("--layers", type=int, default=None,
+                   help="MoE layers per step (deepep_ll 4, else 2); times are reported per layer")
+    p.add_argument("--num-sms", type=int, nargs="+", default=None,
+                   help="deepep_ht: SMs for DeepEP's kernels, Buffer.set_num_sms (24 32 48)")
+    p.add_argument("--ll-rows", default="auto",
+                   help="deepep_ll expert rows computed per expert: auto (most tokens any expert "
+                        "received, rounded up to 16: a masked grouped GEMM stand-in), full (the "
+                        "whole capacity) or a number")
+    p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    p.add_argument("--steps", type=int, default=None, help="timed steps per configuration (20)")
+    p.add_argument("--warmup", type=int, default=None, help="warm-up steps per configuration (3)")
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="deepep_ll: capture a whole serial and DBO step into CUDA graphs and replay")
+    p.add_argument("--profile-shape", default="auto",
+                   help="TOKENS:INTERMEDIATE whose best serial and DBO steps are profiled with "
+                        "torch.profiler, 'auto' or 'none'")
+    p.add_argument("--sm-carveout", type=int, default=None,
+                   help="torch._C._set_sm_carveout_experimental(N) for every run (experiment)")
+    p.add_argument("--dbo-sm-carveout", type=_opt_int, nargs="+", default=None,
+                   help="SM carve-outs tried for the DBO runs only (overlapped_forward's "
+                        "sm_carveout: matmuls and grouped GEMMs leave N SMs to DeepEP), e.g. "
+                        "'none 24 48' (default: none)")
+    p.add_argument("--no-autotune", dest="autotune", action="store_false",
+                   help="skip dbo.autotune (by default, after each intermediate size's shapes, "
+                        "the thresholds are tuned over the grid's token counts and the wrapper "
+                        "is timed with the tuned config at every shape)")
+    p.add_argument("--quick", action="store_true", help="a small grid (a smoke test)")
+    p.add_argument("--fake-deep-ep", action="store_true",
+                   help="testing: run the DeepEP backends on dbo.testing's fake deep_ep (CPU, gloo); "
+                        "exercises the code paths, the numbers mean nothing")
+    p.add_argument("--time-budget-s", type=float, default=None,
+                   help="skip what is left after this many seconds (default 280 on cuda, none on cpu)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="bench_overlap_out", help="directory of the bundle")
+    args = p.parse_args(argv)
+    resolve_defaults(args)
+    for name in ("hidden", "experts", "topk", "attn_width", "layers", "steps"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be positive")
+    if min(args.tokens) < 2 or min(args.intermediate) < 1:
+        p.error("--tokens must be >= 2 (two ubatches), --intermediate >= 1")
+    if any(s % 2 for s in args.num_sms):
+        p.error("--num-sms values must be even (DeepEP)")
+    if args.topk > args.experts:
+        p.error("--topk must be <= --experts")
+    if args.ll_rows not in ("auto", "full") and not args.ll_rows.isdigit():
+        p.error("--ll-rows must be auto, full or a number")
+    return args
+
+
+def resolve_defaults(args: argparse.Namespace) -> None:
+    """Fill the arguments left at None: tiny shapes on the CPU, DeepSeek-V3 sizes on GPUs."""
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    cpu, quick = args.device == "cpu", args.quick
+    ll, ht = args.backend == "deepep_ll", args.backend == "deepep_ht"
+    if cpu:
+        # DeepEP's combine is bf16 only (the --fake-deep-ep runs keep its checks)
+        dtype = "bfloat16" if args.backend.startswith("deepep") else "float32"
+        d = dict(dtype=dtype, hidden=128, experts=8, topk=2, attn_width=128, layers=2,
+                 tokens=[64] if quick else [64, 256], intermediate=[64],
+                 steps=3 if quick else 10, warmup=1, time_budget_s=0.0)
+    else:
+        # decode steps are short: more layers per step (the CUDA graph captures "several")
+        d = dict(dtype="bfloat16", hidden=7168, experts=256, topk=8, attn_width=4096,
+                 layers=4 if ll else 2,
+                 steps=20, warmup=3, time_budget_s=280.0)
+        if ll:
+            d.update(tokens=[64, 256] if quick else [32, 64, 128, 256, 512], intermediate=[2048])
+        else:
+            d.update(tokens=[4096] if quick else [1024, 4096, 16384],
+                     intermediate=[512] if quick else [2048, 512])
+    d["num_sms"] = ([24] if quick else [24, 32, 48]) if ht and not cpu else []
+    for k, v in d.items():
+        if getattr(args, k, None) is None:
+            setattr(args, k, v)
+    if not ht:
+        args.num_sms = []
+    if args.dbo_sm_carveout is None:
+        args.dbo_sm_carveout = [None]
+
+
+# ---- process group and environment ---------------------------------------------------------
+
+
+def init_distributed(device: str) -> tuple[int, int, int]:
+    """Join the torchrun group (or start a one-rank group); return rank, world, local rank."""
+    if "RANK" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device == "cuda":
+        torch.cuda.set_device(local_rank)
+        dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+    else:
+        dist.init_process_group("gloo")
+    return dist.get_rank(), dist.get_world_size(), local_rank
+
+
+def collect_env(args: argparse.Namespace, device: torch.device, world: int) -> dict[str, Any]:
+    env: dict[str, Any] = {
+        "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "argv": sys.argv, "python": platform.python_version(), "hostname": socket.gethostname(),
+        "torch": torch.__version__, "torch_cuda": torch.version.cuda, "world_size": world,
+        "dbo": getattr(dbo, "__version__", None),
+        "env_vars": {k: v for k, v in sorted(os.environ.items())
+                     if k.startswith(("NVSHMEM_", "NCCL_", "CUDA_DEVICE_MAX", "DBO_", "OMP_NUM",
+                                      "TORCH_NCCL", "TORCH_SYMM"))},
+    }
+    try:
+        env["git_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                           timeout=5, cwd=Path(__file__).parent).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        env["git_commit"] = None
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        env.update(device_name=props.name, sm_count=props.multi_processor_count,
+                   gpu_memory_bytes=props.total_memory, nccl=".".join(map(str, torch.cuda.nccl.version())))
+    else:
+        env.update(device_name=f"cpu ({os.cpu_count()} cores)", sm_count=None)
+    if args.backend.startswith("deepep"):
+        from dbo.backends.deepep_buffer import detect_deep_ep_api
+        env["deep_ep"] = detect_deep_ep_api().describe()
+    for mod in ("matplotlib", "tqdm"):
+        try:
+            __import__(mod)
+            env[mod] = True
+        except ImportError:
+            env[mod] = False
+    return env
+
+
+def configure_deepep(args: argparse.Namespace) -> dict[str, Any]:
+    """Before any DeepEP buffer exists: size it for the largest SM count and token count.
+    Returns what it found and changed (for the bundle's environment)."""
+    found: dict[str, Any] = {}
+    if args.backend == "deepep_ll":
+        need = (max(args.tokens) + 1) * 2
+        if int(os.environ.get("NVSHMEM_QP_DEPTH", "1024")) < need:
+            # DeepEP asserts NVSHMEM_QP_DEPTH >= (max_tokens_per_rank + 1) * 2 (default 1024)
+            os.environ["NVSHMEM_QP_DEPTH"] = str(1 << (need - 1).bit_length())
+            found["set_NVSHMEM_QP_DEPTH"] = os.environ["NVSHMEM_QP_DEPTH"]
+    if args.backend == "deepep_ht":
+        from dbo.backends.deepep_buffer import detect_deep_ep_api
+        api = detect_deep_ep_api()
+        found["deep_ep_default_num_sms"] = api.buffer_cls.num_sms
+        if args.num_sms:
+            # the normal-mode buffer is sized by Buffer.num_sms when created: size it for the most
+            api.buffer_cls.set_num_sms(max(args.num_sms))
+    return found
+
+
+def count_configs(args: argparse.Namespace) -> int:
+    s = max(1, len(args.num_sms))
+    per = {"compute": 1, "dbo_compute": 1, "comm": s, "serial": s,
+           "dbo": s * len(args.dbo_sm_carveout)}
+    n = sum(per[m] for m in args.modes) + 1  # +1: traces
+    if args.cuda_graph:
+        n += 1
+    if args.autotune:
+        n += 1  # the wrapper with the tuned config (the tuning itself: one more per size)
+    return n * len(args.tokens) * len(args.intermediate) + (len(args.intermediate) if args.autotune else 0)
+
+
+def profile_target(args: argparse.Namespace) -> tuple[int, int] | None:
+    if args.profile_shape == "none":
+        return None
+    if args.profile_shape == "auto":
+        toks = sorted(args.tokens)
+        t = toks[-1] if args.backend == "deepep_ll" else toks[len(toks) // 2]
+        return t, min(args.intermediate)
+    t, i = args.profile_shape.split(":")
+    return int(t), int(i)

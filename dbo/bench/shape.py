@@ -1,0 +1,331 @@
+"""One shape of the overlap benchmark: every measurement of (tokens, intermediate) on a model.
+
+For each shape: the serial and DBO references and their agreement, compute alone (the
+communication replaced by a replay of what the backend delivered), communication alone (no
+experts), serial and DBO for each DeepEP SM count and DBO SM carve-out, and the wrapper with a
+tuned config. The CUDA-graph and trace captures are in :mod:`dbo.bench.capture`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+import dbo
+from dbo.bench.model import (
+    BenchModel,
+    IdentityExperts,
+    RecordingPrepareAndFinalize,
+    ReplayPrepareAndFinalize,
+)
+from dbo.bench.overlap_args import TOLERANCE
+from dbo.bench.timing import Progress, measure, reduce_max
+from dbo.moe import MoEKernel, SwiGLUExperts, relative_error
+from dbo.overlap import overlapped_forward
+from dbo.split import SplitConfig, plan_ubatches
+
+__all__ = ["Budget", "compare", "max_rel_error", "SMs", "ShapeBench"]
+
+
+class Budget:
+    """Wall-time budget, checked collectively so every rank skips the same configurations."""
+
+    def __init__(self, seconds: float, device: torch.device):
+        self.seconds = seconds
+        self.device = device
+        self.t0 = time.perf_counter()
+        self.hit = False
+
+    def expired(self) -> bool:
+        if self.seconds <= 0:
+            return False
+        if not self.hit:
+            self.hit = reduce_max([time.perf_counter() - self.t0], self.device)[0] > self.seconds
+        return self.hit
+
+
+def compare(out: torch.Tensor, ref: torch.Tensor, device: torch.device) -> dict[str, float]:
+    """``rel``: ||out - ref|| / ||ref||; ``token_median``: the median over tokens of each
+    token's relative error (MAX over ranks). In bf16 a one-ulp difference between a ubatch's
+    and the whole batch's matmuls can flip a near-tie in a later layer's top-k routing and
+    change that token's output entirely; the median ignores those few tokens, not a broken
+    step (which breaks most of them)."""
+    o, r = out.to(torch.float64), ref.to(torch.float64)
+    tok = torch.linalg.vector_norm(o - r, dim=-1) / torch.linalg.vector_norm(r, dim=-1).clamp_min(1e-30)
+    med = tok.median().item() if tok.numel() else 0.0
+    if not torch.isfinite(o).all():
+        med = float("inf")
+    rel, med = reduce_max([relative_error(out, ref), med], device)
+    return {"rel": rel, "token_median": med}
+
+
+def max_rel_error(out: torch.Tensor, ref: torch.Tensor, device: torch.device) -> float:
+    return reduce_max([relative_error(out, ref)], device)[0]
+
+
+def _round_rows(n: int, cap: int) -> int:
+    return max(16, min(cap, -(-n // 16) * 16))
+
+
+class SMs:
+    """DeepEP normal mode's SM count (a class attribute of ``deep_ep.Buffer``)."""
+
+    def __init__(self, backend: Any):
+        buf = getattr(backend, "buffer", None)
+        self.cls = type(buf) if buf is not None and hasattr(type(buf), "set_num_sms") else None
+        self.default = getattr(self.cls, "num_sms", None)
+
+    def set(self, n: int | None) -> None:
+        if self.cls is not None and n is not None and getattr(self.cls, "num_sms", None) != n:
+            self.cls.set_num_sms(n)
+
+
+# ---- one shape ------------------------------------------------------------------------------
+
+
+class ShapeBench:
+    """Every measurement of one (tokens, intermediate) shape on an existing model."""
+
+    def __init__(self, args: argparse.Namespace, model: BenchModel, backend: Any, tokens: int,
+                 device: torch.device, rank: int, progress: Progress, budget: Budget,
+                 dbo_backend: Any = None):
+        self.args, self.model, self.pf, self.T = args, model, backend, tokens
+        #: the backend of the DBO runs: deepep_ll's is sized for one ubatch (its capacity is the
+        #: most tokens one dispatch sends), as an engine running DBO would size it
+        self.pf_dbo = backend if dbo_backend is None else dbo_backend
+        self.device, self.rank, self.progress, self.budget = device, rank, progress, budget
+        self.layers = model.dims.layers
+        self.tol = TOLERANCE[model.dims.dtype]
+        self.sms = SMs(backend)
+        self.rec: dict[str, Any] = {"backend": args.backend, "tokens": tokens,
+                                    "intermediate": model.dims.intermediate,
+                                    "shared_intermediate": model.dims.shared_intermediate,
+                                    "layers": self.layers, "measurements": [], "checks": {},
+                                    "warnings": []}
+        g = torch.Generator(device=device).manual_seed(args.seed * 7919 + rank + 1)
+        self.x = torch.randn(tokens, model.dims.hidden, generator=g, device=device,
+                             dtype=torch.float32).to(model.dims.dtype)
+        self.plan = plan_ubatches(tokens, SplitConfig(num_ubatches=2, decode_token_threshold=1,
+                                                      prefill_token_threshold=1))
+        #: the library's experts; on deepep_ll with the row bound of each mode (see reference())
+        self.experts = SwiGLUExperts()
+        self.rows: dict[str, int | None] = {"serial": None, "dbo": None}
+        self.carveout: int | None = None  #: the DBO runs' sm_carveout
+        self.batched = backend.activation_format.name == "BATCHED_EXPERTS"
+
+    # -- steps --
+
+    def serial(self) -> torch.Tensor:
+        return self.model(self.x)
+
+    def dbo(self, trace: dbo.Trace | None = None) -> torch.Tensor:
+        return overlapped_forward(self.model, self.x, plan=self.plan, trace=trace,
+                                  sm_carveout=self.carveout)
+
+    def use(self, backend: Any, mode: str) -> None:
+        if mode.startswith("dbo") and backend is self.pf:
+            backend = self.pf_dbo
+        self.model.use(backend, self.experts)
+        self.experts.batched_rows = self.rows["dbo" if mode.startswith("dbo") else "serial"]
+
+    def _label(self, mode: str, sms: int | None = None, carveout: int | None = None) -> str:
+        s = f"T={self.T} I={self.model.dims.intermediate} {mode}"
+        if sms is not None:
+            s += f" s{sms}"
+        if carveout is not None:
+            s += f" k{carveout}"
+        return s
+
+    def run_config(self, mode: str, sms: int | None, step: Callable[[], Any],
+                   check: Callable[[torch.Tensor], None] | None = None,
+                   carveout: int | None = None) -> dict | None:
+        entry = {"mode": mode, "num_sms": sms, "sm_carveout": carveout}
+        if self.budget.expired():
+            entry["skipped"] = "time budget"
+            self.rec["measurements"].append(entry)
+            self.progress.update(self._label(mode, sms, carveout) + " (skipped)")
+            return None
+        if check is not None:
+            check(step())
+        timing = measure(step, warmup=self.args.warmup, steps=self.args.steps, device=self.device)
+        entry["timing"] = timing.to_json()
+        self.rec["measurements"].append(entry)
+        self.progress.update(self._label(mode, sms, carveout))
+        return entry
+
+    def _check_against(self, ref: torch.Tensor, name: str) -> Callable[[torch.Tensor], None]:
+        def check(out: torch.Tensor) -> None:
+            err = compare(out, ref, self.device)
+            self.rec["checks"][name] = err
+            if not err["token_median"] <= self.tol:
+                self.rec["warnings"].append(
+                    f"T={self.T} I={self.model.dims.intermediate}: {name} differs from the serial "
+                    f"output (median token rel err {err['token_median']:.3e} > {self.tol:g}; "
+                    f"overall {err['rel']:.3e})")
+        return check
+
+    # -- phases --
+
+    def _rows_received(self, pf: Any, fn: Callable[[], Any], mode: str) -> int:
+        """deepep_ll: the most tokens any local expert received in one step of ``mode``, over
+        the ranks (read from what the backend delivered)."""
+        recorder = RecordingPrepareAndFinalize(pf)
+        self.use(recorder, mode)
+        self.experts.batched_rows = None
+        recorder.begin_step()
+        fn()
+        seen = max((int(r.expert_tokens_meta.expert_num_tokens.max()) for r in recorder.records.values()
+                    if r.expert_tokens_meta is not None), default=0)
+        return int(reduce_max([float(seen)], self.device)[0])
+
+    def reference(self) -> None:
+        """Serial and DBO outputs; the LL row bound; their agreement."""
+        self.sms.set(self.args.num_sms[0] if self.args.num_sms else None)
+        self.use(self.pf, "serial")
+        self.serial()  # warm-up (the LL buffer layout, cuBLAS handles)
+        self.dbo()
+        if self.batched and self.args.ll_rows == "auto":
+            for mode, fn, pf in (("serial", self.serial, self.pf), ("dbo", self.dbo, self.pf_dbo)):
+                cap = pf.max_num_tokens_per_rank() * pf.num_dispatchers()
+                self.rows[mode] = _round_rows(self._rows_received(pf, fn, mode), cap)
+        elif self.batched and self.args.ll_rows != "full":
+            self.rows = {"serial": int(self.args.ll_rows), "dbo": int(self.args.ll_rows)}
+        self.rec["ll_rows"] = dict(self.rows) if self.batched else None
+        self.use(self.pf, "serial")
+        self.ref = self.serial()
+        self.use(self.pf, "dbo")
+        self.ref_dbo = self.dbo()
+        self._check_against(self.ref, "dbo_vs_serial")(self.ref_dbo)
+        self.rec["plan"] = str(self.plan)
+
+    def compute_alone(self) -> None:
+        modes = self.args.modes
+        if "compute" not in modes and "dbo_compute" not in modes:
+            return
+        records: dict[str, dict] = {}
+        for mode, fn in (("serial", self.serial), ("dbo", self.dbo)):
+            recorder = RecordingPrepareAndFinalize(self.pf_dbo if mode == "dbo" else self.pf)
+            self.use(recorder, mode)
+            recorder.begin_step()
+            fn()
+            records[mode] = recorder.records
+        for mode, src, fn in (("compute", "serial", self.serial), ("dbo_compute", "dbo", self.dbo)):
+            if mode not in modes:
+                continue
+            replay = ReplayPrepareAndFinalize(self.pf_dbo if src == "dbo" else self.pf, records[src])
+            self.use(replay, mode)
+
+            def step(replay=replay, fn=fn) -> torch.Tensor:
+                replay.begin_step()
+                return fn()
+
+            self.run_config(mode, None, step)
+        records.clear()
+
+    def comm_alone(self) -> None:
+        if "comm" not in self.args.modes:
+            return
+        self.use(self.pf, "serial")
+        routing = self.model.record_routing(self.x)
+        ident = IdentityExperts()
+        kernels = [MoEKernel(self.pf, ident) for _ in range(self.layers)]
+        step = self.model.comm_step(kernels, routing)
+        for s in self.args.num_sms or [None]:
+            self.sms.set(s)
+            self.run_config("comm", s, step)
+
+    def serial_and_dbo(self) -> None:
+        for s in self.args.num_sms or [None]:
+            self.sms.set(s)
+            if "serial" in self.args.modes:
+                self.use(self.pf, "serial")
+                self.run_config("serial", s, self.serial, self._check_against(self.ref, f"serial_s{s}"))
+            if "dbo" in self.args.modes:
+                for k in self.args.dbo_sm_carveout:
+                    self.use(self.pf_dbo, "dbo")
+                    self.carveout = k
+                    name = f"dbo_s{s}" + ("" if k is None else f"_k{k}")
+                    self.run_config("dbo", s, self.dbo, self._check_against(self.ref, name), carveout=k)
+                self.carveout = None
+
+    def best(self, mode: str) -> tuple[int | None, int | None]:
+        """The DeepEP SM count and SM carve-out of the fastest ``mode`` run."""
+        cands = [m for m in self.rec["measurements"] if m["mode"] == mode and m.get("timing")]
+        if not cands:
+            return (self.args.num_sms[0] if self.args.num_sms else None), None
+        m = min(cands, key=lambda m: m["timing"]["median_ms"])
+        return m["num_sms"], m.get("sm_carveout")
+
+    def use_best(self, mode: str) -> None:
+        """Run the next ``mode`` steps ("serial" or "dbo") in its fastest configuration."""
+        s, k = self.best(mode)
+        self.sms.set(s)
+        self.use(self.pf, mode)
+        self.carveout = k if mode == "dbo" else None
+
+    def adaptive_forward(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The model's forward with each mode's best configuration: the one DBO measured best
+        inside a run, the one serial measured best outside (what a tuned wrapper runs).
+
+        The kernels of both configurations are built once here and swapped in per call, so a
+        call costs what the serial and DBO measurements cost (a fresh ``MoEKernel`` per call
+        would allocate its per-ubatch workspaces again every step).
+        """
+        (s_ser, _), (s_dbo, cv_dbo) = self.best("serial"), self.best("dbo")
+        self.use(self.pf, "serial")
+        k_ser = self.model.kernels
+        self.use(self.pf, "dbo")
+        k_dbo = self.model.kernels
+        rows_ser, rows_dbo = self.rows["serial"], self.rows["dbo"]
+        model, experts, sms = self.model, self.experts, self.sms
+        # the best DBO run's carve-out, set per call (the global setting is one int; every
+        # call sets it, so it cannot go stale between plain and overlapped calls)
+        cv_ser = self.args.sm_carveout
+        carve = (torch._C._set_sm_carveout_experimental
+                 if self.args.dbo_sm_carveout != [None] else None)
+
+        def fn(x: torch.Tensor) -> torch.Tensor:
+            in_dbo = dbo.dbo_enabled()
+            sms.set(s_dbo if in_dbo else s_ser)  # a no-op unless it changes
+            if carve is not None:
+                carve(cv_dbo if in_dbo else cv_ser)
+            model.kernels = k_dbo if in_dbo else k_ser
+            experts.batched_rows = rows_dbo if in_dbo else rows_ser
+            return model(x)
+
+        return fn
+
+    def wrapper(self, config: SplitConfig, group: Any, rounds: int = 3) -> None:
+        """Time the overlapped forward with ``config`` deciding (one all-reduce per step over
+        ``group``, a gloo group on GPUs so that the decision does not wait for the GPU).
+
+        Paired with the plain forward of the best serial configuration: the two alternate for
+        ``rounds`` rounds and each keeps its best median ("wrapper", "serial_paired"), so their
+        ratio is not a drift between two moments of the run (the GPU's clocks move by a few
+        percent over minutes); the order alternates too."""
+        if self.budget.expired():
+            self.rec["measurements"].append({"mode": "wrapper", "skipped": "time budget"})
+            self.progress.update(self._label("wrapper") + " (skipped)")
+            return
+        fn = self.adaptive_forward()
+        decode = self.args.backend == "deepep_ll"
+
+        def wrapped() -> torch.Tensor:
+            return overlapped_forward(fn, self.x, config=config, decode_only=decode, group=group)
+
+        self._check_against(self.ref, "wrapper")(wrapped())
+        best: dict[str, Any] = {}
+        pair = [("serial_paired", lambda: fn(self.x)), ("wrapper", wrapped)]
+        for r in range(rounds):
+            for mode, step in (pair if r % 2 == 0 else pair[::-1]):  # neither always goes first
+                t = measure(step, warmup=self.args.warmup, steps=self.args.steps, device=self.device)
+                if mode not in best or t.median_ms < best[mode].median_ms:
+                    best[mode] = t
+        for mode, t in best.items():
+            self.rec["measurements"].append({"mode": mode, "num_sms": None, "sm_carveout": None,
+                                             "rounds": rounds, "timing": t.to_json()})
+        self.progress.update(self._label("wrapper"))
