@@ -63,6 +63,7 @@ class ExpertParallelMoE(torch.nn.Module):
         w2: ``[num_local_experts, hidden, intermediate]``: this rank's down projections.
         backend: the prepare/finalize backend (one per block).
         num_experts: routed experts over the whole group.
+        topk: experts per token (the router's).
         first_expert: the global id of this rank's first expert (experts are contiguous).
         shared_experts: optional module ``[M, hidden] -> [M, hidden]`` added to the output
             (run while the combine is in flight).
@@ -70,7 +71,7 @@ class ExpertParallelMoE(torch.nn.Module):
     """
 
     def __init__(self, router: torch.nn.Module, w1: torch.Tensor, w2: torch.Tensor,
-                 backend: PrepareAndFinalize, *, num_experts: int, first_expert: int,
+                 backend: PrepareAndFinalize, *, num_experts: int, first_expert: int, topk: int,
                  shared_experts: torch.nn.Module | None = None, family: str = ""):
         super().__init__()
         if w1.dim() != 3 or w2.dim() != 3 or w1.shape[0] != w2.shape[0]:
@@ -82,10 +83,15 @@ class ExpertParallelMoE(torch.nn.Module):
         self.shared_experts = shared_experts
         self.num_experts = num_experts
         self.first_expert = first_expert
+        self.topk = topk
         self.family = family
+        self.use_backend(backend)
+
+    def use_backend(self, backend: PrepareAndFinalize) -> None:
+        """Run the routed experts through ``backend`` from now on (a fresh kernel)."""
         self.ids_dtype = backend.topk_indices_dtype() or torch.int64
         shared: Callable[[torch.Tensor], torch.Tensor] | None = (
-            None if shared_experts is None else self._shared)
+            None if self.shared_experts is None else self._shared)
         self.kernel = MoEKernel(backend, SwiGLUExperts(), shared_experts=shared)
 
     @property

@@ -37,6 +37,7 @@ __all__ = [
     "UnsupportedModelError",
     "find_moe_blocks",
     "convert_to_expert_parallel",
+    "set_backend",
     "prefill_split_config",
     "prefill_logits",
     "DBOPrefill",
@@ -195,13 +196,34 @@ def convert_to_expert_parallel(model: torch.nn.Module, group: Any = None, backen
                           max_tokens_per_rank=max_tokens_per_rank, **backend_kwargs)
         shared = getattr(block, family.shared_attr) if family.shared_attr else None
         new = ExpertParallelMoE(router, w1, w2, pf, num_experts=num_experts, first_expert=lo,
-                                shared_experts=shared, family=family.name)
+                                topk=topk, shared_experts=shared, family=family.name)
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, attr, new)
         del block, gate_up, down
     logger.info("dbo: converted %d MoE blocks to expert parallel (rank %d of %d, backend %s)",
                 len(blocks), rank, world, backend)
+    return model
+
+
+def set_backend(model: torch.nn.Module, backend: str, group: Any = None, *,
+                max_tokens_per_rank: int | None = None, **backend_kwargs: Any) -> torch.nn.Module:
+    """Switch every converted MoE block of ``model`` to a new backend ``backend`` on ``group``
+    (collective for the DeepEP backends); returns ``model``. Arguments as in
+    :func:`convert_to_expert_parallel`. Call it after materialising a model converted on the
+    meta device, or to compare backends on one model.
+
+    Raises:
+        ValueError: ``model`` has no converted block; unknown backend.
+    """
+    blocks = [m for m in model.modules() if isinstance(m, ExpertParallelMoE)]
+    if not blocks:
+        raise ValueError("the model has no converted MoE block: call convert_to_expert_parallel first")
+    for block in blocks:
+        block.use_backend(make_backend(backend, group, hidden=block.w1.shape[2],
+                                       num_experts=block.num_experts, topk=block.topk,
+                                       dtype=block.w1.dtype, device=block.w1.device,
+                                       max_tokens_per_rank=max_tokens_per_rank, **backend_kwargs))
     return model
 
 

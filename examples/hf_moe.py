@@ -1,0 +1,327 @@
+"""Prefill throughput of a transformers MoE model made expert-parallel by dbo: plain vs DBO.
+
+    torchrun --nproc-per-node 2 examples/hf_moe.py                         # CPU, gloo, tiny Qwen3-MoE
+    torchrun --nproc-per-node 2 examples/hf_moe.py --preset tiny-deepseek_v3 --backend naive all2all
+    torchrun --nproc-per-node 2 examples/hf_moe.py --device cuda --preset qwen3-30b-a3b \\
+        --backend deepep_ht all2all --shape 8x2048 16x4096 --unconverted --json qwen.json
+    torchrun --nproc-per-node 2 examples/hf_moe.py --device cuda --preset deepseek-v3 --layers 4 \\
+        --backend deepep_ht --shape 4x2048 8x2048
+
+Every rank builds the model from its config alone on the meta device, converts it with
+``dbo.integrations.transformers.convert_to_expert_parallel`` (each MoE layer keeps this rank's
+slice of the experts), then materialises only what it holds, with random weights drawn from
+per-tensor (per-expert for the experts) seeds: every rank and the unconverted model get the same
+weights without any rank ever holding all experts. Each rank prefills its own batch
+(``--shape BATCHxSEQ``, tokens per rank) through ``prefill_logits`` (plain: the converted model
+without DBO) and through ``DBOPrefill`` (two ubatches of sequences), for each ``--backend``;
+times each with CUDA events after warm-up (median of ``--steps``; the slowest rank), checks
+that DBO gives the plain run's logits (of the last ``--logits-to-keep`` positions), and prints
+a markdown table. ``--unconverted`` also times the original model (all experts on every rank,
+no communication) where it fits, and compares its logits with the converted model's.
+
+bfloat16: the ubatches' matmuls round differently from the whole batch's, and a one-ulp change
+can flip a near-tie in a later layer's top-k routing, so with many layers of random weights the
+logits of a few sequences differ; the table gives the relative error and the share of sequences
+whose top token agrees. The check fails (exit 1) only in float32, or if fewer than 90% agree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from dbo.integrations.backends import BACKENDS, cpu_backends
+from dbo.integrations.hf_presets import PRESETS, TINY_FAMILIES, causal_lm_class, preset_config, tiny_config
+from dbo.integrations.moe_block import ExpertParallelMoE
+from dbo.integrations.transformers import (
+    DBOPrefill,
+    convert_to_expert_parallel,
+    prefill_logits,
+    prefill_split_config,
+    set_backend,
+)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+CHOICES = sorted(PRESETS) + [f"tiny-{f}" for f in TINY_FAMILIES]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--preset", choices=CHOICES, default=None,
+                   help="default: tiny-qwen3_moe on CPU, qwen3-30b-a3b on CUDA")
+    p.add_argument("--layers", type=int, default=None, help="decoder layers (default: the preset's)")
+    p.add_argument("--backend", nargs="+", choices=sorted(BACKENDS), default=None,
+                   help="default: naive all2all on CPU, deepep_ht all2all on CUDA")
+    p.add_argument("--shape", nargs="+", default=None,
+                   help="BATCHxSEQ per rank (default: 4x32 on CPU; 8x2048 16x4096 on CUDA)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                   help="default: float32 on CPU, bfloat16 on CUDA")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--logits-to-keep", type=int, default=1, help="0: every position")
+    p.add_argument("--unconverted", action="store_true",
+                   help="also time the original model (all experts on every rank)")
+    p.add_argument("--sm-carveout", type=int, default=None, help="DBO's sm_carveout")
+    p.add_argument("--max-tokens-per-rank", type=int, default=None,
+                   help="for deepep_ll (default: one ubatch of the largest shape)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="write the results here (rank 0)")
+    args = p.parse_args(argv)
+    cuda = args.device == "cuda"
+    args.preset = args.preset or ("qwen3-30b-a3b" if cuda else "tiny-qwen3_moe")
+    args.backend = args.backend or (["deepep_ht", "all2all"] if cuda else cpu_backends())
+    args.shape = [_shape(s, p) for s in (args.shape or (["8x2048", "16x4096"] if cuda else ["4x32"]))]
+    args.dtype = DTYPES[args.dtype or ("bfloat16" if cuda else "float32")]
+    if not cuda and any(BACKENDS[b].gpu_only for b in args.backend):
+        p.error(f"--backend {args.backend}: on CPU only {cpu_backends()} run")
+    return args
+
+
+def _shape(text: str, p: argparse.ArgumentParser) -> tuple[int, int]:
+    try:
+        b, s = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        p.error(f"--shape {text!r}: want BATCHxSEQ, e.g. 8x2048")
+    if b < 1 or s < 1:
+        p.error(f"--shape {text!r}: both must be positive")
+    return b, s
+
+
+def init_distributed(device: str) -> tuple[int, int, torch.device]:
+    if "RANK" not in os.environ:  # run without torchrun: a group of one
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=os.environ.get("MASTER_PORT", "29517"))
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if device == "cuda":
+        torch.cuda.set_device(local)
+        dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+        dev = torch.device("cuda", local)
+    else:
+        dist.init_process_group("gloo")
+        dev = torch.device("cpu")
+    return dist.get_rank(), dist.get_world_size(), dev
+
+
+# ---- the model: built on meta, converted, then only local weights materialised -------------
+
+
+def build_config(args: argparse.Namespace):
+    if args.preset.startswith("tiny-"):
+        return tiny_config(args.preset[5:], layers=args.layers or 2)
+    return preset_config(args.preset, layers=args.layers)
+
+
+def _family(args: argparse.Namespace) -> str:
+    return args.preset[5:] if args.preset.startswith("tiny-") else PRESETS[args.preset][0]
+
+
+def _seeded(t: torch.Tensor, key: str, seed: int, std: float) -> None:
+    g = torch.Generator(device=t.device).manual_seed(zlib.crc32(key.encode()) * 1000 + seed)
+    t.normal_(0.0, std, generator=g)
+
+
+def materialise(model: torch.nn.Module, device: torch.device, seed: int, std: float) -> None:
+    """Allocate ``model``'s (meta) tensors on ``device`` and fill them: norms 1, biases 0, other
+    weights N(0, std) from seeds named after the tensor (and the global expert), so that the
+    converted model and the original get the same numbers."""
+    model.to_empty(device=device)
+    experts = {}
+    for name, mod in model.named_modules():
+        if isinstance(mod, ExpertParallelMoE):
+            experts[f"{name}.w1"] = (f"{name}.experts.gate_up_proj", mod.first_expert)
+            experts[f"{name}.w2"] = (f"{name}.experts.down_proj", mod.first_expert)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name in experts or (name.endswith(("gate_up_proj", "down_proj")) and p.dim() == 3):
+                key, first = experts.get(name, (name, 0))
+                for i in range(p.shape[0]):
+                    _seeded(p[i], f"{key}[{first + i}]", seed, std)
+            elif "norm" in name and p.dim() == 1:
+                p.fill_(1.0)
+            else:
+                _seeded(p, name, seed, std)
+        for mod in model.modules():
+            own = dict(mod.named_buffers(recurse=False))
+            if "inv_freq" in own:  # a rotary embedding: the buffers its __init__ computes
+                fresh = dict(type(mod)(mod.config).named_buffers(recurse=False))
+                for bname, buf in own.items():
+                    buf.copy_(fresh[bname].to(buf.device, buf.dtype))
+            else:
+                for buf in own.values():
+                    buf.zero_()  # e.g. DeepSeek's e_score_correction_bias
+
+
+def build_model(args: argparse.Namespace, config, device: torch.device, *, convert: bool) -> torch.nn.Module:
+    with torch.device("meta"):
+        model = causal_lm_class(_family(args))(config)
+    model = model.to(args.dtype).eval()
+    if convert:  # on meta: slicing the experts allocates nothing
+        convert_to_expert_parallel(model, None, backend="naive")
+    materialise(model, device, args.seed, getattr(config, "initializer_range", 0.02))
+    return model
+
+
+# ---- timing --------------------------------------------------------------------------------
+
+
+def time_ms(fn: Callable[[], torch.Tensor], steps: int, warmup: int, device: torch.device) -> float:
+    """Median milliseconds of ``fn`` on this rank (CUDA events on GPUs), after ``warmup`` calls."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(steps):
+        dist.barrier()
+        if device.type == "cuda":
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            stop.record()
+            stop.synchronize()
+            times.append(start.elapsed_time(stop))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def slowest(values: list[float], device: torch.device) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def compare(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
+    """(relative error, share of sequences whose last position's top token agrees)."""
+    g, w = got.float(), want.float()
+    rel = ((g - w).norm() / w.norm().clamp_min(1e-30)).item()
+    agree = (g[:, -1].argmax(-1) == w[:, -1].argmax(-1)).float().mean().item()
+    return rel, agree
+
+
+def run(args: argparse.Namespace, rank: int, world: int, device: torch.device) -> int:
+    config = build_config(args)
+    t0 = time.perf_counter()
+    model = build_model(args, config, device, convert=True)
+    build_s = time.perf_counter() - t0
+    g = torch.Generator().manual_seed(args.seed * 7919 + rank)
+    inputs = {shape: torch.randint(0, config.vocab_size, shape, generator=g).to(device)
+              for shape in args.shape}
+    max_ubatch = max(-(-b // 2) * s for b, s in args.shape)
+    rows, plain_logits, ok = [], {}, True
+    limit_rel = 1e-4 if args.dtype == torch.float32 else float("inf")
+    keep = args.logits_to_keep
+    with torch.inference_mode():
+        for backend in args.backend:
+            kw = {}
+            if BACKENDS[backend].needs_max_tokens:
+                kw["max_tokens_per_rank"] = args.max_tokens_per_rank or max_ubatch
+            set_backend(model, backend, None, **kw)
+            runner = DBOPrefill(model, prefill_split_config(2), logits_to_keep=args.logits_to_keep,
+                                sm_carveout=args.sm_carveout)
+            for shape, ids in inputs.items():
+                plain = prefill_logits(model, ids, logits_to_keep=args.logits_to_keep)
+                overlapped = runner(ids)
+                rel, agree = compare(overlapped, plain)
+                plain_logits.setdefault(shape, plain.cpu())
+                t_plain = time_ms(lambda ids=ids: prefill_logits(model, ids, logits_to_keep=keep),
+                                  args.steps, args.warmup, device)
+                t_dbo = time_ms(lambda ids=ids, r=runner: r(ids), args.steps, args.warmup, device)
+                t_plain, t_dbo, rel, neg_agree = slowest([t_plain, t_dbo, rel, -agree], device)
+                good = rel <= limit_rel and -neg_agree >= 0.9
+                ok &= good
+                rows.append(dict(backend=backend, batch=shape[0], seq=shape[1], plain_ms=t_plain,
+                                 dbo_ms=t_dbo, rel_err=rel, top1_agree=-neg_agree, ok=good,
+                                 split=str(runner.last_plan)))
+            model.apply(lambda m: m.reset() if isinstance(m, ExpertParallelMoE) else None)
+        if args.unconverted:
+            del model, runner
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            try:
+                full = build_model(args, config, device, convert=False)
+                built = 1.0
+            except torch.OutOfMemoryError:
+                full, built = None, 0.0
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            if slowest([-built], device)[0] < 0:  # every rank built it (else all skip it together)
+                for shape, ids in inputs.items():
+                    out = prefill_logits(full, ids, logits_to_keep=args.logits_to_keep)
+                    rel, agree = compare(plain_logits[shape].to(device), out)
+                    t = time_ms(lambda ids=ids: prefill_logits(full, ids, logits_to_keep=keep),
+                                args.steps, args.warmup, device)
+                    t, rel, neg_agree = slowest([t, rel, -agree], device)
+                    rows.append(dict(backend="unconverted", batch=shape[0], seq=shape[1], plain_ms=t,
+                                     dbo_ms=None, rel_err=rel, top1_agree=-neg_agree, ok=None, split=""))
+            else:
+                rows.append(dict(backend="unconverted", batch=0, seq=0, plain_ms=None, dbo_ms=None,
+                                 rel_err=None, top1_agree=None, ok=None, split="out of memory"))
+    if rank == 0:
+        report(args, config, world, build_s, rows, device)
+    return 0 if ok else 1
+
+
+def report(args, config, world: int, build_s: float, rows: list[dict], device: torch.device) -> None:
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    print(f"\n{args.preset}: {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
+          f"{args.dtype}, {world} x {name}; rank 0 built its model in {build_s:.1f} s; "
+          f"median of {args.steps} steps, slowest rank; tokens/s per GPU = batch*seq / time\n")
+    print("| backend | batch x seq | plain ms | DBO ms | plain tok/s | DBO tok/s | DBO speedup "
+          "| rel err | top-1 agree |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        if r["plain_ms"] is None:
+            print(f"| {r['backend']} | - | {r['split']} | | | | | | |")
+            continue
+        tokens = r["batch"] * r["seq"]
+        dbo = "" if r["dbo_ms"] is None else f"{r['dbo_ms']:.1f}"
+        dbo_tps = "" if r["dbo_ms"] is None else f"{tokens / r['dbo_ms'] * 1e3:,.0f}"
+        speed = "" if r["dbo_ms"] is None else f"{r['plain_ms'] / r['dbo_ms']:.2f}x"
+        flag = "" if r["ok"] in (None, True) else " MISMATCH"
+        print(f"| {r['backend']} | {r['batch']} x {r['seq']} | {r['plain_ms']:.1f} | {dbo} | "
+              f"{tokens / r['plain_ms'] * 1e3:,.0f} | {dbo_tps} | {speed} | {r['rel_err']:.1e}{flag} "
+              f"| {r['top1_agree']:.2f} |")
+    print("\n(unconverted: the original model, every expert on every rank, no communication; its "
+          "rel err / agreement are against the converted model's plain logits)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(
+            preset=args.preset, layers=config.num_hidden_layers, world=world, device=name,
+            dtype=str(args.dtype), steps=args.steps, rows=rows), indent=1))
+        print(f"wrote {args.json}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    rank, world, device = init_distributed(args.device)
+    finished = False
+    try:
+        rc = run(args, rank, world, device)
+        finished = True
+        return rc
+    finally:
+        if any(b.startswith("deepep") for b in args.backend):
+            from dbo.backends.deepep_buffer import BUFFER_CACHE
+            BUFFER_CACHE.reset()  # collective: DeepEP buffers go before the group
+        gc.collect()
+        if finished:
+            dist.barrier()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
