@@ -5,6 +5,7 @@ expert-parallel all-to-all runs on a comm stream while another's matmuls run on 
 stream. See README.md.
 """
 
+from dbo.attention_split import split_attention_metadata
 from dbo.context import (
     UBatchContext,
     active_run,
@@ -38,7 +39,7 @@ from dbo.errors import (
     UBatchError,
 )
 from dbo.overlap import DBOWrapper, overlapped_forward
-from dbo.split import SplitConfig, UBatchPlan, plan_ubatches
+from dbo.split import SplitConfig, SplitMode, UBatchPlan, plan_ubatches
 from dbo.trace import Trace
 
 __version__ = "0.1.0"
@@ -48,8 +49,10 @@ __all__ = [
     "UBatchContext",
     "Trace",
     "SplitConfig",
+    "SplitMode",
     "UBatchPlan",
     "plan_ubatches",
+    "split_attention_metadata",
     "DBOWrapper",
     "overlapped_forward",
     "active_run",
