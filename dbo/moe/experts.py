@@ -36,7 +36,7 @@ from dbo.moe.base import (
     TopKWeightAndReduceNoOp,
     Workspace,
 )
-from dbo.moe.gather_reduce import gather_reduce, silu_and_mul
+from dbo.moe.gather_reduce import gather_reduce, gather_rows, silu_and_mul
 from dbo.moe.grouped_gemm import grouped_mm
 from dbo.moe.grouping import group_by_expert
 from dbo.moe.validate import check_expert_weights
@@ -68,7 +68,7 @@ def dequantize_blocks(x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.
     if scale.shape[:-1] != x.shape[:-1] or scale.shape[-1] != -(-h // FP8_SCALE_BLOCK):
         raise ValueError(f"a1q_scale must be [..., ceil(hidden / {FP8_SCALE_BLOCK})] = "
                          f"{(*x.shape[:-1], -(-h // FP8_SCALE_BLOCK))}, got {tuple(scale.shape)}")
-    s = scale.to(torch.float32).repeat_interleave(FP8_SCALE_BLOCK, dim=-1)[..., :h]
+    s = scale.to(torch.float32).unsqueeze(-1).expand(*scale.shape, FP8_SCALE_BLOCK).flatten(-2)[..., :h]
     return (x.to(torch.float32) * s).to(dtype)
 
 
@@ -139,10 +139,10 @@ class SwiGLUExperts(MoEExperts):
         if groups is None or groups.num_rows == 0:
             return out.zero_()
         kw = {"use_grouped_mm": self.use_grouped_mm, "use_triton": self.use_triton}
-        xs = x.index_select(0, groups.tokens)
-        h = grouped_mm(xs, w1, groups.offsets, groups.host_counts, **kw)
-        # without host counts the rows past the local pairs are padding: the kernel skips them
+        # without host counts the rows past the local pairs are padding: the kernels skip them
         valid = groups.num_valid if groups.host_counts is None else None
+        xs = gather_rows(x, groups.tokens, valid, use_triton=self.use_triton)
+        h = grouped_mm(xs, w1, groups.offsets, groups.host_counts, **kw)
         act = silu_and_mul(h, valid, use_triton=self.use_triton)
         y = grouped_mm(act, w2, groups.offsets, groups.host_counts, **kw)
         if not self.reduce_in_experts:

@@ -2,6 +2,7 @@
 
 * :func:`silu_and_mul`: the SwiGLU activation ``silu(gate) * up`` of ``[R, 2I]`` rows in one
   pass, skipping the rows past the number of local pairs (read on the device).
+* :func:`gather_rows`: the tokens' rows in expert order, skipping those padding rows too.
 * :func:`gather_reduce`: each token's output row is the router-weighted sum of its slots' expert
   output rows. One Triton program per output row reads only its own slots' rows and accumulates
   in float32: no atomics and no ``[M, topk, hidden]`` intermediate. (It replaced a bf16
@@ -16,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["HAVE_TRITON", "use_triton_for", "silu_and_mul", "gather_reduce"]
+__all__ = ["HAVE_TRITON", "use_triton_for", "silu_and_mul", "gather_rows", "gather_reduce"]
 
 try:
     import triton
@@ -41,18 +42,37 @@ def use_triton_for(t: torch.Tensor, use_triton: bool | None = None) -> bool:
 if HAVE_TRITON:
 
     @triton.jit
-    def _silu_mul_kernel(h_ptr, out_ptr, valid_ptr, inter, HAS_VALID: tl.constexpr,
-                         BLOCK: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
+    def _row_limit(valid_ptr, n_rows, HAS_VALID: tl.constexpr):
+        # rows past the local pairs (read on the device) are padding: never computed
+        limit = n_rows
+        if HAS_VALID:
+            limit = tl.minimum(tl.load(valid_ptr).to(tl.int64), n_rows)
+        return limit
+
+    @triton.jit
+    def _silu_mul_kernel(h_ptr, out_ptr, valid_ptr, n_rows, inter, HAS_VALID: tl.constexpr,
+                         ROWS: tl.constexpr, BLOCK: tl.constexpr):
+        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        live_cols = inter
-        if HAS_VALID:  # a padding row past the local pairs: no column is live
-            live_cols = tl.where(row < tl.load(valid_ptr).to(tl.int64), inter, 0)
-        mask = cols < live_cols
-        gate = tl.load(h_ptr + row * 2 * inter + cols, mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(h_ptr + row * 2 * inter + inter + cols, mask=mask, other=0.0).to(tl.float32)
+        limit = _row_limit(valid_ptr, n_rows, HAS_VALID)
+        mask = (rows < limit)[:, None] & (cols < inter)[None, :]
+        src = h_ptr + rows[:, None] * 2 * inter + cols[None, :]
+        gate = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(src + inter, mask=mask, other=0.0).to(tl.float32)
         act = gate / (1.0 + tl.exp(-gate)) * up
-        tl.store(out_ptr + row * inter + cols, act.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_ptr + rows[:, None] * inter + cols[None, :], act.to(out_ptr.dtype.element_ty),
+                 mask=mask)
+
+    @triton.jit
+    def _gather_rows_kernel(x_ptr, idx_ptr, out_ptr, valid_ptr, n_rows, hidden,
+                            HAS_VALID: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        live = rows < _row_limit(valid_ptr, n_rows, HAS_VALID)
+        src = tl.load(idx_ptr + rows, mask=live, other=0).to(tl.int64)
+        mask = live[:, None] & (cols < hidden)[None, :]
+        vals = tl.load(x_ptr + src[:, None] * hidden + cols[None, :], mask=mask, other=0.0)
+        tl.store(out_ptr + rows[:, None] * hidden + cols[None, :], vals, mask=mask)
 
     @triton.jit
     def _gather_reduce_kernel(y_ptr, rows_ptr, w_ptr, out_ptr, hidden,
@@ -72,6 +92,12 @@ if HAVE_TRITON:
 
 def _block(n: int) -> int:
     return 1024 if n >= 1024 else max(16, triton.next_power_of_2(n))
+
+
+def _tile(n: int) -> tuple[int, int]:
+    """Columns and rows of one program's tile: about 4096 elements."""
+    block = _block(n)
+    return block, max(1, 4096 // block)
 
 
 def silu_and_mul(h: torch.Tensor, num_valid: torch.Tensor | None = None, *,
@@ -96,10 +122,29 @@ def silu_and_mul(h: torch.Tensor, num_valid: torch.Tensor | None = None, *,
         return F.silu(gate) * up
     h = h.contiguous()
     out = torch.empty(rows, inter, dtype=h.dtype, device=h.device)
-    block = _block(inter)
+    block, per = _tile(inter)
     valid = h if num_valid is None else num_valid  # any pointer when unused
-    _silu_mul_kernel[(rows, triton.cdiv(inter, block))](
-        h, out, valid, inter, HAS_VALID=num_valid is not None, BLOCK=block)
+    _silu_mul_kernel[(triton.cdiv(rows, per), triton.cdiv(inter, block))](
+        h, out, valid, rows, inter, HAS_VALID=num_valid is not None, ROWS=per, BLOCK=block)
+    return out
+
+
+def gather_rows(x: torch.Tensor, index: torch.Tensor, num_valid: torch.Tensor | None = None, *,
+                use_triton: bool | None = None) -> torch.Tensor:
+    """``x[index]``: ``x`` ``[M, hidden]``, ``index`` ``[R]`` int64 in ``[0, M)``.
+
+    ``num_valid``: optional ``[1]`` integer tensor on the device; the Triton kernel copies only
+    the rows below it (the rest are left unwritten); the torch version copies every row.
+    Returns ``[R, hidden]`` in ``x``'s dtype.
+    """
+    if not use_triton_for(x, use_triton) or index.numel() == 0 or num_valid is None:
+        return x.index_select(0, index)
+    rows, hidden = index.numel(), x.shape[1]
+    out = torch.empty(rows, hidden, dtype=x.dtype, device=x.device)
+    block, per = _tile(hidden)
+    _gather_rows_kernel[(triton.cdiv(rows, per), triton.cdiv(hidden, block))](
+        x.contiguous(), index.contiguous(), out, num_valid, rows, hidden, HAS_VALID=True,
+        ROWS=per, BLOCK=block)
     return out
 
 
