@@ -1,0 +1,213 @@
+"""One ubatch's state: its id, streams, events, recv-hook slot and the greenlet it runs in.
+
+:class:`UBatchContext` does what a ``dbo_*`` function asks of the running ubatch (switch
+streams with their event record/wait pairs, register and run recv hooks); yielding goes
+through the run's driver (:mod:`dbo._driver`), the only code that resumes a ubatch.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import greenlet
+
+from dbo.errors import HookMisuseError, HookSlotOccupiedError, StreamStateError
+
+if TYPE_CHECKING:
+    from dbo._driver import Run
+
+__all__ = ["DONE", "FAILED", "RecvHook", "UBatchContext"]
+
+RecvHook = Callable[[], Any]
+
+# What a ubatch's greenlet returns to the driver: (DONE, result) or (FAILED, exception).
+DONE = object()
+FAILED = object()
+
+
+class UBatchContext:
+    """State of one ubatch: id, streams, events, recv-hook slot and token offset.
+
+    ``compute_stream`` is the caller's current stream when the run started; ``comm_stream`` is
+    shared by all ubatches of the run. ``compute_done_event`` / ``comm_done_event`` are this
+    ubatch's own events (recorded by the ``*_sync`` switches and the yield-and-switch calls).
+    """
+
+    __slots__ = (
+        "id", "token_offset", "compute_stream", "comm_stream", "compute_done_event",
+        "comm_done_event", "_run", "_streams", "_compute_key", "_comm_key", "_greenlet",
+        "_modes", "_stream_key", "_hook", "_hook_registrant", "_hook_pending_in", "started",
+        "live", "result",
+    )
+
+    def __init__(self, run: Run, idx: int, fn: Callable[[], Any], token_offset: int,
+                 events: tuple[Any, Any]):
+        streams = run.streams
+        self.id = idx
+        self.token_offset = token_offset
+        self._run = run
+        self._streams = streams
+        self._compute_key = run.compute_key
+        self._comm_key = run.comm_key
+        self.compute_stream = streams.stream(run.compute_key)
+        self.comm_stream = streams.stream(run.comm_key)
+        self.compute_done_event, self.comm_done_event = events
+        self._greenlet = greenlet.greenlet(self._body(fn), parent=run.driver)
+        self._greenlet.gr_context = contextvars.copy_context()
+        self._modes = run.caller_modes
+        self._stream_key = run.compute_key
+        self._hook: RecvHook | None = None
+        self._hook_registrant = -1
+        self._hook_pending_in: UBatchContext | None = None
+        self.started = False
+        self.live = True
+        self.result: Any = None
+
+    def _body(self, fn: Callable[[], Any]) -> Callable[[], tuple]:
+        def body() -> tuple:
+            self.started = True
+            try:
+                result = fn()
+                self.maybe_run_recv_hook()
+            except BaseException as exc:  # noqa: BLE001 - handed to the driver, which re-raises
+                return (FAILED, exc)
+            return (DONE, result)
+
+        return body
+
+    @property
+    def current_stream(self) -> Any:
+        """This ubatch's current stream (a ``torch.cuda.Stream`` or a ``LogicalStream``)."""
+        key = self._streams.current() if self._run.current is self else self._stream_key
+        return self._streams.stream(key)
+
+    # ---- yielding ----------------------------------------------------------------------
+
+    def yield_(self) -> None:
+        """Let the next live ubatch in ring order run; return when this one is resumed."""
+        self._run.yield_current()
+
+    # ---- streams -----------------------------------------------------------------------
+
+    def _set_stream(self, key: Any, name: str) -> None:
+        self._streams.set_current(key)
+        trace = self._run.trace
+        if trace is not None:
+            trace.record("stream", self.id, name)
+
+    def _record(self, event: Any, key: Any, name: str) -> None:
+        self._streams.record(event, self._streams.stream(key))
+        trace = self._run.trace
+        if trace is not None:
+            trace.record("record", self.id, name)
+
+    def _wait(self, key: Any, event: Any, name: str) -> None:
+        self._streams.wait(self._streams.stream(key), event)
+        trace = self._run.trace
+        if trace is not None:
+            trace.record("wait", self.id, name)
+
+    def switch_to_comm(self) -> None:
+        self._set_stream(self._comm_key, "comm")
+
+    def switch_to_compute(self) -> None:
+        self._set_stream(self._compute_key, "compute")
+
+    def switch_to_comm_sync(self) -> None:
+        """Switch to the comm stream, which first waits for this ubatch's compute so far."""
+        self._record(self.compute_done_event, self._compute_key, f"ub{self.id}.compute_done")
+        self._set_stream(self._comm_key, "comm")
+        self._wait(self._comm_key, self.compute_done_event, f"ub{self.id}.compute_done")
+
+    def switch_to_compute_sync(self) -> None:
+        """Switch to the compute stream, which first waits for this ubatch's comm so far."""
+        self._record(self.comm_done_event, self._comm_key, f"ub{self.id}.comm_done")
+        self._set_stream(self._compute_key, "compute")
+        self._wait(self._compute_key, self.comm_done_event, f"ub{self.id}.comm_done")
+
+    def switch_to_compute_deferred(self) -> Callable[[], None]:
+        """Switch to the compute stream without waiting; return ``wait()``, which makes the
+        compute stream wait for this ubatch's comm so far.
+
+        Work queued between the switch and ``wait()`` (a shared expert) runs alongside the
+        comm. ``wait()`` must come before anything reads the comm's results; calling it after
+        a later ``*_sync`` switch waits for that later point instead (never for less).
+        """
+        self._record(self.comm_done_event, self._comm_key, f"ub{self.id}.comm_done")
+        self._set_stream(self._compute_key, "compute")
+
+        def wait() -> None:
+            self._wait(self._compute_key, self.comm_done_event, f"ub{self.id}.comm_done")
+
+        return wait
+
+    def yield_and_switch_from_compute_to_comm(self) -> None:
+        """Mark our compute done, yield, then continue on the comm stream after that compute."""
+        if self._streams.current() != self._compute_key:
+            raise StreamStateError("dbo_yield_and_switch_from_compute_to_comm called while "
+                                   "the current stream is not the compute stream")
+        self._record(self.compute_done_event, self._compute_key, f"ub{self.id}.compute_done")
+        self.yield_()
+        self._set_stream(self._comm_key, "comm")
+        self._wait(self._comm_key, self.compute_done_event, f"ub{self.id}.compute_done")
+
+    def yield_and_switch_from_comm_to_compute(self) -> None:
+        """Mark our comm done, yield, then continue on the compute stream after that comm."""
+        if self._streams.current() != self._comm_key:
+            raise StreamStateError("dbo_yield_and_switch_from_comm_to_compute called while "
+                                   "the current stream is not the comm stream")
+        self._record(self.comm_done_event, self._comm_key, f"ub{self.id}.comm_done")
+        self.yield_()
+        self._set_stream(self._compute_key, "compute")
+        self._wait(self._compute_key, self.comm_done_event, f"ub{self.id}.comm_done")
+
+    # ---- recv hooks --------------------------------------------------------------------
+
+    def register_recv_hook(self, hook: RecvHook) -> None:
+        """Put ``hook`` in the slot of the next live ubatch (run at once if there is none)."""
+        run = self._run
+        if run.in_hook:
+            raise HookMisuseError("a recv hook may not register another recv hook")
+        if not callable(hook):
+            raise TypeError(f"recv hook must be callable, got {type(hook).__name__}")
+        target = run.next_live(self.id)
+        if target is None:
+            self._call_hook(hook, self.id)
+            return
+        if target._hook is not None:
+            raise HookSlotOccupiedError(
+                f"ubatch {self.id} registered a recv hook into ubatch {target.id}'s slot, which "
+                f"still holds the unrun hook registered by ubatch {target._hook_registrant}"
+            )
+        target._hook = hook
+        target._hook_registrant = self.id
+        self._hook_pending_in = target
+        if run.trace is not None:
+            run.trace.record("hook_register", self.id, str(target.id))
+
+    def maybe_run_recv_hook(self) -> None:
+        """Run the hook in this ubatch's slot, if any."""
+        if self._hook is not None:
+            self._run_hook_in(self)
+
+    def _run_hook_in(self, runner: UBatchContext) -> None:
+        # Run the hook held in self's slot, in `runner`'s context (runner is current).
+        hook, registrant = self._hook, self._hook_registrant
+        self._hook = None
+        self._hook_registrant = -1
+        self._run.contexts[registrant]._hook_pending_in = None
+        runner._call_hook(hook, registrant)
+
+    def _call_hook(self, hook: RecvHook, registrant: int) -> None:
+        run = self._run
+        if run.trace is not None:
+            run.trace.record("hook_begin", self.id, str(registrant))
+        run.in_hook = True
+        try:
+            hook()
+        finally:
+            run.in_hook = False
+        if run.trace is not None:
+            run.trace.record("hook_end", self.id)
