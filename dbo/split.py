@@ -187,10 +187,6 @@ def local_vote(
                          refill, max_fill)
 
 
-#: length of :func:`encode_vote`'s vector
-VOTE_LEN = 10
-
-
 def encode_vote(decision: LocalDecision, config: SplitConfig) -> list[int]:
     """The ints every rank contributes to the MAX all-reduce: yes, no, rows, the number of
     ubatches (and its negation), decode and prefill among the yes votes, the negated
