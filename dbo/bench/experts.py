@@ -1,0 +1,209 @@
+"""The routed experts alone: :class:`dbo.moe.SwiGLUExperts` at the overlap benchmark's shapes.
+
+    python -m dbo.bench experts                      # CUDA: the default grid, a table
+    python -m dbo.bench experts --hidden 2048 --intermediate 512 --tokens 4096 --json out.json
+
+A case is what one rank's experts get from a STANDARD-format backend: ``tokens`` received
+tokens, each routed to ``topk`` of ``num_experts`` experts, of which this rank holds
+``local_experts`` (the other slots are ``-1``), with the per-expert counts on the host as DeepEP
+normal mode delivers them ("host counts") or not ("device offsets": naive, all2all). Each
+implementation's ``apply`` is timed with CUDA events, alternating implementations step by step
+so that clock drift hits them alike; the median per implementation is reported.
+:func:`time_experts` is reusable with other implementations (``tests/gpu/compare_experts.py``
+times the benchmark's former experts against the library's with it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from dbo.moe import ActivationFormat, ExpertTokensMetadata, MoEExperts, SwiGLUExperts, Workspace
+
+__all__ = ["ExpertsCase", "make_case", "time_experts", "run_grid", "main"]
+
+
+@dataclass
+class ExpertsCase:
+    """One rank's expert inputs. ``x`` ``[tokens, hidden]``; ``w1`` ``[L, 2I, hidden]``; ``w2``
+    ``[L, hidden, I]``; ``weights``/``ids`` ``[tokens, topk]`` (ids local, ``-1`` elsewhere);
+    ``counts`` ``[L]`` int32 on the CPU."""
+
+    x: torch.Tensor
+    w1: torch.Tensor
+    w2: torch.Tensor
+    weights: torch.Tensor
+    ids: torch.Tensor
+    counts: torch.Tensor
+
+    def meta(self, host_counts: bool) -> ExpertTokensMetadata | None:
+        """With host counts: what DeepEP normal mode hands over; else None (device offsets)."""
+        if not host_counts:
+            return None
+        return ExpertTokensMetadata(self.counts.to(self.x.device), self.counts)
+
+
+def make_case(tokens: int, hidden: int, inter: int, local_experts: int, *, num_experts: int = 256,
+              topk: int = 8, dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cuda",
+              seed: int = 0, weights: tuple[torch.Tensor, torch.Tensor] | None = None) -> ExpertsCase:
+    """A random case (uniform top-k routing); ``weights`` reuses ``(w1, w2)`` of the right shape."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    if weights is None:
+        w1 = torch.randn(local_experts, 2 * inter, hidden, device=device, dtype=dtype, generator=g)
+        w2 = torch.randn(local_experts, hidden, inter, device=device, dtype=dtype, generator=g)
+        weights = (w1.mul_(hidden ** -0.5), w2.mul_(inter ** -0.5))
+    x = torch.randn(tokens, hidden, device=device, dtype=dtype, generator=g)
+    logits = torch.randn(tokens, num_experts, device=device, generator=g)
+    topw, ids = torch.topk(torch.softmax(logits, dim=-1), topk, dim=-1)
+    ids = torch.where(ids < local_experts, ids, -1).to(torch.int32)  # this rank holds [0, L)
+    counts = torch.bincount(ids[ids >= 0].long(), minlength=local_experts).to(torch.int32).cpu()
+    return ExpertsCase(x, weights[0], weights[1], topw.float(), ids, counts)
+
+
+class _Stopwatch:
+    """CUDA events around a block on CUDA (read after a sync), ``perf_counter`` on the CPU."""
+
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+        if cuda:
+            self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def __enter__(self) -> None:
+        if self.cuda:
+            self.start.record()
+        else:
+            self.t0 = time.perf_counter()
+
+    def __exit__(self, *exc: object) -> None:
+        if self.cuda:
+            self.end.record()
+        else:
+            self.dt = (time.perf_counter() - self.t0) * 1e3
+
+    def ms(self) -> float:
+        return self.start.elapsed_time(self.end) if self.cuda else self.dt
+
+
+def _apply(experts: MoEExperts, case: ExpertsCase, host_counts: bool, ws: Workspace) -> torch.Tensor:
+    return experts.apply(case.x, case.w1, case.w2, case.weights, case.ids,
+                         activation_format=ActivationFormat.STANDARD,
+                         expert_tokens_meta=case.meta(host_counts),
+                         apply_router_weight_on_input=False, workspace=ws)
+
+
+def time_experts(impls: dict[str, tuple[MoEExperts, bool]], case: ExpertsCase, *, steps: int = 30,
+                 warmup: int = 5) -> dict[str, dict[str, float]]:
+    """Time each ``name -> (experts, host_counts)`` on ``case`` (CUDA events; wall time on the CPU).
+
+    Returns ``name -> {"median_ms", "p10_ms", "p90_ms", "rel_err"}``; ``rel_err`` is against the
+    first implementation's output (a sanity check: the two must compute the same thing).
+    """
+    calls: dict[str, Callable[[], torch.Tensor]] = {}
+    for name, (experts, host) in impls.items():
+        ws = Workspace()
+        calls[name] = lambda e=experts, h=host, w=ws: _apply(e, case, h, w)
+    outs = {name: fn().float().clone() for name, fn in calls.items()}
+    for _ in range(warmup):
+        for fn in calls.values():
+            fn()
+    cuda = case.x.is_cuda
+    events = {name: [_Stopwatch(cuda) for _ in range(steps)] for name in calls}
+    for i in range(steps):
+        for name, fn in calls.items():
+            with events[name][i]:
+                fn()
+    if cuda:
+        torch.cuda.synchronize()
+    first = outs[next(iter(outs))]
+    res = {}
+    times: dict[str, list[float]] = {}
+    for name in calls:
+        times[name] = sorted(w.ms() for w in events[name])
+        n = len(times[name])
+        err = torch.linalg.vector_norm(outs[name] - first) / torch.linalg.vector_norm(first).clamp_min(1e-30)
+        res[name] = {"median_ms": statistics.median(times[name]), "p10_ms": times[name][n // 10],
+                     "p90_ms": times[name][(9 * n) // 10], "rel_err": float(err)}
+    return res
+
+
+def run_grid(impls: dict[str, tuple[MoEExperts, bool]], *, hidden: list[int], intermediate: list[int],
+             tokens: list[int], local_experts: list[int], topk: int = 8, steps: int = 30,
+             num_experts: int = 256, dtype: torch.dtype = torch.bfloat16,
+             device: torch.device | str = "cuda", log: Callable[[str], None] | None = None) -> list[dict]:
+    """:func:`time_experts` over the grid; one row per shape (weights made once per size)."""
+    rows = []
+    for h in hidden:
+        for inter in intermediate:
+            for n_local in local_experts:
+                w = None
+                for t in tokens:
+                    case = make_case(t, h, inter, n_local, num_experts=num_experts, topk=topk,
+                                     dtype=dtype, device=device, weights=w, seed=t)
+                    w = (case.w1, case.w2)
+                    res = time_experts(impls, case, steps=steps)
+                    row = {"hidden": h, "intermediate": inter, "local_experts": n_local, "tokens": t,
+                           "local_pairs": int(case.counts.sum()), "results": res}
+                    rows.append(row)
+                    if log is not None:
+                        log(f"H={h} I={inter} L={n_local} T={t}: " + ", ".join(
+                            f"{k} {v['median_ms']:.3f} ms" for k, v in res.items()))
+                del w, case
+                if torch.device(device).type == "cuda":
+                    torch.cuda.empty_cache()
+    return rows
+
+
+def format_rows(rows: list[dict], baseline: str) -> str:
+    """A table: per shape the median ms of each implementation and ``baseline``'s time over it."""
+    names = list(rows[0]["results"]) if rows else []
+    head = f"{'hidden':>6} {'I':>5} {'L':>4} {'tokens':>6} {'pairs':>7} " + " ".join(
+        f"{n[:22]:>22}" for n in names) + "  " + " ".join(
+        f"{(baseline[:10] + '/' + n[:10]):>21}" for n in names if n != baseline)
+    lines = [head]
+    for r in rows:
+        res = r["results"]
+        line = f"{r['hidden']:>6} {r['intermediate']:>5} {r['local_experts']:>4} {r['tokens']:>6} " \
+               f"{r['local_pairs']:>7} " + " ".join(f"{res[n]['median_ms']:>19.3f} ms" for n in names)
+        line += "  " + " ".join(f"{res[baseline]['median_ms'] / res[n]['median_ms']:>21.3f}"
+                                for n in names if n != baseline)
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m dbo.bench experts", description=__doc__.split("\n\n")[0])
+    p.add_argument("--hidden", type=int, nargs="+", default=[7168, 2048])
+    p.add_argument("--intermediate", type=int, nargs="+", default=[256, 512, 2048])
+    p.add_argument("--tokens", type=int, nargs="+", default=[4096, 8192, 16384],
+                   help="tokens this rank received")
+    p.add_argument("--local-experts", type=int, nargs="+", default=[128, 64], help="of 256")
+    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--json", default=None, help="also write the rows here")
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.stderr.write("python -m dbo.bench experts needs a CUDA GPU\n")
+        return 2
+    impls = {"library, host counts": (SwiGLUExperts(), True),
+             "library, device offsets": (SwiGLUExperts(), False)}
+    with torch.inference_mode():
+        rows = run_grid(impls, hidden=a.hidden, intermediate=a.intermediate, tokens=a.tokens,
+                        local_experts=a.local_experts, topk=a.topk, steps=a.steps)
+    print(f"dbo.bench experts: {torch.cuda.get_device_name()}, bf16, top-{a.topk} of 256 experts, "
+          f"median of {a.steps} apply() calls (CUDA events); last column: host counts / device offsets")
+    print(format_rows(rows, "library, host counts"))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
