@@ -2,7 +2,8 @@
 dbo.integrations.transformers, on 2 gloo ranks: the converted model's logits equal the original
 model's, with DBO on (DBOPrefill, split at sequence boundaries) and off, for each CPU backend;
 odd batch sizes, left padding, a rank whose sequences are all padding, a rank whose second
-ubatch is all padding, and random batch shapes (hypothesis). Tiny random-weight configs built
+ubatch is all padding, random batch shapes (hypothesis), and greedy generation with a KV cache
+per ubatch against the original model's generate(). Tiny random-weight configs built
 from each family's config class: no downloads."""
 
 from __future__ import annotations
@@ -169,6 +170,51 @@ def test_random_batch_shapes(world, data):
     results = world.run(_hf_job, family, backend, batches, seq, pads, min_sequences, 4, timeout_s=120)
     # whether it splits is the planner's policy; whatever it chose must give the same logits
     _check(results, split=None if min(batches) >= min_sequences else False)
+
+
+def _generate_job(family: str, backend: str, batches: list[int], pads: list[list[int]],
+                  new_tokens: int, seed: int) -> dict:
+    import copy
+
+    import torch
+    import torch.distributed as dist
+
+    from dbo.integrations.generate import greedy_generate
+    from dbo.integrations.hf_presets import causal_lm_class, tiny_config
+    from dbo.integrations.transformers import convert_to_expert_parallel
+    from dbo.split import SplitConfig
+
+    rank = dist.get_rank()
+    torch.manual_seed(seed)
+    model = causal_lm_class(family)(tiny_config(family)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.3)
+    original = copy.deepcopy(model)
+    convert_to_expert_parallel(model, None, backend=backend)
+    ids, mask = _inputs(rank, batches, 6, pads, seed)
+    with torch.inference_mode():
+        want = original.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
+                                 eos_token_id=None, pad_token_id=0)
+        plain, _ = greedy_generate(model, ids, mask, max_new_tokens=new_tokens,
+                                   config=SplitConfig(enabled=False))
+        overlapped, plan = greedy_generate(model, ids, mask, max_new_tokens=new_tokens)
+    real = mask.any(dim=1)  # an all-padding prompt generates noise
+    return {"plain_ok": torch.equal(plain[real], want[real]),
+            "dbo_ok": torch.equal(overlapped[real], want[real]),
+            "split": plan.split, "reason": plan.reason.value}
+
+
+@pytest.mark.parametrize("family, backend", [("qwen3_moe", "all2all"), ("mixtral", "naive"),
+                                             ("deepseek_v3", "all2all")])
+def test_greedy_generation_with_kv_cache(world, family, backend):
+    # the split of the prefill is kept for every decode step, one KV cache per ubatch
+    results = world.run(_generate_job, family, backend, [3, 5], [[0, 4, 0], [2, 0, 0, 5, 0]], 4, 5,
+                        timeout_s=120)
+    for rank, r in enumerate(results):
+        assert r["split"], f"rank {rank}: {r['reason']}"
+        assert r["plain_ok"], f"rank {rank}: converted model's greedy tokens != original generate()"
+        assert r["dbo_ok"], f"rank {rank}: DBO greedy tokens != original generate()"
 
 
 # ---- single process: what is refused ------------------------------------------------------
