@@ -102,6 +102,9 @@ def _hf_job(family: str, backend: str, batches: list[int], seq: int, pads: list[
         "split": runner.last_plan.split, "reason": runner.last_plan.reason.value,
         "padded": runner.last_plan.padded_size,
         "local_experts": [b.expert_range for b in blocks],
+        # the other ranks' experts are gone: no module keeps the fused [E, ...] weights
+        "freed": not any(hasattr(m, "gate_up_proj") for m in model.modules())
+        and all(b.w1.shape[0] == b.num_experts // 2 for b in blocks),
         "interleaved": ("resume", 1, "") in events,
         # padding tokens and ubatch padding rows route to no expert: plain + DBO run
         "routed_ok": sum(routed) == 2 * int(mask.sum()),
@@ -129,6 +132,7 @@ def test_converted_equals_original(world, family, backend):
     assert results[0]["padded"] == results[1]["padded"] == 3
     # each rank holds its own half of the experts of every MoE layer
     assert {r["local_experts"][0] for r in results} == {(0, 4), (4, 8)}
+    assert all(r["freed"] for r in results)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
