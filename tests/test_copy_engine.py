@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dbo.testing.conformance import check_backend, default_cases, with_options
+from dbo.testing.conformance import check_backend, default_cases
 from dbo.testing.dist import DistWorld
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(180)]
