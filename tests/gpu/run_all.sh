@@ -4,9 +4,11 @@
 #   source .whl/prelude.sh && bash tests/gpu/run_all.sh [OUTDIR]
 # Writes OUTDIR/gpu_log.txt (everything printed) and OUTDIR/gpu_bundle.tgz (JSON results and
 # traces of every step); exits non-zero if any step failed.
-#   STEPS="env core bench demo deepep nccl overlap thin thin4"   which steps (default: all
-#                                                      but thin4, in this order; thin4 needs
-#                                                      4 GPUs)
+#   STEPS="env core bench experts demo deepep nccl overlap thin thin4"   which steps (default:
+#                                                      all but experts, thin4 and big4, in this
+#                                                      order; thin4/big4 need 4 GPUs; experts,
+#                                                      ~3 min on one GPU, is also
+#                                                      tests/gpu/run_experts.sh)
 #   DEADLINE_S=420                                     the whole script's time; each step gets
 #                                                      at most its own cap and what is left,
 #                                                      and is skipped under 20 s left
@@ -47,8 +49,13 @@ if has core; then
   run core-gpu-tests 120 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_streams_gpu.py -rA
 fi
 if has bench; then
-  run bench-switch-cuda 60 python3 examples/bench_switch.py --device cuda --json "$files/bench_switch_cuda.json"
-  run bench-switch-cpu 60 python3 examples/bench_switch.py --device cpu --json "$files/bench_switch_cpu.json"
+  run bench-switch-cuda 60 python3 -m dbo.bench switch --device cuda --json "$files/bench_switch_cuda.json"
+  run bench-switch-cpu 60 python3 -m dbo.bench switch --device cpu --json "$files/bench_switch_cpu.json"
+fi
+if has experts; then  # the library experts: no host sync, vs the former benchmark experts
+  run experts-gpu-tests 100 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_experts_gpu.py \
+    tests/gpu/test_bench_kernels_gpu.py -rA
+  run experts-timing 120 python3 tests/gpu/compare_experts.py --json "$files/experts_timing.json"
 fi
 if has demo; then
   for b in naive all2all; do
@@ -69,18 +76,17 @@ fi
 if has overlap; then
   # The overlap benchmark on a reduced grid that fits one device call (the full grids:
   # docs/perf_notes.md), each followed by dbo.autotune and the wrapper with the tuned config.
-  run bench-kernels-gpu 90 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_bench_kernels_gpu.py -rA
-  run overlap-deepep_ll 140 torchrun --nproc-per-node 2 examples/bench_overlap.py --device cuda \
-    --backend deepep_ll --tokens 32 64 128 256 512 --expert-chunks 1 2 --cuda-graph \
+  run overlap-deepep_ll 140 torchrun --nproc-per-node 2 -m dbo.bench overlap --device cuda \
+    --backend deepep_ll --tokens 32 64 128 256 512 --cuda-graph \
     --time-budget-s 110 --out "$files/overlap_ll"
-  run overlap-deepep_ht 160 torchrun --nproc-per-node 2 examples/bench_overlap.py --device cuda \
-    --backend deepep_ht --layers 8 --tokens 1024 4096 16384 --intermediate 512 --expert-chunks 1 \
+  run overlap-deepep_ht 160 torchrun --nproc-per-node 2 -m dbo.bench overlap --device cuda \
+    --backend deepep_ht --layers 8 --tokens 1024 4096 16384 --intermediate 512 \
     --num-sms 24 48 --dbo-sm-carveout none 24 --time-budget-s 130 --out "$files/overlap_ht"
 fi
 thin() {  # thin NAME NPROC EXTRA...: deepep_ht where communication is a larger share of a layer
   local name=$1 nproc=$2; shift 2
-  run "$name" 170 torchrun --nproc-per-node "$nproc" examples/bench_overlap.py --device cuda \
-    --backend deepep_ht --layers 8 --intermediate 256 --attn-width 1024 --expert-chunks 1 \
+  run "$name" 170 torchrun --nproc-per-node "$nproc" -m dbo.bench overlap --device cuda \
+    --backend deepep_ht --layers 8 --intermediate 256 --attn-width 1024 \
     --num-sms 24 48 --time-budget-s 140 --out "$files/$name" "$@"
 }
 if has thin; then
