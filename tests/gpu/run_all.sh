@@ -53,8 +53,7 @@ if has bench; then
   run bench-switch-cpu 60 python3 -m dbo.bench switch --device cpu --json "$files/bench_switch_cpu.json"
 fi
 if has experts; then  # the library experts: no host sync, vs the former benchmark experts
-  run experts-gpu-tests 100 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_experts_gpu.py \
-    tests/gpu/test_bench_kernels_gpu.py -rA
+  run experts-gpu-tests 100 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_experts_gpu.py -rA
   run experts-timing 120 python3 tests/gpu/compare_experts.py --json "$files/experts_timing.json"
 fi
 if has demo; then
@@ -76,6 +75,7 @@ fi
 if has overlap; then
   # The overlap benchmark on a reduced grid that fits one device call (the full grids:
   # docs/perf_notes.md), each followed by dbo.autotune and the wrapper with the tuned config.
+  run bench-kernels-gpu 90 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_bench_kernels_gpu.py -rA
   run overlap-deepep_ll 140 torchrun --nproc-per-node 2 -m dbo.bench overlap --device cuda \
     --backend deepep_ll --tokens 32 64 128 256 512 --cuda-graph \
     --time-budget-s 110 --out "$files/overlap_ll"
