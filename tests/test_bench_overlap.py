@@ -27,8 +27,8 @@ def test_command_line_entry_lists_commands_and_rejects_unknown(capsys):
 
 def test_backend_registry_names_every_backend_module():
     root = Path(__file__).resolve().parent.parent / "backends"
-    for name, (module, _) in BACKENDS.items():
-        assert (root / f"{module}.py").exists(), name
+    for name, spec in BACKENDS.items():
+        assert (root / f"{spec.module}.py").exists(), name
     with pytest.raises(ValueError, match="unknown backend"):
         make_backend("nope", None, hidden=8, num_experts=2, topk=1, max_tokens_per_rank=4,
                      dtype=torch.float32, device=torch.device("cpu"))
