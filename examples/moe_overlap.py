@@ -202,7 +202,7 @@ def run(args: argparse.Namespace, rank: int, world: int, local_rank: int) -> int
               f"speedup {t_serial / t_dbo:.2f}x   (mean of {args.steps} steps, slowest rank)")
         if t_dbo > t_serial:
             print("  (this demo checks numbers at small sizes, where splitting costs more than "
-                  "it hides; examples/bench_overlap.py measures the overlap)")
+                  "it hides; python -m dbo.bench overlap measures the overlap)")
         print(f"end to end: max abs err {max_abs:.3e}   rel err {rel:.3e}   per layer on the "
               f"same input: worst rel err {worst_layer:.3e}   (limit {limit:g})   -> "
               + ("OK: DBO output == serial output" if ok else "MISMATCH"))
