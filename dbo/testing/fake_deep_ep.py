@@ -1,7 +1,11 @@
 """A test double of ``deep_ep`` for CPU tests: DeepEP's ``Buffer`` (normal and low-latency modes)
 with the real Python signatures, handles and return shapes, moving CPU tensors over a gloo
-process group with ``torch.distributed``. The v2 buffers live in
-:mod:`dbo.testing.fake_deep_ep_v2`.
+process group with ``torch.distributed``, and the module facade (:func:`make_fake_deep_ep`,
+:func:`install_fake_deep_ep`, :func:`ensure_fake_deep_ep`).
+
+This module holds the normal mode; the low-latency mode is :mod:`dbo.testing.fake_deep_ep_ll`,
+the v2 buffers :mod:`dbo.testing.fake_deep_ep_v2`, and what they share
+:mod:`dbo.testing.fake_deep_ep_core` (each imports only the core).
 
 Inject it in tests only (never in library code)::
 
@@ -31,14 +35,27 @@ from __future__ import annotations
 import contextlib
 import sys
 import types
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from dbo.streams import LogicalEvent, LogicalStream, current_logical_stream
+from dbo.testing import fake_deep_ep_v2 as v2
+from dbo.testing.fake_deep_ep_core import (
+    Config,
+    EventHandle,
+    EventOverlap,
+    FakeBufferBase,
+    FakeDeepEPError,
+    Kernel,
+    check,
+    exchange_rows,
+    fill_garbage,
+    from_bytes,
+    to_bytes,
+    topk_idx_t,
+)
+from dbo.testing.fake_deep_ep_ll import LLSlots, ll_combine, ll_dispatch
 
 __all__ = [
     "FakeDeepEPError",
@@ -56,207 +73,11 @@ __all__ = [
     "fill_garbage",
 ]
 
-topk_idx_t = torch.int64
-_LL_HIDDEN = (2048, 2560, 4096, 5120, 6144, 7168, 8192)
-
-
-class FakeDeepEPError(RuntimeError):
-    """What the real DeepEP reports through a failed host assert, or a hang the fake detects."""
-
-
-def _check(cond: bool, msg: str) -> None:
-    if not cond:
-        raise FakeDeepEPError(f"fake deep_ep: {msg}")
-
-
-# ---- events and streams -------------------------------------------------------------------
-
-
-class EventHandle:
-    """``deep_ep_cpp.EventHandle``: an event recorded on ``stream`` (default: the current one)."""
-
-    def __init__(self, stream: LogicalStream | None = None):
-        self.event = LogicalEvent("deep_ep")
-        self.event.record(stream if stream is not None else current_logical_stream())
-
-    def current_stream_wait(self) -> None:
-        current_logical_stream().wait_event(self.event)
-
-
-class EventOverlap:
-    """``deep_ep.EventOverlap``: an optional :class:`EventHandle` plus tensors kept alive."""
-
-    def __init__(self, event: EventHandle | None = None, extra_tensors: tuple | None = None):
-        self.event = event
-        self.extra_tensors = extra_tensors
-        self._hooks: list[Callable[[], Any]] = []
-
-    def current_stream_wait(self) -> None:
-        _check(self.event is not None, "EventOverlap.current_stream_wait() on an event that was not "
-                                       "captured (async_finish was not set)")
-        self.event.current_stream_wait()
-        for hook in self._hooks:
-            hook()
-        self._hooks.clear()
-
-    def register_hook_after_wait(self, hook: Callable[[], Any]) -> None:
-        self._hooks.append(hook)
-
-    def __enter__(self) -> EventOverlap:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.event is not None:
-            self.event.current_stream_wait()
-
-
-class Config:
-    """``deep_ep_cpp.Config``: SM count and chunk sizes, with the buffer size hints."""
-
-    def __init__(self, num_sms: int = 20, num_max_nvl_chunked_send_tokens: int = 6,
-                 num_max_nvl_chunked_recv_tokens: int = 256, num_max_rdma_chunked_send_tokens: int = 6,
-                 num_max_rdma_chunked_recv_tokens: int = 256):
-        self.num_sms = num_sms
-        self.num_max_nvl_chunked_send_tokens = num_max_nvl_chunked_send_tokens
-        self.num_max_nvl_chunked_recv_tokens = num_max_nvl_chunked_recv_tokens
-        self.num_max_rdma_chunked_send_tokens = num_max_rdma_chunked_send_tokens
-        self.num_max_rdma_chunked_recv_tokens = num_max_rdma_chunked_recv_tokens
-
-    def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
-        channels = self.num_sms // 2
-        return channels * num_ranks * self.num_max_nvl_chunked_recv_tokens * (hidden_bytes + 64)
-
-    def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
-        return 0 if num_ranks <= 8 else self.get_nvl_buffer_size_hint(hidden_bytes, num_ranks)
-
-
-class _Kernel:
-    """Stream bookkeeping of one DeepEP call, as the C++ does it."""
-
-    def __init__(self, comm: LogicalStream, previous_event: Any, async_finish: bool,
-                 allocate_on_comm_stream: bool, on_current_stream: bool = False):
-        if allocate_on_comm_stream:
-            _check(previous_event is not None and async_finish,
-                   "allocate_on_comm_stream needs previous_event and async_finish")
-        self.compute = current_logical_stream()
-        self.stream = self.compute if on_current_stream else comm
-        self.async_finish = async_finish
-        if not on_current_stream:
-            ev = getattr(previous_event, "event", previous_event)
-            if ev is not None:
-                inner = ev.event if isinstance(ev, EventHandle) else ev
-                self.stream.wait_event(inner)
-            else:
-                self.stream.wait_event(_record(self.compute))
-
-    def finish(self, tensors: tuple = ()) -> EventOverlap:
-        if self.async_finish:
-            return EventOverlap(EventHandle(self.stream), tensors)
-        if self.stream is not self.compute:
-            self.compute.wait_event(_record(self.stream))
-        return EventOverlap(None)
-
-
-def _record(stream: LogicalStream) -> LogicalEvent:
-    ev = LogicalEvent("deep_ep")
-    ev.record(stream)
-    return ev
-
-
-# ---- byte packing and exchange ------------------------------------------------------------
-
-
-def to_bytes(t: torch.Tensor) -> torch.Tensor:
-    """``[N, ...]`` any dtype -> ``[N, nbytes]`` uint8 (a copy if not contiguous)."""
-    n = t.shape[0]
-    width = 1
-    for d in t.shape[1:]:
-        width *= d
-    flat = t.contiguous().reshape(n, width)
-    if flat.dtype == torch.bool:
-        flat = flat.to(torch.uint8)
-    return flat.view(torch.uint8) if flat.shape[1] else flat.new_empty((n, 0), dtype=torch.uint8)
-
-
-def from_bytes(b: torch.Tensor, dtype: torch.dtype, tail: tuple[int, ...]) -> torch.Tensor:
-    """Inverse of :func:`to_bytes`: ``[N, nbytes]`` uint8 -> ``[N, *tail]`` of ``dtype``."""
-    n = b.shape[0]
-    if b.shape[1] == 0:
-        return torch.empty((n, *tail), dtype=dtype)
-    return b.contiguous().view(dtype).reshape(n, *tail)
-
-
-def exchange_rows(group: Any, rows: torch.Tensor, send_counts: list[int],
-                  recv_counts: list[int] | None = None) -> tuple[torch.Tensor, list[int]]:
-    """All-to-all of uint8 rows: ``rows[sum(send_counts[:r]):...]`` go to rank ``r``.
-
-    Returns the received rows, ordered by source rank, and how many came from each rank.
-    """
-    if recv_counts is None:
-        sc = torch.tensor(send_counts, dtype=torch.int64)
-        rc = torch.empty_like(sc)
-        dist.all_to_all_single(rc, sc, group=group)
-        recv_counts = rc.tolist()
-    out = torch.empty((sum(recv_counts), rows.shape[1]), dtype=torch.uint8)
-    dist.all_to_all_single(out, rows.contiguous(), recv_counts, send_counts, group=group)
-    return out, recv_counts
-
-
-def fill_garbage(t: torch.Tensor) -> torch.Tensor:
-    """Fill ``t`` with what a not-yet-received DeepEP output holds: NaN (floats), -7 (ints)."""
-    if t.dtype == torch.float8_e4m3fn:
-        t.view(torch.uint8).fill_(0x7F)  # NaN in e4m3fn
-    elif t.is_floating_point():
-        t.fill_(float("nan"))
-    else:
-        t.fill_(-7)
-    return t
-
-
-# ---- low-latency bookkeeping --------------------------------------------------------------
-
-
-@dataclass
-class _LLOp:
-    seq: int
-    kind: str
-    finish_recv: Callable[[], None]
-    received: bool = False
-    clobbered_by: int | None = None
-
-
-@dataclass
-class _LLSlots:
-    idx: int = 0
-    seq: int = 0
-    slots: list[_LLOp | None] = field(default_factory=lambda: [None, None])
-
-    def launch(self, kind: str, finish_recv: Callable[[], None]) -> _LLOp:
-        self.seq += 1
-        use, clean = self.idx, self.idx ^ 1
-        self.idx ^= 1
-        for s in (use, clean):
-            old = self.slots[s]
-            if old is not None and not old.received and old.clobbered_by is None:
-                old.clobbered_by = self.seq
-        op = _LLOp(self.seq, kind, finish_recv)
-        self.slots[use] = op
-        return op
-
-    def receive(self, op: _LLOp) -> None:
-        _check(not op.received, f"the receive of low-latency {op.kind} #{op.seq} ran twice")
-        _check(op.clobbered_by is None,
-               f"the receive of low-latency {op.kind} #{op.seq} ran after launch #{op.clobbered_by} "
-               "reused or cleaned its buffer (DeepEP keeps two low-latency buffers; on a GPU this "
-               "hangs or reads garbage)")
-        op.finish_recv()
-        op.received = True
-
 
 # ---- the v1 Buffer ------------------------------------------------------------------------
 
 
-class Buffer:
+class Buffer(FakeBufferBase):
     """Fake of ``deep_ep.Buffer`` (v1.2.1 signatures) on CPU tensors and a gloo group."""
 
     num_sms: int = 20
@@ -266,33 +87,20 @@ class Buffer:
                  allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False,
                  use_fabric: bool = False, explicitly_destroy: bool = False,
                  enable_shrink: bool = False, comm: Any = None) -> None:
-        _check(group is not None, "Either 'group' or 'comm' must be provided.")
-        self.group = group
+        check(group is not None, "Either 'group' or 'comm' must be provided.")
         self.rank = group.rank()
+        self._init_base(group, explicitly_destroy, f"deep_ep.comm.r{self.rank}")
         self.group_size = group.size()
         self.num_nvl_bytes = num_nvl_bytes
         self.num_rdma_bytes = num_rdma_bytes
         self.low_latency_mode = low_latency_mode
         self.num_qps_per_rank = num_qps_per_rank
-        self.explicitly_destroy = explicitly_destroy
-        self.runtime: Any = object()
         self.nvshmem_qp_depth = 1024
-        self.comm_stream = LogicalStream(f"deep_ep.comm.r{self.rank}")
-        self._ll = _LLSlots()
-        #: every call: {"method", "stream" (current logical stream's name), ...}, for tests
-        self.calls: list[dict] = []
-
-    def destroy(self) -> None:
-        _check(self.explicitly_destroy, "`explicitly_destroy` flag must be set")
-        self.runtime = None
-
-    def _alive(self, name: str, info: dict) -> None:
-        _check(self.runtime is not None, f"{name} on a destroyed buffer")
-        self.calls.append({"method": name, "stream": current_logical_stream().name, **info})
+        self.ll_slots = LLSlots()
 
     @staticmethod
     def set_num_sms(new_num_sms: int) -> None:
-        _check(new_num_sms % 2 == 0, "The SM count must be even")
+        check(new_num_sms % 2 == 0, "The SM count must be even")
         Buffer.num_sms = new_num_sms
 
     @staticmethod
@@ -307,14 +115,14 @@ class Buffer:
 
     @staticmethod
     def get_dispatch_config(num_ranks: int) -> Config:
-        _check(num_ranks in (2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 144, 160),
-               f"Unsupported number of EP ranks: {num_ranks}")
+        check(num_ranks in (2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 144, 160),
+              f"Unsupported number of EP ranks: {num_ranks}")
         return Config(Buffer.num_sms, 24 if num_ranks == 2 else 6, 256, 6, 128)
 
     @staticmethod
     def get_combine_config(num_ranks: int) -> Config:
-        _check(num_ranks in (2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 144, 160),
-               f"Unsupported number of EP ranks: {num_ranks}")
+        check(num_ranks in (2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 144, 160),
+              f"Unsupported number of EP ranks: {num_ranks}")
         return Config(Buffer.num_sms, 10 if num_ranks == 2 else 4, 256, 6, 128)
 
     # ---- normal mode ---------------------------------------------------------------------
@@ -324,10 +132,10 @@ class Buffer:
                             allocate_on_comm_stream: bool = False) -> tuple:
         self._alive("get_dispatch_layout", dict(previous_event=previous_event is not None,
                                                 async_finish=async_finish))
-        _check(topk_idx.dim() == 2 and topk_idx.is_contiguous(), "topk_idx must be 2-D contiguous")
-        _check(topk_idx.dtype == topk_idx_t, f"topk_idx must be {topk_idx_t}, got {topk_idx.dtype}")
-        _check(num_experts > 0 and num_experts % self.group_size == 0, "bad num_experts")
-        k = _Kernel(self.comm_stream, previous_event, async_finish, allocate_on_comm_stream)
+        check(topk_idx.dim() == 2 and topk_idx.is_contiguous(), "topk_idx must be 2-D contiguous")
+        check(topk_idx.dtype == topk_idx_t, f"topk_idx must be {topk_idx_t}, got {topk_idx.dtype}")
+        check(num_experts > 0 and num_experts % self.group_size == 0, "bad num_experts")
+        k = Kernel(self.comm_stream, previous_event, async_finish, allocate_on_comm_stream)
         n_local = num_experts // self.group_size
         valid = topk_idx >= 0
         rank_of = torch.where(valid, topk_idx // n_local, torch.full_like(topk_idx, -1))
@@ -348,32 +156,32 @@ class Buffer:
                  previous_event: EventOverlap | None = None, async_finish: bool = False,
                  allocate_on_comm_stream: bool = False) -> tuple:
         self._alive("dispatch", dict(previous_event=previous_event is not None, async_finish=async_finish))
-        _check(handle is None, "cached dispatch (handle=...) is not modelled by the fake")
-        _check(num_worst_tokens == 0, "num_worst_tokens is not modelled by the fake")
-        _check(num_tokens_per_rank is not None and is_token_in_rank is not None
-               and num_tokens_per_expert is not None, "layout tensors are required")
+        check(handle is None, "cached dispatch (handle=...) is not modelled by the fake")
+        check(num_worst_tokens == 0, "num_worst_tokens is not modelled by the fake")
+        check(num_tokens_per_rank is not None and is_token_in_rank is not None
+              and num_tokens_per_expert is not None, "layout tensors are required")
         config = self.get_dispatch_config(self.group_size) if config is None else config
-        _check(config.num_sms % 2 == 0, "config.num_sms must be even")
+        check(config.num_sms % 2 == 0, "config.num_sms must be even")
         x, scales = x if isinstance(x, tuple) else (x, None)
-        _check(x.dim() == 2 and x.is_contiguous(), "x must be 2-D contiguous")
-        _check((x.shape[1] * x.element_size()) % 16 == 0, "hidden bytes must be a multiple of 16")
-        _check(is_token_in_rank.dtype == torch.bool and tuple(is_token_in_rank.shape)
-               == (x.shape[0], self.group_size), "is_token_in_rank must be [num_tokens, num_ranks] bool")
-        _check(num_tokens_per_expert.dtype == torch.int32 and num_tokens_per_rank.dtype == torch.int32,
-               "layout counts must be int32")
-        _check((topk_idx is None) == (topk_weights is None), "topk_idx and topk_weights go together")
+        check(x.dim() == 2 and x.is_contiguous(), "x must be 2-D contiguous")
+        check((x.shape[1] * x.element_size()) % 16 == 0, "hidden bytes must be a multiple of 16")
+        check(is_token_in_rank.dtype == torch.bool and tuple(is_token_in_rank.shape)
+              == (x.shape[0], self.group_size), "is_token_in_rank must be [num_tokens, num_ranks] bool")
+        check(num_tokens_per_expert.dtype == torch.int32 and num_tokens_per_rank.dtype == torch.int32,
+              "layout counts must be int32")
+        check((topk_idx is None) == (topk_weights is None), "topk_idx and topk_weights go together")
         if scales is not None:
-            _check(x.element_size() == 1 and scales.dtype in (torch.float32, torch.int32)
-                   and scales.dim() == 2 and scales.shape[0] == x.shape[0], "bad fp8 scales")
+            check(x.element_size() == 1 and scales.dtype in (torch.float32, torch.int32)
+                  and scales.dim() == 2 and scales.shape[0] == x.shape[0], "bad fp8 scales")
         num_experts = num_tokens_per_expert.shape[0]
         n_local = num_experts // self.group_size
         num_topk = 0
         if topk_idx is not None:
-            _check(topk_idx.dtype == topk_idx_t and topk_idx.is_contiguous(), "bad topk_idx")
-            _check(topk_weights.dtype == torch.float32 and topk_weights.is_contiguous(),
-                   "topk_weights must be contiguous float32")
+            check(topk_idx.dtype == topk_idx_t and topk_idx.is_contiguous(), "bad topk_idx")
+            check(topk_weights.dtype == torch.float32 and topk_weights.is_contiguous(),
+                  "topk_weights must be contiguous float32")
             num_topk = topk_idx.shape[1]
-        k = _Kernel(self.comm_stream, previous_event, async_finish, allocate_on_comm_stream)
+        k = Kernel(self.comm_stream, previous_event, async_finish, allocate_on_comm_stream)
         t = x.shape[0]
         parts = [to_bytes(x)]
         if scales is not None:
@@ -430,15 +238,15 @@ class Buffer:
                 previous_event: EventOverlap | None = None, async_finish: bool = False,
                 allocate_on_comm_stream: bool = False) -> tuple:
         self._alive("combine", dict(previous_event=previous_event is not None, async_finish=async_finish))
-        _check(bias is None, "bias is not modelled by the fake")
-        _check(x.dim() == 2 and x.is_contiguous(), "x must be 2-D contiguous")
-        _check(x.dtype == torch.bfloat16, f"normal-mode combine supports bf16 only, got {x.dtype}")
+        check(bias is None, "bias is not modelled by the fake")
+        check(x.dim() == 2 and x.is_contiguous(), "x must be 2-D contiguous")
+        check(x.dtype == torch.bfloat16, f"normal-mode combine supports bf16 only, got {x.dtype}")
         rpm, _cpm, _rcpm, src_idx, is_token_in_rank, send_head = handle
-        _check(src_idx.shape[0] == x.shape[0], "x rows must match the dispatch's received rows")
+        check(src_idx.shape[0] == x.shape[0], "x rows must match the dispatch's received rows")
         if topk_weights is not None:
-            _check(topk_weights.dtype == torch.float32 and topk_weights.is_contiguous()
-                   and topk_weights.shape[0] == x.shape[0], "bad topk_weights")
-        k = _Kernel(self.comm_stream, previous_event, async_finish, allocate_on_comm_stream)
+            check(topk_weights.dtype == torch.float32 and topk_weights.is_contiguous()
+                  and topk_weights.shape[0] == x.shape[0], "bad topk_weights")
+        k = Kernel(self.comm_stream, previous_event, async_finish, allocate_on_comm_stream)
         col = rpm[:, self.rank].tolist()
         recv_from = [col[0]] + [col[i] - col[i - 1] for i in range(1, len(col))]
         parts = [to_bytes(x)] + ([to_bytes(topk_weights)] if topk_weights is not None else [])
@@ -464,7 +272,7 @@ class Buffer:
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int,
                                  num_experts: int) -> None:
         self._alive("clean_low_latency_buffer", {})
-        self._ll = _LLSlots(seq=self._ll.seq)
+        self.ll_slots = LLSlots(seq=self.ll_slots.seq)
 
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor,
                              num_max_dispatch_tokens_per_rank: int, num_experts: int,
@@ -472,7 +280,6 @@ class Buffer:
                              dispatch_wait_recv_cost_stats: torch.Tensor | None = None,
                              use_fp8: bool = True, round_scale: bool = False, use_ue8m0: bool = False,
                              async_finish: bool = False, return_recv_hook: bool = False) -> tuple:
-        from dbo.testing.fake_deep_ep_ll import ll_dispatch
         self._alive("low_latency_dispatch", dict(use_fp8=use_fp8, async_finish=async_finish,
                                                  return_recv_hook=return_recv_hook))
         return ll_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
@@ -484,10 +291,9 @@ class Buffer:
                             async_finish: bool = False, return_recv_hook: bool = False,
                             out: torch.Tensor | None = None,
                             combine_wait_recv_cost_stats: torch.Tensor | None = None) -> tuple:
-        from dbo.testing.fake_deep_ep_ll import ll_combine
         self._alive("low_latency_combine", dict(async_finish=async_finish,
                                                 return_recv_hook=return_recv_hook))
-        _check(not use_logfmt and not zero_copy, "use_logfmt/zero_copy are not modelled by the fake")
+        check(not use_logfmt and not zero_copy, "use_logfmt/zero_copy are not modelled by the fake")
         return ll_combine(self, x, topk_idx, topk_weights, handle, async_finish, return_recv_hook, out)
 
     def get_local_buffer_tensor(self, dtype: torch.dtype, size: torch.Size | None = None,
@@ -510,7 +316,6 @@ def make_fake_deep_ep(api: str = "v1") -> types.ModuleType:
     if api == "v1":
         mod.__version__ = "1.2.1"
     elif api in ("v2-elastic", "v2-ep"):
-        from dbo.testing import fake_deep_ep_v2 as v2
         mod.__version__ = "2.1.0"
         mod.EPHandle = v2.EPHandle
         if api == "v2-elastic":

@@ -1,31 +1,84 @@
-"""The low-latency half of the fake ``deep_ep.Buffer`` (see :mod:`dbo.testing.fake_deep_ep`).
+"""The low-latency mode of the fake ``deep_ep.Buffer`` (see :mod:`dbo.testing.fake_deep_ep`).
 
 Dispatch sends every rank's (padded) tokens and top-k ids to every rank with one asynchronous
 gloo all-to-all; the receive (DeepEP's recv phase, or the recv hook) waits for it and packs the
 tokens of each local expert at the front of its slab, in (source rank, token) order. Combine
 sends each expert's output back to the token's rank, where the receive sums them weighted by
-``topk_weights`` in top-k order (float32 accumulation, like DeepEP).
+``topk_weights`` in top-k order (float32 accumulation, like DeepEP). :class:`LLSlots` models
+DeepEP's two low-latency receive buffers: a receive that runs after its buffer was reused or
+cleaned raises ``FakeDeepEPError`` (on a GPU it would hang or read garbage).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from dbo.testing.fake_deep_ep import (
-    _LL_HIDDEN,
+from dbo.testing.fake_deep_ep_core import (
     EventOverlap,
-    _check,
-    _Kernel,
+    Kernel,
+    check,
     fill_garbage,
     from_bytes,
     to_bytes,
     topk_idx_t,
 )
 
-__all__ = ["ll_dispatch", "ll_combine"]
+__all__ = ["LL_HIDDEN", "LLSlots", "ll_dispatch", "ll_combine"]
+
+#: the hidden sizes DeepEP's low-latency kernels are compiled for
+LL_HIDDEN = (2048, 2560, 4096, 5120, 6144, 7168, 8192)
+
+
+# ---- the two receive buffers --------------------------------------------------------------
+
+
+@dataclass
+class _LLOp:
+    """One low-latency launch: its sequence number, and the receive that completes it."""
+
+    seq: int
+    kind: str
+    finish_recv: Callable[[], None]
+    received: bool = False
+    clobbered_by: int | None = None
+
+
+@dataclass
+class LLSlots:
+    """A buffer's two low-latency receive slots: each launch uses one and cleans the other."""
+
+    idx: int = 0
+    seq: int = 0
+    slots: list[_LLOp | None] = field(default_factory=lambda: [None, None])
+
+    def launch(self, kind: str, finish_recv: Callable[[], None]) -> _LLOp:
+        self.seq += 1
+        use, clean = self.idx, self.idx ^ 1
+        self.idx ^= 1
+        for s in (use, clean):
+            old = self.slots[s]
+            if old is not None and not old.received and old.clobbered_by is None:
+                old.clobbered_by = self.seq
+        op = _LLOp(self.seq, kind, finish_recv)
+        self.slots[use] = op
+        return op
+
+    def receive(self, op: _LLOp) -> None:
+        check(not op.received, f"the receive of low-latency {op.kind} #{op.seq} ran twice")
+        check(op.clobbered_by is None,
+              f"the receive of low-latency {op.kind} #{op.seq} ran after launch #{op.clobbered_by} "
+              "reused or cleaned its buffer (DeepEP keeps two low-latency buffers; on a GPU this "
+              "hangs or reads garbage)")
+        op.finish_recv()
+        op.received = True
+
+
+# ---- dispatch and combine ----------------------------------------------------------------
 
 
 def _fp8_cast(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,25 +100,25 @@ def _send_all(buf: Any, payload: torch.Tensor) -> tuple[torch.Tensor, Any]:
 def ll_dispatch(buf: Any, x: torch.Tensor, topk_idx: torch.Tensor, max_tokens: int, num_experts: int,
                 stats: torch.Tensor | None, use_fp8: bool, round_scale: bool, use_ue8m0: bool,
                 async_finish: bool, return_recv_hook: bool) -> tuple:
-    _check(buf.low_latency_mode, "low_latency_dispatch needs a buffer made with low_latency_mode=True")
-    _check(x.dim() == 2 and x.is_contiguous() and x.dtype == torch.bfloat16, "x must be 2-D contiguous bf16")
+    check(buf.low_latency_mode, "low_latency_dispatch needs a buffer made with low_latency_mode=True")
+    check(x.dim() == 2 and x.is_contiguous() and x.dtype == torch.bfloat16, "x must be 2-D contiguous bf16")
     hidden = x.shape[1]
-    _check(hidden % 128 == 0 and hidden in _LL_HIDDEN, f"Unsupported hidden {hidden}")
-    _check(topk_idx.dim() == 2 and topk_idx.is_contiguous() and topk_idx.dtype == topk_idx_t,
-           "topk_idx must be 2-D contiguous int64")
-    _check(x.shape[0] == topk_idx.shape[0] and x.shape[0] <= max_tokens,
-           f"{x.shape[0]} tokens for num_max_dispatch_tokens_per_rank={max_tokens}")
-    _check(topk_idx.shape[1] <= 11, "num_topk must be <= 11")
+    check(hidden % 128 == 0 and hidden in LL_HIDDEN, f"Unsupported hidden {hidden}")
+    check(topk_idx.dim() == 2 and topk_idx.is_contiguous() and topk_idx.dtype == topk_idx_t,
+          "topk_idx must be 2-D contiguous int64")
+    check(x.shape[0] == topk_idx.shape[0] and x.shape[0] <= max_tokens,
+          f"{x.shape[0]} tokens for num_max_dispatch_tokens_per_rank={max_tokens}")
+    check(topk_idx.shape[1] <= 11, "num_topk must be <= 11")
     r = buf.group_size
-    _check(num_experts % r == 0, "num_experts must be a multiple of the group size")
-    _check((r * max_tokens) % 4 == 0, "TMA requires the number of tokens to be multiple of 4")
-    _check(buf.nvshmem_qp_depth >= (max_tokens + 1) * 2, "NVSHMEM QP depth too small")
-    _check(not (async_finish and return_recv_hook), "async_finish and return_recv_hook exclude each other")
-    _check(not use_ue8m0 and not round_scale, "round_scale/use_ue8m0 are not modelled by the fake")
+    check(num_experts % r == 0, "num_experts must be a multiple of the group size")
+    check((r * max_tokens) % 4 == 0, "TMA requires the number of tokens to be multiple of 4")
+    check(buf.nvshmem_qp_depth >= (max_tokens + 1) * 2, "NVSHMEM QP depth too small")
+    check(not (async_finish and return_recv_hook), "async_finish and return_recv_hook exclude each other")
+    check(not use_ue8m0 and not round_scale, "round_scale/use_ue8m0 are not modelled by the fake")
     if use_fp8:
-        _check(hidden % 512 == 0, "fp8 needs hidden % 512 == 0")
+        check(hidden % 512 == 0, "fp8 needs hidden % 512 == 0")
     n_local = num_experts // r
-    kernel = _Kernel(buf.comm_stream, None, async_finish, False, on_current_stream=return_recv_hook)
+    kernel = Kernel(buf.comm_stream, None, async_finish, False, on_current_stream=return_recv_hook)
     t, k = topk_idx.shape
     payload = torch.zeros((max_tokens + 1, hidden * 2 + 8 * k), dtype=torch.uint8)
     payload[:t, : hidden * 2] = to_bytes(x)
@@ -107,36 +160,36 @@ def ll_dispatch(buf: Any, x: torch.Tensor, topk_idx: torch.Tensor, max_tokens: i
         if stats is not None:
             stats.add_(count)
 
-    op = buf._ll.launch("dispatch", finish_recv)
+    op = buf.ll_slots.launch("dispatch", finish_recv)
     handle = (src_info, layout_range, max_tokens, hidden, num_experts)
     recv_x = (packed_x, scales) if use_fp8 else packed_x
     if return_recv_hook:
-        return recv_x, count, handle, EventOverlap(None), lambda: buf._ll.receive(op)
-    buf._ll.receive(op)
+        return recv_x, count, handle, EventOverlap(None), lambda: buf.ll_slots.receive(op)
+    buf.ll_slots.receive(op)
     return recv_x, count, handle, kernel.finish((x, topk_idx, packed_x, count)), None
 
 
 def ll_combine(buf: Any, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                handle: tuple, async_finish: bool, return_recv_hook: bool,
                out: torch.Tensor | None) -> tuple:
-    _check(buf.low_latency_mode, "low_latency_combine needs a buffer made with low_latency_mode=True")
+    check(buf.low_latency_mode, "low_latency_combine needs a buffer made with low_latency_mode=True")
     src_info, layout_range, max_tokens, hidden, num_experts = handle
     r = buf.group_size
     n_local = num_experts // r
-    _check(x.dim() == 3 and x.is_contiguous() and x.dtype == torch.bfloat16, "x must be 3-D contiguous bf16")
-    _check(tuple(x.shape) == (n_local, r * max_tokens, hidden),
-           f"x must be [{n_local}, {r * max_tokens}, {hidden}], got {list(x.shape)}")
-    _check(topk_idx.dim() == 2 and topk_idx.is_contiguous() and topk_idx.dtype == topk_idx_t,
-           "topk_idx must be 2-D contiguous int64")
-    _check(topk_weights.dim() == 2 and topk_weights.is_contiguous() and topk_weights.dtype == torch.float32
-           and topk_weights.shape == topk_idx.shape, "topk_weights must be contiguous float32 like topk_idx")
+    check(x.dim() == 3 and x.is_contiguous() and x.dtype == torch.bfloat16, "x must be 3-D contiguous bf16")
+    check(tuple(x.shape) == (n_local, r * max_tokens, hidden),
+          f"x must be [{n_local}, {r * max_tokens}, {hidden}], got {list(x.shape)}")
+    check(topk_idx.dim() == 2 and topk_idx.is_contiguous() and topk_idx.dtype == topk_idx_t,
+          "topk_idx must be 2-D contiguous int64")
+    check(topk_weights.dim() == 2 and topk_weights.is_contiguous() and topk_weights.dtype == torch.float32
+          and topk_weights.shape == topk_idx.shape, "topk_weights must be contiguous float32 like topk_idx")
     t, k = topk_idx.shape
-    _check(t <= max_tokens, f"{t} combined tokens for num_max_dispatch_tokens_per_rank={max_tokens}")
-    _check(not (async_finish and return_recv_hook), "async_finish and return_recv_hook exclude each other")
+    check(t <= max_tokens, f"{t} combined tokens for num_max_dispatch_tokens_per_rank={max_tokens}")
+    check(not (async_finish and return_recv_hook), "async_finish and return_recv_hook exclude each other")
     if out is not None:
-        _check(out.dim() == 2 and out.is_contiguous() and tuple(out.shape) == (t, hidden)
-               and out.dtype == x.dtype, "out must be [num_combined_tokens, hidden] contiguous bf16")
-    kernel = _Kernel(buf.comm_stream, None, async_finish, False, on_current_stream=return_recv_hook)
+        check(out.dim() == 2 and out.is_contiguous() and tuple(out.shape) == (t, hidden)
+              and out.dtype == x.dtype, "out must be [num_combined_tokens, hidden] contiguous bf16")
+    kernel = Kernel(buf.comm_stream, None, async_finish, False, on_current_stream=return_recv_hook)
     blocks = torch.zeros((r, max_tokens, n_local, hidden), dtype=torch.bfloat16)
     for e in range(n_local):
         for s in range(r):
@@ -163,8 +216,8 @@ def ll_combine(buf: Any, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: 
             acc[valid] += topk_weights[valid, j].unsqueeze(1) * vals
         combined.copy_(acc)
 
-    op = buf._ll.launch("combine", finish_recv)
+    op = buf.ll_slots.launch("combine", finish_recv)
     if return_recv_hook:
-        return combined, EventOverlap(None), lambda: buf._ll.receive(op)
-    buf._ll.receive(op)
+        return combined, EventOverlap(None), lambda: buf.ll_slots.receive(op)
+    buf.ll_slots.receive(op)
     return combined, kernel.finish((x, topk_idx, topk_weights, combined)), None

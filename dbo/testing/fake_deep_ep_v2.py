@@ -24,11 +24,11 @@ from typing import Any
 
 import torch
 
-from dbo.streams import LogicalStream, current_logical_stream
-from dbo.testing.fake_deep_ep import (
+from dbo.testing.fake_deep_ep_core import (
     EventHandle,
-    _check,
-    _Kernel,
+    FakeBufferBase,
+    Kernel,
+    check,
     exchange_rows,
     fill_garbage,
     from_bytes,
@@ -81,27 +81,18 @@ def _align(x: int, a: int) -> int:
     return -(-x // a) * a
 
 
-class _V2Base:
+class _V2Base(FakeBufferBase):
     """The shared implementation; subclasses only fix the public signatures."""
 
     def _setup(self, group: Any, num_max_tokens_per_rank: int, hidden: int, num_topk: int,
                use_fp8_dispatch: bool, explicitly_destroy: bool) -> None:
-        self.group = group
         self.rank_idx = group.rank()
+        self._init_base(group, explicitly_destroy, f"deep_ep.v2.comm.r{self.rank_idx}")
         self.num_ranks = group.size()
         self.num_max_tokens_per_rank = num_max_tokens_per_rank
         self.hidden = hidden
         self.num_topk = num_topk
         self.use_fp8_dispatch = use_fp8_dispatch
-        self.explicitly_destroy = explicitly_destroy
-        self.runtime: Any = object()
-        self.comm_stream = LogicalStream(f"deep_ep.v2.comm.r{self.rank_idx}")
-        #: every call: {"method", "stream" (current logical stream's name), ...}, for tests
-        self.calls: list[dict] = []
-
-    def destroy(self) -> None:
-        _check(self.explicitly_destroy, "explicitly_destroy must be set")
-        self.runtime = None
 
     @staticmethod
     def capture() -> EventHandle:
@@ -111,31 +102,29 @@ class _V2Base:
         return 24
 
     def _dispatch(self, kwargs: dict) -> tuple:
-        _check(self.runtime is not None, "dispatch on a destroyed buffer")
-        self.calls.append({"method": "dispatch", "stream": current_logical_stream().name,
-                           "previous_event": kwargs["previous_event"] is not None})
+        self._alive("dispatch", {"previous_event": kwargs["previous_event"] is not None})
         x = kwargs["x"]
         topk_idx, topk_weights = kwargs["topk_idx"], kwargs["topk_weights"]
-        _check(kwargs["handle"] is None, "cached dispatch is not modelled by the fake")
-        _check(kwargs.get("defer_epilogue", False) is False, "defer_epilogue is not modelled by the fake")
+        check(kwargs["handle"] is None, "cached dispatch is not modelled by the fake")
+        check(kwargs.get("defer_epilogue", False) is False, "defer_epilogue is not modelled by the fake")
         previous_event = kwargs["previous_event"]
         if previous_event is not None:
-            _check(kwargs["allocate_on_comm_stream"], "previous_event needs allocate_on_comm_stream=True")
+            check(kwargs["allocate_on_comm_stream"], "previous_event needs allocate_on_comm_stream=True")
         num_experts = kwargs["num_experts"]
         max_tokens = kwargs["num_max_tokens_per_rank"] or self.num_max_tokens_per_rank
         align = kwargs["expert_alignment"] or 1
         do_cpu_sync = True if kwargs["do_cpu_sync"] is None else kwargs["do_cpu_sync"]
         expand = kwargs["do_expand"]
         x, sf = x if isinstance(x, tuple) else (x, None)
-        _check(x.dim() == 2 and x.is_contiguous(), "x must be 2-D contiguous")
-        _check(x.dtype in (torch.bfloat16, torch.float8_e4m3fn), f"x must be bf16 or fp8, got {x.dtype}")
-        _check(topk_idx is not None and topk_idx.dtype == topk_idx_t and topk_idx.dim() == 2,
-               "topk_idx must be [num_tokens, num_topk] int64")
-        _check(topk_weights is None or (topk_weights.dtype == torch.float32
+        check(x.dim() == 2 and x.is_contiguous(), "x must be 2-D contiguous")
+        check(x.dtype in (torch.bfloat16, torch.float8_e4m3fn), f"x must be bf16 or fp8, got {x.dtype}")
+        check(topk_idx is not None and topk_idx.dtype == topk_idx_t and topk_idx.dim() == 2,
+              "topk_idx must be [num_tokens, num_topk] int64")
+        check(topk_weights is None or (topk_weights.dtype == torch.float32
                                         and topk_weights.shape == topk_idx.shape), "bad topk_weights")
-        _check(x.shape[0] <= max_tokens, f"{x.shape[0]} tokens > num_max_tokens_per_rank {max_tokens}")
-        _check(num_experts is not None and num_experts % self.num_ranks == 0, "bad num_experts")
-        kernel = _Kernel(self.comm_stream, previous_event, kwargs["async_with_compute_stream"],
+        check(x.shape[0] <= max_tokens, f"{x.shape[0]} tokens > num_max_tokens_per_rank {max_tokens}")
+        check(num_experts is not None and num_experts % self.num_ranks == 0, "bad num_experts")
+        kernel = Kernel(self.comm_stream, previous_event, kwargs["async_with_compute_stream"],
                          False)
         r, me = self.num_ranks, self.rank_idx
         n_local = num_experts // r
@@ -228,17 +217,15 @@ class _V2Base:
         return result_x, result_ids, out_w, handle, kernel.finish((out_x,))
 
     def _combine(self, kwargs: dict) -> tuple:
-        _check(self.runtime is not None, "combine on a destroyed buffer")
-        self.calls.append({"method": "combine", "stream": current_logical_stream().name,
-                           "previous_event": kwargs["previous_event"] is not None})
+        self._alive("combine", {"previous_event": kwargs["previous_event"] is not None})
         x, handle = kwargs["x"], kwargs["handle"]
-        _check(kwargs["bias"] is None, "bias is not modelled by the fake")
-        _check(kwargs.get("defer_epilogue", False) is False, "defer_epilogue is not modelled by the fake")
+        check(kwargs["bias"] is None, "bias is not modelled by the fake")
+        check(kwargs.get("defer_epilogue", False) is False, "defer_epilogue is not modelled by the fake")
         previous_event = kwargs["previous_event"]
         if previous_event is not None:
-            _check(kwargs["allocate_on_comm_stream"], "previous_event needs allocate_on_comm_stream=True")
-        _check(x.dim() == 2 and x.dtype == torch.bfloat16, f"combine takes 2-D bf16, got {x.dtype}")
-        kernel = _Kernel(self.comm_stream, previous_event, kwargs["async_with_compute_stream"], False)
+            check(kwargs["allocate_on_comm_stream"], "previous_event needs allocate_on_comm_stream=True")
+        check(x.dim() == 2 and x.dtype == torch.bfloat16, f"combine takes 2-D bf16, got {x.dtype}")
+        kernel = Kernel(self.comm_stream, previous_event, kwargs["async_with_compute_stream"], False)
         n = handle.num_recv_tokens
         meta = handle.recv_src_metadata
         hidden = x.shape[1]
@@ -250,7 +237,7 @@ class _V2Base:
                 acc[valid] += x[slots[valid, j]].float()
             y = acc.to(torch.bfloat16)
         else:
-            _check(x.shape[0] >= n, "x has fewer rows than were received")
+            check(x.shape[0] >= n, "x has fewer rows than were received")
             y = x[:n]
         src = meta[:, 0].to(torch.long)
         in_rank = handle._send_in_rank
@@ -323,7 +310,7 @@ class EPBuffer(_V2Base):
                  do_handle_copy: bool = False, do_cpu_sync: bool | None = None,
                  do_expand: bool = False, do_zero_padding: bool = False,
                  use_tma_aligned_col_major_sf: bool = False, defer_epilogue: bool = False) -> tuple:
-        _check(not do_handle_copy, "`do_handle_copy` must be False")
+        check(not do_handle_copy, "`do_handle_copy` must be False")
         return self._dispatch(_kwargs(locals()))
 
     def combine(self, x: torch.Tensor, handle: EPHandle, topk_weights: torch.Tensor | None = None,
