@@ -115,17 +115,30 @@ class UBatchContext:
     def switch_to_compute(self) -> None:
         self._set_stream(self._compute_key, "compute")
 
+    def _switch_after(self, src_key: Any, src_name: str, dst_key: Any, dst_name: str,
+                      yield_between: bool = False) -> None:
+        """Record this ubatch's ``src_name``-done event on the stream it leaves, optionally
+        yield, then make ``dst_key`` current and have it wait for that event."""
+        event = self.compute_done_event if src_key == self._compute_key else self.comm_done_event
+        label = f"ub{self.id}.{src_name}_done"
+        self._record(event, src_key, label)
+        if yield_between:
+            self.yield_()
+        self._set_stream(dst_key, dst_name)
+        self._wait(dst_key, event, label)
+
+    def _require_current(self, key: Any, name: str, caller: str) -> None:
+        if self._streams.current() != key:
+            raise StreamStateError(f"{caller} called while the current stream is not the {name} "
+                                   "stream")
+
     def switch_to_comm_sync(self) -> None:
         """Switch to the comm stream, which first waits for this ubatch's compute so far."""
-        self._record(self.compute_done_event, self._compute_key, f"ub{self.id}.compute_done")
-        self._set_stream(self._comm_key, "comm")
-        self._wait(self._comm_key, self.compute_done_event, f"ub{self.id}.compute_done")
+        self._switch_after(self._compute_key, "compute", self._comm_key, "comm")
 
     def switch_to_compute_sync(self) -> None:
         """Switch to the compute stream, which first waits for this ubatch's comm so far."""
-        self._record(self.comm_done_event, self._comm_key, f"ub{self.id}.comm_done")
-        self._set_stream(self._compute_key, "compute")
-        self._wait(self._compute_key, self.comm_done_event, f"ub{self.id}.comm_done")
+        self._switch_after(self._comm_key, "comm", self._compute_key, "compute")
 
     def switch_to_compute_deferred(self) -> Callable[[], None]:
         """Switch to the compute stream without waiting; return ``wait()``, which makes the
@@ -145,23 +158,13 @@ class UBatchContext:
 
     def yield_and_switch_from_compute_to_comm(self) -> None:
         """Mark our compute done, yield, then continue on the comm stream after that compute."""
-        if self._streams.current() != self._compute_key:
-            raise StreamStateError("dbo_yield_and_switch_from_compute_to_comm called while "
-                                   "the current stream is not the compute stream")
-        self._record(self.compute_done_event, self._compute_key, f"ub{self.id}.compute_done")
-        self.yield_()
-        self._set_stream(self._comm_key, "comm")
-        self._wait(self._comm_key, self.compute_done_event, f"ub{self.id}.compute_done")
+        self._require_current(self._compute_key, "compute", "dbo_yield_and_switch_from_compute_to_comm")
+        self._switch_after(self._compute_key, "compute", self._comm_key, "comm", yield_between=True)
 
     def yield_and_switch_from_comm_to_compute(self) -> None:
         """Mark our comm done, yield, then continue on the compute stream after that comm."""
-        if self._streams.current() != self._comm_key:
-            raise StreamStateError("dbo_yield_and_switch_from_comm_to_compute called while "
-                                   "the current stream is not the comm stream")
-        self._record(self.comm_done_event, self._comm_key, f"ub{self.id}.comm_done")
-        self.yield_()
-        self._set_stream(self._compute_key, "compute")
-        self._wait(self._compute_key, self.comm_done_event, f"ub{self.id}.comm_done")
+        self._require_current(self._comm_key, "comm", "dbo_yield_and_switch_from_comm_to_compute")
+        self._switch_after(self._comm_key, "comm", self._compute_key, "compute", yield_between=True)
 
     # ---- recv hooks --------------------------------------------------------------------
 
