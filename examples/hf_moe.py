@@ -222,7 +222,7 @@ def run(args: argparse.Namespace, rank: int, world: int, device: torch.device) -
     g = torch.Generator().manual_seed(args.seed * 7919 + rank)
     inputs = {shape: torch.randint(0, config.vocab_size, shape, generator=g).to(device)
               for shape in args.shape}
-    max_ubatch = max(-(-b // 2) * s for b, s in args.shape)
+    max_tokens = max(b * s for b, s in args.shape)  # the plain run sends the whole batch at once
     rows, plain_logits, ok = [], {}, True
     fp32 = args.dtype == torch.float32
     keep = args.logits_to_keep
@@ -230,7 +230,7 @@ def run(args: argparse.Namespace, rank: int, world: int, device: torch.device) -
         for backend in args.backend:
             kw = {}
             if BACKENDS[backend].needs_max_tokens:
-                kw["max_tokens_per_rank"] = args.max_tokens_per_rank or max_ubatch
+                kw["max_tokens_per_rank"] = args.max_tokens_per_rank or max_tokens
             set_backend(model, backend, None, **kw)
             runner = DBOPrefill(model, prefill_split_config(2), logits_to_keep=args.logits_to_keep,
                                 sm_carveout=args.sm_carveout)
@@ -250,6 +250,7 @@ def run(args: argparse.Namespace, rank: int, world: int, device: torch.device) -
                 rows.append(dict(backend=backend, batch=shape[0], seq=shape[1], plain_ms=t_plain,
                                  dbo_ms=t_dbo, rel_err=rel, top1_agree=-neg_agree, ok=good,
                                  split=str(runner.last_plan)))
+                save(args, config, world, device, rows, rank)  # a later timeout keeps these
             model.apply(lambda m: m.reset() if isinstance(m, ExpertParallelMoE) else None)
         if args.unconverted:
             del model, runner
@@ -272,6 +273,7 @@ def run(args: argparse.Namespace, rank: int, world: int, device: torch.device) -
                     t, rel, neg_agree = slowest([t, rel, -agree], device)
                     rows.append(dict(backend="unconverted", batch=shape[0], seq=shape[1], plain_ms=t,
                                      dbo_ms=None, rel_err=rel, top1_agree=-neg_agree, ok=None, split=""))
+                    save(args, config, world, device, rows, rank)
             else:
                 rows.append(dict(backend="unconverted", batch=0, seq=0, plain_ms=None, dbo_ms=None,
                                  rel_err=None, top1_agree=None, ok=None, split="out of memory"))
@@ -303,10 +305,18 @@ def report(args, config, world: int, build_s: float, rows: list[dict], device: t
     print("\n(unconverted: the original model, every expert on every rank, no communication; its "
           "rel err / agreement are against the converted model's plain logits)")
     if args.json:
-        Path(args.json).write_text(json.dumps(dict(
-            preset=args.preset, layers=config.num_hidden_layers, world=world, device=name,
-            dtype=str(args.dtype), steps=args.steps, rows=rows), indent=1))
+        save(args, config, world, device, rows, 0)
         print(f"wrote {args.json}")
+
+
+def save(args, config, world: int, device: torch.device, rows: list[dict], rank: int) -> None:
+    """Write the rows so far to ``--json`` (rank 0)."""
+    if not args.json or rank != 0:
+        return
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    Path(args.json).write_text(json.dumps(dict(
+        preset=args.preset, layers=config.num_hidden_layers, world=world, device=name,
+        dtype=str(args.dtype), steps=args.steps, rows=rows), indent=1))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,7 +5,7 @@
 #   NGPU=1 bash tests/gpu/run_hf.sh OUTDIR     # 1 GPU: the full-size conversion builds and runs
 # Writes OUTDIR/hf_log.txt (everything printed) and OUTDIR/hf_*.json, and prints all the tables
 # together last; exits non-zero if any step failed.
-#   STEPS="env qwen qwen-small deepseek"   which steps (2 GPUs; default all, in this order)
+#   STEPS="env qwen deepseek qwen-small"   which steps (2 GPUs; default all, in this order)
 #   DEADLINE_S=480                         the whole script's time; each step gets at most its
 #                                          own cap and what is left, skipped under 20 s left
 set -uo pipefail
@@ -13,7 +13,7 @@ out=${1:-${OUT:-out}}
 mkdir -p "$out"
 log="$out/hf_log.txt"
 ngpu=${NGPU:-2}
-steps=${STEPS:-"env qwen qwen-small deepseek"}
+steps=${STEPS:-"env qwen deepseek qwen-small"}
 deadline=$((SECONDS + ${DEADLINE_S:-480}))
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
 # The host's shared GPUs must never use NVLink multicast (KINDS.md of the device tool).
@@ -51,13 +51,13 @@ else
     run qwen 240 torchrun --nproc-per-node 2 $ex --preset qwen3-30b-a3b --backend deepep_ht all2all naive \
       --shape 8x2048 16x4096 --unconverted --json "$out/hf_qwen.json"
   fi
+  if has deepseek; then  # 4 layers (1 dense + 3 MoE): about 40 GB per GPU converted
+    run deepseek 240 torchrun --nproc-per-node 2 $ex --preset deepseek-v3 --layers 4 --backend deepep_ht all2all \
+      --shape 8x2048 16x4096 --unconverted --json "$out/hf_deepseek.json"
+  fi
   if has qwen-small; then  # decode-sized batches, where deepep_ll fits (<= 511 tokens per call)
     run qwen-small 150 torchrun --nproc-per-node 2 $ex --preset qwen3-30b-a3b --backend deepep_ll deepep_ht all2all \
       --shape 256x1 64x4 --max-tokens-per-rank 256 --json "$out/hf_qwen_small.json"
-  fi
-  if has deepseek; then  # 4 layers (1 dense + 3 MoE): about 40 GB per GPU converted
-    run deepseek 200 torchrun --nproc-per-node 2 $ex --preset deepseek-v3 --layers 4 --backend deepep_ht all2all \
-      --shape 8x2048 16x4096 --unconverted --json "$out/hf_deepseek.json"
   fi
 fi
 
