@@ -1,0 +1,38 @@
+"""The README's transformers command: ``torchrun --nproc-per-node 2 examples/hf_moe.py`` (CPU,
+gloo, tiny config) as a subprocess: it exits 0 (DBO logits == plain logits), prints the table
+and writes JSON whose rows say the same, for the naive and all2all backends and the
+unconverted model."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+
+pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(180)]
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "hf_moe.py"
+
+
+def test_hf_example_on_cpu(tmp_path):
+    out_json = tmp_path / "hf.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(EXAMPLE), "--preset", "tiny-deepseek_v3", "--shape", "3x8", "--steps", "1",
+           "--warmup", "0", "--logits-to-keep", "0", "--unconverted", "--json", str(out_json)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("DBO_DISABLE", None)
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=150)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "| backend | batch x seq | plain ms | DBO ms |" in out, out
+    rows = json.loads(out_json.read_text())["rows"]
+    assert [r["backend"] for r in rows] == ["all2all", "naive", "unconverted"]
+    for r in rows:
+        assert r["rel_err"] <= 1e-4 and r["top1_agree"] == 1.0, r
+    assert all(r["split"].startswith("split(") for r in rows[:2]), rows
