@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from dbo.errors import DBOError
 from dbo.integrations.backends import BACKENDS, make_backend
 from dbo.integrations.moe_block import ExpertParallelMoE, routing_token_mask
 from dbo.overlap import DBOWrapper
@@ -75,7 +76,7 @@ FAMILIES: Mapping[str, MoEFamily] = MappingProxyType({f.block_class: f for f in 
 )})
 
 
-class UnsupportedModelError(TypeError):
+class UnsupportedModelError(DBOError, TypeError):
     """The model has no MoE block this integration knows, or one it cannot convert."""
 
 
@@ -135,7 +136,7 @@ def _expert_weights(name: str, block: torch.nn.Module,
     return gate_up, down
 
 
-def _check_activation(name: str, block: torch.nn.Module, family: MoEFamily, config: Any) -> None:
+def _check_activation(name: str, config: Any) -> None:
     act = getattr(config, "hidden_act", "silu")
     if act not in _SILU:
         raise UnsupportedModelError(f"{name}: expert activation {act!r}; dbo's experts are SwiGLU "
@@ -178,7 +179,7 @@ def convert_to_expert_parallel(model: torch.nn.Module, group: Any = None, backen
     config = getattr(model, "config", None)
     for name, block, family in blocks:
         gate_up, down = _expert_weights(name, block, family)
-        _check_activation(name, block, family, config)
+        _check_activation(name, config)
         router = getattr(block, family.router_attr)
         num_experts, two_i, hidden = gate_up.shape
         if num_experts % world:
