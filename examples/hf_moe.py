@@ -79,6 +79,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sm-carveout", type=int, default=None, help="DBO's sm_carveout")
     p.add_argument("--max-tokens-per-rank", type=int, default=None,
                    help="for deepep_ll (default: one ubatch of the largest shape)")
+    p.add_argument("--profile", default=None,
+                   help="DIR: rank 0 writes torch.profiler GPU traces of one plain and one DBO step of the "
+                        "last shape per backend (DIR/BACKEND/gpu_trace_{serial,dbo}.json, for "
+                        "`python -m dbo.bench breakdown`)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the results here (rank 0)")
     args = p.parse_args(argv)
@@ -200,6 +204,27 @@ def time_ms(fn: Callable[[], torch.Tensor], steps: int, warmup: int, device: tor
     return statistics.median(times)
 
 
+def profile_step(fn: Callable[[], torch.Tensor], path: Path, rank: int, device: torch.device) -> None:
+    """Run ``fn`` once on every rank (its collectives must match); rank 0 records its GPU kernels
+    with torch.profiler into ``path`` (Chrome JSON)."""
+    if device.type != "cuda":
+        return
+    fn()
+    torch.cuda.synchronize()
+    dist.barrier()
+    if rank != 0:
+        fn()
+        torch.cuda.synchronize()
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(str(path))
+
+
 def slowest(values: list[float], device: torch.device) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -251,6 +276,12 @@ def run(args: argparse.Namespace, rank: int, world: int, device: torch.device) -
                                  dbo_ms=t_dbo, rel_err=rel, top1_agree=-neg_agree, ok=good,
                                  split=str(runner.last_plan)))
                 save(args, config, world, device, rows, rank)  # a later timeout keeps these
+            if args.profile:
+                ids = inputs[args.shape[-1]]
+                where = Path(args.profile) / backend
+                profile_step(lambda ids=ids: prefill_logits(model, ids, logits_to_keep=keep),
+                             where / "gpu_trace_serial.json", rank, device)
+                profile_step(lambda ids=ids, r=runner: r(ids), where / "gpu_trace_dbo.json", rank, device)
             model.apply(lambda m: m.reset() if isinstance(m, ExpertParallelMoE) else None)
         if args.unconverted:
             del model, runner

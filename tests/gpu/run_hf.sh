@@ -3,8 +3,10 @@
 # the config alone). From the project root on the GPU host, after `source .whl/prelude.sh`:
 #   bash tests/gpu/run_hf.sh OUTDIR            # 2 GPUs: Qwen3-30B-A3B and DeepSeek-V3 layers
 #   NGPU=1 bash tests/gpu/run_hf.sh OUTDIR     # 1 GPU: the full-size conversion builds and runs
-# Writes OUTDIR/hf_log.txt (everything printed) and OUTDIR/hf_*.json, and prints all the tables
-# together last; exits non-zero if any step failed.
+# Writes OUTDIR/hf_log.txt (everything printed), OUTDIR/hf_*.json and torch.profiler traces of the
+# largest shape (OUTDIR/prof_*/BACKEND/gpu_trace_{serial,dbo}.json, broken down by
+# `python -m dbo.bench breakdown`), and prints all the tables together last; exits non-zero if
+# any step failed.
 #   STEPS="env qwen deepseek qwen-small"   which steps (2 GPUs; default all, in this order)
 #   DEADLINE_S=480                         the whole script's time; each step gets at most its
 #                                          own cap and what is left, skipped under 20 s left
@@ -49,11 +51,11 @@ else
   fi
   if has qwen; then  # about 32 GB per GPU converted; the unconverted model (61 GB) after it
     run qwen 240 torchrun --nproc-per-node 2 $ex --preset qwen3-30b-a3b --backend deepep_ht all2all naive \
-      --shape 8x2048 16x4096 --unconverted --json "$out/hf_qwen.json"
+      --shape 8x2048 16x4096 --unconverted --profile "$out/prof_qwen" --json "$out/hf_qwen.json"
   fi
   if has deepseek; then  # 4 layers (1 dense + 3 MoE): about 40 GB per GPU converted
     run deepseek 240 torchrun --nproc-per-node 2 $ex --preset deepseek-v3 --layers 4 --backend deepep_ht all2all \
-      --shape 8x2048 16x4096 --unconverted --json "$out/hf_deepseek.json"
+      --shape 8x2048 16x4096 --unconverted --profile "$out/prof_deepseek" --json "$out/hf_deepseek.json"
   fi
   if has qwen-small; then  # decode-sized batches, where deepep_ll fits (<= 511 tokens per call)
     run qwen-small 150 torchrun --nproc-per-node 2 $ex --preset qwen3-30b-a3b --backend deepep_ll deepep_ht all2all \
@@ -61,6 +63,11 @@ else
   fi
 fi
 
+for d in "$out"/prof_*/*/; do  # where each DBO step's time went (largest shape, rank 0)
+  [ -f "$d/gpu_trace_dbo.json" ] || continue
+  echo "=== breakdown ${d#$out/}" | tee -a "$log"
+  python3 -m dbo.bench breakdown "$d/gpu_trace_serial.json" "$d/gpu_trace_dbo.json" 2>&1 | tee -a "$log"
+done
 echo "=== all tables (tokens/s per GPU; median of 3 steps, slowest rank)" | tee -a "$log"
 python3 - "$out" <<'EOF' 2>&1 | tee -a "$log"
 import glob, json, sys
