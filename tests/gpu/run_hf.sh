@@ -7,7 +7,7 @@
 # largest shape (OUTDIR/prof_*/BACKEND/gpu_trace_{serial,dbo}.json, broken down by
 # `python -m dbo.bench breakdown`), and prints all the tables together last; exits non-zero if
 # any step failed.
-#   STEPS="env qwen deepseek qwen-small"   which steps (2 GPUs; default all, in this order)
+#   STEPS="env smoke qwen deepseek qwen-small"   which steps (2 GPUs; default all, in this order)
 #   DEADLINE_S=480                         the whole script's time; each step gets at most its
 #                                          own cap and what is left, skipped under 20 s left
 set -uo pipefail
@@ -15,7 +15,7 @@ out=${1:-${OUT:-out}}
 mkdir -p "$out"
 log="$out/hf_log.txt"
 ngpu=${NGPU:-2}
-steps=${STEPS:-"env qwen deepseek qwen-small"}
+steps=${STEPS:-"env smoke qwen deepseek qwen-small"}
 deadline=$((SECONDS + ${DEADLINE_S:-480}))
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
 # The host's shared GPUs must never use NVLink multicast (KINDS.md of the device tool).
@@ -48,6 +48,10 @@ else
   if has env; then
     run env 60 bash -c 'nvidia-smi --query-gpu=name,memory.total --format=csv;
       python3 -c "import torch, transformers; print(\"torch\", torch.__version__, \"transformers\", transformers.__version__)"'
+  fi
+  if has smoke; then  # tiny DeepSeek-V3 config (shared experts, group routing, MLA): seconds
+    run smoke 90 torchrun --nproc-per-node 2 $ex --preset tiny-deepseek_v3 --backend naive all2all deepep_ht \
+      --shape 4x64 7x32 --unconverted --json "$out/hf_smoke.json"
   fi
   if has qwen; then  # about 32 GB per GPU converted; the unconverted model (61 GB) after it
     run qwen 240 torchrun --nproc-per-node 2 $ex --preset qwen3-30b-a3b --backend deepep_ht all2all naive \
