@@ -1,9 +1,12 @@
 """The modular MoE layer: prepare/finalize backends, experts, the kernel that drives them.
 
 Layout: ``base`` (interfaces and result types), ``weight_and_reduce`` (the top-k
-weight-and-reduce variants), ``kernel`` (:class:`MoEKernel`), ``experts`` (reference SwiGLU
-experts), ``router`` (top-k routing), ``local`` (a single-rank backend), ``reference`` (the
-trusted single-process MoE), ``validate`` (argument checks), ``handles`` (per-ubatch state).
+weight-and-reduce variants), ``kernel`` (:class:`MoEKernel`), ``experts`` (the SwiGLU experts,
+without host syncs on CUDA) with ``grouping`` (pairs sorted by expert on the device),
+``grouped_gemm`` (``torch._grouped_mm`` / Triton / loop) and ``gather_reduce`` (the fused
+activation, row gather and weighted reduction: Triton, or plain torch), ``router`` (top-k
+routing), ``local`` (a single-rank backend), ``reference`` (the trusted single-process MoE),
+``validate`` (argument checks), ``handles`` (per-ubatch state).
 """
 
 from dbo.moe.base import (

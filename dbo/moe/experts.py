@@ -7,11 +7,12 @@ STANDARD format: the (token, slot) pairs are sorted by local expert on the devic
 for bf16 on Hopper, a Triton grouped GEMM otherwise on CUDA) run on the per-expert end rows,
 which come from the backend's host-side counts when it has them
 (``ExpertTokensMetadata.expert_num_tokens_cpu``, DeepEP normal mode) or are computed on the
-device; the activation is one fused kernel; each token's output is a gather-reduce of its slots'
-rows weighted by the router (:mod:`dbo.moe.gather_reduce`: Triton, float32 accumulation, no
-atomics). Nothing in :meth:`SwiGLUExperts.apply` reads the GPU back, so under DBO the CPU
-queues the other ubatch's work while these kernels run. On the CPU (and without Triton) the
-same steps run in plain torch.
+device. Host counts must be exact (DeepEP's ``expert_alignment`` left at 1): they are trusted,
+since checking them would read the GPU. The activation is one fused kernel; each token's output
+is a gather-reduce of its slots' rows weighted by the router (:mod:`dbo.moe.gather_reduce`:
+Triton, float32 accumulation, no atomics). Nothing in :meth:`SwiGLUExperts.apply` reads the GPU
+back, so under DBO the CPU queues the other ubatch's work while these kernels run. On the CPU
+(and without Triton) the same steps run in plain torch.
 
 BATCHED_EXPERTS format: two batched matmuls over each expert's slab on CUDA; a loop over the
 experts that received tokens on the CPU.
