@@ -34,7 +34,13 @@ from dbo.context import (
     dbo_yield_and_switch_from_compute_to_comm,
 )
 from dbo.errors import CollectiveTimeoutError
-from dbo.moe.base import ActivationFormat, PrepareAndFinalize
+from dbo.moe.base import (
+    ActivationFormat,
+    PrepareAndFinalize,
+    TopKWeightAndReduce,
+    TopKWeightAndReduceContiguous,
+    TopKWeightAndReduceDelegate,
+)
 from dbo.moe.validate import check_routing_inputs, num_local_experts_for
 from dbo.streams import hand_over
 
@@ -197,6 +203,24 @@ class TorchDistPrepareAndFinalize(PrepareAndFinalize):
                                  hidden_size=self.hidden_size,
                                  apply_router_weight_on_input=router_on_input)
         return num_local_experts_for(num_experts, self.world_size)
+
+    @staticmethod
+    def _weighted_output(output: torch.Tensor, num_tokens: int, hidden: int,
+                         fused_expert_output: torch.Tensor, topk_weights: torch.Tensor,
+                         topk_ids: torch.Tensor, apply_router_weight_on_input: bool,
+                         weight_and_reduce: TopKWeightAndReduce) -> torch.Tensor:
+        """Check ``output`` is ``[num_tokens, hidden]`` (the prepared tokens) and weight and
+        reduce the experts' output over the local top-k (``Contiguous`` where the experts
+        delegate it): ``[R, hidden]`` in ``output``'s dtype, contiguous, one row per received
+        row."""
+        if output.shape != (num_tokens, hidden):
+            raise ValueError(f"output must be [{num_tokens}, {hidden}] (the prepared tokens), "
+                             f"got shape {tuple(output.shape)}")
+        if isinstance(weight_and_reduce, TopKWeightAndReduceDelegate):
+            weight_and_reduce = TopKWeightAndReduceContiguous()
+        y = weight_and_reduce.apply(None, fused_expert_output, topk_weights, topk_ids,
+                                    apply_router_weight_on_input)
+        return y.to(output.dtype).contiguous()
 
     @staticmethod
     def _router_on_input(a1: torch.Tensor, topk_weights: torch.Tensor, on: bool) -> torch.Tensor:

@@ -22,8 +22,6 @@ import torch.distributed as dist
 from dbo.moe.base import (
     PrepareResult,
     TopKWeightAndReduce,
-    TopKWeightAndReduceContiguous,
-    TopKWeightAndReduceDelegate,
 )
 from dbo.moe.handles import PerUBatch
 from dbo.moe.validate import contiguous_expert_map
@@ -121,14 +119,8 @@ class AllToAllPrepareAndFinalize(TorchDistPrepareAndFinalize):
     def finalize_async(self, output, fused_expert_output, topk_weights, topk_ids,
                        apply_router_weight_on_input, weight_and_reduce: TopKWeightAndReduce):
         h = self._handles.take()
-        if output.shape != (h.num_tokens, h.hidden):
-            raise ValueError(f"output must be [{h.num_tokens}, {h.hidden}] (the prepared tokens), "
-                             f"got shape {tuple(output.shape)}")
-        if isinstance(weight_and_reduce, TopKWeightAndReduceDelegate):
-            weight_and_reduce = TopKWeightAndReduceContiguous()
-        y = weight_and_reduce.apply(None, fused_expert_output, topk_weights, topk_ids,
-                                    apply_router_weight_on_input)
-        y = y.to(output.dtype).contiguous()
+        y = self._weighted_output(output, h.num_tokens, h.hidden, fused_expert_output, topk_weights,
+                                  topk_ids, apply_router_weight_on_input, weight_and_reduce)
         if y.shape[0] != sum(h.recv_counts):
             raise ValueError(f"fused_expert_output reduces to {y.shape[0]} rows, but "
                              f"{sum(h.recv_counts)} were dispatched to this rank")

@@ -1,5 +1,5 @@
-"""Pieces the DeepEP backends share: argument checks, hidden padding, fp8 block quantization,
-per-ubatch state, and handing received tensors to the compute stream.
+"""Pieces the DeepEP backends share: their base class, argument checks, hidden padding, fp8 block
+quantization, per-ubatch state, and handing received tensors to the compute stream.
 
 No ``deep_ep`` import here: the buffer objects come from :mod:`dbo.backends.deepep_buffer`.
 """
@@ -13,13 +13,19 @@ import torch
 import torch.nn.functional as F
 
 from dbo.context import dbo_current_ubatch_id, dbo_enabled
-from dbo.moe.base import ExpertTokensMetadata
+from dbo.moe.base import ExpertTokensMetadata, PrepareAndFinalize
 from dbo.moe.errors import MoEProtocolError
+from dbo.moe.weight_and_reduce import (
+    TopKWeightAndReduce,
+    TopKWeightAndReduceContiguous,
+    TopKWeightAndReduceDelegate,
+)
 from dbo.streams import hand_over
 
-from .deepep_buffer import DeepEPDtypeError
+from .deepep_buffer import BufferMode, DeepEPDtypeError, SharedDeepEPBuffer
 
 __all__ = [
+    "DeepEPPrepareAndFinalize",
     "FP8_BLOCK",
     "FP8_MAX",
     "PerUBatch",
@@ -45,6 +51,89 @@ def group_size(group: Any) -> int:
 
 def group_rank(group: Any) -> int:
     return group.rank() if hasattr(group, "rank") else torch.distributed.get_rank(group)
+
+
+class DeepEPPrepareAndFinalize(PrepareAndFinalize):
+    """What every DeepEP backend is: a user of one shared buffer of a given mode, with the
+    experts split evenly over its group, int64 top-k ids and an output summed over ranks."""
+
+    #: tokens per rank per call the buffer was sized for; None where the mode has no bound
+    max_tokens_per_rank: int | None = None
+
+    #: ``hidden`` rounded up to what the mode's kernels move (set by the subclass)
+    padded_hidden: int
+
+    def __init__(self, shared: SharedDeepEPBuffer, mode: BufferMode, name: str, *,
+                 num_experts: int, hidden: int, use_fp8_dispatch: bool, dequantize_received: bool):
+        if shared.request.mode is not mode:
+            raise ValueError(f"{name} needs a {_MODE_NAMES[mode]} buffer, got mode {shared.request.mode}")
+        self._name = name
+        self._shared = shared
+        self.num_ranks = group_size(shared.group)
+        if num_experts % self.num_ranks:
+            raise ValueError(f"num_experts ({num_experts}) must be a multiple of the group size "
+                             f"({self.num_ranks})")
+        self.num_experts = num_experts
+        self.num_local_experts = num_experts // self.num_ranks
+        self.hidden = hidden
+        self.use_fp8_dispatch = use_fp8_dispatch
+        self.dequantize_received = dequantize_received
+        # what lives from prepare to finalize, per ubatch
+        self._handles = PerUBatch(name)
+
+    def topk_indices_dtype(self) -> torch.dtype | None:
+        return torch.int64
+
+    def max_num_tokens_per_rank(self) -> int | None:
+        return self.max_tokens_per_rank
+
+    def num_dispatchers(self) -> int:
+        return self.num_ranks
+
+    def output_is_reduced(self) -> bool:
+        return True
+
+    @property
+    def buffer(self) -> Any:
+        """The ``deep_ep`` buffer in use (may change if the shared buffer is grown)."""
+        return self._shared.buffer
+
+    def reset(self) -> None:
+        self._handles.clear()
+
+    def _padded_input(self, a1: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                      num_experts: int, expert_map: torch.Tensor | None,
+                      apply_router_weight_on_input: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Check ``prepare``'s arguments (and the token bound, where the mode has one); return
+        ``a1`` padded to ``[M, padded_hidden]`` bf16, ``topk_weights`` float32 and ``topk_ids``
+        int64."""
+        a1, topk_weights, topk_ids = check_dispatch_args(
+            self._name, a1, topk_weights, topk_ids, num_experts, self.num_experts, self.hidden,
+            expert_map, apply_router_weight_on_input)
+        if self.max_tokens_per_rank is not None and a1.shape[0] > self.max_tokens_per_rank:
+            raise ValueError(f"{self._name}: {a1.shape[0]} tokens exceed max_tokens_per_rank "
+                             f"{self.max_tokens_per_rank} (the capacity the buffer was sized for)")
+        return pad_hidden(a1, self.padded_hidden), topk_weights, topk_ids
+
+    def _reduced_input(self, output: torch.Tensor, fused_expert_output: torch.Tensor,
+                       topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                       apply_router_weight_on_input: bool,
+                       weight_and_reduce: TopKWeightAndReduce) -> torch.Tensor:
+        """Weight and reduce the experts' output over the local top-k (``Contiguous`` where the
+        experts delegate it) for a combine into ``output`` ``[M, hidden]``: ``[R, padded_hidden]``
+        bf16, one row per received row."""
+        if isinstance(weight_and_reduce, TopKWeightAndReduceDelegate):
+            weight_and_reduce = TopKWeightAndReduceContiguous()
+        reduced = weight_and_reduce.apply(None, fused_expert_output, topk_weights, topk_ids,
+                                          apply_router_weight_on_input)
+        check_bf16(self._name, "the weighted expert output", reduced)
+        if output.dim() != 2 or output.shape[1] != self.hidden:
+            raise ValueError(f"{self._name}: output must be [M, {self.hidden}], got {tuple(output.shape)}")
+        return pad_hidden(reduced, self.padded_hidden)
+
+
+_MODE_NAMES = {BufferMode.HIGH_THROUGHPUT: "high-throughput", BufferMode.LOW_LATENCY: "low-latency",
+               BufferMode.V2: "v2"}
 
 
 class PerUBatch:

@@ -32,14 +32,11 @@ from dbo.context import (
 from dbo.moe.base import (
     ActivationFormat,
     FinalizeAsyncResult,
-    PrepareAndFinalize,
     PrepareAsyncResult,
     PrepareResult,
 )
 from dbo.moe.weight_and_reduce import (
     TopKWeightAndReduce,
-    TopKWeightAndReduceContiguous,
-    TopKWeightAndReduceDelegate,
 )
 
 from .deepep_buffer import (
@@ -51,14 +48,10 @@ from .deepep_buffer import (
 )
 from .deepep_common import (
     FP8_BLOCK,
-    PerUBatch,
-    check_bf16,
-    check_dispatch_args,
+    DeepEPPrepareAndFinalize,
     dequantize_fp8_blocks,
     expert_tokens_meta_from_list,
-    group_size,
     hand_to_current_stream,
-    pad_hidden,
     quantize_fp8_blocks,
 )
 
@@ -69,7 +62,7 @@ logger = logging.getLogger(__name__)
 _NAME = "deepep_ht"
 
 
-class DeepEPHTPrepareAndFinalize(PrepareAndFinalize):
+class DeepEPHTPrepareAndFinalize(DeepEPPrepareAndFinalize):
     """Prepare/finalize over DeepEP's normal (high-throughput) mode, STANDARD format.
 
     ``prepare`` delivers ``a1q`` ``[M_recv, hidden]`` (bf16; or fp8 with ``a1q_scale``
@@ -94,17 +87,9 @@ class DeepEPHTPrepareAndFinalize(PrepareAndFinalize):
     def __init__(self, shared: SharedDeepEPBuffer, *, num_experts: int, hidden: int,
                  use_fp8_dispatch: bool = False, dequantize_received: bool = True,
                  async_finish: bool = True, expert_alignment: int = 1):
-        if shared.request.mode is not BufferMode.HIGH_THROUGHPUT:
-            raise ValueError(f"{_NAME} needs a high-throughput buffer, got mode {shared.request.mode}")
-        self._shared = shared
-        self.num_ranks = group_size(shared.group)
-        if num_experts % self.num_ranks:
-            raise ValueError(f"num_experts ({num_experts}) must be a multiple of the group size "
-                             f"({self.num_ranks})")
-        self.num_experts = num_experts
-        self.num_local_experts = num_experts // self.num_ranks
-        self.hidden = hidden
-        self.use_fp8_dispatch = use_fp8_dispatch
+        super().__init__(shared, BufferMode.HIGH_THROUGHPUT, _NAME, num_experts=num_experts,
+                         hidden=hidden, use_fp8_dispatch=use_fp8_dispatch,
+                         dequantize_received=dequantize_received)
         # fp8 rows are 1 byte per element and need whole 128-element scale blocks
         self.padded_hidden = (round_up_hidden(hidden, torch.float8_e4m3fn) if use_fp8_dispatch
                               else round_up_hidden(hidden, torch.bfloat16))
@@ -112,10 +97,8 @@ class DeepEPHTPrepareAndFinalize(PrepareAndFinalize):
         if self.padded_hidden > shared.request.hidden:
             raise ValueError(f"the shared buffer was sized for hidden {shared.request.hidden}, "
                              f"this backend needs {self.padded_hidden}")
-        self.dequantize_received = dequantize_received
         self.async_finish = async_finish
         self.expert_alignment = expert_alignment
-        self._handles = PerUBatch(_NAME)
 
     # ---- properties of the contract --------------------------------------------------------
 
@@ -123,32 +106,13 @@ class DeepEPHTPrepareAndFinalize(PrepareAndFinalize):
     def activation_format(self) -> ActivationFormat:
         return ActivationFormat.STANDARD
 
-    def topk_indices_dtype(self) -> torch.dtype | None:
-        return torch.int64
-
-    def num_dispatchers(self) -> int:
-        return self.num_ranks
-
-    def output_is_reduced(self) -> bool:
-        return True
-
-    @property
-    def buffer(self) -> Any:
-        """The ``deep_ep.Buffer`` in use (may change if the shared buffer is grown)."""
-        return self._shared.buffer
-
-    def reset(self) -> None:
-        self._handles.clear()
-
     # ---- prepare ---------------------------------------------------------------------------
 
     def prepare_async(self, a1: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                       num_experts: int, expert_map: torch.Tensor | None,
                       apply_router_weight_on_input: bool, quant_config: Any = None) -> PrepareAsyncResult:
-        a1, topk_weights, topk_ids = check_dispatch_args(
-            _NAME, a1, topk_weights, topk_ids, num_experts, self.num_experts, self.hidden,
-            expert_map, apply_router_weight_on_input)
-        x: Any = pad_hidden(a1, self.padded_hidden)
+        x, topk_weights, topk_ids = self._padded_input(a1, topk_weights, topk_ids, num_experts,
+                                                       expert_map, apply_router_weight_on_input)
         if self.use_fp8_dispatch:
             x = quantize_fp8_blocks(x)
         buffer = self.buffer
@@ -208,14 +172,8 @@ class DeepEPHTPrepareAndFinalize(PrepareAndFinalize):
                        apply_router_weight_on_input: bool,
                        weight_and_reduce: TopKWeightAndReduce) -> FinalizeAsyncResult:
         handle = self._handles.take("finalize")
-        if isinstance(weight_and_reduce, TopKWeightAndReduceDelegate):
-            weight_and_reduce = TopKWeightAndReduceContiguous()
-        reduced = weight_and_reduce.apply(None, fused_expert_output, topk_weights, topk_ids,
-                                          apply_router_weight_on_input)
-        check_bf16(_NAME, "the weighted expert output", reduced)
-        if output.dim() != 2 or output.shape[1] != self.hidden:
-            raise ValueError(f"{_NAME}: output must be [M, {self.hidden}], got {tuple(output.shape)}")
-        x = pad_hidden(reduced, self.padded_hidden)
+        x = self._reduced_input(output, fused_expert_output, topk_weights, topk_ids,
+                                apply_router_weight_on_input, weight_and_reduce)
         buffer = self.buffer
         config = buffer.get_combine_config(self.num_ranks)
         if dbo_enabled():

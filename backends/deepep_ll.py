@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,7 +35,6 @@ from dbo.moe.base import (
     ActivationFormat,
     ExpertTokensMetadata,
     FinalizeAsyncResult,
-    PrepareAndFinalize,
     PrepareAsyncResult,
     PrepareResult,
 )
@@ -54,11 +54,9 @@ from .deepep_buffer import (
     get_deepep_buffer,
 )
 from .deepep_common import (
-    PerUBatch,
+    DeepEPPrepareAndFinalize,
     check_bf16,
-    check_dispatch_args,
     dequantize_fp8_blocks,
-    group_size,
     hand_to_current_stream,
     pad_hidden,
 )
@@ -178,7 +176,7 @@ def _run_ref(run: Any) -> Any:
     return run
 
 
-class DeepEPLLPrepareAndFinalize(PrepareAndFinalize):
+class DeepEPLLPrepareAndFinalize(DeepEPPrepareAndFinalize):
     """Prepare/finalize over DeepEP's low-latency mode, BATCHED_EXPERTS format.
 
     ``prepare`` delivers ``a1q`` ``[L, num_ranks * max_tokens_per_rank, hidden]`` (bf16; with
@@ -200,16 +198,8 @@ class DeepEPLLPrepareAndFinalize(PrepareAndFinalize):
     def __init__(self, shared: SharedDeepEPBuffer, *, num_experts: int, hidden: int,
                  max_tokens_per_rank: int, use_fp8_dispatch: bool = False,
                  dequantize_received: bool = True):
-        if shared.request.mode is not BufferMode.LOW_LATENCY:
-            raise ValueError(f"{_NAME} needs a low-latency buffer, got mode {shared.request.mode}")
-        self._shared = shared
-        self.num_ranks = group_size(shared.group)
-        if num_experts % self.num_ranks:
-            raise ValueError(f"num_experts ({num_experts}) must be a multiple of the group size "
-                             f"({self.num_ranks})")
-        self.num_experts = num_experts
-        self.num_local_experts = num_experts // self.num_ranks
-        self.hidden = hidden
+        super().__init__(shared, BufferMode.LOW_LATENCY, _NAME, num_experts=num_experts, hidden=hidden,
+                         use_fp8_dispatch=use_fp8_dispatch, dequantize_received=dequantize_received)
         self.padded_hidden = low_latency_hidden(hidden)
         self.max_tokens_per_rank = low_latency_max_tokens(max_tokens_per_rank, self.num_ranks)
         qp_depth = getattr(shared.buffer, "nvshmem_qp_depth", _DEFAULT_QP_DEPTH)
@@ -224,13 +214,10 @@ class DeepEPLLPrepareAndFinalize(PrepareAndFinalize):
             raise ValueError(f"the shared low-latency buffer was sized for {req}, this backend needs "
                              f"hidden {self.padded_hidden}, {self.max_tokens_per_rank} tokens per rank "
                              f"and {num_experts} experts")
-        self.use_fp8_dispatch = use_fp8_dispatch
-        self.dequantize_received = dequantize_received
         # DeepEP's two low-latency buffers belong to the buffer, not to one layer's backend:
         # every backend on this buffer shares the bookkeeping
         self.results: LowLatencyResults = shared.extra.setdefault("low_latency_results",
                                                                   LowLatencyResults())
-        self._state = PerUBatch(_NAME)
 
     # ---- properties of the contract --------------------------------------------------------
 
@@ -238,24 +225,8 @@ class DeepEPLLPrepareAndFinalize(PrepareAndFinalize):
     def activation_format(self) -> ActivationFormat:
         return ActivationFormat.BATCHED_EXPERTS
 
-    def topk_indices_dtype(self) -> torch.dtype | None:
-        return torch.int64
-
-    def max_num_tokens_per_rank(self) -> int | None:
-        return self.max_tokens_per_rank
-
-    def num_dispatchers(self) -> int:
-        return self.num_ranks
-
-    def output_is_reduced(self) -> bool:
-        return True
-
-    @property
-    def buffer(self) -> Any:
-        return self._shared.buffer
-
     def reset(self) -> None:
-        self._state.clear()
+        super().reset()
         self.results.reset()
 
     def _launch_guard(self, kind: str) -> int:
@@ -266,38 +237,47 @@ class DeepEPLLPrepareAndFinalize(PrepareAndFinalize):
         self._shared.prepare_low_latency(self.max_tokens_per_rank, self.padded_hidden, self.num_experts)
         return token
 
+    def _launch(self, kind: str,
+                launch: Callable[[bool], tuple]) -> tuple[int, bool, tuple, Callable[[], None]]:
+        """Launch a low-latency ``kind`` through ``launch(use_hook)``, which calls the buffer
+        (with ``return_recv_hook=use_hook``: under DBO; the hook is its last output).
+
+        Returns the result's token, ``use_hook``, the buffer's outputs, and the recv hook that
+        also marks the result received. A launch that raises gives its token back.
+        """
+        token = self._launch_guard(kind)
+        use_hook = dbo_enabled()
+        try:
+            out = launch(use_hook)
+        except BaseException:
+            self.results.release(token)
+            raise
+        hook, results = out[-1], self.results
+
+        def recv_hook() -> None:
+            hook()
+            results.received(token)
+
+        return token, use_hook, out, recv_hook
+
     # ---- prepare ---------------------------------------------------------------------------
 
     def prepare_async(self, a1: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                       num_experts: int, expert_map: torch.Tensor | None,
                       apply_router_weight_on_input: bool, quant_config: Any = None) -> PrepareAsyncResult:
-        a1, topk_weights, topk_ids = check_dispatch_args(
-            _NAME, a1, topk_weights, topk_ids, num_experts, self.num_experts, self.hidden,
-            expert_map, apply_router_weight_on_input)
-        if a1.shape[0] > self.max_tokens_per_rank:
-            raise ValueError(f"{_NAME}: {a1.shape[0]} tokens exceed max_tokens_per_rank "
-                             f"{self.max_tokens_per_rank} (the capacity the buffer was sized for)")
-        x = pad_hidden(a1, self.padded_hidden)
-        left = self._state.peek()
+        x, topk_weights, topk_ids = self._padded_input(a1, topk_weights, topk_ids, num_experts,
+                                                       expert_map, apply_router_weight_on_input)
+        left = self._handles.peek()
         if left is not None and _same_run(left[2], active_run()):
             raise MoEProtocolError(f"{_NAME}: prepare called twice in ubatch {dbo_current_ubatch_id()} "
                                "without finalize (call reset() after a failed step)")
-        token = self._launch_guard("dispatch")
-        use_hook = dbo_enabled()
-        try:
-            recv_x, counts, handle, event, hook = self.buffer.low_latency_dispatch(
+        token, use_hook, (recv_x, counts, handle, event, _), recv_hook = self._launch(
+            "dispatch", lambda use_hook: self.buffer.low_latency_dispatch(
                 x, topk_ids, self.max_tokens_per_rank, self.num_experts,
                 use_fp8=self.use_fp8_dispatch, async_finish=not use_hook,
-                return_recv_hook=use_hook)
-        except BaseException:
-            self.results.release(token)
-            raise
-        self._state.put((handle, token, _run_ref(active_run())))
+                return_recv_hook=use_hook))
+        self._handles.put((handle, token, _run_ref(active_run())))
         results = self.results
-
-        def recv_hook() -> None:
-            hook()
-            results.received(token)
 
         def receiver() -> PrepareResult:
             if not use_hook:
@@ -318,7 +298,7 @@ class DeepEPLLPrepareAndFinalize(PrepareAndFinalize):
                        topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                        apply_router_weight_on_input: bool,
                        weight_and_reduce: TopKWeightAndReduce) -> FinalizeAsyncResult:
-        handle, dispatch_token, _ = self._state.take("finalize")
+        handle, dispatch_token, _ = self._handles.take("finalize")
         if not isinstance(weight_and_reduce, (TopKWeightAndReduceDelegate, TopKWeightAndReduceNoOp)):
             raise ValueError(f"{_NAME}: DeepEP's low-latency combine weights and reduces itself; the "
                              f"experts must leave it to finalize (Delegate or NoOp), not "
@@ -337,20 +317,11 @@ class DeepEPLLPrepareAndFinalize(PrepareAndFinalize):
                   and output.dtype == torch.bfloat16)
         # the dispatch result is consumed once its combine is launched
         self.results.release(dispatch_token)
-        token = self._launch_guard("combine")
-        use_hook = dbo_enabled()
-        try:
-            combined, event, hook = self.buffer.low_latency_combine(
+        token, use_hook, (combined, event, _), recv_hook = self._launch(
+            "combine", lambda use_hook: self.buffer.low_latency_combine(
                 x, topk_ids, weights, handle, async_finish=not use_hook,
-                return_recv_hook=use_hook, out=output if direct else None)
-        except BaseException:
-            self.results.release(token)
-            raise
+                return_recv_hook=use_hook, out=output if direct else None))
         results = self.results
-
-        def recv_hook() -> None:
-            hook()
-            results.received(token)
 
         def receiver() -> None:
             if not use_hook:

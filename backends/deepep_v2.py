@@ -36,14 +36,11 @@ from dbo.moe.base import (
     ActivationFormat,
     ExpertTokensMetadata,
     FinalizeAsyncResult,
-    PrepareAndFinalize,
     PrepareAsyncResult,
     PrepareResult,
 )
 from dbo.moe.weight_and_reduce import (
     TopKWeightAndReduce,
-    TopKWeightAndReduceContiguous,
-    TopKWeightAndReduceDelegate,
 )
 
 from .deepep_buffer import (
@@ -54,13 +51,9 @@ from .deepep_buffer import (
     round_up_hidden,
 )
 from .deepep_common import (
-    PerUBatch,
-    check_bf16,
-    check_dispatch_args,
+    DeepEPPrepareAndFinalize,
     dequantize_fp8_blocks,
-    group_size,
     hand_to_current_stream,
-    pad_hidden,
     quantize_fp8_blocks,
 )
 
@@ -93,7 +86,7 @@ def expanded_row_experts(psum_per_expert: torch.Tensor, num_rows: int, expert_al
     return torch.where(valid, expert, torch.full_like(expert, -1))
 
 
-class DeepEPV2PrepareAndFinalize(PrepareAndFinalize):
+class DeepEPV2PrepareAndFinalize(DeepEPPrepareAndFinalize):
     """Prepare/finalize over DeepEP v2's ``dispatch``/``combine`` (STANDARD format).
 
     ``prepare`` delivers ``a1q`` ``[R, hidden]`` bf16 (fp8 plus scales if ``use_fp8_dispatch``
@@ -112,62 +105,27 @@ class DeepEPV2PrepareAndFinalize(PrepareAndFinalize):
     def __init__(self, shared: SharedDeepEPBuffer, *, num_experts: int, hidden: int,
                  max_tokens_per_rank: int, mode: str = "decode", use_fp8_dispatch: bool = False,
                  dequantize_received: bool = True, expert_alignment: int = 1):
-        if shared.request.mode is not BufferMode.V2:
-            raise ValueError(f"{_NAME} needs a v2 buffer, got mode {shared.request.mode}")
         if mode not in V2_MODES:
             raise ValueError(f"{_NAME}: mode must be one of {V2_MODES}, got {mode!r}")
-        self._shared = shared
-        self.num_ranks = group_size(shared.group)
-        if num_experts % self.num_ranks:
-            raise ValueError(f"num_experts ({num_experts}) must be a multiple of the group size "
-                             f"({self.num_ranks})")
-        self.num_experts = num_experts
-        self.num_local_experts = num_experts // self.num_ranks
-        self.hidden = hidden
+        super().__init__(shared, BufferMode.V2, _NAME, num_experts=num_experts, hidden=hidden,
+                         use_fp8_dispatch=use_fp8_dispatch, dequantize_received=dequantize_received)
         self.padded_hidden = round_up_hidden(
             hidden, torch.float8_e4m3fn if use_fp8_dispatch else torch.bfloat16)
         self.max_tokens_per_rank = int(max_tokens_per_rank)
         self.mode = mode
-        self.use_fp8_dispatch = use_fp8_dispatch
-        self.dequantize_received = dequantize_received
         self.expert_alignment = int(expert_alignment)
-        self._handles = PerUBatch(_NAME)
 
     @property
     def activation_format(self) -> ActivationFormat:
         return ActivationFormat.STANDARD
-
-    def topk_indices_dtype(self) -> torch.dtype | None:
-        return torch.int64
-
-    def max_num_tokens_per_rank(self) -> int | None:
-        return self.max_tokens_per_rank
-
-    def num_dispatchers(self) -> int:
-        return self.num_ranks
-
-    def output_is_reduced(self) -> bool:
-        return True
-
-    @property
-    def buffer(self) -> Any:
-        return self._shared.buffer
-
-    def reset(self) -> None:
-        self._handles.clear()
 
     # ---- prepare ---------------------------------------------------------------------------
 
     def prepare_async(self, a1: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                       num_experts: int, expert_map: torch.Tensor | None,
                       apply_router_weight_on_input: bool, quant_config: Any = None) -> PrepareAsyncResult:
-        a1, topk_weights, topk_ids = check_dispatch_args(
-            _NAME, a1, topk_weights, topk_ids, num_experts, self.num_experts, self.hidden,
-            expert_map, apply_router_weight_on_input)
-        if a1.shape[0] > self.max_tokens_per_rank:
-            raise ValueError(f"{_NAME}: {a1.shape[0]} tokens exceed max_tokens_per_rank "
-                             f"{self.max_tokens_per_rank}")
-        x: Any = pad_hidden(a1, self.padded_hidden)
+        x, topk_weights, topk_ids = self._padded_input(a1, topk_weights, topk_ids, num_experts,
+                                                       expert_map, apply_router_weight_on_input)
         if self.use_fp8_dispatch:
             x = quantize_fp8_blocks(x)
         expand = self.mode == "prefill"
@@ -246,14 +204,8 @@ class DeepEPV2PrepareAndFinalize(PrepareAndFinalize):
                        apply_router_weight_on_input: bool,
                        weight_and_reduce: TopKWeightAndReduce) -> FinalizeAsyncResult:
         handle, _dispatched_ids = self._handles.take("finalize")
-        if isinstance(weight_and_reduce, TopKWeightAndReduceDelegate):
-            weight_and_reduce = TopKWeightAndReduceContiguous()
-        reduced = weight_and_reduce.apply(None, fused_expert_output, topk_weights, topk_ids,
-                                          apply_router_weight_on_input)
-        check_bf16(_NAME, "the weighted expert output", reduced)
-        if output.dim() != 2 or output.shape[1] != self.hidden:
-            raise ValueError(f"{_NAME}: output must be [M, {self.hidden}], got {tuple(output.shape)}")
-        x = pad_hidden(reduced, self.padded_hidden)
+        x = self._reduced_input(output, fused_expert_output, topk_weights, topk_ids,
+                                apply_router_weight_on_input, weight_and_reduce)
         buffer = self.buffer
         if dbo_enabled():
             previous_event = dbo_get_previous_event(buffer.capture)

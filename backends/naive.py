@@ -21,8 +21,6 @@ import torch
 from dbo.moe.base import (
     PrepareResult,
     TopKWeightAndReduce,
-    TopKWeightAndReduceContiguous,
-    TopKWeightAndReduceDelegate,
 )
 from dbo.moe.handles import PerUBatch
 
@@ -120,14 +118,8 @@ class NaivePrepareAndFinalize(TorchDistPrepareAndFinalize):
     def finalize_async(self, output, fused_expert_output, topk_weights, topk_ids,
                        apply_router_weight_on_input, weight_and_reduce: TopKWeightAndReduce):
         h = self._handles.take()
-        if output.shape != (h.num_tokens, h.hidden):
-            raise ValueError(f"output must be [{h.num_tokens}, {h.hidden}] (the prepared tokens), "
-                             f"got shape {tuple(output.shape)}")
-        if isinstance(weight_and_reduce, TopKWeightAndReduceDelegate):
-            weight_and_reduce = TopKWeightAndReduceContiguous()
-        y = weight_and_reduce.apply(None, fused_expert_output, topk_weights, topk_ids,
-                                    apply_router_weight_on_input)
-        y = y.to(output.dtype).contiguous()
+        y = self._weighted_output(output, h.num_tokens, h.hidden, fused_expert_output, topk_weights,
+                                  topk_ids, apply_router_weight_on_input, weight_and_reduce)
         self._begin_comm(cpu_blocking=False)
         mine = torch.empty(h.max_tokens, h.hidden, dtype=output.dtype, device=output.device)
         work = None
