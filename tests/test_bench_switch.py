@@ -1,0 +1,20 @@
+"""``python -m dbo.bench switch`` on the CPU: it runs, prints its table and writes the figures."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+def test_switch_bench_command(tmp_path):
+    out = tmp_path / "switch.json"
+    proc = subprocess.run([sys.executable, "-m", "dbo.bench", "switch", "--switches", "2000",
+                           "--thread-switches", "200", "--repeats", "2", "--json", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "dbo greenlet (dbo_yield)" in proc.stdout and "cheaper per switch" in proc.stdout
+    res = json.loads(out.read_text())
+    assert res["device"] == "cpu"
+    assert 0 < res["dbo_us_min"] <= res["dbo_us_median"]
+    assert res["ratio_median"] == res["threads_us_median"] / res["dbo_us_median"]
