@@ -27,7 +27,7 @@ import torch
 
 from dbo.moe import ActivationFormat, ExpertTokensMetadata, MoEExperts, SwiGLUExperts, Workspace
 
-__all__ = ["ExpertsCase", "make_case", "time_experts", "run_grid", "main"]
+__all__ = ["ExpertsCase", "make_case", "time_experts", "run_grid", "format_rows", "main"]
 
 
 @dataclass

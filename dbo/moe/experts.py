@@ -108,8 +108,11 @@ class SwiGLUExperts(MoEExperts):
             return TopKWeightAndReduceNoOp()
         return TopKWeightAndReduceContiguous()
 
-    def apply(self, hidden_states, w1, w2, topk_weights, topk_ids, *, activation_format,
-              expert_tokens_meta, apply_router_weight_on_input, workspace, a1q_scale=None):
+    def apply(self, hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+              topk_weights: torch.Tensor | None, topk_ids: torch.Tensor | None, *,
+              activation_format: ActivationFormat, expert_tokens_meta: ExpertTokensMetadata | None,
+              apply_router_weight_on_input: bool, workspace: Workspace,
+              a1q_scale: torch.Tensor | None = None) -> torch.Tensor:
         """See :meth:`MoEExperts.apply`; ``a1q_scale``: block scales of fp8 ``hidden_states``
         (``[..., ceil(hidden / 128)]`` float32), dequantized here."""
         self._format = activation_format
