@@ -32,7 +32,7 @@ def test_hf_example_on_cpu(tmp_path):
     assert proc.returncode == 0, out
     assert "| backend | batch x seq | plain ms | DBO ms |" in out, out
     rows = json.loads(out_json.read_text())["rows"]
-    assert [r["backend"] for r in rows] == ["all2all", "naive", "unconverted"]
+    assert [r["backend"] for r in rows] == ["all2all", "copy_engine", "naive", "unconverted"]
     for r in rows:
         assert r["rel_err"] <= 1e-4 and r["top1_agree"] == 1.0, r
     assert all(r["split"].startswith("split(") for r in rows[:2]), rows

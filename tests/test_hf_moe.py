@@ -19,7 +19,12 @@ transformers = pytest.importorskip("transformers")
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(240)]
 
 FAMILIES = ("qwen3_moe", "mixtral", "deepseek_v3")
-BACKENDS = ("naive", "all2all")
+BACKENDS = ("naive", "all2all", "copy_engine")
+
+
+def _sized(backend: str) -> dict:
+    """The buffer-sized backends need the most tokens of one call (batch * seq <= 64 here)."""
+    return {"max_tokens_per_rank": 64} if backend == "copy_engine" else {}
 TOL = 1e-4  # float32 end to end, relative to the largest logit
 
 
@@ -66,7 +71,7 @@ def _hf_job(family: str, backend: str, batches: list[int], seq: int, pads: list[
         for p in model.parameters():
             p.normal_(0.0, 0.3)  # large enough that routing differs token to token
     original = copy.deepcopy(model)
-    convert_to_expert_parallel(model, None, backend=backend)
+    convert_to_expert_parallel(model, None, backend=backend, **_sized(backend))
     blocks = [m for m in model.modules() if isinstance(m, ExpertParallelMoE)]
     ids, mask = _inputs(rank, batches, seq, pads, seed)
     routed = []  # per MoE call of the first converted block: tokens routed to any expert
@@ -196,7 +201,7 @@ def _generate_job(family: str, backend: str, batches: list[int], pads: list[list
         for p in model.parameters():
             p.normal_(0.0, 0.3)
     original = copy.deepcopy(model)
-    convert_to_expert_parallel(model, None, backend=backend)
+    convert_to_expert_parallel(model, None, backend=backend, **_sized(backend))
     ids, mask = _inputs(rank, batches, 6, pads, seed)
     with torch.inference_mode():
         want = original.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
@@ -258,7 +263,7 @@ def test_backend_registry_checks():
 
     from dbo.integrations.backends import BACKENDS, cpu_backends, make_backend
 
-    assert cpu_backends() == ["all2all", "naive"]
+    assert cpu_backends() == ["all2all", "copy_engine", "naive"]
     assert {"deepep_ht", "deepep_ll"} <= set(BACKENDS)
     with pytest.raises(ValueError, match="unknown backend"):
         make_backend("nope", None, hidden=8, num_experts=4, topk=2, dtype=torch.float32, device="cpu")

@@ -95,7 +95,8 @@ def tune_and_time_wrapper(args: argparse.Namespace, benches: list[ShapeBench], b
 
     decode = args.backend == "deepep_ll"
     result = autotune_split_config(fn, make_inputs, sorted(by_tokens), decode_only=decode,
-                                   group=group, warmup=args.warmup, steps=max(5, args.steps // 2))
+                                   group=group, warmup=args.warmup, steps=max(5, args.steps // 2),
+                                   compute_sms=args.dbo_compute_sms)
     for sb in ready:
         sb.pf.reset()
         sb.pf_dbo.reset()

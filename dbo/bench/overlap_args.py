@@ -85,6 +85,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="SM carve-outs tried for the DBO runs only (overlapped_forward's "
                         "sm_carveout: matmuls and grouped GEMMs leave N SMs to DeepEP), e.g. "
                         "'none 24 48' (default: none)")
+    p.add_argument("--dbo-compute-sms", type=int, default=None,
+                   help="run the DBO (and tuned wrapper) steps' compute on a CUDA green context of "
+                        "N SMs (overlapped_forward's compute_sms), leaving the rest to the "
+                        "communication kernels (default: all SMs)")
     p.add_argument("--no-autotune", dest="autotune", action="store_false",
                    help="skip dbo.autotune (by default, after each intermediate size's shapes, "
                         "the thresholds are tuned over the grid's token counts and the wrapper "

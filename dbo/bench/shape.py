@@ -124,7 +124,7 @@ class ShapeBench:
 
     def dbo(self, trace: dbo.Trace | None = None) -> torch.Tensor:
         return overlapped_forward(self.model, self.x, plan=self.plan, trace=trace,
-                                  sm_carveout=self.carveout)
+                                  sm_carveout=self.carveout, compute_sms=self.args.dbo_compute_sms)
 
     def use(self, backend: Any, mode: str) -> None:
         if mode.startswith("dbo") and backend is self.pf:
@@ -315,7 +315,8 @@ class ShapeBench:
         decode = self.args.backend == "deepep_ll"
 
         def wrapped() -> torch.Tensor:
-            return overlapped_forward(fn, self.x, config=config, decode_only=decode, group=group)
+            return overlapped_forward(fn, self.x, config=config, decode_only=decode, group=group,
+                                      compute_sms=self.args.dbo_compute_sms)
 
         self._check_against(self.ref, "wrapper")(wrapped())
         best: dict[str, Any] = {}

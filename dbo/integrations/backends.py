@@ -52,6 +52,8 @@ BACKENDS: Mapping[str, BackendSpec] = MappingProxyType({
                              needs_max_tokens=True),
     "deepep_v2": BackendSpec("deepep_v2", "deepep_v2", gpu_only=True, bf16_only=True,
                              needs_max_tokens=True),
+    # zero-SM copy-engine puts on one host (host shared memory on CPU)
+    "copy_engine": BackendSpec("copy_engine", "copy_engine", needs_max_tokens=True),
 })
 
 
