@@ -25,7 +25,7 @@ import torch
 from dbo._driver import Run as _Run  # noqa: F401
 from dbo._driver import noop as _noop
 from dbo._driver import run_to_completion as _run_to_completion
-from dbo._driver import tls as _tls
+from dbo._driver import tls as _driver_tls
 from dbo._modes import ModeRestorer as _ModeRestorer  # noqa: F401
 from dbo._modes import capture_modes as _capture_modes  # noqa: F401
 from dbo._ubatch import DONE as _DONE  # noqa: F401
@@ -57,6 +57,11 @@ __all__ = [
     "dbo_get_previous_event",
     "dbo_region",
 ]
+
+# The active run's thread-local slot. Bound by assignment, not by import: CPython compiles
+# ``_tls.yield_current()`` to LOAD_METHOD only on a name that no import binds, which keeps
+# dbo_yield's bytecode what it was before the context was split.
+_tls = _driver_tls
 
 T = TypeVar("T")
 
