@@ -48,8 +48,7 @@ from dbo.context import (
     dbo_yield_and_switch_from_compute_to_comm,
 )
 from dbo.errors import CollectiveTimeoutError
-from dbo.moe.base import PrepareResult, TopKWeightAndReduce, TopKWeightAndReduceContiguous
-from dbo.moe.base import TopKWeightAndReduceDelegate as _Delegate
+from dbo.moe.base import PrepareResult, TopKWeightAndReduce
 from dbo.moe.handles import PerUBatch
 from dbo.moe.validate import contiguous_expert_map
 from dbo.streams import hand_over
@@ -283,14 +282,8 @@ class CopyEnginePrepareAndFinalize(TorchDistPrepareAndFinalize):
         h = self._handles.take()
         slot = self._slot()
         m = h.counts[self.rank]
-        if output.shape != (m, h.hidden):
-            raise ValueError(f"output must be [{m}, {h.hidden}] (the prepared tokens), got shape "
-                             f"{tuple(output.shape)}")
-        if isinstance(weight_and_reduce, _Delegate):
-            weight_and_reduce = TopKWeightAndReduceContiguous()
-        y = weight_and_reduce.apply(None, fused_expert_output, topk_weights, topk_ids,
-                                    apply_router_weight_on_input)
-        y = y.to(output.dtype).contiguous()
+        y = self._weighted_output(output, m, h.hidden, fused_expert_output, topk_weights, topk_ids,
+                                  apply_router_weight_on_input, weight_and_reduce)
         total = sum(h.counts)
         if y.shape[0] != total:
             raise ValueError(f"fused_expert_output reduces to {y.shape[0]} rows, but {total} were "

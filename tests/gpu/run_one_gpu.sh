@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# What can be checked on ONE GPU, in one device call (under 10 minutes):
+#   source .whl/prelude.sh && bash tests/gpu/run_one_gpu.sh OUTDIR
+# the context's GPU tests, SM partitioning, the copy_engine backend with 2 ranks sharing the GPU
+# (protocol and numbers; timings mean nothing there) and its stop test, the library experts
+# (no host sync; at least as fast as the former benchmark experts), and the switch cost of the
+# current tree against an older one in .before/ (if present: `git archive REV dbo backends
+# examples/bench_switch.py | tar -x -C .before`), alternating.
+#   STEPS="core ce experts switch"   which steps (default all)
+set -uo pipefail
+out=${1:-${OUT:-out}}
+mkdir -p "$out"
+log="$out/one_gpu_log.txt"
+steps=${STEPS:-"core ce experts switch"}
+export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+status=0
+run() {  # run NAME CAP_S CMD...
+  local name=$1 cap=$2; shift 2
+  echo "=== [$name] (cap ${cap}s) \$ $*" | tee -a "$log"
+  local t0=$SECONDS
+  timeout -k 5 "$cap" "$@" 2>&1 | tee -a "$log"
+  local rc=${PIPESTATUS[0]}
+  echo "=== [$name] rc=$rc (took $((SECONDS - t0)) s)" | tee -a "$log"
+  [ "$rc" -eq 0 ] || status=1
+}
+has() { [[ " $steps " == *" $1 "* ]]; }
+if has core; then
+  run core-gpu-tests 120 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_streams_gpu.py \
+    tests/gpu/test_partition_gpu.py -rA -s
+fi
+if has ce; then
+  run ce-conformance 200 torchrun --nproc-per-node 2 tests/gpu/run_copy_engine.py --json "$out/ce.json"
+  run ce-stop 60 torchrun --nproc-per-node 2 tests/gpu/run_copy_engine.py --stop-test
+fi
+if has experts; then
+  run experts 240 bash tests/gpu/run_experts.sh "$out/experts"
+fi
+if has switch; then
+  for i in 1 2 3; do
+    if [ -d .before ]; then
+      run "switch-before-$i" 60 env PYTHONPATH=".before:${PYTHONPATH:-}" python3 .before/examples/bench_switch.py --device cuda
+    fi
+    run "switch-now-$i" 60 python3 -m dbo.bench switch --device cuda
+  done
+fi
+echo "=== overall status $status" | tee -a "$log"
+exit $status
