@@ -42,12 +42,17 @@ class ExpertsCase:
     weights: torch.Tensor
     ids: torch.Tensor
     counts: torch.Tensor
+    #: the counts as a backend hands them over, built once: building them per call would copy
+    #: pageable host memory to the GPU, a host sync that makes the timing launch-bound
+    _meta: ExpertTokensMetadata | None = None
 
     def meta(self, host_counts: bool) -> ExpertTokensMetadata | None:
         """With host counts: what DeepEP normal mode hands over; else None (device offsets)."""
         if not host_counts:
             return None
-        return ExpertTokensMetadata(self.counts.to(self.x.device), self.counts)
+        if self._meta is None:
+            self._meta = ExpertTokensMetadata(self.counts.to(self.x.device), self.counts)
+        return self._meta
 
 
 def make_case(tokens: int, hidden: int, inter: int, local_experts: int, *, num_experts: int = 256,
