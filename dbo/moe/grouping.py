@@ -89,9 +89,12 @@ def group_by_expert(topk_ids: torch.Tensor, num_local_experts: int,
     ids = topk_ids.reshape(-1).to(torch.int64)
     local = (ids >= 0) & (ids < num_local_experts)
     key = torch.where(local, ids, num_local_experts)  # pairs of other ranks' experts sort last
-    sorted_key, order = torch.sort(key, stable=True)
+    # a radix sort makes one pass per key byte: 16-bit keys take 2 passes instead of 8 (on an
+    # H200 the int64 sort was 18% of a thin expert layer's GPU time, in 8 kernel launches)
+    key_dtype = torch.int16 if num_local_experts < 2**15 - 1 else torch.int32
+    sorted_key, order = torch.sort(key.to(key_dtype), stable=True)
     if counts is None:
-        bounds = torch.arange(1, num_local_experts + 1, device=device, dtype=torch.int64)
+        bounds = torch.arange(1, num_local_experts + 1, device=device, dtype=key_dtype)
         offsets = torch.searchsorted(sorted_key, bounds).to(torch.int32)
         num_rows = m * topk
         tokens = torch.where(sorted_key < num_local_experts, order // topk, 0)
