@@ -6,12 +6,16 @@
 # (no host sync; at least as fast as the former benchmark experts), and the switch cost of the
 # current tree against an older one in .before/ (if present: `git archive REV dbo backends
 # examples/bench_switch.py | tar -x -C .before`), alternating.
-#   STEPS="core ce experts switch"   which steps (default all)
+# "bench": the overlap benchmark at one rank (all2all; the thin prefill shape) before (.before's
+# examples/bench_overlap.py) and after (python -m dbo.bench overlap), alternating; "hf": the
+# DeepSeek-V3 layer shape (4 layers) converted at one rank, plain vs DBO.
+#   STEPS="core ce experts switch bench hf"   which steps (default: the first four)
 set -uo pipefail
 out=${1:-${OUT:-out}}
 mkdir -p "$out"
 log="$out/one_gpu_log.txt"
 steps=${STEPS:-"core ce experts switch"}
+tmp=$(mktemp -d)
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 status=0
@@ -43,6 +47,21 @@ if has switch; then
     fi
     run "switch-now-$i" 60 python3 -m dbo.bench switch --device cuda
   done
+fi
+if has bench; then
+  shape="--device cuda --backend all2all --tokens 4096 16384 --intermediate 256 --attn-width 1024 --layers 8
+    --no-autotune --profile-shape none --time-budget-s 70"
+  for i in 1 2; do
+    if [ -d .before ]; then
+      run "bench-before-$i" 120 env PYTHONPATH=".before:${PYTHONPATH:-}" torchrun --nproc-per-node 1 \
+        .before/examples/bench_overlap.py $shape --expert-chunks 1 --out "$tmp/before$i"
+    fi
+    run "bench-now-$i" 120 torchrun --nproc-per-node 1 -m dbo.bench overlap $shape --out "$tmp/now$i"
+  done
+fi
+if has hf; then
+  run hf-deepseek-1gpu 240 torchrun --nproc-per-node 1 examples/hf_moe.py --device cuda --steps 3 \
+    --warmup 1 --preset deepseek-v3 --layers 4 --backend naive --shape 8x2048 --json "$out/hf_deepseek_1gpu.json"
 fi
 echo "=== overall status $status" | tee -a "$log"
 exit $status
