@@ -4,11 +4,14 @@
 #   source .whl/prelude.sh && bash tests/gpu/run_all.sh [OUTDIR]
 # Writes OUTDIR/gpu_log.txt (everything printed) and OUTDIR/gpu_bundle.tgz (JSON results and
 # traces of every step); exits non-zero if any step failed.
-#   STEPS="env core bench experts demo deepep nccl overlap thin thin4"   which steps (default:
+#   STEPS="env core bench experts demo deepep nccl overlap thin thin4 ce ce_ht"   which steps (default:
 #                                                      all but experts, thin4 and big4, in this
 #                                                      order; thin4/big4 need 4 GPUs; experts,
 #                                                      ~3 min on one GPU, is also
-#                                                      tests/gpu/run_experts.sh)
+#                                                      tests/gpu/run_experts.sh; ce and ce_ht,
+#                                                      the copy-engine backend against deepep_ht
+#                                                      and its green-context partition, are
+#                                                      one call each, NPROC ranks (default 2))
 #   DEADLINE_S=420                                     the whole script's time; each step gets
 #                                                      at most its own cap and what is left,
 #                                                      and is skipped under 20 s left
@@ -111,6 +114,27 @@ if has big4; then  # the best 4-GPU shape at 32k tokens and 12 layers a step (le
   else
     echo "=== [big4] SKIPPED: fewer than 4 GPUs" | tee -a "$log"
   fi
+fi
+# The zero-SM copy-engine backend against deepep_ht on the thin prefill shapes (issue 13):
+# "ce" = its GPU conformance, the stop test and its overlap grid; "ce_ht" = deepep_ht on the same
+# grid, plain and with DBO's compute on a green context (--dbo-compute-sms). Same shapes, so the
+# two bundles compare row by row; the host's clocks drift by a few percent between calls.
+ce_grid="--device cuda --layers 8 --intermediate 256 --attn-width 1024 --tokens 4096 8192 16384"
+if has ce; then
+  run ce-conformance 150 torchrun --nproc-per-node "${NPROC:-2}" tests/gpu/run_copy_engine.py \
+    --json "$files/ce_conformance.json"
+  run ce-stop 60 torchrun --nproc-per-node "${NPROC:-2}" tests/gpu/run_copy_engine.py --stop-test
+  run overlap_ce 200 torchrun --nproc-per-node "${NPROC:-2}" -m dbo.bench overlap $ce_grid \
+    --backend copy_engine --time-budget-s 170 --out "$files/overlap_ce"
+fi
+if has ce_ht; then
+  run overlap_ce_ref_ht 170 torchrun --nproc-per-node "${NPROC:-2}" -m dbo.bench overlap $ce_grid \
+    --backend deepep_ht --num-sms 24 48 --time-budget-s 140 --out "$files/overlap_ce_ref_ht"
+  for n in 100 116; do  # DeepEP's 24-48 SMs against the compute's green context
+    run "overlap_ht_green$n" 170 torchrun --nproc-per-node "${NPROC:-2}" -m dbo.bench overlap $ce_grid \
+      --backend deepep_ht --num-sms 24 48 --dbo-compute-sms "$n" --time-budget-s 140 \
+      --out "$files/overlap_ht_green$n"
+  done
 fi
 echo "=== overall status $status" | tee -a "$log"
 tar -czf "$out/gpu_bundle.tgz" -C "$files" . && rm -rf "$files"
