@@ -32,6 +32,7 @@ from dbo._ubatch import DONE as _DONE  # noqa: F401
 from dbo._ubatch import FAILED as _FAILED  # noqa: F401
 from dbo._ubatch import RecvHook, UBatchContext
 from dbo.errors import NestedRunError, UBatchCountError
+from dbo.partition import check_num_sms, compute_on_sms
 from dbo.streams import STREAM_POOL
 from dbo.trace import Trace
 
@@ -73,6 +74,7 @@ def run_ubatches(
     token_offsets: Sequence[int] | None = None,
     trace: Trace | None = None,
     device: str | torch.device | None = None,
+    compute_sms: int | None = None,
 ) -> list[T]:
     """Run ``fns`` (N >= 2 zero-argument callables) as interleaved ubatches on this thread.
 
@@ -88,11 +90,15 @@ def run_ubatches(
         trace: a :class:`dbo.trace.Trace` to record into.
         device: ``"cuda"`` (the current CUDA device) or ``"cpu"`` (the stand-in). Default:
             the device of ``comm_stream`` if given, else CUDA when available, else CPU.
+        compute_sms: run the compute stream on a CUDA green context of this many SMs, so the
+            others stay free for the communication kernels on the comm stream (see
+            :func:`dbo.partition.compute_on_sms`); None (default): the caller's stream.
 
     Raises:
         UBatchCountError: fewer than two ubatches, or ``token_offsets`` of another length.
         NestedRunError: a run is already active on this thread.
-        ValueError: ``comm_stream`` is the caller's current stream.
+        ValueError: ``comm_stream`` is the caller's current stream, or a bad ``compute_sms``.
+        dbo.partition.SMPartitionUnsupportedError: ``compute_sms`` without CUDA green contexts.
         UBatchError: a ubatch raised; ``__cause__`` is its exception. ``KeyboardInterrupt`` and
             ``SystemExit`` propagate as they are. Either way every other started ubatch was
             unwound first and no state is left behind.
@@ -120,7 +126,10 @@ def run_ubatches(
             device = "cuda"
         else:
             device = "cpu"
-    return _run_to_completion(fns, STREAM_POOL.get(device), comm_stream, offsets, trace)
+    if check_num_sms(compute_sms) is None:
+        return _run_to_completion(fns, STREAM_POOL.get(device), comm_stream, offsets, trace)
+    with compute_on_sms(compute_sms, torch.device(device)):
+        return _run_to_completion(fns, STREAM_POOL.get(device), comm_stream, offsets, trace)
 
 
 def active_run() -> Any:

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from dbo.context import run_ubatches
-from dbo.partition import check_num_sms, compute_on_sms
+from dbo.partition import check_num_sms
 from dbo.split import SplitConfig, UBatchPlan, mask_padding_routing, plan_ubatches
 from dbo.trace import Trace
 
@@ -289,10 +289,10 @@ def overlapped_forward(
         return run
 
     device = _run_device(tensors[0])
-    with _carveout_block(sm_carveout), compute_on_sms(compute_sms, device):
+    with _carveout_block(sm_carveout):
         outputs = run_ubatches([body(i) for i in range(n)], comm_stream=comm_stream,
                                token_offsets=plan.token_offsets, trace=trace,
-                               device=device)
+                               device=device, compute_sms=compute_sms)
     return merge_outputs(plan, outputs)
 
 

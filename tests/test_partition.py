@@ -56,3 +56,16 @@ def test_overlapped_forward_on_cpu_refuses_compute_sms_only_when_it_splits():
         overlapped_forward(torch.tanh, x, config=split, agree=False, compute_sms=8)
     out = overlapped_forward(torch.tanh, x, config=split, agree=False, compute_sms=None)
     assert torch.equal(out, torch.tanh(x))
+
+
+def test_run_ubatches_checks_compute_sms():
+    from dbo import run_ubatches
+    from dbo.context import active_run
+
+    with pytest.raises(ValueError, match="compute_sms"):
+        run_ubatches([lambda: 1, lambda: 2], device="cpu", compute_sms=0)
+    if not green_contexts_supported():
+        with pytest.raises(SMPartitionUnsupportedError):
+            run_ubatches([lambda: 1, lambda: 2], device="cpu", compute_sms=8)
+    assert active_run() is None
+    assert run_ubatches([lambda: 1, lambda: 2], device="cpu", compute_sms=None) == [1, 2]

@@ -77,3 +77,20 @@ def test_run_ubatches_inside_a_partition():
     with compute_on_sms(32):
         outs = run_ubatches([lambda: torch.relu(x[0]), lambda: torch.relu(x[1])])
     torch.testing.assert_close(torch.stack(outs), torch.relu(x))
+
+
+def test_run_ubatches_compute_sms_option():
+    x = torch.randn(2, 4096, 512, device="cuda")
+    caller = torch.cuda.current_stream()
+    seen = []
+
+    def body(i):
+        def run():
+            seen.append(torch.cuda.current_stream())
+            return torch.relu(x[i])
+        return run
+
+    outs = run_ubatches([body(0), body(1)], compute_sms=48)
+    torch.testing.assert_close(torch.stack(outs), torch.relu(x))
+    assert torch.cuda.current_stream() == caller
+    assert all(s != caller for s in seen)  # the ubatches computed on the green context's stream
