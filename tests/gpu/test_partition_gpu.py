@@ -94,3 +94,35 @@ def test_run_ubatches_compute_sms_option():
     torch.testing.assert_close(torch.stack(outs), torch.relu(x))
     assert torch.cuda.current_stream() == caller
     assert all(s != caller for s in seen)  # the ubatches computed on the green context's stream
+
+
+def test_a_run_on_a_partition_captures_and_replays():
+    """A run whose compute is on a green context, captured in a CUDA graph, replays like eager."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 2048, 512, device="cuda")
+    w = torch.randn(512, 512, device="cuda") / 23
+
+    def ubatches():
+        def body(i):
+            def run():
+                h = torch.tanh(x[i] @ w)
+                dbo_yield()
+                return torch.tanh(h @ w)
+            return run
+        return [body(0), body(1)]
+
+    side = torch.cuda.Stream()  # warm up off the default stream, as graph capture wants
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            run_ubatches(ubatches(), device="cuda", compute_sms=64)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = run_ubatches(ubatches(), device="cuda", compute_sms=64)
+    x.normal_()
+    graph.replay()
+    torch.cuda.synchronize()
+    want = [torch.tanh(torch.tanh(x[i] @ w) @ w) for i in range(2)]
+    torch.testing.assert_close(torch.stack(static), torch.stack(want))
