@@ -90,10 +90,14 @@ def main() -> int:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--fp8", action="store_true", help="fp8-dispatch cases for every backend")
     p.add_argument("--json", default=None)
+    p.add_argument("--shared-gpu", action="store_true",
+                   help="with one GPU: both ranks on GPU 0 over a gloo group (a correctness probe; "
+                        "DeepEP may refuse it)")
     args = p.parse_args()
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if torch.cuda.device_count() < 2:
+    shared = args.shared_gpu and torch.cuda.device_count() < 2
+    if torch.cuda.device_count() < 2 and not shared:
         print(f"SKIP: needs 2 GPUs, found {torch.cuda.device_count()}", flush=True)
         return 4
     try:
@@ -102,9 +106,13 @@ def main() -> int:
         from dbo.backends.deepep_buffer import INSTALL_HINT
         print(f"SKIP: deep_ep is not importable ({exc}). {INSTALL_HINT}", flush=True)
         return 3
-    torch.cuda.set_device(local_rank)
-    dist.init_process_group("nccl", timeout=datetime.timedelta(seconds=180),
-                            device_id=torch.device("cuda", local_rank))
+    if shared:
+        torch.cuda.set_device(0)
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=180))
+    else:
+        torch.cuda.set_device(local_rank)
+        dist.init_process_group("nccl", timeout=datetime.timedelta(seconds=180),
+                                device_id=torch.device("cuda", local_rank))
     rank, world = dist.get_rank(), dist.get_world_size()
     if world != 2:
         print("run with torchrun --nproc-per-node 2", flush=True)
