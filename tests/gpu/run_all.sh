@@ -11,7 +11,9 @@
 #                                                      tests/gpu/run_experts.sh; ce and ce_ht,
 #                                                      the copy-engine backend against deepep_ht
 #                                                      and its green-context partition, are
-#                                                      one call each, NPROC ranks (default 2))
+#                                                      one call each, NPROC ranks (default 2);
+#                                                      epn_conformance, epn_overlap, epn_hf:
+#                                                      the same on every GPU of a 4/8-GPU host)
 #   DEADLINE_S=420                                     the whole script's time; each step gets
 #                                                      at most its own cap and what is left,
 #                                                      and is skipped under 20 s left
@@ -135,6 +137,28 @@ if has ce_ht; then
       --backend deepep_ht --num-sms 24 48 --dbo-compute-sms "$n" --time-budget-s 140 \
       --out "$files/overlap_ht_green$n"
   done
+fi
+# Issue 12, on every GPU of a 4- or 8-GPU host (NPROC to use fewer): the DeepEP conformance at
+# that world size, the overlap grid (deepep_ht, copy_engine, deepep_ll; autotuned wrapper) and
+# the transformers shapes, plain vs DBO. One step each, so that each fits one device call.
+ngpu=$(nvidia-smi -L | wc -l)
+n_all=${NPROC:-$ngpu}
+if has epn_conformance; then
+  run "deepep-conformance-$n_all" 240 torchrun --nproc-per-node "$n_all" tests/gpu/run_deepep.py \
+    --json "$files/deepep_results_$n_all.json"
+  run "ce-conformance-$n_all" 150 torchrun --nproc-per-node "$n_all" tests/gpu/run_copy_engine.py \
+    --json "$files/ce_conformance_$n_all.json"
+fi
+if has epn_overlap; then
+  for b in deepep_ht copy_engine; do
+    run "overlap-$b-$n_all" 200 torchrun --nproc-per-node "$n_all" -m dbo.bench overlap $ce_grid \
+      --backend "$b" --time-budget-s 170 --out "$files/overlap_${b}_$n_all"
+  done
+  run "overlap-deepep_ll-$n_all" 150 torchrun --nproc-per-node "$n_all" -m dbo.bench overlap --device cuda \
+    --backend deepep_ll --tokens 32 128 512 --time-budget-s 120 --out "$files/overlap_ll_$n_all"
+fi
+if has epn_hf; then
+  NGPU=$n_all DEADLINE_S=500 bash tests/gpu/run_hf.sh "$files/hf_$n_all"
 fi
 echo "=== overall status $status" | tee -a "$log"
 tar -czf "$out/gpu_bundle.tgz" -C "$files" . && rm -rf "$files"

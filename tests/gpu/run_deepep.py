@@ -1,6 +1,6 @@
 """GPU conformance of the DeepEP backends: DBO == serial == single-process reference.
 
-Run on a host with 2 GPUs and DeepEP's ``Buffer`` wheel, from the project root::
+Run on a host with 2 (or N: 4, 8) GPUs and DeepEP's ``Buffer`` wheel, from the project root::
 
     bash ../shared/gpu/fetch-wheels.sh            # once, where pip can reach PyPI
     source .whl/prelude.sh && torchrun --nproc-per-node 2 tests/gpu/run_deepep.py
@@ -55,7 +55,12 @@ def _opts(backend: str) -> tuple:
     return (("backend", backend),) + ((("max_tokens", LL_MAX_TOKENS),) if backend == "ll" else ())
 
 
-def build_cases(args: argparse.Namespace) -> list[ConformanceCase]:
+def _widen(tokens: tuple[int, int], world: int) -> tuple[int, ...]:
+    """A 2-rank token pattern for ``world`` ranks: the first rank's count, then the second's."""
+    return (tokens[0],) + (tokens[1],) * (world - 1)
+
+
+def build_cases(args: argparse.Namespace, world: int = 2) -> list[ConformanceCase]:
     cases = []
     ht_tokens = [(128, 96), (0, 64), (256, 256)]
     ll_tokens = [(64, 48), (128, 128)]
@@ -66,6 +71,7 @@ def build_cases(args: argparse.Namespace) -> list[ConformanceCase]:
         for hidden in args.hidden:
             for topk in args.topk:
                 for tokens in (ht_tokens if backend == "ht" else ll_tokens):
+                    tokens = _widen(tokens, world)
                     seed += 1
                     opts = _opts(backend)
                     cases.append(ConformanceCase(
@@ -76,7 +82,8 @@ def build_cases(args: argparse.Namespace) -> list[ConformanceCase]:
             for hidden in args.hidden:
                 seed += 1
                 cases.append(ConformanceCase(
-                    f"{backend} fp8 h={hidden} k=8 T=128/96", (128, 96), hidden, 8, NUM_EXPERTS,
+                    f"{backend} fp8 h={hidden} k=8 T=128/96", _widen((128, 96), world), hidden, 8,
+                    NUM_EXPERTS,
                     intermediate=128, seed=seed, tol_ref=8e-2, tol_dbo=1e-2,
                     options=_opts(backend) + (("use_fp8_dispatch", True),)))
     return cases
@@ -114,13 +121,14 @@ def main() -> int:
         dist.init_process_group("nccl", timeout=datetime.timedelta(seconds=180),
                                 device_id=torch.device("cuda", local_rank))
     rank, world = dist.get_rank(), dist.get_world_size()
-    if world != 2:
-        print("run with torchrun --nproc-per-node 2", flush=True)
+    if world < 2 or NUM_EXPERTS % world or (not shared and world > torch.cuda.device_count()):
+        print(f"run with torchrun --nproc-per-node N, 2 <= N <= the GPUs, N dividing {NUM_EXPERTS}",
+              flush=True)
         return 2
-    cases = build_cases(args)
+    cases = build_cases(args, world)
     # create each buffer at its largest size first, so later cases reuse it
     for backend in args.backends:
-        probe = ConformanceCase("probe", (1, 1), max(args.hidden), max(args.topk), NUM_EXPERTS,
+        probe = ConformanceCase("probe", (1,) * world, max(args.hidden), max(args.topk), NUM_EXPERTS,
                                 options=_opts(backend))
         make_backend(probe)
     results = []

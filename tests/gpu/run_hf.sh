@@ -50,19 +50,19 @@ else
       python3 -c "import torch, transformers; print(\"torch\", torch.__version__, \"transformers\", transformers.__version__)"'
   fi
   if has smoke; then  # tiny DeepSeek-V3 config (shared experts, group routing, MLA): seconds
-    run smoke 90 torchrun --nproc-per-node 2 $ex --preset tiny-deepseek_v3 --backend naive all2all deepep_ht \
+    run smoke 90 torchrun --nproc-per-node "$ngpu" $ex --preset tiny-deepseek_v3 --backend naive all2all deepep_ht \
       --shape 4x64 7x32 --unconverted --json "$out/hf_smoke.json"
   fi
   if has qwen; then  # about 32 GB per GPU converted; the unconverted model (61 GB) after it
-    run qwen 240 torchrun --nproc-per-node 2 $ex --preset qwen3-30b-a3b --backend deepep_ht all2all naive \
+    run qwen 240 torchrun --nproc-per-node "$ngpu" $ex --preset qwen3-30b-a3b --backend deepep_ht copy_engine all2all naive \
       --shape 8x2048 16x4096 --unconverted --profile "$out/prof_qwen" --json "$out/hf_qwen.json"
   fi
   if has deepseek; then  # 4 layers (1 dense + 3 MoE): about 40 GB per GPU converted
-    run deepseek 240 torchrun --nproc-per-node 2 $ex --preset deepseek-v3 --layers 4 --backend deepep_ht all2all \
+    run deepseek 240 torchrun --nproc-per-node "$ngpu" $ex --preset deepseek-v3 --layers 4 --backend deepep_ht copy_engine all2all \
       --shape 8x2048 16x4096 --unconverted --profile "$out/prof_deepseek" --json "$out/hf_deepseek.json"
   fi
   if has qwen-small; then  # decode-sized batches, where deepep_ll fits (<= 511 tokens per call)
-    run qwen-small 150 torchrun --nproc-per-node 2 $ex --preset qwen3-30b-a3b --backend deepep_ll deepep_ht all2all \
+    run qwen-small 150 torchrun --nproc-per-node "$ngpu" $ex --preset qwen3-30b-a3b --backend deepep_ll deepep_ht all2all \
       --shape 256x1 64x4 --max-tokens-per-rank 256 --json "$out/hf_qwen_small.json"
   fi
 fi
