@@ -40,7 +40,8 @@ import torch.distributed as dist
 
 from dbo.errors import CollectiveTimeoutError
 
-__all__ = ["BufferLayout", "HostBoard", "Transport", "CpuTransport", "CudaTransport", "open_transport"]
+__all__ = ["BufferLayout", "HostBoard", "Transport", "CpuTransport", "CudaTransport", "TransportCache",
+           "TRANSPORTS", "open_transport"]
 
 logger = logging.getLogger(__name__)
 
@@ -190,13 +191,22 @@ class HostBoard:
 
 
 class Transport:
-    """Buffers and signals of one rank; see the module docstring."""
+    """Buffers and signals of one rank; see the module docstring.
+
+    ``seq[slot]`` counts the dispatches of each slot and ``last_wait[slot]`` holds the event
+    after the slot's latest GPU wait: they belong to the buffers, not to one backend object,
+    since several backends (one per MoE layer) may share a transport.
+    """
 
     rank: int
     world_size: int
     layout: BufferLayout
     board: HostBoard
     cuda: bool
+
+    def _init_state(self) -> None:
+        self.seq = [0] * self.layout.num_slots
+        self.last_wait: dict[int, tuple[Any, str]] = {}
 
     def region(self, peer: int, slot: int, name: str, nbytes: int, offset: int = 0) -> torch.Tensor:
         """``nbytes`` of ``peer``'s region ``name`` of ``slot`` from byte ``offset``, as uint8."""
@@ -229,6 +239,7 @@ class CpuTransport(Transport):
         self._flags = [r[board:board + 4 * n].view(torch.int32).numpy()
                        .reshape(num_channels, self.world_size) for r in regions]
         self._data = [r[board + flags:] for r in regions]
+        self._init_state()
 
     def region(self, peer, slot, name, nbytes, offset=0):
         start = self.layout.offset(slot, name) + offset
@@ -291,6 +302,7 @@ class CudaTransport(Transport):
         if num_channels * self.world_size * 4 > pad:
             raise ValueError(f"the symmetric memory signal pad ({pad} bytes) has too few channels "
                              f"for {num_channels} (num_ubatches too large)")
+        self._init_state()
 
     def region(self, peer, slot, name, nbytes, offset=0):
         start = self.layout.offset(slot, name) + offset
@@ -306,12 +318,53 @@ class CudaTransport(Transport):
         self._peers = []
 
 
-def open_transport(group: Any, layout: BufferLayout, num_channels: int, timeout_s: float,
-                   device: torch.device) -> Transport:
-    """The transport for ``device`` (collective: every rank of ``group`` calls it)."""
+class TransportCache:
+    """The live transports, one per (group, device, layout, channels, timeout): every MoE layer
+    of a model builds its own backend, and they share one set of buffers (48 layers of
+    Qwen3-30B-A3B would otherwise hold 48 sets). Every rank must build its backends with the
+    same arguments in the same order (as it must for DeepEP's shared buffer), so that all ranks
+    find or all create a transport together. Held strongly, on purpose: freeing on the last
+    backend's death would depend on when each rank's garbage collector runs, and a rank that
+    still held its transport would find it while another created a new one (a collective) and
+    hung. :meth:`reset` frees them (on every rank, with no backend in use)."""
+
+    def __init__(self) -> None:
+        self._live: dict[tuple, Transport] = {}
+
+    def get(self, group: Any, layout: BufferLayout, num_channels: int, timeout_s: float,
+            device: torch.device) -> Transport:
+        name = (group or dist.group.WORLD).group_name
+        key = (name, str(device), layout, num_channels, timeout_s)
+        hit = self._live.get(key)
+        if hit is None:
+            hit = _open(group, layout, num_channels, timeout_s, device)
+            self._live[key] = hit
+        return hit
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def reset(self) -> None:
+        """Forget every transport, so that their buffers are freed once no backend holds them."""
+        self._live.clear()
+
+
+#: the process's shared copy-engine transports (see :class:`TransportCache`)
+TRANSPORTS = TransportCache()
+
+
+def _open(group: Any, layout: BufferLayout, num_channels: int, timeout_s: float,
+          device: torch.device) -> Transport:
     check_one_host(group, device.type == "cuda")
     if device.type == "cuda":
         return CudaTransport(group, layout, num_channels, timeout_s, device)
-    if device.type != "cpu":
-        raise ValueError(f"the copy_engine backend runs on cuda or cpu, not {device.type}")
     return CpuTransport(group, layout, num_channels, timeout_s)
+
+
+def open_transport(group: Any, layout: BufferLayout, num_channels: int, timeout_s: float,
+                   device: torch.device) -> Transport:
+    """The transport for ``device``, shared with the other backends of the same group and
+    layout (collective the first time: every rank of ``group`` calls it)."""
+    if device.type not in ("cuda", "cpu"):
+        raise ValueError(f"the copy_engine backend runs on cuda or cpu, not {device.type}")
+    return TRANSPORTS.get(group, layout, num_channels, timeout_s, device)

@@ -26,7 +26,8 @@ reads anything back from the GPU. A peer that stops makes that wait raise
 count and its data makes the GPU wait trap after the same timeout, and the next call of this
 backend raises ``CollectiveTimeoutError`` naming it.
 
-Buffers are allocated once, at construction (collective), per ubatch slot, and reused across
+Buffers are allocated once, at construction (collective), per ubatch slot, shared by every
+backend built with the same group and sizes (one per MoE layer, typically), and reused across
 layers, steps and runs: a rank writes into a peer's slot only after that peer's combine of the
 slot's previous dispatch arrived, which the peer sent after its last read of the slot, so no
 overwrite can race a read. After a failed step, build a new backend.
@@ -124,9 +125,7 @@ class CopyEnginePrepareAndFinalize(TorchDistPrepareAndFinalize):
                                    self.elem_bytes, max_topk, num_ubatches)
         self.transport: Transport = open_transport(group, self.layout, 2 * num_ubatches,
                                                    self.timeout_s, self.device)
-        self._seq = [0] * num_ubatches
         self._handles: PerUBatch[_Handle] = PerUBatch("copy_engine dispatch handle")
-        self._last_wait: dict[int, tuple[Any, str]] = {}
         logger.info("copy_engine: rank %d of %d on %s, %.1f MiB of buffers", self.rank,
                     self.world_size, self.device, self.layout.total_bytes / 2**20)
 
@@ -150,7 +149,7 @@ class CopyEnginePrepareAndFinalize(TorchDistPrepareAndFinalize):
 
     def _raise_device_timeout(self, slot: int) -> None:
         """A GPU wait of this slot that trapped (a peer's data never came) surfaces here."""
-        last = self._last_wait.pop(slot, None)
+        last = self.transport.last_wait.pop(slot, None)
         if last is None:
             return
         event, what = last
@@ -188,7 +187,7 @@ class CopyEnginePrepareAndFinalize(TorchDistPrepareAndFinalize):
             torch.cuda.current_stream().wait_event(own)
             done = torch.cuda.Event()
             done.record()
-            self._last_wait[slot] = (done, what)
+            self.transport.last_wait[slot] = (done, what)
 
     def _check_expert_map(self, expert_map: torch.Tensor | None, num_experts: int) -> None:
         if expert_map is None:
@@ -215,8 +214,8 @@ class CopyEnginePrepareAndFinalize(TorchDistPrepareAndFinalize):
         # The host is about to wait for its peers' hosts: let the other ubatch queue its compute.
         if dbo_enabled():
             dbo_yield_and_switch_from_compute_to_comm()
-        self._seq[slot] += 1
-        seq = self._seq[slot]
+        self.transport.seq[slot] += 1
+        seq = self.transport.seq[slot]
         rows = self.transport.board.exchange(
             slot, seq, [m, hidden, topk, DTYPE_CODES.get(x.dtype, -1), num_experts])
         counts = self._agree(rows, x.dtype, topk)

@@ -59,40 +59,53 @@ def test_conformance_3_ranks(world3):
     check_backend(world3, _make, cases)
 
 
-def _many_layers(layers: int) -> float:
-    """``layers`` MoE layers in a row on one backend (buffers reused), DBO vs serial."""
+def _many_layers(layers: int, per_layer_backends: bool = False) -> float:
+    """``layers`` MoE layers in a row on one backend, or on one backend per layer sharing one
+    transport (buffers reused either way), DBO vs serial."""
+    from dbo.backends._ce_transport import TRANSPORTS
     from dbo.backends.copy_engine import CopyEnginePrepareAndFinalize
     from dbo.context import run_ubatches
     from dbo.moe import MoEKernel, SwiGLUExperts, local_expert_weights, make_expert_weights, topk_route
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    pf = CopyEnginePrepareAndFinalize(hidden_size=64, max_tokens_per_rank=32, max_topk=2,
-                                      dtype=torch.float32, device="cpu", timeout_s=20.0)
-    kernel = MoEKernel(pf, SwiGLUExperts())
+
+    def backend():
+        return CopyEnginePrepareAndFinalize(hidden_size=64, max_tokens_per_rank=32, max_topk=2,
+                                            dtype=torch.float32, device="cpu", timeout_s=20.0)
+
+    TRANSPORTS.reset()
+    kernels = [MoEKernel(backend(), SwiGLUExperts()) for _ in range(layers if per_layer_backends else 1)]
+    assert len({id(k.prepare_finalize.transport) for k in kernels}) == 1  # one set of buffers
+    assert len(TRANSPORTS) == 1
     w1, w2 = make_expert_weights(4 * world, 64, 32, dtype=torch.float32, seed=3)
     w1, w2 = local_expert_weights(w1, rank, world), local_expert_weights(w2, rank, world)
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(30 - 7 * rank, 64, generator=g)
     router = torch.randn(64, 4 * world, generator=torch.Generator().manual_seed(5))
 
-    def layer(h):  # bounded, so that twelve layers neither overflow nor vanish
+    def layer(h, i):  # bounded, so that twelve layers neither overflow nor vanish
         weights, ids = topk_route(h @ router, 2)
+        kernel = kernels[i % len(kernels)]
         return torch.tanh(h + kernel(h, w1, w2, weights, ids, global_num_experts=4 * world))
 
     def run(h, n):
-        for _ in range(n):
-            h = layer(h)
+        for i in range(n):
+            h = layer(h, i)
         return h
 
     serial = run(x, layers)
     cut = x.shape[0] // 2
     parts = run_ubatches([lambda: run(x[:cut], layers), lambda: run(x[cut:], layers)])
     dbo = torch.cat(parts)
-    return float((dbo - serial).abs().max())
+    err = float((dbo - serial).abs().max())
+    TRANSPORTS.reset()
+    assert len(TRANSPORTS) == 0
+    return err
 
 
-def test_buffers_reused_across_layers(world2):
-    assert max(world2.run(_many_layers, 12)) < 1e-4
+@pytest.mark.parametrize("per_layer_backends", [False, True])
+def test_buffers_reused_across_layers(world2, per_layer_backends):
+    assert max(world2.run(_many_layers, 12, per_layer_backends)) < 1e-4
 
 
 def _disagree(field: str) -> str:
