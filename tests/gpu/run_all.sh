@@ -27,24 +27,7 @@ deadline=$((SECONDS + ${DEADLINE_S:-420}))
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
 # The host's shared GPUs must never use NVLink multicast (KINDS.md of the device tool).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-status=0
-run() {  # run NAME CAP_S CMD...: log the command, its output and its exit code
-  local name=$1 cap=$2; shift 2
-  local left=$((deadline - SECONDS))
-  if [ "$left" -lt 20 ]; then
-    echo "=== [$name] SKIPPED: ${left}s left of the deadline" | tee -a "$log"
-    status=1
-    return
-  fi
-  [ "$cap" -gt "$left" ] && cap=$left
-  echo "=== [$name] (cap ${cap}s) \$ $*" | tee -a "$log"
-  local t0=$SECONDS
-  timeout -k 5 "$cap" "$@" 2>&1 | tee -a "$log"
-  local rc=${PIPESTATUS[0]}
-  echo "=== [$name] rc=$rc (took $((SECONDS - t0)) s)" | tee -a "$log"
-  [ "$rc" -eq 0 ] || status=1
-}
-has() { [[ " $steps " == *" $1 "* ]]; }
+source "$(dirname "$0")/lib.sh"  # run, has, status
 
 if has env; then
   run env 30 bash -c 'nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; nvidia-smi topo -m | head -5;
@@ -141,7 +124,7 @@ fi
 # Issue 12, on every GPU of a 4- or 8-GPU host (NPROC to use fewer): the DeepEP conformance at
 # that world size, the overlap grid (deepep_ht, copy_engine, deepep_ll; autotuned wrapper) and
 # the transformers shapes, plain vs DBO. One step each, so that each fits one device call.
-ngpu=$(nvidia-smi -L | wc -l)
+ngpu=$(nvidia-smi -L 2>/dev/null | wc -l)
 n_all=${NPROC:-$ngpu}
 if has epn_conformance; then
   run "deepep-conformance-$n_all" 240 torchrun --nproc-per-node "$n_all" tests/gpu/run_deepep.py \

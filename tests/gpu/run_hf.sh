@@ -20,24 +20,7 @@ deadline=$((SECONDS + ${DEADLINE_S:-480}))
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
 # The host's shared GPUs must never use NVLink multicast (KINDS.md of the device tool).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-status=0
-run() {  # run NAME CAP_S CMD...: log the command, its output and its exit code
-  local name=$1 cap=$2; shift 2
-  local left=$((deadline - SECONDS))
-  if [ "$left" -lt 20 ]; then
-    echo "=== [$name] SKIPPED: ${left}s left of the deadline" | tee -a "$log"
-    status=1
-    return
-  fi
-  [ "$cap" -gt "$left" ] && cap=$left
-  echo "=== [$name] (cap ${cap}s) \$ $*" | tee -a "$log"
-  local t0=$SECONDS
-  timeout -k 10 "$cap" "$@" 2>&1 | tee -a "$log"
-  local rc=${PIPESTATUS[0]}
-  echo "=== [$name] rc=$rc (took $((SECONDS - t0)) s)" | tee -a "$log"
-  [ "$rc" -eq 0 ] || status=1
-}
-has() { [[ " $steps " == *" $1 "* ]]; }
+source "$(dirname "$0")/lib.sh"  # run, has, status
 ex="examples/hf_moe.py --device cuda --steps 3 --warmup 1"
 
 if [ "$ngpu" = 1 ]; then

@@ -18,17 +18,7 @@ steps=${STEPS:-"core ce experts switch"}
 tmp=$(mktemp -d)
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-status=0
-run() {  # run NAME CAP_S CMD...
-  local name=$1 cap=$2; shift 2
-  echo "=== [$name] (cap ${cap}s) \$ $*" | tee -a "$log"
-  local t0=$SECONDS
-  timeout -k 5 "$cap" "$@" 2>&1 | tee -a "$log"
-  local rc=${PIPESTATUS[0]}
-  echo "=== [$name] rc=$rc (took $((SECONDS - t0)) s)" | tee -a "$log"
-  [ "$rc" -eq 0 ] || status=1
-}
-has() { [[ " $steps " == *" $1 "* ]]; }
+source "$(dirname "$0")/lib.sh"  # run, has, status
 if has core; then
   run core-gpu-tests 120 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_streams_gpu.py \
     tests/gpu/test_partition_gpu.py -rA -s
