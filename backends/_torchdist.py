@@ -41,7 +41,7 @@ from dbo.moe.base import (
     TopKWeightAndReduceContiguous,
     TopKWeightAndReduceDelegate,
 )
-from dbo.moe.validate import check_routing_inputs, num_local_experts_for
+from dbo.moe.validate import check_routing_inputs, contiguous_expert_map, num_local_experts_for
 from dbo.streams import hand_over
 
 __all__ = [
@@ -101,7 +101,7 @@ def unpack_rows(packed: torch.Tensor, specs: Sequence[tuple[int, torch.dtype]]) 
     """Inverse of :func:`pack_rows`: ``specs`` lists ``(columns, dtype)`` of each part."""
     out, col = [], 0
     for cols, dtype in specs:
-        nbytes = cols * torch.tensor([], dtype=dtype).element_size()
+        nbytes = cols * dtype.itemsize
         out.append(packed[:, col:col + nbytes].contiguous().view(dtype))
         col += nbytes
     return out
@@ -174,6 +174,7 @@ class TorchDistPrepareAndFinalize(PrepareAndFinalize):
         self.timeout_s = float(timeout_s)
         self.check_inputs = check_inputs
         self.use_async = use_async
+        self._checked_maps: dict[int, int] = {}
 
     # ---- PrepareAndFinalize properties --------------------------------------------------
 
@@ -221,6 +222,18 @@ class TorchDistPrepareAndFinalize(PrepareAndFinalize):
         y = weight_and_reduce.apply(None, fused_expert_output, topk_weights, topk_ids,
                                     apply_router_weight_on_input)
         return y.to(output.dtype).contiguous()
+
+    def _check_expert_map(self, expert_map: torch.Tensor | None, num_experts: int) -> None:
+        """``ValueError`` unless ``expert_map`` is None or the contiguous placement (rank ``r``
+        holds ``[r * L, (r + 1) * L)``); a map already checked and not modified since is not
+        read again (the check reads the device)."""
+        if expert_map is None or self._checked_maps.get(id(expert_map)) == expert_map._version:
+            return
+        want = contiguous_expert_map(num_experts, self.world_size, self.rank, expert_map.device)
+        if expert_map.shape != want.shape or not torch.equal(expert_map.to(torch.int32), want):
+            raise ValueError(f"expert_map: the {self.name} backend supports only the contiguous "
+                             f"expert placement (rank r holds experts [r*L, (r+1)*L)); got {expert_map}")
+        self._checked_maps[id(expert_map)] = expert_map._version
 
     @staticmethod
     def _router_on_input(a1: torch.Tensor, topk_weights: torch.Tensor, on: bool) -> torch.Tensor:

@@ -24,7 +24,6 @@ from dbo.moe.base import (
     TopKWeightAndReduce,
 )
 from dbo.moe.handles import PerUBatch
-from dbo.moe.validate import contiguous_expert_map
 
 from ._torchdist import PendingWork, TorchDistPrepareAndFinalize, pack_rows, unpack_rows
 
@@ -58,19 +57,9 @@ class AllToAllPrepareAndFinalize(TorchDistPrepareAndFinalize):
     def __init__(self, group: Any = None, **kwargs: Any):
         super().__init__(group, **kwargs)
         self._handles: PerUBatch[_A2AHandle] = PerUBatch("all2all dispatch handle")
-        self._checked_maps: dict[int, int] = {}
 
     def reset(self) -> None:
         self._handles.clear()
-
-    def _check_expert_map(self, expert_map: torch.Tensor | None, num_experts: int) -> None:
-        if expert_map is None or self._checked_maps.get(id(expert_map)) == expert_map._version:
-            return
-        want = contiguous_expert_map(num_experts, self.world_size, self.rank, expert_map.device)
-        if expert_map.shape != want.shape or not torch.equal(expert_map.to(torch.int32), want):
-            raise ValueError("expert_map: the all2all backend supports only the contiguous expert "
-                             f"placement (rank r holds experts [r*L, (r+1)*L)); got {expert_map}")
-        self._checked_maps[id(expert_map)] = expert_map._version
 
     def prepare_async(self, a1, topk_weights, topk_ids, num_experts, expert_map,
                       apply_router_weight_on_input, quant_config=None):

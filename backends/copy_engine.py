@@ -36,6 +36,7 @@ overwrite can race a read. After a failed step, build a new backend.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,7 +52,6 @@ from dbo.context import (
 from dbo.errors import CollectiveTimeoutError
 from dbo.moe.base import PrepareResult, TopKWeightAndReduce
 from dbo.moe.handles import PerUBatch
-from dbo.moe.validate import contiguous_expert_map
 from dbo.streams import hand_over
 
 from ._ce_transport import BufferLayout, Transport, open_transport
@@ -62,6 +62,10 @@ __all__ = ["CopyEnginePrepareAndFinalize", "make_prepare_finalize"]
 logger = logging.getLogger(__name__)
 
 _DISPATCH, _COMBINE = 0, 1
+
+
+def _nothing() -> None:
+    pass
 
 
 @dataclass
@@ -119,7 +123,7 @@ class CopyEnginePrepareAndFinalize(TorchDistPrepareAndFinalize):
         self.device = torch.device(device)
         self.max_tokens_per_rank = max_tokens_per_rank
         self.max_topk = max_topk
-        self.elem_bytes = torch.tensor([], dtype=dtype).element_size()
+        self.elem_bytes = dtype.itemsize
         self.num_ubatches = num_ubatches
         self.layout = BufferLayout(self.world_size, max_tokens_per_rank, hidden_size,
                                    self.elem_bytes, max_topk, num_ubatches)
@@ -143,7 +147,7 @@ class CopyEnginePrepareAndFinalize(TorchDistPrepareAndFinalize):
 
     def _view(self, peer: int, slot: int, region: str, row0: int, rows: int, cols: int,
               dtype: torch.dtype) -> torch.Tensor:
-        size = torch.tensor([], dtype=dtype).element_size()
+        size = dtype.itemsize
         raw = self.transport.region(peer, slot, region, rows * cols * size, row0 * cols * size)
         return raw.view(dtype).view(rows, cols)
 
@@ -189,13 +193,16 @@ class CopyEnginePrepareAndFinalize(TorchDistPrepareAndFinalize):
             done.record()
             self.transport.last_wait[slot] = (done, what)
 
-    def _check_expert_map(self, expert_map: torch.Tensor | None, num_experts: int) -> None:
-        if expert_map is None:
-            return
-        want = contiguous_expert_map(num_experts, self.world_size, self.rank, expert_map.device)
-        if expert_map.shape != want.shape or not torch.equal(expert_map.to(torch.int32), want):
-            raise ValueError("expert_map: copy_engine supports only the contiguous expert placement "
-                             f"(rank r holds experts [r*L, (r+1)*L)); got {expert_map}")
+    def _arrival(self, slot: int, channel: int, own: Any, what: str
+                 ) -> tuple[Callable[[], None], Callable[[], None]]:
+        """``(hook, stream_wait)`` for the peers' signals on ``channel``: on CPU the hook waits
+        on the host and ``stream_wait`` does nothing; on CUDA the hook is only the yield point and
+        ``stream_wait`` (called by the receiver, right before the data is read) queues the waits
+        on the compute stream."""
+        def wait() -> None:
+            self._wait_all(slot, channel, own, what)
+
+        return (_nothing, wait) if self.transport.cuda else (wait, _nothing)
 
     # ---- dispatch -------------------------------------------------------------------------
 
@@ -234,13 +241,10 @@ class CopyEnginePrepareAndFinalize(TorchDistPrepareAndFinalize):
         lo = self.rank * n_local
         dtype = x.dtype
 
-        def wait() -> None:
-            if not self.transport.cuda:
-                self._wait_all(slot, chan, None, f"dispatch {seq} of ubatch {slot}")
+        hook, stream_wait = self._arrival(slot, chan, own_x, f"dispatch {seq} of ubatch {slot}")
 
         def receiver() -> PrepareResult:
-            if self.transport.cuda:
-                self._wait_all(slot, chan, own_x, f"dispatch {seq} of ubatch {slot}")
+            stream_wait()
             xr = self._view(self.rank, slot, "x", 0, total, hidden, dtype)
             mr = self._view(self.rank, slot, "meta", 0, total, 2 * topk, torch.int32)
             ids = mr[:, :topk].to(torch.int64)
@@ -250,7 +254,7 @@ class CopyEnginePrepareAndFinalize(TorchDistPrepareAndFinalize):
             weights = torch.where(mine, weights, 0.0)
             return PrepareResult(xr, None, None, local, weights)
 
-        return wait, receiver
+        return hook, receiver
 
     def _agree(self, rows: list[list[int]], dtype: torch.dtype, topk: int) -> list[int]:
         """Every rank's token count, after checking that the ranks' calls agree and fit the
@@ -268,7 +272,7 @@ class CopyEnginePrepareAndFinalize(TorchDistPrepareAndFinalize):
                             f"{self.max_tokens_per_rank}")
         if topk > self.max_topk:
             problems.append(f"topk={topk} exceeds max_topk={self.max_topk}")
-        if torch.tensor([], dtype=dtype).element_size() > self.elem_bytes:
+        if dtype.itemsize > self.elem_bytes:
             problems.append(f"dtype {dtype} is wider than the buffers' ({self.elem_bytes} bytes)")
         if problems:
             raise ValueError("copy_engine: " + "; ".join(problems) + " (build the backend larger)")
@@ -298,21 +302,16 @@ class CopyEnginePrepareAndFinalize(TorchDistPrepareAndFinalize):
             if self.transport.cuda:
                 hand_over(y, torch.cuda.current_stream())
             dbo_switch_to_compute()
-        what = f"combine {h.seq} of ubatch {slot}"
-
-        def wait() -> None:
-            if not self.transport.cuda:
-                self._wait_all(slot, chan, None, what)
+        hook, stream_wait = self._arrival(slot, chan, own, f"combine {h.seq} of ubatch {slot}")
 
         def receiver() -> None:
-            if self.transport.cuda:
-                self._wait_all(slot, chan, own, what)
+            stream_wait()
             if not m:
                 return
             parts = self._view(self.rank, slot, "comb", 0, self.world_size * m, h.hidden, y.dtype)
             output.copy_(parts.view(self.world_size, m, h.hidden).sum(0, dtype=torch.float32))
 
-        return wait, receiver
+        return hook, receiver
 
 
 def make_prepare_finalize(group: Any = None, *, hidden: int, max_tokens_per_rank: int,
