@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import statistics
 import sys
 import time
@@ -43,6 +42,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from dbo.bench.overlap_args import init_distributed as join_group
 from dbo.integrations.backends import BACKENDS, cpu_backends
 from dbo.integrations.hf_presets import PRESETS, TINY_FAMILIES, causal_lm_class, preset_config, tiny_config
 from dbo.integrations.moe_block import ExpertParallelMoE
@@ -107,18 +107,9 @@ def _shape(text: str, p: argparse.ArgumentParser) -> tuple[int, int]:
 
 
 def init_distributed(device: str) -> tuple[int, int, torch.device]:
-    if "RANK" not in os.environ:  # run without torchrun: a group of one
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=os.environ.get("MASTER_PORT", "29517"))
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    if device == "cuda":
-        torch.cuda.set_device(local)
-        dist.init_process_group("nccl", device_id=torch.device("cuda", local))
-        dev = torch.device("cuda", local)
-    else:
-        dist.init_process_group("gloo")
-        dev = torch.device("cpu")
-    return dist.get_rank(), dist.get_world_size(), dev
+    """Join the torchrun group (or a one-rank group); return rank, world and this rank's device."""
+    rank, world, local_rank = join_group(device)
+    return rank, world, torch.device("cuda", local_rank) if device == "cuda" else torch.device("cpu")
 
 
 # ---- the model: built on meta, converted, then only local weights materialised -------------

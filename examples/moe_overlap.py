@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import sys
 import time
 from collections.abc import Callable
@@ -43,6 +42,7 @@ from _model import (  # examples/ is on sys.path
 )
 
 import dbo
+from dbo.bench.overlap_args import init_distributed as join_group
 from dbo.moe import relative_error
 from dbo.overlap import DBOWrapper
 from dbo.split import SplitConfig
@@ -87,23 +87,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def init_distributed(device: str) -> tuple[int, int, int]:
-    """Join the torchrun group (or start a one-rank group); return rank, world, local rank."""
-    if "RANK" not in os.environ:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if device == "cuda":
-        torch.cuda.set_device(local_rank)
-        dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
-    else:
-        dist.init_process_group("gloo")
-        if "OMP_NUM_THREADS" not in os.environ:
-            local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
-    return dist.get_rank(), dist.get_world_size(), local_rank
+    """Join the torchrun group (or a one-rank group); on CPU, share the cores among the ranks."""
+    rank, world, local_rank = join_group(device)
+    if device != "cuda" and "OMP_NUM_THREADS" not in os.environ:
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    return rank, world, local_rank
 
 
 def sync(device: torch.device) -> None:
