@@ -218,9 +218,6 @@ class Transport:
     def wait(self, src: int, channel: int) -> None:
         raise NotImplementedError
 
-    def close(self) -> None:  # noqa: B027 - optional
-        pass
-
 
 class CpuTransport(Transport):
     """Host shared memory: puts are memory copies, signals are flags waited for on the host."""
@@ -313,9 +310,6 @@ class CudaTransport(Transport):
 
     def wait(self, src, channel):
         self._handle.wait_signal(src, channel, self.timeout_ms)
-
-    def close(self) -> None:
-        self._peers = []
 
 
 class TransportCache:
