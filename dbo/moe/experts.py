@@ -37,7 +37,8 @@ from dbo.moe.base import (
     TopKWeightAndReduceNoOp,
     Workspace,
 )
-from dbo.moe.gather_reduce import gather_reduce, gather_rows, silu_and_mul
+from dbo.moe.gather_reduce import gather_reduce, gather_rows, silu_and_mul, use_triton_for
+from dbo.moe.fused_experts import fused_swiglu_experts
 from dbo.moe.grouped_gemm import grouped_mm
 from dbo.moe.grouping import group_by_expert
 from dbo.moe.validate import check_expert_weights
@@ -86,16 +87,23 @@ class SwiGLUExperts(MoEExperts):
         batched_rows: BATCHED_EXPERTS on CUDA: compute only the first ``batched_rows`` rows of
             each expert's slab (rows past it are left unwritten). Only for a caller that knows
             no expert receives more (a masked grouped GEMM's expected rows); default all.
+        fused: STANDARD format with Triton: the fused kernels of :mod:`dbo.moe.fused_experts`
+            (gather in the first GEMM's prologue, activation in its epilogue, slot scatter in
+            the second's). Default: wherever the Triton kernels run; False runs the unfused
+            steps (``torch._grouped_mm`` and separate gather/activation/reduce kernels).
     """
 
     def __init__(self, *, reduce_in_experts: bool = True, use_grouped_mm: bool | None = None,
-                 use_triton: bool | None = None, batched_rows: int | None = None):
+                 use_triton: bool | None = None, batched_rows: int | None = None,
+                 fused: bool | None = None):
         if batched_rows is not None and batched_rows < 1:
             raise ValueError(f"batched_rows must be >= 1 or None, got {batched_rows}")
         self.reduce_in_experts = reduce_in_experts
         self.use_grouped_mm = use_grouped_mm
         self.use_triton = use_triton
         self.batched_rows = batched_rows
+        self.fused = fused
+        self._bounds: dict[tuple[int, torch.device], torch.Tensor] = {}
         self._format: ActivationFormat | None = None
 
     def supported_activation_formats(self) -> tuple[ActivationFormat, ...]:
@@ -139,6 +147,12 @@ class SwiGLUExperts(MoEExperts):
         if host is not None and host.numel() != n_local:
             raise ValueError(f"expert_tokens_meta has {host.numel()} host-side counts for "
                              f"{n_local} local experts")
+        if m and self.fused is not False and use_triton_for(x, self.use_triton):
+            weights = torch.ones_like(topk_weights) if router_on_input else topk_weights
+            return fused_swiglu_experts(
+                x, w1, w2, weights, topk_ids, out=out, reduce=self.reduce_in_experts,
+                max_local_pairs=None if host is None else int(host.sum()),
+                bounds=self._bounds_for(n_local, x.device))
         groups = group_by_expert(topk_ids, n_local, host) if m else None
         if groups is None or groups.num_rows == 0:
             return out.zero_()
@@ -157,6 +171,13 @@ class SwiGLUExperts(MoEExperts):
         weights = torch.ones_like(topk_weights) if router_on_input else topk_weights
         return gather_reduce(y, groups.slot_rows, weights, groups.local, out=out,
                              use_triton=self.use_triton)
+
+    def _bounds_for(self, n_local: int, device: torch.device) -> torch.Tensor:
+        # arange(1, E + 1) for the offsets' searchsorted, made once per device (one launch less)
+        key = (n_local, device)
+        if key not in self._bounds:
+            self._bounds[key] = torch.arange(1, n_local + 1, dtype=torch.int16, device=device)
+        return self._bounds[key]
 
     # ---- BATCHED_EXPERTS ------------------------------------------------------------------
 

@@ -1,0 +1,279 @@
+"""Fused SwiGLU experts for CUDA (Triton): three kernels between the routing and the output.
+
+``out[m] = sum over local slots s of w[m, s] * (silu(x[m] @ g_e.T) * (x[m] @ u_e.T)) @ d_e.T``
+with ``e = topk_ids[m, s]``, ``[g_e; u_e] = w1[e]`` and ``d_e = w2[e]``.
+
+1. The (token, slot) pairs are sorted by local expert on the device (one 16-bit radix sort);
+   each expert's end row comes from a ``searchsorted`` of the sorted keys. Nothing is read back.
+2. ``gate_up``: a grouped GEMM whose prologue gathers each row's token from ``x`` (no gathered
+   copy of the activations) and whose epilogue applies ``silu(gate) * up`` (no ``[R, 2I]``
+   intermediate): it computes the gate and up tiles of the same columns side by side.
+3. ``down``: a grouped GEMM whose epilogue writes each row to its slot's place, ``y[m * topk +
+   s]`` (``[M * topk, hidden]``, slots of other ranks' experts left unwritten).
+4. ``topk_sum``: ``out[m] = sum_s w[m, s] * y[m * topk + s]`` over the local slots, float32
+   accumulation, contiguous reads, no atomics (the sum's order is fixed: run to run the same).
+
+A program finds its expert and its tile from the device offsets itself (a scan over at most
+``BLOCK_E`` experts), so the grid is an upper bound known on the host: programs past the last
+expert's tiles return at once. Within an expert the tiles are visited in groups of ``group_m``
+row blocks per column block, so that concurrent programs share weight tiles in L2.
+
+Tile sizes come from :data:`CONFIGS`, per bucket of rows per expert (measured on an H200: see
+docs/perf_notes.md); :func:`pick_configs` chooses them, ``configs=`` overrides.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["GemmConfig", "CONFIGS", "pick_configs", "fused_swiglu_experts", "route_order"]
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the module is only used where Triton is importable
+    triton = None
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """One grouped GEMM's tile: ``block_m`` rows x ``block_n`` columns, ``block_k`` deep;
+    ``group_m`` row blocks share a column block in launch order; Triton's warps and stages."""
+
+    block_m: int = 64
+    block_n: int = 64
+    block_k: int = 64
+    group_m: int = 8
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+#: (largest estimated rows per expert, gate_up config, down config), first match wins
+CONFIGS: tuple[tuple[int, GemmConfig, GemmConfig], ...] = (
+    (48, GemmConfig(32, 64, 128, 8, 4, 4), GemmConfig(32, 128, 64, 8, 4, 4)),
+    (96, GemmConfig(64, 64, 64, 8, 4, 4), GemmConfig(64, 128, 64, 8, 4, 4)),
+    (1 << 62, GemmConfig(128, 64, 64, 8, 8, 3), GemmConfig(128, 128, 64, 8, 8, 3)),
+)
+
+
+def pick_configs(rows_per_expert: float) -> tuple[GemmConfig, GemmConfig]:
+    """The ``(gate_up, down)`` tiles for an estimated number of rows per local expert."""
+    for bound, up, down in CONFIGS:
+        if rows_per_expert <= bound:
+            return up, down
+    return CONFIGS[-1][1], CONFIGS[-1][2]
+
+
+if triton is not None:
+
+    @triton.jit
+    def _route_keys_kernel(ids_ptr, key_ptr, n, n_experts, BLOCK: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = i < n
+        ids = tl.load(ids_ptr + i, mask=mask, other=-1)
+        local = (ids >= 0) & (ids < n_experts)
+        tl.store(key_ptr + i, tl.where(local, ids, n_experts).to(tl.int16), mask=mask)
+
+    @triton.jit
+    def _tile_of(pid, offs_ptr, n_experts, n_col_blocks, BLOCK_M: tl.constexpr,
+                 BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr):
+        # -> (expert, first row, end row, row block, column block); expert == n_experts: no tile
+        es = tl.arange(0, BLOCK_E)
+        live = es < n_experts
+        ends = tl.load(offs_ptr + es, mask=live, other=0)
+        starts = tl.load(offs_ptr + es - 1, mask=live & (es > 0), other=0)
+        m_tiles = tl.where(live, (ends - starts + BLOCK_M - 1) // BLOCK_M, 0)
+        tile_ends = tl.cumsum(m_tiles, 0) * n_col_blocks
+        e = tl.sum((tl.where(live, tile_ends, 2147483647) <= pid).to(tl.int32), 0)
+        sel = es == e
+        first_tile = tl.sum(tl.where(sel, tile_ends - m_tiles * n_col_blocks, 0), 0)
+        first_row = tl.sum(tl.where(sel, starts, 0), 0)
+        end_row = tl.sum(tl.where(sel, ends, 0), 0)
+        num_m = tl.sum(tl.where(sel, m_tiles, 0), 0)
+        local = pid - first_tile
+        group = GROUP_M * n_col_blocks
+        first_m = (local // group) * GROUP_M
+        size_m = tl.maximum(tl.minimum(num_m - first_m, GROUP_M), 1)
+        pid_m = first_m + (local % group) % size_m
+        pid_n = (local % group) // size_m
+        return e, first_row, end_row, pid_m, pid_n
+
+    @triton.jit
+    def _gate_up_kernel(x_ptr, order_ptr, offs_ptr, w_ptr, act_ptr, n_experts, hidden, inter,
+                        stride_we, TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr,
+                        EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
+        n_col_blocks = tl.cdiv(inter, BLOCK_N)
+        e, first_row, end_row, pid_m, pid_n = _tile_of(tl.program_id(0), offs_ptr, n_experts,
+                                                       n_col_blocks, BLOCK_M, BLOCK_E, GROUP_M)
+        if e >= n_experts:
+            return
+        rows = first_row + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_mask = rows < end_row
+        tokens = (tl.load(order_ptr + rows, mask=row_mask, other=0) // TOPK).to(tl.int64)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_mask = cols < inter
+        ks = tl.arange(0, BLOCK_K)
+        a_ptrs = x_ptr + tokens[:, None] * hidden + ks[None, :]
+        w_base = w_ptr + e.to(tl.int64) * stride_we
+        g_ptrs = w_base + cols[None, :].to(tl.int64) * hidden + ks[:, None]
+        u_ptrs = g_ptrs + inter * hidden
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, hidden, BLOCK_K):
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=row_mask[:, None], other=0.0)
+                g = tl.load(g_ptrs, mask=col_mask[None, :], other=0.0)
+                u = tl.load(u_ptrs, mask=col_mask[None, :], other=0.0)
+            else:
+                k_mask = (k0 + ks) < hidden
+                a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+                g = tl.load(g_ptrs, mask=col_mask[None, :] & k_mask[:, None], other=0.0)
+                u = tl.load(u_ptrs, mask=col_mask[None, :] & k_mask[:, None], other=0.0)
+            acc_g = tl.dot(a, g, acc_g, input_precision=PRECISION)
+            acc_u = tl.dot(a, u, acc_u, input_precision=PRECISION)
+            a_ptrs += BLOCK_K
+            g_ptrs += BLOCK_K
+            u_ptrs += BLOCK_K
+        act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+        tl.store(act_ptr + rows.to(tl.int64)[:, None] * inter + cols[None, :],
+                 act.to(act_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+
+    @triton.jit
+    def _down_kernel(act_ptr, order_ptr, offs_ptr, w_ptr, y_ptr, n_experts, hidden, inter,
+                     stride_we, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
+                     PRECISION: tl.constexpr):
+        n_col_blocks = tl.cdiv(hidden, BLOCK_N)
+        e, first_row, end_row, pid_m, pid_n = _tile_of(tl.program_id(0), offs_ptr, n_experts,
+                                                       n_col_blocks, BLOCK_M, BLOCK_E, GROUP_M)
+        if e >= n_experts:
+            return
+        rows = first_row + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_mask = rows < end_row
+        rows64 = rows.to(tl.int64)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_mask = cols < hidden
+        ks = tl.arange(0, BLOCK_K)
+        a_ptrs = act_ptr + rows64[:, None] * inter + ks[None, :]
+        b_ptrs = w_ptr + e.to(tl.int64) * stride_we + cols[None, :].to(tl.int64) * inter + ks[:, None]
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, inter, BLOCK_K):
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=row_mask[:, None], other=0.0)
+                b = tl.load(b_ptrs, mask=col_mask[None, :], other=0.0)
+            else:
+                k_mask = (k0 + ks) < inter
+                a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+                b = tl.load(b_ptrs, mask=col_mask[None, :] & k_mask[:, None], other=0.0)
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+            a_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K
+        slots = tl.load(order_ptr + rows, mask=row_mask, other=0).to(tl.int64)
+        tl.store(y_ptr + slots[:, None] * hidden + cols[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=row_mask[:, None] & col_mask[None, :])
+
+    @triton.jit
+    def _topk_sum_kernel(y_ptr, ids_ptr, w_ptr, out_ptr, n_experts, hidden, TOPK: tl.constexpr,
+                         BLOCK: tl.constexpr):
+        # a slot of another rank's expert reads nothing: its row of y was never written
+        m = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < hidden
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for s in tl.static_range(TOPK):
+            e = tl.load(ids_ptr + m * TOPK + s)
+            if (e >= 0) & (e < n_experts):
+                w = tl.load(w_ptr + m * TOPK + s).to(tl.float32)
+                acc += w * tl.load(y_ptr + (m * TOPK + s) * hidden + cols, mask=mask,
+                                   other=0.0).to(tl.float32)
+        tl.store(out_ptr + m * hidden + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _block_e(n_experts: int) -> int:
+    return max(16, triton.next_power_of_2(n_experts))
+
+
+def route_order(topk_ids: torch.Tensor, num_local_experts: int,
+                bounds: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sort the pairs of ``topk_ids`` (``[M, topk]`` local ids, others ``-1`` or out of range)
+    by local expert on the device.
+
+    Returns ``(order, offsets)``: ``order`` ``[M * topk]`` int64, the pair (``m * topk + s``) of
+    each sorted row (the local pairs first); ``offsets`` ``[E]`` int32, each expert's end row.
+    ``bounds``: optional cached ``arange(1, E + 1)`` int16 on the device. No host sync.
+    """
+    if num_local_experts >= 2**15 - 1:
+        raise ValueError(f"at most {2**15 - 2} local experts, got {num_local_experts}")
+    ids = topk_ids.reshape(-1).contiguous()
+    n = ids.numel()
+    key = torch.empty(n, dtype=torch.int16, device=ids.device)
+    _route_keys_kernel[(triton.cdiv(n, 1024),)](ids, key, n, num_local_experts, BLOCK=1024)
+    # unstable: the order inside an expert changes no sum (each row is its own output)
+    sorted_key, order = torch.sort(key)
+    if bounds is None:
+        bounds = torch.arange(1, num_local_experts + 1, dtype=torch.int16, device=ids.device)
+    offsets = torch.searchsorted(sorted_key, bounds).to(torch.int32)
+    return order, offsets
+
+
+def fused_swiglu_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                         topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
+                         out: torch.Tensor, reduce: bool = True, max_local_pairs: int | None = None,
+                         configs: tuple[GemmConfig, GemmConfig] | None = None,
+                         bounds: torch.Tensor | None = None) -> torch.Tensor:
+    """Routed SwiGLU experts, fused (see the module docstring). CUDA tensors, Triton.
+
+    Args:
+        x: ``[M, hidden]`` bf16/fp16/float32 tokens.
+        w1: ``[E, 2I, hidden]`` gate rows first, ``x``'s dtype. w2: ``[E, hidden, I]``.
+        topk_weights: ``[M, topk]`` float (router weights; ones for weights applied on input).
+        topk_ids: ``[M, topk]`` int32/int64 local expert ids, ``-1`` for other ranks' experts.
+        out: ``[M, hidden]`` (``reduce``) or ``[M, topk, hidden]`` (not ``reduce``: each slot's
+            unweighted output, zeros for other ranks' slots), ``x``'s dtype.
+        max_local_pairs: an upper bound of the local pairs if the host knows one (DeepEP's host
+            counts): it sizes the grid and picks the tiles; default ``M * topk``.
+        configs: ``(gate_up, down)`` tiles; default :func:`pick_configs`.
+        bounds: cached ``arange(1, E + 1)`` int16 on the device (see :func:`route_order`).
+
+    Returns:
+        ``out``. Nothing waits for the GPU.
+    """
+    m, hidden = x.shape
+    n_experts, two_inter, _ = w1.shape
+    inter = two_inter // 2
+    topk = topk_ids.shape[1]
+    x, w1, w2 = x.contiguous(), w1.contiguous(), w2.contiguous()
+    order, offsets = route_order(topk_ids, n_experts, bounds)
+    pairs = m * topk if max_local_pairs is None else min(max_local_pairs, m * topk)
+    up_cfg, down_cfg = configs if configs is not None else pick_configs(pairs / n_experts)
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    act = torch.empty(m * topk, inter, dtype=x.dtype, device=x.device)
+    block_e = _block_e(n_experts)
+
+    def grid(cfg: GemmConfig, cols: int) -> tuple[int]:
+        # sum over experts of ceil(rows_e / BLOCK_M) <= pairs / BLOCK_M + E
+        return ((triton.cdiv(pairs, cfg.block_m) + n_experts) * triton.cdiv(cols, cfg.block_n),)
+
+    _gate_up_kernel[grid(up_cfg, inter)](
+        x, order, offsets, w1, act, n_experts, hidden, inter, w1.stride(0), TOPK=topk,
+        BLOCK_M=up_cfg.block_m, BLOCK_N=up_cfg.block_n, BLOCK_K=up_cfg.block_k, BLOCK_E=block_e,
+        GROUP_M=up_cfg.group_m, EVEN_K=hidden % up_cfg.block_k == 0, PRECISION=precision,
+        num_warps=up_cfg.num_warps, num_stages=up_cfg.num_stages)
+    y = out.view(m * topk, hidden) if not reduce else \
+        torch.empty(m * topk, hidden, dtype=x.dtype, device=x.device)
+    _down_kernel[grid(down_cfg, hidden)](
+        act, order, offsets, w2, y, n_experts, hidden, inter, w2.stride(0),
+        BLOCK_M=down_cfg.block_m, BLOCK_N=down_cfg.block_n, BLOCK_K=down_cfg.block_k,
+        BLOCK_E=block_e, GROUP_M=down_cfg.group_m, EVEN_K=inter % down_cfg.block_k == 0,
+        PRECISION=precision, num_warps=down_cfg.num_warps, num_stages=down_cfg.num_stages)
+    if not reduce:
+        local = (topk_ids >= 0) & (topk_ids < n_experts)
+        return out.masked_fill_(~local.unsqueeze(-1), 0)
+    block = 1024 if hidden >= 1024 else max(16, triton.next_power_of_2(hidden))
+    _topk_sum_kernel[(m, triton.cdiv(hidden, block))](
+        y, topk_ids.contiguous(), topk_weights.contiguous(), out, n_experts, hidden, TOPK=topk,
+        BLOCK=block)
+    return out
