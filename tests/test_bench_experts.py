@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from dbo.bench.experts import _apply, format_rows, make_case, run_grid
+from dbo.bench.experts import _apply, add_limits, format_rows, limit_summary, make_case, run_grid
+from dbo.bench.limits import DeviceLimits, active_experts, experts_cost, measure_device_limits
 from dbo.moe import SwiGLUExperts, Workspace, reference_moe, relative_error
 
 
@@ -29,7 +30,34 @@ def test_grid_times_every_implementation_and_outputs_agree():
         assert all(v["median_ms"] > 0 for v in r["results"].values())
         assert r["results"]["device"]["rel_err"] < 1e-6
     table = format_rows(rows, "host").splitlines()
-    assert len(table) == 1 + len(rows) and "host/device" in table[0]
+    assert len(table) == 1 + len(rows) and "device/host" in table[0]
     case = make_case(40, 32, 16, 2, num_experts=8, topk=3, dtype=torch.float32, device="cpu", seed=40)
     out = _apply(SwiGLUExperts(use_triton=False), case, False, Workspace())
     assert relative_error(out, reference_moe(case.x, case.w1, case.w2, case.weights, case.ids)) < 1e-5
+
+
+def test_limits_are_measured_and_every_row_gets_its_ratio():
+    limits = measure_device_limits("cpu", copy_bytes=1 << 20, gemm_n=64, reps=3)
+    assert limits.copy_gbps > 0 and limits.gemm_tflops > 0
+    impls = {"a": (SwiGLUExperts(use_triton=False), False)}
+    rows = run_grid(impls, hidden=[32], intermediate=[16], tokens=[8, 40], local_experts=[4],
+                    topk=3, steps=2, num_experts=8, dtype=torch.float32, device="cpu")
+    add_limits(rows, limits, dtype_bytes=4)
+    for r in rows:
+        res = r["results"]["a"]
+        assert r["limit_ms"] > 0 and res["x_limit"] == res["median_ms"] / r["limit_ms"]
+    summary = limit_summary(rows)["a"]
+    assert summary["worst_x_limit"] >= summary["geomean_x_limit"] > 0
+    table = format_rows(rows, "a")
+    assert "x lim" in table and "geometric mean" in table
+
+
+def test_the_limit_formula():
+    lim = DeviceLimits("test", copy_gbps=1000.0, gemm_tflops=100.0)  # 1 TB/s, 100 TFLOP/s
+    flops, nbytes = experts_cost(tokens=10, hidden=100, intermediate=50, local_pairs=20,
+                                 experts_with_rows=3, dtype_bytes=2)
+    assert flops == 6 * 20 * 100 * 50
+    assert nbytes == 3 * 3 * 100 * 50 * 2 + 2 * 10 * 100 * 2  # weights read + tokens in and out
+    assert lim.time_ms(flops, nbytes) == max(nbytes / 1e12, flops / 1e14) * 1e3
+    assert lim.time_ms(1e14, 0) == 1000.0 and lim.time_ms(0, 1e12) == 1000.0
+    assert active_experts(8, 0) == 0 and 7.9 < active_experts(8, 1000) <= 8

@@ -1,14 +1,16 @@
 """The routed experts alone: :class:`dbo.moe.SwiGLUExperts` at the overlap benchmark's shapes.
 
     python -m dbo.bench experts                      # CUDA: the default grid, a table
-    python -m dbo.bench experts --hidden 2048 --intermediate 512 --tokens 4096 --json out.json
+    python -m dbo.bench experts --intermediate 256 768 2048 --tokens 4096 --json out.json
 
 A case is what one rank's experts get from a STANDARD-format backend: ``tokens`` received
 tokens, each routed to ``topk`` of ``num_experts`` experts, of which this rank holds
 ``local_experts`` (the other slots are ``-1``), with the per-expert counts on the host as DeepEP
 normal mode delivers them ("host counts") or not ("device offsets": naive, all2all). Each
 implementation's ``apply`` is timed with CUDA events, alternating implementations step by step
-so that clock drift hits them alike; the median per implementation is reported.
+so that clock drift hits them alike; the median per implementation is reported, with each row's
+hardware limit and the ratio to it (:mod:`dbo.bench.limits`: bandwidth and GEMM rate measured at
+the start of the same run).
 :func:`time_experts` is reusable with other implementations (``tests/gpu/compare_experts.py``
 times the benchmark's former experts against the library's with it).
 """
@@ -25,9 +27,11 @@ from dataclasses import dataclass
 
 import torch
 
+from dbo.bench.limits import DeviceLimits, experts_cost, measure_device_limits
 from dbo.moe import ActivationFormat, ExpertTokensMetadata, MoEExperts, SwiGLUExperts, Workspace
 
-__all__ = ["ExpertsCase", "make_case", "time_experts", "run_grid", "format_rows", "main"]
+__all__ = ["ExpertsCase", "make_case", "time_experts", "run_grid", "add_limits", "format_rows",
+           "limit_summary", "main"]
 
 
 @dataclass
@@ -154,7 +158,8 @@ def run_grid(impls: dict[str, tuple[MoEExperts, bool]], *, hidden: list[int], in
                     w = (case.w1, case.w2)
                     res = time_experts(impls, case, steps=steps)
                     row = {"hidden": h, "intermediate": inter, "local_experts": n_local, "tokens": t,
-                           "local_pairs": int(case.counts.sum()), "results": res}
+                           "local_pairs": int(case.counts.sum()),
+                           "experts_with_rows": int((case.counts > 0).sum()), "results": res}
                     rows.append(row)
                     if log is not None:
                         log(f"H={h} I={inter} L={n_local} T={t}: " + ", ".join(
@@ -165,30 +170,63 @@ def run_grid(impls: dict[str, tuple[MoEExperts, bool]], *, hidden: list[int], in
     return rows
 
 
+def add_limits(rows: list[dict], limits: DeviceLimits, dtype_bytes: int = 2) -> None:
+    """Give each row its limit (``limit_ms``) and each result its ratio to it (``x_limit``)."""
+    for r in rows:
+        flops, nbytes = experts_cost(tokens=r["tokens"], hidden=r["hidden"], intermediate=r["intermediate"],
+                                     local_pairs=r["local_pairs"], experts_with_rows=r["experts_with_rows"],
+                                     dtype_bytes=dtype_bytes)
+        r["limit_ms"] = limits.time_ms(flops, nbytes)
+        r["limit_bound"] = "flops" if flops / limits.gemm_tflops / 1e12 > nbytes / limits.copy_gbps / 1e9 \
+            else "bytes"
+        for res in r["results"].values():
+            res["x_limit"] = res["median_ms"] / r["limit_ms"]
+
+
+def limit_summary(rows: list[dict]) -> dict[str, dict[str, float]]:
+    """Per implementation: geometric mean and worst of ``x_limit`` over the rows."""
+    out = {}
+    for name in (rows[0]["results"] if rows else {}):
+        xs = [r["results"][name]["x_limit"] for r in rows]
+        out[name] = {"geomean_x_limit": statistics.geometric_mean(xs), "worst_x_limit": max(xs)}
+    return out
+
+
 def format_rows(rows: list[dict], baseline: str) -> str:
     """A table: per shape the median ms of each implementation and ``baseline``'s time over it."""
     names = list(rows[0]["results"]) if rows else []
-    head = f"{'hidden':>6} {'I':>5} {'L':>4} {'tokens':>6} {'pairs':>7} " + " ".join(
-        f"{n[:22]:>22}" for n in names) + "  " + " ".join(
-        f"{(baseline[:10] + '/' + n[:10]):>21}" for n in names if n != baseline)
+    lim = bool(rows) and "limit_ms" in rows[0]
+    head = f"{'hidden':>6} {'I':>5} {'L':>4} {'tokens':>6} {'pairs':>7} {'rows/e':>6} " + " ".join(
+        f"{n[:16]:>16}" + (f" {'x lim':>6}" if lim else "") for n in names)
+    head += (f" {'limit':>8}" if lim else "") + "  " + " ".join(
+        f"{(n[:10] + '/' + baseline[:10]):>21}" for n in names if n != baseline)
     lines = [head]
     for r in rows:
         res = r["results"]
+        per = r["local_pairs"] / max(1, r.get("experts_with_rows") or r["local_experts"])
         line = f"{r['hidden']:>6} {r['intermediate']:>5} {r['local_experts']:>4} {r['tokens']:>6} " \
-               f"{r['local_pairs']:>7} " + " ".join(f"{res[n]['median_ms']:>19.3f} ms" for n in names)
-        line += "  " + " ".join(f"{res[baseline]['median_ms'] / res[n]['median_ms']:>21.3f}"
-                                for n in names if n != baseline)
+               f"{r['local_pairs']:>7} {per:>6.0f} " + " ".join(
+                   f"{res[n]['median_ms']:>13.3f} ms" + (f" {res[n]['x_limit']:>6.2f}" if lim else "")
+                   for n in names)
+        line += (f" {r['limit_ms']:>5.3f} ms" if lim else "") + "  " + " ".join(
+            f"{res[n]['median_ms'] / res[baseline]['median_ms']:>21.3f}" for n in names if n != baseline)
         lines.append(line)
+    if lim:
+        for name, s in limit_summary(rows).items():
+            lines.append(f"{name}: geometric mean {s['geomean_x_limit']:.2f}x the limit, worst "
+                         f"{s['worst_x_limit']:.2f}x over {len(rows)} rows")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m dbo.bench experts", description=__doc__.split("\n\n")[0])
-    p.add_argument("--hidden", type=int, nargs="+", default=[7168, 2048])
-    p.add_argument("--intermediate", type=int, nargs="+", default=[256, 512, 2048])
-    p.add_argument("--tokens", type=int, nargs="+", default=[4096, 8192, 16384],
-                   help="tokens this rank received")
-    p.add_argument("--local-experts", type=int, nargs="+", default=[128, 64], help="of 256")
+    p.add_argument("--hidden", type=int, nargs="+", default=[7168])
+    p.add_argument("--intermediate", type=int, nargs="+", default=[256, 768, 2048])
+    p.add_argument("--tokens", type=int, nargs="+", default=[1024 << i for i in range(7)],
+                   help="tokens this rank received (default 1024..65536)")
+    p.add_argument("--local-experts", type=int, nargs="+", default=[32, 128, 256], help="of 256")
+    p.add_argument("--baseline-only", action="store_true",
+                   help="time only the library's experts (not also the unfused steps)")
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--json", default=None, help="also write the rows here")
@@ -196,17 +234,23 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         sys.stderr.write("python -m dbo.bench experts needs a CUDA GPU\n")
         return 2
-    impls = {"library, host counts": (SwiGLUExperts(), True),
-             "library, device offsets": (SwiGLUExperts(), False)}
+    limits = measure_device_limits()
+    print(limits.describe(), flush=True)
+    impls = {"fused, offsets": (SwiGLUExperts(), False)}
+    if not a.baseline_only:
+        impls["unfused, offsets"] = (SwiGLUExperts(fused=False), False)
     with torch.inference_mode():
         rows = run_grid(impls, hidden=a.hidden, intermediate=a.intermediate, tokens=a.tokens,
-                        local_experts=a.local_experts, topk=a.topk, steps=a.steps)
+                        local_experts=a.local_experts, topk=a.topk, steps=a.steps,
+                        log=lambda s: print(s, flush=True))
+    add_limits(rows, limits)
     print(f"dbo.bench experts: {torch.cuda.get_device_name()}, bf16, top-{a.topk} of 256 experts, "
-          f"median of {a.steps} apply() calls (CUDA events); last column: host counts / device offsets")
-    print(format_rows(rows, "library, host counts"))
+          f"device offsets, median of {a.steps} apply() calls (CUDA events); {limits.describe()}; "
+          "last columns: time over the first implementation's")
+    print(format_rows(rows, next(iter(impls))))
     if a.json:
         with open(a.json, "w") as f:
-            json.dump(rows, f, indent=1)
+            json.dump({"limits": limits.as_dict(), "rows": rows, "summary": limit_summary(rows)}, f, indent=1)
     return 0
 
 

@@ -37,8 +37,8 @@ from dbo.moe.base import (
     TopKWeightAndReduceNoOp,
     Workspace,
 )
-from dbo.moe.gather_reduce import gather_reduce, gather_rows, silu_and_mul, use_triton_for
 from dbo.moe.fused_experts import fused_swiglu_experts
+from dbo.moe.gather_reduce import gather_reduce, gather_rows, silu_and_mul, use_triton_for
 from dbo.moe.grouped_gemm import grouped_mm
 from dbo.moe.grouping import group_by_expert
 from dbo.moe.validate import check_expert_weights

@@ -28,7 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["GemmConfig", "CONFIGS", "pick_configs", "fused_swiglu_experts", "route_order"]
+__all__ = ["GemmConfig", "CONFIGS", "pick_configs", "fused_swiglu_experts", "route_order",
+           "launch_gate_up", "launch_down"]
 
 try:
     import triton
@@ -219,6 +220,39 @@ def route_order(topk_ids: torch.Tensor, num_local_experts: int,
     return order, offsets
 
 
+def _grid(cfg: GemmConfig, pairs: int, n_experts: int, cols: int) -> tuple[int]:
+    # sum over experts of ceil(rows_e / BLOCK_M) <= pairs / BLOCK_M + E
+    return ((triton.cdiv(pairs, cfg.block_m) + n_experts) * triton.cdiv(cols, cfg.block_n),)
+
+
+def _precision(x: torch.Tensor) -> str:
+    return "ieee" if x.dtype == torch.float32 else "tf32"
+
+
+def launch_gate_up(x: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, w1: torch.Tensor,
+                   act: torch.Tensor, cfg: GemmConfig, pairs: int, topk: int) -> None:
+    """``act[r] = silu(x[t] @ g_e.T) * (x[t] @ u_e.T)`` for each sorted row ``r`` of expert
+    ``e`` (``t = order[r] // topk``); ``pairs``: an upper bound of the local pairs (the grid)."""
+    n_experts, two_inter, hidden = w1.shape
+    inter = two_inter // 2
+    _gate_up_kernel[_grid(cfg, pairs, n_experts, inter)](
+        x, order, offsets, w1, act, n_experts, hidden, inter, w1.stride(0), TOPK=topk,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_E=_block_e(n_experts),
+        GROUP_M=cfg.group_m, EVEN_K=hidden % cfg.block_k == 0, PRECISION=_precision(x),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+def launch_down(act: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, w2: torch.Tensor,
+                y: torch.Tensor, cfg: GemmConfig, pairs: int) -> None:
+    """``y[order[r]] = act[r] @ d_e.T`` for each sorted row ``r`` of expert ``e``."""
+    n_experts, hidden, inter = w2.shape
+    _down_kernel[_grid(cfg, pairs, n_experts, hidden)](
+        act, order, offsets, w2, y, n_experts, hidden, inter, w2.stride(0),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_E=_block_e(n_experts),
+        GROUP_M=cfg.group_m, EVEN_K=inter % cfg.block_k == 0, PRECISION=_precision(act),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
 def fused_swiglu_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
                          topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
                          out: torch.Tensor, reduce: bool = True, max_local_pairs: int | None = None,
@@ -249,26 +283,11 @@ def fused_swiglu_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
     order, offsets = route_order(topk_ids, n_experts, bounds)
     pairs = m * topk if max_local_pairs is None else min(max_local_pairs, m * topk)
     up_cfg, down_cfg = configs if configs is not None else pick_configs(pairs / n_experts)
-    precision = "ieee" if x.dtype == torch.float32 else "tf32"
     act = torch.empty(m * topk, inter, dtype=x.dtype, device=x.device)
-    block_e = _block_e(n_experts)
-
-    def grid(cfg: GemmConfig, cols: int) -> tuple[int]:
-        # sum over experts of ceil(rows_e / BLOCK_M) <= pairs / BLOCK_M + E
-        return ((triton.cdiv(pairs, cfg.block_m) + n_experts) * triton.cdiv(cols, cfg.block_n),)
-
-    _gate_up_kernel[grid(up_cfg, inter)](
-        x, order, offsets, w1, act, n_experts, hidden, inter, w1.stride(0), TOPK=topk,
-        BLOCK_M=up_cfg.block_m, BLOCK_N=up_cfg.block_n, BLOCK_K=up_cfg.block_k, BLOCK_E=block_e,
-        GROUP_M=up_cfg.group_m, EVEN_K=hidden % up_cfg.block_k == 0, PRECISION=precision,
-        num_warps=up_cfg.num_warps, num_stages=up_cfg.num_stages)
+    launch_gate_up(x, order, offsets, w1, act, up_cfg, pairs, topk)
     y = out.view(m * topk, hidden) if not reduce else \
         torch.empty(m * topk, hidden, dtype=x.dtype, device=x.device)
-    _down_kernel[grid(down_cfg, hidden)](
-        act, order, offsets, w2, y, n_experts, hidden, inter, w2.stride(0),
-        BLOCK_M=down_cfg.block_m, BLOCK_N=down_cfg.block_n, BLOCK_K=down_cfg.block_k,
-        BLOCK_E=block_e, GROUP_M=down_cfg.group_m, EVEN_K=inter % down_cfg.block_k == 0,
-        PRECISION=precision, num_warps=down_cfg.num_warps, num_stages=down_cfg.num_stages)
+    launch_down(act, order, offsets, w2, y, down_cfg, pairs)
     if not reduce:
         local = (topk_ids >= 0) & (topk_ids < n_experts)
         return out.masked_fill_(~local.unsqueeze(-1), 0)

@@ -1,0 +1,151 @@
+"""The hardware limit of a step, measured on the device of the same run.
+
+A kernel cannot run faster than the larger of its bytes over the memory bandwidth and its flops
+over the matrix rate. Both ceilings are measured at the start of each benchmark run, on its own
+device, so a ratio to the limit is comparable across machines and runs:
+
+* bandwidth: a large device-to-device copy, counting bytes read plus bytes written;
+* matrix rate: a large square bf16 GEMM (8192^3 on CUDA) on random data (zeros run faster).
+
+The routed experts' cost (:func:`experts_cost`) counts the fewest bytes any implementation must
+move: the weights of the experts that receive rows (``3 * hidden * I`` elements each), the tokens
+read once and the output written once; and the flops of the two GEMMs,
+``2 * pairs * hidden * 2I + 2 * pairs * I * hidden``. A layer's limit (:func:`layer_limit_ms`)
+is the sum of its parts' limits (attention stand-in, router, routed experts, shared expert), since
+the parts run one after another.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, dataclass
+
+import torch
+
+__all__ = ["DeviceLimits", "measure_device_limits", "experts_cost", "active_experts",
+           "layer_limit_ms"]
+
+
+@dataclass(frozen=True)
+class DeviceLimits:
+    """Measured ceilings: ``copy_gbps`` (GB/s, read + written) and ``gemm_tflops`` (bf16 on
+    CUDA, float32 on the CPU)."""
+
+    device: str
+    copy_gbps: float
+    gemm_tflops: float
+
+    def time_ms(self, flops: float, num_bytes: float) -> float:
+        """The limit of a kernel that moves ``num_bytes`` and does ``flops``: milliseconds."""
+        return max(num_bytes / (self.copy_gbps * 1e9), flops / (self.gemm_tflops * 1e12)) * 1e3
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def describe(self) -> str:
+        return (f"limit = max(bytes / {self.copy_gbps / 1e3:.2f} TB/s, flops / {self.gemm_tflops:.0f} "
+                f"TFLOP/s), both measured at the start of this run on {self.device}")
+
+
+def _median_ms(fn, device: torch.device, reps: int) -> float:
+    fn()
+    if device.type != "cuda":
+        import time
+
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
+    torch.cuda.synchronize(device)
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(reps)]
+    for a, b in events:
+        a.record()
+        fn()
+        b.record()
+    torch.cuda.synchronize(device)
+    return statistics.median(a.elapsed_time(b) for a, b in events)
+
+
+def _copy_ms(copy_bytes: int, device: torch.device, reps: int) -> float:
+    src = torch.empty(copy_bytes // 2, dtype=torch.bfloat16, device=device).uniform_()
+    dst = torch.empty_like(src)
+    return _median_ms(lambda: dst.copy_(src), device, reps)
+
+
+def _gemm_ms(n: int, dtype: torch.dtype, device: torch.device, reps: int) -> float:
+    gen = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(n, n, device=device, generator=gen).to(dtype)
+    b = torch.randn(n, n, device=device, generator=gen).to(dtype)
+    return _median_ms(lambda: a @ b, device, reps)
+
+
+def measure_device_limits(device: torch.device | str | None = None, *, copy_bytes: int | None = None,
+                          gemm_n: int | None = None, reps: int = 10) -> DeviceLimits:
+    """Measure the copy bandwidth and the GEMM rate of ``device`` (default: the current CUDA
+    device, else the CPU). ``copy_bytes``/``gemm_n``: sizes (default 2 GiB and 8192 on CUDA,
+    64 MiB and 1024 on the CPU)."""
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+            else torch.device("cpu")
+    device = torch.device(device)
+    cuda = device.type == "cuda"
+    copy_bytes = copy_bytes or (2 << 30 if cuda else 64 << 20)
+    gemm_n = gemm_n or (8192 if cuda else 1024)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    copy_ms = _copy_ms(copy_bytes, device, reps)
+    gemm_ms = _gemm_ms(gemm_n, dtype, device, reps)
+    name = torch.cuda.get_device_name(device) if cuda else "cpu"
+    return DeviceLimits(device=name, copy_gbps=2 * copy_bytes / (copy_ms * 1e-3) / 1e9,
+                        gemm_tflops=2 * gemm_n ** 3 / (gemm_ms * 1e-3) / 1e12)
+
+
+def active_experts(local_experts: int, local_pairs: float) -> float:
+    """Expected number of local experts that receive at least one of ``local_pairs`` pairs
+    spread uniformly (the exact count when the caller has the counts is better)."""
+    if local_experts <= 0 or local_pairs <= 0:
+        return 0.0
+    return local_experts * (1.0 - (1.0 - 1.0 / local_experts) ** local_pairs)
+
+
+def experts_cost(*, tokens: int, hidden: int, intermediate: int, local_pairs: int,
+                 experts_with_rows: float, dtype_bytes: int = 2) -> tuple[float, float]:
+    """``(flops, bytes)`` of the routed experts of one rank (see the module docstring).
+
+    Args:
+        tokens: rows the experts receive (``x`` ``[tokens, hidden]`` read once, the output
+            ``[tokens, hidden]`` written once).
+        local_pairs: (token, slot) pairs routed to this rank's experts.
+        experts_with_rows: local experts that receive at least one pair (their weights are read).
+    """
+    flops = 6.0 * local_pairs * hidden * intermediate
+    weights = experts_with_rows * 3.0 * hidden * intermediate * dtype_bytes
+    acts = 2.0 * tokens * hidden * dtype_bytes
+    return flops, weights + acts
+
+
+def layer_limit_ms(limits: DeviceLimits, *, tokens: int, hidden: int, intermediate: int,
+                   shared_intermediate: int, num_experts: int, topk: int, attn_width: int,
+                   world_size: int, dtype_bytes: int = 2) -> dict[str, float]:
+    """The limit of one layer of :class:`dbo.bench.model.BenchModel` per part and in total
+    (``"total"``), in ms, for ``tokens`` rows on this rank and uniform routing."""
+    act = tokens * hidden * dtype_bytes
+    local = num_experts // world_size
+    pairs = tokens * topk * world_size * local / num_experts  # every rank sends as many
+    received = tokens * world_size if world_size > 1 else tokens
+    parts = {
+        "attention": limits.time_ms(4.0 * tokens * hidden * attn_width,
+                                    2 * hidden * attn_width * dtype_bytes + 2 * act),
+        "router": limits.time_ms(2.0 * tokens * hidden * num_experts,
+                                 num_experts * hidden * dtype_bytes + act),
+        "routed_experts": limits.time_ms(*experts_cost(
+            tokens=int(min(received, pairs)), hidden=hidden, intermediate=intermediate,
+            local_pairs=int(pairs), experts_with_rows=active_experts(local, pairs),
+            dtype_bytes=dtype_bytes)),
+        "shared_expert": limits.time_ms(6.0 * tokens * hidden * shared_intermediate,
+                                        3 * hidden * shared_intermediate * dtype_bytes + 2 * act),
+    }
+    parts["total"] = sum(parts.values())
+    return parts

@@ -1,0 +1,124 @@
+"""Tile sweep of the fused experts' two grouped GEMMs (dbo.moe.fused_experts) on the GPU host.
+
+For each shape (hidden 7168, top-8 of 256, I, local experts, tokens) it times every candidate
+tile of the gate/up GEMM and of the down GEMM alone (CUDA events, median), checks each
+candidate's output against the unfused reference on the first shape, and prints per shape the
+best tile, its time and its ratio to the GEMM's own limit (bandwidth and GEMM rate measured at
+the start of the run). The chosen tiles go into ``dbo.moe.fused_experts.CONFIGS``.
+
+    python tests/gpu/tune_experts.py --json $OUT/tune.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from dbo.bench.experts import make_case  # noqa: E402
+from dbo.bench.limits import measure_device_limits  # noqa: E402
+from dbo.moe import ActivationFormat, SwiGLUExperts, Workspace, relative_error  # noqa: E402
+from dbo.moe.fused_experts import (  # noqa: E402
+    GemmConfig,
+    fused_swiglu_experts,
+    launch_down,
+    launch_gate_up,
+    route_order,
+)
+
+C = GemmConfig
+UP = [C(32, 64, 128, 8, 4, 4), C(32, 128, 64, 8, 4, 4), C(64, 64, 64, 8, 4, 4), C(64, 64, 128, 8, 4, 3),
+      C(64, 128, 64, 8, 8, 3), C(64, 128, 64, 8, 8, 4), C(128, 64, 64, 8, 8, 3), C(128, 64, 64, 8, 8, 4),
+      C(128, 64, 64, 4, 8, 4), C(128, 64, 128, 8, 8, 3), C(128, 128, 64, 8, 8, 3)]
+DOWN = [C(32, 128, 64, 8, 4, 4), C(64, 128, 64, 8, 4, 4), C(64, 256, 64, 8, 8, 3), C(128, 128, 64, 8, 8, 3),
+        C(128, 128, 64, 8, 8, 4), C(128, 256, 64, 8, 8, 3), C(128, 128, 128, 8, 8, 3),
+        C(64, 128, 128, 8, 4, 3), C(128, 64, 64, 8, 4, 4)]
+
+
+def median_ms(fn, reps: int) -> float:
+    fn()
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for a, b in ev:
+        a.record()
+        fn()
+        b.record()
+    torch.cuda.synchronize()
+    return statistics.median(a.elapsed_time(b) for a, b in ev)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--intermediate", type=int, nargs="+", default=[256, 768, 2048])
+    p.add_argument("--local-experts", type=int, nargs="+", default=[256, 32])
+    p.add_argument("--tokens", type=int, nargs="+", default=[1024 << i for i in range(7)])
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--json", default=None)
+    a = p.parse_args()
+    lim = measure_device_limits()
+    print(lim.describe(), flush=True)
+    hidden, topk, rows = 7168, 8, []
+    checked = False
+    with torch.inference_mode():
+        for inter in a.intermediate:
+            for n_local in a.local_experts:
+                w = None
+                for t in a.tokens:
+                    case = make_case(t, hidden, inter, n_local, seed=t, weights=w)
+                    w = (case.w1, case.w2)
+                    pairs = int(case.counts.sum())
+                    active = int((case.counts > 0).sum())
+                    order, offsets = route_order(case.ids, n_local)
+                    act = torch.empty(t * topk, inter, dtype=case.x.dtype, device="cuda")
+                    y = torch.empty(t * topk, hidden, dtype=case.x.dtype, device="cuda")
+                    if not checked:  # every candidate computes the same function
+                        ref = SwiGLUExperts(fused=False).apply(
+                            case.x, case.w1, case.w2, case.weights, case.ids,
+                            activation_format=ActivationFormat.STANDARD, expert_tokens_meta=None,
+                            apply_router_weight_on_input=False, workspace=Workspace()).clone()
+                        for cu in UP:
+                            for cd in DOWN[:3] if cu is not UP[0] else DOWN:
+                                out = torch.full_like(case.x, float("nan"))
+                                fused_swiglu_experts(case.x, case.w1, case.w2, case.weights, case.ids,
+                                                     out=out, configs=(cu, cd))
+                                err = relative_error(out, ref)
+                                assert err < 2e-2, (cu, cd, err)
+                        print("every candidate matches the unfused experts", flush=True)
+                        checked = True
+                    up_flops = 4.0 * pairs * hidden * inter
+                    w_bytes = active * hidden * inter * 2
+                    up_lim = lim.time_ms(up_flops, 2 * w_bytes + t * hidden * 2 + pairs * inter * 2)
+                    down_lim = lim.time_ms(up_flops / 2, w_bytes + pairs * inter * 2 + pairs * hidden * 2)
+                    res = {"I": inter, "L": n_local, "tokens": t, "pairs": pairs,
+                           "rows_per_expert": pairs / max(1, active), "up_limit_ms": up_lim,
+                           "down_limit_ms": down_lim, "up": {}, "down": {}}
+                    for cfg in UP:
+                        res["up"][str(tuple(cfg.__dict__.values()))] = median_ms(
+                            lambda c=cfg, cs=case, o=order, f=offsets, ac=act, n=t * topk:
+                            launch_gate_up(cs.x, o, f, cs.w1, ac, c, n, topk), a.reps)
+                    for cfg in DOWN:
+                        res["down"][str(tuple(cfg.__dict__.values()))] = median_ms(
+                            lambda c=cfg, cs=case, o=order, f=offsets, ac=act, yy=y, n=t * topk:
+                            launch_down(ac, o, f, cs.w2, yy, c, n), a.reps)
+                    bu = min(res["up"], key=res["up"].get)
+                    bd = min(res["down"], key=res["down"].get)
+                    print(f"I={inter:>4} L={n_local:>3} T={t:>5} rows/e={res['rows_per_expert']:>6.0f} | "
+                          "up best "
+                          f"{res['up'][bu]:.3f} ms ({res['up'][bu] / up_lim:.2f}x) {bu} | down best "
+                          f"{res['down'][bd]:.3f} ms ({res['down'][bd] / down_lim:.2f}x) {bd}", flush=True)
+                    rows.append(res)
+                    del act, y, order, offsets, case
+                del w
+                torch.cuda.empty_cache()
+    if a.json:
+        Path(a.json).write_text(json.dumps({"limits": lim.as_dict(), "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
