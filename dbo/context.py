@@ -42,6 +42,7 @@ __all__ = [
     "active_run",
     "dbo_enabled",
     "dbo_num_ubatches",
+    "dbo_num_live_ubatches",
     "dbo_current_ubatch_id",
     "dbo_current_ubatch_token_offset",
     "dbo_current_context",
@@ -149,6 +150,14 @@ def dbo_num_ubatches() -> int:
     """Number of ubatches of the active run (1 outside a run)."""
     run = _tls.run
     return 1 if run is None else len(run.contexts)
+
+
+def dbo_num_live_ubatches() -> int:
+    """Ubatches of the active run whose callables have not returned yet, the running one
+    included (1 outside a run). A ubatch that waits for the others (a rendezvous) uses it to
+    tell a peer that has yet to arrive from one that has finished and never will."""
+    run = _tls.run
+    return 1 if run is None else run.live_count
 
 
 def dbo_current_context() -> UBatchContext | None:

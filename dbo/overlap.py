@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from dbo.context import run_ubatches
+from dbo.expert_schedule import use_expert_schedule
 from dbo.partition import check_num_sms
 from dbo.split import SplitConfig, UBatchPlan, mask_padding_routing, plan_ubatches
 from dbo.trace import Trace
@@ -239,8 +240,8 @@ def overlapped_forward(
             interleave, and route rows past :func:`current_num_valid_tokens` to no expert.
         tensors: inputs ``[num_tokens, ...]``, any dtype, all with the same ``num_tokens``.
         plan: a precomputed :class:`UBatchPlan` for these ``num_tokens`` (skips the decision
-            and its all-reduce; needed under CUDA graph capture). Its ``padded_size`` must be
-            the same on every rank of the group.
+            and its all-reduce; needed under CUDA graph capture). Its ``padded_size`` and
+            ``expert_schedule`` must be the same on every rank of the group.
         config, request_token_counts, decode_only, group, agree: passed to
             :func:`dbo.split.plan_ubatches` when ``plan`` is None.
         trace: a :class:`dbo.Trace` that records the overlapped run.
@@ -253,6 +254,11 @@ def overlapped_forward(
             leaving the others to the communication kernels (see
             :func:`dbo.partition.compute_on_sms`); None (default) uses every SM. A plain call
             runs without it.
+
+    The plan's ``expert_schedule`` (from ``config.expert_schedule`` when the plan is decided
+    here) is set for the ubatches (:func:`dbo.expert_schedule.use_expert_schedule`): with
+    ``merged`` every :class:`dbo.moe.MoEKernel` runs its routed experts once over all ubatches'
+    rows. A ``trace`` records it in ``trace.meta["expert_schedule"]``.
 
     Returns:
         ``fn``'s output for all ``num_tokens`` rows, in input order (same structure).
@@ -289,7 +295,9 @@ def overlapped_forward(
         return run
 
     device = _run_device(tensors[0])
-    with _carveout_block(sm_carveout):
+    if trace is not None:
+        trace.meta["expert_schedule"] = plan.expert_schedule.value
+    with _carveout_block(sm_carveout), use_expert_schedule(plan.expert_schedule):
         outputs = run_ubatches([body(i) for i in range(n)], comm_stream=comm_stream,
                                token_offsets=plan.token_offsets, trace=trace,
                                device=device, compute_sms=compute_sms)

@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from dbo.expert_schedule import ExpertSchedule
 from dbo.split_log import FALLBACK_LOG, FallbackLog
 from dbo.split_padding import graph_padded_size, mask_padding_routing
 from dbo.split_policies import (
@@ -62,6 +63,7 @@ __all__ = [
     "NEVER_SPLIT",
     "SplitMode",
     "SplitReason",
+    "ExpertSchedule",
     "SplitConfig",
     "UBatchPlan",
     "Vote",
@@ -143,6 +145,8 @@ def local_vote(
     if not config.enabled or dbo_disabled_by_env():
         return _no(SplitReason.DISABLED,
                    "SplitConfig(enabled=False)" if not config.enabled else f"{DISABLE_ENV_VAR} is set")
+    if config.expert_schedule is ExpertSchedule.PLAIN:
+        return _no(SplitReason.DISABLED, "SplitConfig(expert_schedule='plain')")
     if num_tokens == 0:
         return LocalDecision(Vote.ABSTAIN, ((0, 0),) * n, SplitReason.EMPTY, "no tokens on any rank")
     if decode_only is None:
@@ -208,7 +212,7 @@ def resolve_plan(num_tokens: int, decision: LocalDecision, config: SplitConfig,
         raise ValueError(f"SplitConfig.num_ubatches differs across ranks (from {-neg_min_n} to {max_n})")
     if key != -neg_key:
         raise ValueError("SplitConfig differs across ranks in mode, pad_to_multiple, cudagraph_sizes, "
-                         "allow_mixed_kinds or num_speculative_tokens")
+                         "allow_mixed_kinds, num_speculative_tokens or expert_schedule")
     if any_yes and not any_no:
         if any_decode and any_prefill and not config.allow_mixed_kinds:
             return no_split_plan(num_tokens, SplitReason.MIXED_KINDS,
@@ -226,7 +230,7 @@ def resolve_plan(num_tokens: int, decision: LocalDecision, config: SplitConfig,
             slices = fill_cuts(num_tokens, padded, n, request_token_counts=counts, unit=unit)
             assert slices is not None, "a padded size >= every rank's need must fit"
         return UBatchPlan(num_tokens, slices, padded, SplitReason.SPLIT, graph_size=graph,
-                          two_chunk=decision.two_chunk)
+                          two_chunk=decision.two_chunk, expert_schedule=config.expert_schedule)
     if decision.vote is Vote.YES:
         reason, detail = SplitReason.DISAGREEMENT, "another rank of the group did not split"
     elif decision.vote is Vote.ABSTAIN:
@@ -317,8 +321,7 @@ def plan_ubatches(
     decision = local_vote(num_tokens, config, request_token_counts=request_token_counts,
                           decode_only=decode_only, split_points=split_points)
     vec = encode_vote(decision, config)
-    never = min(config.decode_token_threshold, config.prefill_token_threshold) >= NEVER_SPLIT
-    if agree and not never and _group_size(group) > 1:
+    if agree and not config.never_splits and _group_size(group) > 1:
         vec = _reduce_max(vec, group, device)
     plan = resolve_plan(num_tokens, decision, config, vec)
     FALLBACK_LOG.note(plan)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dbo.expert_schedule import ExpertSchedule, parse_expert_schedule
 from dbo.split_policies import Slice
 
 __all__ = ["NEVER_SPLIT", "SplitMode", "SplitReason", "Vote", "SplitConfig", "UBatchPlan"]
@@ -78,6 +79,12 @@ class SplitConfig:
             equal share (eager, as without it, when none does). Default none.
         allow_mixed_kinds: split even when some ranks run decode batches and others prefill
             (or mixed) ones. Default False.
+        expert_schedule: :class:`~dbo.expert_schedule.ExpertSchedule` (or its string value):
+            ``"split"`` (default: each ubatch runs its own routed experts), ``"merged"`` (the
+            ubatches' routed experts run as one grouped call once every ubatch has received
+            its tokens: one read of the weights) or ``"plain"`` (never split: like both
+            thresholds at :data:`NEVER_SPLIT`, it issues no collective, so every rank of the
+            group must use it). Part of the agreement: ranks that split must run the same one.
     """
 
     num_ubatches: int = 2
@@ -90,6 +97,7 @@ class SplitConfig:
     num_speculative_tokens: int = 0
     cudagraph_sizes: tuple[int, ...] = ()
     allow_mixed_kinds: bool = False
+    expert_schedule: ExpertSchedule = ExpertSchedule.SPLIT
 
     def __post_init__(self) -> None:
         if isinstance(self.num_ubatches, bool) or not isinstance(self.num_ubatches, int) \
@@ -112,6 +120,14 @@ class SplitConfig:
         if any(not isinstance(s, int) or s < 1 for s in sizes):
             raise ValueError(f"cudagraph_sizes must be ints >= 1, got {self.cudagraph_sizes!r}")
         object.__setattr__(self, "cudagraph_sizes", sizes)
+        object.__setattr__(self, "expert_schedule", parse_expert_schedule(self.expert_schedule))
+
+    @property
+    def never_splits(self) -> bool:
+        """True when no batch splits on any rank under this config (both thresholds
+        :data:`NEVER_SPLIT`, or the ``plain`` schedule): the decision needs no collective."""
+        return (self.expert_schedule is ExpertSchedule.PLAIN
+                or min(self.decode_token_threshold, self.prefill_token_threshold) >= NEVER_SPLIT)
 
     def threshold(self, decode_only: bool) -> int:
         """The token threshold for a decode-only batch or any other."""
@@ -120,7 +136,7 @@ class SplitConfig:
     def agreement_key(self) -> int:
         """A 31-bit digest of the fields every rank must share (compared in the vote)."""
         shared = (self.mode.value, self.num_ubatches, self.pad_to_multiple, self.cudagraph_sizes,
-                  self.allow_mixed_kinds, self.num_speculative_tokens)
+                  self.allow_mixed_kinds, self.num_speculative_tokens, self.expert_schedule.value)
         return zlib.crc32(repr(shared).encode()) & 0x7FFFFFFF
 
 
@@ -142,6 +158,8 @@ class UBatchPlan:
             (``num_ubatches * padded_size``), or None (no ``cudagraph_sizes``, none large
             enough, or not split).
         two_chunk: True when the cuts split a request in two by the two-chunk rule.
+        expert_schedule: how the routed experts run: ``split`` or ``merged`` in a split plan
+            (default ``split``), always ``plain`` in a plan that does not split.
     """
 
     num_tokens: int
@@ -151,6 +169,18 @@ class UBatchPlan:
     detail: str = field(default="", compare=False)
     graph_size: int | None = None
     two_chunk: bool = False
+    expert_schedule: ExpertSchedule | None = None
+
+    def __post_init__(self) -> None:
+        if not self.split:
+            schedule = ExpertSchedule.PLAIN
+        elif self.expert_schedule is None:
+            schedule = ExpertSchedule.SPLIT
+        else:
+            schedule = parse_expert_schedule(self.expert_schedule)
+            if schedule is ExpertSchedule.PLAIN:
+                raise ValueError("a split plan's expert_schedule is 'split' or 'merged', not 'plain'")
+        object.__setattr__(self, "expert_schedule", schedule)
 
     @property
     def split(self) -> bool:
@@ -194,5 +224,6 @@ class UBatchPlan:
             return f"plain({self.num_tokens} tokens; {self.reason.value}: {self.detail})"
         parts = " ".join(f"[{a}:{b})" for a, b in self.slices)
         extra = (f", graph {self.graph_size}" if self.graph_size else "") + \
-            (", two-chunk" if self.two_chunk else "")
+            (", two-chunk" if self.two_chunk else "") + \
+            (", merged experts" if self.expert_schedule is ExpertSchedule.MERGED else "")
         return f"split({self.num_tokens} tokens -> {parts} padded to {self.padded_size}{extra})"

@@ -89,10 +89,14 @@ class Trace:
     """Recorder of one or more runs. Not thread-safe: one thread records into it at a time.
 
     ``ranges=True`` (the default) also emits NVTX / profiler ranges when the run is on CUDA.
+    ``meta``: run-level facts written by whoever starts the runs (:func:`dbo.overlapped_forward`
+    sets ``expert_schedule``, the schedule of its latest run); exported as the Chrome trace's
+    ``otherData``.
     """
 
     def __init__(self, *, ranges: bool = True):
         self.events: list[TraceEvent] = []
+        self.meta: dict[str, str] = {}
         self._ranges_wanted = ranges
         self._ranges = _Ranges(False)
         self._open_regions: dict[int, list[str]] = {}
@@ -142,7 +146,8 @@ class Trace:
         return "\n".join(e.line() for e in self.events if kinds is None or e.kind in kinds)
 
     def to_chrome(self) -> dict:
-        """Chrome trace JSON (``{"traceEvents": [...]}``), microsecond timestamps.
+        """Chrome trace JSON (``{"traceEvents": [...]}``, plus ``"otherData"`` with
+        :attr:`meta` when it has entries), microsecond timestamps.
 
         Tracks (``tid``): ``2*i`` holds ubatch i's running slices, with instant events for
         stream switches, hooks and event record/wait; ``2*i+1`` holds its named regions.
@@ -177,7 +182,10 @@ class Trace:
         meta = [{"pid": 0, "tid": tid, "ph": "M", "name": "thread_name", "args": {"name": n}}
                 for tid, n in sorted(names.items())]
         meta.append({"pid": 0, "ph": "M", "name": "process_name", "args": {"name": "dbo"}})
-        return {"traceEvents": meta + out, "displayTimeUnit": "ns"}
+        doc = {"traceEvents": meta + out, "displayTimeUnit": "ns"}
+        if self.meta:
+            doc["otherData"] = dict(self.meta)
+        return doc
 
     def write_chrome(self, path: str | Path) -> Path:
         """Write :meth:`to_chrome` to ``path`` (open it at https://ui.perfetto.dev)."""

@@ -6,7 +6,8 @@ without host syncs on CUDA) with ``grouping`` (pairs sorted by expert on the dev
 ``grouped_gemm`` (``torch._grouped_mm`` / Triton / loop) and ``gather_reduce`` (the fused
 activation, row gather and weighted reduction: Triton, or plain torch), ``router`` (top-k
 routing), ``local`` (a single-rank backend), ``reference`` (the trusted single-process MoE),
-``validate`` (argument checks), ``handles`` (per-ubatch state).
+``validate`` (argument checks), ``handles`` (per-ubatch state), ``merged`` (the merged expert
+schedule: one experts call over every ubatch's rows).
 """
 
 from dbo.moe.base import (
@@ -20,7 +21,7 @@ from dbo.moe.base import (
     Receiver,
     Workspace,
 )
-from dbo.moe.errors import MoEProtocolError
+from dbo.moe.errors import MergedScheduleError, MoEProtocolError
 from dbo.moe.experts import SwiGLUExperts, swiglu_expert
 from dbo.moe.handles import PerUBatch
 from dbo.moe.kernel import MoEKernel
@@ -58,6 +59,7 @@ __all__ = [
     "Workspace",
     "MoEKernel",
     "MoEProtocolError",
+    "MergedScheduleError",
     "PerUBatch",
     "TopKWeightAndReduce",
     "TopKWeightAndReduceContiguous",

@@ -4,6 +4,10 @@ Under DBO a backend's ``prepare_async``/``finalize_async`` may return ``(hook, r
 kernel hands the hook to the ubatch context and yields, so another ubatch's compute runs while
 the all-to-all is in flight, then calls the receiver. Shared experts run while the combine is
 in flight. Without DBO the same code runs the hook in place.
+
+With the ``merged`` expert schedule (:func:`dbo.expert_schedule.current_expert_schedule`, set
+by the overlapped forward for its run) the routed experts of all ubatches run as one call after
+every ubatch's dispatch (:mod:`dbo.moe.merged`); prepare and finalize stay per ubatch.
 """
 
 from __future__ import annotations
@@ -18,16 +22,19 @@ from dbo.context import (
     dbo_current_ubatch_id,
     dbo_enabled,
     dbo_maybe_run_recv_hook,
+    dbo_num_ubatches,
     dbo_region,
     dbo_register_recv_hook,
     dbo_yield,
 )
+from dbo.expert_schedule import ExpertSchedule, current_expert_schedule
 from dbo.moe.base import (
     MoEExperts,
     PrepareAndFinalize,
     PrepareResult,
     Workspace,
 )
+from dbo.moe.merged import ExpertsInput, ExpertsRendezvous, same_call_key
 
 __all__ = ["MoEKernel"]
 
@@ -59,7 +66,9 @@ class MoEKernel:
             local tokens while the combine is in flight; its output is added to the routed one.
 
     Scratch buffers are kept per ubatch (indexed by ``dbo_current_ubatch_id()``), so one kernel
-    object serves every ubatch of a run.
+    object serves every ubatch of a run. Under the ``merged`` expert schedule the kernel is
+    also where its ubatches meet (:class:`dbo.moe.merged.ExpertsRendezvous`); the merged call
+    has scratch buffers of its own.
     """
 
     def __init__(self, prepare_finalize: PrepareAndFinalize, experts: MoEExperts,
@@ -81,6 +90,8 @@ class MoEKernel:
         self.experts = experts
         self.shared_experts = shared_experts
         self._workspaces: list[Workspace] = []
+        self._merged_workspace = Workspace()
+        self._rendezvous = ExpertsRendezvous()
 
     def workspace(self) -> Workspace:
         """The running ubatch's scratch buffers (ubatch 0's outside a run)."""
@@ -136,17 +147,29 @@ class MoEKernel:
                              expert_map, apply_router_weight_on_input)
         ids = topk_ids if prep.topk_ids is None else prep.topk_ids
         weights = topk_weights if prep.topk_weights is None else prep.topk_weights
-        # quantized activations come with their scales; experts that take none never see any
-        scale = {} if prep.a1q_scale is None else {"a1q_scale": prep.a1q_scale}
-        with dbo_region("experts"):
-            fused = self.experts.apply(
-                prep.a1q, w1, w2, weights, ids,
-                activation_format=pf.activation_format,
-                expert_tokens_meta=prep.expert_tokens_meta,
+        inp = ExpertsInput(prep.a1q, prep.a1q_scale, prep.expert_tokens_meta, ids, weights)
+        fmt = pf.activation_format
+
+        def apply(x: ExpertsInput, workspace: Workspace) -> torch.Tensor:
+            # quantized activations come with their scales; experts that take none never see any
+            scale = {} if x.a1q_scale is None else {"a1q_scale": x.a1q_scale}
+            return self.experts.apply(
+                x.a1q, w1, w2, x.topk_weights, x.topk_ids,
+                activation_format=fmt,
+                expert_tokens_meta=x.expert_tokens_meta,
                 apply_router_weight_on_input=apply_router_weight_on_input,
-                workspace=self.workspace(),
+                workspace=workspace,
                 **scale,
             )
+
+        if (current_expert_schedule() is ExpertSchedule.MERGED and dbo_enabled()
+                and dbo_num_ubatches() > 1):
+            fused = self._rendezvous.run(
+                inp, fmt, same_call_key(w1, w2, apply_router_weight_on_input),
+                lambda merged: apply(merged, self._merged_workspace))
+        else:
+            with dbo_region("experts"):
+                fused = apply(inp, self.workspace())
         weight_and_reduce = self.experts.finalize_weight_and_reduce_impl()
         output = torch.empty_like(hidden_states)
         shared_out = None
@@ -175,6 +198,9 @@ class MoEKernel:
     __call__ = forward
 
     def reset(self) -> None:
-        """Free the per-ubatch scratch buffers and the backend's per-ubatch state."""
+        """Free the per-ubatch scratch buffers, any merged-schedule rendezvous in progress and
+        the backend's per-ubatch state."""
         self._workspaces.clear()
+        self._merged_workspace.clear()
+        self._rendezvous.reset()
         self.prepare_finalize.reset()

@@ -1,0 +1,83 @@
+"""Which expert schedule an overlapped forward runs: plain, split or merged.
+
+A schedule is data: one value of :class:`ExpertSchedule`, chosen by
+:class:`dbo.split.SplitConfig` (``expert_schedule=``) or by :mod:`dbo.autotune`, carried by the
+:class:`dbo.split.UBatchPlan` of each forward, and set for the ubatches of a run by
+:func:`dbo.overlap.overlapped_forward` through :func:`use_expert_schedule`. The MoE kernel
+(:class:`dbo.moe.MoEKernel`) reads :func:`current_expert_schedule` inside a run; it lives in the
+``moe`` layer, which must not import :mod:`dbo.overlap`, so the setting lives here, in the core.
+
+* ``plain``: no split; the forward runs once over the whole batch.
+* ``split``: today's DBO; each ubatch runs its own routed experts on its own rows, so the
+  expert weights are read once per ubatch.
+* ``merged``: once every ubatch of the run has received its tokens (dispatch done), the
+  ubatches' routed experts run as one grouped call over the concatenated rows (one weight
+  read), then each ubatch takes its rows back and combines them itself. Attention still
+  overlaps the dispatch and the next layer's attention still overlaps the combine; the experts
+  overlap no communication. It pays where the weights dominate (few rows per expert: decode and
+  small prefill batches, or many local experts).
+
+The setting is a ``contextvars.ContextVar``: every ubatch starts with a copy of the caller's
+context, so a value set around ``run_ubatches`` reaches every ubatch of that run and nothing
+else (not other threads, not other runs).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import enum
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+__all__ = ["ExpertSchedule", "parse_expert_schedule", "current_expert_schedule",
+           "use_expert_schedule"]
+
+
+class ExpertSchedule(str, enum.Enum):
+    """How the routed experts of an overlapped forward run (see the module docstring)."""
+
+    PLAIN = "plain"    #: no split
+    SPLIT = "split"    #: each ubatch runs its own experts
+    MERGED = "merged"  #: one grouped call over every ubatch's received rows
+
+    def __str__(self) -> str:
+        return self.value
+
+
+def parse_expert_schedule(value: ExpertSchedule | str) -> ExpertSchedule:
+    """``value`` as an :class:`ExpertSchedule`.
+
+    Raises:
+        ValueError: ``value`` names no schedule.
+    """
+    try:
+        return ExpertSchedule(value)
+    except ValueError:
+        raise ValueError(f"expert_schedule must be one of {[s.value for s in ExpertSchedule]}, "
+                         f"got {value!r}") from None
+
+
+_SCHEDULE: contextvars.ContextVar[ExpertSchedule] = contextvars.ContextVar(
+    "dbo_expert_schedule", default=ExpertSchedule.SPLIT)
+
+
+def current_expert_schedule() -> ExpertSchedule:
+    """The schedule set for this context (``split`` unless :func:`use_expert_schedule` set
+    another). The MoE kernel merges only inside a run of two or more ubatches."""
+    return _SCHEDULE.get()
+
+
+@contextmanager
+def use_expert_schedule(schedule: ExpertSchedule | str) -> Iterator[ExpertSchedule]:
+    """Within the block (and in the ubatches of a ``run_ubatches`` started inside it), the MoE
+    kernels run ``schedule``; the previous setting is restored on exit.
+
+    Raises:
+        ValueError: ``schedule`` names no schedule.
+    """
+    value = parse_expert_schedule(schedule)
+    token = _SCHEDULE.set(value)
+    try:
+        yield value
+    finally:
+        _SCHEDULE.reset(token)

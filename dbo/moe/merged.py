@@ -1,0 +1,289 @@
+"""The merged expert schedule: one experts call over every ubatch's received rows.
+
+Under DBO each ubatch runs every local expert on its own rows, so the expert weights are read
+once per ubatch; where the weights dominate (few rows per expert) that read is most of the
+experts' time. With the ``merged`` schedule (:mod:`dbo.expert_schedule`) the
+:class:`dbo.moe.MoEKernel` of a layer meets its ubatches at an :class:`ExpertsRendezvous`
+after their dispatch: each ubatch, once its receive is done, deposits what it received and
+yields until every ubatch of the run (``dbo_num_ubatches()``) has; the last to arrive runs the
+experts once on the concatenation (:func:`merge_inputs`) and stores each ubatch's rows of the
+output; the others take theirs when resumed and each combines its own.
+
+Formats:
+
+* STANDARD: the received tokens, their local top-k ids and weights and any per-token scales
+  are concatenated along the token dim; the per-expert counts (device and, when every ubatch
+  has them, host) are summed. Each ubatch's output is a row slice (a view) of the merged one.
+* BATCHED_EXPERTS: each ubatch's ``[L, cap_u, hidden]`` slab holds expert ``e``'s rows at its
+  front (``n_u[e]`` of them); the merged slab ``[L, sum cap_u, hidden]`` holds ubatch 0's rows
+  of expert ``e``, then ubatch 1's, and so on, packed at the front with ``sum_u n_u[e]`` as the
+  count, built by one gather with indices computed on the device (no host sync). Each ubatch
+  gets back ``[L, cap_u, hidden]`` with its rows at the front again (rows past its count are
+  unspecified, as the format allows).
+
+Failure: a ubatch that raises anywhere makes the driver unwind the others, which throws
+``GreenletExit`` into a waiting ubatch; its rendezvous is dropped on the way out, so the next
+call starts clean. A waiting ubatch whose missing peers have finished without reaching the
+rendezvous (or that keeps being resumed without any peer arriving) raises
+:class:`MergedScheduleError` instead of spinning.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from dbo.context import (
+    active_run,
+    dbo_current_ubatch_id,
+    dbo_num_live_ubatches,
+    dbo_num_ubatches,
+    dbo_region,
+    dbo_yield,
+)
+from dbo.moe.base import ActivationFormat, ExpertTokensMetadata
+from dbo.moe.errors import MergedScheduleError
+
+__all__ = ["ExpertsInput", "ExpertsRendezvous", "merge_inputs", "same_call_key", "MAX_IDLE_YIELDS"]
+
+#: a waiting ubatch raises after this many resumptions with no new ubatch arriving: the peers
+#: are stuck elsewhere (a rendezvous of another layer), and yielding on would never end
+MAX_IDLE_YIELDS = 100_000
+
+
+@dataclass
+class ExpertsInput:
+    """What one ubatch hands its experts (the kernel's view of a ``PrepareResult``).
+
+    STANDARD: ``a1q`` ``[M, hidden]``, ``topk_ids``/``topk_weights`` ``[M, topk]`` (local ids,
+    float32 weights). BATCHED_EXPERTS: ``a1q`` ``[L, cap, hidden]`` with per-expert counts in
+    ``expert_tokens_meta``; ids and weights are passed through. ``a1q_scale``: per-row scales
+    laid out like ``a1q`` without its last dim, or None.
+    """
+
+    a1q: torch.Tensor
+    a1q_scale: torch.Tensor | None
+    expert_tokens_meta: ExpertTokensMetadata | None
+    topk_ids: torch.Tensor | None
+    topk_weights: torch.Tensor | None
+
+
+Splitter = Callable[[torch.Tensor], list[torch.Tensor]]
+
+
+# ---- merging and splitting (pure tensor code) ---------------------------------------------
+
+
+def _cat(parts: Sequence[torch.Tensor | None], dim: int, what: str) -> torch.Tensor | None:
+    present = [p is not None for p in parts]
+    if not any(present):
+        return None
+    if not all(present):
+        raise MergedScheduleError(f"merged experts: some ubatches received {what} and others not")
+    return torch.cat(list(parts), dim=dim)
+
+
+def _merge_meta(metas: Sequence[ExpertTokensMetadata | None]) -> ExpertTokensMetadata | None:
+    if any(m is None for m in metas):
+        return None  # the experts count on the device from the ids
+    dev = torch.stack([m.expert_num_tokens.to(torch.int64) for m in metas]).sum(0)
+    host = None
+    if all(m.expert_num_tokens_cpu is not None for m in metas):
+        host = torch.stack([m.expert_num_tokens_cpu.to(torch.int64) for m in metas]).sum(0)
+        host = host.to(metas[0].expert_num_tokens_cpu.dtype)
+    return ExpertTokensMetadata(dev.to(metas[0].expert_num_tokens.dtype), host)
+
+
+def _gather_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``out[e, r] = x[e, rows[e, r]]`` for ``x`` ``[L, C, ...]`` and ``rows`` ``[L, R]`` int64."""
+    if x.element_size() == 1 and x.is_floating_point():  # fp8: gather moves bytes
+        return _gather_rows(x.view(torch.uint8), rows).view(x.dtype)
+    idx = rows.view(*rows.shape, *([1] * (x.dim() - 2))).expand(*rows.shape, *x.shape[2:])
+    return torch.gather(x, 1, idx)
+
+
+def _merge_standard(inputs: Sequence[ExpertsInput]) -> tuple[ExpertsInput, Splitter]:
+    rows = [int(i.a1q.shape[0]) for i in inputs]
+    ids = [i.topk_ids for i in inputs]
+    if ids[0] is not None and len({t.dtype for t in ids if t is not None}) > 1:
+        ids = [t.to(torch.int64) for t in ids]
+    merged = ExpertsInput(
+        torch.cat([i.a1q for i in inputs]),
+        _cat([i.a1q_scale for i in inputs], 0, "scales"),
+        _merge_meta([i.expert_tokens_meta for i in inputs]),
+        _cat(ids, 0, "top-k ids"),
+        _cat([i.topk_weights for i in inputs], 0, "top-k weights"),
+    )
+
+    def split(out: torch.Tensor) -> list[torch.Tensor]:
+        return list(out.split(rows, dim=0))
+
+    return merged, split
+
+
+def _merge_batched(inputs: Sequence[ExpertsInput]) -> tuple[ExpertsInput, Splitter]:
+    metas = [i.expert_tokens_meta for i in inputs]
+    if any(m is None for m in metas):
+        raise MergedScheduleError("merged experts: BATCHED_EXPERTS activations need "
+                                  "expert_tokens_meta in every ubatch")
+    caps = [int(i.a1q.shape[1]) for i in inputs]
+    n_local, device = int(inputs[0].a1q.shape[0]), inputs[0].a1q.device
+    total, u_max = sum(caps), len(inputs) - 1
+    counts = torch.stack([m.expert_num_tokens.to(torch.int64) for m in metas], dim=1)  # [L, U]
+    ends = counts.cumsum(1)
+    starts = ends - counts
+    base = torch.tensor([sum(caps[:u]) for u in range(len(caps))], dtype=torch.int64, device=device)
+    pos = torch.arange(total, dtype=torch.int64, device=device)
+    # merged row p of expert e belongs to the first ubatch whose rows of e end after p
+    owner = (pos.view(1, -1, 1) >= ends.view(n_local, 1, -1)).sum(-1).clamp_(max=u_max)  # [L, C]
+    src = (base[owner] + pos.view(1, -1) - starts.gather(1, owner)).clamp_(0, max(total - 1, 0))
+    scales = _cat([i.a1q_scale for i in inputs], 1, "scales")
+    merged = ExpertsInput(
+        _gather_rows(torch.cat([i.a1q for i in inputs], dim=1), src),
+        None if scales is None else _gather_rows(scales, src),
+        _merge_meta(metas),
+        _cat([i.topk_ids for i in inputs], 0, "top-k ids"),
+        _cat([i.topk_weights for i in inputs], 0, "top-k weights"),
+    )
+
+    def split(out: torch.Tensor) -> list[torch.Tensor]:
+        parts = []
+        for u, cap in enumerate(caps):
+            r = torch.arange(cap, dtype=torch.int64, device=device).view(1, -1)
+            parts.append(_gather_rows(out, (starts[:, u:u + 1] + r).clamp_(0, max(total - 1, 0))))
+        return parts
+
+    return merged, split
+
+
+def merge_inputs(fmt: ActivationFormat,
+                 inputs: Sequence[ExpertsInput]) -> tuple[ExpertsInput, Splitter]:
+    """One :class:`ExpertsInput` for the rows of all ``inputs`` (in order), and the function
+    that cuts the experts' output on it back into one output per input (see the module
+    docstring for the layouts). No host sync.
+
+    Raises:
+        MergedScheduleError: the inputs cannot be merged (scales or counts in some only).
+    """
+    if fmt is ActivationFormat.BATCHED_EXPERTS:
+        return _merge_batched(inputs)
+    return _merge_standard(inputs)
+
+
+# ---- the rendezvous -----------------------------------------------------------------------
+
+
+@dataclass
+class _Gather:
+    """One call of the kernel by every ubatch of a run."""
+
+    run_id: int
+    num_ubatches: int
+    key: tuple
+    deposits: dict[int, ExpertsInput]
+    results: dict[int, torch.Tensor] | None = None
+    broken: bool = False
+
+
+class ExpertsRendezvous:
+    """Where a kernel's ubatches meet to run their experts once (one per :class:`MoEKernel`).
+
+    The k-th call of each ubatch in a run joins the k-th gather, so a kernel called twice per
+    forward (shared layers) keeps its calls apart.
+    """
+
+    def __init__(self) -> None:
+        self._gathers: list[_Gather] = []
+
+    def __len__(self) -> int:
+        """Gathers in progress (0 between forwards)."""
+        return len(self._gathers)
+
+    def reset(self) -> None:
+        for g in self._gathers:
+            g.broken = True
+        self._gathers.clear()
+
+    def _discard(self, g: _Gather) -> None:
+        g.broken = True
+        if g in self._gathers:
+            self._gathers.remove(g)
+
+    def _join(self, run_id: int, ub: int, n: int, key: tuple) -> _Gather:
+        for g in [g for g in self._gathers if g.run_id != run_id or g.num_ubatches != n]:
+            self._discard(g)  # left by an earlier run (its waiters were unwound)
+        for g in self._gathers:
+            if ub not in g.deposits and g.results is None:
+                if g.key != key:
+                    raise MergedScheduleError(
+                        f"merged experts: ubatch {ub} called the kernel with other weights or "
+                        f"arguments than ubatches {sorted(g.deposits)} (the ubatches of a run must "
+                        "run the same layers in the same order)")
+                return g
+        g = _Gather(run_id, n, key, {})
+        self._gathers.append(g)
+        return g
+
+    def _wait(self, g: _Gather, ub: int) -> None:
+        idle, arrived = 0, len(g.deposits)
+        while g.results is None:
+            if g.broken:
+                raise MergedScheduleError(f"merged experts: ubatch {ub}'s rendezvous was dropped "
+                                          "(reset() or a failed peer)")
+            if len(g.deposits) >= dbo_num_live_ubatches():
+                missing = sorted(set(range(g.num_ubatches)) - set(g.deposits))
+                raise MergedScheduleError(
+                    f"merged experts: ubatch {ub} waits for ubatches {missing}, which finished "
+                    "without reaching this layer's experts (every ubatch must run every MoE layer)")
+            dbo_yield()
+            if len(g.deposits) != arrived:
+                idle, arrived = 0, len(g.deposits)
+            else:
+                idle += 1
+                if idle > MAX_IDLE_YIELDS and g.results is None:
+                    raise MergedScheduleError(
+                        f"merged experts: ubatch {ub} was resumed {idle} times and no other ubatch "
+                        f"reached this layer's experts (have {sorted(g.deposits)}); are the others "
+                        "waiting at another layer?")
+
+    def run(self, inp: ExpertsInput, fmt: ActivationFormat, key: tuple,
+            compute: Callable[[ExpertsInput], torch.Tensor]) -> torch.Tensor:
+        """This ubatch's experts output, computed in one ``compute`` call over every ubatch's
+        ``inp`` (by the last ubatch to arrive). ``key`` identifies the call's weights and
+        arguments; every ubatch must bring the same one. Outside a run (or a run of one
+        ubatch) it is ``compute(inp)``.
+
+        Raises:
+            MergedScheduleError: a peer can never arrive, or ``key`` differs from the peers'.
+        """
+        n = dbo_num_ubatches()
+        run = active_run()
+        if run is None or n < 2:
+            return compute(inp)
+        ub = dbo_current_ubatch_id()
+        g = self._join(id(run), ub, n, key)
+        g.deposits[ub] = inp
+        try:
+            if len(g.deposits) == n:
+                with dbo_region("experts_merged"):
+                    merged, split = merge_inputs(fmt, [g.deposits[u] for u in range(n)])
+                    g.results = dict(enumerate(split(compute(merged))))
+                    g.deposits.clear()  # the inputs are no longer needed
+            else:
+                with dbo_region("experts_wait"):
+                    self._wait(g, ub)
+        except BaseException:
+            self._discard(g)  # a peer still waiting on it raises or is being unwound
+            raise
+        out = g.results.pop(ub)
+        if not g.results:
+            self._discard(g)
+        return out
+
+
+def same_call_key(w1: torch.Tensor, w2: torch.Tensor, router_on_input: bool) -> tuple:
+    """A key that is equal for two calls with the same weights and router placement."""
+    return (w1.data_ptr(), tuple(w1.shape), w1.dtype, w2.data_ptr(), tuple(w2.shape), w2.dtype,
+            bool(router_on_input))
