@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from dbo.context import dbo_enabled, dbo_yield, run_ubatches
+from dbo.expert_schedule import use_expert_schedule
 from dbo.moe.base import PrepareAndFinalize
 from dbo.moe.experts import SwiGLUExperts
 from dbo.moe.kernel import MoEKernel
@@ -67,8 +68,10 @@ class ConformanceCase:
     """One layer configuration. ``num_tokens[r]`` is rank ``r``'s token count (0 allowed).
 
     ``ubatch_sizes``: the DBO split of each rank's tokens (fractions of ``num_tokens[r]``,
-    rounded; default an uneven 2-way split). ``tol_ref``/``tol_dbo``: relative-error bounds of
-    serial vs reference and DBO vs serial. ``options``: free-form settings for the factory.
+    rounded; default an uneven 2-way split). ``expert_schedule``: how the DBO runs' routed
+    experts run (``"split"``, or ``"merged"``: one call over every ubatch's rows).
+    ``tol_ref``/``tol_dbo``: relative-error bounds of serial vs reference and DBO vs serial.
+    ``options``: free-form settings for the factory.
     """
 
     name: str
@@ -83,6 +86,7 @@ class ConformanceCase:
     apply_router_weight_on_input: bool = False
     reduce_in_experts: bool = True
     force_interleave: bool = True
+    expert_schedule: str = "split"
     tol_ref: float = 2e-2
     tol_dbo: float = 1e-2
     options: tuple[tuple[str, Any], ...] = ()
@@ -240,7 +244,8 @@ def run_case(factory: BackendFactory, case: ConformanceCase, *, device: str | to
         sizes = _split(x.shape[0], case.num_ubatches)
         bounds = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
         fns = [(lambda s=slice(bounds[i], bounds[i + 1]): layer(s)) for i in range(len(sizes))]
-        outs = run_ubatches(fns, token_offsets=bounds[:-1], trace=trace, device=device.type)
+        with use_expert_schedule(case.expert_schedule):
+            outs = run_ubatches(fns, token_offsets=bounds[:-1], trace=trace, device=device.type)
         return torch.cat(outs) if outs else x.new_empty(0, case.hidden)
 
     ref = reference_moe(x, w1, w2, weights, ids,
@@ -272,6 +277,10 @@ def run_case(factory: BackendFactory, case: ConformanceCase, *, device: str | to
         problems.append(f"a second run differs by {err_rerun:.3g} (state left behind?)")
     if registered != ran:
         problems.append(f"{registered} hooks registered, {ran} ran")
+    regions = [e.detail for e in trace.events if e.kind == "region_begin"]
+    if case.expert_schedule == "merged" and regions.count("experts_merged") != 1:
+        problems.append(f"merged schedule: {regions.count('experts_merged')} merged experts calls "
+                        f"(want 1), {regions.count('experts')} per-ubatch ones")
     return CaseResult(case.name, rank, x.shape[0], err_ref, err_dbo, err_rerun, registered, ran,
                       yields, not problems, problems)
 

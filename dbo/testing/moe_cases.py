@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from dbo.context import dbo_region, run_ubatches
+from dbo.expert_schedule import use_expert_schedule
 from dbo.moe.base import PrepareAndFinalize
 from dbo.moe.experts import SwiGLUExperts
 from dbo.moe.kernel import MoEKernel
@@ -133,10 +134,10 @@ def _layers(case: MoECase, inp: CaseInputs, h: torch.Tensor, weights: torch.Tens
 
 def run_case(case: MoECase, inp: CaseInputs, backend: PrepareAndFinalize, *, use_dbo: bool,
              num_ubatches: int = 2, trace: Trace | None = None,
-             device: str = "cpu") -> torch.Tensor:
+             device: str = "cpu", expert_schedule: str = "split") -> torch.Tensor:
     """This rank's output ``[M, hidden]``: plainly, or split into ``num_ubatches`` contiguous
     ubatches run with :func:`dbo.run_ubatches` (each rank runs the same number of ubatches,
-    some possibly empty)."""
+    some possibly empty) under ``expert_schedule`` (``"split"`` or ``"merged"``)."""
     kernel = MoEKernel(backend, SwiGLUExperts(reduce_in_experts=case.reduce_in_experts))
 
     def moe(a: torch.Tensor, w: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
@@ -152,7 +153,8 @@ def run_case(case: MoECase, inp: CaseInputs, backend: PrepareAndFinalize, *, use
     for p in parts[:-1]:
         offsets.append(offsets[-1] + p[0].shape[0])
     fns = [lambda p=p: _layers(case, inp, p[0], p[1], p[2], moe) for p in parts]
-    outs = run_ubatches(fns, token_offsets=offsets, trace=trace, device=device)
+    with use_expert_schedule(expert_schedule):
+        outs = run_ubatches(fns, token_offsets=offsets, trace=trace, device=device)
     return torch.cat(outs)
 
 
@@ -167,15 +169,16 @@ def reference_case(case: MoECase, inp: CaseInputs) -> torch.Tensor:
 
 
 def check_case(case: MoECase, rank: int, make_backend: Callable[[], PrepareAndFinalize], *,
-               num_ubatches: int = 2, device: str = "cpu") -> CaseReport:
-    """Run ``case`` on this rank plainly and with DBO (fresh backends from ``make_backend``)
-    on ``device`` (``"cpu"`` or ``"cuda"``); return the relative errors against the reference
-    and between the two."""
+               num_ubatches: int = 2, device: str = "cpu",
+               expert_schedule: str = "split") -> CaseReport:
+    """Run ``case`` on this rank plainly and with DBO (fresh backends from ``make_backend``;
+    the DBO run under ``expert_schedule``) on ``device`` (``"cpu"`` or ``"cuda"``); return the
+    relative errors against the reference and between the two."""
     inp = case_inputs(case, rank, device)
     ref = reference_case(case, inp)
     seq = run_case(case, inp, make_backend(), use_dbo=False, device=device)
     ovl = run_case(case, inp, make_backend(), use_dbo=True, num_ubatches=num_ubatches,
-                   device=device)
+                   device=device, expert_schedule=expert_schedule)
     return CaseReport(relative_error(seq, ref), relative_error(ovl, ref), relative_error(ovl, seq),
                       TOLERANCE[case.dtype], inp.x.shape[0])
 
