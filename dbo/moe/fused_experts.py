@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["GemmConfig", "CONFIGS", "pick_configs", "fused_swiglu_experts", "route_order",
+__all__ = ["GemmConfig", "CONFIGS", "FP32_CONFIG", "pick_configs", "fused_swiglu_experts", "route_order",
            "launch_gate_up", "launch_down"]
 
 try:
@@ -41,7 +41,9 @@ except ImportError:  # the module is only used where Triton is importable
 @dataclass(frozen=True)
 class GemmConfig:
     """One grouped GEMM's tile: ``block_m`` rows x ``block_n`` columns, ``block_k`` deep;
-    ``group_m`` row blocks share a column block in launch order; Triton's warps and stages."""
+    ``group_m`` row blocks share a column block in launch order; Triton's warps and stages.
+    ``interleave`` (gate/up only): one ``[block_m, 2 * block_n]`` product whose columns
+    alternate gate and up, instead of two ``[block_m, block_n]`` products side by side."""
 
     block_m: int = 64
     block_n: int = 64
@@ -49,22 +51,34 @@ class GemmConfig:
     group_m: int = 8
     num_warps: int = 4
     num_stages: int = 4
+    interleave: bool = False
+    #: down only, intermediate <= block_k: column blocks per program (0: the K-loop kernel)
+    n_per_program: int = 0
 
 
-#: (largest estimated rows per expert, gate_up config, down config), first match wins
-CONFIGS: tuple[tuple[int, GemmConfig, GemmConfig], ...] = (
-    (48, GemmConfig(32, 64, 128, 8, 4, 4), GemmConfig(32, 128, 64, 8, 4, 4)),
-    (96, GemmConfig(64, 64, 64, 8, 4, 4), GemmConfig(64, 128, 64, 8, 4, 4)),
-    (1 << 62, GemmConfig(128, 64, 64, 8, 8, 3), GemmConfig(128, 128, 64, 8, 8, 3)),
+#: 4-byte inputs (float32: tests, references) take this small tile: shared memory holds twice
+#: the bytes per element, and speed does not matter there
+FP32_CONFIG = GemmConfig(64, 64, 32, 8, 4, 2)
+
+
+#: (largest estimated rows per expert, gate_up tile, down tile, down tile when I <= 256), first
+#: match wins. From the tile sweep on an H200 (tests/gpu/tune_experts.py, docs/perf_notes.md).
+CONFIGS: tuple[tuple[int, GemmConfig, GemmConfig, GemmConfig], ...] = (
+    (48, GemmConfig(64, 64, 64, 8, 4, 4), GemmConfig(64, 128, 64, 8, 4, 4),
+     GemmConfig(64, 128, 64, 8, 4, 4)),
+    (96, GemmConfig(64, 64, 64, 8, 4, 4), GemmConfig(128, 256, 64, 8, 8, 3),
+     GemmConfig(128, 128, 64, 8, 8, 3)),
+    (1 << 62, GemmConfig(128, 128, 64, 8, 8, 3), GemmConfig(128, 256, 64, 8, 8, 3),
+     GemmConfig(128, 128, 64, 8, 8, 3)),
 )
 
 
-def pick_configs(rows_per_expert: float) -> tuple[GemmConfig, GemmConfig]:
+def pick_configs(rows_per_expert: float, intermediate: int = 1 << 30) -> tuple[GemmConfig, GemmConfig]:
     """The ``(gate_up, down)`` tiles for an estimated number of rows per local expert."""
-    for bound, up, down in CONFIGS:
+    for bound, up, down, down_short in CONFIGS:
         if rows_per_expert <= bound:
-            return up, down
-    return CONFIGS[-1][1], CONFIGS[-1][2]
+            return up, (down_short if intermediate <= 256 else down)
+    raise AssertionError("the last CONFIGS bound covers every size")
 
 
 if triton is not None:
@@ -105,7 +119,7 @@ if triton is not None:
     def _gate_up_kernel(x_ptr, order_ptr, offs_ptr, w_ptr, act_ptr, n_experts, hidden, inter,
                         stride_we, TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr,
-                        EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
+                        EVEN_K: tl.constexpr, PRECISION: tl.constexpr, INTERLEAVE: tl.constexpr):
         n_col_blocks = tl.cdiv(inter, BLOCK_N)
         e, first_row, end_row, pid_m, pid_n = _tile_of(tl.program_id(0), offs_ptr, n_experts,
                                                        n_col_blocks, BLOCK_M, BLOCK_E, GROUP_M)
@@ -114,30 +128,52 @@ if triton is not None:
         rows = first_row + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         row_mask = rows < end_row
         tokens = (tl.load(order_ptr + rows, mask=row_mask, other=0) // TOPK).to(tl.int64)
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_mask = cols < inter
         ks = tl.arange(0, BLOCK_K)
         a_ptrs = x_ptr + tokens[:, None] * hidden + ks[None, :]
         w_base = w_ptr + e.to(tl.int64) * stride_we
-        g_ptrs = w_base + cols[None, :].to(tl.int64) * hidden + ks[:, None]
-        u_ptrs = g_ptrs + inter * hidden
-        acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, hidden, BLOCK_K):
-            if EVEN_K:
-                a = tl.load(a_ptrs, mask=row_mask[:, None], other=0.0)
-                g = tl.load(g_ptrs, mask=col_mask[None, :], other=0.0)
-                u = tl.load(u_ptrs, mask=col_mask[None, :], other=0.0)
-            else:
-                k_mask = (k0 + ks) < hidden
-                a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-                g = tl.load(g_ptrs, mask=col_mask[None, :] & k_mask[:, None], other=0.0)
-                u = tl.load(u_ptrs, mask=col_mask[None, :] & k_mask[:, None], other=0.0)
-            acc_g = tl.dot(a, g, acc_g, input_precision=PRECISION)
-            acc_u = tl.dot(a, u, acc_u, input_precision=PRECISION)
-            a_ptrs += BLOCK_K
-            g_ptrs += BLOCK_K
-            u_ptrs += BLOCK_K
+        if INTERLEAVE:
+            # tile column j: gate column n0 + j // 2 if j is even, its up column if odd
+            j = tl.arange(0, 2 * BLOCK_N)
+            wcols = pid_n * BLOCK_N + j // 2
+            wmask = wcols < inter
+            b_ptrs = w_base + ((j % 2) * inter + wcols)[None, :].to(tl.int64) * hidden + ks[:, None]
+            acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)
+            for k0 in range(0, hidden, BLOCK_K):
+                if EVEN_K:
+                    a = tl.load(a_ptrs, mask=row_mask[:, None], other=0.0)
+                    b = tl.load(b_ptrs, mask=wmask[None, :], other=0.0)
+                else:
+                    k_mask = (k0 + ks) < hidden
+                    a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+                    b = tl.load(b_ptrs, mask=wmask[None, :] & k_mask[:, None], other=0.0)
+                acc = tl.dot(a, b, acc, input_precision=PRECISION)
+                a_ptrs += BLOCK_K
+                b_ptrs += BLOCK_K
+            acc_g, acc_u = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N, 2]))
+        else:
+            g_ptrs = w_base + (pid_n * BLOCK_N + tl.arange(0, BLOCK_N))[None, :].to(tl.int64) * hidden \
+                + ks[:, None]
+            u_ptrs = g_ptrs + inter * hidden
+            gmask = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) < inter
+            acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for k0 in range(0, hidden, BLOCK_K):
+                if EVEN_K:
+                    a = tl.load(a_ptrs, mask=row_mask[:, None], other=0.0)
+                    g = tl.load(g_ptrs, mask=gmask[None, :], other=0.0)
+                    u = tl.load(u_ptrs, mask=gmask[None, :], other=0.0)
+                else:
+                    k_mask = (k0 + ks) < hidden
+                    a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+                    g = tl.load(g_ptrs, mask=gmask[None, :] & k_mask[:, None], other=0.0)
+                    u = tl.load(u_ptrs, mask=gmask[None, :] & k_mask[:, None], other=0.0)
+                acc_g = tl.dot(a, g, acc_g, input_precision=PRECISION)
+                acc_u = tl.dot(a, u, acc_u, input_precision=PRECISION)
+                a_ptrs += BLOCK_K
+                g_ptrs += BLOCK_K
+                u_ptrs += BLOCK_K
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_mask = cols < inter
         act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
         tl.store(act_ptr + rows.to(tl.int64)[:, None] * inter + cols[None, :],
                  act.to(act_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
@@ -175,6 +211,36 @@ if triton is not None:
         slots = tl.load(order_ptr + rows, mask=row_mask, other=0).to(tl.int64)
         tl.store(y_ptr + slots[:, None] * hidden + cols[None, :], acc.to(y_ptr.dtype.element_ty),
                  mask=row_mask[:, None] & col_mask[None, :])
+
+    @triton.jit
+    def _down_short_k_kernel(act_ptr, order_ptr, offs_ptr, w_ptr, y_ptr, n_experts, hidden, inter,
+                             stride_we, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                             BLOCK_K: tl.constexpr, N_PER_PROGRAM: tl.constexpr, BLOCK_E: tl.constexpr,
+                             GROUP_M: tl.constexpr, PRECISION: tl.constexpr):
+        # inter <= BLOCK_K: a program loads its rows' activations once and walks N_PER_PROGRAM
+        # column blocks; the loop over columns is the one Triton pipelines (the next weight tile
+        # loads while this one multiplies), where a K loop of a few steps would not pipeline
+        n_col_groups = tl.cdiv(tl.cdiv(hidden, BLOCK_N), N_PER_PROGRAM)
+        e, first_row, end_row, pid_m, pid_g = _tile_of(tl.program_id(0), offs_ptr, n_experts,
+                                                       n_col_groups, BLOCK_M, BLOCK_E, GROUP_M)
+        if e >= n_experts:
+            return
+        rows = first_row + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_mask = rows < end_row
+        ks = tl.arange(0, BLOCK_K)
+        k_mask = ks < inter
+        a = tl.load(act_ptr + rows.to(tl.int64)[:, None] * inter + ks[None, :],
+                    mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        slots = tl.load(order_ptr + rows, mask=row_mask, other=0).to(tl.int64)
+        w_base = w_ptr + e.to(tl.int64) * stride_we
+        for nb in tl.range(0, N_PER_PROGRAM):
+            cols = (pid_g * N_PER_PROGRAM + nb) * BLOCK_N + tl.arange(0, BLOCK_N)
+            col_mask = cols < hidden
+            b = tl.load(w_base + cols[None, :].to(tl.int64) * inter + ks[:, None],
+                        mask=col_mask[None, :] & k_mask[:, None], other=0.0)
+            acc = tl.dot(a, b, input_precision=PRECISION)
+            tl.store(y_ptr + slots[:, None] * hidden + cols[None, :], acc.to(y_ptr.dtype.element_ty),
+                     mask=row_mask[:, None] & col_mask[None, :])
 
     @triton.jit
     def _topk_sum_kernel(y_ptr, ids_ptr, w_ptr, out_ptr, n_experts, hidden, TOPK: tl.constexpr,
@@ -235,17 +301,29 @@ def launch_gate_up(x: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, 
     ``e`` (``t = order[r] // topk``); ``pairs``: an upper bound of the local pairs (the grid)."""
     n_experts, two_inter, hidden = w1.shape
     inter = two_inter // 2
+    cfg = FP32_CONFIG if x.element_size() > 2 else cfg
     _gate_up_kernel[_grid(cfg, pairs, n_experts, inter)](
         x, order, offsets, w1, act, n_experts, hidden, inter, w1.stride(0), TOPK=topk,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_E=_block_e(n_experts),
         GROUP_M=cfg.group_m, EVEN_K=hidden % cfg.block_k == 0, PRECISION=_precision(x),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        INTERLEAVE=cfg.interleave, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def launch_down(act: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, w2: torch.Tensor,
                 y: torch.Tensor, cfg: GemmConfig, pairs: int) -> None:
     """``y[order[r]] = act[r] @ d_e.T`` for each sorted row ``r`` of expert ``e``."""
     n_experts, hidden, inter = w2.shape
+    cfg = FP32_CONFIG if act.element_size() > 2 else cfg
+    if cfg.n_per_program:
+        if triton.next_power_of_2(inter) > cfg.block_k:
+            raise ValueError(f"a short-K tile needs block_k >= intermediate ({inter}), got {cfg.block_k}")
+        groups = triton.cdiv(triton.cdiv(hidden, cfg.block_n), cfg.n_per_program)
+        _down_short_k_kernel[((triton.cdiv(pairs, cfg.block_m) + n_experts) * groups,)](
+            act, order, offsets, w2, y, n_experts, hidden, inter, w2.stride(0),
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            N_PER_PROGRAM=cfg.n_per_program, BLOCK_E=_block_e(n_experts), GROUP_M=cfg.group_m,
+            PRECISION=_precision(act), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        return
     _down_kernel[_grid(cfg, pairs, n_experts, hidden)](
         act, order, offsets, w2, y, n_experts, hidden, inter, w2.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_E=_block_e(n_experts),
@@ -282,7 +360,7 @@ def fused_swiglu_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
     x, w1, w2 = x.contiguous(), w1.contiguous(), w2.contiguous()
     order, offsets = route_order(topk_ids, n_experts, bounds)
     pairs = m * topk if max_local_pairs is None else min(max_local_pairs, m * topk)
-    up_cfg, down_cfg = configs if configs is not None else pick_configs(pairs / n_experts)
+    up_cfg, down_cfg = configs if configs is not None else pick_configs(pairs / n_experts, inter)
     act = torch.empty(m * topk, inter, dtype=x.dtype, device=x.device)
     launch_gate_up(x, order, offsets, w1, act, up_cfg, pairs, topk)
     y = out.view(m * topk, hidden) if not reduce else \

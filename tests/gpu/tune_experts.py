@@ -33,12 +33,14 @@ from dbo.moe.fused_experts import (  # noqa: E402
 )
 
 C = GemmConfig
-UP = [C(32, 64, 128, 8, 4, 4), C(32, 128, 64, 8, 4, 4), C(64, 64, 64, 8, 4, 4), C(64, 64, 128, 8, 4, 3),
-      C(64, 128, 64, 8, 8, 3), C(64, 128, 64, 8, 8, 4), C(128, 64, 64, 8, 8, 3), C(128, 64, 64, 8, 8, 4),
-      C(128, 64, 64, 4, 8, 4), C(128, 64, 128, 8, 8, 3), C(128, 128, 64, 8, 8, 3)]
-DOWN = [C(32, 128, 64, 8, 4, 4), C(64, 128, 64, 8, 4, 4), C(64, 256, 64, 8, 8, 3), C(128, 128, 64, 8, 8, 3),
-        C(128, 128, 64, 8, 8, 4), C(128, 256, 64, 8, 8, 3), C(128, 128, 128, 8, 8, 3),
-        C(64, 128, 128, 8, 4, 3), C(128, 64, 64, 8, 4, 4)]
+UP = [C(64, 64, 64, 8, 4, 4), C(64, 128, 64, 8, 8, 4), C(128, 64, 64, 8, 8, 3), C(128, 128, 64, 8, 8, 3),
+      C(128, 64, 128, 8, 8, 3), C(64, 64, 64, 8, 4, 4, True), C(64, 128, 64, 8, 8, 4, True),
+      C(128, 64, 64, 8, 8, 4, True), C(128, 128, 64, 8, 8, 3, True), C(128, 128, 64, 8, 8, 4, True)]
+DOWN = [C(64, 128, 64, 8, 4, 4), C(128, 128, 64, 8, 8, 3), C(128, 256, 64, 8, 8, 3), C(128, 256, 64, 8, 8, 4),
+        C(64, 256, 64, 8, 8, 4)]
+SHORT_K = [C(128, 128, 256, 8, 8, 3, False, 8), C(128, 128, 256, 8, 8, 2, False, 8),
+           C(64, 128, 256, 8, 4, 3, False, 8), C(128, 256, 256, 8, 8, 2, False, 4),
+           C(64, 256, 256, 8, 8, 3, False, 4), C(128, 64, 256, 8, 4, 3, False, 16)]
 
 
 def median_ms(fn, reps: int) -> float:
@@ -55,8 +57,8 @@ def median_ms(fn, reps: int) -> float:
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--intermediate", type=int, nargs="+", default=[256, 768, 2048])
-    p.add_argument("--local-experts", type=int, nargs="+", default=[256, 32])
-    p.add_argument("--tokens", type=int, nargs="+", default=[1024 << i for i in range(7)])
+    p.add_argument("--local-experts", type=int, nargs="+", default=[256])
+    p.add_argument("--tokens", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384, 65536])
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--json", default=None)
     a = p.parse_args()
@@ -82,7 +84,7 @@ def main() -> int:
                             activation_format=ActivationFormat.STANDARD, expert_tokens_meta=None,
                             apply_router_weight_on_input=False, workspace=Workspace()).clone()
                         for cu in UP:
-                            for cd in DOWN[:3] if cu is not UP[0] else DOWN:
+                            for cd in DOWN[:1] if cu is not UP[0] else DOWN + SHORT_K:
                                 out = torch.full_like(case.x, float("nan"))
                                 fused_swiglu_experts(case.x, case.w1, case.w2, case.weights, case.ids,
                                                      out=out, configs=(cu, cd))
@@ -101,7 +103,7 @@ def main() -> int:
                         res["up"][str(tuple(cfg.__dict__.values()))] = median_ms(
                             lambda c=cfg, cs=case, o=order, f=offsets, ac=act, n=t * topk:
                             launch_gate_up(cs.x, o, f, cs.w1, ac, c, n, topk), a.reps)
-                    for cfg in DOWN:
+                    for cfg in DOWN + (SHORT_K if inter <= 256 else []):
                         res["down"][str(tuple(cfg.__dict__.values()))] = median_ms(
                             lambda c=cfg, cs=case, o=order, f=offsets, ac=act, yy=y, n=t * topk:
                             launch_down(ac, o, f, cs.w2, yy, c, n), a.reps)
