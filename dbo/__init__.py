@@ -39,6 +39,7 @@ from dbo.errors import (
     UBatchCountError,
     UBatchError,
 )
+from dbo.expert_schedule import ExpertSchedule
 from dbo.overlap import DBOWrapper, overlapped_forward
 from dbo.split import SplitConfig, SplitMode, UBatchPlan, plan_ubatches
 from dbo.trace import Trace
@@ -51,6 +52,7 @@ __all__ = [
     "Trace",
     "SplitConfig",
     "SplitMode",
+    "ExpertSchedule",
     "UBatchPlan",
     "plan_ubatches",
     "split_attention_metadata",

@@ -8,6 +8,11 @@ measured (docs/perf_notes.md). :func:`autotune_split_config` times the plain and
 overlapped forward at a few token counts and returns a :class:`~dbo.split.SplitConfig` whose
 threshold splits only where DBO was faster, so that the wrapper picks the faster mode.
 
+It measures every expert schedule (:mod:`dbo.expert_schedule`): ``plain`` (the forward
+unsplit), ``split`` (each ubatch runs its own experts) and ``merged`` (the ubatches' experts run
+as one call: one read of the weights), and picks the schedule and threshold with the lowest
+cost over the measured sizes (:func:`pick_schedule`).
+
 Every rank of the expert-parallel group must call it with the same arguments (the forwards
 issue collectives). The timings are reduced to the slowest rank's, so every rank gets the same
 answer.
@@ -24,6 +29,7 @@ from typing import Any
 
 import torch
 
+from dbo.expert_schedule import ExpertSchedule, parse_expert_schedule
 from dbo.overlap import _check_carveout, overlapped_forward
 from dbo.partition import check_num_sms
 from dbo.split import NEVER_SPLIT, SplitConfig, _group_size, _reduce_max, plan_ubatches
@@ -33,26 +39,48 @@ __all__ = [
     "AutotuneRow",
     "AutotuneResult",
     "pick_threshold",
+    "pick_schedule",
     "autotune_split_config",
 ]
 
 logger = logging.getLogger(__name__)
 
+
 @dataclass(frozen=True)
 class AutotuneRow:
     """One token count: the plain and the overlapped forward, ms per call (slowest rank).
 
-    ``dbo_ms`` is None where the batch could not be split (fewer tokens than ubatches).
+    ``dbo_ms``: the ``split`` schedule; ``merged_ms``: the ``merged`` one. Either is None
+    where the batch could not be split (fewer tokens than ubatches) or that schedule was not
+    measured.
     """
 
     tokens: int
     serial_ms: float
     dbo_ms: float | None
+    merged_ms: float | None = None
 
     @property
     def ratio(self) -> float | None:
-        """DBO / serial (< 1: DBO is faster)."""
+        """DBO (split schedule) / serial (< 1: DBO is faster)."""
         return None if self.dbo_ms is None else self.dbo_ms / self.serial_ms
+
+    @property
+    def merged_ratio(self) -> float | None:
+        """DBO with the merged schedule / serial."""
+        return None if self.merged_ms is None else self.merged_ms / self.serial_ms
+
+    def ms(self, schedule: ExpertSchedule | str) -> float | None:
+        """The time of ``schedule`` at this size (None: not measured)."""
+        s = parse_expert_schedule(schedule)
+        return {ExpertSchedule.PLAIN: self.serial_ms, ExpertSchedule.SPLIT: self.dbo_ms,
+                ExpertSchedule.MERGED: self.merged_ms}[s]
+
+    @property
+    def best(self) -> ExpertSchedule:
+        """The fastest schedule measured at this size (ties go to the simpler one)."""
+        timed = [(ms, k, s) for k, s in enumerate(ExpertSchedule) if (ms := self.ms(s)) is not None]
+        return min(timed)[2]
 
 
 @dataclass(frozen=True)
@@ -62,10 +90,14 @@ class AutotuneResult:
     Attributes:
         config: the input config with the tuned threshold (decode or prefill).
         decode_only: which threshold was tuned.
-        threshold: the smallest token count from which DBO won at every measured size, or
-            :data:`NEVER_SPLIT` if it won at none (or not at the largest).
+        threshold: the smallest token count from which DBO (with ``schedule``) won at every
+            measured size, or :data:`NEVER_SPLIT` if it won at none (or not at the largest).
         rows: the measurements, by increasing token count.
         margin: how much faster DBO had to be to count as winning.
+        schedule: the chosen :class:`~dbo.expert_schedule.ExpertSchedule`: ``split`` or
+            ``merged`` (also in ``config.expert_schedule``), or ``plain`` when neither won
+            (then ``threshold`` is :data:`NEVER_SPLIT` and ``config.expert_schedule`` is the
+            input's).
     """
 
     config: SplitConfig
@@ -73,17 +105,23 @@ class AutotuneResult:
     threshold: int
     rows: tuple[AutotuneRow, ...]
     margin: float
+    schedule: ExpertSchedule = ExpertSchedule.SPLIT
 
     def table(self) -> str:
         """The measurements as a small text table."""
         kind = "decode" if self.decode_only else "prefill"
-        lines = [f"{'tokens':>8} {'serial ms':>10} {'dbo ms':>10} {'dbo/serial':>11}"]
+
+        def f(v: float | None) -> str:
+            return "-" if v is None else f"{v:.3f}"
+
+        lines = [f"{'tokens':>8} {'serial ms':>10} {'dbo ms':>10} {'dbo/serial':>11} "
+                 f"{'merged ms':>10} {'merged/ser':>11} {'best':>7}"]
         for r in self.rows:
-            d = "-" if r.dbo_ms is None else f"{r.dbo_ms:.3f}"
-            q = "-" if r.ratio is None else f"{r.ratio:.3f}"
-            lines.append(f"{r.tokens:>8} {r.serial_ms:>10.3f} {d:>10} {q:>11}")
+            lines.append(f"{r.tokens:>8} {r.serial_ms:>10.3f} {f(r.dbo_ms):>10} {f(r.ratio):>11} "
+                         f"{f(r.merged_ms):>10} {f(r.merged_ratio):>11} {r.best.value:>7}")
         thr = "never" if self.threshold >= NEVER_SPLIT else f">= {self.threshold} tokens"
-        lines.append(f"{kind} threshold: split {thr} (DBO must win by {100 * self.margin:.0f}%)")
+        how = "" if self.threshold >= NEVER_SPLIT else f", {self.schedule.value} experts"
+        lines.append(f"{kind} threshold: split {thr}{how} (DBO must win by {100 * self.margin:.0f}%)")
         return "\n".join(lines)
 
 
@@ -105,6 +143,32 @@ def pick_threshold(rows: Sequence[AutotuneRow], margin: float = 0.02) -> int:
             break
         threshold = r.tokens
     return threshold
+
+
+def pick_schedule(rows: Sequence[AutotuneRow], margin: float = 0.02) -> tuple[ExpertSchedule, int]:
+    """The schedule and threshold to run: ``(schedule, threshold)``. Pure.
+
+    For each DBO schedule measured (``split``: ``dbo_ms``, ``merged``: ``merged_ms``), its
+    threshold is :func:`pick_threshold` of its times, and its cost is the sum over the measured
+    sizes of its time (from the threshold on) or the plain time (below it), each relative to
+    the plain time, so that every size weighs the same. ``plain`` costs one per size. The
+    cheapest wins; ``merged`` must beat ``split``'s cost by ``margin`` (split is the default
+    and the two are alike where the schedule makes no difference). When no DBO schedule has a
+    threshold the answer is ``(plain, NEVER_SPLIT)``.
+    """
+    costs: dict[ExpertSchedule, tuple[float, int]] = {}
+    for schedule in (ExpertSchedule.SPLIT, ExpertSchedule.MERGED):
+        timed = [AutotuneRow(r.tokens, r.serial_ms, r.ms(schedule)) for r in rows]
+        thr = pick_threshold(timed, margin)
+        if thr < NEVER_SPLIT:  # then it won somewhere, so it costs less than plain
+            costs[schedule] = (sum((r.dbo_ms if r.tokens >= thr else r.serial_ms) / r.serial_ms
+                                   for r in timed), thr)
+    split, merged = costs.get(ExpertSchedule.SPLIT), costs.get(ExpertSchedule.MERGED)
+    if merged is not None and (split is None or merged[0] < split[0] * (1 - margin)):
+        return ExpertSchedule.MERGED, merged[1]
+    if split is not None:
+        return ExpertSchedule.SPLIT, split[1]
+    return ExpertSchedule.PLAIN, NEVER_SPLIT
 
 
 def _sync(device: torch.device) -> None:
@@ -145,6 +209,7 @@ def autotune_split_config(
     fn_kwargs: Mapping[str, Any] | None = None,
     sm_carveout: int | None = None,
     compute_sms: int | None = None,
+    schedules: Sequence[ExpertSchedule | str] = (ExpertSchedule.SPLIT, ExpertSchedule.MERGED),
 ) -> AutotuneResult:
     """Time ``fn`` plainly and overlapped at each token count; return a tuned config.
 
@@ -167,13 +232,18 @@ def autotune_split_config(
             tune with the setting the wrapper will run with.
         compute_sms: likewise, the green-context SM count of the overlapped runs
             (``overlapped_forward(compute_sms=...)``).
+        schedules: the DBO expert schedules to measure beside the plain forward (default
+            both, ``split`` and ``merged``); the choice is :func:`pick_schedule`'s.
 
     Returns:
-        :class:`AutotuneResult`; ``.config`` is what to give the wrapper.
+        :class:`AutotuneResult`; ``.config`` is what to give the wrapper: the tuned threshold
+        and, when DBO won, the chosen ``expert_schedule`` (one per config: it applies to the
+        other kind's batches too).
 
     Raises:
         ValueError: an empty or non-positive ``token_counts``, bad ``steps``/``rounds``, or
-            ranks that were given different ``token_counts``/``steps``/``rounds``.
+            ``schedules``, or ranks that were given different ``token_counts``/``steps``/
+            ``rounds``/``schedules``.
     """
     config = SplitConfig() if config is None else config
     counts = [int(t) for t in token_counts]
@@ -185,44 +255,59 @@ def autotune_split_config(
         raise ValueError(f"margin must be in [0, 1), got {margin!r}")
     _check_carveout(sm_carveout)
     check_num_sms(compute_sms)
+    wanted = {parse_expert_schedule(s) for s in schedules}
+    if not wanted or ExpertSchedule.PLAIN in wanted:
+        raise ValueError(f"schedules must name 'split' and/or 'merged' (the plain forward is "
+                         f"always measured), got {list(schedules)!r}")
+    dbo_schedules = [s for s in (ExpertSchedule.SPLIT, ExpertSchedule.MERGED) if s in wanted]
     kwargs = dict(fn_kwargs or {})
     multi = _group_size(group) > 1
     counts.sort()
     if multi:
         # One mismatch would make the ranks issue different collectives: check first.
-        mine = [len(counts), sum(counts), steps, rounds, warmup]
+        mine = [len(counts), sum(counts), steps, rounds, warmup,
+                sum(1 << k for k, s in enumerate(ExpertSchedule) if s in wanted)]
         seen = _reduce_max(mine + [-v for v in mine], group, None)
-        if seen[:5] != [-v for v in seen[5:]]:
+        if seen[:6] != [-v for v in seen[6:]]:
             raise ValueError("autotune_split_config: ranks were given different token_counts, "
-                             "steps, rounds or warmup")
+                             "steps, rounds, warmup or schedules")
     force = dataclasses.replace(config, decode_token_threshold=1, prefill_token_threshold=1,
-                                enabled=True)
+                                enabled=True, expert_schedule=ExpertSchedule.SPLIT)
+    width = len(ExpertSchedule)  # plain (serial), split, merged per count, in that order
     local: list[float] = []
     for t in counts:
         inputs = list(make_inputs(t))
         device = _device_of(inputs)
         plan = plan_ubatches(t, force, decode_only=decode_only, group=group)
-        best = {"serial": float("inf"), "dbo": float("inf")}
+        best = {s: float("inf") for s in ExpertSchedule}
         for _ in range(rounds):
-            best["serial"] = min(best["serial"], _time_ms(lambda x=inputs: fn(*x, **kwargs),
-                                                          warmup, steps, device))
-            if plan.split:
-                best["dbo"] = min(best["dbo"], _time_ms(
-                    lambda x=inputs, p=plan: overlapped_forward(fn, *x, plan=p, fn_kwargs=kwargs,
-                                                                  sm_carveout=sm_carveout,
-                                                                  compute_sms=compute_sms),
+            best[ExpertSchedule.PLAIN] = min(best[ExpertSchedule.PLAIN], _time_ms(
+                lambda x=inputs: fn(*x, **kwargs), warmup, steps, device))
+            for s in dbo_schedules if plan.split else ():
+                p = dataclasses.replace(plan, expert_schedule=s)
+                best[s] = min(best[s], _time_ms(
+                    lambda x=inputs, p=p: overlapped_forward(fn, *x, plan=p, fn_kwargs=kwargs,
+                                                             sm_carveout=sm_carveout,
+                                                             compute_sms=compute_sms),
                     warmup, steps, device))
-        local += [best["serial"], best["dbo"] if plan.split else -1.0]
+        local += [v if v != float("inf") else -1.0 for v in best.values()]
         del inputs
     if multi:
-        # the slowest rank sets the pace of a step; -1 (not split) stays -1 on every rank
+        # the slowest rank sets the pace of a step; -1 (not measured) stays -1 on every rank
         ns = _reduce_max([int(v * 1e6) if v >= 0 else -1 for v in local], group, None)
         local = [v / 1e6 if v >= 0 else -1.0 for v in ns]
-    rows = tuple(AutotuneRow(t, local[2 * k], None if local[2 * k + 1] < 0 else local[2 * k + 1])
+
+    def ms(v: float) -> float | None:
+        return None if v < 0 else v
+
+    rows = tuple(AutotuneRow(t, local[width * k], ms(local[width * k + 1]), ms(local[width * k + 2]))
                  for k, t in enumerate(counts))
-    threshold = pick_threshold(rows, margin)
+    schedule, threshold = pick_schedule(rows, margin)
     field = "decode_token_threshold" if decode_only else "prefill_token_threshold"
-    result = AutotuneResult(dataclasses.replace(config, **{field: threshold}), decode_only,
-                            threshold, rows, margin)
+    tuned = {field: threshold}
+    if schedule is not ExpertSchedule.PLAIN:
+        tuned["expert_schedule"] = schedule
+    result = AutotuneResult(dataclasses.replace(config, **tuned), decode_only,
+                            threshold, rows, margin, schedule)
     logger.info("dbo autotune:\n%s", result.table())
     return result

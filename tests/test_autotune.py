@@ -19,7 +19,14 @@ from hypothesis import strategies as st
 
 import dbo
 from dbo import SplitConfig, dbo_yield, overlapped_forward
-from dbo.autotune import NEVER_SPLIT, AutotuneRow, autotune_split_config, pick_threshold
+from dbo.autotune import (
+    NEVER_SPLIT,
+    AutotuneRow,
+    autotune_split_config,
+    pick_schedule,
+    pick_threshold,
+)
+from dbo.expert_schedule import ExpertSchedule, current_expert_schedule
 from dbo.split import plan_ubatches
 from dbo.testing.dist import DistJobError, DistWorld
 
@@ -107,10 +114,111 @@ def test_autotune_never_splits_when_dbo_never_wins():
 
     res = autotune_split_config(fn, lambda t: [torch.zeros(t, 2)], [64, 512], decode_only=False,
                                 warmup=0, steps=2, rounds=1)
-    assert res.threshold == NEVER_SPLIT
+    assert res.threshold == NEVER_SPLIT and res.schedule is ExpertSchedule.PLAIN
     assert res.config.prefill_token_threshold == NEVER_SPLIT
+    assert res.config.expert_schedule is SplitConfig().expert_schedule  # the input's
     assert not plan_ubatches(10**9, res.config, decode_only=False).split
     assert "split never" in res.table()
+
+
+# ---- three schedules ------------------------------------------------------------------------
+
+rows3_strategy = st.lists(
+    st.tuples(st.integers(1, 10_000), st.floats(0.01, 100), st.one_of(st.none(), st.floats(0.01, 100)),
+              st.one_of(st.none(), st.floats(0.01, 100))),
+    max_size=8, unique_by=lambda r: r[0],
+).map(lambda rs: [AutotuneRow(*r) for r in rs])
+
+
+@given(rows3_strategy, st.floats(0, 0.5))
+def test_schedule_choice_is_a_threshold_that_wins_from_there_on(rows, margin):
+    schedule, thr = pick_schedule(rows, margin)
+    note(f"{schedule} from {thr}")
+    if schedule is ExpertSchedule.PLAIN:
+        assert thr == NEVER_SPLIT
+        for s in (ExpertSchedule.SPLIT, ExpertSchedule.MERGED):  # neither won at the largest size
+            assert pick_threshold([AutotuneRow(r.tokens, r.serial_ms, r.ms(s)) for r in rows],
+                                  margin) == NEVER_SPLIT
+        return
+    timed = [AutotuneRow(r.tokens, r.serial_ms, r.ms(schedule)) for r in rows]
+    assert thr == pick_threshold(timed, margin)
+    assert all(r.dbo_ms is not None and r.dbo_ms <= r.serial_ms * (1 - margin)
+               for r in timed if r.tokens >= thr)
+    # the split schedule's own measurements alone give the old answer when merged is absent
+    only_split = [AutotuneRow(r.tokens, r.serial_ms, r.dbo_ms) for r in rows]
+    s2, t2 = pick_schedule(only_split, margin)
+    assert t2 == pick_threshold(only_split, margin)
+    assert s2 is (ExpertSchedule.PLAIN if t2 == NEVER_SPLIT else ExpertSchedule.SPLIT)
+
+
+def test_schedule_choice_examples():
+    def row(t, ser, split, merged):
+        return AutotuneRow(t, ser, split, merged)
+
+    # merged wins at small sizes and nearly ties at large ones: merged everywhere
+    rows = [row(32, 1.0, 1.3, 0.8), row(64, 1.0, 1.1, 0.8), row(512, 1.0, 0.7, 0.71)]
+    assert pick_schedule(rows) == (ExpertSchedule.MERGED, 32)
+    # merged only matches split: split is kept (merged must win by the margin)
+    rows = [row(32, 1.0, 0.9, 0.89), row(64, 1.0, 0.8, 0.8)]
+    assert pick_schedule(rows) == (ExpertSchedule.SPLIT, 32)
+    # no DBO schedule wins at the largest size: plain
+    rows = [row(32, 1.0, 0.5, 0.5), row(64, 1.0, 1.2, 1.1)]
+    assert pick_schedule(rows) == (ExpertSchedule.PLAIN, NEVER_SPLIT)
+    assert rows[0].best is ExpertSchedule.SPLIT and rows[1].best is ExpertSchedule.PLAIN
+    assert row(8, 1.0, None, 0.5).best is ExpertSchedule.MERGED
+
+
+FIXED_EXPERTS_S = 0.005
+
+
+def weights_bound_forward(pool: ThreadPoolExecutor):
+    """An MoE-like forward whose "experts" pay a fixed weight read after the dispatch: once per
+    ubatch with the split schedule, once per step with the merged one (ubatch 0 pays it)."""
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        t = x.shape[0]
+        comm = pool.submit(time.sleep, PER_TOKEN_S * t)
+        dbo_yield()
+        comm.result()
+        merged = dbo.dbo_enabled() and current_expert_schedule() is ExpertSchedule.MERGED
+        if not merged or dbo.dbo_current_ubatch_id() == 0:
+            time.sleep(FIXED_EXPERTS_S)
+        time.sleep(PER_TOKEN_S * t)
+        return x * 2
+
+    return fn
+
+
+def test_autotune_measures_three_schedules_and_picks_merged_where_weights_dominate():
+    # expected per call (ms): 400 tokens: serial 13, split 16, merged 11; 4000 tokens: serial
+    # 85, split 70, merged 65. Merged wins at both sizes, split only at the larger one.
+    with ThreadPoolExecutor(1) as pool:
+        fn = weights_bound_forward(pool)
+        res = autotune_split_config(fn, lambda t: [torch.ones(t, 4)], [400, 4000],
+                                    decode_only=False, warmup=1, steps=3, rounds=2)
+    table = res.table()
+    small, large = res.rows
+    assert small.ratio > 1.1 and small.merged_ratio < 0.95, table
+    assert large.ratio < 0.9 and large.merged_ms < large.dbo_ms, table
+    assert small.best is ExpertSchedule.MERGED, table
+    assert res.schedule is ExpertSchedule.MERGED and res.threshold == 400, table
+    assert res.config.expert_schedule is ExpertSchedule.MERGED
+    assert res.config.prefill_token_threshold == 400
+    assert "merged experts" in table and "merged ms" in table
+    # the wrapper with the tuned config runs the merged schedule, with the plain numbers
+    x = torch.randn(600, 4)
+    trace = dbo.Trace()
+    with ThreadPoolExecutor(1) as pool:
+        out = overlapped_forward(weights_bound_forward(pool), x, config=res.config, trace=trace)
+    torch.testing.assert_close(out, x * 2, rtol=0, atol=0)
+    assert trace.meta["expert_schedule"] == "merged"
+    # measuring the split schedule only gives the old, split-only answer
+    with ThreadPoolExecutor(1) as pool:
+        only = autotune_split_config(weights_bound_forward(pool), lambda t: [torch.ones(t, 4)],
+                                     [400, 4000], decode_only=False, warmup=1, steps=3, rounds=2,
+                                     schedules=["split"])
+    assert only.schedule is ExpertSchedule.SPLIT and only.threshold == 4000, only.table()
+    assert all(r.merged_ms is None for r in only.rows)
+    assert only.config.expert_schedule is ExpertSchedule.SPLIT
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
@@ -136,6 +244,9 @@ def test_overlapped_runs_get_the_carveout_and_plain_runs_do_not():
     (dict(steps=0), "steps"),
     (dict(margin=-0.1), "margin"),
     (dict(sm_carveout=-2), "sm_carveout"),
+    (dict(schedules=["plain"]), "schedules"),
+    (dict(schedules=[]), "schedules"),
+    (dict(schedules=["fused"]), "expert_schedule"),
 ])
 def test_bad_arguments(kwargs, match):
     args = dict(token_counts=[4, 8], steps=1)
