@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import torch
+import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -38,13 +39,17 @@ UP = [C(64, 64, 64, 8, 4, 4), C(64, 128, 64, 8, 8, 4), C(128, 64, 64, 8, 8, 3), 
       C(128, 64, 64, 8, 8, 4, True), C(128, 128, 64, 8, 8, 3, True), C(128, 128, 64, 8, 8, 4, True)]
 DOWN = [C(64, 128, 64, 8, 4, 4), C(128, 128, 64, 8, 8, 3), C(128, 256, 64, 8, 8, 3), C(128, 256, 64, 8, 8, 4),
         C(64, 256, 64, 8, 8, 4)]
-SHORT_K = [C(128, 128, 256, 8, 8, 3, False, 8), C(128, 128, 256, 8, 8, 2, False, 8),
-           C(64, 128, 256, 8, 4, 3, False, 8), C(128, 256, 256, 8, 8, 2, False, 4),
-           C(64, 256, 256, 8, 8, 3, False, 4), C(128, 64, 256, 8, 4, 3, False, 16)]
+SHORT_K = [C(128, 128, 256, 8, 8, 2, False, 8), C(128, 128, 256, 8, 8, 2, False, 4),
+           C(64, 128, 256, 8, 4, 3, False, 8), C(64, 128, 256, 8, 4, 2, False, 8),
+           C(128, 64, 256, 8, 4, 3, False, 16), C(64, 256, 256, 8, 8, 2, False, 4)]
 
 
 def median_ms(fn, reps: int) -> float:
-    fn()
+    try:
+        fn()
+    except triton.runtime.errors.OutOfResources as e:  # a tile too large for shared memory
+        print(f"  skipped: {e}", flush=True)
+        return float("inf")
     ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
     for a, b in ev:
         a.record()
@@ -86,8 +91,11 @@ def main() -> int:
                         for cu in UP:
                             for cd in DOWN[:1] if cu is not UP[0] else DOWN + SHORT_K:
                                 out = torch.full_like(case.x, float("nan"))
-                                fused_swiglu_experts(case.x, case.w1, case.w2, case.weights, case.ids,
-                                                     out=out, configs=(cu, cd))
+                                try:
+                                    fused_swiglu_experts(case.x, case.w1, case.w2, case.weights,
+                                                         case.ids, out=out, configs=(cu, cd))
+                                except triton.runtime.errors.OutOfResources:
+                                    continue
                                 err = relative_error(out, ref)
                                 assert err < 2e-2, (cu, cd, err)
                         print("every candidate matches the unfused experts", flush=True)
