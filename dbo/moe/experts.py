@@ -37,7 +37,7 @@ from dbo.moe.base import (
     TopKWeightAndReduceNoOp,
     Workspace,
 )
-from dbo.moe.fused_experts import fused_swiglu_experts
+from dbo.moe.fused_experts import fused_swiglu_experts, prefer_fused
 from dbo.moe.gather_reduce import gather_reduce, gather_rows, silu_and_mul, use_triton_for
 from dbo.moe.grouped_gemm import grouped_mm
 from dbo.moe.grouping import group_by_expert
@@ -89,8 +89,10 @@ class SwiGLUExperts(MoEExperts):
             no expert receives more (a masked grouped GEMM's expected rows); default all.
         fused: STANDARD format with Triton: the fused kernels of :mod:`dbo.moe.fused_experts`
             (gather in the first GEMM's prologue, activation in its epilogue, slot scatter in
-            the second's). Default: wherever the Triton kernels run; False runs the unfused
-            steps (``torch._grouped_mm`` and separate gather/activation/reduce kernels).
+            the second's). Default: chosen per call by the estimated rows per expert
+            (:func:`dbo.moe.fused_experts.prefer_fused`: fused where the weights dominate or
+            I <= 256, the unfused steps with CUTLASS's grouped GEMM above); True forces the
+            fused kernels, False the unfused steps.
     """
 
     def __init__(self, *, reduce_in_experts: bool = True, use_grouped_mm: bool | None = None,
@@ -147,11 +149,12 @@ class SwiGLUExperts(MoEExperts):
         if host is not None and host.numel() != n_local:
             raise ValueError(f"expert_tokens_meta has {host.numel()} host-side counts for "
                              f"{n_local} local experts")
-        if m and self.fused is not False and use_triton_for(x, self.use_triton):
+        pairs = m * topk_ids.shape[1] if host is None else int(host.sum())
+        if m and self._use_fused(x, pairs / n_local, w2.shape[2]):
             weights = torch.ones_like(topk_weights) if router_on_input else topk_weights
             return fused_swiglu_experts(
                 x, w1, w2, weights, topk_ids, out=out, reduce=self.reduce_in_experts,
-                max_local_pairs=None if host is None else int(host.sum()),
+                max_local_pairs=pairs,
                 bounds=self._bounds_for(n_local, x.device))
         groups = group_by_expert(topk_ids, n_local, host) if m else None
         if groups is None or groups.num_rows == 0:
@@ -171,6 +174,13 @@ class SwiGLUExperts(MoEExperts):
         weights = torch.ones_like(topk_weights) if router_on_input else topk_weights
         return gather_reduce(y, groups.slot_rows, weights, groups.local, out=out,
                              use_triton=self.use_triton)
+
+    def _use_fused(self, x: torch.Tensor, rows_per_expert: float, inter: int) -> bool:
+        if self.fused is False or not use_triton_for(x, self.use_triton):
+            return False
+        # a CPU tensor reaches here only with use_triton=True (Triton's interpreter): fused
+        return self.fused is True or not x.is_cuda or x.element_size() > 2 \
+            or prefer_fused(rows_per_expert, inter)
 
     def _bounds_for(self, n_local: int, device: torch.device) -> torch.Tensor:
         # arange(1, E + 1) for the offsets' searchsorted, made once per device (one launch less)

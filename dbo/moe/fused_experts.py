@@ -28,8 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["GemmConfig", "CONFIGS", "FP32_CONFIG", "pick_configs", "fused_swiglu_experts", "route_order",
-           "launch_gate_up", "launch_down"]
+__all__ = ["GemmConfig", "CONFIGS", "FP32_CONFIG", "FUSED_MAX_ROWS_PER_EXPERT", "prefer_fused",
+           "pick_configs", "fused_swiglu_experts", "route_order", "launch_gate_up", "launch_down"]
 
 try:
     import triton
@@ -65,12 +65,21 @@ FP32_CONFIG = GemmConfig(64, 64, 32, 8, 4, 2)
 #: match wins. From the tile sweep on an H200 (tests/gpu/tune_experts.py, docs/perf_notes.md).
 CONFIGS: tuple[tuple[int, GemmConfig, GemmConfig, GemmConfig], ...] = (
     (48, GemmConfig(64, 64, 64, 8, 4, 4), GemmConfig(64, 128, 64, 8, 4, 4),
-     GemmConfig(64, 128, 64, 8, 4, 4)),
-    (96, GemmConfig(64, 64, 64, 8, 4, 4), GemmConfig(128, 256, 64, 8, 8, 3),
-     GemmConfig(128, 128, 64, 8, 8, 3)),
-    (1 << 62, GemmConfig(128, 128, 64, 8, 8, 3), GemmConfig(128, 256, 64, 8, 8, 3),
-     GemmConfig(128, 128, 64, 8, 8, 3)),
+     GemmConfig(64, 128, 256, 8, 4, 2, n_per_program=8)),
+    (96, GemmConfig(128, 128, 64, 8, 8, 4, interleave=True), GemmConfig(128, 256, 64, 8, 8, 4),
+     GemmConfig(128, 64, 256, 8, 4, 3, n_per_program=16)),
+    (1 << 62, GemmConfig(128, 128, 64, 8, 8, 3, interleave=True), GemmConfig(128, 256, 64, 8, 8, 4),
+     GemmConfig(128, 64, 256, 8, 4, 3, n_per_program=16)),
 )
+
+#: above this many estimated rows per expert, with I > 256, the unfused steps (CUTLASS's
+#: grouped GEMM through ``torch._grouped_mm``) beat the fused Triton kernels on an H200
+FUSED_MAX_ROWS_PER_EXPERT = 192
+
+
+def prefer_fused(rows_per_expert: float, intermediate: int) -> bool:
+    """Whether the fused kernels are expected to beat the unfused steps at this size."""
+    return intermediate <= 256 or rows_per_expert <= FUSED_MAX_ROWS_PER_EXPERT
 
 
 def pick_configs(rows_per_expert: float, intermediate: int = 1 << 30) -> tuple[GemmConfig, GemmConfig]:
