@@ -43,6 +43,7 @@ from dbo.moe.base import (
 )
 from dbo.moe.validate import check_routing_inputs, contiguous_expert_map, num_local_experts_for
 from dbo.streams import hand_over
+from dbo.watchdog import resolve_timeout
 
 __all__ = [
     "TorchDistPrepareAndFinalize",
@@ -129,14 +130,15 @@ class PendingWork:
             for w in self.works:
                 w.wait()
             return
-        deadline = time.monotonic() + self.timeout_s
+        timeout = resolve_timeout(self.timeout_s)  # a collective_timeout() block overrides it
+        deadline = time.monotonic() + timeout
         for w in self.works:
             left = max(deadline - time.monotonic(), 0.001)
             try:
                 w.wait(timeout=datetime.timedelta(seconds=left))
             except Exception as exc:  # noqa: BLE001 - gloo raises plain RuntimeError/DistError
                 raise CollectiveTimeoutError(
-                    f"{self.what} failed or did not complete within {self.timeout_s:.1f} s: a peer rank "
+                    f"{self.what} failed or did not complete within {timeout:.1f} s: a peer rank "
                     f"failed or stopped ({type(exc).__name__}: {exc})"
                 ) from exc
 

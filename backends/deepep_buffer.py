@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from dbo.arrival import ArrivalBoard
 from dbo.errors import DBOError
 
 __all__ = [
@@ -181,6 +182,8 @@ class SharedDeepEPBuffer:
     generation: int = 0
     low_latency_layout: tuple[int, int, int] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    #: each rank's launch count, shared by the backends of this buffer (None: no check)
+    arrival: ArrivalBoard | None = None
 
     def prepare_low_latency(self, max_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
         """Clean the low-latency buffer if the kernels last ran with another layout."""
@@ -192,6 +195,14 @@ class SharedDeepEPBuffer:
 
 def _group_size(group: Any) -> int:
     return group.size() if hasattr(group, "size") else torch.distributed.get_world_size(group)
+
+
+def _arrival_board(group: Any) -> ArrivalBoard:
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and isinstance(group, dist.ProcessGroup):
+        return ArrivalBoard.create(group)
+    # a stand-in group (unit tests): no peer is visible
+    return ArrivalBoard.local(group.rank() if hasattr(group, "rank") else 0, _group_size(group))
 
 
 def _create(api: DeepEPApi, group: Any, req: BufferRequest) -> Any:
@@ -249,6 +260,8 @@ class DeepEPBufferCache:
             buffer = _create(api, group, want)
             if entry is None:
                 entry = SharedDeepEPBuffer(group, api, want, buffer)
+                # collective too: which peers reached each launch (see dbo.arrival)
+                entry.arrival = _arrival_board(group)
                 self._entries[key] = entry
                 logger.info("created DeepEP %s buffer for %s", request.mode.value, want)
             else:
@@ -267,6 +280,8 @@ class DeepEPBufferCache:
             self._entries.clear()
         for entry in entries:
             _destroy(entry.buffer)
+            if entry.arrival is not None:
+                entry.arrival.close()
 
 
 def _destroy(buffer: Any) -> None:

@@ -21,6 +21,7 @@ from dbo.moe.weight_and_reduce import (
     TopKWeightAndReduceDelegate,
 )
 from dbo.streams import hand_over
+from dbo.watchdog import WATCHDOG, WaitSite, check_timeout, raise_peer_timeout, resolve_timeout
 
 from .deepep_buffer import BufferMode, DeepEPDtypeError, SharedDeepEPBuffer
 
@@ -64,7 +65,8 @@ class DeepEPPrepareAndFinalize(PrepareAndFinalize):
     padded_hidden: int
 
     def __init__(self, shared: SharedDeepEPBuffer, mode: BufferMode, name: str, *,
-                 num_experts: int, hidden: int, use_fp8_dispatch: bool, dequantize_received: bool):
+                 num_experts: int, hidden: int, use_fp8_dispatch: bool, dequantize_received: bool,
+                 timeout_s: float = 60.0):
         if shared.request.mode is not mode:
             raise ValueError(f"{name} needs a {_MODE_NAMES[mode]} buffer, got mode {shared.request.mode}")
         self._name = name
@@ -78,6 +80,10 @@ class DeepEPPrepareAndFinalize(PrepareAndFinalize):
         self.hidden = hidden
         self.use_fp8_dispatch = use_fp8_dispatch
         self.dequantize_received = dequantize_received
+        self.timeout_s = check_timeout(timeout_s)
+        if self.timeout_s is None:
+            raise ValueError(f"{name}: timeout_s must be a positive number of seconds")
+        self.rank = group_rank(shared.group)
         # what lives from prepare to finalize, per ubatch
         self._handles = PerUBatch(name)
 
@@ -100,6 +106,41 @@ class DeepEPPrepareAndFinalize(PrepareAndFinalize):
 
     def reset(self) -> None:
         self._handles.clear()
+
+    # ---- peers: arrival before a launch, the GPU watchdog after it ------------------------
+
+    def _arrive(self, phase: str) -> int:
+        """Before a launch that waits for the peers: count it on the group's arrival board and
+        wait (host, GIL released) until every same-host peer reached it.
+
+        Returns the launch count (0 without a board). Raises
+        :class:`dbo.errors.CollectiveTimeoutError` naming the ranks that did not arrive within
+        the timeout; nothing has been launched then, so the GPU stays usable.
+        """
+        board = self._shared.arrival
+        if board is None:
+            return 0
+        seq = board.arrive()
+        if board.missing(seq):
+            timeout = resolve_timeout(self.timeout_s)
+            missing = board.wait(seq, timeout)
+            if missing:
+                raise_peer_timeout(WaitSite(self._name, phase, dbo_current_ubatch_id(), self.rank),
+                                   timeout, missing, board.describe(seq, missing))
+        return seq
+
+    def _watch(self, phase: str, seq: int, device: torch.device) -> None:
+        """After a launch whose kernels wait for the peers: an event on the current stream for
+        the GPU watchdog (CUDA only), which ends the process if it is still pending after the
+        timeout (see :mod:`dbo.watchdog`)."""
+        if device.type != "cuda":
+            return
+        event = WATCHDOG.cuda_event()
+        event.record()
+        board = self._shared.arrival
+        WATCHDOG.watch(event, resolve_timeout(self.timeout_s),
+                       WaitSite(self._name, phase, dbo_current_ubatch_id(), self.rank),
+                       None if board is None else (lambda: board.behind(seq)))
 
     def _padded_input(self, a1: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                       num_experts: int, expert_map: torch.Tensor | None,

@@ -82,14 +82,17 @@ class DeepEPHTPrepareAndFinalize(DeepEPPrepareAndFinalize):
             fp8 + scales.
         async_finish: without DBO, let the receivers wait on DeepEP's events (default True).
         expert_alignment: align each local expert's received count to this (DeepEP's option).
+        timeout_s: the longest wait for the peers (see "Peer timeouts" in ``docs/backends.md``):
+            before each dispatch/combine on the host (``CollectiveTimeoutError``), and for the
+            launched kernels through the GPU watchdog (ends the process).
     """
 
     def __init__(self, shared: SharedDeepEPBuffer, *, num_experts: int, hidden: int,
                  use_fp8_dispatch: bool = False, dequantize_received: bool = True,
-                 async_finish: bool = True, expert_alignment: int = 1):
+                 async_finish: bool = True, expert_alignment: int = 1, timeout_s: float = 60.0):
         super().__init__(shared, BufferMode.HIGH_THROUGHPUT, _NAME, num_experts=num_experts,
                          hidden=hidden, use_fp8_dispatch=use_fp8_dispatch,
-                         dequantize_received=dequantize_received)
+                         dequantize_received=dequantize_received, timeout_s=timeout_s)
         # fp8 rows are 1 byte per element and need whole 128-element scale blocks
         self.padded_hidden = (round_up_hidden(hidden, torch.float8_e4m3fn) if use_fp8_dispatch
                               else round_up_hidden(hidden, torch.bfloat16))
@@ -127,6 +130,7 @@ class DeepEPHTPrepareAndFinalize(DeepEPPrepareAndFinalize):
         else:
             previous_event = None
             async_finish = self.async_finish
+        seq = self._arrive("dispatch")
         (num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert, is_token_in_rank,
          layout_event) = buffer.get_dispatch_layout(
             topk_ids, self.num_experts, previous_event=previous_event, async_finish=async_finish,
@@ -147,12 +151,15 @@ class DeepEPHTPrepareAndFinalize(DeepEPPrepareAndFinalize):
         )
         self._handles.put(handle)
         if dbo:
+            self._watch("dispatch", seq, a1.device)  # on the comm stream, after the kernels
             dbo_switch_to_compute_sync()
         wait_event = event if async_finish else None
 
         def receiver() -> PrepareResult:
             if wait_event is not None:
                 wait_event.current_stream_wait()
+            if not dbo:
+                self._watch("dispatch", seq, a1.device)
             q, scale = recv_x if isinstance(recv_x, tuple) else (recv_x, None)
             hand_to_current_stream((q, scale, recv_topk_ids, recv_topk_weights))
             if scale is not None and self.dequantize_received:
@@ -179,14 +186,17 @@ class DeepEPHTPrepareAndFinalize(DeepEPPrepareAndFinalize):
         if dbo_enabled():
             previous_event = dbo_get_previous_event(buffer.capture)
             dbo_yield_and_switch_from_compute_to_comm()
+            seq = self._arrive("combine")
             combined, _, _ = buffer.combine(x, handle, topk_weights=None, config=config,
                                             previous_event=previous_event, async_finish=False,
                                             allocate_on_comm_stream=False)
             # copy on the comm stream, so the comm-allocated result dies on its own stream
             output.copy_(combined[:, : self.hidden])
+            self._watch("combine", seq, output.device)
             # Back to compute without waiting: what the caller queues before the receiver
             # (the shared experts) runs alongside the combine; the receiver waits.
             return dbo_switch_to_compute_deferred()
+        seq = self._arrive("combine")
         combined, _, event = buffer.combine(x, handle, topk_weights=None, config=config,
                                             previous_event=None, async_finish=self.async_finish,
                                             allocate_on_comm_stream=False)
@@ -196,6 +206,7 @@ class DeepEPHTPrepareAndFinalize(DeepEPPrepareAndFinalize):
             if wait_event is not None:
                 wait_event.current_stream_wait()
             output.copy_(combined[:, : self.hidden])
+            self._watch("combine", seq, output.device)
 
         return receiver
 
@@ -213,6 +224,7 @@ def make_prepare_finalize(
     dequantize_received: bool = True,
     async_finish: bool = True,
     expert_alignment: int = 1,
+    timeout_s: float = 60.0,
     cache: DeepEPBufferCache | None = None,
 ) -> DeepEPHTPrepareAndFinalize:
     """Build a :class:`DeepEPHTPrepareAndFinalize` on ``group``'s shared normal-mode buffer.
@@ -231,4 +243,5 @@ def make_prepare_finalize(
     return DeepEPHTPrepareAndFinalize(shared, num_experts=num_experts, hidden=hidden,
                                       use_fp8_dispatch=use_fp8_dispatch,
                                       dequantize_received=dequantize_received,
-                                      async_finish=async_finish, expert_alignment=expert_alignment)
+                                      async_finish=async_finish, expert_alignment=expert_alignment,
+                                      timeout_s=timeout_s)

@@ -193,13 +193,17 @@ class DeepEPLLPrepareAndFinalize(DeepEPPrepareAndFinalize):
         max_tokens_per_rank: the most tokens any rank sends in one call (equal on all ranks).
         use_fp8_dispatch: let DeepEP cast tokens to fp8 (blocks of 128) on dispatch.
         dequantize_received: with fp8, hand bf16 to the experts (default).
+        timeout_s: the longest wait for the peers: before each send on the host
+            (``CollectiveTimeoutError``), and for the receive kernels through the GPU watchdog
+            (ends the process); see "Peer timeouts" in ``docs/backends.md``.
     """
 
     def __init__(self, shared: SharedDeepEPBuffer, *, num_experts: int, hidden: int,
                  max_tokens_per_rank: int, use_fp8_dispatch: bool = False,
-                 dequantize_received: bool = True):
+                 dequantize_received: bool = True, timeout_s: float = 60.0):
         super().__init__(shared, BufferMode.LOW_LATENCY, _NAME, num_experts=num_experts, hidden=hidden,
-                         use_fp8_dispatch=use_fp8_dispatch, dequantize_received=dequantize_received)
+                         use_fp8_dispatch=use_fp8_dispatch, dequantize_received=dequantize_received,
+                         timeout_s=timeout_s)
         self.padded_hidden = low_latency_hidden(hidden)
         self.max_tokens_per_rank = low_latency_max_tokens(max_tokens_per_rank, self.num_ranks)
         qp_depth = getattr(shared.buffer, "nvshmem_qp_depth", _DEFAULT_QP_DEPTH)
@@ -237,17 +241,20 @@ class DeepEPLLPrepareAndFinalize(DeepEPPrepareAndFinalize):
         self._shared.prepare_low_latency(self.max_tokens_per_rank, self.padded_hidden, self.num_experts)
         return token
 
-    def _launch(self, kind: str,
-                launch: Callable[[bool], tuple]) -> tuple[int, bool, tuple, Callable[[], None]]:
+    def _launch(self, kind: str, launch: Callable[[bool], tuple], device: torch.device
+                ) -> tuple[int, bool, tuple, Callable[[], None], Callable[[], None]]:
         """Launch a low-latency ``kind`` through ``launch(use_hook)``, which calls the buffer
         (with ``return_recv_hook=use_hook``: under DBO; the hook is its last output).
 
-        Returns the result's token, ``use_hook``, the buffer's outputs, and the recv hook that
-        also marks the result received. A launch that raises gives its token back.
+        Before the launch, the peers' arrival is checked (``kind + " send"`` under DBO).
+        Returns the result's token, ``use_hook``, the buffer's outputs, the recv hook (which
+        also marks the result received and hands its kernel to the GPU watchdog), and ``watch``
+        for the receiver of the hook-less path. A launch that raises gives its token back.
         """
         token = self._launch_guard(kind)
         use_hook = dbo_enabled()
         try:
+            seq = self._arrive(f"{kind} send" if use_hook else kind)
             out = launch(use_hook)
         except BaseException:
             self.results.release(token)
@@ -257,8 +264,12 @@ class DeepEPLLPrepareAndFinalize(DeepEPPrepareAndFinalize):
         def recv_hook() -> None:
             hook()
             results.received(token)
+            self._watch(f"{kind} receive", seq, device)
 
-        return token, use_hook, out, recv_hook
+        def watch() -> None:
+            self._watch(kind, seq, device)
+
+        return token, use_hook, out, recv_hook, watch
 
     # ---- prepare ---------------------------------------------------------------------------
 
@@ -271,11 +282,11 @@ class DeepEPLLPrepareAndFinalize(DeepEPPrepareAndFinalize):
         if left is not None and _same_run(left[2], active_run()):
             raise MoEProtocolError(f"{_NAME}: prepare called twice in ubatch {dbo_current_ubatch_id()} "
                                "without finalize (call reset() after a failed step)")
-        token, use_hook, (recv_x, counts, handle, event, _), recv_hook = self._launch(
+        token, use_hook, (recv_x, counts, handle, event, _), recv_hook, watch = self._launch(
             "dispatch", lambda use_hook: self.buffer.low_latency_dispatch(
                 x, topk_ids, self.max_tokens_per_rank, self.num_experts,
                 use_fp8=self.use_fp8_dispatch, async_finish=not use_hook,
-                return_recv_hook=use_hook))
+                return_recv_hook=use_hook), a1.device)
         self._handles.put((handle, token, _run_ref(active_run())))
         results = self.results
 
@@ -283,6 +294,7 @@ class DeepEPLLPrepareAndFinalize(DeepEPPrepareAndFinalize):
             if not use_hook:
                 event.current_stream_wait()
                 results.received(token)
+                watch()
             q, scale = recv_x if isinstance(recv_x, tuple) else (recv_x, None)
             hand_to_current_stream((q, scale, counts))
             if scale is not None and self.dequantize_received:
@@ -317,15 +329,16 @@ class DeepEPLLPrepareAndFinalize(DeepEPPrepareAndFinalize):
                   and output.dtype == torch.bfloat16)
         # the dispatch result is consumed once its combine is launched
         self.results.release(dispatch_token)
-        token, use_hook, (combined, event, _), recv_hook = self._launch(
+        token, use_hook, (combined, event, _), recv_hook, watch = self._launch(
             "combine", lambda use_hook: self.buffer.low_latency_combine(
                 x, topk_ids, weights, handle, async_finish=not use_hook,
-                return_recv_hook=use_hook, out=output if direct else None))
+                return_recv_hook=use_hook, out=output if direct else None), output.device)
         results = self.results
 
         def receiver() -> None:
             if not use_hook:
                 event.current_stream_wait()
+                watch()
             if not direct:
                 output.copy_(combined[:, : self.hidden])
             results.release(token)
@@ -344,6 +357,7 @@ def make_prepare_finalize(
     device: torch.device | str | None = None,
     use_fp8_dispatch: bool = False,
     dequantize_received: bool = True,
+    timeout_s: float = 60.0,
     cache: DeepEPBufferCache | None = None,
 ) -> DeepEPLLPrepareAndFinalize:
     """Build a :class:`DeepEPLLPrepareAndFinalize` on ``group``'s shared low-latency buffer.
@@ -363,4 +377,5 @@ def make_prepare_finalize(
     return DeepEPLLPrepareAndFinalize(shared, num_experts=num_experts, hidden=hidden,
                                       max_tokens_per_rank=max_tokens_per_rank,
                                       use_fp8_dispatch=use_fp8_dispatch,
-                                      dequantize_received=dequantize_received)
+                                      dequantize_received=dequantize_received,
+                                      timeout_s=timeout_s)

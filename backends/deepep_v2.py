@@ -104,11 +104,12 @@ class DeepEPV2PrepareAndFinalize(DeepEPPrepareAndFinalize):
 
     def __init__(self, shared: SharedDeepEPBuffer, *, num_experts: int, hidden: int,
                  max_tokens_per_rank: int, mode: str = "decode", use_fp8_dispatch: bool = False,
-                 dequantize_received: bool = True, expert_alignment: int = 1):
+                 dequantize_received: bool = True, expert_alignment: int = 1, timeout_s: float = 60.0):
         if mode not in V2_MODES:
             raise ValueError(f"{_NAME}: mode must be one of {V2_MODES}, got {mode!r}")
         super().__init__(shared, BufferMode.V2, _NAME, num_experts=num_experts, hidden=hidden,
-                         use_fp8_dispatch=use_fp8_dispatch, dequantize_received=dequantize_received)
+                         use_fp8_dispatch=use_fp8_dispatch, dequantize_received=dequantize_received,
+                         timeout_s=timeout_s)
         self.padded_hidden = round_up_hidden(
             hidden, torch.float8_e4m3fn if use_fp8_dispatch else torch.bfloat16)
         self.max_tokens_per_rank = int(max_tokens_per_rank)
@@ -136,6 +137,7 @@ class DeepEPV2PrepareAndFinalize(DeepEPPrepareAndFinalize):
             dbo_yield_and_switch_from_compute_to_comm()
         else:
             previous_event = None
+        seq = self._arrive("dispatch")
         recv_x, recv_topk_ids, recv_topk_weights, handle, event = buffer.dispatch(
             x=x,
             topk_idx=topk_ids,
@@ -154,11 +156,13 @@ class DeepEPV2PrepareAndFinalize(DeepEPPrepareAndFinalize):
         # topk_ids is stored by reference in the handle and must outlive it
         self._handles.put((handle, topk_ids))
         if dbo:
+            self._watch("dispatch", seq, a1.device)
             dbo_switch_to_compute_sync()
 
         def receiver() -> PrepareResult:
             if not dbo:
                 event.current_stream_wait()
+                self._watch("dispatch", seq, a1.device)
             q, scale = recv_x if isinstance(recv_x, tuple) else (recv_x, None)
             hand_to_current_stream((q, scale, recv_topk_ids, recv_topk_weights))
             if scale is not None and self.dequantize_received:
@@ -210,13 +214,16 @@ class DeepEPV2PrepareAndFinalize(DeepEPPrepareAndFinalize):
         if dbo_enabled():
             previous_event = dbo_get_previous_event(buffer.capture)
             dbo_yield_and_switch_from_compute_to_comm()
+            seq = self._arrive("combine")
             combined, _, _ = buffer.combine(x=x, handle=handle, topk_weights=None,
                                             previous_event=previous_event,
                                             async_with_compute_stream=False,
                                             allocate_on_comm_stream=True)
             output.copy_(combined[:, : self.hidden])
+            self._watch("combine", seq, output.device)
             dbo_switch_to_compute_sync()
             return _done
+        seq = self._arrive("combine")
         combined, _, event = buffer.combine(x=x, handle=handle, topk_weights=None, previous_event=None,
                                             async_with_compute_stream=True,
                                             allocate_on_comm_stream=False)
@@ -224,6 +231,7 @@ class DeepEPV2PrepareAndFinalize(DeepEPPrepareAndFinalize):
         def receiver() -> None:
             event.current_stream_wait()
             output.copy_(combined[:, : self.hidden])
+            self._watch("combine", seq, output.device)
 
         return receiver
 
@@ -245,6 +253,7 @@ def make_prepare_finalize(
     use_fp8_dispatch: bool = False,
     dequantize_received: bool = True,
     expert_alignment: int = 1,
+    timeout_s: float = 60.0,
     cache: DeepEPBufferCache | None = None,
 ) -> DeepEPV2PrepareAndFinalize:
     """Build a :class:`DeepEPV2PrepareAndFinalize` (``mode`` ``"decode"`` or ``"prefill"``) on
@@ -260,4 +269,4 @@ def make_prepare_finalize(
                                       max_tokens_per_rank=max_tokens_per_rank, mode=mode,
                                       use_fp8_dispatch=use_fp8_dispatch,
                                       dequantize_received=dequantize_received,
-                                      expert_alignment=expert_alignment)
+                                      expert_alignment=expert_alignment, timeout_s=timeout_s)

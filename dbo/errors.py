@@ -55,4 +55,20 @@ class StreamStateError(DBOError, RuntimeError):
 
 
 class CollectiveTimeoutError(DBOError, TimeoutError):
-    """A collective did not complete in time (a peer rank failed or stopped)."""
+    """A collective did not complete in time (a peer rank failed or stopped).
+
+    Where the backend knows them: ``backend``, ``phase`` (``"dispatch"``, ``"combine"``, with
+    ``" send"``/``" receive"`` where the library splits them), ``ubatch`` and
+    ``missing_ranks`` (the ranks that did not arrive); otherwise None / ``()``.
+    """
+
+    def __init__(self, message: str, *, backend: str | None = None, phase: str | None = None,
+                 ubatch: int | None = None, missing_ranks: tuple[int, ...] = ()):
+        super().__init__(message)
+        self.backend = backend
+        self.phase = phase
+        self.ubatch = ubatch
+        self.missing_ranks = tuple(missing_ranks)
+
+    def __reduce__(self) -> tuple:  # keep the attributes across processes (pickle)
+        return (type(self), (str(self),), dict(self.__dict__))

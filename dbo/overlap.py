@@ -35,6 +35,7 @@ from dbo.expert_schedule import use_expert_schedule
 from dbo.partition import check_num_sms
 from dbo.split import SplitConfig, UBatchPlan, mask_padding_routing, plan_ubatches
 from dbo.trace import Trace
+from dbo.watchdog import check_timeout, collective_timeout
 
 __all__ = [
     "UBatchInfo",
@@ -230,6 +231,7 @@ def overlapped_forward(
     fn_kwargs: Mapping[str, Any] | None = None,
     sm_carveout: int | None = None,
     compute_sms: int | None = None,
+    timeout_s: float | None = None,
 ) -> Any:
     """``fn(*tensors, **fn_kwargs)``, run as overlapped ubatches when the plan splits.
 
@@ -254,6 +256,8 @@ def overlapped_forward(
             leaving the others to the communication kernels (see
             :func:`dbo.partition.compute_on_sms`); None (default) uses every SM. A plain call
             runs without it.
+        timeout_s: the longest wait for a peer rank in every backend called by ``fn``, split
+            or not (:func:`dbo.watchdog.collective_timeout`); None keeps each backend's own.
 
     The plan's ``expert_schedule`` (from ``config.expert_schedule`` when the plan is decided
     here) is set for the ubatches (:func:`dbo.expert_schedule.use_expert_schedule`): with
@@ -265,12 +269,15 @@ def overlapped_forward(
 
     Raises:
         ValueError/TypeError: inputs that are not token-major, or a plan for another size.
-        dbo.UBatchError: a ubatch raised (``__cause__`` is its exception).
+        dbo.UBatchError: a ubatch raised (``__cause__`` is its exception; a peer that did not
+            arrive in time: :class:`dbo.errors.CollectiveTimeoutError`).
+        dbo.errors.CollectiveTimeoutError: the same, in a plain (unsplit) call.
         dbo.partition.SMPartitionUnsupportedError: ``compute_sms`` without green contexts.
     """
     num_tokens = _check_inputs(tensors)
     _check_carveout(sm_carveout)
     check_num_sms(compute_sms)
+    check_timeout(timeout_s)
     kwargs = dict(fn_kwargs or {})
     if plan is None:
         plan = plan_ubatches(num_tokens, config, request_token_counts=request_token_counts,
@@ -278,7 +285,8 @@ def overlapped_forward(
     elif plan.num_tokens != num_tokens:
         raise ValueError(f"plan is for {plan.num_tokens} tokens, the inputs have {num_tokens}")
     if not plan.split:
-        return fn(*tensors, **kwargs)
+        with collective_timeout(timeout_s):
+            return fn(*tensors, **kwargs)
 
     inputs = split_inputs(plan, tensors)
     n = plan.num_ubatches
@@ -297,7 +305,8 @@ def overlapped_forward(
     device = _run_device(tensors[0])
     if trace is not None:
         trace.meta["expert_schedule"] = plan.expert_schedule.value
-    with _carveout_block(sm_carveout), use_expert_schedule(plan.expert_schedule):
+    with _carveout_block(sm_carveout), use_expert_schedule(plan.expert_schedule), \
+            collective_timeout(timeout_s):
         outputs = run_ubatches([body(i) for i in range(n)], comm_stream=comm_stream,
                                token_offsets=plan.token_offsets, trace=trace,
                                device=device, compute_sms=compute_sms)
@@ -322,12 +331,15 @@ class DBOWrapper(torch.nn.Module):
         sm_carveout: SMs the matmuls leave free in overlapped calls (see :func:`sm_carveout`).
         compute_sms: SMs of the green context the overlapped calls compute on (see
             :func:`dbo.partition.compute_on_sms`); checked here, created on first use.
+        timeout_s: the longest wait for a peer rank in the backends, as in
+            :func:`overlapped_forward` (None: each backend's own).
     """
 
     def __init__(self, module_or_fn: torch.nn.Module | Callable[..., Any],
                  config: SplitConfig | None = None, *, group: Any = None, agree: bool = True,
                  trace: Trace | None = None, comm_stream: Any = None,
-                 sm_carveout: int | None = None, compute_sms: int | None = None):
+                 sm_carveout: int | None = None, compute_sms: int | None = None,
+                 timeout_s: float | None = None):
         super().__init__()
         if not callable(module_or_fn):
             raise TypeError(f"module_or_fn must be callable, got {type(module_or_fn).__name__}")
@@ -342,6 +354,7 @@ class DBOWrapper(torch.nn.Module):
         self.comm_stream = comm_stream
         self.sm_carveout = _check_carveout(sm_carveout)
         self.compute_sms = check_num_sms(compute_sms)
+        self.timeout_s = check_timeout(timeout_s)
         self.last_plan: UBatchPlan | None = None
 
     @property
@@ -367,4 +380,5 @@ class DBOWrapper(torch.nn.Module):
         return overlapped_forward(self.fn, *tensors, plan=plan,
                                   trace=self.trace if trace is None else trace,
                                   comm_stream=self.comm_stream, fn_kwargs=kwargs,
-                                  sm_carveout=self.sm_carveout, compute_sms=self.compute_sms)
+                                  sm_carveout=self.sm_carveout, compute_sms=self.compute_sms,
+                                  timeout_s=self.timeout_s)

@@ -160,7 +160,8 @@ def convert_to_expert_parallel(model: torch.nn.Module, group: Any = None, backen
         backend: a name in :data:`dbo.integrations.backends.BACKENDS`.
         max_tokens_per_rank: most tokens a rank sends through one MoE call (one ubatch's
             ``batch * seq``); needed by the low-latency backends.
-        backend_kwargs: passed to the backend's constructor.
+        backend_kwargs: passed to the backend's constructor; ``timeout_s=`` (every backend
+            takes it) bounds each wait for a peer rank.
 
     Returns:
         ``model``, with each MoE block replaced by an
@@ -272,18 +273,20 @@ class DBOPrefill(torch.nn.Module):
         config: the split; default :func:`prefill_split_config` (split from 2 sequences).
         group: the expert-parallel group (agrees on the split).
         logits_to_keep, mask_padding_tokens: as in :func:`prefill_logits`.
-        sm_carveout, trace: as in :class:`dbo.DBOWrapper`.
+        sm_carveout, trace, timeout_s: as in :class:`dbo.DBOWrapper` (``timeout_s`` bounds
+            every wait for a peer rank in the model's backends during the call).
     """
 
     def __init__(self, model: torch.nn.Module, config: SplitConfig | None = None, *, group: Any = None,
                  logits_to_keep: int = 0, mask_padding_tokens: bool = True,
-                 sm_carveout: int | None = None, trace: Any = None):
+                 sm_carveout: int | None = None, trace: Any = None, timeout_s: float | None = None):
         super().__init__()
         self.model = model
         self.logits_to_keep = logits_to_keep
         self.mask_padding_tokens = mask_padding_tokens
         self.wrapper = DBOWrapper(self._forward, prefill_split_config() if config is None else config,
-                                  group=group, sm_carveout=sm_carveout, trace=trace)
+                                  group=group, sm_carveout=sm_carveout, trace=trace,
+                                  timeout_s=timeout_s)
 
     @property
     def last_plan(self) -> UBatchPlan | None:
