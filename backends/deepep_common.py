@@ -125,6 +125,7 @@ class DeepEPPrepareAndFinalize(PrepareAndFinalize):
             timeout = resolve_timeout(self.timeout_s)
             missing = board.wait(seq, timeout)
             if missing:
+                board.abandon()
                 raise_peer_timeout(WaitSite(self._name, phase, dbo_current_ubatch_id(), self.rank),
                                    timeout, missing, board.describe(seq, missing))
         return seq

@@ -27,7 +27,7 @@ from typing import Any
 
 __all__ = ["ArrivalBoard", "process_state"]
 
-_SLOT_BYTES = 64  # seq, pid; one cache line per rank
+_SLOT_BYTES = 64  # seq, pid, launch given up at; one cache line per rank
 _SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
@@ -125,6 +125,12 @@ class ArrivalBoard:
         self._mine[0] = self.seq
         return self.seq
 
+    def abandon(self) -> None:
+        """This rank gave up at its current launch (a timeout): the peers must not wait for it
+        any longer, nor take its count for an arrival at a later launch."""
+        self._mine[2] = self.seq
+        self._mine[0] = -1
+
     def missing(self, seq: int) -> list[int]:
         """Same-host peers that have not reached count ``seq``."""
         return [r for r, v in self._peers if v[0] < seq]
@@ -148,9 +154,13 @@ class ArrivalBoard:
         parts = []
         for r in missing:
             state = process_state(self.pids[r]) if r in self.pids else "unknown"
-            reached = int(self._views[r][0]) if r in self._views else -1
+            view = self._views.get(r)
             what = "process exited" if state == "exited" else f"process {state}"
-            parts.append(f"rank {r}: {what}, reached launch {reached} of {seq}")
+            if view is not None and view[2]:
+                parts.append(f"rank {r}: gave up at its launch {view[2]} (its own timeout), {what}")
+            else:
+                reached = int(view[0]) if view is not None else -1
+                parts.append(f"rank {r}: {what}, reached launch {reached} of {seq}")
         if self.remote_ranks:
             parts.append("ranks on other hosts (not visible from here): "
                          + ", ".join(str(r) for r in self.remote_ranks))

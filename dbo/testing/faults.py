@@ -1,0 +1,215 @@
+"""Fault injection for the DeepEP backends: a peer that exits, stalls or is slow mid-step.
+
+:func:`faulty_step` runs on every rank of a group (CPU with the fake ``deep_ep`` over gloo, or
+CUDA with the real one): a fault-free reference step of ``layers`` MoE layers, then the same
+step again, serially or as two ubatches, with rank ``fail_rank``'s backend made to misbehave
+(:class:`Fault`) at the first dispatch (or combine) of the second layer:
+
+* ``exit_before_dispatch`` / ``exit_before_combine``: the process exits (status
+  :data:`FAULT_EXIT_CODE`) as the backend's ``prepare_async``/``finalize_async`` is called;
+* ``exit_after_send``: the dispatch is launched, then the process exits (under DBO with the
+  low-latency backend: in place of running its recv hook, i.e. between the send and the
+  receive);
+* ``stall``: the host sleeps ``timeout_s + 2`` s before the dispatch, then goes on;
+* ``slow``: the host sleeps ``0.4 * timeout_s`` before the dispatch (no error may follow);
+* ``gpu_stall``: the GPU (not the host) is kept busy ``timeout_s + 3`` s before the dispatch
+  (CUDA only; ``torch.cuda._sleep``): the host arrives, the GPU does not.
+
+An exiting rank first waits for its GPU (``synchronize``), as a process that dies a moment
+after its last launch would. Before the fault it writes the wall-clock time to
+``stamp_path``, so the survivor's (or the driver's) time to the error can be measured.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dbo.context import run_ubatches
+
+__all__ = ["FAULTS", "FAULT_EXIT_CODE", "Fault", "faulty_step", "error_chain",
+           "make_deepep_backend"]
+
+FAULTS = ("none", "slow", "stall", "exit_before_dispatch", "exit_after_send",
+          "exit_before_combine", "gpu_stall")
+FAULT_EXIT_CODE = 3
+
+E, H, K = 8, 2048, 2
+
+
+def _stamp(path: str | None) -> None:
+    if path:
+        with open(path, "w") as f:
+            f.write(repr(time.time()))
+
+
+class Fault:
+    """Rank ``fail_rank``'s misbehaviour at its ``at``-th ``prepare_async`` (and the
+    ``finalize_async`` of that number): install with :meth:`install`, undo with
+    :meth:`remove`."""
+
+    def __init__(self, fault: str, at: int, timeout_s: float, stamp_path: str | None):
+        self.fault, self.at, self.timeout_s, self.stamp_path = fault, at, timeout_s, stamp_path
+        self._prepares = self._finalizes = 0
+        self._saved: tuple[Any, Any] | None = None
+
+    def install(self, pf: Any) -> None:
+        prepare, finalize = pf.prepare_async, pf.finalize_async
+        self._saved = (pf, pf._shared.buffer)
+        if self.fault == "exit_after_send":
+            pf._shared.buffer = _SendThenExit(pf._shared.buffer, self)
+
+        def prepare_async(*args: Any, **kwargs: Any) -> Any:
+            self._prepares += 1
+            if self._prepares == self.at:
+                self._before_dispatch()
+            return prepare(*args, **kwargs)
+
+        def finalize_async(*args: Any, **kwargs: Any) -> Any:
+            self._finalizes += 1
+            if self._finalizes == self.at and self.fault == "exit_before_combine":
+                self.exit()
+            return finalize(*args, **kwargs)
+
+        pf.prepare_async, pf.finalize_async = prepare_async, finalize_async
+
+    def remove(self) -> None:
+        if self._saved is not None:
+            pf, buffer = self._saved
+            del pf.prepare_async, pf.finalize_async
+            pf._shared.buffer = buffer
+            self._saved = None
+
+    def exit(self) -> None:
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+        _stamp(self.stamp_path)
+        os._exit(FAULT_EXIT_CODE)
+
+    def _before_dispatch(self) -> None:
+        if self.fault == "exit_before_dispatch":
+            self.exit()
+        elif self.fault in ("stall", "slow"):
+            _stamp(self.stamp_path)
+            time.sleep(self.timeout_s + 2.0 if self.fault == "stall" else 0.4 * self.timeout_s)
+        elif self.fault == "gpu_stall":
+            _stamp(self.stamp_path)
+            cycles_per_s = torch.cuda.get_device_properties(torch.cuda.current_device()).clock_rate * 1000
+            torch.cuda._sleep(int((self.timeout_s + 3.0) * cycles_per_s))
+
+
+class _SendThenExit:
+    """The real buffer, but the ``at``-th dispatch exits once launched (under a recv hook: in
+    place of the hook, i.e. between the send and the receive)."""
+
+    def __init__(self, real: Any, fault: Fault):
+        self._real, self._fault, self._dispatches = real, fault, 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+    def _dispatch(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        out = getattr(self._real, method)(*args, **kwargs)
+        self._dispatches += 1
+        if self._dispatches != self._fault.at:
+            return out
+        if kwargs.get("return_recv_hook"):
+            return (*out[:-1], self._fault.exit)
+        self._fault.exit()
+        return out
+
+    def dispatch(self, *args: Any, **kwargs: Any) -> Any:
+        return self._dispatch("dispatch", *args, **kwargs)
+
+    def low_latency_dispatch(self, *args: Any, **kwargs: Any) -> Any:
+        return self._dispatch("low_latency_dispatch", *args, **kwargs)
+
+
+def error_chain(exc: BaseException | None) -> list[tuple[str, str]]:
+    """``(type name, message)`` of ``exc`` and its ``__cause__`` chain."""
+    chain = []
+    while exc is not None:
+        chain.append((type(exc).__name__, str(exc)))
+        exc = exc.__cause__
+    return chain
+
+
+def _inputs(rank: int, tokens: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    from dbo.moe.reference import local_expert_weights, make_expert_weights
+    from dbo.moe.router import topk_route
+
+    world = dist.get_world_size()
+    g = torch.Generator().manual_seed(1234 + rank)
+    x = torch.randn(tokens, H, generator=g).to(torch.bfloat16)
+    weights, ids = topk_route(torch.randn(tokens, E, generator=g), K, ids_dtype=torch.int64)
+    w1, w2 = make_expert_weights(E, H, 64, dtype=torch.bfloat16, seed=7)
+    w1, w2 = local_expert_weights(w1, rank, world), local_expert_weights(w2, rank, world)
+    return tuple(t.to(device) for t in (x, weights, ids, w1, w2))
+
+
+def make_deepep_backend(kind: str, tokens: int, timeout_s: float, device: torch.device) -> Any:
+    """A ``deepep_ht``/``deepep_ll`` backend for :func:`faulty_step`'s shapes."""
+    if kind == "ht":
+        from dbo.backends import deepep_ht as mod
+    else:
+        from dbo.backends import deepep_ll as mod
+    return mod.make_prepare_finalize(dist.group.WORLD, hidden=H, max_tokens_per_rank=tokens,
+                                     num_experts=E, topk=K, dtype=torch.bfloat16, device=device,
+                                     timeout_s=timeout_s)
+
+
+def faulty_step(kind: str, fault: str, use_dbo: bool, fail_rank: int, timeout_s: float, *,
+                device: str = "cpu", tokens: int = 32, layers: int = 3,
+                stamp_path: str | None = None) -> dict:
+    """Run on every rank; see the module docstring. Returns ``ok`` (the faulty step finished),
+    ``chain`` (its error chain), ``elapsed_s`` (from the start of the faulty step),
+    ``error_time`` (wall clock of the error), ``rel_err`` (finished step vs the reference)."""
+    from dbo.moe.experts import SwiGLUExperts
+    from dbo.moe.kernel import MoEKernel
+    from dbo.moe.reference import relative_error
+
+    if fault not in FAULTS:
+        raise ValueError(f"fault must be one of {FAULTS}, got {fault!r}")
+    rank = dist.get_rank()
+    dev = torch.device(device)
+    x, weights, ids, w1, w2 = _inputs(rank, tokens, dev)
+    pf = make_deepep_backend(kind, tokens, timeout_s, dev)
+    kernel = MoEKernel(pf, SwiGLUExperts())
+
+    def layers_of(lo: int, hi: int) -> torch.Tensor:
+        h = x[lo:hi]
+        for _ in range(layers):
+            h = h + kernel(h, w1, w2, weights[lo:hi], ids[lo:hi], global_num_experts=E)
+        return h
+
+    def step(dbo: bool) -> torch.Tensor:
+        if not dbo:
+            return layers_of(0, tokens)
+        half = tokens // 2
+        return torch.cat(run_ubatches([lambda: layers_of(0, half), lambda: layers_of(half, tokens)],
+                                      device=None if dev.type == "cuda" else "cpu"))
+
+    reference = step(False)
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    dist.barrier()
+    # the second layer's first dispatch/combine: ubatch 0's under DBO (after both of layer 0)
+    injected = Fault(fault, 3 if use_dbo else 2, timeout_s, stamp_path)
+    if rank == fail_rank and fault != "none":
+        injected.install(pf)
+    t0 = time.monotonic()
+    try:
+        out = step(use_dbo)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+    except BaseException as exc:  # noqa: BLE001 - reported to the caller
+        return {"ok": False, "chain": error_chain(exc), "elapsed_s": time.monotonic() - t0,
+                "error_time": time.time(), "rel_err": None}
+    finally:
+        injected.remove()
+    return {"ok": True, "chain": [], "elapsed_s": time.monotonic() - t0, "error_time": None,
+            "rel_err": relative_error(out.float(), reference.float())}

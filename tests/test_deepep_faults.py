@@ -1,0 +1,90 @@
+"""A dead, stalled or slow peer of a DeepEP backend: every survivor gets a named, bounded error
+(or, for a slow peer, the right output), on CPU with the fake ``deep_ep`` over gloo.
+
+The same fault harness (:mod:`dbo.testing.faults`) runs on a GPU in
+``tests/gpu/run_deepep_faults.py``. Here the data moves inside the fake's launch, so every case
+ends in the host-side arrival check; the GPU watchdog is tested in ``tests/test_watchdog.py``.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+
+from dbo.testing.dist import DistWorld
+from dbo.testing.fake_deep_ep import ensure_fake_deep_ep
+from dbo.testing.faults import FAULT_EXIT_CODE, faulty_step
+
+pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(90)]
+
+TIMEOUT_S = 1.5
+PHASE = {"exit_before_dispatch": "dispatch", "stall": "dispatch", "exit_before_combine": "combine",
+         "exit_after_send": "combine"}
+
+
+@pytest.fixture(scope="module")
+def world2():
+    w = DistWorld(2)
+    w.start()
+    yield w
+    w.close(kill=True)
+
+
+def _job(kind: str, fault: str, use_dbo: bool, fail_rank: int) -> dict:
+    ensure_fake_deep_ep("v1")
+    return faulty_step(kind, fault, use_dbo, fail_rank, TIMEOUT_S, device="cpu", tokens=16)
+
+
+@pytest.mark.parametrize("kind, fault, use_dbo, fail_rank", [
+    ("ht", "exit_before_dispatch", True, 1),
+    ("ht", "exit_before_combine", False, 0),
+    ("ht", "stall", True, 0),
+    ("ll", "exit_before_dispatch", False, 1),
+    # (under DBO the fake's receive is a gloo wait that needs the peer: GPU only)
+    ("ll", "exit_after_send", False, 1),
+    ("ll", "exit_before_combine", True, 0),
+    ("ll", "stall", False, 1),
+])
+def test_dead_or_stalled_peer_is_a_named_bounded_error(world2, kind, fault, use_dbo, fail_rank):
+    t0 = time.monotonic()
+    try:
+        outcomes = world2.run_outcomes(_job, kind, fault, use_dbo, fail_rank, timeout_s=45)
+    finally:
+        world2.restart()
+    survivor = outcomes[1 - fail_rank]
+    assert survivor.ok, survivor.traceback
+    res = survivor.value
+    assert not res["ok"], "a survivor finished a step its peer abandoned"
+    names = [n for n, _ in res["chain"]]
+    assert names[-1] == "CollectiveTimeoutError", res["chain"]
+    if use_dbo:
+        assert names[0] == "UBatchError", res["chain"]  # the failing ubatch unwound the other
+    msg = res["chain"][-1][1]
+    # serial: the very launch the peer never reached; under DBO the other ubatch's next launch
+    # may come first in the schedule
+    phase = PHASE[fault] if not use_dbo else "(dispatch|combine)"
+    phase += " send" if kind == "ll" and use_dbo else ""
+    ubatch = "0" if not use_dbo else "[01]"
+    assert re.match(f"deepep_{kind} {phase} of ubatch {ubatch} on rank {1 - fail_rank}: "
+                    f"rank {fail_rank} did not arrive within {TIMEOUT_S:.1f} s", msg), msg
+    assert res["elapsed_s"] < TIMEOUT_S + 5, res
+    failed = outcomes[fail_rank]
+    if fault == "stall":
+        # the stalled rank comes back, finds the survivor gone, and fails the same way
+        assert failed.ok and not failed.value["ok"], failed
+        assert failed.value["chain"][-1][0] == "CollectiveTimeoutError"
+        assert f"rank {1 - fail_rank} did not arrive" in failed.value["chain"][-1][1]
+    else:
+        assert failed.exitcode == FAULT_EXIT_CODE, failed
+        assert "process exited" in msg, msg
+    assert time.monotonic() - t0 < 45
+
+
+@pytest.mark.parametrize("kind, use_dbo", [("ht", True), ("ll", False)])
+def test_slow_peer_within_the_timeout_is_no_false_alarm(world2, kind, use_dbo):
+    for res in world2.run(_job, kind, "slow", use_dbo, 1, timeout_s=45):
+        assert res["ok"], res["chain"]
+        # the overlapped or plain step against the plain reference step of the same inputs
+        assert res["rel_err"] < 1e-2, res

@@ -1,0 +1,181 @@
+"""The peer-timeout machinery on its own: the timeout scope, the arrival board and the GPU-wait
+watchdog (with stand-in events, and the real process exit in a subprocess)."""
+
+from __future__ import annotations
+
+import pickle
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from dbo import run_ubatches
+from dbo.arrival import ArrivalBoard, process_state
+from dbo.errors import CollectiveTimeoutError
+from dbo.overlap import DBOWrapper, overlapped_forward
+from dbo.split import SplitConfig
+from dbo.watchdog import (
+    GPU_WAIT_TIMEOUT_EXIT_CODE,
+    GpuWaitWatchdog,
+    WaitSite,
+    collective_timeout,
+    raise_peer_timeout,
+    resolve_timeout,
+    timeout_message,
+)
+
+
+class _Event:
+    def __init__(self, done: bool = False):
+        self.done = done
+
+    def query(self) -> bool:
+        return self.done
+
+
+SITE = WaitSite("deepep_ll", "dispatch receive", 1, 0)
+
+
+# ---- the timeout scope -----------------------------------------------------------------------
+
+
+def test_scope_overrides_the_backend_default_and_nests():
+    assert resolve_timeout(60.0) == 60.0
+    with collective_timeout(5):
+        assert resolve_timeout(60.0) == 5.0
+        with collective_timeout(None):  # None leaves the one in force
+            assert resolve_timeout(60.0) == 5.0
+        with collective_timeout(0.5):
+            assert resolve_timeout(60.0) == 0.5
+        assert resolve_timeout(60.0) == 5.0
+    assert resolve_timeout(60.0) == 60.0
+    for bad in (0, -1, True, "3"):
+        with pytest.raises(ValueError), collective_timeout(bad):
+            pass
+
+
+def test_scope_reaches_every_ubatch():
+    with collective_timeout(2.5):
+        seen = run_ubatches([lambda: resolve_timeout(60.0), lambda: resolve_timeout(60.0)], device="cpu")
+    assert seen == [2.5, 2.5]
+
+
+def _cfg() -> SplitConfig:
+    return SplitConfig(decode_token_threshold=4, prefill_token_threshold=4)
+
+
+@pytest.mark.parametrize("rows", [2, 8])  # below the threshold (plain call) and split
+def test_overlapped_forward_and_wrapper_pass_timeout_s(rows):
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return x + resolve_timeout(60.0)
+
+    x = torch.zeros(rows, 3)
+    out = overlapped_forward(fn, x, config=_cfg(), decode_only=True, agree=False, timeout_s=1.25)
+    assert torch.equal(out, torch.full((rows, 3), 1.25))
+    wrapped = DBOWrapper(fn, _cfg(), agree=False, timeout_s=0.75)
+    assert torch.equal(wrapped(x, decode_only=True), torch.full((rows, 3), 0.75))
+    assert torch.equal(overlapped_forward(fn, x, config=_cfg(), decode_only=True, agree=False),
+                       torch.full((rows, 3), 60.0))
+    with pytest.raises(ValueError, match="timeout_s"):
+        DBOWrapper(fn, timeout_s=0)
+
+
+# ---- the error and its message -----------------------------------------------------------------
+
+
+def test_timeout_error_names_backend_phase_ubatch_and_ranks():
+    with pytest.raises(CollectiveTimeoutError) as info:
+        raise_peer_timeout(WaitSite("deepep_ht", "combine", 1, 2), 3.0, [0, 3], "rank 0: process exited")
+    err = info.value
+    assert str(err) == ("deepep_ht combine of ubatch 1 on rank 2: ranks 0, 3 did not arrive within "
+                        "3.0 s; rank 0: process exited")
+    assert (err.backend, err.phase, err.ubatch, err.missing_ranks) == ("deepep_ht", "combine", 1, (0, 3))
+    assert isinstance(err, TimeoutError)
+    back = pickle.loads(pickle.dumps(err))  # crosses process boundaries with its fields
+    assert str(back) == str(err) and back.missing_ranks == (0, 3)
+    gpu = timeout_message(SITE, 2.0, [1], where="gpu")
+    assert "rank 1 did not arrive within 2.0 s" in gpu and f"exit code {GPU_WAIT_TIMEOUT_EXIT_CODE}" in gpu
+
+
+# ---- the arrival board -------------------------------------------------------------------------
+
+
+def test_board_counts_and_describes():
+    board = ArrivalBoard.local(0, 2)
+    try:
+        assert board.arrive() == 1 and board.missing(1) == []
+        assert board.wait(1, 0.01) == []
+        assert board.remote_ranks == [1]
+        missing, detail = board.behind(1)
+        assert missing == [1] and "other hosts" in detail
+        board.abandon()
+        assert board.seq == 1
+    finally:
+        board.close()
+
+
+def test_process_state():
+    assert process_state(subprocess.os.getpid()) == "running"
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    assert process_state(p.pid) == "exited"
+
+
+# ---- the GPU-wait watchdog ---------------------------------------------------------------------
+
+
+def test_watchdog_retires_done_events_and_expires_the_late_one():
+    fired: list[str] = []
+    wd = GpuWaitWatchdog(on_expire=fired.append)
+    done, late = _Event(done=True), _Event()
+    wd.watch(done, 1.0, SITE)
+    wd.watch(late, 1.0, SITE, lambda: ([1], "rank 1: process exited, reached launch 4 of 5"))
+    wd.stop()  # drive it by hand
+    now = time.monotonic()
+    wd.poll(now)
+    assert len(wd) == 1 and not fired  # the done one is gone; the late one is not late yet
+    wd.poll(now + 1.5)
+    assert len(wd) == 0 and len(fired) == 1
+    assert fired[0].startswith("deepep_ll dispatch receive of ubatch 1 on rank 0: rank 1 did not "
+                               "arrive within 1.0 s; rank 1: process exited")
+    late.done = True
+    wd.watch(_Event(), 1.0, SITE)
+    wd.stop()
+    wd.reset()
+    wd.poll(now + 10)
+    assert len(fired) == 1  # reset dropped it
+
+
+def test_watchdog_thread_fires_within_the_timeout():
+    fired: list[str] = []
+    wd = GpuWaitWatchdog(poll_s=0.02, on_expire=fired.append)
+    t0 = time.monotonic()
+    wd.watch(_Event(), 0.3, SITE)
+    while not fired and time.monotonic() - t0 < 5:
+        time.sleep(0.01)
+    wd.stop()
+    assert fired and 0.3 <= time.monotonic() - t0 < 1.5
+
+
+def test_watchdog_ends_the_process_with_the_message():
+    code = textwrap.dedent("""
+        import time
+        from dbo.watchdog import WATCHDOG, WaitSite
+        class Never:
+            def query(self):
+                return False
+        WATCHDOG.watch(Never(), 0.5, WaitSite("deepep_ht", "combine", 0, 1), lambda: ([0], "rank 0: gone"))
+        time.sleep(20)
+        print("not reached")
+    """)
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    elapsed = time.monotonic() - t0
+    assert p.returncode == GPU_WAIT_TIMEOUT_EXIT_CODE, (p.returncode, p.stderr)
+    assert "not reached" not in p.stdout
+    assert ("deepep_ht combine of ubatch 0 on rank 1: rank 0 did not arrive within 0.5 s; rank 0: "
+            "gone") in p.stderr, p.stderr
+    assert elapsed < 15
