@@ -63,8 +63,9 @@ def _check_structure(bundle: dict, backend: str, sms: list[int]) -> None:
         assert sh["plan"].startswith("split(")
         got = {(m["mode"], m["num_sms"]) for m in sh["measurements"]}
         s_or_none = sms or [None]
-        want = ({("compute", None), ("dbo_compute", None), ("wrapper", None), ("serial_paired", None)}
-                | {(mode, s) for mode in ("comm", "serial", "dbo") for s in s_or_none})
+        want = ({("compute", None), ("dbo_compute", None), ("merged_compute", None), ("wrapper", None),
+                 ("serial_paired", None)}
+                | {(mode, s) for mode in ("comm", "serial", "dbo", "merged") for s in s_or_none})
         assert got == want
         for m in sh["measurements"]:
             t = m["timing"]
@@ -72,13 +73,17 @@ def _check_structure(bundle: dict, backend: str, sms: list[int]) -> None:
             assert 0 < t["p10_ms"] <= t["median_ms"] <= t["p90_ms"]
             assert t["cpu_launch_ms"] > 0
         # every serial and DBO output was checked against the serial reference, and matched
-        checked = {"dbo_vs_serial", "wrapper", *(f"{mode}_s{s}" for mode in ("serial", "dbo")
-                                                 for s in s_or_none)}
+        checked = {"dbo_vs_serial", "merged_vs_serial", "wrapper",
+                   *(f"{mode}_s{s}" for mode in ("serial", "dbo", "merged") for s in s_or_none)}
         assert checked <= sh["checks"].keys()
         assert all(v["token_median"] <= 2e-2 for v in sh["checks"].values())
         s = sh["summary"]
-        for key in ("compute_ms", "comm_ms", "serial_ms", "dbo_ms", "speedup", "efficiency", "comm_share"):
+        for key in ("compute_ms", "comm_ms", "serial_ms", "dbo_ms", "speedup", "efficiency", "comm_share",
+                    "merged_ms", "merged_compute_ms", "merged_speedup"):
             assert isinstance(s[key], float), key
+        assert s["merged_speedup"] == pytest.approx(s["serial_ms"] / s["merged_ms"])
+        assert s["best_schedule"] == min((s["serial_ms"], "plain"), (s["dbo_ms"], "split"),
+                                         (s["merged_ms"], "merged"))[1]
         assert s["speedup"] == pytest.approx(s["serial_ms"] / s["dbo_ms"])
         hideable = min(s["compute_ms"], s["comm_ms"])
         assert s["efficiency"] == pytest.approx((s["serial_ms"] - s["dbo_ms"]) / hideable)
@@ -94,7 +99,9 @@ def _check_structure(bundle: dict, backend: str, sms: list[int]) -> None:
         assert sorted(r["tokens"] for r in tuned["rows"]) == sorted(
             sh["tokens"] for sh in bundle["shapes"] if str(sh["intermediate"]) == inter)
         assert all(r["serial_ms"] > 0 for r in tuned["rows"])
-        assert "threshold: split" in tuned["table"]
+        assert "threshold: split" in tuned["table"] and "merged ms" in tuned["table"]
+        assert tuned["schedule"] in ("plain", "split", "merged")
+        assert all(r["merged_ms"] > 0 for r in tuned["rows"])
 
 
 @pytest.mark.multiproc
@@ -110,11 +117,12 @@ def test_bench_naive_cpu_bundle(tmp_path):
 def test_bench_dbo_sm_carveout_variants(tmp_path):
     bundle = _run_bench(tmp_path, "--backend", "naive", "--dbo-sm-carveout", "none", "4")
     sh = bundle["shapes"][0]
-    carve = sorted((m["sm_carveout"] is None, m["sm_carveout"]) for m in sh["measurements"]
-                   if m["mode"] == "dbo")
-    assert carve == [(False, 4), (True, None)]
-    assert {"dbo_sNone", "dbo_sNone_k4"} <= sh["checks"].keys()
-    assert all(m["sm_carveout"] is None for m in sh["measurements"] if m["mode"] != "dbo")
+    for mode in ("dbo", "merged"):
+        carve = sorted((m["sm_carveout"] is None, m["sm_carveout"]) for m in sh["measurements"]
+                       if m["mode"] == mode)
+        assert carve == [(False, 4), (True, None)]
+        assert {f"{mode}_sNone", f"{mode}_sNone_k4"} <= sh["checks"].keys()
+    assert all(m["sm_carveout"] is None for m in sh["measurements"] if m["mode"] not in ("dbo", "merged"))
 
 
 @pytest.mark.multiproc
@@ -132,6 +140,7 @@ def test_bench_deepep_paths_on_fake(tmp_path, backend, extra, sms):
     if backend == "deepep_ll":
         rows = sh["ll_rows"]
         assert 0 < rows["dbo"] <= rows["serial"] <= 2 * sh["tokens"]
+        assert rows["dbo"] <= rows["merged"] <= 2 * rows["dbo"] + 16
         assert bundle["crossover"][0]["intermediate"] == sh["intermediate"]
     else:
         assert bundle["env"]["deepep_setup"]["deep_ep_default_num_sms"] == 20

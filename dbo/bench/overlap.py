@@ -19,6 +19,8 @@ routed experts behind the backend, shared expert) and measures per layer:
 * DBO: two ubatches through ``dbo.overlap.overlapped_forward`` (``run_ubatches``; the backends
   yield around their all-to-all), for each SM count and ``--dbo-sm-carveout``;
 * DBO compute alone: the DBO schedule with the replayed communication (the cost of splitting);
+* merged and merged compute alone: DBO and DBO compute alone with the merged expert schedule
+  (``dbo.expert_schedule``: one experts call per layer over both ubatches' rows);
 
 with CUDA events after warm-up, the median over ``--steps`` steps of the slowest rank, the CPU
 launch time of a step (and whether the step waits for the GPU from the host), and the peak
@@ -101,7 +103,7 @@ def tune_and_time_wrapper(args: argparse.Namespace, benches: list[ShapeBench], b
         sb.pf.reset()
         sb.pf_dbo.reset()
     progress.update(f"I={ready[0].model.dims.intermediate} autotune")
-    res.update(ok=True, decode_only=decode, threshold=result.threshold,
+    res.update(ok=True, decode_only=decode, threshold=result.threshold, schedule=result.schedule.value,
                never_split=result.threshold >= NEVER_SPLIT, margin=result.margin,
                rows=[dataclasses.asdict(r) for r in result.rows], table=result.table())
     for sb in ready:

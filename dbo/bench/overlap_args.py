@@ -23,7 +23,7 @@ __all__ = ["DTYPES", "TOLERANCE", "MODES", "SCHEMA", "parse_args", "resolve_defa
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
-MODES = ("compute", "dbo_compute", "comm", "serial", "dbo")
+MODES = ("compute", "dbo_compute", "merged_compute", "comm", "serial", "dbo", "merged")
 SCHEMA = "dbo.bench_overlap/2"  # 2: one expert implementation (no expert_chunks)
 
 
@@ -224,8 +224,8 @@ def configure_deepep(args: argparse.Namespace) -> dict[str, Any]:
 
 def count_configs(args: argparse.Namespace) -> int:
     s = max(1, len(args.num_sms))
-    per = {"compute": 1, "dbo_compute": 1, "comm": s, "serial": s,
-           "dbo": s * len(args.dbo_sm_carveout)}
+    per = {"compute": 1, "dbo_compute": 1, "merged_compute": 1, "comm": s, "serial": s,
+           "dbo": s * len(args.dbo_sm_carveout), "merged": s * len(args.dbo_sm_carveout)}
     n = sum(per[m] for m in args.modes) + 1  # +1: traces
     if args.cuda_graph:
         n += 1

@@ -9,6 +9,10 @@ Definitions (per shape; every time is per MoE layer: a step's time over its laye
   in the JSON.
 * ``speedup = serial / dbo``; ``efficiency = (serial - dbo) / min(compute, comm)``: the
   share of the hideable time that was hidden (1: perfect overlap; 0: none).
+* ``merged``: the fastest DBO configuration with the merged expert schedule (one experts call
+  per layer over both ubatches' rows); ``merged_speedup = serial / merged``; ``merged_compute``:
+  its compute alone (the same replayed communication as ``dbo_compute``); ``best_schedule``:
+  the fastest of ``plain`` (serial), ``split`` (dbo) and ``merged``.
 * ``peak_ratio``: peak memory of the best DBO configuration over that of the best serial one
   (``torch.cuda.max_memory_allocated``, weights included); ``peak_extra_ratio``: the same for
   the memory allocated during the step only.
@@ -81,6 +85,14 @@ def summarize_shape(shape: dict, default_splits: bool) -> dict:
                                      for m in (dbo, serial))),
         "default_config_splits": default_splits,
     }
+    merged = _best(meas, "merged")
+    t_merged = _ms(merged, layers)
+    out.update(merged_ms=t_merged, merged_config=_cfg(merged),
+               merged_compute_ms=_ms(_best(meas, "merged_compute"), layers),
+               merged_speedup=_ratio(t_serial, t_merged), merged_efficiency=eff(t_merged))
+    timed = [(t, k, name) for k, (name, t) in enumerate((("plain", t_serial), ("split", t_dbo),
+                                                          ("merged", t_merged))) if t is not None]
+    out["best_schedule"] = min(timed)[2] if timed else None
     measured = _ms(_best(meas, "wrapper"), layers)
     paired = _ms(_best(meas, "serial_paired"), layers)
     wrapper = measured if measured is not None else (t_dbo if default_splits else t_serial)
@@ -114,10 +126,11 @@ def format_table(bundle: dict) -> str:
              f"device={env.get('device_name')} layers/step={args['layers']} hidden={args['hidden']} "
              f"experts={args['experts']} top-{args['topk']} attn_width={args['attn_width']}",
              f"times per layer in ms: median of {args['steps']} steps (step time = slowest rank); "
-             "cfg sN = DeepEP SMs, kN = DBO SM carve-out"]
+             "cfg sN = DeepEP SMs, kN = DBO SM carve-out; dbo = split schedule, merged = one "
+             "experts call per layer (m-cmp: its compute alone)"]
     head = (f"{'tokens':>6} {'I':>5} {'compute':>8} {'comm':>7} {'comm%':>5} {'serial':>7} {'[cfg]':>8} "
             f"{'dbo':>7} {'[cfg]':>8} {'speedup':>7} {'eff':>5} {'dbo-cmp':>7} {'peak':>5} {'peak+':>5} "
-            f"{'wrap':>5}")
+            f"{'wrap':>5} {'merged':>7} {'m-cmp':>7} {'best':>6}")
     lines.append(head)
     for sh in bundle["shapes"]:
         s = sh.get("summary") or {}
@@ -129,7 +142,8 @@ def format_table(bundle: dict) -> str:
             f"{s.get('dbo_config', '-'):>8} {_f(s.get('speedup'), '.3f'):>7} "
             f"{_f(s.get('efficiency')):>5} {_f(s.get('dbo_compute_ms')):>7} "
             f"{_f(s.get('peak_ratio')):>5} {_f(s.get('peak_extra_ratio')):>5} "
-            f"{_f(s.get('wrapper_vs_serial'), '.3f'):>5}")
+            f"{_f(s.get('wrapper_vs_serial'), '.3f'):>5} {_f(s.get('merged_ms')):>7} "
+            f"{_f(s.get('merged_compute_ms')):>7} {s.get('best_schedule') or '-':>6}")
     if any((sh.get("summary") or {}).get("per_num_sms") for sh in bundle["shapes"]):
         lines.append("DeepEP SM count (Buffer.set_num_sms): comm alone, best serial/DBO at that count, "
                      "speedup and efficiency against the best serial overall")

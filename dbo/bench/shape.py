@@ -9,6 +9,7 @@ tuned config. The CUDA-graph and trace captures are in :mod:`dbo.bench.capture`.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 from collections.abc import Callable
 from typing import Any
@@ -24,6 +25,7 @@ from dbo.bench.model import (
 )
 from dbo.bench.overlap_args import TOLERANCE
 from dbo.bench.timing import Progress, measure, reduce_max
+from dbo.expert_schedule import ExpertSchedule, current_expert_schedule
 from dbo.moe import MoEKernel, SwiGLUExperts, relative_error
 from dbo.overlap import overlapped_forward
 from dbo.split import SplitConfig, plan_ubatches
@@ -65,6 +67,10 @@ def compare(out: torch.Tensor, ref: torch.Tensor, device: torch.device) -> dict[
 
 def max_rel_error(out: torch.Tensor, ref: torch.Tensor, device: torch.device) -> float:
     return reduce_max([relative_error(out, ref)], device)[0]
+
+
+def _rows_key(mode: str) -> str:
+    return "merged" if mode.startswith("merged") else "dbo" if mode.startswith("dbo") else "serial"
 
 
 def _round_rows(n: int, cap: int) -> int:
@@ -111,9 +117,11 @@ class ShapeBench:
                              dtype=torch.float32).to(model.dims.dtype)
         self.plan = plan_ubatches(tokens, SplitConfig(num_ubatches=2, decode_token_threshold=1,
                                                       prefill_token_threshold=1))
+        #: the same cut with the merged expert schedule (one experts call per layer)
+        self.plan_merged = dataclasses.replace(self.plan, expert_schedule=ExpertSchedule.MERGED)
         #: the library's experts; on deepep_ll with the row bound of each mode (see reference())
         self.experts = SwiGLUExperts()
-        self.rows: dict[str, int | None] = {"serial": None, "dbo": None}
+        self.rows: dict[str, int | None] = {"serial": None, "dbo": None, "merged": None}
         self.carveout: int | None = None  #: the DBO runs' sm_carveout
         self.batched = backend.activation_format.name == "BATCHED_EXPERTS"
 
@@ -126,11 +134,16 @@ class ShapeBench:
         return overlapped_forward(self.model, self.x, plan=self.plan, trace=trace,
                                   sm_carveout=self.carveout, compute_sms=self.args.dbo_compute_sms)
 
+    def merged(self, trace: dbo.Trace | None = None) -> torch.Tensor:
+        """The DBO step with the merged expert schedule."""
+        return overlapped_forward(self.model, self.x, plan=self.plan_merged, trace=trace,
+                                  sm_carveout=self.carveout, compute_sms=self.args.dbo_compute_sms)
+
     def use(self, backend: Any, mode: str) -> None:
-        if mode.startswith("dbo") and backend is self.pf:
+        if mode.startswith(("dbo", "merged")) and backend is self.pf:
             backend = self.pf_dbo
         self.model.use(backend, self.experts)
-        self.experts.batched_rows = self.rows["dbo" if mode.startswith("dbo") else "serial"]
+        self.experts.batched_rows = self.rows[_rows_key(mode)]
 
     def _label(self, mode: str, sms: int | None = None, carveout: int | None = None) -> str:
         s = f"T={self.T} I={self.model.dims.intermediate} {mode}"
@@ -178,8 +191,13 @@ class ShapeBench:
         self.experts.batched_rows = None
         recorder.begin_step()
         fn()
-        seen = max((int(r.expert_tokens_meta.expert_num_tokens.max()) for r in recorder.records.values()
-                    if r.expert_tokens_meta is not None), default=0)
+        counts: dict[int, torch.Tensor] = {}  # per layer; the merged call sums the ubatches'
+        for (ub, layer), r in recorder.records.items():
+            if r.expert_tokens_meta is not None:
+                c = r.expert_tokens_meta.expert_num_tokens.to(torch.int64)
+                key = layer if mode.startswith("merged") else (ub, layer)
+                counts[key] = counts[key] + c if key in counts else c
+        seen = max((int(c.max()) for c in counts.values()), default=0)
         return int(reduce_max([float(seen)], self.device)[0])
 
     def reference(self) -> None:
@@ -189,22 +207,29 @@ class ShapeBench:
         self.serial()  # warm-up (the LL buffer layout, cuBLAS handles)
         self.dbo()
         if self.batched and self.args.ll_rows == "auto":
-            for mode, fn, pf in (("serial", self.serial, self.pf), ("dbo", self.dbo, self.pf_dbo)):
-                cap = pf.max_num_tokens_per_rank() * pf.num_dispatchers()
+            # the merged call's slab holds both ubatches' rows of an expert
+            for mode, fn, pf, calls in (("serial", self.serial, self.pf, 1),
+                                        ("dbo", self.dbo, self.pf_dbo, 1),
+                                        ("merged", self.merged, self.pf_dbo, 2)):
+                cap = pf.max_num_tokens_per_rank() * pf.num_dispatchers() * calls
                 self.rows[mode] = _round_rows(self._rows_received(pf, fn, mode), cap)
         elif self.batched and self.args.ll_rows != "full":
-            self.rows = {"serial": int(self.args.ll_rows), "dbo": int(self.args.ll_rows)}
+            n = int(self.args.ll_rows)
+            self.rows = {"serial": n, "dbo": n, "merged": 2 * n}
         self.rec["ll_rows"] = dict(self.rows) if self.batched else None
         self.use(self.pf, "serial")
         self.ref = self.serial()
         self.use(self.pf, "dbo")
         self.ref_dbo = self.dbo()
         self._check_against(self.ref, "dbo_vs_serial")(self.ref_dbo)
+        if "merged" in self.args.modes or "merged_compute" in self.args.modes:
+            self.use(self.pf, "merged")
+            self._check_against(self.ref, "merged_vs_serial")(self.merged())
         self.rec["plan"] = str(self.plan)
 
     def compute_alone(self) -> None:
         modes = self.args.modes
-        if "compute" not in modes and "dbo_compute" not in modes:
+        if not {"compute", "dbo_compute", "merged_compute"} & set(modes):
             return
         records: dict[str, dict] = {}
         for mode, fn in (("serial", self.serial), ("dbo", self.dbo)):
@@ -213,7 +238,9 @@ class ShapeBench:
             recorder.begin_step()
             fn()
             records[mode] = recorder.records
-        for mode, src, fn in (("compute", "serial", self.serial), ("dbo_compute", "dbo", self.dbo)):
+        # the merged schedule dispatches as the split one does: it replays the same records
+        for mode, src, fn in (("compute", "serial", self.serial), ("dbo_compute", "dbo", self.dbo),
+                              ("merged_compute", "dbo", self.merged)):
             if mode not in modes:
                 continue
             replay = ReplayPrepareAndFinalize(self.pf_dbo if src == "dbo" else self.pf, records[src])
@@ -251,6 +278,14 @@ class ShapeBench:
                     name = f"dbo_s{s}" + ("" if k is None else f"_k{k}")
                     self.run_config("dbo", s, self.dbo, self._check_against(self.ref, name), carveout=k)
                 self.carveout = None
+            if "merged" in self.args.modes:
+                for k in self.args.dbo_sm_carveout:
+                    self.use(self.pf_dbo, "merged")
+                    self.carveout = k
+                    name = f"merged_s{s}" + ("" if k is None else f"_k{k}")
+                    self.run_config("merged", s, self.merged, self._check_against(self.ref, name),
+                                    carveout=k)
+                self.carveout = None
 
     def best(self, mode: str) -> tuple[int | None, int | None]:
         """The DeepEP SM count and SM carve-out of the fastest ``mode`` run."""
@@ -280,7 +315,7 @@ class ShapeBench:
         k_ser = self.model.kernels
         self.use(self.pf, "dbo")
         k_dbo = self.model.kernels
-        rows_ser, rows_dbo = self.rows["serial"], self.rows["dbo"]
+        rows_ser, rows_dbo, rows_merged = self.rows["serial"], self.rows["dbo"], self.rows["merged"]
         model, experts, sms = self.model, self.experts, self.sms
         # the best DBO run's carve-out, set per call (the global setting is one int; every
         # call sets it, so it cannot go stale between plain and overlapped calls)
@@ -294,7 +329,8 @@ class ShapeBench:
             if carve is not None:
                 carve(cv_dbo if in_dbo else cv_ser)
             model.kernels = k_dbo if in_dbo else k_ser
-            experts.batched_rows = rows_dbo if in_dbo else rows_ser
+            merged = in_dbo and current_expert_schedule() is ExpertSchedule.MERGED
+            experts.batched_rows = rows_merged if merged else rows_dbo if in_dbo else rows_ser
             return model(x)
 
         return fn
