@@ -57,7 +57,8 @@ def test_the_limit_formula():
     flops, nbytes = experts_cost(tokens=10, hidden=100, intermediate=50, local_pairs=20,
                                  experts_with_rows=3, dtype_bytes=2)
     assert flops == 6 * 20 * 100 * 50
-    assert nbytes == 3 * 3 * 100 * 50 * 2 + 2 * 10 * 100 * 2  # weights read + tokens in and out
+    # weights read + per pair: [H] in and [2I] out (gate/up), [I] in and [H] out (down)
+    assert nbytes == 3 * 3 * 100 * 50 * 2 + 20 * ((100 + 2 * 50) + (50 + 100)) * 2
     assert lim.time_ms(flops, nbytes) == max(nbytes / 1e12, flops / 1e14) * 1e3
     assert lim.time_ms(1e14, 0) == 1000.0 and lim.time_ms(0, 1e12) == 1000.0
     assert active_experts(8, 0) == 0 and 7.9 < active_experts(8, 1000) <= 8
