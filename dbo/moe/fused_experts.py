@@ -34,6 +34,7 @@ __all__ = ["GemmConfig", "CONFIGS", "FP32_CONFIG", "FUSED_MAX_ROWS_PER_EXPERT", 
 try:
     import triton
     import triton.language as tl
+    from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # the module is only used where Triton is importable
     triton = None
 
@@ -54,6 +55,9 @@ class GemmConfig:
     interleave: bool = False
     #: down only, intermediate <= block_k: column blocks per program (0: the K-loop kernel)
     n_per_program: int = 0
+    #: load the weight tiles (and the down GEMM's activation tiles) with the Hopper tensor
+    #: memory accelerator (a host-side TMA descriptor) instead of per-thread async copies
+    tma: bool = False
 
 
 #: 4-byte inputs (float32: tests, references) take this small tile: shared memory holds twice
@@ -188,6 +192,62 @@ if triton is not None:
                  act.to(act_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
 
     @triton.jit
+    def _gate_up_tma_kernel(x_ptr, order_ptr, offs_ptr, w_desc, act_ptr, n_experts, hidden, inter,
+                            TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr):
+        # hidden % BLOCK_K == 0; w_desc: w1 as [E * 2I, hidden], box [BLOCK_N, BLOCK_K]
+        n_col_blocks = tl.cdiv(inter, BLOCK_N)
+        e, first_row, end_row, pid_m, pid_n = _tile_of(tl.program_id(0), offs_ptr, n_experts,
+                                                       n_col_blocks, BLOCK_M, BLOCK_E, GROUP_M)
+        if e >= n_experts:
+            return
+        rows = first_row + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_mask = rows < end_row
+        tokens = (tl.load(order_ptr + rows, mask=row_mask, other=0) // TOPK).to(tl.int64)
+        ks = tl.arange(0, BLOCK_K)
+        a_ptrs = x_ptr + tokens[:, None] * hidden + ks[None, :]
+        g_row = e * 2 * inter + pid_n * BLOCK_N
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, hidden, BLOCK_K):
+            a = tl.load(a_ptrs, mask=row_mask[:, None], other=0.0)
+            g = w_desc.load([g_row, k0])
+            u = w_desc.load([g_row + inter, k0])
+            acc_g = tl.dot(a, g.T, acc_g)
+            acc_u = tl.dot(a, u.T, acc_u)
+            a_ptrs += BLOCK_K
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+        tl.store(act_ptr + rows.to(tl.int64)[:, None] * inter + cols[None, :],
+                 act.to(act_ptr.dtype.element_ty), mask=row_mask[:, None] & (cols < inter)[None, :])
+
+    @triton.jit
+    def _down_tma_kernel(act_desc, order_ptr, offs_ptr, w_desc, y_ptr, n_experts, hidden, inter,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr):
+        # inter % BLOCK_K == 0; act_desc: [R, inter], box [BLOCK_M, BLOCK_K] (rows past the
+        # expert's end belong to the next expert: computed, never stored); w_desc: w2 as
+        # [E * hidden, inter], box [BLOCK_N, BLOCK_K]
+        n_col_blocks = tl.cdiv(hidden, BLOCK_N)
+        e, first_row, end_row, pid_m, pid_n = _tile_of(tl.program_id(0), offs_ptr, n_experts,
+                                                       n_col_blocks, BLOCK_M, BLOCK_E, GROUP_M)
+        if e >= n_experts:
+            return
+        row0 = first_row + pid_m * BLOCK_M
+        w_row = e * hidden + pid_n * BLOCK_N
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, inter, BLOCK_K):
+            a = act_desc.load([row0, k0])
+            b = w_desc.load([w_row, k0])
+            acc = tl.dot(a, b.T, acc)
+        rows = row0 + tl.arange(0, BLOCK_M)
+        row_mask = rows < end_row
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        slots = tl.load(order_ptr + rows, mask=row_mask, other=0).to(tl.int64)
+        tl.store(y_ptr + slots[:, None] * hidden + cols[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=row_mask[:, None] & (cols < hidden)[None, :])
+
+    @triton.jit
     def _down_kernel(act_ptr, order_ptr, offs_ptr, w_ptr, y_ptr, n_experts, hidden, inter,
                      stride_we, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
@@ -311,6 +371,14 @@ def launch_gate_up(x: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, 
     n_experts, two_inter, hidden = w1.shape
     inter = two_inter // 2
     cfg = FP32_CONFIG if x.element_size() > 2 else cfg
+    if cfg.tma and hidden % cfg.block_k == 0:
+        desc = TensorDescriptor.from_tensor(w1.view(n_experts * two_inter, hidden),
+                                            [cfg.block_n, cfg.block_k])
+        _gate_up_tma_kernel[_grid(cfg, pairs, n_experts, inter)](
+            x, order, offsets, desc, act, n_experts, hidden, inter, TOPK=topk, BLOCK_M=cfg.block_m,
+            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_E=_block_e(n_experts), GROUP_M=cfg.group_m,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        return
     _gate_up_kernel[_grid(cfg, pairs, n_experts, inter)](
         x, order, offsets, w1, act, n_experts, hidden, inter, w1.stride(0), TOPK=topk,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_E=_block_e(n_experts),
@@ -332,6 +400,14 @@ def launch_down(act: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, w
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             N_PER_PROGRAM=cfg.n_per_program, BLOCK_E=_block_e(n_experts), GROUP_M=cfg.group_m,
             PRECISION=_precision(act), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        return
+    if cfg.tma and inter % cfg.block_k == 0:
+        a_desc = TensorDescriptor.from_tensor(act, [cfg.block_m, cfg.block_k])
+        w_desc = TensorDescriptor.from_tensor(w2.view(n_experts * hidden, inter), [cfg.block_n, cfg.block_k])
+        _down_tma_kernel[_grid(cfg, pairs, n_experts, hidden)](
+            a_desc, order, offsets, w_desc, y, n_experts, hidden, inter, BLOCK_M=cfg.block_m,
+            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_E=_block_e(n_experts), GROUP_M=cfg.group_m,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         return
     _down_kernel[_grid(cfg, pairs, n_experts, hidden)](
         act, order, offsets, w2, y, n_experts, hidden, inter, w2.stride(0),
