@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from dbo.integrations.hf_ep import expert_parallel_group, prepare_for_overlap
 from dbo.integrations.moe_block import routing_token_mask
 from dbo.overlap import current_ubatch, overlapped_forward
 from dbo.split import SplitConfig, UBatchPlan, plan_ubatches
@@ -41,7 +42,9 @@ def greedy_generate(model: torch.nn.Module, input_ids: torch.Tensor,
         attention_mask: ``[batch, seq]`` 1 real, 0 padding (None: all real).
         max_new_tokens: decode steps (>= 1), the same on every rank of ``group``.
         config: the split (rows are sequences; default: split from 2 sequences).
-        group: the expert-parallel group (agrees on the split once, at the prefill).
+        group: the expert-parallel group (agrees on the split once, at the prefill; default: the
+            group of a model loaded with dbo's expert-parallel implementations, else the default
+            group). A model loaded with FSDP2 is first :func:`~dbo.integrations.hf_ep.prepare_for_overlap`'d.
         mask_padding_tokens: route prompt padding to no expert.
 
     Returns:
@@ -57,6 +60,9 @@ def greedy_generate(model: torch.nn.Module, input_ids: torch.Tensor,
         raise ValueError(f"attention_mask {tuple(mask.shape)} must match input_ids {tuple(input_ids.shape)}")
     if config is None:
         config = SplitConfig(prefill_token_threshold=2, decode_token_threshold=2)
+    prepare_for_overlap(model)
+    if group is None:
+        group = expert_parallel_group(model)
     plan = plan_ubatches(input_ids.shape[0], config, group=group)
     caches: dict[int, Any] = {}
 

@@ -25,7 +25,7 @@ from dbo.moe import MoEKernel, PrepareAndFinalize, SwiGLUExperts
 from dbo.overlap import current_ubatch
 from dbo.split import mask_padding_routing
 
-__all__ = ["ExpertParallelMoE", "routing_token_mask", "current_routing_token_mask"]
+__all__ = ["ExpertParallelMoE", "routing_token_mask", "current_routing_token_mask", "mask_routing"]
 
 # Per forward (and per ubatch: each runs in its own copy of the caller's contextvars context).
 _TOKEN_MASK: contextvars.ContextVar[torch.Tensor | None] = contextvars.ContextVar(
@@ -50,6 +50,36 @@ def routing_token_mask(mask: torch.Tensor | None) -> Iterator[None]:
 def current_routing_token_mask() -> torch.Tensor | None:
     """The flattened ``bool[batch * seq]`` mask set by :func:`routing_token_mask`, or None."""
     return _TOKEN_MASK.get()
+
+
+def mask_routing(ids: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Route the rows that must reach no expert nowhere: a split forward's ubatch padding rows
+    (:func:`dbo.overlap.current_ubatch`) and the tokens :func:`routing_token_mask` marks.
+
+    Args:
+        ids: ``[M, topk]`` integer global expert ids of this forward's (ubatch's) ``M`` tokens.
+        weights: ``[M, topk]`` float32 router weights.
+
+    Returns:
+        ``(ids, weights)``: the same shapes and dtypes, ``-1`` / ``0`` in the masked rows.
+    """
+    rows = ids.shape[0]
+    info = current_ubatch()
+    if info is not None and info.num_valid < info.padded_size:
+        # the split is over the forward's input rows (sequences); each holds rows // padded_size tokens
+        if rows % info.padded_size:
+            raise ValueError(f"the MoE block got {rows} tokens, not a multiple of the ubatch's "
+                             f"{info.padded_size} input rows")
+        ids, weights = mask_padding_routing(ids, weights, info.num_valid * (rows // info.padded_size))
+    token_mask = _TOKEN_MASK.get()
+    if token_mask is not None:
+        if token_mask.shape[0] != rows:
+            raise ValueError(f"routing_token_mask has {token_mask.shape[0]} tokens, the MoE block "
+                             f"got {rows}")
+        keep = token_mask.to(ids.device).unsqueeze(1)
+        ids = torch.where(keep, ids, torch.full_like(ids, -1))
+        weights = torch.where(keep, weights, torch.zeros_like(weights))
+    return ids, weights
 
 
 class ExpertParallelMoE(torch.nn.Module):
@@ -106,32 +136,13 @@ class ExpertParallelMoE(torch.nn.Module):
     def _shared(self, x: torch.Tensor) -> torch.Tensor:
         return self.shared_experts(x)
 
-    def _mask(self, ids: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = ids.shape[0]
-        info = current_ubatch()
-        if info is not None and info.num_valid < info.padded_size:
-            # the split is over the forward's input rows (sequences); each holds rows // padded_size tokens
-            if rows % info.padded_size:
-                raise ValueError(f"the MoE block got {rows} tokens, not a multiple of the ubatch's "
-                                 f"{info.padded_size} input rows")
-            ids, weights = mask_padding_routing(ids, weights, info.num_valid * (rows // info.padded_size))
-        token_mask = _TOKEN_MASK.get()
-        if token_mask is not None:
-            if token_mask.shape[0] != rows:
-                raise ValueError(f"routing_token_mask has {token_mask.shape[0]} tokens, the MoE block "
-                                 f"got {rows}")
-            keep = token_mask.to(ids.device).unsqueeze(1)
-            ids = torch.where(keep, ids, torch.full_like(ids, -1))
-            weights = torch.where(keep, weights, torch.zeros_like(weights))
-        return ids, weights
-
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``hidden_states`` ``[..., hidden]`` (the model's dtype) -> same shape and dtype."""
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
         with dbo_region("router"):
             _, weights, ids = self.gate(x)
-            ids, weights = self._mask(ids.to(self.ids_dtype), weights.to(torch.float32))
+            ids, weights = mask_routing(ids.to(self.ids_dtype), weights.to(torch.float32))
         out = self.kernel(x, self.w1, self.w2, weights, ids, global_num_experts=self.num_experts)
         return out.view(shape)
 

@@ -28,6 +28,11 @@ import torch
 
 from dbo.errors import DBOError
 from dbo.integrations.backends import BACKENDS, make_backend
+from dbo.integrations.hf_ep import (
+    expert_parallel_group,
+    prepare_for_overlap,
+    register_default_ep_implementations,
+)
 from dbo.integrations.moe_block import ExpertParallelMoE, routing_token_mask
 from dbo.overlap import DBOWrapper
 from dbo.split import SplitConfig, UBatchPlan
@@ -260,7 +265,9 @@ def prefill_logits(model: torch.nn.Module, input_ids: torch.Tensor,
 
 
 class DBOPrefill(torch.nn.Module):
-    """Overlapped prefill of a (converted) transformers causal LM.
+    """Overlapped prefill of a (converted, or loaded with dbo's expert-parallel implementations)
+    transformers causal LM. A model loaded with FSDP2 is first
+    :func:`~dbo.integrations.hf_ep.prepare_for_overlap`'d (collective: build it on every rank).
 
     ``DBOPrefill(model, group=ep_group)(input_ids, attention_mask)`` splits the batch at
     sequence boundaries into ubatches (all ranks of ``group`` agree, padding with all-padding
@@ -271,7 +278,8 @@ class DBOPrefill(torch.nn.Module):
     Args:
         model: the model (converted with :func:`convert_to_expert_parallel`).
         config: the split; default :func:`prefill_split_config` (split from 2 sequences).
-        group: the expert-parallel group (agrees on the split).
+        group: the expert-parallel group (agrees on the split; default: the group of a model
+            loaded with dbo's expert-parallel implementations, else the default group).
         logits_to_keep, mask_padding_tokens: as in :func:`prefill_logits`.
         sm_carveout, trace, timeout_s: as in :class:`dbo.DBOWrapper` (``timeout_s`` bounds
             every wait for a peer rank in the model's backends during the call).
@@ -281,7 +289,9 @@ class DBOPrefill(torch.nn.Module):
                  logits_to_keep: int = 0, mask_padding_tokens: bool = True,
                  sm_carveout: int | None = None, trace: Any = None, timeout_s: float | None = None):
         super().__init__()
-        self.model = model
+        self.model = prepare_for_overlap(model)
+        if group is None:
+            group = expert_parallel_group(model)
         self.logits_to_keep = logits_to_keep
         self.mask_padding_tokens = mask_padding_tokens
         self.wrapper = DBOWrapper(self._forward, prefill_split_config() if config is None else config,
@@ -312,3 +322,7 @@ class DBOPrefill(torch.nn.Module):
             raise ValueError(f"attention_mask {tuple(attention_mask.shape)} must match input_ids "
                              f"{tuple(input_ids.shape)}")
         return self.wrapper(input_ids, attention_mask, plan=plan)
+
+
+# dbo's backends as transformers' expert-parallel implementations (a no-op before 5.23)
+register_default_ep_implementations()
