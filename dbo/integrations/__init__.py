@@ -2,9 +2,11 @@
 
 ``dbo.integrations.transformers``: expert parallelism and DBO for Hugging Face transformers MoE
 models (:func:`~dbo.integrations.transformers.convert_to_expert_parallel`,
-:class:`~dbo.integrations.transformers.DBOPrefill`); ``moe_block``: the expert-parallel block it
-puts in; ``generate``: greedy generation with a KV cache per ubatch; ``hf_presets``: configs
-built from transformers' config classes (tiny ones and full-size shapes).
-``dbo.integrations.backends``: the prepare/finalize backends by name. Only ``hf_presets``
-imports transformers (when called).
+:class:`~dbo.integrations.transformers.DBOPrefill`); ``hf_ep``: dbo's backends as transformers'
+own expert-parallel implementations (``from_pretrained(..., distributed_config=...)``,
+transformers >= 5.23); ``moe_block``: the expert-parallel block the conversion puts in;
+``generate``: greedy generation with a KV cache per ubatch; ``hf_presets``: configs built from
+transformers' config classes (tiny ones and full-size shapes). ``dbo.integrations.backends``:
+the prepare/finalize backends by name. ``hf_ep`` imports transformers when it is imported (to
+register its names; nothing happens without transformers), ``hf_presets`` when called.
 """

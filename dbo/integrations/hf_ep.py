@@ -365,7 +365,8 @@ def prepare_for_overlap(model: torch.nn.Module) -> torch.nn.Module:
     modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
     if not modules:
         return model
-    with torch.no_grad():
+    # FSDP's buffers made here must not be inference tensors, even if the caller is in inference mode
+    with torch.inference_mode(False), torch.no_grad():
         for m in modules:
             m.unshard()
             if getattr(m, "_is_expert_parallel", False) or hasattr(m, "_dbo_expert_parallel"):
@@ -375,3 +376,7 @@ def prepare_for_overlap(model: torch.nn.Module) -> torch.nn.Module:
     model._dbo_prepared_for_overlap = True
     logger.info("dbo: %d FSDP modules prepared for overlap (dense weights kept whole)", len(modules))
     return model
+
+
+# importing this module (or dbo.integrations.transformers) registers the names; a no-op before 5.23
+register_default_ep_implementations()

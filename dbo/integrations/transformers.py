@@ -31,7 +31,6 @@ from dbo.integrations.backends import BACKENDS, make_backend
 from dbo.integrations.hf_ep import (
     expert_parallel_group,
     prepare_for_overlap,
-    register_default_ep_implementations,
 )
 from dbo.integrations.moe_block import ExpertParallelMoE, routing_token_mask
 from dbo.overlap import DBOWrapper
@@ -323,6 +322,3 @@ class DBOPrefill(torch.nn.Module):
                              f"{tuple(input_ids.shape)}")
         return self.wrapper(input_ids, attention_mask, plan=plan)
 
-
-# dbo's backends as transformers' expert-parallel implementations (a no-op before 5.23)
-register_default_ep_implementations()

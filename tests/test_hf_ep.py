@@ -1,0 +1,327 @@
+"""Checkpoints loaded expert-parallel by transformers (>= 5.23) with dbo's backends as its EP
+implementations, on 2 gloo ranks.
+
+Tiny random-weight Qwen3-MoE, Mixtral and DeepSeek-V3 checkpoints written with
+``save_pretrained`` (which writes the Hub's per-expert keys: ``...experts.{i}.gate_proj.weight``,
+Mixtral's ``block_sparse_moe.experts.{i}.w1.weight``), plus one in the fused in-memory layout,
+loaded with ``DistributedConfig(fsdp_size=2, ep_size=2, ep_implementation="dbo_<backend>")``.
+On each rank's own batch (different batch sizes, left padding), float32: the logits equal the
+full unconverted model's, plain and overlapped (``DBOPrefill``), and transformers' own
+``all_to_all`` EP gives the same on the same batch; greedy generation equals ``generate()``;
+each rank holds half of the routed experts' bytes, and the dense weights, once whole, are not
+all-gathered again.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from dbo.testing.dist import DistWorld
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+ep_module = pytest.importorskip("transformers.distributed.expert_parallel",
+                                reason="transformers < 5.23 has no EP implementation interface")
+
+pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(240)]
+
+FAMILIES = ("qwen3_moe", "mixtral", "deepseek_v3")
+BACKENDS = ("naive", "all2all")
+CLASSES = {"naive": "NaivePrepareAndFinalize", "all2all": "AllToAllPrepareAndFinalize",
+           "copy_engine": "CopyEnginePrepareAndFinalize"}
+TOL = 1e-5  # float32, relative to the largest logit of real tokens
+
+
+@pytest.fixture(scope="module")
+def world():
+    with DistWorld(2, pg_timeout_s=60.0) as w:
+        yield w
+
+
+def _tiny_model(family: str, seed: int):
+    import torch
+
+    from dbo.integrations.hf_presets import causal_lm_class, tiny_config
+
+    torch.manual_seed(seed)
+    model = causal_lm_class(family)(tiny_config(family)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.3)  # large enough that routing differs token to token
+    return model
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """family -> directory written by save_pretrained; "qwen3_moe_fused" -> the same weights
+    as Qwen3-MoE's with the in-memory fused expert keys (``mlp.experts.gate_up_proj``)."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    root = tmp_path_factory.mktemp("ckpt")
+    out = {}
+    for i, family in enumerate(FAMILIES):
+        model = _tiny_model(family, i)
+        model.save_pretrained(root / family)
+        out[family] = str(root / family)
+    fused = root / "qwen3_moe_fused"
+    shutil.copytree(root / "qwen3_moe", fused)
+    state = {k: v.contiguous() for k, v in _tiny_model("qwen3_moe", 0).state_dict().items()}
+    assert any(k.endswith("experts.gate_up_proj") for k in state)
+    save_file(state, fused / "model.safetensors", metadata={"format": "pt"})
+    out["qwen3_moe_fused"] = str(fused)
+    return out
+
+
+def _inputs(rank: int, seed: int):
+    import torch
+
+    g = torch.Generator().manual_seed(seed * 101 + rank)
+    batch = (3, 5)[rank]
+    ids = torch.randint(0, 64, (batch, 7), generator=g)
+    mask = torch.ones_like(ids)
+    for i, pad in enumerate(((0, 3, 0), (2, 0, 0, 6, 1))[rank]):
+        mask[i, :pad] = 0  # left padding, different per rank
+    return ids, mask
+
+
+def _load(path: str, implementation: str | None):
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    kw = {} if implementation is None else {"distributed_config": DistributedConfig(
+        fsdp_size=2, ep_size=2, ep_implementation=implementation)}
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kw).eval()
+
+
+def _logits_job(path: str, backends: tuple[str, ...], seed: int) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    import dbo
+    from dbo.integrations.hf_ep import expert_parallel_modules
+    from dbo.integrations.transformers import DBOPrefill, prefill_logits
+
+    rank = dist.get_rank()
+    ids, mask = _inputs(rank, seed)
+    valid = mask.bool()
+    full = _load(path, None)
+    with torch.no_grad():
+        want = prefill_logits(full, ids, mask, mask_padding_tokens=False)
+        theirs = prefill_logits(_load(path, "all_to_all"), ids, mask, mask_padding_tokens=False)
+    scale = want[valid].abs().max().item()
+
+    def err(a, b=want):
+        return (a - b)[valid].abs().max().item() / scale
+
+    out = {"theirs_err": err(theirs)}
+    for backend in backends:
+        model = _load(path, f"dbo_{backend}")
+        layers = expert_parallel_modules(model)
+        trace = dbo.Trace()
+        with torch.inference_mode():
+            prefill = DBOPrefill(model, trace=trace)
+            overlapped = prefill(ids, mask)
+            plain = prefill_logits(model, ids, mask)
+        events = [(e.kind, e.ubatch, e.detail) for e in trace.events]
+        out[backend] = {
+            "plain_err": err(plain), "dbo_err": err(overlapped), "vs_theirs": err(overlapped, theirs),
+            "split": prefill.last_plan.split, "interleaved": ("resume", 1, "") in events,
+            "layers": len(layers), "backend": type(layers[0][1].kernel.prepare_finalize).__name__,
+            "first_expert": layers[0][1].first_expert,
+        }
+    return out
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_loaded_logits_equal_full_model_and_transformers_ep(world, checkpoints, family):
+    results = world.run(_logits_job, checkpoints[family], BACKENDS, 0, timeout_s=180)
+    layers = 2  # MoE layers (DeepSeek-V3's tiny config has one dense layer before them)
+    for rank, r in enumerate(results):
+        assert r["theirs_err"] <= TOL, f"rank {rank}: transformers' all_to_all EP != full ({r['theirs_err']:.1e})"
+        for backend in BACKENDS:
+            b = r[backend]
+            assert b["plain_err"] <= TOL, f"rank {rank} {backend}: plain {b['plain_err']:.1e}"
+            assert b["dbo_err"] <= TOL, f"rank {rank} {backend}: DBO {b['dbo_err']:.1e}"
+            assert b["vs_theirs"] <= TOL, f"rank {rank} {backend}: vs all_to_all {b['vs_theirs']:.1e}"
+            assert b["split"] and b["interleaved"], f"rank {rank} {backend}: the ubatches did not overlap"
+            assert b["layers"] == layers and b["first_expert"] == 4 * rank
+            assert b["backend"] == CLASSES[backend]
+
+
+def test_fused_layout_checkpoint(world, checkpoints):
+    # the in-memory key layout loads expert-parallel too, with the same weights as the Hub layout
+    fused = world.run(_logits_job, checkpoints["qwen3_moe_fused"], ("all2all",), 0, timeout_s=120)
+    for r in fused:
+        assert r["theirs_err"] <= TOL and r["all2all"]["dbo_err"] <= TOL, r
+
+
+def _generate_job(path: str, backend: str, new_tokens: int) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from dbo.integrations.generate import greedy_generate
+    from dbo.split import SplitConfig
+
+    ids, mask = _inputs(dist.get_rank(), 5)
+    full, model = _load(path, None), _load(path, f"dbo_{backend}")
+    with torch.inference_mode():
+        want = full.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)
+        plain, _ = greedy_generate(model, ids, mask, max_new_tokens=new_tokens,
+                                   config=SplitConfig(enabled=False))
+        overlapped, plan = greedy_generate(model, ids, mask, max_new_tokens=new_tokens)
+    return {"plain_ok": torch.equal(plain, want), "dbo_ok": torch.equal(overlapped, want),
+            "split": plan.split}
+
+
+@pytest.mark.parametrize("family, backend", [("qwen3_moe", "all2all"), ("mixtral", "naive"),
+                                             ("deepseek_v3", "copy_engine")])
+def test_greedy_generation_equals_generate(world, checkpoints, family, backend):
+    for rank, r in enumerate(world.run(_generate_job, checkpoints[family], backend, 4, timeout_s=180)):
+        assert r["split"], f"rank {rank}"
+        assert r["plain_ok"], f"rank {rank}: greedy tokens (no DBO) != generate()"
+        assert r["dbo_ok"], f"rank {rank}: DBO greedy tokens != generate()"
+
+
+def _memory_job(path: str) -> dict:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from dbo.integrations.hf_ep import prepare_for_overlap
+    from dbo.integrations.transformers import prefill_logits
+
+    def local(p):
+        return p.to_local() if isinstance(p, DTensor) else p
+
+    def expert_bytes(model):
+        return sum(local(p).untyped_storage().nbytes() for n, p in model.named_parameters()
+                   if ".experts." in n and "shared" not in n)
+
+    full = _load(path, None)
+    model = _load(path, "dbo_all2all")
+    import dbo.backends._torchdist  # noqa: F401  (binds its own all-gather now: not counted below)
+
+    gathers = []
+    # FSDP2 all-gathers through one of these (all_gather_single in torch 2.13)
+    names = [n for n in ("all_gather_single", "all_gather_into_tensor") if hasattr(dist, n)]
+    reals = {n: getattr(dist, n) for n in names}
+
+    def spy(real):
+        def gather(out, inp, *args, **kwargs):
+            gathers.append(out.numel() * out.element_size())
+            return real(out, inp, *args, **kwargs)
+        return gather
+
+    ids, mask = _inputs(dist.get_rank(), 7)
+    for n in names:
+        setattr(dist, n, spy(reals[n]))
+    try:
+        with torch.no_grad():
+            prefill_logits(model, ids, mask)  # as transformers loaded it: FSDP gathers the dense weights
+            before = sum(gathers)
+            prepare_for_overlap(model)
+            gathers.clear()
+            prefill_logits(model, ids, mask)
+    finally:
+        for n in names:
+            setattr(dist, n, reals[n])
+    dense = {n: p for n, p in model.named_parameters() if ".experts." not in n}
+    full_dense = dict(full.named_parameters())
+    return {
+        "experts_bytes": expert_bytes(model), "full_experts_bytes": expert_bytes(full),
+        "experts_after_forward": expert_bytes(model),
+        "dense_whole": all(not isinstance(p, DTensor) and p.shape == full_dense[n].shape
+                           for n, p in dense.items()),
+        "gathered_per_forward_before": before, "gathered_per_forward_after": sum(gathers),
+    }
+
+
+def test_each_rank_holds_half_the_experts_and_gathers_dense_weights_once(world, checkpoints):
+    for rank, r in enumerate(world.run(_memory_job, checkpoints["qwen3_moe"], timeout_s=120)):
+        assert r["experts_bytes"] * 2 == r["full_experts_bytes"], f"rank {rank}: {r}"
+        assert r["experts_after_forward"] == r["experts_bytes"], f"rank {rank}: {r}"
+        assert r["dense_whole"], f"rank {rank}: a dense weight is still sharded after prepare_for_overlap"
+        assert r["gathered_per_forward_before"] > 0, f"rank {rank}: {r}"
+        assert r["gathered_per_forward_after"] == 0, f"rank {rank}: {r}"
+
+
+# ---- single process ------------------------------------------------------------------------
+
+
+def test_dbo_names_are_registered():
+    from dbo.integrations import transformers as _  # noqa: F401  (registers them)
+    from dbo.integrations.hf_ep import EP_IMPLEMENTATIONS, DBOExpertParallel
+
+    names = ep_module.EPImplementationInterface()
+    for name, (backend, _kw) in EP_IMPLEMENTATIONS.items():
+        assert issubclass(names[name], DBOExpertParallel) and names[name].backend == backend
+    assert names["dbo_deepep_ll"].backend_kwargs == {"max_tokens_per_rank": 256}
+
+
+def test_older_transformers_gets_the_version_it_needs(monkeypatch):
+    import sys
+
+    from dbo.integrations.hf_ep import (
+        TransformersVersionError,
+        ep_distributed_config,
+        register_default_ep_implementations,
+    )
+
+    monkeypatch.setitem(sys.modules, "transformers.distributed.expert_parallel", None)
+    with pytest.raises(TransformersVersionError, match=r"transformers >= 5\.23.*installed"):
+        ep_distributed_config("all2all", world_size=2)
+    assert register_default_ep_implementations() == []  # conversion still imports and works
+
+
+def test_config_and_mistakes():
+    from dbo.integrations.hf_ep import DBOExpertParallel, UnsupportedEPError, ep_distributed_config
+
+    cfg = ep_distributed_config("deepep_ht", world_size=4)
+    assert (cfg.fsdp_size, cfg.ep_size, cfg.ep_implementation) == (4, 4, "dbo_deepep_ht")
+    with pytest.raises(ValueError, match="unknown backend"):
+        ep_distributed_config("nope", world_size=2)
+
+    class Mesh:
+        def size(self):
+            return 2
+
+    with pytest.raises(UnsupportedEPError, match="tp_size=1"):
+        DBOExpertParallel(object(), Mesh(), Mesh())
+
+
+def test_model_experts_batched_format_equals_standard():
+    # deepep_ll hands the experts [experts, rows, hidden] slabs: the same rows as STANDARD
+    import torch
+
+    from dbo.integrations.hf_ep import ModelExperts
+    from dbo.moe import ActivationFormat, ExpertTokensMetadata, Workspace
+
+    block = _tiny_model("qwen3_moe", 3).model.layers[0].mlp
+    experts = ModelExperts(block.experts, block.experts.forward)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 32, generator=g)
+    ids = torch.tensor([[0, 3], [1, -1], [3, 7], [-1, -1], [5, 0], [2, 6]])
+    weights = torch.rand(6, 2, generator=g)
+    kw = dict(expert_tokens_meta=None, apply_router_weight_on_input=False, workspace=Workspace())
+    std = experts.apply(x, None, None, weights, ids, activation_format=ActivationFormat.STANDARD, **kw)
+    ref = sum(torch.where((ids[:, k] >= 0).unsqueeze(1), weights[:, k:k + 1] * block.experts(
+        x, ids[:, k:k + 1].clamp(min=0), torch.ones(6, 1)), 0.0) for k in range(2))
+    torch.testing.assert_close(std, ref, rtol=1e-5, atol=1e-6)
+    # batched: expert e's slab holds the tokens routed to it (unweighted)
+    slabs = torch.zeros(8, 4, 32)
+    counts = torch.zeros(8, dtype=torch.int32)
+    for t, k in ((ids >= 0).nonzero().tolist()):
+        e = int(ids[t, k])
+        slabs[e, counts[e]] = x[t]
+        counts[e] += 1
+    kw["expert_tokens_meta"] = ExpertTokensMetadata(counts)
+    out = experts.apply(slabs, None, None, None, None, activation_format=ActivationFormat.BATCHED_EXPERTS,
+                        **kw)
+    for e in range(8):
+        n = int(counts[e])
+        one = torch.full((n, 1), e)
+        torch.testing.assert_close(out[e, :n], block.experts(slabs[e, :n], one, torch.ones(n, 1)))
