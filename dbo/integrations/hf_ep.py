@@ -142,7 +142,7 @@ class ModelExperts(MoEExperts):
     The forward ``f(x [N, hidden], ids [N, k], weights [N, k]) -> [N, hidden]`` takes local
     expert ids, with ``num_local_experts`` for "no expert here" (transformers' sentinel), and
     weighs and sums over ``k`` itself. It reads the module's weights when it runs, so ``w1`` /
-    ``w2`` of :meth:`apply` are ignored (None). STANDARD format: one row per received token,
+    ``w2`` of :meth:`apply` are ignored (placeholders). STANDARD format: one row per received token,
     reduced here. BATCHED_EXPERTS format (deepep_ll): each expert's slab becomes rows of that
     expert with weight 1, the rows past its count get the sentinel; finalize weighs them.
 
@@ -242,6 +242,9 @@ class DBOExpertParallel:
         self.first_expert = ep_mesh.get_local_rank() * self.num_local_experts
         self.experts = ModelExperts(experts, experts.forward)
         self.kernel: MoEKernel | None = None
+        # the kernel's w1/w2: ModelExperts reads the module's weights itself (the same placeholder
+        # every call, so the merged expert schedule sees one layer's ubatches as one call)
+        self._no_weights = torch.empty(0)
         self._signature: tuple[Any, ...] | None = None
         # lets model-level helpers (prepare_for_overlap, expert_parallel_modules) find it
         experts._dbo_expert_parallel = self
@@ -268,7 +271,8 @@ class DBOExpertParallel:
                              f"topk, device) = {self._signature}, called with {signature}")
         ids, weights = mask_routing(top_k_index.reshape(x.shape[0], -1).to(self.ids_dtype),
                                     top_k_weights.reshape(x.shape[0], -1).to(torch.float32))
-        out = self.kernel(x, None, None, weights, ids, global_num_experts=self.num_experts)
+        out = self.kernel(x, self._no_weights, self._no_weights, weights, ids,
+                          global_num_experts=self.num_experts)
         return out.view(hidden_states.shape)
 
     def reset(self) -> None:
