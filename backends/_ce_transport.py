@@ -4,7 +4,9 @@ The backend (:mod:`dbo.backends.copy_engine`) moves tokens with plain copies int
 receive buffers and needs three things from a transport, all per rank of one host:
 
 * **buffers**: per ubatch slot, three byte regions on every rank (received tokens, received
-  routing rows, combined partial sums), which this rank can address on every peer;
+  routing rows, combined partial sums), which this rank can address on every peer. Each slot is
+  allocated for a number of tokens per rank and reallocated larger when a dispatch needs more
+  (:meth:`Transport.ensure`, collective: every rank decides from the same count table);
 * **signals**: ``signal(dst, channel)`` after this rank's puts to ``dst``, ``wait(src,
   channel)`` before the data from ``src`` is read. Signals are flags that go 0 -> 1 (signal)
   and 1 -> 0 (wait), so a second signal on a channel waits until the first was consumed;
@@ -24,6 +26,7 @@ protocol.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import socket
@@ -40,8 +43,8 @@ import torch.distributed as dist
 
 from dbo.errors import CollectiveTimeoutError
 
-__all__ = ["BufferLayout", "HostBoard", "Transport", "CpuTransport", "CudaTransport", "TransportCache",
-           "TRANSPORTS", "open_transport"]
+__all__ = ["BufferLayout", "CAPACITY_STEP", "grown_capacity", "HostBoard", "Transport", "CpuTransport",
+           "CudaTransport", "TransportCache", "TRANSPORTS", "open_transport"]
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +61,7 @@ def _align(n: int) -> int:
 
 @dataclass(frozen=True)
 class BufferLayout:
-    """Byte offsets of one ubatch slot's regions inside a rank's buffer.
+    """Byte offsets of one ubatch slot's regions, sized for ``max_tokens`` tokens per rank.
 
     ``x``: ``[world * max_tokens, hidden]`` received tokens (``elem_bytes`` each);
     ``meta``: ``[world * max_tokens, 2 * max_topk]`` int32 routing rows (ids, float32 weights);
@@ -70,7 +73,6 @@ class BufferLayout:
     hidden: int
     elem_bytes: int
     max_topk: int
-    num_slots: int
 
     @property
     def rows(self) -> int:
@@ -88,13 +90,23 @@ class BufferLayout:
     def slot_bytes(self) -> int:
         return 2 * self.x_bytes + self.meta_bytes
 
-    @property
-    def total_bytes(self) -> int:
-        return self.num_slots * self.slot_bytes
+    def offset(self, region: str) -> int:
+        return {"x": 0, "meta": self.x_bytes, "comb": self.x_bytes + self.meta_bytes}[region]
 
-    def offset(self, slot: int, region: str) -> int:
-        base = slot * self.slot_bytes
-        return base + {"x": 0, "meta": self.x_bytes, "comb": self.x_bytes + self.meta_bytes}[region]
+    def with_tokens(self, max_tokens: int) -> BufferLayout:
+        return dataclasses.replace(self, max_tokens=max_tokens)
+
+
+#: capacities are multiples of this many tokens per rank
+CAPACITY_STEP = 16
+
+
+def grown_capacity(needed: int, current: int) -> int:
+    """Tokens per rank a slot is (re)allocated for when a dispatch needs ``needed`` and it holds
+    ``current``: the need, and at least twice the current size (a batch that grows step by step
+    reallocates a logarithmic number of times), rounded up to :data:`CAPACITY_STEP`."""
+    want = max(needed, 2 * current, 1)
+    return -(-want // CAPACITY_STEP) * CAPACITY_STEP
 
 
 def _shm_dir() -> str:
@@ -195,18 +207,55 @@ class Transport:
 
     ``seq[slot]`` counts the dispatches of each slot and ``last_wait[slot]`` holds the event
     after the slot's latest GPU wait: they belong to the buffers, not to one backend object,
-    since several backends (one per MoE layer) may share a transport.
+    since several backends (one per MoE layer) may share a transport. ``layouts[slot]`` is the
+    slot's current size (None before its first allocation).
     """
 
     rank: int
     world_size: int
-    layout: BufferLayout
+    layout: BufferLayout  # the shape of every slot; its max_tokens is unused
     board: HostBoard
     cuda: bool
 
-    def _init_state(self) -> None:
-        self.seq = [0] * self.layout.num_slots
+    def _init_state(self, num_slots: int) -> None:
+        self.seq = [0] * num_slots
         self.last_wait: dict[int, tuple[Any, str]] = {}
+        self.layouts: list[BufferLayout | None] = [None] * num_slots
+
+    @property
+    def num_slots(self) -> int:
+        return len(self.layouts)
+
+    def capacity(self, slot: int) -> int:
+        """Tokens per rank that ``slot``'s buffers hold now (0: not allocated yet)."""
+        layout = self.layouts[slot]
+        return 0 if layout is None else layout.max_tokens
+
+    def ensure(self, slot: int, tokens: int) -> bool:
+        """Make ``slot`` hold ``tokens`` tokens per rank, reallocating it larger if it holds
+        fewer (:func:`grown_capacity`); returns whether it did.
+
+        Collective when it reallocates: every rank of the group must call it with the same
+        arguments at the same point (the backend calls it right after the count exchange, from
+        the same table on every rank), when no rank has data of this slot in flight."""
+        current = self.capacity(slot)
+        if tokens <= current:
+            return False
+        layout = self.layout.with_tokens(grown_capacity(tokens, current))
+        self._allocate(slot, layout)
+        self.layouts[slot] = layout
+        logger.info("copy_engine: rank %d: ubatch slot %d now holds %d tokens per rank (%.1f MiB; "
+                    "a call needed %d, it held %d)", self.rank, slot, layout.max_tokens,
+                    layout.slot_bytes / 2**20, tokens, current)
+        return True
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of every slot's buffers on this rank."""
+        return sum(layout.slot_bytes for layout in self.layouts if layout is not None)
+
+    def _allocate(self, slot: int, layout: BufferLayout) -> None:
+        raise NotImplementedError
 
     def region(self, peer: int, slot: int, name: str, nbytes: int, offset: int = 0) -> torch.Tensor:
         """``nbytes`` of ``peer``'s region ``name`` of ``slot`` from byte ``offset``, as uint8."""
@@ -224,23 +273,27 @@ class CpuTransport(Transport):
 
     cuda = False
 
-    def __init__(self, group: Any, layout: BufferLayout, num_channels: int, timeout_s: float):
+    def __init__(self, group: Any, layout: BufferLayout, num_slots: int, timeout_s: float):
+        self.group = group
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self.layout = layout
         self.timeout_s = timeout_s
-        board = HostBoard.nbytes(layout.num_slots)
-        flags = _align(num_channels * self.world_size * 4)
-        regions = _open_shared(group, board + flags + layout.total_bytes, "cpu")
-        self.board = HostBoard(regions, self.rank, layout.num_slots, timeout_s, "copy_engine")
+        num_channels = 2 * num_slots
+        board = HostBoard.nbytes(num_slots)
         n = num_channels * self.world_size
+        regions = _open_shared(group, board + _align(n * 4), "cpu")
+        self.board = HostBoard(regions, self.rank, num_slots, timeout_s, "copy_engine")
         self._flags = [r[board:board + 4 * n].view(torch.int32).numpy()
                        .reshape(num_channels, self.world_size) for r in regions]
-        self._data = [r[board + flags:] for r in regions]
-        self._init_state()
+        self._data: list[list[torch.Tensor] | None] = [None] * num_slots
+        self._init_state(num_slots)
+
+    def _allocate(self, slot, layout):
+        self._data[slot] = _open_shared(self.group, layout.slot_bytes, f"s{slot}")
 
     def region(self, peer, slot, name, nbytes, offset=0):
-        start = self.layout.offset(slot, name) + offset
-        return self._data[peer][start:start + nbytes]
+        start = self.layouts[slot].offset(name) + offset
+        return self._data[slot][peer][start:start + nbytes]
 
     def _spin(self, flag: np.ndarray, idx: tuple[int, int], want: int, what: str) -> None:
         deadline = time.monotonic() + self.timeout_s
@@ -278,42 +331,53 @@ def _symm_mem_rendezvous(nbytes: int, device: torch.device, group: Any) -> tuple
 
 
 class CudaTransport(Transport):
-    """Symmetric memory of one host: puts are copy-engine copies into the peers' buffers."""
+    """Symmetric memory of one host: puts are copy-engine copies into the peers' buffers.
+
+    Each ubatch slot has its own symmetric allocation, whose signal pad carries that slot's two
+    channels (dispatch, combine)."""
 
     cuda = True
 
-    def __init__(self, group: Any, layout: BufferLayout, num_channels: int, timeout_s: float,
+    def __init__(self, group: Any, layout: BufferLayout, num_slots: int, timeout_s: float,
                  device: torch.device):
+        self.group = group
+        self.device = device
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self.layout = layout
         self.timeout_ms = max(int(timeout_s * 1000), 1)
-        board = HostBoard.nbytes(layout.num_slots)
+        board = HostBoard.nbytes(num_slots)
         regions = _open_shared(group, board, "board")
-        self.board = HostBoard(regions, self.rank, layout.num_slots, timeout_s, "copy_engine")
-        self._buf, self._handle = _symm_mem_rendezvous(layout.total_bytes, device, group)
-        self._peers = [self._buf if r == self.rank else
-                       self._handle.get_buffer(r, (layout.total_bytes,), torch.uint8, 0)
-                       for r in range(self.world_size)]
-        # channels are the symmetric memory's own: its signal pad has world_size flags each
-        pad = self._handle.get_signal_pad(self.rank).numel() * 4
-        if num_channels * self.world_size * 4 > pad:
-            raise ValueError(f"the symmetric memory signal pad ({pad} bytes) has too few channels "
-                             f"for {num_channels} (num_ubatches too large)")
-        self._init_state()
+        self.board = HostBoard(regions, self.rank, num_slots, timeout_s, "copy_engine")
+        self._slots: list[tuple[torch.Tensor, Any, list[torch.Tensor]] | None] = [None] * num_slots
+        self._init_state(num_slots)
+
+    def _allocate(self, slot, layout):
+        if self._slots[slot] is not None:
+            # this rank's queued puts into the old buffers and waits on the old signal pad must
+            # finish before they go; the rendezvous below then orders every rank after its own
+            torch.cuda.synchronize(self.device)
+        buf, handle = _symm_mem_rendezvous(layout.slot_bytes, self.device, self.group)
+        pad = handle.get_signal_pad(self.rank).numel() * 4
+        if 2 * self.world_size * 4 > pad:
+            raise ValueError(f"the symmetric memory signal pad ({pad} bytes) is too small for two "
+                             f"channels of {self.world_size} ranks")
+        peers = [buf if r == self.rank else handle.get_buffer(r, (layout.slot_bytes,), torch.uint8, 0)
+                 for r in range(self.world_size)]
+        self._slots[slot] = (buf, handle, peers)
 
     def region(self, peer, slot, name, nbytes, offset=0):
-        start = self.layout.offset(slot, name) + offset
-        return self._peers[peer][start:start + nbytes]
+        start = self.layouts[slot].offset(name) + offset
+        return self._slots[slot][2][peer][start:start + nbytes]
 
     def signal(self, dst, channel):
-        self._handle.put_signal(dst, channel, self.timeout_ms)
+        self._slots[channel // 2][1].put_signal(dst, channel % 2, self.timeout_ms)
 
     def wait(self, src, channel):
-        self._handle.wait_signal(src, channel, self.timeout_ms)
+        self._slots[channel // 2][1].wait_signal(src, channel % 2, self.timeout_ms)
 
 
 class TransportCache:
-    """The live transports, one per (group, device, layout, channels, timeout): every MoE layer
+    """The live transports, one per (group, device, slot shape, slots, timeout): every MoE layer
     of a model builds its own backend, and they share one set of buffers (48 layers of
     Qwen3-30B-A3B would otherwise hold 48 sets). Every rank must build its backends with the
     same arguments in the same order (as it must for DeepEP's shared buffer), so that all ranks
@@ -325,13 +389,14 @@ class TransportCache:
     def __init__(self) -> None:
         self._live: dict[tuple, Transport] = {}
 
-    def get(self, group: Any, layout: BufferLayout, num_channels: int, timeout_s: float,
+    def get(self, group: Any, layout: BufferLayout, num_slots: int, timeout_s: float,
             device: torch.device) -> Transport:
         name = (group or dist.group.WORLD).group_name
-        key = (name, str(device), layout, num_channels, timeout_s)
+        shape = layout.with_tokens(0)  # any capacity: the slots grow
+        key = (name, str(device), shape, num_slots, timeout_s)
         hit = self._live.get(key)
         if hit is None:
-            hit = _open(group, layout, num_channels, timeout_s, device)
+            hit = _open(group, shape, num_slots, timeout_s, device)
             self._live[key] = hit
         return hit
 
@@ -347,18 +412,23 @@ class TransportCache:
 TRANSPORTS = TransportCache()
 
 
-def _open(group: Any, layout: BufferLayout, num_channels: int, timeout_s: float,
+def _open(group: Any, layout: BufferLayout, num_slots: int, timeout_s: float,
           device: torch.device) -> Transport:
     check_one_host(group, device.type == "cuda")
     if device.type == "cuda":
-        return CudaTransport(group, layout, num_channels, timeout_s, device)
-    return CpuTransport(group, layout, num_channels, timeout_s)
+        return CudaTransport(group, layout, num_slots, timeout_s, device)
+    return CpuTransport(group, layout, num_slots, timeout_s)
 
 
-def open_transport(group: Any, layout: BufferLayout, num_channels: int, timeout_s: float,
+def open_transport(group: Any, layout: BufferLayout, num_slots: int, timeout_s: float,
                    device: torch.device) -> Transport:
-    """The transport for ``device``, shared with the other backends of the same group and
-    layout (collective the first time: every rank of ``group`` calls it)."""
+    """The transport for ``device`` with ``num_slots`` ubatch slots of ``layout``'s shape, shared
+    with the other backends of the same group and shape, every slot holding at least
+    ``layout.max_tokens`` tokens per rank (0: allocated at the first dispatch). Collective the
+    first time and when it allocates: every rank of ``group`` calls it with the same arguments."""
     if device.type not in ("cuda", "cpu"):
         raise ValueError(f"the copy_engine backend runs on cuda or cpu, not {device.type}")
-    return TRANSPORTS.get(group, layout, num_channels, timeout_s, device)
+    transport = TRANSPORTS.get(group, layout, num_slots, timeout_s, device)
+    for slot in range(num_slots):
+        transport.ensure(slot, layout.max_tokens)
+    return transport

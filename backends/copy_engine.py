@@ -26,11 +26,16 @@ reads anything back from the GPU. A peer that stops makes that wait raise
 count and its data makes the GPU wait trap after the same timeout, and the next call of this
 backend raises ``CollectiveTimeoutError`` naming it.
 
-Buffers are allocated once, at construction (collective), per ubatch slot, shared by every
-backend built with the same group and sizes (one per MoE layer, typically), and reused across
-layers, steps and runs: a rank writes into a peer's slot only after that peer's combine of the
-slot's previous dispatch arrived, which the peer sent after its last read of the slot, so no
-overwrite can race a read. After a failed step, build a new backend.
+Buffers are per ubatch slot, shared by every backend built with the same group and shape (one
+per MoE layer, typically), and reused across layers, steps and runs: a rank writes into a peer's
+slot only after that peer's combine of the slot's previous dispatch arrived, which the peer sent
+after its last read of the slot, so no overwrite can race a read. Nobody has to guess their size:
+a slot is allocated at its first dispatch for the tokens that dispatch brings, and reallocated
+larger (at least twice) when a later one brings more. The count exchange gives every rank the
+same table, so every rank decides the same and reallocates at the same point (collective), right
+after the exchange, when no data of that slot is in flight anywhere (each rank has consumed the
+slot's previous combine before it can publish the next count). ``max_tokens_per_rank`` only
+allocates ahead. After a failed step, build a new backend.
 """
 
 from __future__ import annotations
@@ -92,7 +97,8 @@ class CopyEnginePrepareAndFinalize(TorchDistPrepareAndFinalize):
         group: the expert-parallel group; every rank on this host (checked: a group that spans
             hosts is refused with ``ValueError``).
         hidden_size: the hidden size of every call.
-        max_tokens_per_rank: the most tokens any rank passes in one call (one ubatch under DBO).
+        max_tokens_per_rank: tokens per rank to allocate every slot for at construction (None:
+            at the first dispatch); not a limit, the buffers grow when a call brings more.
         max_topk: the largest ``topk`` of any call.
         dtype: the largest activation dtype the buffers hold (bf16 buffers take bf16/fp16 calls;
             float32 buffers take all three).
@@ -105,13 +111,13 @@ class CopyEnginePrepareAndFinalize(TorchDistPrepareAndFinalize):
 
     name = "copy_engine"
 
-    def __init__(self, group: Any = None, *, hidden_size: int, max_tokens_per_rank: int,
+    def __init__(self, group: Any = None, *, hidden_size: int, max_tokens_per_rank: int | None = None,
                  max_topk: int = 8, dtype: torch.dtype = torch.bfloat16, num_ubatches: int = 2,
                  device: torch.device | str | None = None, timeout_s: float = 60.0,
                  check_inputs: bool = True):
         super().__init__(group, hidden_size=hidden_size, timeout_s=timeout_s,
                          check_inputs=check_inputs, use_async=True)
-        for key, val in (("hidden_size", hidden_size), ("max_tokens_per_rank", max_tokens_per_rank),
+        for key, val in (("hidden_size", hidden_size), ("max_tokens_per_rank", max_tokens_per_rank or 1),
                          ("max_topk", max_topk), ("num_ubatches", num_ubatches)):
             if not isinstance(val, int) or val < 1:
                 raise ValueError(f"{key} must be a positive int, got {val!r}")
@@ -121,17 +127,16 @@ class CopyEnginePrepareAndFinalize(TorchDistPrepareAndFinalize):
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
                 else torch.device("cpu")
         self.device = torch.device(device)
-        self.max_tokens_per_rank = max_tokens_per_rank
         self.max_topk = max_topk
         self.elem_bytes = dtype.itemsize
         self.num_ubatches = num_ubatches
-        self.layout = BufferLayout(self.world_size, max_tokens_per_rank, hidden_size,
-                                   self.elem_bytes, max_topk, num_ubatches)
-        self.transport: Transport = open_transport(group, self.layout, 2 * num_ubatches,
+        self.layout = BufferLayout(self.world_size, max_tokens_per_rank or 0, hidden_size,
+                                   self.elem_bytes, max_topk)
+        self.transport: Transport = open_transport(group, self.layout, num_ubatches,
                                                    self.timeout_s, self.device)
         self._handles: PerUBatch[_Handle] = PerUBatch("copy_engine dispatch handle")
-        logger.info("copy_engine: rank %d of %d on %s, %.1f MiB of buffers", self.rank,
-                    self.world_size, self.device, self.layout.total_bytes / 2**20)
+        logger.info("copy_engine: rank %d of %d on %s, %.1f MiB of buffers so far", self.rank,
+                    self.world_size, self.device, self.transport.total_bytes / 2**20)
 
     def reset(self) -> None:
         self._handles.clear()
@@ -226,6 +231,7 @@ class CopyEnginePrepareAndFinalize(TorchDistPrepareAndFinalize):
         rows = self.transport.board.exchange(
             slot, seq, [m, hidden, topk, DTYPE_CODES.get(x.dtype, -1), num_experts])
         counts = self._agree(rows, x.dtype, topk)
+        self.transport.ensure(slot, max(counts))  # the same decision on every rank
         offsets = [sum(counts[:r]) for r in range(self.world_size)]
         me = offsets[self.rank]
         chan = 2 * slot + _DISPATCH
@@ -258,7 +264,8 @@ class CopyEnginePrepareAndFinalize(TorchDistPrepareAndFinalize):
 
     def _agree(self, rows: list[list[int]], dtype: torch.dtype, topk: int) -> list[int]:
         """Every rank's token count, after checking that the ranks' calls agree and fit the
-        buffers. Every rank sees the same table, so every rank raises the same error."""
+        buffers' shape (the token counts fit any: the slot grows). Every rank sees the same
+        table, so every rank raises the same error."""
         names = ("hidden size", "topk", "dtype code", "num_experts")
         for col, name in enumerate(names, start=1):
             vals = [r[col] for r in rows]
@@ -267,9 +274,6 @@ class CopyEnginePrepareAndFinalize(TorchDistPrepareAndFinalize):
                                  + ", ".join(f"rank {i}={v}" for i, v in enumerate(vals)))
         counts = [r[0] for r in rows]
         problems = []
-        if max(counts) > self.max_tokens_per_rank:
-            problems.append(f"token counts {counts} exceed max_tokens_per_rank="
-                            f"{self.max_tokens_per_rank}")
         if topk > self.max_topk:
             problems.append(f"topk={topk} exceeds max_topk={self.max_topk}")
         if dtype.itemsize > self.elem_bytes:
@@ -314,11 +318,12 @@ class CopyEnginePrepareAndFinalize(TorchDistPrepareAndFinalize):
         return hook, receiver
 
 
-def make_prepare_finalize(group: Any = None, *, hidden: int, max_tokens_per_rank: int,
+def make_prepare_finalize(group: Any = None, *, hidden: int, max_tokens_per_rank: int | None = None,
                           num_experts: int | None = None, topk: int = 8,
                           dtype: torch.dtype = torch.bfloat16, device: Any = None,
                           **kwargs: Any) -> CopyEnginePrepareAndFinalize:
-    """The factory the other backends share (``num_experts`` is not needed here)."""
+    """The factory the other backends share (``num_experts`` is not needed here;
+    ``max_tokens_per_rank`` only allocates ahead, the buffers grow as calls need)."""
     del num_experts
     return CopyEnginePrepareAndFinalize(group, hidden_size=hidden,
                                         max_tokens_per_rank=max_tokens_per_rank, max_topk=topk,

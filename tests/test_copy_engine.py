@@ -115,8 +115,8 @@ def _disagree(field: str) -> str:
     pf = CopyEnginePrepareAndFinalize(hidden_size=32, max_tokens_per_rank=8, max_topk=2,
                                       dtype=torch.float32, device="cpu", timeout_s=10.0,
                                       check_inputs=False)
-    m = 9 if field == "tokens" and rank == 1 else 4
-    topk = 2
+    m = 4
+    topk = 3 if field == "topk" else 2
     x = torch.randn(m, 32)
     ids = torch.zeros(m, topk, dtype=torch.int64)
     w = torch.ones(m, topk)
@@ -128,11 +128,79 @@ def _disagree(field: str) -> str:
     return "no error"
 
 
-@pytest.mark.parametrize("field,words", [("tokens", "exceed max_tokens_per_rank"),
+@pytest.mark.parametrize("field,words", [("topk", "topk=3 exceeds max_topk=2"),
                                          ("experts", "num_experts differs across ranks")])
 def test_every_rank_raises_the_same_error(world2, field, words):
     msgs = world2.run(_disagree, field)
     assert msgs[0] == msgs[1] and words in msgs[0], msgs
+
+
+def _self_sizing(counts: list[list[int]]) -> dict:
+    """Layers whose token counts (per call, per rank) grow and shrink, on backends built without
+    max_tokens_per_rank: DBO and serial equal the single-process reference; the slots grow."""
+    from dbo.backends._ce_transport import TRANSPORTS
+    from dbo.backends.copy_engine import CopyEnginePrepareAndFinalize
+    from dbo.context import run_ubatches
+    from dbo.moe import (
+        MoEKernel,
+        SwiGLUExperts,
+        local_expert_weights,
+        make_expert_weights,
+        reference_moe,
+        topk_route,
+    )
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    TRANSPORTS.reset()
+    kernels = [MoEKernel(CopyEnginePrepareAndFinalize(hidden_size=32, max_topk=2, dtype=torch.float32,
+                                                      device="cpu", timeout_s=20.0), SwiGLUExperts())
+               for _ in range(2)]  # two layers, one shared transport
+    transport = kernels[0].prepare_finalize.transport
+    assert transport.total_bytes == 0  # nothing allocated before the first dispatch
+    w1f, w2f = make_expert_weights(2 * world, 32, 16, dtype=torch.float32, seed=4)
+    w1, w2 = local_expert_weights(w1f, rank, world), local_expert_weights(w2f, rank, world)
+    router = torch.randn(32, 2 * world, generator=torch.Generator().manual_seed(6))
+    capacities, worst = [], 0.0
+
+    def run(h):
+        for kernel in kernels:
+            weights, ids = topk_route(h @ router, 2)
+            h = kernel(h, w1, w2, weights, ids, global_num_experts=2 * world)
+        return h
+
+    def reference(h):
+        for _ in kernels:
+            weights, ids = topk_route(h @ router, 2)
+            h = reference_moe(h, w1f, w2f, weights, ids)
+        return h
+
+    for step, per_rank in enumerate(counts):
+        x = torch.randn(per_rank[rank], 32, generator=torch.Generator().manual_seed(step * 10 + rank))
+
+        want = reference(x)
+        serial = run(x)
+        cut = x.shape[0] // 2
+        halves = (x[:cut], x[cut:])
+        dbo = torch.cat(run_ubatches([lambda h=h: run(h) for h in halves]))
+        if x.shape[0]:
+            worst = max(worst, float((serial - want).abs().max()), float((dbo - want).abs().max()))
+        capacities.append([transport.capacity(s) for s in range(transport.num_slots)])
+    TRANSPORTS.reset()
+    return {"err": worst, "capacities": capacities}
+
+
+def test_buffers_size_themselves_and_grow(world2):
+    # per step: tokens of rank 0 and rank 1 (serial calls use slot 0 with all of them; the DBO
+    # ubatches use slots 0 and 1 with halves); a zero-token rank; a shrink; two growths
+    counts = [[3, 5], [0, 2], [20, 9], [4, 4], [70, 1]]
+    results = world2.run(_self_sizing, counts)
+    assert max(r["err"] for r in results) < 1e-4, results
+    assert results[0]["capacities"] == results[1]["capacities"]  # every rank decided the same
+    caps = results[0]["capacities"]
+    assert caps[0] == [16, 16]  # the first call needs 5 per rank, ubatch slots 3: rounded to 16
+    assert caps[2] == [32, 16]  # 20 tokens: at least double
+    assert caps[3] == caps[2]  # smaller calls reuse the buffers
+    assert caps[4] == [70 + 10, 48]  # 70 > 2 * 32 (rounded up to 16); slot 1 needs 35: 2 * 16 < 35
 
 
 def _stop_mid_step(stopper: int) -> float:

@@ -22,9 +22,6 @@ FAMILIES = ("qwen3_moe", "mixtral", "deepseek_v3")
 BACKENDS = ("naive", "all2all", "copy_engine")
 
 
-def _sized(backend: str) -> dict:
-    """The buffer-sized backends need the most tokens of one call (batch * seq <= 64 here)."""
-    return {"max_tokens_per_rank": 64} if backend == "copy_engine" else {}
 TOL = 1e-4  # float32 end to end, relative to the largest logit
 
 
@@ -71,7 +68,7 @@ def _hf_job(family: str, backend: str, batches: list[int], seq: int, pads: list[
         for p in model.parameters():
             p.normal_(0.0, 0.3)  # large enough that routing differs token to token
     original = copy.deepcopy(model)
-    convert_to_expert_parallel(model, None, backend=backend, **_sized(backend))
+    convert_to_expert_parallel(model, None, backend=backend)
     blocks = [m for m in model.modules() if isinstance(m, ExpertParallelMoE)]
     ids, mask = _inputs(rank, batches, seq, pads, seed)
     routed = []  # per MoE call of the first converted block: tokens routed to any expert
@@ -201,7 +198,7 @@ def _generate_job(family: str, backend: str, batches: list[int], pads: list[list
         for p in model.parameters():
             p.normal_(0.0, 0.3)
     original = copy.deepcopy(model)
-    convert_to_expert_parallel(model, None, backend=backend, **_sized(backend))
+    convert_to_expert_parallel(model, None, backend=backend)
     ids, mask = _inputs(rank, batches, 6, pads, seed)
     with torch.inference_mode():
         want = original.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,

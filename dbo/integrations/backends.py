@@ -33,7 +33,8 @@ class BackendSpec:
             dtype=, device=, **kwargs)``.
         gpu_only: needs CUDA (and, for DeepEP, ``deep_ep``).
         bf16_only: moves bf16 activations only.
-        needs_max_tokens: sizes its buffers by ``max_tokens_per_rank`` (a hard limit per call).
+        needs_max_tokens: sizes its buffers by ``max_tokens_per_rank``, a hard limit per call
+            (deepep_ll: DeepEP's low-latency buffers are fixed; deepep_v2 likewise).
     """
 
     name: str
@@ -52,8 +53,8 @@ BACKENDS: Mapping[str, BackendSpec] = MappingProxyType({
                              needs_max_tokens=True),
     "deepep_v2": BackendSpec("deepep_v2", "deepep_v2", gpu_only=True, bf16_only=True,
                              needs_max_tokens=True),
-    # zero-SM copy-engine puts on one host (host shared memory on CPU)
-    "copy_engine": BackendSpec("copy_engine", "copy_engine", needs_max_tokens=True),
+    # zero-SM copy-engine puts on one host (host shared memory on CPU); its buffers size themselves
+    "copy_engine": BackendSpec("copy_engine", "copy_engine"),
 })
 
 
@@ -72,7 +73,8 @@ def make_backend(name: str, group: Any, *, hidden: int, num_experts: int, topk: 
         hidden: activation width; dtype: activation dtype; device: where the tokens live.
         num_experts, topk: routing shape over the whole group.
         max_tokens_per_rank: the most tokens any rank sends in one call (needed by the
-            backends with ``needs_max_tokens``; ignored by the others).
+            backends with ``needs_max_tokens``; copy_engine allocates that much ahead and grows
+            past it; ignored by the others).
         kwargs: backend-specific options, passed on unchanged.
 
     Raises:
@@ -94,6 +96,6 @@ def make_backend(name: str, group: Any, *, hidden: int, num_experts: int, topk: 
     if group is None:
         group = torch.distributed.group.WORLD  # DeepEP's Buffer needs the group object itself
     return module.make_prepare_finalize(group, hidden=hidden,
-                                        max_tokens_per_rank=max_tokens_per_rank or 1,
+                                        max_tokens_per_rank=max_tokens_per_rank,
                                         num_experts=num_experts, topk=topk, dtype=dtype,
                                         device=device, **kwargs)
