@@ -66,13 +66,15 @@ FP32_CONFIG = GemmConfig(64, 64, 32, 8, 4, 2)
 
 
 #: (largest estimated rows per expert, gate_up tile, down tile, down tile when I <= 256), first
-#: match wins. From the tile sweep on an H200 (tests/gpu/tune_experts.py, docs/perf_notes.md).
+#: match wins. From the tile sweeps on an H200 (tests/gpu/tune_experts.py, docs/perf_notes.md).
 CONFIGS: tuple[tuple[int, GemmConfig, GemmConfig, GemmConfig], ...] = (
-    (48, GemmConfig(64, 64, 64, 8, 4, 4), GemmConfig(64, 128, 64, 8, 4, 4),
+    (48, GemmConfig(64, 64, 64, 8, 4, 4, tma=True), GemmConfig(64, 128, 64, 8, 4, 4, tma=True),
      GemmConfig(64, 128, 256, 8, 4, 2, n_per_program=8)),
-    (96, GemmConfig(128, 128, 64, 8, 8, 4, interleave=True), GemmConfig(128, 256, 64, 8, 8, 4),
+    (96, GemmConfig(128, 128, 64, 8, 8, 4, tma=True), GemmConfig(128, 256, 64, 8, 8, 4),
      GemmConfig(128, 64, 256, 8, 4, 3, n_per_program=16)),
-    (1 << 62, GemmConfig(128, 128, 64, 8, 8, 3, interleave=True), GemmConfig(128, 256, 64, 8, 8, 4),
+    (192, GemmConfig(128, 128, 64, 8, 8, 4, tma=True), GemmConfig(128, 256, 64, 8, 8, 4, tma=True),
+     GemmConfig(128, 64, 256, 8, 4, 3, n_per_program=16)),
+    (1 << 62, GemmConfig(128, 128, 64, 8, 8, 3, tma=True), GemmConfig(128, 256, 64, 8, 8, 4, tma=True),
      GemmConfig(128, 64, 256, 8, 4, 3, n_per_program=16)),
 )
 
