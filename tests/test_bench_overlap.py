@@ -85,6 +85,11 @@ def _check_structure(bundle: dict, backend: str, sms: list[int]) -> None:
         assert s["best_schedule"] == min((s["serial_ms"], "plain"), (s["dbo_ms"], "split"),
                                          (s["merged_ms"], "merged"))[1]
         assert s["speedup"] == pytest.approx(s["serial_ms"] / s["dbo_ms"])
+        # the compute columns against the hardware limit measured in the same run
+        assert bundle["env"]["limits"]["copy_gbps"] > 0 and bundle["env"]["limits"]["gemm_tflops"] > 0
+        assert s["limit_ms"] == pytest.approx(sh["limit_ms_per_layer"]["total"]) and s["limit_ms"] > 0
+        assert s["compute_x_limit"] == pytest.approx(s["compute_ms"] / s["limit_ms"])
+        assert s["merged_compute_over_compute"] == pytest.approx(s["merged_compute_ms"] / s["compute_ms"])
         hideable = min(s["compute_ms"], s["comm_ms"])
         assert s["efficiency"] == pytest.approx((s["serial_ms"] - s["dbo_ms"]) / hideable)
         assert [r["num_sms"] for r in s["per_num_sms"]] == sms

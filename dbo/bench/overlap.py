@@ -53,6 +53,7 @@ import torch.distributed as dist
 from dbo.autotune import NEVER_SPLIT, autotune_split_config
 from dbo.bench.backends import make_backend, shutdown_distributed
 from dbo.bench.capture import cuda_graph, traces
+from dbo.bench.limits import layer_limit_ms, measure_device_limits
 from dbo.bench.model import BenchModel, LayerDims
 from dbo.bench.overlap_args import (
     DTYPES,
@@ -138,6 +139,9 @@ def run(args: argparse.Namespace, rank: int, world: int, device: torch.device, o
     # one backend for every shape, except deepep_ll whose capacity is the batch: the first one
     # built is the largest, so the shared DeepEP buffer is sized once
     shared_backend = build_backend(args, max(args.tokens), device, dtype)
+    # the ceilings for the compute columns' limit, measured on this device in this run
+    limits = measure_device_limits(device)
+    env["limits"] = limits.as_dict()
     target = profile_target(args)
     shapes, chrome = [], []
     tuned: dict[int, dict] = {}
@@ -162,6 +166,11 @@ def run(args: argparse.Namespace, rank: int, world: int, device: torch.device, o
                 sb = ShapeBench(args, model, backend, tokens, device, rank, progress, budget,
                                 dbo_backend)
                 sb.rec["flops_per_token_per_layer"] = dims.flops_per_token()
+                sb.rec["limit_ms_per_layer"] = layer_limit_ms(
+                    limits, tokens=tokens, hidden=dims.hidden, intermediate=inter,
+                    shared_intermediate=dims.shared_intermediate, num_experts=dims.num_experts,
+                    topk=dims.topk, attn_width=dims.attn_width, world_size=world,
+                    dtype_bytes=torch.empty((), dtype=dtype).element_size())
                 if not budget.expired():
                     sb.reference()
                     sb.compute_alone()

@@ -93,6 +93,11 @@ def summarize_shape(shape: dict, default_splits: bool) -> dict:
     timed = [(t, k, name) for k, (name, t) in enumerate((("plain", t_serial), ("split", t_dbo),
                                                           ("merged", t_merged))) if t is not None]
     out["best_schedule"] = min(timed)[2] if timed else None
+    limit = (shape.get("limit_ms_per_layer") or {}).get("total")
+    out["limit_ms"] = limit
+    out["compute_x_limit"] = _ratio(t_compute, limit)
+    out["dbo_compute_over_compute"] = _ratio(out["dbo_compute_ms"], t_compute)
+    out["merged_compute_over_compute"] = _ratio(out["merged_compute_ms"], t_compute)
     measured = _ms(_best(meas, "wrapper"), layers)
     paired = _ms(_best(meas, "serial_paired"), layers)
     wrapper = measured if measured is not None else (t_dbo if default_splits else t_serial)
@@ -169,6 +174,22 @@ def format_table(bundle: dict) -> str:
                          f"{_f(g['eager_dbo_ms']):>7} {_f(g['graph_serial_ms']):>7} "
                          f"{_f(g['graph_dbo_ms']):>7} {_f(g['graph_dbo_over_serial'], '.3f'):>6} "
                          f"{str(g['dbo_replay_equals_eager']):>6}")
+    if any((sh.get("summary") or {}).get("limit_ms") for sh in bundle["shapes"]):
+        lim = env.get("limits") or {}
+        lines.append(f"compute against the limit (per layer; limit = sum over the layer's parts of "
+                     f"max(bytes / {lim.get('copy_gbps', 0) / 1e3:.2f} TB/s, flops / "
+                     f"{lim.get('gemm_tflops', 0):.0f} TFLOP/s), measured in this run; x-cmp = split "
+                     "DBO compute / compute, m/cmp = merged DBO compute / compute)")
+        lines.append(f"{'tokens':>6} {'I':>5} {'compute':>8} {'limit':>7} {'x lim':>6} {'dbo-cmp':>7} "
+                     f"{'x-cmp':>6} {'m-cmp':>7} {'m/cmp':>6}")
+        for sh in bundle["shapes"]:
+            s = sh.get("summary") or {}
+            lines.append(f"{sh['tokens']:>6} {sh['intermediate']:>5} {_f(s.get('compute_ms')):>8} "
+                         f"{_f(s.get('limit_ms')):>7} {_f(s.get('compute_x_limit')):>6} "
+                         f"{_f(s.get('dbo_compute_ms')):>7} "
+                         f"{_f(s.get('dbo_compute_over_compute'), '.3f'):>6} "
+                         f"{_f(s.get('merged_compute_ms')):>7} "
+                         f"{_f(s.get('merged_compute_over_compute'), '.3f'):>6}")
     for cross in bundle.get("crossover") or []:
         lines.append(f"I={cross['intermediate']}: DBO faster than serial from "
                      f"{cross.get('eager', '-')} tokens/rank on (eager), {cross.get('graph', '-')} "
