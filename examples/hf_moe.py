@@ -77,6 +77,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--unconverted", action="store_true",
                    help="also time the original model (all experts on every rank)")
     p.add_argument("--sm-carveout", type=int, default=None, help="DBO's sm_carveout")
+    p.add_argument("--expert-schedule", nargs="+", choices=["split", "merged"], default=["split"],
+                   help="DBO's expert schedules to time (merged: one experts call per layer over "
+                        "both ubatches' rows); a row per schedule")
     p.add_argument("--max-tokens-per-rank", type=int, default=None,
                    help="for deepep_ll (default: one ubatch of the largest shape)")
     p.add_argument("--profile", default=None,
@@ -248,25 +251,28 @@ def run(args: argparse.Namespace, rank: int, world: int, device: torch.device) -
             if BACKENDS[backend].needs_max_tokens:
                 kw["max_tokens_per_rank"] = args.max_tokens_per_rank or max_tokens
             set_backend(model, backend, None, **kw)
-            runner = DBOPrefill(model, prefill_split_config(2), logits_to_keep=args.logits_to_keep,
-                                sm_carveout=args.sm_carveout)
+            runners = {sched: DBOPrefill(model, prefill_split_config(2, expert_schedule=sched),
+                                         logits_to_keep=args.logits_to_keep, sm_carveout=args.sm_carveout)
+                       for sched in args.expert_schedule}
+            runner = runners[args.expert_schedule[0]]
             for shape, ids in inputs.items():
                 plain = prefill_logits(model, ids, logits_to_keep=args.logits_to_keep)
-                overlapped = runner(ids)
-                rel, agree = compare(overlapped, plain)
                 plain_logits.setdefault(shape, plain.cpu())
                 t_plain = time_ms(lambda ids=ids: prefill_logits(model, ids, logits_to_keep=keep),
                                   args.steps, args.warmup, device)
-                t_dbo = time_ms(lambda ids=ids, r=runner: r(ids), args.steps, args.warmup, device)
-                t_plain, t_dbo, rel, neg_agree = slowest([t_plain, t_dbo, rel, -agree], device)
-                # bf16: rounding flips some routing (see the module docstring); a broken split or
-                # merge gives rel err ~1 and agreement ~0, so only both together fail
-                good = rel <= 1e-4 if fp32 else (rel <= 0.1 or -neg_agree >= 0.75)
-                ok &= good
-                rows.append(dict(backend=backend, batch=shape[0], seq=shape[1], plain_ms=t_plain,
-                                 dbo_ms=t_dbo, rel_err=rel, top1_agree=-neg_agree, ok=good,
-                                 split=str(runner.last_plan)))
-                save(args, config, world, device, rows, rank)  # a later timeout keeps these
+                for sched, run_dbo in runners.items():
+                    rel, agree = compare(run_dbo(ids), plain)
+                    t_dbo = time_ms(lambda ids=ids, r=run_dbo: r(ids), args.steps, args.warmup, device)
+                    t_p, t_dbo, rel, neg_agree = slowest([t_plain, t_dbo, rel, -agree], device)
+                    # bf16: rounding flips some routing (see the module docstring); a broken split
+                    # or merge gives rel err ~1 and agreement ~0, so only both together fail
+                    good = rel <= 1e-4 if fp32 else (rel <= 0.1 or -neg_agree >= 0.75)
+                    ok &= good
+                    label = backend if len(runners) == 1 else f"{backend}/{sched}"
+                    rows.append(dict(backend=label, batch=shape[0], seq=shape[1], plain_ms=t_p,
+                                     dbo_ms=t_dbo, rel_err=rel, top1_agree=-neg_agree, ok=good,
+                                     split=str(run_dbo.last_plan), expert_schedule=sched))
+                    save(args, config, world, device, rows, rank)  # a later timeout keeps these
             if args.profile:
                 ids = inputs[args.shape[-1]]
                 where = Path(args.profile) / backend
