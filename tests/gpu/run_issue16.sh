@@ -43,8 +43,8 @@ fi
 if has qwen; then
   run qwen 330 torchrun --nproc-per-node 1 $ex --preset qwen3-30b-a3b --shape 8x2048 --json "$out/hf_qwen.json"
 fi
-for d in overlap decode; do
-  [ -f "$out/$d/bench_overlap.json" ] && rm -f "$out/$d"/*.trace.json* "$out/$d"/*.png
+for d in overlap decode; do  # one file each comes back (the device tool returns at most 8)
+  [ -d "$out/$d" ] && tar -C "$out" -czf "$out/$d.tgz" "$d" && rm -rf "${out:?}/$d"
 done
 echo "=== overall status $status" | tee -a "$log"
 exit $status
