@@ -44,7 +44,8 @@ def _inputs(rank: int, batches: list[int], seq: int, pads: list[list[int]], seed
 
 
 def _hf_job(family: str, backend: str, batches: list[int], seq: int, pads: list[list[int]],
-            min_sequences: int, seed: int, plan_slices: list | None = None) -> dict:
+            min_sequences: int, seed: int, plan_slices: list | None = None,
+            expert_schedule: str = "split") -> dict:
     import copy
 
     import torch
@@ -81,7 +82,8 @@ def _hf_job(family: str, backend: str, batches: list[int], seq: int, pads: list[
 
     pf.prepare_async = spy
     trace = dbo.Trace()
-    runner = DBOPrefill(model, prefill_split_config(min_sequences), trace=trace)
+    runner = DBOPrefill(model, prefill_split_config(min_sequences, expert_schedule=expert_schedule),
+                        trace=trace)
     with torch.inference_mode():
         want = prefill_logits(original, ids, mask, mask_padding_tokens=False)
         plain = prefill_logits(model, ids, mask)
@@ -110,6 +112,9 @@ def _hf_job(family: str, backend: str, batches: list[int], seq: int, pads: list[
         "interleaved": ("resume", 1, "") in events,
         # padding tokens and ubatch padding rows route to no expert: plain + DBO run
         "routed_ok": sum(routed) == 2 * int(mask.sum()),
+        "schedule": runner.last_plan.expert_schedule.value,
+        "regions": [d for k, _, d in events if k == "region_begin"],
+        "moe_layers": len(blocks),
     }
 
 
@@ -135,6 +140,20 @@ def test_converted_equals_original(world, family, backend):
     # each rank holds its own half of the experts of every MoE layer
     assert {r["local_experts"][0] for r in results} == {(0, 4), (4, 8)}
     assert all(r["freed"] for r in results)
+
+
+@pytest.mark.parametrize("backend", ("naive", "all2all"))
+@pytest.mark.parametrize("family", FAMILIES)
+def test_merged_expert_schedule(world, family, backend):
+    # the merged schedule through SplitConfig: one experts call per MoE layer over both
+    # ubatches' rows, the same logits as the original model
+    results = world.run(_hf_job, family, backend, [3, 5], 7, [[0, 3, 0], [2, 0, 0, 6, 1]], 2, 0,
+                        None, "merged", timeout_s=120)
+    _check(results)
+    for r in results:
+        assert r["schedule"] == "merged"
+        assert r["regions"].count("experts_merged") == r["moe_layers"] > 0
+        assert "experts" not in r["regions"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)

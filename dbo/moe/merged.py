@@ -134,7 +134,9 @@ def _merge_batched(inputs: Sequence[ExpertsInput]) -> tuple[ExpertsInput, Splitt
     counts = torch.stack([m.expert_num_tokens.to(torch.int64) for m in metas], dim=1)  # [L, U]
     ends = counts.cumsum(1)
     starts = ends - counts
-    base = torch.tensor([sum(caps[:u]) for u in range(len(caps))], dtype=torch.int64, device=device)
+    # each ubatch's first row in the concatenated slabs, filled on the device (no host copy)
+    base = torch.cat([torch.full((1,), sum(caps[:u]), dtype=torch.int64, device=device)
+                      for u in range(len(caps))])
     pos = torch.arange(total, dtype=torch.int64, device=device)
     # merged row p of expert e belongs to the first ubatch whose rows of e end after p
     owner = (pos.view(1, -1, 1) >= ends.view(n_local, 1, -1)).sum(-1).clamp_(max=u_max)  # [L, C]
