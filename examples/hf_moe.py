@@ -6,10 +6,17 @@
         --backend deepep_ht all2all --shape 8x2048 16x4096 --unconverted --json qwen.json
     torchrun --nproc-per-node 2 examples/hf_moe.py --device cuda --preset deepseek-v3 --layers 4 \\
         --backend deepep_ht --shape 4x2048 8x2048
+    torchrun --nproc-per-node 2 examples/hf_moe.py --checkpoint DIR --backend all2all copy_engine
 
-Every rank builds the model from its config alone on the meta device, converts it with
-``dbo.integrations.transformers.convert_to_expert_parallel`` (each MoE layer keeps this rank's
-slice of the experts), then materialises only what it holds, with random weights drawn from
+``--checkpoint DIR`` loads a saved checkpoint (``save_pretrained``'s, or one from the Hub)
+expert-parallel with transformers' own loader and dbo's backends as its EP implementations
+(``from_pretrained(DIR, distributed_config=ep_distributed_config(backend))``, transformers >=
+5.23): each rank reads only its experts. ``--save-checkpoint DIR`` writes the ``--preset``'s
+model with random weights there first (rank 0, whole), for trying it out.
+
+Without ``--checkpoint``, every rank builds the model from its config alone on the meta device,
+converts it with ``dbo.integrations.transformers.convert_to_expert_parallel`` (each MoE layer
+keeps this rank's slice of the experts), then materialises only what it holds, with random weights drawn from
 per-tensor (per-expert for the experts) seeds: every rank and the unconverted model get the same
 weights without any rank ever holding all experts. Each rank prefills its own batch
 (``--shape BATCHxSEQ``, tokens per rank) through ``prefill_logits`` (plain: the converted model
@@ -86,6 +93,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="DIR: rank 0 writes torch.profiler GPU traces of one plain and one DBO step of the "
                         "last shape per backend (DIR/BACKEND/gpu_trace_{serial,dbo}.json, for "
                         "`python -m dbo.bench breakdown`)")
+    p.add_argument("--checkpoint", default=None,
+                   help="DIR: load this checkpoint expert-parallel with from_pretrained (transformers >= "
+                        "5.23) instead of building --preset")
+    p.add_argument("--save-checkpoint", default=None,
+                   help="DIR: first write --preset with random weights there (save_pretrained, rank 0) "
+                        "and load it as --checkpoint")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the results here (rank 0)")
     args = p.parse_args(argv)
@@ -94,6 +107,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.backend = args.backend or (["deepep_ht", "all2all"] if cuda else cpu_backends())
     args.shape = [_shape(s, p) for s in (args.shape or (["8x2048", "16x4096"] if cuda else ["4x32"]))]
     args.dtype = DTYPES[args.dtype or ("bfloat16" if cuda else "float32")]
+    if args.save_checkpoint:
+        args.checkpoint = args.save_checkpoint
     if not cuda and any(BACKENDS[b].gpu_only for b in args.backend):
         p.error(f"--backend {args.backend}: on CPU only {cpu_backends()} run")
     return args
@@ -174,6 +189,48 @@ def build_model(args: argparse.Namespace, config, device: torch.device, *, conve
     return model
 
 
+def save_checkpoint(args: argparse.Namespace, config, rank: int) -> None:
+    """Rank 0 writes ``--preset`` with random weights (the same as the built model's) to
+    ``--save-checkpoint``; the others wait."""
+    if rank == 0:
+        model = build_model(args, config, torch.device("cpu"), convert=False)
+        model.save_pretrained(args.save_checkpoint)
+        del model
+    dist.barrier()
+
+
+def load_checkpoint(args: argparse.Namespace, device: torch.device, *, expert_parallel: bool):
+    """``from_pretrained(--checkpoint)``: expert-parallel with dbo's first ``--backend`` as the EP
+    implementation, or (for ``--unconverted``) whole on every rank."""
+    from transformers import AutoModelForCausalLM
+
+    from dbo.integrations.hf_ep import ep_distributed_config
+
+    kw = {"distributed_config": ep_distributed_config(args.backend[0], dist.get_world_size())} \
+        if expert_parallel else {"device_map": device}
+    return AutoModelForCausalLM.from_pretrained(args.checkpoint, dtype=args.dtype, **kw).eval()
+
+
+def use_backend(model: torch.nn.Module, backend: str, max_tokens: int, args: argparse.Namespace) -> None:
+    kw = {}
+    if BACKENDS[backend].needs_max_tokens:
+        kw["max_tokens_per_rank"] = args.max_tokens_per_rank or max_tokens
+    if args.checkpoint:
+        from dbo.integrations.hf_ep import switch_ep_backend
+
+        switch_ep_backend(model, backend, **kw)
+    else:
+        set_backend(model, backend, None, **kw)
+
+
+def reset_layers(model: torch.nn.Module) -> None:
+    from dbo.integrations.hf_ep import expert_parallel_modules
+
+    model.apply(lambda m: m.reset() if isinstance(m, ExpertParallelMoE) else None)
+    for _, impl in expert_parallel_modules(model):
+        impl.reset()
+
+
 # ---- timing --------------------------------------------------------------------------------
 
 
@@ -235,8 +292,14 @@ def compare(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
 
 def run(args: argparse.Namespace, rank: int, world: int, device: torch.device) -> int:
     config = build_config(args)
+    if args.save_checkpoint:
+        save_checkpoint(args, config, rank)
     t0 = time.perf_counter()
-    model = build_model(args, config, device, convert=True)
+    if args.checkpoint:
+        model = load_checkpoint(args, device, expert_parallel=True)
+        config = model.config
+    else:
+        model = build_model(args, config, device, convert=True)
     build_s = time.perf_counter() - t0
     g = torch.Generator().manual_seed(args.seed * 7919 + rank)
     inputs = {shape: torch.randint(0, config.vocab_size, shape, generator=g).to(device)
@@ -247,10 +310,7 @@ def run(args: argparse.Namespace, rank: int, world: int, device: torch.device) -
     keep = args.logits_to_keep
     with torch.inference_mode():
         for backend in args.backend:
-            kw = {}
-            if BACKENDS[backend].needs_max_tokens:
-                kw["max_tokens_per_rank"] = args.max_tokens_per_rank or max_tokens
-            set_backend(model, backend, None, **kw)
+            use_backend(model, backend, max_tokens, args)
             runners = {sched: DBOPrefill(model, prefill_split_config(2, expert_schedule=sched),
                                          logits_to_keep=args.logits_to_keep, sm_carveout=args.sm_carveout)
                        for sched in args.expert_schedule}
@@ -279,14 +339,15 @@ def run(args: argparse.Namespace, rank: int, world: int, device: torch.device) -
                 profile_step(lambda ids=ids: prefill_logits(model, ids, logits_to_keep=keep),
                              where / "gpu_trace_serial.json", rank, device)
                 profile_step(lambda ids=ids, r=runner: r(ids), where / "gpu_trace_dbo.json", rank, device)
-            model.apply(lambda m: m.reset() if isinstance(m, ExpertParallelMoE) else None)
+            reset_layers(model)
         if args.unconverted:
             del model, runner
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
             try:
-                full = build_model(args, config, device, convert=False)
+                full = load_checkpoint(args, device, expert_parallel=False) if args.checkpoint \
+                    else build_model(args, config, device, convert=False)
                 built = 1.0
             except torch.OutOfMemoryError:
                 full, built = None, 0.0
@@ -312,8 +373,10 @@ def run(args: argparse.Namespace, rank: int, world: int, device: torch.device) -
 
 def report(args, config, world: int, build_s: float, rows: list[dict], device: torch.device) -> None:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    print(f"\n{args.preset}: {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
-          f"{args.dtype}, {world} x {name}; rank 0 built its model in {build_s:.1f} s; "
+    what = f"{args.checkpoint} (loaded expert-parallel)" if args.checkpoint else args.preset
+    print(f"\n{what}: {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
+          f"{args.dtype}, {world} x {name}; rank 0 {'loaded' if args.checkpoint else 'built'} its "
+          f"model in {build_s:.1f} s; "
           f"median of {args.steps} steps, slowest rank; tokens/s per GPU = batch*seq / time\n")
     print("| backend | batch x seq | plain ms | DBO ms | plain tok/s | DBO tok/s | DBO speedup "
           "| rel err | top-1 agree |")
@@ -343,8 +406,8 @@ def save(args, config, world: int, device: torch.device, rows: list[dict], rank:
         return
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     Path(args.json).write_text(json.dumps(dict(
-        preset=args.preset, layers=config.num_hidden_layers, world=world, device=name,
-        dtype=str(args.dtype), steps=args.steps, rows=rows), indent=1))
+        preset=args.preset, checkpoint=args.checkpoint, layers=config.num_hidden_layers, world=world,
+        device=name, dtype=str(args.dtype), steps=args.steps, rows=rows), indent=1))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -36,3 +36,27 @@ def test_hf_example_on_cpu(tmp_path):
     for r in rows:
         assert r["rel_err"] <= 1e-4 and r["top1_agree"] == 1.0, r
     assert all(r["split"].startswith("split(") for r in rows[:2]), rows
+
+
+def test_hf_example_loads_a_checkpoint(tmp_path):
+    # --save-checkpoint writes a tiny Mixtral with save_pretrained; --checkpoint loads it
+    # expert-parallel through from_pretrained with dbo's backends as transformers' EP implementations
+    pytest.importorskip("transformers.distributed.expert_parallel", reason="transformers < 5.23")
+    pytest.importorskip("accelerate")
+    out_json = tmp_path / "ckpt.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(EXAMPLE), "--preset", "tiny-mixtral", "--save-checkpoint", str(tmp_path / "ckpt"),
+           "--backend", "all2all", "copy_engine", "--shape", "3x8", "--steps", "1", "--warmup", "0",
+           "--logits-to-keep", "0", "--unconverted", "--json", str(out_json)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("DBO_DISABLE", None)
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=150)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "(loaded expert-parallel)" in out, out
+    result = json.loads(out_json.read_text())
+    assert result["checkpoint"] == str(tmp_path / "ckpt")
+    rows = result["rows"]
+    assert [r["backend"] for r in rows] == ["all2all", "copy_engine", "unconverted"]
+    for r in rows:  # DBO == plain per backend; the whole model == the expert-parallel one
+        assert r["rel_err"] <= 1e-4 and r["top1_agree"] == 1.0, r

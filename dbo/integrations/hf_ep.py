@@ -63,6 +63,7 @@ __all__ = [
     "ep_distributed_config",
     "expert_parallel_modules",
     "expert_parallel_group",
+    "switch_ep_backend",
     "prepare_for_overlap",
 ]
 
@@ -347,6 +348,27 @@ def expert_parallel_group(model: torch.nn.Module) -> Any:
     """The expert-parallel process group of a model loaded with dbo's implementations, or None."""
     found = expert_parallel_modules(model)
     return found[0][1].group if found else None
+
+
+def switch_ep_backend(model: torch.nn.Module, backend: str, **backend_kwargs: Any) -> torch.nn.Module:
+    """Run every experts module that goes through dbo's implementations through ``backend``
+    (built with ``backend_kwargs`` at its next call) from now on; returns ``model``. For
+    comparing backends on one loaded model (the loaded weights stay where they are).
+
+    Raises:
+        ValueError: unknown backend, or no experts module runs through dbo's implementations.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; choose from {sorted(BACKENDS)}")
+    found = expert_parallel_modules(model)
+    if not found:
+        raise ValueError("the model has no experts module running through dbo's expert-parallel "
+                         "implementations: load it with ep_distributed_config(...)")
+    for _, impl in found:
+        impl.reset()
+        impl.backend, impl.backend_kwargs = backend, dict(backend_kwargs)  # instance attributes
+        impl.kernel, impl._signature = None, None
+    return model
 
 
 def prepare_for_overlap(model: torch.nn.Module) -> torch.nn.Module:
