@@ -17,6 +17,7 @@ import dbo
 from dbo.expert_schedule import ExpertSchedule, current_expert_schedule, use_expert_schedule
 from dbo.moe import (
     ActivationFormat,
+    ExpertTokensMetadata,
     LocalPrepareAndFinalize,
     MergedScheduleError,
     MoEKernel,
@@ -357,3 +358,51 @@ def test_random_merged_runs_match_split_and_plain(data):
     for schedule, out in outs.items():
         assert relative_error(out, plain) <= 1e-5, schedule
     assert all(len(k._rendezvous) == 0 for k in model.kernels)
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_merge_inputs_packs_every_ubatch_and_splits_back(data):
+    """The merge itself (pure tensor code): the merged call sees every ubatch's valid rows, in
+    ubatch order, with the summed counts; the split gives each ubatch its own rows back."""
+    fmt = data.draw(st.sampled_from(list(ActivationFormat)), label="format")
+    n = data.draw(st.integers(2, 4), label="ubatches")
+    n_local = data.draw(st.integers(1, 4), label="local experts")
+    host = data.draw(st.booleans(), label="host counts")
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16), label="seed"))
+    inputs = []
+    for u in range(n):
+        rows = data.draw(st.integers(0, 6), label=f"rows[{u}]")
+        counts = torch.tensor([data.draw(st.integers(0, rows)) for _ in range(n_local)],
+                              dtype=torch.int32)
+        meta = ExpertTokensMetadata(counts, counts.clone() if host or u else None)
+        if fmt is ActivationFormat.BATCHED_EXPERTS:
+            a1q = torch.randn(n_local, rows, 3, generator=g)
+            scale = torch.randn(n_local, rows, 1, generator=g)
+            inputs.append(merged_mod.ExpertsInput(a1q, scale, meta, None, None))
+        else:
+            a1q = torch.randn(rows, 3, generator=g)
+            ids = torch.randint(-1, n_local, (rows, 2), generator=g)
+            inputs.append(merged_mod.ExpertsInput(a1q, a1q[:, :1] * 2, meta, ids, torch.rand(rows, 2)))
+    merged, split = merged_mod.merge_inputs(fmt, inputs)
+    total = torch.stack([i.expert_tokens_meta.expert_num_tokens for i in inputs]).sum(0)
+    assert torch.equal(merged.expert_tokens_meta.expert_num_tokens, total.to(torch.int32))
+    assert (merged.expert_tokens_meta.expert_num_tokens_cpu is not None) == host
+    parts = split(merged.a1q)
+    assert [p.shape for p in parts] == [i.a1q.shape for i in inputs]
+    if fmt is ActivationFormat.STANDARD:
+        assert torch.equal(merged.a1q, torch.cat([i.a1q for i in inputs]))
+        assert torch.equal(merged.topk_ids, torch.cat([i.topk_ids for i in inputs]))
+        assert torch.equal(merged.a1q_scale, torch.cat([i.a1q_scale for i in inputs]))
+        assert all(torch.equal(p, i.a1q) for p, i in zip(parts, inputs, strict=True))
+        return
+    assert merged.a1q.shape[1] == sum(i.a1q.shape[1] for i in inputs)
+    for e in range(n_local):
+        want = torch.cat([i.a1q[e, : int(i.expert_tokens_meta.expert_num_tokens[e])] for i in inputs])
+        assert torch.equal(merged.a1q[e, : want.shape[0]], want)
+        want_s = torch.cat([i.a1q_scale[e, : int(i.expert_tokens_meta.expert_num_tokens[e])]
+                            for i in inputs])
+        assert torch.equal(merged.a1q_scale[e, : want.shape[0]], want_s)
+        for p, i in zip(parts, inputs, strict=True):
+            c = int(i.expert_tokens_meta.expert_num_tokens[e])
+            assert torch.equal(p[e, :c], i.a1q[e, :c])
