@@ -102,3 +102,23 @@ def test_merged_on_fake_deepep_ll(worlds):
                            backend="ll", use_fp8_dispatch=True, dequantize_received=False)]
     results = check_backend(worlds(2), _make_deepep, _merged(cases))
     assert all(r.hooks_registered == 4 == r.hooks_run for r in results)
+
+
+def _plan_job(schedules: list[str]) -> str:
+    from dbo.split import SplitConfig, plan_ubatches
+
+    cfg = SplitConfig(expert_schedule=schedules[dist.get_rank()], decode_token_threshold=1,
+                      prefill_token_threshold=1)
+    try:
+        plan = plan_ubatches(16, cfg)
+    except ValueError as exc:
+        return f"error: {exc}"
+    return plan.expert_schedule.value
+
+
+def test_ranks_must_agree_on_the_schedule(worlds):
+    # the merged schedule issues the combines in another order: a mix would pair the wrong
+    # collectives, so the vote refuses it on every rank
+    out = worlds(2).run(_plan_job, ["merged", "split"], timeout_s=60)
+    assert all(o.startswith("error:") and "expert_schedule" in o for o in out), out
+    assert worlds(2).run(_plan_job, ["merged", "merged"], timeout_s=60) == ["merged", "merged"]
