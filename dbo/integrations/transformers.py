@@ -7,6 +7,10 @@ shared experts and holds only this rank's contiguous slice of the routed experts
 freed), behind an all-to-all backend chosen by name. Attention, norms and embeddings stay
 replicated (data-parallel attention): every rank runs its own batch of sequences.
 
+With transformers >= 5.23 a checkpoint can instead be loaded expert-parallel by transformers
+itself, with dbo's backends as its EP implementations (:mod:`dbo.integrations.hf_ep`, registered
+when this module is imported); :class:`DBOPrefill` and ``greedy_generate`` run either model.
+
 :class:`DBOPrefill` runs the converted model's prefill as overlapped ubatches
 (:class:`dbo.DBOWrapper`): ``input_ids [batch, seq]`` is split at sequence boundaries, each
 ubatch runs the whole model, the logits are merged in order.
