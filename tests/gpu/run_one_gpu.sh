@@ -8,7 +8,8 @@
 # examples/bench_switch.py | tar -x -C .before`), alternating.
 # "bench": the overlap benchmark at one rank (all2all; the thin prefill shape) before (.before's
 # examples/bench_overlap.py) and after (python -m dbo.bench overlap), alternating; "hf": the
-# DeepSeek-V3 layer shape (4 layers) converted at one rank, plain vs DBO.
+# DeepSeek-V3 layer shape (4 layers) converted at one rank, plain vs DBO; "faults": a dead,
+# stalled or slow peer inside deepep_ht/deepep_ll calls (tests/gpu/run_deepep_faults.py).
 #   STEPS="core ce experts switch bench hf"   which steps (default: the first four)
 set -uo pipefail
 out=${1:-${OUT:-out}}
@@ -26,6 +27,9 @@ fi
 if has ce; then
   run ce-conformance 200 torchrun --nproc-per-node 2 tests/gpu/run_copy_engine.py --json "$out/ce.json"
   run ce-stop 60 torchrun --nproc-per-node 2 tests/gpu/run_copy_engine.py --stop-test
+fi
+if has faults; then  # a dead/stalled/slow peer inside DeepEP calls, 2 ranks on the GPU (issue 18)
+  run deepep-faults 400 python3 tests/gpu/run_deepep_faults.py --bench --json "$out/faults.json"
 fi
 if has experts; then
   run experts 240 bash tests/gpu/run_experts.sh "$out/experts"
