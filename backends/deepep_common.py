@@ -138,8 +138,8 @@ class DeepEPPrepareAndFinalize(PrepareAndFinalize):
         """After a launch whose kernels wait for the peers: an event on the current stream for
         the GPU watchdog (CUDA only), which ends the process if it is still pending after the
         timeout (see :mod:`dbo.watchdog`)."""
-        if device.type != "cuda" or not self.peer_checks:
-            return
+        if device.type != "cuda" or not self.peer_checks or torch.cuda.is_current_stream_capturing():
+            return  # (a graph's replays run no Python: nothing to watch then)
         event = WATCHDOG.cuda_event()
         event.record()
         board = self._shared.arrival
