@@ -175,8 +175,10 @@ class ArrivalBoard:
             return missing, self.describe(seq, missing)
         if self.remote_ranks:
             return list(self.remote_ranks), self.describe(seq, [])
-        return [], (f"every peer reached launch {seq} and is running: a peer's GPU did not take "
-                    "part (a kernel before it hangs there)")
+        # every host arrived: one of the peers' GPUs did not; name them all as the suspects
+        return [r for r, _ in self._peers], (
+            f"every peer reached launch {seq} on the host and is running: the GPU of one of them "
+            "did not take part (a kernel before it hangs there)")
 
     def close(self) -> None:
         views = list(self._views.values())
