@@ -140,12 +140,10 @@ class DeepEPPrepareAndFinalize(PrepareAndFinalize):
         timeout (see :mod:`dbo.watchdog`)."""
         if device.type != "cuda" or not self.peer_checks or torch.cuda.is_current_stream_capturing():
             return  # (a graph's replays run no Python: nothing to watch then)
-        event = WATCHDOG.cuda_event()
-        event.record()
         board = self._shared.arrival
-        WATCHDOG.watch(event, resolve_timeout(self.timeout_s),
-                       WaitSite(self._name, phase, dbo_current_ubatch_id(), self.rank),
-                       None if board is None else (lambda: board.behind(seq)))
+        WATCHDOG.record(resolve_timeout(self.timeout_s),
+                        (self._name, phase, dbo_current_ubatch_id(), self.rank),
+                        None if board is None else (lambda: board.behind(seq)))
 
     def _padded_input(self, a1: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                       num_experts: int, expert_map: torch.Tensor | None,

@@ -114,13 +114,9 @@ def timeout_message(site: WaitSite, timeout_s: float, missing: Sequence[int], de
             f"not arrive within {timeout_s:.1f} s{'; ' + detail if detail else ''}{where_txt}")
 
 
-@dataclass
-class _Pending:
-    event: Any  # has query() -> bool
-    deadline: float
-    timeout_s: float
-    site: WaitSite
-    describe_missing: Callable[[], tuple[list[int], str]] | None
+# a pending wait: (event, deadline, timeout_s, site, describe_missing); a plain tuple, built
+# on the hot path. ``site`` is a WaitSite or its fields as a tuple.
+_Pending = tuple
 
 
 def _end_process(message: str) -> None:
@@ -165,14 +161,28 @@ class GpuWaitWatchdog:
 
             return torch.cuda.Event()
 
-    def watch(self, event: Any, timeout_s: float, site: WaitSite,
+    def watch(self, event: Any, timeout_s: float, site: WaitSite | tuple,
               describe_missing: Callable[[], tuple[list[int], str]] | None = None) -> None:
         """Expect ``event`` (anything with ``query()``) to complete within ``timeout_s``.
 
-        ``describe_missing()`` (called only on expiry) returns the ranks that did not arrive
-        and a detail for the message."""
-        self._incoming.append(_Pending(event, time.monotonic() + timeout_s, timeout_s, site,
-                                       describe_missing))
+        ``site``: a :class:`WaitSite` or its fields as a tuple. ``describe_missing()`` (called
+        only on expiry) returns the ranks that did not arrive and a detail for the message."""
+        self._incoming.append((event, time.monotonic() + timeout_s, timeout_s, site, describe_missing))
+        if self._thread is None:
+            self._start()
+
+    def record(self, timeout_s: float, site: WaitSite | tuple,
+               describe_missing: Callable[[], tuple[list[int], str]] | None = None) -> None:
+        """Record a pooled CUDA event on the current stream and :meth:`watch` it (the hot-path
+        form: a pool pop, ``cudaEventRecord`` and a tuple appended)."""
+        try:
+            event = self._free.popleft()
+        except IndexError:
+            import torch
+
+            event = torch.cuda.Event()
+        event.record()
+        self._incoming.append((event, time.monotonic() + timeout_s, timeout_s, site, describe_missing))
         if self._thread is None:
             self._start()
 
@@ -201,25 +211,27 @@ class GpuWaitWatchdog:
         still = []
         expired = None
         for p in self._pending:
-            if p.event.query():
-                if hasattr(p.event, "record"):
-                    self._free.append(p.event)
+            if p[0].query():
+                if hasattr(p[0], "record"):
+                    self._free.append(p[0])
             else:
                 still.append(p)
-                if expired is None and now > p.deadline:
+                if expired is None and now > p[1]:
                     expired = p
         self._pending = still
         if expired is not None:
             self._expire(expired)
 
     def _expire(self, p: _Pending) -> None:
+        _, _, timeout_s, site, describe_missing = p
         missing, detail = [], ""
-        if p.describe_missing is not None:
+        if describe_missing is not None:
             try:
-                missing, detail = p.describe_missing()
+                missing, detail = describe_missing()
             except Exception as exc:  # noqa: BLE001 - the message must still go out
                 detail = f"(could not read the peers' progress: {exc})"
-        message = timeout_message(p.site, p.timeout_s, missing, detail, where="gpu")
+        site = site if isinstance(site, WaitSite) else WaitSite(*site)
+        message = timeout_message(site, timeout_s, missing, detail, where="gpu")
         self._pending.remove(p)
         self.fired.append(message)
         self.on_expire(message)
