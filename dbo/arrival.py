@@ -160,7 +160,7 @@ class ArrivalBoard:
                 parts.append(f"rank {r}: gave up at its launch {view[2]} (its own timeout), {what}")
             else:
                 reached = int(view[0]) if view is not None else -1
-                parts.append(f"rank {r}: {what}, reached launch {reached} of {seq}")
+                parts.append(f"rank {r}: {what}, at launch {reached} (this rank waits at {seq})")
         if self.remote_ranks:
             parts.append("ranks on other hosts (not visible from here): "
                          + ", ".join(str(r) for r in self.remote_ranks))
