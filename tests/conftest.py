@@ -11,6 +11,7 @@ import dbo
 from dbo.backends.deepep_buffer import BUFFER_CACHE
 from dbo.split import FALLBACK_LOG
 from dbo.streams import current_logical_stream
+from dbo.watchdog import WATCHDOG
 
 settings.register_profile("default", max_examples=100, deadline=None)
 settings.register_profile(
@@ -30,4 +31,5 @@ def _no_run_left_behind():
     assert not dbo.dbo_enabled()
     assert current_logical_stream() is stream_before, "the CPU stand-in's current stream leaked"
     assert len(BUFFER_CACHE) == 0, "a test left DeepEP buffers in the process-wide cache"
+    assert len(WATCHDOG) == 0, "a test left GPU waits with the process-wide watchdog"
     FALLBACK_LOG.reset()  # each test sees each fallback reason logged afresh
