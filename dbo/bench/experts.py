@@ -245,7 +245,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     limits = measure_device_limits()
     print(limits.describe(), flush=True)
-    impls = {"fused, offsets": (SwiGLUExperts(), False)}
+    # what MoEKernel tells the experts: 256 experts over all ranks (a local share for the
+    # kernel choice without host counts)
+    impls = {"library, offsets": (SwiGLUExperts(num_global_experts=256), False)}
     if not a.baseline_only:
         impls["unfused, offsets"] = (SwiGLUExperts(fused=False), False)
     with torch.inference_mode():

@@ -293,3 +293,8 @@ class MoEExperts(ABC):
     @abstractmethod
     def finalize_weight_and_reduce_impl(self) -> TopKWeightAndReduce:
         """How ``finalize`` must weight and reduce :meth:`apply`'s output."""
+
+    def note_global_num_experts(self, num_experts: int) -> None:  # noqa: B027 (optional hook)
+        """Told by :class:`MoEKernel` before each :meth:`apply`: the experts over all ranks.
+        Experts that pick kernels by size use it to estimate, without reading the device, how
+        many of the (token, slot) pairs are local (about ``local / global``). Default: ignored."""

@@ -93,11 +93,14 @@ class SwiGLUExperts(MoEExperts):
             (:func:`dbo.moe.fused_experts.prefer_fused`: fused where the weights dominate or
             I <= 256, the unfused steps with CUTLASS's grouped GEMM above); True forces the
             fused kernels, False the unfused steps.
+        num_global_experts: experts over all ranks, for that estimate without host counts
+            (``M * topk * local / global`` pairs); :class:`MoEKernel` sets it on every call.
+            Unknown: every slot is counted as local (an overestimate).
     """
 
     def __init__(self, *, reduce_in_experts: bool = True, use_grouped_mm: bool | None = None,
                  use_triton: bool | None = None, batched_rows: int | None = None,
-                 fused: bool | None = None):
+                 fused: bool | None = None, num_global_experts: int | None = None):
         if batched_rows is not None and batched_rows < 1:
             raise ValueError(f"batched_rows must be >= 1 or None, got {batched_rows}")
         self.reduce_in_experts = reduce_in_experts
@@ -105,6 +108,7 @@ class SwiGLUExperts(MoEExperts):
         self.use_triton = use_triton
         self.batched_rows = batched_rows
         self.fused = fused
+        self.num_global_experts = num_global_experts
         self._bounds: dict[tuple[int, torch.device], torch.Tensor] = {}
         self._format: ActivationFormat | None = None
 
@@ -149,12 +153,16 @@ class SwiGLUExperts(MoEExperts):
         if host is not None and host.numel() != n_local:
             raise ValueError(f"expert_tokens_meta has {host.numel()} host-side counts for "
                              f"{n_local} local experts")
-        pairs = m * topk_ids.shape[1] if host is None else int(host.sum())
+        if host is not None:
+            pairs = int(host.sum())
+        else:  # the slots' share that is local, expected: nothing is read from the device
+            share = 1.0 if not self.num_global_experts else min(1.0, n_local / self.num_global_experts)
+            pairs = max(1, round(m * topk_ids.shape[1] * share))
         if m and self._use_fused(x, pairs / n_local, w2.shape[2]):
             weights = torch.ones_like(topk_weights) if router_on_input else topk_weights
             return fused_swiglu_experts(
                 x, w1, w2, weights, topk_ids, out=out, reduce=self.reduce_in_experts,
-                max_local_pairs=pairs,
+                max_local_pairs=None if host is None else pairs, rows_per_expert=pairs / n_local,
                 bounds=self._bounds_for(n_local, x.device))
         groups = group_by_expert(topk_ids, n_local, host) if m else None
         if groups is None or groups.num_rows == 0:
@@ -181,6 +189,9 @@ class SwiGLUExperts(MoEExperts):
         # a CPU tensor reaches here only with use_triton=True (Triton's interpreter): fused
         return self.fused is True or not x.is_cuda or x.element_size() > 2 \
             or prefer_fused(rows_per_expert, inter)
+
+    def note_global_num_experts(self, num_experts: int) -> None:
+        self.num_global_experts = num_experts
 
     def _bounds_for(self, n_local: int, device: torch.device) -> torch.Tensor:
         # arange(1, E + 1) for the offsets' searchsorted, made once per device (one launch less)

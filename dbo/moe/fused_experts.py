@@ -422,7 +422,8 @@ def fused_swiglu_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
                          topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
                          out: torch.Tensor, reduce: bool = True, max_local_pairs: int | None = None,
                          configs: tuple[GemmConfig, GemmConfig] | None = None,
-                         bounds: torch.Tensor | None = None) -> torch.Tensor:
+                         bounds: torch.Tensor | None = None,
+                         rows_per_expert: float | None = None) -> torch.Tensor:
     """Routed SwiGLU experts, fused (see the module docstring). CUDA tensors, Triton.
 
     Args:
@@ -436,6 +437,7 @@ def fused_swiglu_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
             counts): it sizes the grid and picks the tiles; default ``M * topk``.
         configs: ``(gate_up, down)`` tiles; default :func:`pick_configs`.
         bounds: cached ``arange(1, E + 1)`` int16 on the device (see :func:`route_order`).
+        rows_per_expert: the caller's estimate, for the tiles (default ``max_local_pairs / E``).
 
     Returns:
         ``out``. Nothing waits for the GPU.
@@ -447,7 +449,9 @@ def fused_swiglu_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
     x, w1, w2 = x.contiguous(), w1.contiguous(), w2.contiguous()
     order, offsets = route_order(topk_ids, n_experts, bounds)
     pairs = m * topk if max_local_pairs is None else min(max_local_pairs, m * topk)
-    up_cfg, down_cfg = configs if configs is not None else pick_configs(pairs / n_experts, inter)
+    if configs is None:
+        configs = pick_configs(pairs / n_experts if rows_per_expert is None else rows_per_expert, inter)
+    up_cfg, down_cfg = configs
     act = torch.empty(m * topk, inter, dtype=x.dtype, device=x.device)
     launch_gate_up(x, order, offsets, w1, act, up_cfg, pairs, topk)
     y = out.view(m * topk, hidden) if not reduce else \

@@ -149,6 +149,7 @@ class MoEKernel:
         weights = topk_weights if prep.topk_weights is None else prep.topk_weights
         inp = ExpertsInput(prep.a1q, prep.a1q_scale, prep.expert_tokens_meta, ids, weights)
         fmt = pf.activation_format
+        self.experts.note_global_num_experts(global_num_experts)
 
         def apply(x: ExpertsInput, workspace: Workspace) -> torch.Tensor:
             # quantized activations come with their scales; experts that take none never see any
