@@ -36,11 +36,15 @@ from dbo.testing.conformance import ConformanceCase, format_results, run_case  #
 NUM_EXPERTS = 32
 
 
+SELF_SIZED = False  # --self-sized: no max_tokens_per_rank, the backend sizes (and grows) itself
+
+
 def make_backend(case: ConformanceCase):
     from dbo.backends.copy_engine import make_prepare_finalize
 
     return make_prepare_finalize(dist.group.WORLD, hidden=case.hidden,
-                                 max_tokens_per_rank=case.max_tokens_per_rank, topk=case.topk,
+                                 max_tokens_per_rank=None if SELF_SIZED else case.max_tokens_per_rank,
+                                 topk=case.topk,
                                  dtype=case.dtype, device="cuda", num_ubatches=case.num_ubatches,
                                  timeout_s=30.0)
 
@@ -98,7 +102,12 @@ def main() -> int:
     ap.add_argument("--json", help="write every rank's results here (rank 0)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--stop-test", action="store_true")
+    ap.add_argument("--self-sized", action="store_true",
+                    help="build the backends without max_tokens_per_rank (sized at the first call, "
+                         "grown when a later call needs more)")
     args = ap.parse_args()
+    global SELF_SIZED
+    SELF_SIZED = args.self_sized
     world = int(os.environ["WORLD_SIZE"])
     rank = int(os.environ["RANK"])
     shared_gpu = torch.cuda.device_count() < world

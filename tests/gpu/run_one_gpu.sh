@@ -26,6 +26,7 @@ if has core; then
 fi
 if has ce; then
   run ce-conformance 200 torchrun --nproc-per-node 2 tests/gpu/run_copy_engine.py --json "$out/ce.json"
+  run ce-self-sized 200 torchrun --nproc-per-node 2 tests/gpu/run_copy_engine.py --quick --self-sized
   run ce-stop 60 torchrun --nproc-per-node 2 tests/gpu/run_copy_engine.py --stop-test
 fi
 if has faults; then  # a dead/stalled/slow peer inside DeepEP calls, 2 ranks on the GPU (issue 18)
