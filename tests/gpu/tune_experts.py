@@ -93,7 +93,8 @@ def main() -> int:
                             activation_format=ActivationFormat.STANDARD, expert_tokens_meta=None,
                             apply_router_weight_on_input=False, workspace=Workspace()).clone()
                         for cu in UP:
-                            for cd in DOWN[:1] if cu is not UP[0] else DOWN + SHORT_K:
+                            short = SHORT_K if inter <= 256 else []
+                            for cd in DOWN[:1] if cu is not UP[0] else DOWN + short:
                                 out = torch.full_like(case.x, float("nan"))
                                 try:
                                     fused_swiglu_experts(case.x, case.w1, case.w2, case.weights,
