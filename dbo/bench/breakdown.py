@@ -19,6 +19,11 @@ __all__ = ["CATEGORIES", "breakdown", "main"]
 CATEGORIES = (  # (name, substring of the kernel name), first match wins
     ("DeepEP", "deep_ep"),
     ("grouped GEMM", "cutlass"),
+    ("fused experts", "_gate_up"),
+    ("fused experts", "_down"),
+    ("top-k sum", "_topk_sum"),
+    ("attention", "flash"),
+    ("attention", "fmha"),
     ("dense GEMM", "nvjet"),
     ("dense GEMM", "gemm"),
     ("token gather", "gather_kernel"),

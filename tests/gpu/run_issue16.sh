@@ -43,6 +43,16 @@ fi
 if has qwen; then
   run qwen 330 torchrun --nproc-per-node 1 $ex --preset qwen3-30b-a3b --shape 8x2048 --json "$out/hf_qwen.json"
 fi
+if has profile; then  # where the transformers DBO step loses time (merged schedule; kernel breakdown)
+  for m in "qwen3-30b-a3b" "deepseek-v3 --layers 4"; do
+    name=${m%% *}
+    run "profile-$name" 200 torchrun --nproc-per-node 1 examples/hf_moe.py --device cuda --steps 3 --warmup 1 \
+      --backend naive --expert-schedule merged --preset $m --shape 8x2048 --profile "$out/prof_$name"
+    python3 -m dbo.bench breakdown "$out/prof_$name/naive/gpu_trace_serial.json" \
+      "$out/prof_$name/naive/gpu_trace_dbo.json" 2>&1 | tee -a "$log"
+    rm -rf "${out:?}/prof_$name"
+  done
+fi
 for d in overlap decode; do  # one file each comes back (the device tool returns at most 8)
   [ -d "$out/$d" ] && tar -C "$out" -czf "$out/$d.tgz" "$d" && rm -rf "${out:?}/$d"
 done
