@@ -255,6 +255,10 @@ class TorchDistPrepareAndFinalize(PrepareAndFinalize):
         """
         row = [a1.shape[0], a1.shape[1], topk, DTYPE_CODES.get(a1.dtype, -1), num_experts,
                int(router_on_input), *extra]
+        if self.world_size == 1:
+            # nothing to agree on, and over NCCL the exchange's read-back would make the host
+            # wait for the GPU at every dispatch (a host-bound DBO step at one rank)
+            return [row]
         device = a1.device if self.nccl else torch.device("cpu")
         mine = torch.tensor(row, dtype=torch.int64, device=device)
         table = torch.empty(self.world_size * len(row), dtype=torch.int64, device=device)
