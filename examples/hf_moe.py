@@ -96,6 +96,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--checkpoint", default=None,
                    help="DIR: load this checkpoint expert-parallel with from_pretrained (transformers >= "
                         "5.23) instead of building --preset")
+    p.add_argument("--hf-all-to-all", action="store_true",
+                   help="with --checkpoint: first load it with transformers' own all_to_all EP "
+                        "implementation and time its plain prefill (under no_grad, which it needs); "
+                        "every other row's logits are compared with it (column 'rel vs a2a')")
     p.add_argument("--save-checkpoint", default=None,
                    help="DIR: first write --preset with random weights there (save_pretrained, rank 0) "
                         "and load it as --checkpoint")
@@ -211,6 +215,46 @@ def load_checkpoint(args: argparse.Namespace, device: torch.device, *, expert_pa
     return AutoModelForCausalLM.from_pretrained(args.checkpoint, dtype=args.dtype, **kw).eval()
 
 
+def reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_gib(device: torch.device) -> float:
+    """Peak GPU memory allocated since :func:`reset_peak` (GiB; 0 on the CPU)."""
+    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
+
+
+def hf_all_to_all_rows(args: argparse.Namespace, inputs: dict, device: torch.device, rows: list[dict],
+                       world: int) -> dict:
+    """Load ``--checkpoint`` with transformers' own ``all_to_all`` EP implementation, time its
+    plain prefill per shape (a row each) and return its logits per shape (the anchor)."""
+    if not args.checkpoint:
+        raise SystemExit("--hf-all-to-all needs --checkpoint")
+    from transformers import AutoModelForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    cfg = DistributedConfig(fsdp_size=world, ep_size=world, ep_implementation="all_to_all")
+    ref = AutoModelForCausalLM.from_pretrained(args.checkpoint, dtype=args.dtype,
+                                               distributed_config=cfg).eval()
+    anchor, keep = {}, args.logits_to_keep
+    with torch.no_grad():  # transformers' EP fails under inference_mode (its DTensor experts)
+        for shape, ids in inputs.items():
+            anchor[shape] = prefill_logits(ref, ids, logits_to_keep=keep).cpu()
+            reset_peak(device)
+            t = time_ms(lambda ids=ids, m=ref: prefill_logits(m, ids, logits_to_keep=keep),
+                        args.steps, args.warmup, device)
+            t, peak = slowest([t, peak_gib(device)], device)
+            rows.append(dict(backend="hf all_to_all", batch=shape[0], seq=shape[1], plain_ms=t,
+                             dbo_ms=None, rel_err=0.0, top1_agree=1.0, ok=None, split="",
+                             plain_peak_gib=peak, dbo_peak_gib=None, rel_vs_a2a=0.0))
+    del ref
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return anchor
+
+
 def use_backend(model: torch.nn.Module, backend: str, max_tokens: int, args: argparse.Namespace) -> None:
     kw = {}
     if BACKENDS[backend].needs_max_tokens:
@@ -294,6 +338,15 @@ def run(args: argparse.Namespace, rank: int, world: int, device: torch.device) -
     config = build_config(args)
     if args.save_checkpoint:
         save_checkpoint(args, config, rank)
+    if args.checkpoint:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(args.checkpoint)
+    g = torch.Generator().manual_seed(args.seed * 7919 + rank)
+    inputs = {shape: torch.randint(0, config.vocab_size, shape, generator=g).to(device)
+              for shape in args.shape}
+    rows, plain_logits, ok = [], {}, True
+    anchor = hf_all_to_all_rows(args, inputs, device, rows, world) if args.hf_all_to_all else {}
     t0 = time.perf_counter()
     if args.checkpoint:
         model = load_checkpoint(args, device, expert_parallel=True)
@@ -301,11 +354,7 @@ def run(args: argparse.Namespace, rank: int, world: int, device: torch.device) -
     else:
         model = build_model(args, config, device, convert=True)
     build_s = time.perf_counter() - t0
-    g = torch.Generator().manual_seed(args.seed * 7919 + rank)
-    inputs = {shape: torch.randint(0, config.vocab_size, shape, generator=g).to(device)
-              for shape in args.shape}
     max_tokens = max(b * s for b, s in args.shape)  # the plain run sends the whole batch at once
-    rows, plain_logits, ok = [], {}, True
     fp32 = args.dtype == torch.float32
     keep = args.logits_to_keep
     with torch.inference_mode():
@@ -318,12 +367,18 @@ def run(args: argparse.Namespace, rank: int, world: int, device: torch.device) -
             for shape, ids in inputs.items():
                 plain = prefill_logits(model, ids, logits_to_keep=args.logits_to_keep)
                 plain_logits.setdefault(shape, plain.cpu())
+                vs_a2a = compare(plain, anchor[shape].to(device))[0] if shape in anchor else -1.0
+                reset_peak(device)
                 t_plain = time_ms(lambda ids=ids: prefill_logits(model, ids, logits_to_keep=keep),
                                   args.steps, args.warmup, device)
+                peak_plain = peak_gib(device)
                 for sched, run_dbo in runners.items():
                     rel, agree = compare(run_dbo(ids), plain)
+                    reset_peak(device)
                     t_dbo = time_ms(lambda ids=ids, r=run_dbo: r(ids), args.steps, args.warmup, device)
-                    t_p, t_dbo, rel, neg_agree = slowest([t_plain, t_dbo, rel, -agree], device)
+                    peak_dbo = peak_gib(device)
+                    t_p, t_dbo, rel, neg_agree, p_plain, p_dbo, vs = slowest(
+                        [t_plain, t_dbo, rel, -agree, peak_plain, peak_dbo, vs_a2a], device)
                     # bf16: rounding flips some routing (see the module docstring); a broken split
                     # or merge gives rel err ~1 and agreement ~0, so only both together fail
                     good = rel <= 1e-4 if fp32 else (rel <= 0.1 or -neg_agree >= 0.75)
@@ -331,7 +386,9 @@ def run(args: argparse.Namespace, rank: int, world: int, device: torch.device) -
                     label = backend if len(runners) == 1 else f"{backend}/{sched}"
                     rows.append(dict(backend=label, batch=shape[0], seq=shape[1], plain_ms=t_p,
                                      dbo_ms=t_dbo, rel_err=rel, top1_agree=-neg_agree, ok=good,
-                                     split=str(run_dbo.last_plan), expert_schedule=sched))
+                                     split=str(run_dbo.last_plan), expert_schedule=sched,
+                                     plain_peak_gib=p_plain, dbo_peak_gib=p_dbo,
+                                     rel_vs_a2a=None if vs < 0 else vs))
                     save(args, config, world, device, rows, rank)  # a later timeout keeps these
             if args.profile:
                 ids = inputs[args.shape[-1]]
@@ -379,12 +436,15 @@ def report(args, config, world: int, build_s: float, rows: list[dict], device: t
           f"model in {build_s:.1f} s; "
           f"median of {args.steps} steps, slowest rank; tokens/s per GPU = batch*seq / time\n")
     print("| backend | batch x seq | plain ms | DBO ms | plain tok/s | DBO tok/s | DBO speedup "
-          "| rel err | top-1 agree |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| rel err | top-1 agree | peak GiB plain / DBO | rel vs a2a |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if r["plain_ms"] is None:
-            print(f"| {r['backend']} | - | {r['split']} | | | | | | |")
+            print(f"| {r['backend']} | - | {r['split']} | | | | | | | | |")
             continue
+        dbo_peak = "-" if r.get("dbo_peak_gib") is None else f"{r['dbo_peak_gib']:.1f}"
+        peaks = "-" if r.get("plain_peak_gib") is None else f"{r['plain_peak_gib']:.1f} / {dbo_peak}"
+        vs = "-" if r.get("rel_vs_a2a") is None else f"{r['rel_vs_a2a']:.1e}"
         tokens = r["batch"] * r["seq"]
         dbo = "" if r["dbo_ms"] is None else f"{r['dbo_ms']:.1f}"
         dbo_tps = "" if r["dbo_ms"] is None else f"{tokens / r['dbo_ms'] * 1e3:,.0f}"
@@ -392,7 +452,7 @@ def report(args, config, world: int, build_s: float, rows: list[dict], device: t
         flag = "" if r["ok"] in (None, True) else " MISMATCH"
         print(f"| {r['backend']} | {r['batch']} x {r['seq']} | {r['plain_ms']:.1f} | {dbo} | "
               f"{tokens / r['plain_ms'] * 1e3:,.0f} | {dbo_tps} | {speed} | {r['rel_err']:.1e}{flag} "
-              f"| {r['top1_agree']:.2f} |")
+              f"| {r['top1_agree']:.2f} | {peaks} | {vs} |")
     print("\n(unconverted: the original model, every expert on every rank, no communication; its "
           "rel err / agreement are against the converted model's plain logits)")
     if args.json:
