@@ -54,8 +54,8 @@ def test_limits_are_measured_and_every_row_gets_its_ratio():
 
 def test_the_limit_formula():
     lim = DeviceLimits("test", copy_gbps=1000.0, gemm_tflops=100.0)  # 1 TB/s, 100 TFLOP/s
-    flops, nbytes = experts_cost(tokens=10, hidden=100, intermediate=50, local_pairs=20,
-                                 experts_with_rows=3, dtype_bytes=2)
+    flops, nbytes = experts_cost(hidden=100, intermediate=50, local_pairs=20, experts_with_rows=3,
+                                 dtype_bytes=2)
     assert flops == 6 * 20 * 100 * 50
     # weights read + per pair: [H] in and [2I] out (gate/up), [I] in and [H] out (down)
     assert nbytes == 3 * 3 * 100 * 50 * 2 + 20 * ((100 + 2 * 50) + (50 + 100)) * 2

@@ -182,7 +182,7 @@ def run_grid(impls: dict[str, tuple[MoEExperts, bool]], *, hidden: list[int], in
 def add_limits(rows: list[dict], limits: DeviceLimits, dtype_bytes: int = 2) -> None:
     """Give each row its limit (``limit_ms``) and each result its ratio to it (``x_limit``)."""
     for r in rows:
-        flops, nbytes = experts_cost(tokens=r["tokens"], hidden=r["hidden"], intermediate=r["intermediate"],
+        flops, nbytes = experts_cost(hidden=r["hidden"], intermediate=r["intermediate"],
                                      local_pairs=r["local_pairs"], experts_with_rows=r["experts_with_rows"],
                                      dtype_bytes=dtype_bytes)
         r["limit_ms"] = limits.time_ms(flops, nbytes)

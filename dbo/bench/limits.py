@@ -115,13 +115,12 @@ def active_experts(local_experts: int, local_pairs: float) -> float:
 
 
 def experts_cost(*, hidden: int, intermediate: int, local_pairs: int, experts_with_rows: float,
-                 dtype_bytes: int = 2, tokens: int | None = None) -> tuple[float, float]:
+                 dtype_bytes: int = 2) -> tuple[float, float]:
     """``(flops, bytes)`` of the routed experts of one rank (see the module docstring).
 
     Args:
         local_pairs: (token, slot) pairs routed to this rank's experts.
         experts_with_rows: local experts that receive at least one pair (their weights are read).
-        tokens: unused (the activations are counted per pair); kept for callers that pass it.
     """
     flops = 6.0 * local_pairs * hidden * intermediate
     weights = experts_with_rows * 3.0 * hidden * intermediate * dtype_bytes
@@ -137,16 +136,14 @@ def layer_limit_ms(limits: DeviceLimits, *, tokens: int, hidden: int, intermedia
     act = tokens * hidden * dtype_bytes
     local = num_experts // world_size
     pairs = tokens * topk * world_size * local / num_experts  # every rank sends as many
-    received = tokens * world_size if world_size > 1 else tokens
     parts = {
         "attention": limits.time_ms(4.0 * tokens * hidden * attn_width,
                                     2 * hidden * attn_width * dtype_bytes + 2 * act),
         "router": limits.time_ms(2.0 * tokens * hidden * num_experts,
                                  num_experts * hidden * dtype_bytes + act),
         "routed_experts": limits.time_ms(*experts_cost(
-            tokens=int(min(received, pairs)), hidden=hidden, intermediate=intermediate,
-            local_pairs=int(pairs), experts_with_rows=active_experts(local, pairs),
-            dtype_bytes=dtype_bytes)),
+            hidden=hidden, intermediate=intermediate, local_pairs=int(pairs),
+            experts_with_rows=active_experts(local, pairs), dtype_bytes=dtype_bytes)),
         "shared_expert": limits.time_ms(6.0 * tokens * hidden * shared_intermediate,
                                         3 * hidden * shared_intermediate * dtype_bytes + 2 * act),
     }

@@ -34,6 +34,7 @@ from dbo.moe.fused_tiles import (
     pick_configs,
     prefer_fused,
 )
+from dbo.moe.gather_reduce import _block
 
 __all__ = ["GemmConfig", "CONFIGS", "FP32_CONFIG", "FUSED_MAX_ROWS_PER_EXPERT", "prefer_fused",
            "pick_configs", "fused_swiglu_experts", "route_order", "launch_gate_up", "launch_down"]
@@ -59,7 +60,8 @@ if triton is not None:
     @triton.jit
     def _tile_of(pid, offs_ptr, n_experts, n_col_blocks, BLOCK_M: tl.constexpr,
                  BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr):
-        # -> (expert, first row, end row, row block, column block); expert == n_experts: no tile
+        # -> (expert, the tile's first row, its rows, which of them are the expert's, column
+        # block); expert == n_experts: the program has no tile
         es = tl.arange(0, BLOCK_E)
         live = es < n_experts
         ends = tl.load(offs_ptr + es, mask=live, other=0)
@@ -78,65 +80,45 @@ if triton is not None:
         size_m = tl.maximum(tl.minimum(num_m - first_m, GROUP_M), 1)
         pid_m = first_m + (local % group) % size_m
         pid_n = (local % group) // size_m
-        return e, first_row, end_row, pid_m, pid_n
+        row0 = first_row + pid_m * BLOCK_M
+        rows = row0 + tl.arange(0, BLOCK_M)
+        return e, row0, rows, rows < end_row, pid_n
 
     @triton.jit
     def _gate_up_kernel(x_ptr, order_ptr, offs_ptr, w_ptr, act_ptr, n_experts, hidden, inter,
                         stride_we, TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr,
-                        EVEN_K: tl.constexpr, PRECISION: tl.constexpr, INTERLEAVE: tl.constexpr):
+                        EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
         n_col_blocks = tl.cdiv(inter, BLOCK_N)
-        e, first_row, end_row, pid_m, pid_n = _tile_of(tl.program_id(0), offs_ptr, n_experts,
+        e, row0, rows, row_mask, pid_n = _tile_of(tl.program_id(0), offs_ptr, n_experts,
                                                        n_col_blocks, BLOCK_M, BLOCK_E, GROUP_M)
         if e >= n_experts:
             return
-        rows = first_row + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        row_mask = rows < end_row
         tokens = (tl.load(order_ptr + rows, mask=row_mask, other=0) // TOPK).to(tl.int64)
         ks = tl.arange(0, BLOCK_K)
         a_ptrs = x_ptr + tokens[:, None] * hidden + ks[None, :]
         w_base = w_ptr + e.to(tl.int64) * stride_we
-        if INTERLEAVE:
-            # tile column j: gate column n0 + j // 2 if j is even, its up column if odd
-            j = tl.arange(0, 2 * BLOCK_N)
-            wcols = pid_n * BLOCK_N + j // 2
-            wmask = wcols < inter
-            b_ptrs = w_base + ((j % 2) * inter + wcols)[None, :].to(tl.int64) * hidden + ks[:, None]
-            acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)
-            for k0 in range(0, hidden, BLOCK_K):
-                if EVEN_K:
-                    a = tl.load(a_ptrs, mask=row_mask[:, None], other=0.0)
-                    b = tl.load(b_ptrs, mask=wmask[None, :], other=0.0)
-                else:
-                    k_mask = (k0 + ks) < hidden
-                    a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-                    b = tl.load(b_ptrs, mask=wmask[None, :] & k_mask[:, None], other=0.0)
-                acc = tl.dot(a, b, acc, input_precision=PRECISION)
-                a_ptrs += BLOCK_K
-                b_ptrs += BLOCK_K
-            acc_g, acc_u = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N, 2]))
-        else:
-            g_ptrs = w_base + (pid_n * BLOCK_N + tl.arange(0, BLOCK_N))[None, :].to(tl.int64) * hidden \
-                + ks[:, None]
-            u_ptrs = g_ptrs + inter * hidden
-            gmask = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) < inter
-            acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for k0 in range(0, hidden, BLOCK_K):
-                if EVEN_K:
-                    a = tl.load(a_ptrs, mask=row_mask[:, None], other=0.0)
-                    g = tl.load(g_ptrs, mask=gmask[None, :], other=0.0)
-                    u = tl.load(u_ptrs, mask=gmask[None, :], other=0.0)
-                else:
-                    k_mask = (k0 + ks) < hidden
-                    a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-                    g = tl.load(g_ptrs, mask=gmask[None, :] & k_mask[:, None], other=0.0)
-                    u = tl.load(u_ptrs, mask=gmask[None, :] & k_mask[:, None], other=0.0)
-                acc_g = tl.dot(a, g, acc_g, input_precision=PRECISION)
-                acc_u = tl.dot(a, u, acc_u, input_precision=PRECISION)
-                a_ptrs += BLOCK_K
-                g_ptrs += BLOCK_K
-                u_ptrs += BLOCK_K
+        g_ptrs = w_base + (pid_n * BLOCK_N + tl.arange(0, BLOCK_N))[None, :].to(tl.int64) * hidden \
+            + ks[:, None]
+        u_ptrs = g_ptrs + inter * hidden
+        gmask = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) < inter
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, hidden, BLOCK_K):
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=row_mask[:, None], other=0.0)
+                g = tl.load(g_ptrs, mask=gmask[None, :], other=0.0)
+                u = tl.load(u_ptrs, mask=gmask[None, :], other=0.0)
+            else:
+                k_mask = (k0 + ks) < hidden
+                a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+                g = tl.load(g_ptrs, mask=gmask[None, :] & k_mask[:, None], other=0.0)
+                u = tl.load(u_ptrs, mask=gmask[None, :] & k_mask[:, None], other=0.0)
+            acc_g = tl.dot(a, g, acc_g, input_precision=PRECISION)
+            acc_u = tl.dot(a, u, acc_u, input_precision=PRECISION)
+            a_ptrs += BLOCK_K
+            g_ptrs += BLOCK_K
+            u_ptrs += BLOCK_K
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         col_mask = cols < inter
         act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
@@ -149,12 +131,10 @@ if triton is not None:
                             BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr):
         # hidden % BLOCK_K == 0; w_desc: w1 as [E * 2I, hidden], box [BLOCK_N, BLOCK_K]
         n_col_blocks = tl.cdiv(inter, BLOCK_N)
-        e, first_row, end_row, pid_m, pid_n = _tile_of(tl.program_id(0), offs_ptr, n_experts,
+        e, row0, rows, row_mask, pid_n = _tile_of(tl.program_id(0), offs_ptr, n_experts,
                                                        n_col_blocks, BLOCK_M, BLOCK_E, GROUP_M)
         if e >= n_experts:
             return
-        rows = first_row + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        row_mask = rows < end_row
         tokens = (tl.load(order_ptr + rows, mask=row_mask, other=0) // TOPK).to(tl.int64)
         ks = tl.arange(0, BLOCK_K)
         a_ptrs = x_ptr + tokens[:, None] * hidden + ks[None, :]
@@ -181,19 +161,16 @@ if triton is not None:
         # expert's end belong to the next expert: computed, never stored); w_desc: w2 as
         # [E * hidden, inter], box [BLOCK_N, BLOCK_K]
         n_col_blocks = tl.cdiv(hidden, BLOCK_N)
-        e, first_row, end_row, pid_m, pid_n = _tile_of(tl.program_id(0), offs_ptr, n_experts,
+        e, row0, rows, row_mask, pid_n = _tile_of(tl.program_id(0), offs_ptr, n_experts,
                                                        n_col_blocks, BLOCK_M, BLOCK_E, GROUP_M)
         if e >= n_experts:
             return
-        row0 = first_row + pid_m * BLOCK_M
         w_row = e * hidden + pid_n * BLOCK_N
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, inter, BLOCK_K):
             a = act_desc.load([row0, k0])
             b = w_desc.load([w_row, k0])
             acc = tl.dot(a, b.T, acc)
-        rows = row0 + tl.arange(0, BLOCK_M)
-        row_mask = rows < end_row
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         slots = tl.load(order_ptr + rows, mask=row_mask, other=0).to(tl.int64)
         tl.store(y_ptr + slots[:, None] * hidden + cols[None, :], acc.to(y_ptr.dtype.element_ty),
@@ -205,12 +182,10 @@ if triton is not None:
                      BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
                      PRECISION: tl.constexpr):
         n_col_blocks = tl.cdiv(hidden, BLOCK_N)
-        e, first_row, end_row, pid_m, pid_n = _tile_of(tl.program_id(0), offs_ptr, n_experts,
+        e, row0, rows, row_mask, pid_n = _tile_of(tl.program_id(0), offs_ptr, n_experts,
                                                        n_col_blocks, BLOCK_M, BLOCK_E, GROUP_M)
         if e >= n_experts:
             return
-        rows = first_row + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        row_mask = rows < end_row
         rows64 = rows.to(tl.int64)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         col_mask = cols < hidden
@@ -242,12 +217,10 @@ if triton is not None:
         # column blocks; the loop over columns is the one Triton pipelines (the next weight tile
         # loads while this one multiplies), where a K loop of a few steps would not pipeline
         n_col_groups = tl.cdiv(tl.cdiv(hidden, BLOCK_N), N_PER_PROGRAM)
-        e, first_row, end_row, pid_m, pid_g = _tile_of(tl.program_id(0), offs_ptr, n_experts,
+        e, row0, rows, row_mask, pid_g = _tile_of(tl.program_id(0), offs_ptr, n_experts,
                                                        n_col_groups, BLOCK_M, BLOCK_E, GROUP_M)
         if e >= n_experts:
             return
-        rows = first_row + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        row_mask = rows < end_row
         ks = tl.arange(0, BLOCK_K)
         k_mask = ks < inter
         a = tl.load(act_ptr + rows.to(tl.int64)[:, None] * inter + ks[None, :],
@@ -335,7 +308,7 @@ def launch_gate_up(x: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, 
         x, order, offsets, w1, act, n_experts, hidden, inter, w1.stride(0), TOPK=topk,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_E=_block_e(n_experts),
         GROUP_M=cfg.group_m, EVEN_K=hidden % cfg.block_k == 0, PRECISION=_precision(x),
-        INTERLEAVE=cfg.interleave, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def launch_down(act: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, w2: torch.Tensor,
@@ -410,7 +383,7 @@ def fused_swiglu_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
     if not reduce:
         local = (topk_ids >= 0) & (topk_ids < n_experts)
         return out.masked_fill_(~local.unsqueeze(-1), 0)
-    block = 1024 if hidden >= 1024 else max(16, triton.next_power_of_2(hidden))
+    block = _block(hidden)
     _topk_sum_kernel[(m, triton.cdiv(hidden, block))](
         y, topk_ids.contiguous(), topk_weights.contiguous(), out, n_experts, hidden, TOPK=topk,
         BLOCK=block)

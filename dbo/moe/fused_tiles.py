@@ -16,9 +16,7 @@ __all__ = ["GemmConfig", "CONFIGS", "FP32_CONFIG", "DOWN_LONG_K", "FUSED_MAX_ROW
 @dataclass(frozen=True)
 class GemmConfig:
     """One grouped GEMM's tile: ``block_m`` rows x ``block_n`` columns, ``block_k`` deep;
-    ``group_m`` row blocks share a column block in launch order; Triton's warps and stages.
-    ``interleave`` (gate/up only): one ``[block_m, 2 * block_n]`` product whose columns
-    alternate gate and up, instead of two ``[block_m, block_n]`` products side by side."""
+    ``group_m`` row blocks share a column block in launch order; Triton's warps and stages."""
 
     block_m: int = 64
     block_n: int = 64
@@ -26,7 +24,6 @@ class GemmConfig:
     group_m: int = 8
     num_warps: int = 4
     num_stages: int = 4
-    interleave: bool = False
     #: down only, intermediate <= block_k: column blocks per program (0: the K-loop kernel)
     n_per_program: int = 0
     #: load the weight tiles (and the down GEMM's activation tiles) with the Hopper tensor
