@@ -60,8 +60,8 @@ if triton is not None:
     @triton.jit
     def _tile_of(pid, offs_ptr, n_experts, n_col_blocks, BLOCK_M: tl.constexpr,
                  BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr):
-        # -> (expert, the tile's first row, its rows, which of them are the expert's, column
-        # block); expert == n_experts: the program has no tile
+        # -> (expert, the tile's first row, the expert's end row, column block); expert ==
+        # n_experts: the program has no tile
         es = tl.arange(0, BLOCK_E)
         live = es < n_experts
         ends = tl.load(offs_ptr + es, mask=live, other=0)
@@ -80,133 +80,162 @@ if triton is not None:
         size_m = tl.maximum(tl.minimum(num_m - first_m, GROUP_M), 1)
         pid_m = first_m + (local % group) % size_m
         pid_n = (local % group) // size_m
-        row0 = first_row + pid_m * BLOCK_M
-        rows = row0 + tl.arange(0, BLOCK_M)
-        return e, row0, rows, rows < end_row, pid_n
+        return e, first_row + pid_m * BLOCK_M, end_row, pid_n
 
     @triton.jit
-    def _gate_up_kernel(x_ptr, order_ptr, offs_ptr, w_ptr, act_ptr, n_experts, hidden, inter,
-                        stride_we, TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr,
-                        EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
-        n_col_blocks = tl.cdiv(inter, BLOCK_N)
-        e, row0, rows, row_mask, pid_n = _tile_of(tl.program_id(0), offs_ptr, n_experts,
-                                                       n_col_blocks, BLOCK_M, BLOCK_E, GROUP_M)
-        if e >= n_experts:
-            return
+    def _gate_up_rows(x_ptr, order_ptr, w, act_ptr, e, row0, end_row, pid_n, hidden, inter, stride_we,
+                      TOPK: tl.constexpr, BM: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+                      TMA: tl.constexpr):
+        # BM rows from row0 (those below end_row are the expert's) x BLOCK_N columns of gate and up
+        rows = row0 + tl.arange(0, BM)
+        row_mask = rows < end_row
         tokens = (tl.load(order_ptr + rows, mask=row_mask, other=0) // TOPK).to(tl.int64)
         ks = tl.arange(0, BLOCK_K)
         a_ptrs = x_ptr + tokens[:, None] * hidden + ks[None, :]
-        w_base = w_ptr + e.to(tl.int64) * stride_we
-        g_ptrs = w_base + (pid_n * BLOCK_N + tl.arange(0, BLOCK_N))[None, :].to(tl.int64) * hidden \
-            + ks[:, None]
-        u_ptrs = g_ptrs + inter * hidden
-        gmask = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) < inter
-        acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, hidden, BLOCK_K):
-            if EVEN_K:
-                a = tl.load(a_ptrs, mask=row_mask[:, None], other=0.0)
-                g = tl.load(g_ptrs, mask=gmask[None, :], other=0.0)
-                u = tl.load(u_ptrs, mask=gmask[None, :], other=0.0)
-            else:
-                k_mask = (k0 + ks) < hidden
-                a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-                g = tl.load(g_ptrs, mask=gmask[None, :] & k_mask[:, None], other=0.0)
-                u = tl.load(u_ptrs, mask=gmask[None, :] & k_mask[:, None], other=0.0)
-            acc_g = tl.dot(a, g, acc_g, input_precision=PRECISION)
-            acc_u = tl.dot(a, u, acc_u, input_precision=PRECISION)
-            a_ptrs += BLOCK_K
-            g_ptrs += BLOCK_K
-            u_ptrs += BLOCK_K
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         col_mask = cols < inter
+        acc_g = tl.zeros([BM, BLOCK_N], dtype=tl.float32)
+        acc_u = tl.zeros([BM, BLOCK_N], dtype=tl.float32)
+        if TMA:  # w: w1 as [E * 2I, hidden], box [BLOCK_N, BLOCK_K]; hidden % BLOCK_K == 0
+            g_row = e * 2 * inter + pid_n * BLOCK_N
+            for k0 in range(0, hidden, BLOCK_K):
+                a = tl.load(a_ptrs, mask=row_mask[:, None], other=0.0)
+                g = w.load([g_row, k0])
+                u = w.load([g_row + inter, k0])
+                acc_g = tl.dot(a, g.T, acc_g)
+                acc_u = tl.dot(a, u.T, acc_u)
+                a_ptrs += BLOCK_K
+        else:
+            g_ptrs = w + e.to(tl.int64) * stride_we + cols[None, :].to(tl.int64) * hidden + ks[:, None]
+            u_ptrs = g_ptrs + inter * hidden
+            for k0 in range(0, hidden, BLOCK_K):
+                if EVEN_K:
+                    a = tl.load(a_ptrs, mask=row_mask[:, None], other=0.0)
+                    g = tl.load(g_ptrs, mask=col_mask[None, :], other=0.0)
+                    u = tl.load(u_ptrs, mask=col_mask[None, :], other=0.0)
+                else:
+                    k_mask = (k0 + ks) < hidden
+                    a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+                    g = tl.load(g_ptrs, mask=col_mask[None, :] & k_mask[:, None], other=0.0)
+                    u = tl.load(u_ptrs, mask=col_mask[None, :] & k_mask[:, None], other=0.0)
+                acc_g = tl.dot(a, g, acc_g, input_precision=PRECISION)
+                acc_u = tl.dot(a, u, acc_u, input_precision=PRECISION)
+                a_ptrs += BLOCK_K
+                g_ptrs += BLOCK_K
+                u_ptrs += BLOCK_K
         act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
         tl.store(act_ptr + rows.to(tl.int64)[:, None] * inter + cols[None, :],
                  act.to(act_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
 
     @triton.jit
-    def _gate_up_tma_kernel(x_ptr, order_ptr, offs_ptr, w_desc, act_ptr, n_experts, hidden, inter,
-                            TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                            BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr):
-        # hidden % BLOCK_K == 0; w_desc: w1 as [E * 2I, hidden], box [BLOCK_N, BLOCK_K]
-        n_col_blocks = tl.cdiv(inter, BLOCK_N)
-        e, row0, rows, row_mask, pid_n = _tile_of(tl.program_id(0), offs_ptr, n_experts,
-                                                       n_col_blocks, BLOCK_M, BLOCK_E, GROUP_M)
+    def _gate_up_kernel(x_ptr, order_ptr, offs_ptr, w, act_ptr, n_experts, hidden, inter, stride_we,
+                        TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr,
+                        TAIL_M: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+                        TMA: tl.constexpr):
+        # an expert's last tile, when its rows fit, runs as a TAIL_M-row (or BLOCK_M // 2-row)
+        # tile: the flops of the rows past the expert's end are not spent
+        e, row0, end_row, pid_n = _tile_of(tl.program_id(0), offs_ptr, n_experts,
+                                           tl.cdiv(inter, BLOCK_N), BLOCK_M, BLOCK_E, GROUP_M)
         if e >= n_experts:
             return
-        tokens = (tl.load(order_ptr + rows, mask=row_mask, other=0) // TOPK).to(tl.int64)
-        ks = tl.arange(0, BLOCK_K)
-        a_ptrs = x_ptr + tokens[:, None] * hidden + ks[None, :]
-        g_row = e * 2 * inter + pid_n * BLOCK_N
-        acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, hidden, BLOCK_K):
-            a = tl.load(a_ptrs, mask=row_mask[:, None], other=0.0)
-            g = w_desc.load([g_row, k0])
-            u = w_desc.load([g_row + inter, k0])
-            acc_g = tl.dot(a, g.T, acc_g)
-            acc_u = tl.dot(a, u.T, acc_u)
-            a_ptrs += BLOCK_K
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
-        tl.store(act_ptr + rows.to(tl.int64)[:, None] * inter + cols[None, :],
-                 act.to(act_ptr.dtype.element_ty), mask=row_mask[:, None] & (cols < inter)[None, :])
+        n = end_row - row0
+        if TAIL_M == 0:
+            _gate_up_rows(x_ptr, order_ptr, w, act_ptr, e, row0, end_row, pid_n, hidden, inter,
+                          stride_we, TOPK, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, TMA)
+        elif TAIL_M * 2 < BLOCK_M:
+            if n <= TAIL_M:
+                _gate_up_rows(x_ptr, order_ptr, w, act_ptr, e, row0, end_row, pid_n, hidden, inter,
+                              stride_we, TOPK, TAIL_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, TMA)
+            elif n <= BLOCK_M // 2:
+                _gate_up_rows(x_ptr, order_ptr, w, act_ptr, e, row0, end_row, pid_n, hidden, inter,
+                              stride_we, TOPK, BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, TMA)
+            else:
+                _gate_up_rows(x_ptr, order_ptr, w, act_ptr, e, row0, end_row, pid_n, hidden, inter,
+                              stride_we, TOPK, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, TMA)
+        else:
+            if n <= TAIL_M:
+                _gate_up_rows(x_ptr, order_ptr, w, act_ptr, e, row0, end_row, pid_n, hidden, inter,
+                              stride_we, TOPK, TAIL_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, TMA)
+            else:
+                _gate_up_rows(x_ptr, order_ptr, w, act_ptr, e, row0, end_row, pid_n, hidden, inter,
+                              stride_we, TOPK, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, TMA)
 
     @triton.jit
-    def _down_tma_kernel(act_desc, order_ptr, offs_ptr, w_desc, y_ptr, n_experts, hidden, inter,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr):
-        # inter % BLOCK_K == 0; act_desc: [R, inter], box [BLOCK_M, BLOCK_K] (rows past the
-        # expert's end belong to the next expert: computed, never stored); w_desc: w2 as
-        # [E * hidden, inter], box [BLOCK_N, BLOCK_K]
-        n_col_blocks = tl.cdiv(hidden, BLOCK_N)
-        e, row0, rows, row_mask, pid_n = _tile_of(tl.program_id(0), offs_ptr, n_experts,
-                                                       n_col_blocks, BLOCK_M, BLOCK_E, GROUP_M)
-        if e >= n_experts:
-            return
-        w_row = e * hidden + pid_n * BLOCK_N
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, inter, BLOCK_K):
-            a = act_desc.load([row0, k0])
-            b = w_desc.load([w_row, k0])
-            acc = tl.dot(a, b.T, acc)
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        slots = tl.load(order_ptr + rows, mask=row_mask, other=0).to(tl.int64)
-        tl.store(y_ptr + slots[:, None] * hidden + cols[None, :], acc.to(y_ptr.dtype.element_ty),
-                 mask=row_mask[:, None] & (cols < hidden)[None, :])
-
-    @triton.jit
-    def _down_kernel(act_ptr, order_ptr, offs_ptr, w_ptr, y_ptr, n_experts, hidden, inter,
-                     stride_we, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
-                     PRECISION: tl.constexpr):
-        n_col_blocks = tl.cdiv(hidden, BLOCK_N)
-        e, row0, rows, row_mask, pid_n = _tile_of(tl.program_id(0), offs_ptr, n_experts,
-                                                       n_col_blocks, BLOCK_M, BLOCK_E, GROUP_M)
-        if e >= n_experts:
-            return
+    def _down_rows(act_ptr, act_desc, order_ptr, w, y_ptr, e, row0, end_row, pid_n, hidden, inter,
+                   stride_we, BM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   EVEN_K: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr,
+                   A_DESC: tl.constexpr):
+        # y[order[r]] = act[r] @ d_e.T for BM rows from row0 x BLOCK_N columns
+        rows = row0 + tl.arange(0, BM)
+        row_mask = rows < end_row
         rows64 = rows.to(tl.int64)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         col_mask = cols < hidden
         ks = tl.arange(0, BLOCK_K)
         a_ptrs = act_ptr + rows64[:, None] * inter + ks[None, :]
-        b_ptrs = w_ptr + e.to(tl.int64) * stride_we + cols[None, :].to(tl.int64) * inter + ks[:, None]
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, inter, BLOCK_K):
-            if EVEN_K:
-                a = tl.load(a_ptrs, mask=row_mask[:, None], other=0.0)
-                b = tl.load(b_ptrs, mask=col_mask[None, :], other=0.0)
-            else:
-                k_mask = (k0 + ks) < inter
-                a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-                b = tl.load(b_ptrs, mask=col_mask[None, :] & k_mask[:, None], other=0.0)
-            acc = tl.dot(a, b, acc, input_precision=PRECISION)
-            a_ptrs += BLOCK_K
-            b_ptrs += BLOCK_K
+        acc = tl.zeros([BM, BLOCK_N], dtype=tl.float32)
+        if TMA:  # w: w2 as [E * hidden, inter], box [BLOCK_N, BLOCK_K]; inter % BLOCK_K == 0
+            w_row = e * hidden + pid_n * BLOCK_N
+            for k0 in range(0, inter, BLOCK_K):
+                if A_DESC:  # act as [R, inter], box [BM, BLOCK_K]: rows past the expert's end
+                    # belong to the next expert: computed, never stored
+                    a = act_desc.load([row0, k0])
+                else:
+                    a = tl.load(a_ptrs, mask=row_mask[:, None], other=0.0)
+                b = w.load([w_row, k0])
+                acc = tl.dot(a, b.T, acc)
+                a_ptrs += BLOCK_K
+        else:
+            b_ptrs = w + e.to(tl.int64) * stride_we + cols[None, :].to(tl.int64) * inter + ks[:, None]
+            for k0 in range(0, inter, BLOCK_K):
+                if EVEN_K:
+                    a = tl.load(a_ptrs, mask=row_mask[:, None], other=0.0)
+                    b = tl.load(b_ptrs, mask=col_mask[None, :], other=0.0)
+                else:
+                    k_mask = (k0 + ks) < inter
+                    a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+                    b = tl.load(b_ptrs, mask=col_mask[None, :] & k_mask[:, None], other=0.0)
+                acc = tl.dot(a, b, acc, input_precision=PRECISION)
+                a_ptrs += BLOCK_K
+                b_ptrs += BLOCK_K
         slots = tl.load(order_ptr + rows, mask=row_mask, other=0).to(tl.int64)
         tl.store(y_ptr + slots[:, None] * hidden + cols[None, :], acc.to(y_ptr.dtype.element_ty),
                  mask=row_mask[:, None] & col_mask[None, :])
+
+    @triton.jit
+    def _down_kernel(act_ptr, act_desc, order_ptr, offs_ptr, w, y_ptr, n_experts, hidden, inter,
+                     stride_we, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr, TAIL_M: tl.constexpr,
+                     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr):
+        # the tails as in _gate_up_kernel; act_desc (TMA: a [BLOCK_M, BLOCK_K] box) serves the
+        # full tiles, the tails read act through pointers
+        e, row0, end_row, pid_n = _tile_of(tl.program_id(0), offs_ptr, n_experts,
+                                           tl.cdiv(hidden, BLOCK_N), BLOCK_M, BLOCK_E, GROUP_M)
+        if e >= n_experts:
+            return
+        n = end_row - row0
+        if TAIL_M == 0:
+            _down_rows(act_ptr, act_desc, order_ptr, w, y_ptr, e, row0, end_row, pid_n, hidden, inter,
+                       stride_we, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, TMA, TMA)
+        elif TAIL_M * 2 < BLOCK_M:
+            if n <= TAIL_M:
+                _down_rows(act_ptr, act_desc, order_ptr, w, y_ptr, e, row0, end_row, pid_n, hidden,
+                           inter, stride_we, TAIL_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, TMA, False)
+            elif n <= BLOCK_M // 2:
+                _down_rows(act_ptr, act_desc, order_ptr, w, y_ptr, e, row0, end_row, pid_n, hidden,
+                           inter, stride_we, BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, TMA, False)
+            else:
+                _down_rows(act_ptr, act_desc, order_ptr, w, y_ptr, e, row0, end_row, pid_n, hidden,
+                           inter, stride_we, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, TMA, TMA)
+        else:
+            if n <= TAIL_M:
+                _down_rows(act_ptr, act_desc, order_ptr, w, y_ptr, e, row0, end_row, pid_n, hidden,
+                           inter, stride_we, TAIL_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, TMA, False)
+            else:
+                _down_rows(act_ptr, act_desc, order_ptr, w, y_ptr, e, row0, end_row, pid_n, hidden,
+                           inter, stride_we, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, TMA, TMA)
 
     @triton.jit
     def _down_short_k_kernel(act_ptr, order_ptr, offs_ptr, w_ptr, y_ptr, n_experts, hidden, inter,
@@ -217,10 +246,12 @@ if triton is not None:
         # column blocks; the loop over columns is the one Triton pipelines (the next weight tile
         # loads while this one multiplies), where a K loop of a few steps would not pipeline
         n_col_groups = tl.cdiv(tl.cdiv(hidden, BLOCK_N), N_PER_PROGRAM)
-        e, row0, rows, row_mask, pid_g = _tile_of(tl.program_id(0), offs_ptr, n_experts,
-                                                       n_col_groups, BLOCK_M, BLOCK_E, GROUP_M)
+        e, row0, end_row, pid_g = _tile_of(tl.program_id(0), offs_ptr, n_experts, n_col_groups,
+                                           BLOCK_M, BLOCK_E, GROUP_M)
         if e >= n_experts:
             return
+        rows = row0 + tl.arange(0, BLOCK_M)
+        row_mask = rows < end_row
         ks = tl.arange(0, BLOCK_K)
         k_mask = ks < inter
         a = tl.load(act_ptr + rows.to(tl.int64)[:, None] * inter + ks[None, :],
@@ -285,6 +316,14 @@ def _grid(cfg: GemmConfig, pairs: int, n_experts: int, cols: int) -> tuple[int]:
     return ((triton.cdiv(pairs, cfg.block_m) + n_experts) * triton.cdiv(cols, cfg.block_n),)
 
 
+def _tail(cfg: GemmConfig) -> int:
+    # 0 (off) or a smaller power of two >= 16 (tl.dot's least M)
+    t = cfg.tail_m
+    if t and (t < 16 or t >= cfg.block_m or t & (t - 1)):
+        raise ValueError(f"tail_m must be 0 or a power of two in [16, block_m), got {t} (block_m {cfg.block_m})")
+    return t
+
+
 def _precision(x: torch.Tensor) -> str:
     return "ieee" if x.dtype == torch.float32 else "tf32"
 
@@ -296,19 +335,14 @@ def launch_gate_up(x: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, 
     n_experts, two_inter, hidden = w1.shape
     inter = two_inter // 2
     cfg = FP32_CONFIG if x.element_size() > 2 else cfg
-    if cfg.tma and hidden % cfg.block_k == 0:
-        desc = TensorDescriptor.from_tensor(w1.view(n_experts * two_inter, hidden),
-                                            [cfg.block_n, cfg.block_k])
-        _gate_up_tma_kernel[_grid(cfg, pairs, n_experts, inter)](
-            x, order, offsets, desc, act, n_experts, hidden, inter, TOPK=topk, BLOCK_M=cfg.block_m,
-            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_E=_block_e(n_experts), GROUP_M=cfg.group_m,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-        return
+    tma = cfg.tma and hidden % cfg.block_k == 0
+    w = TensorDescriptor.from_tensor(w1.view(n_experts * two_inter, hidden), [cfg.block_n, cfg.block_k]) \
+        if tma else w1
     _gate_up_kernel[_grid(cfg, pairs, n_experts, inter)](
-        x, order, offsets, w1, act, n_experts, hidden, inter, w1.stride(0), TOPK=topk,
+        x, order, offsets, w, act, n_experts, hidden, inter, w1.stride(0), TOPK=topk,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_E=_block_e(n_experts),
-        GROUP_M=cfg.group_m, EVEN_K=hidden % cfg.block_k == 0, PRECISION=_precision(x),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        GROUP_M=cfg.group_m, TAIL_M=_tail(cfg), EVEN_K=hidden % cfg.block_k == 0,
+        PRECISION=_precision(x), TMA=tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def launch_down(act: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, w2: torch.Tensor,
@@ -326,19 +360,16 @@ def launch_down(act: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, w
             N_PER_PROGRAM=cfg.n_per_program, BLOCK_E=_block_e(n_experts), GROUP_M=cfg.group_m,
             PRECISION=_precision(act), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         return
-    if cfg.tma and inter % cfg.block_k == 0:
+    tma = cfg.tma and inter % cfg.block_k == 0
+    a_desc, w = act, w2
+    if tma:
         a_desc = TensorDescriptor.from_tensor(act, [cfg.block_m, cfg.block_k])
-        w_desc = TensorDescriptor.from_tensor(w2.view(n_experts * hidden, inter), [cfg.block_n, cfg.block_k])
-        _down_tma_kernel[_grid(cfg, pairs, n_experts, hidden)](
-            a_desc, order, offsets, w_desc, y, n_experts, hidden, inter, BLOCK_M=cfg.block_m,
-            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_E=_block_e(n_experts), GROUP_M=cfg.group_m,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-        return
+        w = TensorDescriptor.from_tensor(w2.view(n_experts * hidden, inter), [cfg.block_n, cfg.block_k])
     _down_kernel[_grid(cfg, pairs, n_experts, hidden)](
-        act, order, offsets, w2, y, n_experts, hidden, inter, w2.stride(0),
+        act, a_desc, order, offsets, w, y, n_experts, hidden, inter, w2.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_E=_block_e(n_experts),
-        GROUP_M=cfg.group_m, EVEN_K=inter % cfg.block_k == 0, PRECISION=_precision(act),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        GROUP_M=cfg.group_m, TAIL_M=_tail(cfg), EVEN_K=inter % cfg.block_k == 0,
+        PRECISION=_precision(act), TMA=tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def fused_swiglu_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
@@ -373,7 +404,8 @@ def fused_swiglu_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
     order, offsets = route_order(topk_ids, n_experts, bounds)
     pairs = m * topk if max_local_pairs is None else min(max_local_pairs, m * topk)
     if configs is None:
-        configs = pick_configs(pairs / n_experts if rows_per_expert is None else rows_per_expert, inter)
+        configs = pick_configs(pairs / n_experts if rows_per_expert is None else rows_per_expert, inter,
+                               n_experts)
     up_cfg, down_cfg = configs
     act = torch.empty(m * topk, inter, dtype=x.dtype, device=x.device)
     launch_gate_up(x, order, offsets, w1, act, up_cfg, pairs, topk)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["GemmConfig", "CONFIGS", "FP32_CONFIG", "DOWN_LONG_K", "FUSED_MAX_ROWS_PER_EXPERT",
+__all__ = ["GemmConfig", "CONFIGS", "FP32_CONFIG", "FEW_EXPERTS_UP", "FUSED_MAX_ROWS_PER_EXPERT",
            "prefer_fused", "pick_configs"]
 
 
@@ -29,25 +29,37 @@ class GemmConfig:
     #: load the weight tiles (and the down GEMM's activation tiles) with the Hopper tensor
     #: memory accelerator (a host-side TMA descriptor) instead of per-thread async copies
     tma: bool = False
+    #: 0, or a power of two in [16, block_m): an expert's last tile whose rows fit in it runs as
+    #: a ``tail_m``-row tile (else, when they fit in ``block_m // 2``, as a half tile), so the
+    #: rows past the expert's end cost no flops (K-loop kernels only)
+    tail_m: int = 0
 
 
 #: 4-byte inputs (float32: tests, references) take this small tile: shared memory holds twice
 #: the bytes per element, and speed does not matter there
-FP32_CONFIG = GemmConfig(64, 64, 32, 8, 4, 2)
+FP32_CONFIG = GemmConfig(64, 64, 32, 8, 4, 2, tail_m=16)
 
 
 #: (largest estimated rows per expert, gate_up tile, down tile, down tile when I <= 256), first
-#: match wins. From the tile sweeps on an H200 (tests/gpu/tune_experts.py, docs/perf_notes.md).
+#: match wins. From the tile sweeps on an H200 (tests/gpu/tune_experts.py over I 256/768/2048,
+#: 32/128/256 local experts, 32-512 rows per expert; docs/perf_notes.md section 5): 128-row tiles
+#: up to 192 rows per expert, 64-row tiles above (fewer rows computed past each expert's end);
+#: the down GEMM's 128x256 tile with 16-row tails for I > 256.
+_DOWN_TAIL = GemmConfig(128, 256, 64, 8, 8, 4, tma=True, tail_m=16)
 CONFIGS: tuple[tuple[int, GemmConfig, GemmConfig, GemmConfig], ...] = (
-    (48, GemmConfig(64, 64, 64, 8, 4, 4, tma=True), GemmConfig(64, 128, 64, 8, 4, 4, tma=True),
-     GemmConfig(64, 128, 256, 8, 4, 2, n_per_program=8)),
-    (96, GemmConfig(128, 128, 64, 8, 8, 4, tma=True), GemmConfig(128, 256, 64, 8, 8, 4),
+    (48, GemmConfig(64, 128, 64, 8, 4, 5, tma=True), _DOWN_TAIL,
+     GemmConfig(64, 64, 256, 8, 4, 4, n_per_program=16)),
+    (96, GemmConfig(128, 128, 64, 8, 8, 4, tma=True, tail_m=32), _DOWN_TAIL,
+     GemmConfig(64, 64, 256, 8, 4, 4, n_per_program=16)),
+    (192, GemmConfig(128, 128, 64, 8, 8, 4, tma=True, tail_m=32), _DOWN_TAIL,
      GemmConfig(128, 64, 256, 8, 4, 3, n_per_program=16)),
-    (192, GemmConfig(128, 128, 64, 8, 8, 4, tma=True), GemmConfig(128, 256, 64, 8, 8, 4, tma=True),
-     GemmConfig(128, 64, 256, 8, 4, 3, n_per_program=16)),
-    (1 << 62, GemmConfig(128, 128, 64, 8, 8, 3, tma=True), GemmConfig(128, 256, 64, 8, 8, 4, tma=True),
+    (1 << 62, GemmConfig(64, 128, 64, 8, 4, 4, tma=True), _DOWN_TAIL,
      GemmConfig(128, 64, 256, 8, 4, 3, n_per_program=16)),
 )
+
+#: few local experts (<= 64) and up to 96 rows each: too few 128-row tiles to fill the GPU,
+#: so I <= 256 takes this small gate/up tile (more programs, plain loads)
+FEW_EXPERTS_UP = GemmConfig(64, 64, 64, 8, 4, 4)
 
 #: above this many estimated rows per expert, with I > 1024, the unfused steps (CUTLASS's
 #: grouped GEMM through ``torch._grouped_mm``) beat the fused Triton kernels on an H200 (by ~5%
@@ -56,23 +68,21 @@ CONFIGS: tuple[tuple[int, GemmConfig, GemmConfig, GemmConfig], ...] = (
 FUSED_MAX_ROWS_PER_EXPERT = 768
 
 
-#: the down tile for I >= 2048 between 96 and 384 rows per expert (the last sweep: 2.85 against
-#: 2.94 ms at 128 rows, 4.50 against 4.77 ms at 256, I=2048 and 256 experts)
-DOWN_LONG_K = GemmConfig(128, 128, 64, 8, 4, 5, tma=True)
-
-
 def prefer_fused(rows_per_expert: float, intermediate: int) -> bool:
     """Whether the fused kernels are expected to beat the unfused steps at this size."""
     return intermediate <= 1024 or rows_per_expert <= FUSED_MAX_ROWS_PER_EXPERT
 
 
-def pick_configs(rows_per_expert: float, intermediate: int = 1 << 30) -> tuple[GemmConfig, GemmConfig]:
+def pick_configs(rows_per_expert: float, intermediate: int = 1 << 30,
+                 local_experts: int | None = None) -> tuple[GemmConfig, GemmConfig]:
     """The ``(gate_up, down)`` tiles for an estimated number of rows per local expert."""
     for bound, up, down, down_short in CONFIGS:
         if rows_per_expert <= bound:
             if intermediate <= 256:
                 down = down_short
-            elif intermediate >= 2048 and 96 < rows_per_expert <= 384:
-                down = DOWN_LONG_K
+                if local_experts is not None and local_experts <= 64 and rows_per_expert <= 96:
+                    up = FEW_EXPERTS_UP
+                elif 192 < rows_per_expert <= 384:
+                    up = CONFIGS[2][1]  # I <= 256 keeps the 128-row tile to 384 rows
             return up, down
     raise AssertionError("the last CONFIGS bound covers every size")

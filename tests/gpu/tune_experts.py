@@ -39,13 +39,28 @@ UP = [C(64, 64, 64, 8, 4, 4), C(128, 128, 64, 8, 8, 4), C(128, 128, 64, 8, 8, 3)
       C(128, 64, 64, 8, 8, 4, tma=True), C(128, 128, 64, 8, 8, 3, tma=True),
       C(128, 128, 64, 8, 8, 4, tma=True), C(128, 64, 128, 8, 8, 3, tma=True),
       C(128, 128, 32, 8, 8, 6, tma=True), C(64, 128, 64, 8, 4, 5, tma=True),
-      C(128, 64, 64, 8, 4, 5, tma=True)]
+      C(128, 64, 64, 8, 4, 5, tma=True), C(64, 128, 64, 8, 4, 4, tma=True),
+      C(64, 256, 64, 8, 8, 3, tma=True), C(64, 64, 128, 8, 4, 3, tma=True),
+      C(64, 128, 64, 4, 4, 5, tma=True),
+      # an expert's last tile as a 32-row (or half) tile when its rows fit
+      C(128, 128, 64, 8, 8, 4, tma=True, tail_m=32), C(128, 128, 64, 8, 8, 3, tma=True, tail_m=32),
+      C(128, 128, 32, 8, 8, 6, tma=True, tail_m=32), C(64, 128, 64, 8, 4, 5, tma=True, tail_m=32),
+      C(64, 128, 64, 8, 4, 4, tma=True, tail_m=16), C(128, 128, 64, 8, 8, 4, tma=True, tail_m=16),
+      C(128, 256, 64, 8, 8, 3, tma=True, tail_m=32)]
 DOWN = [C(64, 128, 64, 8, 4, 4), C(128, 128, 64, 8, 8, 3), C(128, 256, 64, 8, 8, 4),
         C(64, 128, 64, 8, 4, 4, tma=True), C(128, 128, 64, 8, 8, 4, tma=True),
         C(128, 256, 64, 8, 8, 3, tma=True), C(128, 256, 64, 8, 8, 4, tma=True),
         C(128, 128, 128, 8, 8, 3, tma=True), C(128, 256, 32, 8, 8, 6, tma=True),
-        C(128, 128, 64, 8, 4, 5, tma=True), C(64, 256, 64, 8, 8, 5, tma=True)]
-SHORT_K = [C(64, 128, 256, 8, 4, 2, n_per_program=8), C(128, 64, 256, 8, 4, 3, n_per_program=16)]
+        C(128, 128, 64, 8, 4, 5, tma=True), C(64, 256, 64, 8, 8, 5, tma=True),
+        C(64, 256, 64, 8, 4, 4, tma=True), C(64, 128, 128, 8, 4, 3, tma=True),
+        C(64, 64, 64, 8, 4, 6, tma=True),
+        C(128, 256, 64, 8, 8, 4, tma=True, tail_m=32), C(128, 256, 64, 8, 8, 3, tma=True, tail_m=32),
+        C(128, 256, 32, 8, 8, 6, tma=True, tail_m=32), C(64, 256, 64, 8, 8, 5, tma=True, tail_m=32),
+        C(128, 128, 64, 8, 4, 5, tma=True, tail_m=32), C(128, 256, 64, 8, 8, 4, tma=True, tail_m=16)]
+SHORT_K = [C(64, 128, 256, 8, 4, 2, n_per_program=8), C(128, 64, 256, 8, 4, 3, n_per_program=16),
+           C(64, 64, 256, 8, 4, 3, n_per_program=8), C(64, 128, 256, 8, 4, 3, n_per_program=4),
+           C(128, 128, 256, 8, 8, 2, n_per_program=8), C(64, 64, 256, 8, 4, 4, n_per_program=16),
+           C(128, 64, 256, 8, 4, 3, n_per_program=4)]
 
 
 def median_ms(fn, reps: int) -> float:
@@ -68,13 +83,14 @@ def main() -> int:
     p.add_argument("--intermediate", type=int, nargs="+", default=[256, 768, 2048])
     p.add_argument("--local-experts", type=int, nargs="+", default=[256])
     p.add_argument("--tokens", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384, 65536])
+    p.add_argument("--no-check", action="store_true", help="skip the candidates' correctness check")
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--json", default=None)
     a = p.parse_args()
     lim = measure_device_limits()
     print(lim.describe(), flush=True)
     hidden, topk, rows = 7168, 8, []
-    checked = False
+    checked = a.no_check
     with torch.inference_mode():
         for inter in a.intermediate:
             for n_local in a.local_experts:
@@ -122,11 +138,16 @@ def main() -> int:
                             launch_down(ac, o, f, cs.w2, yy, c, n), a.reps)
                     bu = min(res["up"], key=res["up"].get)
                     bd = min(res["down"], key=res["down"].get)
+                    for g in ("up", "down"):
+                        top = sorted(res[g], key=res[g].get)[:3]
+                        print(f"  {g} top: " + "; ".join(f"{k} {res[g][k]:.3f}" for k in top), flush=True)
                     print(f"I={inter:>4} L={n_local:>3} T={t:>5} rows/e={res['rows_per_expert']:>6.0f} | "
                           "up best "
                           f"{res['up'][bu]:.3f} ms ({res['up'][bu] / up_lim:.2f}x) {bu} | down best "
                           f"{res['down'][bd]:.3f} ms ({res['down'][bd] / down_lim:.2f}x) {bd}", flush=True)
                     rows.append(res)
+                    if a.json:  # after every shape: a run cut short still leaves its rows
+                        Path(a.json).write_text(json.dumps({"limits": lim.as_dict(), "rows": rows}, indent=1))
                     del act, y, order, offsets, case
                 del w
                 torch.cuda.empty_cache()
