@@ -175,6 +175,16 @@ for seed, m, n_local, topk, host, red in [(0, 37, 5, 3, False, True), (1, 37, 5,
     out = _apply(SwiGLUExperts(use_triton=True, reduce_in_experts=red), x, w1, w2, weights, ids, host)
     err = relative_error(out, ref)
     assert err < 1e-5, (seed, err)
+from dbo.moe.fused_experts import route_order
+for seed, (m, topk, n_local) in enumerate([(37, 3, 5), (700, 8, 16), (300, 8, 256), (2048, 8, 32)]):
+    ids = torch.randint(-1, n_local + 2, (m, topk), generator=torch.Generator().manual_seed(seed))
+    order, offsets = route_order(ids.to(torch.int32), n_local)  # the counting sort, several chunks
+    flat = ids.reshape(-1)
+    local = (flat >= 0) & (flat < n_local)
+    rows = order[:int(local.sum())].long()
+    assert sorted(rows.tolist()) == torch.nonzero(local).flatten().tolist(), seed
+    assert (flat[rows][1:] >= flat[rows][:-1]).all(), seed
+    assert torch.equal(offsets.long(), torch.cumsum(torch.bincount(flat[local], minlength=n_local), 0))
 print("ok")
 """
 
