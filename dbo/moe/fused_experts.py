@@ -3,8 +3,10 @@
 ``out[m] = sum over local slots s of w[m, s] * (silu(x[m] @ g_e.T) * (x[m] @ u_e.T)) @ d_e.T``
 with ``e = topk_ids[m, s]``, ``[g_e; u_e] = w1[e]`` and ``d_e = w2[e]``.
 
-1. The (token, slot) pairs are sorted by local expert on the device (one 16-bit radix sort);
-   each expert's end row comes from a ``searchsorted`` of the sorted keys. Nothing is read back.
+1. The (token, slot) pairs are sorted by local expert on the device: up to ``ROUTE_MAX_PAIRS``
+   a counting sort in two Triton launches (a histogram per chunk, then each pair's place),
+   above it one 16-bit radix sort and a ``searchsorted`` for each expert's end row. Nothing is
+   read back.
 2. ``gate_up``: a grouped GEMM whose prologue gathers each row's token from ``x`` (no gathered
    copy of the activations) and whose epilogue applies ``silu(gate) * up`` (no ``[R, 2I]``
    intermediate): it computes the gate and up tiles of the same columns side by side.
@@ -18,14 +20,18 @@ A program finds its expert and its tile from the device offsets itself (a scan o
 expert's tiles return at once. Within an expert the tiles are visited in groups of ``group_m``
 row blocks per column block, so that concurrent programs share weight tiles in L2.
 
-Tile sizes come from :mod:`dbo.moe.fused_tiles` (per bucket of rows per expert, measured on an
-H200: see docs/perf_notes.md); ``configs=`` overrides.
+Both GEMMs' tiles are ``BLOCK_M`` rows of one expert; an expert's last tile, when its rows fit,
+runs as a smaller tile (``GemmConfig.tail_m``, or half of ``BLOCK_M``), so the rows past the
+expert's end cost no flops (at 128 rows per expert a 128-row tile computed 1.5x the rows).
+Tile sizes come from :mod:`dbo.moe.fused_tiles` (per bucket of rows per expert, intermediate
+size and local experts, measured on an H200: see docs/perf_notes.md); ``configs=`` overrides.
 """
 
 from __future__ import annotations
 
 import torch
 
+from dbo.moe.fused_route import route_order
 from dbo.moe.fused_tiles import (
     CONFIGS,
     FP32_CONFIG,
@@ -48,53 +54,6 @@ except ImportError:  # the module is only used where Triton is importable
 
 
 if triton is not None:
-
-    @triton.jit
-    def _route_keys_kernel(ids_ptr, key_ptr, n, n_experts, BLOCK: tl.constexpr):
-        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        mask = i < n
-        ids = tl.load(ids_ptr + i, mask=mask, other=-1)
-        local = (ids >= 0) & (ids < n_experts)
-        tl.store(key_ptr + i, tl.where(local, ids, n_experts).to(tl.int16), mask=mask)
-
-    @triton.jit
-    def _route_count_kernel(ids_ptr, hist_ptr, n, n_experts, CHUNK: tl.constexpr,
-                            BLOCK_E: tl.constexpr):
-        # hist[c, e]: pairs of chunk c routed to local expert e
-        c = tl.program_id(0)
-        i = c * CHUNK + tl.arange(0, CHUNK)
-        ids = tl.load(ids_ptr + i, mask=i < n, other=-1)
-        local = (ids >= 0) & (ids < n_experts)
-        tl.store(hist_ptr + c * BLOCK_E + tl.arange(0, BLOCK_E),
-                 tl.histogram(tl.where(local, ids, 0).to(tl.int32), BLOCK_E, mask=local))
-
-    @triton.jit
-    def _route_place_kernel(ids_ptr, hist_ptr, adj_ptr, order_ptr, offs_ptr, n, n_experts, n_chunks,
-                            CHUNK: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr):
-        # a counting sort: expert e's rows start after every smaller expert's rows and after
-        # expert e's rows of the earlier chunks; within the chunk a pair's rank among its
-        # expert's pairs is its place in the sorted chunk minus where its expert starts there
-        c = tl.program_id(0)
-        es = tl.arange(0, BLOCK_E)
-        cs = tl.arange(0, BLOCK_C)
-        h = tl.load(hist_ptr + cs[:, None] * BLOCK_E + es[None, :], mask=(cs < n_chunks)[:, None], other=0)
-        total = tl.sum(h, 0)
-        before = tl.sum(tl.where((cs < c)[:, None], h, 0), 0)
-        own = tl.sum(tl.where((cs == c)[:, None], h, 0), 0)
-        ends = tl.cumsum(total, 0)
-        if c == 0:
-            tl.store(offs_ptr + es, ends, mask=es < n_experts)
-        # adj[e] = expert e's first row for this chunk - its first place in the sorted chunk
-        tl.store(adj_ptr + c * BLOCK_E + es, ends - total + before - (tl.cumsum(own, 0) - own))
-        tl.debug_barrier()
-        i = tl.arange(0, CHUNK)
-        ids = tl.load(ids_ptr + c * CHUNK + i, mask=c * CHUNK + i < n, other=-1)
-        key = tl.where((ids >= 0) & (ids < n_experts), ids, BLOCK_E).to(tl.int32)
-        v = tl.sort(key * CHUNK + i)  # other ranks' pairs (and past the end) sort last
-        e = v // CHUNK
-        local = e < n_experts
-        pos = tl.load(adj_ptr + c * BLOCK_E + e, mask=local, other=0) + i
-        tl.store(order_ptr + pos, c * CHUNK + v % CHUNK, mask=local)
 
     @triton.jit
     def _tile_of(pid, offs_ptr, n_experts, n_col_blocks, BLOCK_M: tl.constexpr,
@@ -327,50 +286,6 @@ def _block_e(n_experts: int) -> int:
     return max(16, triton.next_power_of_2(n_experts))
 
 
-#: pairs per program of the Triton counting sort, and the most pairs it takes (above, torch.sort)
-ROUTE_CHUNK = 1024
-ROUTE_MAX_PAIRS = 64 * 1024
-
-
-def route_order(topk_ids: torch.Tensor, num_local_experts: int,
-                bounds: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sort the pairs of ``topk_ids`` (``[M, topk]`` local ids, others ``-1`` or out of range)
-    by local expert on the device.
-
-    Returns ``(order, offsets)``: ``order`` ``[M * topk]`` int32 (int64 above
-    ``ROUTE_MAX_PAIRS``), the pair (``m * topk + s``) of each sorted row (the local pairs first;
-    past ``offsets[-1]`` unspecified); ``offsets`` ``[E]`` int32, each expert's end row. Up to ``ROUTE_MAX_PAIRS`` pairs a counting
-    sort in two Triton launches (a histogram per chunk, then the places), where torch's radix
-    sort and the ``searchsorted`` take about ten launches and ~0.1 ms of host time; above it,
-    where the GPU time dominates, the radix sort (``bounds``: optional cached ``arange(1, E +
-    1)`` int16 on the device for its ``searchsorted``). The order inside an expert is not fixed
-    and changes no sum (each row is its own output). No host sync.
-    """
-    if num_local_experts >= 2**15 - 1:
-        raise ValueError(f"at most {2**15 - 2} local experts, got {num_local_experts}")
-    ids = topk_ids.reshape(-1).contiguous()
-    n = ids.numel()
-    if 0 < n <= ROUTE_MAX_PAIRS:
-        block_e = max(16, triton.next_power_of_2(num_local_experts))
-        chunks = triton.cdiv(n, ROUTE_CHUNK)
-        scratch = torch.empty(2, chunks, block_e, dtype=torch.int32, device=ids.device)
-        order = torch.empty(n, dtype=torch.int32, device=ids.device)
-        offsets = torch.empty(num_local_experts, dtype=torch.int32, device=ids.device)
-        _route_count_kernel[(chunks,)](ids, scratch[0], n, num_local_experts, CHUNK=ROUTE_CHUNK,
-                                       BLOCK_E=block_e)
-        _route_place_kernel[(chunks,)](ids, scratch[0], scratch[1], order, offsets, n,
-                                       num_local_experts, chunks, CHUNK=ROUTE_CHUNK, BLOCK_E=block_e,
-                                       BLOCK_C=max(2, triton.next_power_of_2(chunks)), num_warps=8)
-        return order, offsets
-    key = torch.empty(n, dtype=torch.int16, device=ids.device)
-    _route_keys_kernel[(triton.cdiv(n, 1024),)](ids, key, n, num_local_experts, BLOCK=1024)
-    sorted_key, order = torch.sort(key)
-    if bounds is None:
-        bounds = torch.arange(1, num_local_experts + 1, dtype=torch.int16, device=ids.device)
-    offsets = torch.searchsorted(sorted_key, bounds).to(torch.int32)
-    return order, offsets
-
-
 def _grid(cfg: GemmConfig, pairs: int, n_experts: int, cols: int) -> tuple[int]:
     # sum over experts of ceil(rows_e / BLOCK_M) <= pairs / BLOCK_M + E
     return ((triton.cdiv(pairs, cfg.block_m) + n_experts) * triton.cdiv(cols, cfg.block_n),)
@@ -380,7 +295,8 @@ def _tail(cfg: GemmConfig) -> int:
     # 0 (off) or a smaller power of two >= 16 (tl.dot's least M)
     t = cfg.tail_m
     if t and (t < 16 or t >= cfg.block_m or t & (t - 1)):
-        raise ValueError(f"tail_m must be 0 or a power of two in [16, block_m), got {t} (block_m {cfg.block_m})")
+        raise ValueError(f"tail_m must be 0 or a power of two in [16, block_m), got {t} "
+                         f"(block_m {cfg.block_m})")
     return t
 
 

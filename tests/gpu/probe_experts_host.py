@@ -15,6 +15,7 @@ import argparse
 import json
 import statistics
 import time
+from functools import partial
 
 import torch
 
@@ -81,7 +82,7 @@ def main() -> None:
             case = make_case(tokens, 7168, inter, local)
             ex = SwiGLUExperts(num_global_experts=256)
             ws = Workspace()
-            fn = lambda: _apply(ex, case, False, ws)  # noqa: E731
+            fn = partial(_apply, ex, case, False, ws)
             for _ in range(5):
                 fn()
             torch.cuda.synchronize()
@@ -92,10 +93,10 @@ def main() -> None:
             up, down = fe.pick_configs(tokens * topk / 256, inter, local)
             act = torch.empty(pairs, inter, dtype=case.x.dtype, device="cuda")
             y = torch.empty(pairs, 7168, dtype=case.x.dtype, device="cuda")
-            steps = {
-                "route": lambda: fe.route_order(ids, local),
-                "gate_up": lambda: fe.launch_gate_up(case.x, order, offsets, case.w1, act, up, pairs, topk),
-                "down": lambda: fe.launch_down(act, order, offsets, case.w2, y, down, pairs),
+            steps = {  # partials: bound now, called within this iteration
+                "route": partial(fe.route_order, ids, local),
+                "gate_up": partial(fe.launch_gate_up, case.x, order, offsets, case.w1, act, up, pairs, topk),
+                "down": partial(fe.launch_down, act, order, offsets, case.w2, y, down, pairs),
             }
             for f in steps.values():
                 f()
