@@ -291,15 +291,6 @@ def _grid(cfg: GemmConfig, pairs: int, n_experts: int, cols: int) -> tuple[int]:
     return ((triton.cdiv(pairs, cfg.block_m) + n_experts) * triton.cdiv(cols, cfg.block_n),)
 
 
-def _tail(cfg: GemmConfig) -> int:
-    # 0 (off) or a smaller power of two >= 16 (tl.dot's least M)
-    t = cfg.tail_m
-    if t and (t < 16 or t >= cfg.block_m or t & (t - 1)):
-        raise ValueError(f"tail_m must be 0 or a power of two in [16, block_m), got {t} "
-                         f"(block_m {cfg.block_m})")
-    return t
-
-
 def _precision(x: torch.Tensor) -> str:
     return "ieee" if x.dtype == torch.float32 else "tf32"
 
@@ -317,7 +308,7 @@ def launch_gate_up(x: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, 
     _gate_up_kernel[_grid(cfg, pairs, n_experts, inter)](
         x, order, offsets, w, act, n_experts, hidden, inter, w1.stride(0), TOPK=topk,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_E=_block_e(n_experts),
-        GROUP_M=cfg.group_m, TAIL_M=_tail(cfg), EVEN_K=hidden % cfg.block_k == 0,
+        GROUP_M=cfg.group_m, TAIL_M=cfg.tail_m, EVEN_K=hidden % cfg.block_k == 0,
         PRECISION=_precision(x), TMA=tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
@@ -344,7 +335,7 @@ def launch_down(act: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, w
     _down_kernel[_grid(cfg, pairs, n_experts, hidden)](
         act, a_desc, order, offsets, w, y, n_experts, hidden, inter, w2.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_E=_block_e(n_experts),
-        GROUP_M=cfg.group_m, TAIL_M=_tail(cfg), EVEN_K=inter % cfg.block_k == 0,
+        GROUP_M=cfg.group_m, TAIL_M=cfg.tail_m, EVEN_K=inter % cfg.block_k == 0,
         PRECISION=_precision(act), TMA=tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 

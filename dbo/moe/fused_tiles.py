@@ -34,6 +34,12 @@ class GemmConfig:
     #: rows past the expert's end cost no flops (K-loop kernels only)
     tail_m: int = 0
 
+    def __post_init__(self) -> None:
+        t = self.tail_m  # tl.dot takes at least 16 rows
+        if t and (t < 16 or t >= self.block_m or t & (t - 1)):
+            raise ValueError(f"tail_m must be 0 or a power of two in [16, block_m), got {t} "
+                             f"(block_m {self.block_m})")
+
 
 #: 4-byte inputs (float32: tests, references) take this small tile: shared memory holds twice
 #: the bytes per element, and speed does not matter there

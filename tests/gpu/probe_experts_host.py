@@ -14,8 +14,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from functools import partial
+from pathlib import Path
 
 import torch
 
@@ -23,6 +25,9 @@ from dbo.bench.experts import _apply, make_case
 from dbo.bench.limits import experts_cost, measure_device_limits
 from dbo.moe import SwiGLUExperts, Workspace
 from dbo.moe import fused_experts as fe
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tune_experts import median_ms  # noqa: E402
 
 SHAPES = [(256, 32, 1024), (256, 32, 2048), (256, 32, 4096), (256, 32, 8192), (256, 128, 1024),
           (256, 256, 1024), (768, 32, 1024), (768, 32, 4096), (2048, 32, 1024), (2048, 32, 4096),
@@ -46,16 +51,6 @@ def host_ms(fn, n: int = 30) -> float:
     return statistics.median(ts)
 
 
-def event_ms(fn, n: int = 30) -> float:
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
-    for s, e in ev:
-        s.record()
-        fn()
-        e.record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in ev)
-
-
 def graph_ms(fn, n: int = 30) -> float:
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -67,7 +62,7 @@ def graph_ms(fn, n: int = 30) -> float:
     with torch.cuda.graph(g):
         fn()
     g.replay()
-    return event_ms(g.replay, n)
+    return median_ms(g.replay, n)
 
 
 def main() -> None:
@@ -100,7 +95,7 @@ def main() -> None:
             }
             for f in steps.values():
                 f()
-            r = {"I": inter, "L": local, "T": tokens, "event_ms": event_ms(fn), "host_ms": host_ms(fn),
+            r = {"I": inter, "L": local, "T": tokens, "event_ms": median_ms(fn, 30), "host_ms": host_ms(fn),
                  "graph_ms": graph_ms(fn)}
             r.update({f"host_{k}_ms": host_ms(f) for k, f in steps.items()})
             fl, nb = experts_cost(hidden=7168, intermediate=inter, local_pairs=int(case.counts.sum()),
