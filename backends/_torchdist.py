@@ -41,7 +41,12 @@ from dbo.moe.base import (
     TopKWeightAndReduceContiguous,
     TopKWeightAndReduceDelegate,
 )
-from dbo.moe.validate import check_routing_inputs, contiguous_expert_map, num_local_experts_for
+from dbo.moe.validate import (
+    IdsRangeCheck,
+    check_routing_inputs,
+    contiguous_expert_map,
+    num_local_experts_for,
+)
 from dbo.streams import hand_over
 from dbo.watchdog import resolve_timeout
 
@@ -153,14 +158,17 @@ class TorchDistPrepareAndFinalize(PrepareAndFinalize):
             the wait raise :class:`CollectiveTimeoutError`. Under NCCL the process group's own
             timeout applies.
         check_inputs: check argument types, shapes and ``topk_ids`` range (the range check
-            reads the ids: a device sync on GPU).
+            reads the ids: on GPU a device sync, so it runs at the first call only).
+        check_ids_every_call: read device ``topk_ids`` at every call, not only the first (a
+            device sync per dispatch: for debugging).
         use_async: implement ``prepare_async``/``finalize_async`` (else only the sync path).
     """
 
     name = "torchdist"
 
     def __init__(self, group: Any = None, *, hidden_size: int | None = None,
-                 timeout_s: float = 60.0, check_inputs: bool = True, use_async: bool = True):
+                 timeout_s: float = 60.0, check_inputs: bool = True, use_async: bool = True,
+                 check_ids_every_call: bool = False):
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(f"{type(self).__name__} needs an initialized torch.distributed "
                                "process group")
@@ -175,6 +183,7 @@ class TorchDistPrepareAndFinalize(PrepareAndFinalize):
         self.hidden_size = hidden_size
         self.timeout_s = float(timeout_s)
         self.check_inputs = check_inputs
+        self._ids_check = IdsRangeCheck(check_ids_every_call)
         self.use_async = use_async
         self._checked_maps: dict[int, int] = {}
 
@@ -204,6 +213,7 @@ class TorchDistPrepareAndFinalize(PrepareAndFinalize):
         if self.check_inputs:
             check_routing_inputs(a1, topk_weights, topk_ids, num_experts,
                                  hidden_size=self.hidden_size,
+                                 check_ids_range=self._ids_check(topk_ids),
                                  apply_router_weight_on_input=router_on_input)
         return num_local_experts_for(num_experts, self.world_size)
 

@@ -106,7 +106,8 @@ class CopyEnginePrepareAndFinalize(TorchDistPrepareAndFinalize):
         device: ``cuda`` (symmetric memory, copy engines) or ``cpu`` (host shared memory, the
             stand-in the tests use); default the current CUDA device if any.
         timeout_s: the longest wait for a peer (host and GPU) before failing.
-        check_inputs: check argument types, shapes and the ``topk_ids`` range (a device sync).
+        check_inputs: check argument types, shapes and the ``topk_ids`` range (the range is read
+            at the first call only: on GPU a device sync).
     """
 
     name = "copy_engine"

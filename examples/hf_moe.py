@@ -50,6 +50,7 @@ import torch
 import torch.distributed as dist
 
 from dbo.bench.overlap_args import init_distributed as join_group
+from dbo.bench.syncs import format_sites, host_syncs
 from dbo.integrations.backends import BACKENDS, cpu_backends
 from dbo.integrations.hf_presets import PRESETS, TINY_FAMILIES, causal_lm_class, preset_config, tiny_config
 from dbo.integrations.moe_block import ExpertParallelMoE
@@ -93,6 +94,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="DIR: rank 0 writes torch.profiler GPU traces of one plain and one DBO step of the "
                         "last shape per backend (DIR/BACKEND/gpu_trace_{serial,dbo}.json, for "
                         "`python -m dbo.bench breakdown`)")
+    p.add_argument("--find-syncs", action="store_true",
+                   help="on CUDA, after the timings, run one plain and one DBO step per schedule under "
+                        "torch's sync debug mode and print where each made the host wait for the GPU")
     p.add_argument("--checkpoint", default=None,
                    help="DIR: load this checkpoint expert-parallel with from_pretrained (transformers >= "
                         "5.23) instead of building --preset")
@@ -390,6 +394,17 @@ def run(args: argparse.Namespace, rank: int, world: int, device: torch.device) -
                                      plain_peak_gib=p_plain, dbo_peak_gib=p_dbo,
                                      rel_vs_a2a=None if vs < 0 else vs))
                     save(args, config, world, device, rows, rank)  # a later timeout keeps these
+            if args.find_syncs and device.type == "cuda":  # every rank steps (collectives); rank 0 prints
+                ids = inputs[args.shape[-1]]
+                steps = {"plain": lambda ids=ids: prefill_logits(model, ids, logits_to_keep=keep)}
+                steps.update({f"dbo/{s}": (lambda ids=ids, r=r: r(ids)) for s, r in runners.items()})
+                for name, step in steps.items():
+                    with host_syncs() as sites:
+                        step()
+                    total = sum(site.count for site in sites)
+                    if rank == 0:
+                        print(f"host syncs, {backend} {name}, shape {ids.shape[0]}x{ids.shape[1]}: {total}\n"
+                              + format_sites(sites), flush=True)
             if args.profile:
                 ids = inputs[args.shape[-1]]
                 where = Path(args.profile) / backend

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 import dbo
 from dbo.moe import (
     ActivationFormat,
+    IdsRangeCheck,
     LocalPrepareAndFinalize,
     MoEKernel,
     MoEProtocolError,
@@ -227,6 +228,22 @@ def test_routing_input_checks(mutate, exc, match):
     with pytest.raises(exc, match=match):
         check_routing_inputs(args.pop("a1"), args.pop("topk_weights"), args.pop("topk_ids"),
                              args.pop("num_experts"), **args)
+
+
+def test_ids_range_read_once_on_a_device_every_call_on_cpu():
+    """The range check reads device ids (a host sync) at the first call only; CPU ids always."""
+    on_device = torch.zeros(2, 2, dtype=torch.int32, device="meta")
+    once, always = IdsRangeCheck(), IdsRangeCheck(every_call=True)
+    assert [once(on_device) for _ in range(3)] == [True, False, False]
+    assert [always(on_device) for _ in range(3)] == [True, True, True]
+    assert [once(torch.zeros(2, 2, dtype=torch.int32)) for _ in range(2)] == [True, True]
+    # so a CPU backend still refuses bad ids at every call, not only the first
+    pf = LocalPrepareAndFinalize()
+    x, weights, ids, _, _ = _inputs(0, 6, 8, 2)
+    pf.prepare(x, weights, ids, 8, None, False)
+    for _ in range(2):
+        with pytest.raises(ValueError, match="topk_ids must lie"):
+            pf.prepare(x, weights, ids + 8, 8, None, False)
 
 
 def test_kernel_argument_errors():

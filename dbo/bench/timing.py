@@ -13,7 +13,9 @@ is either CPU-bound (Python cannot queue kernels as fast as the GPU runs them) o
 the GPU from the host (DeepEP normal-mode dispatch waits for the receive counts; ``.item()``,
 ``nonzero``, a pageable host-to-device copy). To tell the two apart the step is run once more
 behind a GPU sleep longer than its launch time: a step that returns before the sleep ends
-never waited for the GPU, and its launch time then is the pure CPU cost.
+never waited for the GPU, and its launch time then is the pure CPU cost. A step that waited is
+run once more under torch's sync debug mode (:mod:`dbo.bench.syncs`), and its notes name the
+calls that synchronized.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from dbo.bench.syncs import format_sites, host_syncs
 
 __all__ = ["Timing", "measure", "Progress", "reduce_max", "gpu_sleep"]
 
@@ -157,6 +161,10 @@ def measure(step: Callable[[], Any], *, warmup: int, steps: int, device: torch.d
         cpu_bound = cuda and host_sync is None and launch_med > 0.8 * med
     if host_sync:
         notes.append("the step waits for the GPU from the host: its launch time includes those waits")
+        with host_syncs() as sites:  # where: one more step under torch's sync debug mode
+            step()
+        _sync(device)
+        notes.append("host syncs in one step: " + format_sites(sites).replace("\n", "; "))
     peak = extra = None
     if cuda and memory:
         _barrier(device)

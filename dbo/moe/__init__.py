@@ -35,6 +35,7 @@ from dbo.moe.reference import (
 from dbo.moe.router import TopKRouter, topk_route
 from dbo.moe.validate import (
     ACTIVATION_DTYPES,
+    IdsRangeCheck,
     check_expert_weights,
     check_routing_inputs,
     contiguous_expert_map,
@@ -76,6 +77,7 @@ __all__ = [
     "relative_error",
     "ACTIVATION_DTYPES",
     "check_routing_inputs",
+    "IdsRangeCheck",
     "check_expert_weights",
     "contiguous_expert_map",
     "num_local_experts_for",

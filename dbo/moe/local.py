@@ -21,7 +21,7 @@ from dbo.moe.base import (
     TopKWeightAndReduceDelegate,
 )
 from dbo.moe.handles import PerUBatch
-from dbo.moe.validate import check_routing_inputs
+from dbo.moe.validate import IdsRangeCheck, check_routing_inputs
 
 __all__ = ["LocalPrepareAndFinalize"]
 
@@ -49,6 +49,7 @@ class LocalPrepareAndFinalize(PrepareAndFinalize):
         self._max_tokens = max_num_tokens
         self._use_async = use_async
         self._handles: PerUBatch[_BatchedHandle] = PerUBatch("local batched handle")
+        self._ids_check = IdsRangeCheck()
 
     @property
     def activation_format(self) -> ActivationFormat:
@@ -78,6 +79,7 @@ class LocalPrepareAndFinalize(PrepareAndFinalize):
     def prepare_async(self, a1, topk_weights, topk_ids, num_experts, expert_map,
                       apply_router_weight_on_input, quant_config=None):
         check_routing_inputs(a1, topk_weights, topk_ids, num_experts,
+                             check_ids_range=self._ids_check(topk_ids),
                              apply_router_weight_on_input=apply_router_weight_on_input)
         x = a1
         if apply_router_weight_on_input:

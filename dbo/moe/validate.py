@@ -1,8 +1,9 @@
 """Input checks shared by the backends and experts: clear errors that name the argument.
 
 Caller mistakes raise ``TypeError`` (wrong type or dtype) or ``ValueError`` (wrong shape,
-value or size). Range checks on ``topk_ids`` read the tensor (a device sync on GPU); backends
-let callers turn them off.
+value or size). Range checks on ``topk_ids`` read the tensor (a device sync on GPU): the
+backends read device ids at their first call only (:class:`IdsRangeCheck`), so a step does not
+make the host wait for the GPU; callers can ask for every call, or turn the checks off.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import torch
 __all__ = [
     "ACTIVATION_DTYPES",
     "check_routing_inputs",
+    "IdsRangeCheck",
     "check_expert_weights",
     "contiguous_expert_map",
     "num_local_experts_for",
@@ -25,6 +27,30 @@ def _need_tensor(name: str, t: object) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     return t
+
+
+class IdsRangeCheck:
+    """When a backend reads ``topk_ids`` back to check their range.
+
+    CPU ids are read at every call (no sync). Device ids are read at the first call only, unless
+    ``every_call``: the read is a device sync, and one per dispatch makes the host wait for the
+    GPU at every layer (twice per layer under DBO), which starves the GPU of queued work. Later
+    calls with out-of-range ids are the caller's error: the torch.distributed backends drop ids
+    outside this rank's experts and a device-side index check fails on the rest.
+    """
+
+    def __init__(self, every_call: bool = False):
+        self.every_call = every_call
+        self._read_device = False
+
+    def __call__(self, topk_ids: torch.Tensor) -> bool:
+        """Whether this call should read ``topk_ids``."""
+        if self.every_call or topk_ids.device.type == "cpu":
+            return True
+        if self._read_device:
+            return False
+        self._read_device = True
+        return True
 
 
 def check_routing_inputs(

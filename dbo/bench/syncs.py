@@ -1,0 +1,114 @@
+"""Where a step makes the host wait for the GPU: torch's sync debug mode, with the call sites.
+
+A host sync (``.item()``, ``.tolist()``, ``int(t.max())``, ``torch.nonzero``, a device-to-host
+copy) stops the host until the GPU has run everything queued before it. Once per step it costs
+little; once per layer, or once per ubatch under DBO, the GPU runs dry while the host launches
+the next kernels, and the step becomes host-bound. :func:`host_syncs` records every such call
+torch reports inside its block, grouped by the Python stack that made it::
+
+    with host_syncs() as found:
+        step()
+    print(format_sites(found))
+
+Only the calls torch instruments are seen (its sync debug mode); an NCCL wait or an event's
+``synchronize`` is not reported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import traceback
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["SyncSite", "host_syncs", "format_sites"]
+
+# frames of these files say nothing about who asked for the sync
+_SKIP = ("/warnings.py", "/contextlib.py", "dbo/bench/syncs.py", "/torch/_tensor.py",
+         "/torch/overrides.py", "/torch/utils/_contextlib.py")
+
+
+@dataclass
+class SyncSite:
+    """One Python stack that synchronized, and how often it did."""
+    stack: tuple[str, ...]   # "file:line function", outermost first
+    count: int = 0
+
+    def innermost(self, n: int = 3) -> list[str]:
+        return list(self.stack[-n:])
+
+
+@dataclass
+class _Found:
+    sites: dict[tuple[str, ...], SyncSite] = field(default_factory=dict)
+
+    def add(self, stack: tuple[str, ...]) -> None:
+        site = self.sites.setdefault(stack, SyncSite(stack))
+        site.count += 1
+
+    def sorted(self) -> list[SyncSite]:
+        return sorted(self.sites.values(), key=lambda s: -s.count)
+
+
+def _stack() -> tuple[str, ...]:
+    frames = traceback.extract_stack()
+    return tuple(f"{f.filename}:{f.lineno} {f.name}" for f in frames
+                 if not any(s in f.filename for s in _SKIP))
+
+
+@contextlib.contextmanager
+def host_syncs() -> Iterator[list[SyncSite]]:
+    """Record the synchronizing CUDA calls made inside the block.
+
+    Yields a list that is filled, most frequent first, when the block exits. Waits for the GPU
+    on entry (so earlier work is not blamed). Without CUDA the list stays empty.
+    """
+    result: list[SyncSite] = []
+    if not torch.cuda.is_available():
+        yield result
+        return
+    torch.cuda.synchronize()
+    found = _Found()
+    prev_mode = torch.cuda.get_sync_debug_mode()
+
+    def show(message, category, filename, lineno, file=None, line=None):  # noqa: ARG001
+        if "synchroniz" in str(message):
+            found.add(_stack())
+        else:
+            prev_show(message, category, filename, lineno, file, line)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        prev_show = warnings.showwarning
+        warnings.showwarning = show
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield result
+        finally:
+            torch.cuda.set_sync_debug_mode(prev_mode)
+            warnings.showwarning = prev_show
+    result.extend(found.sorted())
+
+
+def _short(frame: str) -> str:
+    path, _, rest = frame.partition(":")
+    for root in ("/dbo/", "/backends/", "/examples/", "/transformers/", "/torch/"):
+        if root in path:
+            path = root.strip("/") + "/" + path.rsplit(root, 1)[1]
+            break
+    return f"{path}:{rest}"
+
+
+def format_sites(sites: list[SyncSite], frames: int = 3, limit: int = 8) -> str:
+    """One line per site: the count and its innermost ``frames`` frames, innermost first."""
+    if not sites:
+        return "no synchronizing call seen (torch's sync debug mode)"
+    lines = []
+    for s in sites[:limit]:
+        lines.append(f"{s.count} x " + " <- ".join(_short(f) for f in reversed(s.innermost(frames))))
+    if len(sites) > limit:
+        lines.append(f"... and {len(sites) - limit} more sites")
+    return "\n".join(lines)
