@@ -26,6 +26,8 @@ import torch
 
 __all__ = ["SyncSite", "host_syncs", "format_sites"]
 
+# what torch's sync debug mode warns (c10/cuda/CUDAFunctions.cpp)
+_SYNC_MESSAGE = "called a synchronizing CUDA operation"
 # frames of these files say nothing about who asked for the sync
 _SKIP = ("/warnings.py", "/contextlib.py", "dbo/bench/syncs.py", "/torch/_tensor.py",
          "/torch/overrides.py", "/torch/utils/_contextlib.py")
@@ -75,7 +77,7 @@ def host_syncs() -> Iterator[list[SyncSite]]:
     prev_mode = torch.cuda.get_sync_debug_mode()
 
     def show(message, category, filename, lineno, file=None, line=None):  # noqa: ARG001
-        if "synchroniz" in str(message):
+        if _SYNC_MESSAGE in str(message):  # not the mode's own "prototype feature" warning
             found.add(_stack())
         else:
             prev_show(message, category, filename, lineno, file, line)

@@ -46,7 +46,14 @@ UP = [C(64, 64, 64, 8, 4, 4), C(128, 128, 64, 8, 8, 4), C(128, 128, 64, 8, 8, 3)
       C(128, 128, 64, 8, 8, 4, tma=True, tail_m=32), C(128, 128, 64, 8, 8, 3, tma=True, tail_m=32),
       C(128, 128, 32, 8, 8, 6, tma=True, tail_m=32), C(64, 128, 64, 8, 4, 5, tma=True, tail_m=32),
       C(64, 128, 64, 8, 4, 4, tma=True, tail_m=16), C(128, 128, 64, 8, 8, 4, tma=True, tail_m=16),
-      C(128, 256, 64, 8, 8, 3, tma=True, tail_m=32)]
+      C(128, 256, 64, 8, 8, 3, tma=True, tail_m=32),
+      # the rows copied into expert order first, full tiles of them loaded with TMA too
+      C(128, 128, 64, 8, 8, 3, tma=True, tma_a=True), C(128, 128, 64, 8, 8, 4, tma=True, tma_a=True),
+      C(64, 128, 64, 8, 4, 4, tma=True, tma_a=True), C(64, 128, 64, 8, 4, 5, tma=True, tma_a=True),
+      C(128, 128, 64, 8, 8, 4, tma=True, tail_m=32, tma_a=True),
+      C(128, 128, 64, 8, 8, 3, tma=True, tail_m=32, tma_a=True),
+      C(64, 128, 64, 8, 4, 4, tma=True, tail_m=16, tma_a=True),
+      C(128, 128, 64, 4, 8, 3, tma=True, tail_m=32, tma_a=True)]
 DOWN = [C(64, 128, 64, 8, 4, 4), C(128, 128, 64, 8, 8, 3), C(128, 256, 64, 8, 8, 4),
         C(64, 128, 64, 8, 4, 4, tma=True), C(128, 128, 64, 8, 8, 4, tma=True),
         C(128, 256, 64, 8, 8, 3, tma=True), C(128, 256, 64, 8, 8, 4, tma=True),
@@ -85,6 +92,7 @@ def main() -> int:
     p.add_argument("--tokens", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384, 65536])
     p.add_argument("--no-check", action="store_true", help="skip the candidates' correctness check")
     p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--up-only", action="store_true", help="time only the gate/up candidates")
     p.add_argument("--json", default=None)
     a = p.parse_args()
     lim = measure_device_limits()
@@ -130,15 +138,17 @@ def main() -> int:
                            "down_limit_ms": down_lim, "up": {}, "down": {}}
                     for cfg in UP:
                         res["up"][str(tuple(cfg.__dict__.values()))] = median_ms(
-                            lambda c=cfg, cs=case, o=order, f=offsets, ac=act, n=t * topk:
-                            launch_gate_up(cs.x, o, f, cs.w1, ac, c, n, topk), a.reps)
-                    for cfg in DOWN + (SHORT_K if inter <= 256 else []):
+                            lambda c=cfg, cs=case, o=order, f=offsets, ac=act, yy=y, n=t * topk:
+                            launch_gate_up(cs.x, o, f, cs.w1, ac, c, n, topk, scratch=yy), a.reps)
+                    for cfg in [] if a.up_only else DOWN + (SHORT_K if inter <= 256 else []):
                         res["down"][str(tuple(cfg.__dict__.values()))] = median_ms(
                             lambda c=cfg, cs=case, o=order, f=offsets, ac=act, yy=y, n=t * topk:
                             launch_down(ac, o, f, cs.w2, yy, c, n), a.reps)
+                    if a.up_only:
+                        res["down"] = {"-": float("nan")}
                     bu = min(res["up"], key=res["up"].get)
                     bd = min(res["down"], key=res["down"].get)
-                    for g in ("up", "down"):
+                    for g in ("up",) if a.up_only else ("up", "down"):
                         top = sorted(res[g], key=res[g].get)[:3]
                         print(f"  {g} top: " + "; ".join(f"{k} {res[g][k]:.3f}" for k in top), flush=True)
                     print(f"I={inter:>4} L={n_local:>3} T={t:>5} rows/e={res['rows_per_expert']:>6.0f} | "
