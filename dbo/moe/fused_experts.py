@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from dbo.moe.fused_route import gather_sorted, route_order
+from dbo.moe.fused_route import route_order
 from dbo.moe.fused_tiles import (
     CONFIGS,
     FP32_CONFIG,
@@ -81,10 +81,10 @@ if triton is not None:
         return e, first_row + pid_m * BLOCK_M, end_row, pid_n
 
     @triton.jit
-    def _gate_up_rows(x_ptr, a_desc, order_ptr, w, act_ptr, e, row0, end_row, pid_n, hidden, inter,
-                      stride_we, TOPK: tl.constexpr, BM: tl.constexpr, BLOCK_N: tl.constexpr,
+    def _gate_up_rows(x_ptr, order_ptr, w, act_ptr, e, row0, end_row, pid_n, hidden, inter, stride_we,
+                      TOPK: tl.constexpr, BM: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
-                      TMA: tl.constexpr, A_DESC: tl.constexpr):
+                      TMA: tl.constexpr):
         # BM rows from row0 (those below end_row are the expert's) x BLOCK_N columns of gate and up
         rows = row0 + tl.arange(0, BM)
         row_mask = rows < end_row
@@ -98,11 +98,7 @@ if triton is not None:
         if TMA:  # w: w1 as [E * 2I, hidden], box [BLOCK_N, BLOCK_K]; hidden % BLOCK_K == 0
             g_row = e * 2 * inter + pid_n * BLOCK_N
             for k0 in range(0, hidden, BLOCK_K):
-                if A_DESC:  # noqa: SIM108 - the rows copied in expert order, box [BM, BLOCK_K];
-                    # rows past the expert's end belong to the next expert: computed, never stored
-                    a = a_desc.load([row0, k0])
-                else:
-                    a = tl.load(a_ptrs, mask=row_mask[:, None], other=0.0)
+                a = tl.load(a_ptrs, mask=row_mask[:, None], other=0.0)
                 g = w.load([g_row, k0])
                 u = w.load([g_row + inter, k0])
                 acc_g = tl.dot(a, g.T, acc_g)
@@ -131,39 +127,38 @@ if triton is not None:
                  act.to(act_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
 
     @triton.jit
-    def _gate_up_kernel(x_ptr, a_desc, order_ptr, offs_ptr, w, act_ptr, n_experts, hidden, inter,
-                        stride_we, TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    def _gate_up_kernel(x_ptr, order_ptr, offs_ptr, w, act_ptr, n_experts, hidden, inter, stride_we,
+                        TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr,
                         TAIL_M: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
-                        TMA: tl.constexpr, TMA_A: tl.constexpr):
+                        TMA: tl.constexpr):
         # an expert's last tile, when its rows fit, runs as a TAIL_M-row (or BLOCK_M // 2-row)
-        # tile: the flops of the rows past the expert's end are not spent. TMA_A: full tiles
-        # load the rows from a_desc (a copy in expert order), the others gather them from x
+        # tile: the flops of the rows past the expert's end are not spent
         e, row0, end_row, pid_n = _tile_of(tl.program_id(0), offs_ptr, n_experts,
                                            tl.cdiv(inter, BLOCK_N), BLOCK_M, BLOCK_E, GROUP_M)
         if e >= n_experts:
             return
         n = end_row - row0
         if TAIL_M == 0:
-            _gate_up_rows(x_ptr, a_desc, order_ptr, w, act_ptr, e, row0, end_row, pid_n, hidden, inter,
-                          stride_we, TOPK, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, TMA, TMA_A)
+            _gate_up_rows(x_ptr, order_ptr, w, act_ptr, e, row0, end_row, pid_n, hidden, inter,
+                          stride_we, TOPK, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, TMA)
         elif TAIL_M * 2 < BLOCK_M:
             if n <= TAIL_M:
-                _gate_up_rows(x_ptr, a_desc, order_ptr, w, act_ptr, e, row0, end_row, pid_n, hidden, inter,
-                              stride_we, TOPK, TAIL_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, TMA, False)
+                _gate_up_rows(x_ptr, order_ptr, w, act_ptr, e, row0, end_row, pid_n, hidden, inter,
+                              stride_we, TOPK, TAIL_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, TMA)
             elif n <= BLOCK_M // 2:
-                _gate_up_rows(x_ptr, a_desc, order_ptr, w, act_ptr, e, row0, end_row, pid_n, hidden, inter,
-                              stride_we, TOPK, BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, TMA, False)
+                _gate_up_rows(x_ptr, order_ptr, w, act_ptr, e, row0, end_row, pid_n, hidden, inter,
+                              stride_we, TOPK, BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, TMA)
             else:
-                _gate_up_rows(x_ptr, a_desc, order_ptr, w, act_ptr, e, row0, end_row, pid_n, hidden, inter,
-                              stride_we, TOPK, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, TMA, TMA_A)
+                _gate_up_rows(x_ptr, order_ptr, w, act_ptr, e, row0, end_row, pid_n, hidden, inter,
+                              stride_we, TOPK, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, TMA)
         else:
             if n <= TAIL_M:
-                _gate_up_rows(x_ptr, a_desc, order_ptr, w, act_ptr, e, row0, end_row, pid_n, hidden, inter,
-                              stride_we, TOPK, TAIL_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, TMA, False)
+                _gate_up_rows(x_ptr, order_ptr, w, act_ptr, e, row0, end_row, pid_n, hidden, inter,
+                              stride_we, TOPK, TAIL_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, TMA)
             else:
-                _gate_up_rows(x_ptr, a_desc, order_ptr, w, act_ptr, e, row0, end_row, pid_n, hidden, inter,
-                              stride_we, TOPK, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, TMA, TMA_A)
+                _gate_up_rows(x_ptr, order_ptr, w, act_ptr, e, row0, end_row, pid_n, hidden, inter,
+                              stride_we, TOPK, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, TMA)
 
     @triton.jit
     def _down_rows(act_ptr, act_desc, order_ptr, w, y_ptr, e, row0, end_row, pid_n, hidden, inter,
@@ -301,30 +296,20 @@ def _precision(x: torch.Tensor) -> str:
 
 
 def launch_gate_up(x: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, w1: torch.Tensor,
-                   act: torch.Tensor, cfg: GemmConfig, pairs: int, topk: int,
-                   scratch: torch.Tensor | None = None) -> None:
+                   act: torch.Tensor, cfg: GemmConfig, pairs: int, topk: int) -> None:
     """``act[r] = silu(x[t] @ g_e.T) * (x[t] @ u_e.T)`` for each sorted row ``r`` of expert
-    ``e`` (``t = order[r] // topk``); ``pairs``: an upper bound of the local pairs (the grid).
-    ``scratch``: ``[>= pairs, hidden]`` for ``cfg.tma_a``'s sorted copy (default: allocated)."""
+    ``e`` (``t = order[r] // topk``); ``pairs``: an upper bound of the local pairs (the grid)."""
     n_experts, two_inter, hidden = w1.shape
     inter = two_inter // 2
     cfg = FP32_CONFIG if x.element_size() > 2 else cfg
     tma = cfg.tma and hidden % cfg.block_k == 0
     w = TensorDescriptor.from_tensor(w1.view(n_experts * two_inter, hidden), [cfg.block_n, cfg.block_k]) \
         if tma else w1
-    a_desc = x
-    tma_a = tma and cfg.tma_a and pairs > 0
-    if tma_a:
-        if scratch is None:
-            scratch = torch.empty(pairs, hidden, dtype=x.dtype, device=x.device)
-        a_desc = TensorDescriptor.from_tensor(gather_sorted(x, order, offsets, topk, scratch[:pairs]),
-                                              [cfg.block_m, cfg.block_k])
     _gate_up_kernel[_grid(cfg, pairs, n_experts, inter)](
-        x, a_desc, order, offsets, w, act, n_experts, hidden, inter, w1.stride(0), TOPK=topk,
+        x, order, offsets, w, act, n_experts, hidden, inter, w1.stride(0), TOPK=topk,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_E=_block_e(n_experts),
         GROUP_M=cfg.group_m, TAIL_M=cfg.tail_m, EVEN_K=hidden % cfg.block_k == 0,
-        PRECISION=_precision(x), TMA=tma, TMA_A=tma_a, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages)
+        PRECISION=_precision(x), TMA=tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def launch_down(act: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, w2: torch.Tensor,
@@ -390,10 +375,9 @@ def fused_swiglu_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
                                n_experts)
     up_cfg, down_cfg = configs
     act = torch.empty(m * topk, inter, dtype=x.dtype, device=x.device)
-    # the down GEMM's output; until then the gate/up GEMM's sorted copy of the rows (tma_a)
+    launch_gate_up(x, order, offsets, w1, act, up_cfg, pairs, topk)
     y = out.view(m * topk, hidden) if not reduce else \
         torch.empty(m * topk, hidden, dtype=x.dtype, device=x.device)
-    launch_gate_up(x, order, offsets, w1, act, up_cfg, pairs, topk, scratch=y)
     launch_down(act, order, offsets, w2, y, down_cfg, pairs)
     if not reduce:
         local = (topk_ids >= 0) & (topk_ids < n_experts)

@@ -2,15 +2,14 @@
 
 :func:`route_order` returns each sorted row's pair and each expert's end row without reading
 anything back: up to ``ROUTE_MAX_PAIRS`` pairs a counting sort in two Triton launches, above it
-torch's radix sort on 16-bit keys and a ``searchsorted``. :func:`gather_sorted` copies the
-tokens' rows into that order (for TMA loads of whole tiles, which cannot gather).
+torch's radix sort on 16-bit keys and a ``searchsorted``.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["ROUTE_CHUNK", "ROUTE_MAX_PAIRS", "route_order", "gather_sorted"]
+__all__ = ["ROUTE_CHUNK", "ROUTE_MAX_PAIRS", "route_order"]
 
 try:
     import triton
@@ -68,24 +67,6 @@ if triton is not None:
         pos = tl.load(adj_ptr + c * BLOCK_E + e, mask=local, other=0) + i
         tl.store(order_ptr + pos, c * CHUNK + v % CHUNK, mask=local)
 
-    @triton.jit
-    def _gather_sorted_kernel(x_ptr, order_ptr, offs_ptr, out_ptr, n_experts, hidden,
-                              TOPK: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
-        # out[r] = x[order[r] // TOPK] for the local pairs' rows (r < offs[n_experts - 1])
-        total = tl.load(offs_ptr + n_experts - 1)
-        r0 = tl.program_id(0) * ROWS
-        if r0 >= total:
-            return
-        rows = r0 + tl.arange(0, ROWS)
-        live = rows < total
-        src = (tl.load(order_ptr + rows, mask=live, other=0) // TOPK).to(tl.int64)
-        dst = rows.to(tl.int64)
-        for c0 in range(0, hidden, BLOCK):
-            cols = c0 + tl.arange(0, BLOCK)
-            m = live[:, None] & (cols < hidden)[None, :]
-            v = tl.load(x_ptr + src[:, None] * hidden + cols[None, :], mask=m)
-            tl.store(out_ptr + dst[:, None] * hidden + cols[None, :], v, mask=m)
-
 
 #: pairs per program of the Triton counting sort, and the most pairs it takes (above, torch.sort)
 ROUTE_CHUNK = 1024
@@ -130,17 +111,3 @@ def route_order(topk_ids: torch.Tensor, num_local_experts: int,
         bounds = torch.arange(1, num_local_experts + 1, dtype=torch.int16, device=ids.device)
     offsets = torch.searchsorted(sorted_key, bounds).to(torch.int32)
     return order, offsets
-
-
-def gather_sorted(x: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, topk: int,
-                  out: torch.Tensor) -> torch.Tensor:
-    """``out[r] = x[order[r] // topk]`` for the local pairs' rows (``r < offsets[-1]``, read on
-    the device; rows past it are left as they are). ``x`` ``[M, hidden]`` contiguous, ``out``
-    ``[>= local pairs, hidden]``; ``order``, ``offsets`` from :func:`route_order`. No host sync:
-    the grid covers ``out``'s rows and programs past the local pairs return at once."""
-    rows = 16
-    hidden = x.shape[1]
-    block = min(1024, triton.next_power_of_2(hidden))
-    _gather_sorted_kernel[(triton.cdiv(out.shape[0], rows),)](
-        x, order, offsets, out, offsets.numel(), hidden, TOPK=topk, ROWS=rows, BLOCK=block)
-    return out

@@ -33,14 +33,8 @@ class GemmConfig:
     #: a ``tail_m``-row tile (else, when they fit in ``block_m // 2``, as a half tile), so the
     #: rows past the expert's end cost no flops (K-loop kernels only)
     tail_m: int = 0
-    #: gate/up with ``tma``: copy the rows into expert order first (into the down GEMM's output
-    #: buffer, so no extra memory), and load full tiles of them with TMA too; the tails still
-    #: gather from the tokens
-    tma_a: bool = False
 
     def __post_init__(self) -> None:
-        if self.tma_a and not self.tma:
-            raise ValueError("tma_a needs tma (the weights through TMA too)")
         t = self.tail_m  # tl.dot takes at least 16 rows
         if t and (t < 16 or t >= self.block_m or t & (t - 1)):
             raise ValueError(f"tail_m must be 0 or a power of two in [16, block_m), got {t} "

@@ -46,14 +46,7 @@ UP = [C(64, 64, 64, 8, 4, 4), C(128, 128, 64, 8, 8, 4), C(128, 128, 64, 8, 8, 3)
       C(128, 128, 64, 8, 8, 4, tma=True, tail_m=32), C(128, 128, 64, 8, 8, 3, tma=True, tail_m=32),
       C(128, 128, 32, 8, 8, 6, tma=True, tail_m=32), C(64, 128, 64, 8, 4, 5, tma=True, tail_m=32),
       C(64, 128, 64, 8, 4, 4, tma=True, tail_m=16), C(128, 128, 64, 8, 8, 4, tma=True, tail_m=16),
-      C(128, 256, 64, 8, 8, 3, tma=True, tail_m=32),
-      # the rows copied into expert order first, full tiles of them loaded with TMA too
-      C(128, 128, 64, 8, 8, 3, tma=True, tma_a=True), C(128, 128, 64, 8, 8, 4, tma=True, tma_a=True),
-      C(64, 128, 64, 8, 4, 4, tma=True, tma_a=True), C(64, 128, 64, 8, 4, 5, tma=True, tma_a=True),
-      C(128, 128, 64, 8, 8, 4, tma=True, tail_m=32, tma_a=True),
-      C(128, 128, 64, 8, 8, 3, tma=True, tail_m=32, tma_a=True),
-      C(64, 128, 64, 8, 4, 4, tma=True, tail_m=16, tma_a=True),
-      C(128, 128, 64, 4, 8, 3, tma=True, tail_m=32, tma_a=True)]
+      C(128, 256, 64, 8, 8, 3, tma=True, tail_m=32)]
 DOWN = [C(64, 128, 64, 8, 4, 4), C(128, 128, 64, 8, 8, 3), C(128, 256, 64, 8, 8, 4),
         C(64, 128, 64, 8, 4, 4, tma=True), C(128, 128, 64, 8, 8, 4, tma=True),
         C(128, 256, 64, 8, 8, 3, tma=True), C(128, 256, 64, 8, 8, 4, tma=True),
@@ -138,8 +131,8 @@ def main() -> int:
                            "down_limit_ms": down_lim, "up": {}, "down": {}}
                     for cfg in UP:
                         res["up"][str(tuple(cfg.__dict__.values()))] = median_ms(
-                            lambda c=cfg, cs=case, o=order, f=offsets, ac=act, yy=y, n=t * topk:
-                            launch_gate_up(cs.x, o, f, cs.w1, ac, c, n, topk, scratch=yy), a.reps)
+                            lambda c=cfg, cs=case, o=order, f=offsets, ac=act, n=t * topk:
+                            launch_gate_up(cs.x, o, f, cs.w1, ac, c, n, topk), a.reps)
                     for cfg in [] if a.up_only else DOWN + (SHORT_K if inter <= 256 else []):
                         res["down"][str(tuple(cfg.__dict__.values()))] = median_ms(
                             lambda c=cfg, cs=case, o=order, f=offsets, ac=act, yy=y, n=t * topk:
