@@ -10,10 +10,10 @@ receive buffers and needs three things from a transport, all per rank of one hos
 * **signals**: ``signal(dst, channel)`` after this rank's puts to ``dst``, ``wait(src,
   channel)`` before the data from ``src`` is read. Signals are flags that go 0 -> 1 (signal)
   and 1 -> 0 (wait), so a second signal on a channel waits until the first was consumed;
-* **the board**: a host-memory table through which the ranks publish the token counts of each
-  dispatch. A copy needs its size on the host when it is issued, and the counts are on the host
-  already (the number of rows of each rank's input), so the ranks exchange them through POSIX
-  shared memory: no collective and no device sync.
+* **the board** (:mod:`dbo.backends._ce_host`): a host-memory table through which the ranks
+  publish the token counts of each dispatch. A copy needs its size on the host when it is
+  issued, and the counts are on the host already (the number of rows of each rank's input), so
+  the ranks exchange them through POSIX shared memory: no collective and no device sync.
 
 :class:`CudaTransport` puts with ``Tensor.copy_`` into ``torch.distributed._symmetric_memory``
 buffers of the peers (the copy engine moves them over NVLink, using no SMs) and signals with the
@@ -25,14 +25,9 @@ protocol.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
-import os
-import socket
-import tempfile
 import time
-import uuid
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -43,20 +38,13 @@ import torch.distributed as dist
 
 from dbo.errors import CollectiveTimeoutError
 
-__all__ = ["BufferLayout", "CAPACITY_STEP", "grown_capacity", "HostBoard", "Transport", "CpuTransport",
+from ._ce_host import HostBoard, align, check_one_host, open_shared
+
+__all__ = ["BufferLayout", "CAPACITY_STEP", "grown_capacity", "Transport", "CpuTransport",
            "CudaTransport", "TransportCache", "TRANSPORTS", "open_transport"]
 
 logger = logging.getLogger(__name__)
 
-_ALIGN = 256
-# board slots per ubatch: a rank is at most one dispatch ahead of the slowest reader (it waits
-# for every peer's next entry before it can write the one after), so 2 would do; 4 is margin
-_BOARD_DEPTH = 4
-BOARD_FIELDS = 6  # seq, then up to five int64 values per entry
-
-
-def _align(n: int) -> int:
-    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
 @dataclass(frozen=True)
@@ -80,11 +68,11 @@ class BufferLayout:
 
     @property
     def x_bytes(self) -> int:
-        return _align(self.rows * self.hidden * self.elem_bytes)
+        return align(self.rows * self.hidden * self.elem_bytes)
 
     @property
     def meta_bytes(self) -> int:
-        return _align(self.rows * 2 * self.max_topk * 4)
+        return align(self.rows * 2 * self.max_topk * 4)
 
     @property
     def slot_bytes(self) -> int:
@@ -107,99 +95,6 @@ def grown_capacity(needed: int, current: int) -> int:
     reallocates a logarithmic number of times), rounded up to :data:`CAPACITY_STEP`."""
     want = max(needed, 2 * current, 1)
     return -(-want // CAPACITY_STEP) * CAPACITY_STEP
-
-
-def _shm_dir() -> str:
-    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-
-
-def _open_shared(group: Any, nbytes: int, tag: str) -> list[torch.Tensor]:
-    """Every rank's ``nbytes`` of host shared memory as uint8 tensors, in rank order (collective).
-
-    The files are unlinked once every rank has mapped them, so nothing is left behind even if a
-    process dies later."""
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    names: list[Any] = [None] * world
-    dist.all_gather_object(names, uuid.uuid4().hex, group=group)
-    paths = [os.path.join(_shm_dir(), f"dbo-ce-{names[0]}-{tag}-{r}") for r in range(world)]
-    mine = torch.from_file(paths[rank], shared=True, size=nbytes, dtype=torch.uint8)
-    mine.zero_()
-    dist.barrier(group=group)
-    regions = [mine if r == rank else torch.from_file(paths[r], shared=True, size=nbytes,
-                                                      dtype=torch.uint8)
-               for r in range(world)]
-    dist.barrier(group=group)
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(paths[rank])
-    return regions
-
-
-def check_one_host(group: Any, cuda: bool) -> None:
-    """Raise ``ValueError`` on every rank unless all ranks share this host (and, on CUDA, every
-    GPU can reach every other by peer-to-peer copies)."""
-    world = dist.get_world_size(group)
-    me = (socket.gethostname(), torch.cuda.current_device() if cuda else -1)
-    everyone: list[Any] = [None] * world
-    dist.all_gather_object(everyone, me, group=group)
-    hosts = sorted({h for h, _ in everyone})
-    if len(hosts) > 1:
-        raise ValueError(f"the copy_engine backend needs every rank on one host (peer-to-peer "
-                         f"copies); this group spans {hosts}: use deepep_ht or deepep_ll, whose "
-                         "internode kernels cross hosts")
-    if cuda:
-        for _, dev in everyone:
-            if dev != me[1] and not torch.cuda.can_device_access_peer(me[1], dev):
-                raise ValueError(f"GPU {me[1]} cannot reach GPU {dev} by peer-to-peer copies: the "
-                                 "copy_engine backend needs them; use deepep_ht or deepep_ll")
-
-
-class HostBoard:
-    """Per ubatch slot, each rank's latest entries ``(seq, v0..v4)`` in host shared memory.
-
-    ``exchange(slot, seq, values)`` publishes this rank's values for dispatch number ``seq``
-    (counted from 1: the zeroed table means "nothing published") of that slot and returns every
-    rank's, waiting (on the host, at most ``timeout_s``) for the peers to publish theirs. This
-    is where the host waits for its peers: only for their hosts to reach the same dispatch,
-    never for a GPU.
-    """
-
-    def __init__(self, regions: list[torch.Tensor], rank: int, num_slots: int, timeout_s: float,
-                 what: str):
-        self.rank = rank
-        self.timeout_s = timeout_s
-        self.what = what
-        shape = (num_slots, _BOARD_DEPTH, BOARD_FIELDS)
-        n = num_slots * _BOARD_DEPTH * BOARD_FIELDS
-        self.tables = [r[: n * 8].view(torch.int64).numpy().reshape(shape) for r in regions]
-
-    @staticmethod
-    def nbytes(num_slots: int) -> int:
-        return _align(num_slots * _BOARD_DEPTH * BOARD_FIELDS * 8)
-
-    def exchange(self, slot: int, seq: int, values: list[int]) -> list[list[int]]:
-        if len(values) > BOARD_FIELDS - 1:
-            raise ValueError(f"at most {BOARD_FIELDS - 1} values per entry, got {len(values)}")
-        entry = self.tables[self.rank][slot, seq % _BOARD_DEPTH]
-        entry[1:1 + len(values)] = values
-        entry[0] = seq  # last: a reader that sees the seq sees the values
-        rows: list[list[int]] = []
-        deadline = None
-        for peer, table in enumerate(self.tables):
-            e = table[slot, seq % _BOARD_DEPTH]
-            spins = 0
-            while int(e[0]) != seq:
-                spins += 1
-                if spins > 64:
-                    now = time.monotonic()
-                    deadline = deadline or now + self.timeout_s
-                    if now > deadline:
-                        raise CollectiveTimeoutError(
-                            f"{self.what}: rank {self.rank} waited {self.timeout_s:.1f} s for rank "
-                            f"{peer} to publish the token count of dispatch {seq} of ubatch {slot} "
-                            f"(it published {int(e[0])}): the peer died or fell out of step")
-                    time.sleep(0 if spins < 1024 else 1e-4)
-            rows.append([int(v) for v in e[1:1 + len(values)]])
-        return rows
 
 
 class Transport:
@@ -281,7 +176,7 @@ class CpuTransport(Transport):
         num_channels = 2 * num_slots
         board = HostBoard.nbytes(num_slots)
         n = num_channels * self.world_size
-        regions = _open_shared(group, board + _align(n * 4), "cpu")
+        regions = open_shared(group, board + align(n * 4), "cpu")
         self.board = HostBoard(regions, self.rank, num_slots, timeout_s, "copy_engine")
         self._flags = [r[board:board + 4 * n].view(torch.int32).numpy()
                        .reshape(num_channels, self.world_size) for r in regions]
@@ -289,7 +184,7 @@ class CpuTransport(Transport):
         self._init_state(num_slots)
 
     def _allocate(self, slot, layout):
-        self._data[slot] = _open_shared(self.group, layout.slot_bytes, f"s{slot}")
+        self._data[slot] = open_shared(self.group, layout.slot_bytes, f"s{slot}")
 
     def region(self, peer, slot, name, nbytes, offset=0):
         start = self.layouts[slot].offset(name) + offset
@@ -346,7 +241,7 @@ class CudaTransport(Transport):
         self.layout = layout
         self.timeout_ms = max(int(timeout_s * 1000), 1)
         board = HostBoard.nbytes(num_slots)
-        regions = _open_shared(group, board, "board")
+        regions = open_shared(group, board, "board")
         self.board = HostBoard(regions, self.rank, num_slots, timeout_s, "copy_engine")
         self._slots: list[tuple[torch.Tensor, Any, list[torch.Tensor]] | None] = [None] * num_slots
         self._init_state(num_slots)
