@@ -20,11 +20,11 @@ import contextlib
 import traceback
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-__all__ = ["SyncSite", "host_syncs", "format_sites"]
+__all__ = ["SyncSite", "host_syncs", "no_host_syncs", "format_sites"]
 
 # what torch's sync debug mode warns (c10/cuda/CUDAFunctions.cpp)
 _SYNC_MESSAGE = "called a synchronizing CUDA operation"
@@ -41,18 +41,6 @@ class SyncSite:
 
     def innermost(self, n: int = 3) -> list[str]:
         return list(self.stack[-n:])
-
-
-@dataclass
-class _Found:
-    sites: dict[tuple[str, ...], SyncSite] = field(default_factory=dict)
-
-    def add(self, stack: tuple[str, ...]) -> None:
-        site = self.sites.setdefault(stack, SyncSite(stack))
-        site.count += 1
-
-    def sorted(self) -> list[SyncSite]:
-        return sorted(self.sites.values(), key=lambda s: -s.count)
 
 
 def _stack() -> tuple[str, ...]:
@@ -73,12 +61,13 @@ def host_syncs() -> Iterator[list[SyncSite]]:
         yield result
         return
     torch.cuda.synchronize()
-    found = _Found()
+    found: dict[tuple[str, ...], SyncSite] = {}
     prev_mode = torch.cuda.get_sync_debug_mode()
 
     def show(message, category, filename, lineno, file=None, line=None):  # noqa: ARG001
         if _SYNC_MESSAGE in str(message):  # not the mode's own "prototype feature" warning
-            found.add(_stack())
+            stack = _stack()
+            found.setdefault(stack, SyncSite(stack)).count += 1
         else:
             prev_show(message, category, filename, lineno, file, line)
 
@@ -92,7 +81,20 @@ def host_syncs() -> Iterator[list[SyncSite]]:
         finally:
             torch.cuda.set_sync_debug_mode(prev_mode)
             warnings.showwarning = prev_show
-    result.extend(found.sorted())
+    result.extend(sorted(found.values(), key=lambda site: -site.count))
+
+
+@contextlib.contextmanager
+def no_host_syncs() -> Iterator[None]:
+    """Any synchronizing CUDA call inside raises (torch's sync debug mode "error"), for tests
+    that must fail at the first sync; :func:`host_syncs` lists them all instead."""
+    torch.cuda.synchronize()
+    prev = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(prev)
 
 
 def _short(frame: str) -> str:

@@ -6,11 +6,10 @@ kernels against plain torch. Run on the GPU host: ``pytest tests/gpu/test_expert
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 
+from dbo.bench.syncs import no_host_syncs
 from dbo.moe import (
     ActivationFormat,
     ExpertTokensMetadata,
@@ -26,18 +25,6 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 TOL = {torch.bfloat16: 2e-2, torch.float32: 1e-4}
-
-
-@contextlib.contextmanager
-def no_host_sync():
-    """Any synchronizing CUDA call inside raises (torch's sync debug mode)."""
-    torch.cuda.synchronize()
-    prev = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        yield
-    finally:
-        torch.cuda.set_sync_debug_mode(prev)
 
 
 def _case(m: int, n_local: int, topk: int, hidden: int, inter: int, dtype: torch.dtype, seed: int):
@@ -64,7 +51,7 @@ def _apply(experts, x, w1, w2, weights, ids, host: bool):
                              expert_tokens_meta=meta, apply_router_weight_on_input=False, workspace=ws)
 
     call()  # warm-up outside the check: Triton compilation, cuBLAS/CUTLASS handles, pinned pool
-    with no_host_sync():
+    with no_host_syncs():
         out = call()
     torch.cuda.synchronize()
     return out.clone()

@@ -5,7 +5,6 @@ host. Run on the GPU host: ``pytest tests/gpu/test_schedules_gpu.py``."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import socket
 
@@ -13,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dbo.bench.syncs import format_sites, host_syncs
+from dbo.bench.syncs import format_sites, host_syncs, no_host_syncs
 from dbo.moe import ActivationFormat, ExpertTokensMetadata, LocalPrepareAndFinalize
 from dbo.moe.merged import ExpertsInput, merge_inputs
 from dbo.testing.moe_cases import MoECase, case_inputs, check_case, run_case
@@ -22,18 +21,6 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
-
-
-@contextlib.contextmanager
-def no_host_sync():
-    """Any synchronizing CUDA call inside raises (torch's sync debug mode)."""
-    torch.cuda.synchronize()
-    prev = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        yield
-    finally:
-        torch.cuda.set_sync_debug_mode(prev)
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +104,7 @@ def test_merge_and_split_never_wait_for_the_gpu(fmt):
             w = torch.rand(rows, topk, device="cuda", generator=g)
             counts = torch.zeros(n_local, dtype=torch.int32, device="cuda")
             inputs.append(ExpertsInput(a1q, None, ExpertTokensMetadata(counts), ids, w))
-    with no_host_sync():
+    with no_host_syncs():
         merged, split = merge_inputs(fmt, inputs)
         parts = split(merged.a1q)
     for inp, part in zip(inputs, parts, strict=True):
