@@ -186,15 +186,21 @@ for seed, (m, topk, n_local) in enumerate([(37, 3, 5), (700, 8, 16), (300, 8, 25
     assert (flat[rows][1:] >= flat[rows][:-1]).all(), seed
     assert torch.equal(offsets.long(), torch.cumsum(torch.bincount(flat[local], minlength=n_local), 0))
 from dbo.moe.fused_experts import GemmConfig, fused_swiglu_experts
-for seed, m, n_local, topk, tail, red in [(0, 37, 5, 3, 16, True), (1, 150, 3, 2, 16, False),
-                                         (2, 1, 3, 1, 0, True)]:
-    # fp16 (the interpreter's bf16 dot is wrong): the TMA tiles, full and tail
+for seed, m, n_local, topk, tail, red, short, persistent in [
+        (0, 37, 5, 3, 16, True, False, True), (1, 150, 3, 2, 16, False, False, False),
+        (2, 1, 3, 1, 0, True, False, True), (3, 90, 4, 3, 16, True, False, False),
+        (4, 70, 3, 2, 0, True, True, True), (5, 41, 5, 2, 0, True, True, False)]:
+    # fp16 (the interpreter's bf16 dot is wrong): the TMA tiles, full and tail; the short-K
+    # down kernel (short); a program per tile or a few walking the tiles (persistent)
     x, weights, ids, w1, w2 = _case(seed, m, n_local, topk, hidden=64, inter=32)
     x, w1, w2 = x.half(), w1.half(), w2.half()
     ref = reference_moe(x.float(), w1.float(), w2.float(), weights, ids)
     cfg = GemmConfig(32, 16, 16, 2, 4, 2, tma=True, tail_m=tail)
+    down = GemmConfig(32, 16, 32, 2, 4, 2, n_per_program=2) if short else \
+        GemmConfig(32, 16, 16, 2, 4, 2, tma=True, tail_m=tail)
     out = torch.empty((m, 64) if red else (m, topk, 64), dtype=torch.float16)
-    fused_swiglu_experts(x, w1, w2, weights, ids, out=out, reduce=red, configs=(cfg, cfg))
+    fused_swiglu_experts(x, w1, w2, weights, ids, out=out, reduce=red, configs=(cfg, down),
+                         persistent=persistent)
     got = out.float() if red else (out.float() * weights.unsqueeze(-1)).sum(1)
     err = relative_error(got, ref)
     assert err < 2e-3, (seed, err)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = ["GemmConfig", "CONFIGS", "FP32_CONFIG", "FEW_EXPERTS_UP", "FUSED_MAX_ROWS_PER_EXPERT",
-           "prefer_fused", "pick_configs"]
+           "prefer_fused", "prefer_persistent", "pick_configs"]
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,6 @@ class GemmConfig:
     #: a ``tail_m``-row tile (else, when they fit in ``block_m // 2``, as a half tile), so the
     #: rows past the expert's end cost no flops (K-loop kernels only)
     tail_m: int = 0
-
     def __post_init__(self) -> None:
         t = self.tail_m  # tl.dot takes at least 16 rows
         if t and (t < 16 or t >= self.block_m or t & (t - 1)):
@@ -77,6 +76,17 @@ FUSED_MAX_ROWS_PER_EXPERT = 768
 def prefer_fused(rows_per_expert: float, intermediate: int) -> bool:
     """Whether the fused kernels are expected to beat the unfused steps at this size."""
     return intermediate <= 1024 or rows_per_expert <= FUSED_MAX_ROWS_PER_EXPERT
+
+
+def prefer_persistent(rows_per_expert: float, bound_pairs: int, n_experts: int) -> bool:
+    """Whether the grouped GEMMs run persistent (a program per resident slot, walking the tiles)
+    rather than one program per tile of the host's bound. Measured on an H200
+    (``tests/gpu/ab_experts.py``): persistent is 3-9% faster where the bound counts at least
+    twice the expected local pairs (a local share of the experts <= 1/2 without host counts: the
+    bound's programs are mostly empty) and the experts get more than 192 rows each, but 14-26%
+    slower at 96-192 rows per expert, where the tail tiles make tiles of unequal cost (the
+    hardware's scheduling of one program per tile balances them better)."""
+    return rows_per_expert > 192 and bound_pairs >= 2 * rows_per_expert * n_experts
 
 
 def pick_configs(rows_per_expert: float, intermediate: int = 1 << 30,

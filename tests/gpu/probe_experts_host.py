@@ -6,7 +6,11 @@ For each shape: the benchmark's time (CUDA events around each ``apply``, as ``db
 experts``), the host time of one ``apply`` (``perf_counter`` while the GPU is kept busy, so no
 launch waits), the GPU time alone (a CUDA graph of ``apply``, replayed), and the host time of
 each step of the fused path. A shape whose event time is near its host time and far above its
-graph time is launch-bound.
+graph time is launch-bound. Each step's GPU time (a CUDA graph of it alone) is printed with
+its own limit (``*_x``: the step's time over the bytes/flops limit of what it reads, writes and
+computes), so a shape far from the limit shows which kernel costs it.
+
+    python3 tests/gpu/probe_experts_host.py --grid   # the experts benchmark's 63 shapes
 """
 
 from __future__ import annotations
@@ -68,12 +72,16 @@ def graph_ms(fn, n: int = 30) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None)
+    ap.add_argument("--grid", action="store_true", help="every shape of python -m dbo.bench experts")
+    ap.add_argument("--no-host", action="store_true", help="skip the host-time columns")
     a = ap.parse_args()
+    grid = [(i, L, 1024 << k) for i in (256, 768, 2048) for L in (32, 128, 256) for k in range(7)]
+    shapes = grid if a.grid else SHAPES
     lim = measure_device_limits()
     print(lim.describe(), flush=True)
     rows = []
     with torch.inference_mode():
-        for inter, local, tokens in SHAPES:
+        for inter, local, tokens in shapes:
             case = make_case(tokens, 7168, inter, local)
             ex = SwiGLUExperts(num_global_experts=256)
             ws = Workspace()
@@ -85,26 +93,41 @@ def main() -> None:
             m, topk = ids.shape
             order, offsets = fe.route_order(ids, local)
             pairs = m * topk
+            if not fe.prefer_fused(tokens * topk / 256, inter):
+                print(f"I={inter} L={local} T={tokens}: the unfused steps run here", flush=True)
+                continue
             up, down = fe.pick_configs(tokens * topk / 256, inter, local)
             act = torch.empty(pairs, inter, dtype=case.x.dtype, device="cuda")
+            out = torch.empty_like(case.x)
             y = torch.empty(pairs, 7168, dtype=case.x.dtype, device="cuda")
             steps = {  # partials: bound now, called within this iteration
                 "route": partial(fe.route_order, ids, local),
                 "gate_up": partial(fe.launch_gate_up, case.x, order, offsets, case.w1, act, up, pairs, topk),
                 "down": partial(fe.launch_down, act, order, offsets, case.w2, y, down, pairs),
+                "topk_sum": partial(fe.launch_topk_sum, y, ids, case.weights, out, local),
             }
             for f in steps.values():
                 f()
-            r = {"I": inter, "L": local, "T": tokens, "event_ms": median_ms(fn, 30), "host_ms": host_ms(fn),
-                 "graph_ms": graph_ms(fn)}
-            r.update({f"host_{k}_ms": host_ms(f) for k, f in steps.items()})
-            fl, nb = experts_cost(hidden=7168, intermediate=inter, local_pairs=int(case.counts.sum()),
-                                  experts_with_rows=int((case.counts > 0).sum()))
+            r = {"I": inter, "L": local, "T": tokens, "event_ms": median_ms(fn, 30), "graph_ms": graph_ms(fn)}
+            if not a.no_host:
+                r["host_ms"] = host_ms(fn)
+                r.update({f"host_{k}_ms": host_ms(f) for k, f in steps.items()})
+            lp, used = int(case.counts.sum()), int((case.counts > 0).sum())
+            fl, nb = experts_cost(hidden=7168, intermediate=inter, local_pairs=lp, experts_with_rows=used)
             r["limit_ms"] = lim.time_ms(fl, nb)
+            r["x_limit"] = r["event_ms"] / r["limit_ms"]
+            w = used * 7168 * inter  # the down weights of the experts with rows, elements (gate/up: 2x)
+            own = {"route": (0, 4 * 4 * m * topk),  # ids read, order written, a few passes
+                   "gate_up": (4 * lp * 7168 * inter, 2 * (2 * w + lp * 7168 + lp * inter)),
+                   "down": (2 * lp * 7168 * inter, 2 * (w + lp * inter + lp * 7168)),
+                   "topk_sum": (0, 2 * (lp * 7168 + m * 7168))}
+            for k, f in steps.items():
+                r[f"gpu_{k}_ms"] = graph_ms(f)
+                r[f"gpu_{k}_x"] = r[f"gpu_{k}_ms"] / lim.time_ms(*own[k])
             rows.append(r)
             print(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()),
                   flush=True)
-            del case, act, y
+            del case, act, y, out
             torch.cuda.empty_cache()
     if a.json:
         with open(a.json, "w") as f:

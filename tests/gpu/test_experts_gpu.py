@@ -6,6 +6,8 @@ kernels against plain torch. Run on the GPU host: ``pytest tests/gpu/test_expert
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -119,3 +121,39 @@ def test_triton_kernels_match_torch(m, p, topk, hidden):
     idx = torch.randint(0, p, (p,), device="cuda", generator=g)
     got = gather_rows(y, idx, valid, use_triton=True)
     assert torch.equal(got[: p // 2], y[idx[: p // 2]])
+
+
+def _fused_cases():
+    from dbo.moe.fused_tiles import CONFIGS, FEW_EXPERTS_UP
+
+    cases, seen = [], set()
+    for _, up, down, short in CONFIGS:
+        for inter, d in ((512, down), (256, short)):
+            for persistent in (False, True):
+                c = (up, d, inter, persistent)
+                if c not in seen:
+                    seen.add(c)
+                    cases.append(c)
+    cases.append((FEW_EXPERTS_UP, CONFIGS[0][3], 256, True))
+    return cases
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not importable")
+@pytest.mark.parametrize("m", [700, 9000])  # 5.6K pairs (counting sort), 72K (radix sort)
+@pytest.mark.parametrize("case", _fused_cases(), ids=lambda c: f"{c[0].block_m}x{c[0].block_n}"
+                         f"-{c[1].block_m}x{c[1].block_n}{'-short' if c[1].n_per_program else ''}"
+                         f"-{c[0].num_stages}{c[1].num_stages}{'-persistent' if c[3] else ''}")
+def test_every_fused_tile_matches_torch(case, m):
+    # every tile of the table, one program per tile or persistent: the same numbers as the
+    # plain-torch steps
+    from dbo.moe.fused_experts import fused_swiglu_experts
+
+    up, down, inter, persistent = case
+    x, w1, w2, weights, ids = _case(m, 32, 8, 1024, inter, torch.bfloat16, seed=m + inter)
+    want = _apply(SwiGLUExperts(use_triton=False), x, w1, w2, weights, ids, True)
+    out = torch.empty_like(x)
+    for check in (False, True):  # the first call compiles outside the check
+        with no_host_syncs() if check else contextlib.nullcontext():
+            fused_swiglu_experts(x, w1, w2, weights, ids, out=out, configs=(up, down), persistent=persistent)
+    torch.cuda.synchronize()
+    assert relative_error(out, want) < 1e-2
