@@ -205,12 +205,9 @@ def fused_swiglu_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
     topk = topk_ids.shape[1]
     x, w1, w2 = x.contiguous(), w1.contiguous(), w2.contiguous()
     pairs = m * topk if max_local_pairs is None else min(max_local_pairs, m * topk)
-    if configs is None:
-        configs = pick_configs(pairs / n_experts if rows_per_expert is None else rows_per_expert, inter,
-                               n_experts)
-    up_cfg, down_cfg = configs
-    order, offsets = route_order(topk_ids, n_experts, bounds)
     est = pairs / n_experts if rows_per_expert is None else rows_per_expert
+    up_cfg, down_cfg = pick_configs(est, inter, n_experts) if configs is None else configs
+    order, offsets = route_order(topk_ids, n_experts, bounds)
     if persistent is None:
         persistent = prefer_persistent(est, pairs, n_experts) if x.is_cuda else True
     act = torch.empty(m * topk, inter, dtype=x.dtype, device=x.device)
