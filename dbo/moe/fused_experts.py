@@ -57,7 +57,13 @@ try:
 except ImportError:  # the module is only used where Triton is importable
     triton = None
 else:
-    from dbo.moe.fused_kernels import down_kernel, down_short_k_kernel, gate_up_kernel, topk_sum_kernel
+    from dbo.moe.fused_kernels import (
+        down_flat_kernel,
+        down_kernel,
+        down_short_k_kernel,
+        gate_up_kernel,
+        topk_sum_kernel,
+    )
 
 
 def _block_e(n_experts: int) -> int:
@@ -97,13 +103,15 @@ def _launch(kernel, bound: int, device: torch.device, args: tuple, kwargs: dict,
     the device's tiles do nothing), or ``persistent``: ``min(bound, SMs x resident programs)``
     programs, each walking every num_programs-th tile, so that none is spent on the tiles past
     the local pairs that the bound counts."""
-    kwargs["PERSISTENT"] = persistent
+    if "PERSISTENT" in kernel.arg_names:
+        kwargs["PERSISTENT"] = persistent
     if not persistent:
         kernel[(bound,)](*args, **kwargs)
     elif device.type != "cuda":  # Triton's interpreter
         kernel[(max(1, min(bound, INTERPRETER_PROGRAMS)),)](*args, **kwargs)
     else:
-        key = (kernel, tuple(sorted(kwargs.items())), args[0].dtype, device)
+        dtype = next(a.dtype for a in args if isinstance(a, torch.Tensor))
+        key = (kernel, tuple(sorted(kwargs.items())), dtype, device)
         props = _props(device)
         per_sm = _PER_SM.get(key)
         compiled = kernel[(max(1, min(bound, props.multi_processor_count * (per_sm or 1))),)](*args, **kwargs)
@@ -158,6 +166,17 @@ def launch_down(act: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, w
                                 N_PER_PROGRAM=cfg.n_per_program, BLOCK_E=_block_e(n_experts),
                                 GROUP_M=cfg.group_m, PRECISION=_precision(act), num_warps=cfg.num_warps,
                                 num_stages=cfg.num_stages), persistent)
+        return
+    if cfg.flat:
+        if inter % 8:
+            raise ValueError(f"the flat down kernel needs intermediate % 8 == 0 (TMA), got {inter}")
+        a_desc = TensorDescriptor.from_tensor(act, [cfg.block_m, cfg.block_k])
+        w = TensorDescriptor.from_tensor(w2.view(n_experts * hidden, inter), [cfg.block_n, cfg.block_k])
+        _launch(down_flat_kernel, _bound(cfg, pairs, n_experts, hidden), act.device, (
+            a_desc, order, offsets, w, y, n_experts, hidden, inter), dict(
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_E=_block_e(n_experts),
+            GROUP_M=cfg.group_m, FLATTEN=True, WARP_SPECIALIZE=False, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages), True)
         return
     tma = cfg.tma and inter % cfg.block_k == 0
     a_desc, w = act, w2

@@ -10,7 +10,7 @@ cost 3-9% at 256 local experts on an H200 (more registers: 255 against 118-184).
 
 from __future__ import annotations
 
-__all__ = ["gate_up_kernel", "down_kernel", "down_short_k_kernel", "topk_sum_kernel"]
+__all__ = ["gate_up_kernel", "down_kernel", "down_flat_kernel", "down_short_k_kernel", "topk_sum_kernel"]
 
 try:
     import triton
@@ -226,6 +226,37 @@ if triton is not None:
             _down_tile(tl.program_id(0), starts, ends, m_tiles, tile_ends, act_ptr, act_desc, order_ptr, w,
                        y_ptr, hidden, inter, stride_we, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_E, GROUP_M, TAIL_M,
                        EVEN_K, PRECISION, TMA)
+
+    @triton.jit
+    def down_flat_kernel(act_desc, order_ptr, offs_ptr, w_desc, y_ptr, n_experts, hidden, inter,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr, FLATTEN: tl.constexpr,
+                         WARP_SPECIALIZE: tl.constexpr):
+        # persistent: every num_programs-th tile, the tile loop flattened with the K loop so that
+        # Triton pipelines the next tile's loads under this tile's products and stores (a short K
+        # loop of its own, a few steps at I = 256, does not pipeline). act_desc: act as [R, inter],
+        # box [BLOCK_M, BLOCK_K]; w_desc: w2 as [E * hidden, inter], box [BLOCK_N, BLOCK_K]. No
+        # tail tiles: the rows past the expert's end (the next expert's, or TMA's zeros) are
+        # computed and never stored
+        n_col = tl.cdiv(hidden, BLOCK_N)
+        starts, ends, m_tiles, tile_ends, n_tiles = _tile_table(offs_ptr, n_experts, n_col, BLOCK_M, BLOCK_E)
+        k_tiles = tl.cdiv(inter, BLOCK_K)
+        for t in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0), flatten=FLATTEN,
+                          warp_specialize=WARP_SPECIALIZE):
+            e, row0, end_row, pid_n = _tile_at(t, starts, ends, m_tiles, tile_ends, n_col, BLOCK_M, BLOCK_E,
+                                               GROUP_M)
+            w_row = e * hidden + pid_n * BLOCK_N
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for ki in range(k_tiles):
+                a = act_desc.load([row0, ki * BLOCK_K])
+                b = w_desc.load([w_row, ki * BLOCK_K])
+                acc = tl.dot(a, b.T, acc)
+            rows = row0 + tl.arange(0, BLOCK_M)
+            row_mask = rows < end_row
+            cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            slots = tl.load(order_ptr + rows, mask=row_mask, other=0).to(tl.int64)
+            tl.store(y_ptr + slots[:, None] * hidden + cols[None, :], acc.to(y_ptr.dtype.element_ty),
+                     mask=row_mask[:, None] & (cols < hidden)[None, :])
 
     @triton.jit
     def _down_short_k_tile(t, starts, ends, m_tiles, tile_ends, act_ptr, order_ptr, w_ptr, y_ptr, hidden,

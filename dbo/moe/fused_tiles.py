@@ -33,6 +33,10 @@ class GemmConfig:
     #: a ``tail_m``-row tile (else, when they fit in ``block_m // 2``, as a half tile), so the
     #: rows past the expert's end cost no flops (K-loop kernels only)
     tail_m: int = 0
+    #: down only: the persistent kernel whose tile loop is flattened with its K loop (TMA loads,
+    #: no tail tiles), so that the next tile's loads overlap this tile's products and stores
+    flat: bool = False
+
     def __post_init__(self) -> None:
         t = self.tail_m  # tl.dot takes at least 16 rows
         if t and (t < 16 or t >= self.block_m or t & (t - 1)):

@@ -30,8 +30,10 @@ from dbo.moe.fused_experts import (  # noqa: E402
     fused_swiglu_experts,
     launch_down,
     launch_gate_up,
+    pick_configs,
     route_order,
 )
+from dbo.moe.fused_tiles import prefer_persistent  # noqa: E402
 
 C = GemmConfig
 UP = [C(64, 64, 64, 8, 4, 4), C(128, 128, 64, 8, 8, 4), C(128, 128, 64, 8, 8, 3),
@@ -60,7 +62,16 @@ DOWN = [C(64, 128, 64, 8, 4, 4), C(128, 128, 64, 8, 8, 3), C(128, 256, 64, 8, 8,
 SHORT_K = [C(64, 128, 256, 8, 4, 2, n_per_program=8), C(128, 64, 256, 8, 4, 3, n_per_program=16),
            C(64, 64, 256, 8, 4, 3, n_per_program=8), C(64, 128, 256, 8, 4, 3, n_per_program=4),
            C(128, 128, 256, 8, 8, 2, n_per_program=8), C(64, 64, 256, 8, 4, 4, n_per_program=16),
-           C(128, 64, 256, 8, 4, 3, n_per_program=4)]
+           C(128, 64, 256, 8, 4, 3, n_per_program=4),
+           # small enough for two programs per SM (shared memory <= ~110 KB)
+           C(128, 32, 256, 8, 4, 3, n_per_program=32), C(64, 64, 256, 8, 4, 2, n_per_program=16),
+           C(64, 32, 256, 8, 4, 3, n_per_program=32), C(128, 64, 256, 8, 4, 2, n_per_program=16)]
+#: the persistent down kernel with its tile loop flattened into the K loop (any I)
+FLAT = [C(128, 256, 64, 8, 8, 3, flat=True), C(128, 128, 64, 8, 8, 4, flat=True),
+        C(128, 128, 64, 8, 4, 4, flat=True), C(64, 256, 64, 8, 4, 4, flat=True),
+        C(64, 128, 64, 8, 4, 5, flat=True), C(128, 64, 64, 8, 4, 4, flat=True),
+        C(64, 128, 128, 8, 4, 3, flat=True), C(128, 256, 64, 4, 8, 3, flat=True)]
+DOWN += FLAT
 
 
 def median_ms(fn, reps: int) -> float:
@@ -86,14 +97,18 @@ def main() -> int:
     p.add_argument("--no-check", action="store_true", help="skip the candidates' correctness check")
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--up-only", action="store_true", help="time only the gate/up candidates")
+    p.add_argument("--down-only", action="store_true", help="time only the down candidates")
+    p.add_argument("--flat", action="store_true",
+                   help="down candidates: the library's pick, the short-K tiles (I <= 256) and FLAT")
     p.add_argument("--json", default=None)
     a = p.parse_args()
     lim = measure_device_limits()
     print(lim.describe(), flush=True)
     hidden, topk, rows = 7168, 8, []
-    checked = a.no_check
     with torch.inference_mode():
         for inter in a.intermediate:
+            checked = a.no_check  # every candidate is checked at each intermediate size
+            wrong: set[GemmConfig] = set()
             for n_local in a.local_experts:
                 w = None
                 for t in a.tokens:
@@ -109,9 +124,10 @@ def main() -> int:
                             case.x, case.w1, case.w2, case.weights, case.ids,
                             activation_format=ActivationFormat.STANDARD, expert_tokens_meta=None,
                             apply_router_weight_on_input=False, workspace=Workspace()).clone()
-                        for cu in UP:
+                        for cu in UP[:1] if a.down_only else UP:
                             short = SHORT_K if inter <= 256 else []
-                            for cd in DOWN[:1] if cu is not UP[0] else DOWN + short:
+                            every_down = FLAT + short if a.flat else DOWN + short
+                            for cd in DOWN[:1] if cu is not UP[0] else every_down:
                                 out = torch.full_like(case.x, float("nan"))
                                 try:
                                     fused_swiglu_experts(case.x, case.w1, case.w2, case.weights,
@@ -119,8 +135,11 @@ def main() -> int:
                                 except triton.runtime.errors.OutOfResources:
                                     continue
                                 err = relative_error(out, ref)
-                                assert err < 2e-2, (cu, cd, err)
-                        print("every candidate matches the unfused experts", flush=True)
+                                if not err < 2e-2:  # reported, and left out of the timings
+                                    print(f"WRONG: {cu} {cd} relative error {err}", flush=True)
+                                    wrong.add(cd if cu is UP[0] else cu)
+                        print("the candidates checked against the unfused experts "
+                              f"({len(wrong)} wrong)", flush=True)
                         checked = True
                     up_flops = 4.0 * pairs * hidden * inter
                     w_bytes = active * hidden * inter * 2
@@ -129,14 +148,19 @@ def main() -> int:
                     res = {"I": inter, "L": n_local, "tokens": t, "pairs": pairs,
                            "rows_per_expert": pairs / max(1, active), "up_limit_ms": up_lim,
                            "down_limit_ms": down_lim, "up": {}, "down": {}}
-                    for cfg in UP:
+                    for cfg in [c for c in (UP[:1] if a.down_only else UP) if c not in wrong]:
                         res["up"][str(tuple(cfg.__dict__.values()))] = median_ms(
                             lambda c=cfg, cs=case, o=order, f=offsets, ac=act, n=t * topk:
                             launch_gate_up(cs.x, o, f, cs.w1, ac, c, n, topk), a.reps)
-                    for cfg in [] if a.up_only else DOWN + (SHORT_K if inter <= 256 else []):
+                    downs = DOWN + (SHORT_K if inter <= 256 else [])
+                    if a.flat:
+                        pick = pick_configs(pairs / n_local, inter, n_local)[1]
+                        downs = [pick] + [c for c in FLAT + (SHORT_K if inter <= 256 else []) if c != pick]
+                    persist = prefer_persistent(pairs / n_local, t * topk, n_local)  # as the library
+                    for cfg in [] if a.up_only else [c for c in downs if c not in wrong]:
                         res["down"][str(tuple(cfg.__dict__.values()))] = median_ms(
-                            lambda c=cfg, cs=case, o=order, f=offsets, ac=act, yy=y, n=t * topk:
-                            launch_down(ac, o, f, cs.w2, yy, c, n), a.reps)
+                            lambda c=cfg, cs=case, o=order, f=offsets, ac=act, yy=y, n=t * topk, ps=persist:
+                            launch_down(ac, o, f, cs.w2, yy, c, n, ps), a.reps)
                     if a.up_only:
                         res["down"] = {"-": float("nan")}
                     bu = min(res["up"], key=res["up"].get)
@@ -144,6 +168,10 @@ def main() -> int:
                     for g in ("up",) if a.up_only else ("up", "down"):
                         top = sorted(res[g], key=res[g].get)[:3]
                         print(f"  {g} top: " + "; ".join(f"{k} {res[g][k]:.3f}" for k in top), flush=True)
+                    if a.flat and not a.up_only:
+                        pk = res["down"][str(tuple(pick.__dict__.values()))]
+                        print(f"  down: the library's pick {pk:.3f} ms ({pk / down_lim:.2f}x), best / pick "
+                              f"{res['down'][bd] / pk:.3f}", flush=True)
                     print(f"I={inter:>4} L={n_local:>3} T={t:>5} rows/e={res['rows_per_expert']:>6.0f} | "
                           "up best "
                           f"{res['up'][bu]:.3f} ms ({res['up'][bu] / up_lim:.2f}x) {bu} | down best "
