@@ -186,18 +186,21 @@ for seed, (m, topk, n_local) in enumerate([(37, 3, 5), (700, 8, 16), (300, 8, 25
     assert (flat[rows][1:] >= flat[rows][:-1]).all(), seed
     assert torch.equal(offsets.long(), torch.cumsum(torch.bincount(flat[local], minlength=n_local), 0))
 from dbo.moe.fused_experts import GemmConfig, fused_swiglu_experts
-for seed, m, n_local, topk, tail, red, short, persistent in [
-        (0, 37, 5, 3, 16, True, False, True), (1, 150, 3, 2, 16, False, False, False),
-        (2, 1, 3, 1, 0, True, False, True), (3, 90, 4, 3, 16, True, False, False),
-        (4, 70, 3, 2, 0, True, True, True), (5, 41, 5, 2, 0, True, True, False)]:
+for seed, m, n_local, topk, tail, red, down_kind, persistent in [
+        (0, 37, 5, 3, 16, True, "k", True), (1, 150, 3, 2, 16, False, "k", False),
+        (2, 1, 3, 1, 0, True, "k", True), (3, 90, 4, 3, 16, True, "k", False),
+        (4, 70, 3, 2, 0, True, "short", True), (5, 41, 5, 2, 0, True, "short", False),
+        (6, 90, 4, 3, 0, True, "flat", True), (7, 150, 3, 2, 0, False, "flat", True)]:
     # fp16 (the interpreter's bf16 dot is wrong): the TMA tiles, full and tail; the short-K
-    # down kernel (short); a program per tile or a few walking the tiles (persistent)
+    # down kernel (short); the flat persistent down kernel (flat); a program per tile or a few
+    # walking the tiles (persistent)
     x, weights, ids, w1, w2 = _case(seed, m, n_local, topk, hidden=64, inter=32)
     x, w1, w2 = x.half(), w1.half(), w2.half()
     ref = reference_moe(x.float(), w1.float(), w2.float(), weights, ids)
     cfg = GemmConfig(32, 16, 16, 2, 4, 2, tma=True, tail_m=tail)
-    down = GemmConfig(32, 16, 32, 2, 4, 2, n_per_program=2) if short else \
-        GemmConfig(32, 16, 16, 2, 4, 2, tma=True, tail_m=tail)
+    down = {"short": GemmConfig(32, 16, 32, 2, 4, 2, n_per_program=2),
+            "flat": GemmConfig(32, 16, 16, 2, 4, 2, flat=True),
+            "k": GemmConfig(32, 16, 16, 2, 4, 2, tma=True, tail_m=tail)}[down_kind]
     out = torch.empty((m, 64) if red else (m, topk, 64), dtype=torch.float16)
     fused_swiglu_experts(x, w1, w2, weights, ids, out=out, reduce=red, configs=(cfg, down),
                          persistent=persistent)

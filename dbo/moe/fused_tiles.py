@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["GemmConfig", "CONFIGS", "FP32_CONFIG", "FEW_EXPERTS_UP", "FUSED_MAX_ROWS_PER_EXPERT",
+__all__ = ["GemmConfig", "CONFIGS", "FP32_CONFIG", "FEW_EXPERTS_UP", "FEW_EXPERTS_DOWN", "FLAT_DOWN",
+           "FUSED_MAX_ROWS_PER_EXPERT",
            "prefer_fused", "prefer_persistent", "pick_configs"]
 
 
@@ -42,6 +43,8 @@ class GemmConfig:
         if t and (t < 16 or t >= self.block_m or t & (t - 1)):
             raise ValueError(f"tail_m must be 0 or a power of two in [16, block_m), got {t} "
                              f"(block_m {self.block_m})")
+        if self.flat and (self.n_per_program or t):
+            raise ValueError("a flat tile has no tail tiles and no column blocks per program")
 
 
 #: 4-byte inputs (float32: tests, references) take this small tile: shared memory holds twice
@@ -51,24 +54,26 @@ FP32_CONFIG = GemmConfig(64, 64, 32, 8, 4, 2, tail_m=16)
 
 #: (largest estimated rows per expert, gate_up tile, down tile, down tile when I <= 256), first
 #: match wins. From the tile sweeps on an H200 (tests/gpu/tune_experts.py over I 256/768/2048,
-#: 32/128/256 local experts, 32-512 rows per expert; docs/perf_notes.md section 5): 128-row tiles
-#: up to 192 rows per expert, 64-row tiles above (fewer rows computed past each expert's end);
-#: the down GEMM's 128x256 tile with 16-row tails for I > 256.
+#: 32/128/256 local experts, 32-2048 rows per expert; docs/perf_notes.md section 5): 128-row
+#: gate/up tiles up to 192 rows per expert, 64-row tiles above (fewer rows computed past each
+#: expert's end); the down GEMM's flat persistent 128x256 tile from 48 rows per expert at
+#: I <= 256 and from 96 at I > 256 (0.68-0.93x the previous tiles' time at I = 256, 0.88-1.0x
+#: above; docs/perf_notes.md section 5e), the K-loop 128x256 tile with 16-row tails below.
 _DOWN_TAIL = GemmConfig(128, 256, 64, 8, 8, 4, tma=True, tail_m=16)
+FLAT_DOWN = GemmConfig(128, 256, 64, 8, 8, 3, flat=True)
 CONFIGS: tuple[tuple[int, GemmConfig, GemmConfig, GemmConfig], ...] = (
     (48, GemmConfig(64, 128, 64, 8, 4, 5, tma=True), _DOWN_TAIL,
      GemmConfig(64, 64, 256, 8, 4, 4, n_per_program=16)),
-    (96, GemmConfig(128, 128, 64, 8, 8, 4, tma=True, tail_m=32), _DOWN_TAIL,
-     GemmConfig(64, 64, 256, 8, 4, 4, n_per_program=16)),
-    (192, GemmConfig(128, 128, 64, 8, 8, 4, tma=True, tail_m=32), _DOWN_TAIL,
-     GemmConfig(128, 64, 256, 8, 4, 3, n_per_program=16)),
-    (1 << 62, GemmConfig(64, 128, 64, 8, 4, 4, tma=True), _DOWN_TAIL,
-     GemmConfig(128, 64, 256, 8, 4, 3, n_per_program=16)),
+    (96, GemmConfig(128, 128, 64, 8, 8, 4, tma=True, tail_m=32), _DOWN_TAIL, FLAT_DOWN),
+    (192, GemmConfig(128, 128, 64, 8, 8, 4, tma=True, tail_m=32), FLAT_DOWN, FLAT_DOWN),
+    (1 << 62, GemmConfig(64, 128, 64, 8, 4, 4, tma=True), FLAT_DOWN, FLAT_DOWN),
 )
 
 #: few local experts (<= 64) and up to 96 rows each: too few 128-row tiles to fill the GPU,
-#: so I <= 256 takes this small gate/up tile (more programs, plain loads)
+#: so I <= 256 takes this small gate/up tile (more programs, plain loads), and a short-K down
+#: tile of 64 x 64 walking 8 column blocks (0.72x the flat tile's time at 64 rows per expert)
 FEW_EXPERTS_UP = GemmConfig(64, 64, 64, 8, 4, 4)
+FEW_EXPERTS_DOWN = GemmConfig(64, 64, 256, 8, 4, 3, n_per_program=8)
 
 #: above this many estimated rows per expert, with I > 1024, the unfused steps (CUTLASS's
 #: grouped GEMM through ``torch._grouped_mm``) beat the fused Triton kernels on an H200 (by ~5%
@@ -101,7 +106,7 @@ def pick_configs(rows_per_expert: float, intermediate: int = 1 << 30,
             if intermediate <= 256:
                 down = down_short
                 if local_experts is not None and local_experts <= 64 and rows_per_expert <= 96:
-                    up = FEW_EXPERTS_UP
+                    up, down = FEW_EXPERTS_UP, FEW_EXPERTS_DOWN
                 elif 192 < rows_per_expert <= 384:
                     up = CONFIGS[2][1]  # I <= 256 keeps the 128-row tile to 384 rows
             return up, down

@@ -124,17 +124,19 @@ def test_triton_kernels_match_torch(m, p, topk, hidden):
 
 
 def _fused_cases():
-    from dbo.moe.fused_tiles import CONFIGS, FEW_EXPERTS_UP
+    from dbo.moe.fused_tiles import CONFIGS, FEW_EXPERTS_DOWN, FEW_EXPERTS_UP, FLAT_DOWN
 
     cases, seen = [], set()
     for _, up, down, short in CONFIGS:
         for inter, d in ((512, down), (256, short)):
-            for persistent in (False, True):
+            for persistent in (False, True) if not d.flat else (True,):  # flat: always persistent
                 c = (up, d, inter, persistent)
                 if c not in seen:
                     seen.add(c)
                     cases.append(c)
     cases.append((FEW_EXPERTS_UP, CONFIGS[0][3], 256, True))
+    cases.append((FEW_EXPERTS_UP, FEW_EXPERTS_DOWN, 256, False))
+    cases.append((CONFIGS[-1][1], FLAT_DOWN, 200, True))  # K not a multiple of the tile's: TMA's zeros
     return cases
 
 
@@ -142,7 +144,8 @@ def _fused_cases():
 @pytest.mark.parametrize("m", [700, 9000])  # 5.6K pairs (counting sort), 72K (radix sort)
 @pytest.mark.parametrize("case", _fused_cases(), ids=lambda c: f"{c[0].block_m}x{c[0].block_n}"
                          f"-{c[1].block_m}x{c[1].block_n}{'-short' if c[1].n_per_program else ''}"
-                         f"-{c[0].num_stages}{c[1].num_stages}{'-persistent' if c[3] else ''}")
+                         f"{'-flat' if c[1].flat else ''}-{c[0].num_stages}{c[1].num_stages}"
+                         f"-I{c[2]}{'-persistent' if c[3] else ''}")
 def test_every_fused_tile_matches_torch(case, m):
     # every tile of the table, one program per tile or persistent: the same numbers as the
     # plain-torch steps
