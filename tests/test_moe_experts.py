@@ -219,3 +219,28 @@ def test_triton_kernels_in_the_interpreter():
     proc = subprocess.run([sys.executable, "-c", _TRITON_SCRIPT], cwd=root, capture_output=True,
                           text=True, timeout=300, env={**os.environ, "TRITON_INTERPRET": "1"})
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stdout + proc.stderr
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_direct_launch_keys_follow_tritons_specialization(monkeypatch):
+    # dbo.moe.triton_launch keeps a compiled kernel per specialization: the key tells apart
+    # what Triton compiles apart (an int of 1, a multiple of 16, a 64-bit int, a pointer's
+    # 16-byte alignment), and refuses arguments it does not know; under the interpreter, or
+    # with DBO_TRITON_FAST_LAUNCH=0, every launch goes through kernel[grid]
+    from dbo.moe import triton_launch as tlaunch
+
+    spec = tlaunch._spec
+    assert len({spec(1), spec(16), spec(17), spec(2 ** 31 + 16)}) == 4
+    assert spec(32) == spec(48) and spec(3) == spec(5)
+    t = torch.zeros(16)
+    assert spec(t) != spec(t[1:]) and spec(t) == spec(t[4:]) and spec(t) != spec(t.double())
+    with pytest.raises(TypeError):
+        spec(object())
+    monkeypatch.setenv("DBO_TRITON_FAST_LAUNCH", "0")
+    tlaunch.clear_launch_cache()
+    assert not tlaunch.fast_launch_enabled()
+    monkeypatch.setenv("DBO_TRITON_FAST_LAUNCH", "1")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    tlaunch.clear_launch_cache()
+    assert not tlaunch.fast_launch_enabled()
+    tlaunch.clear_launch_cache()

@@ -46,6 +46,7 @@ from dbo.moe.fused_tiles import (
     prefer_persistent,
 )
 from dbo.moe.gather_reduce import _block
+from dbo.moe.triton_launch import launch
 
 __all__ = ["GemmConfig", "CONFIGS", "FP32_CONFIG", "FUSED_MAX_ROWS_PER_EXPERT", "prefer_fused",
            "pick_configs", "fused_swiglu_experts", "route_order", "launch_gate_up", "launch_down",
@@ -106,7 +107,7 @@ def _launch(kernel, bound: int, device: torch.device, args: tuple, kwargs: dict,
     if "PERSISTENT" in kernel.arg_names:
         kwargs["PERSISTENT"] = persistent
     if not persistent:
-        kernel[(bound,)](*args, **kwargs)
+        launch(kernel, (bound,), args, kwargs)
     elif device.type != "cuda":  # Triton's interpreter
         kernel[(max(1, min(bound, INTERPRETER_PROGRAMS)),)](*args, **kwargs)
     else:
@@ -114,7 +115,8 @@ def _launch(kernel, bound: int, device: torch.device, args: tuple, kwargs: dict,
         key = (kernel, tuple(sorted(kwargs.items())), dtype, device)
         props = _props(device)
         per_sm = _PER_SM.get(key)
-        compiled = kernel[(max(1, min(bound, props.multi_processor_count * (per_sm or 1))),)](*args, **kwargs)
+        compiled = launch(kernel, (max(1, min(bound, props.multi_processor_count * (per_sm or 1))),), args,
+                          kwargs)
         if per_sm is None:
             _PER_SM[key] = _per_sm(compiled, props)
 
@@ -247,6 +249,6 @@ def launch_topk_sum(y: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
     m, topk = topk_ids.shape
     hidden = y.shape[1]
     block = _block(hidden)
-    topk_sum_kernel[(m, triton.cdiv(hidden, block))](
-        y, topk_ids.contiguous(), topk_weights.contiguous(), out, n_experts, hidden, TOPK=topk,
-        BLOCK=block)
+    launch(topk_sum_kernel, (m, triton.cdiv(hidden, block)), (
+        y, topk_ids.contiguous(), topk_weights.contiguous(), out, n_experts, hidden), dict(TOPK=topk,
+        BLOCK=block))

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from dbo.moe.triton_launch import launch
+
 __all__ = ["ROUTE_CHUNK", "ROUTE_MAX_PAIRS", "route_order"]
 
 try:
@@ -98,14 +100,14 @@ def route_order(topk_ids: torch.Tensor, num_local_experts: int,
         scratch = torch.empty(2, chunks, block_e, dtype=torch.int32, device=ids.device)
         order = torch.empty(n, dtype=torch.int32, device=ids.device)
         offsets = torch.empty(num_local_experts, dtype=torch.int32, device=ids.device)
-        _route_count_kernel[(chunks,)](ids, scratch[0], n, num_local_experts, CHUNK=ROUTE_CHUNK,
-                                       BLOCK_E=block_e)
-        _route_place_kernel[(chunks,)](ids, scratch[0], scratch[1], order, offsets, n,
-                                       num_local_experts, chunks, CHUNK=ROUTE_CHUNK, BLOCK_E=block_e,
-                                       BLOCK_C=max(2, triton.next_power_of_2(chunks)), num_warps=8)
+        launch(_route_count_kernel, (chunks,), (ids, scratch[0], n, num_local_experts),
+               dict(CHUNK=ROUTE_CHUNK, BLOCK_E=block_e))
+        launch(_route_place_kernel, (chunks,), (ids, scratch[0], scratch[1], order, offsets, n,
+               num_local_experts, chunks), dict(CHUNK=ROUTE_CHUNK, BLOCK_E=block_e,
+               BLOCK_C=max(2, triton.next_power_of_2(chunks)), num_warps=8))
         return order, offsets
     key = torch.empty(n, dtype=torch.int16, device=ids.device)
-    _route_keys_kernel[(triton.cdiv(n, 1024),)](ids, key, n, num_local_experts, BLOCK=1024)
+    launch(_route_keys_kernel, (triton.cdiv(n, 1024),), (ids, key, n, num_local_experts), dict(BLOCK=1024))
     sorted_key, order = torch.sort(key)
     if bounds is None:
         bounds = torch.arange(1, num_local_experts + 1, dtype=torch.int16, device=ids.device)

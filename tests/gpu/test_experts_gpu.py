@@ -160,3 +160,31 @@ def test_every_fused_tile_matches_torch(case, m):
             fused_swiglu_experts(x, w1, w2, weights, ids, out=out, configs=(up, down), persistent=persistent)
     torch.cuda.synchronize()
     assert relative_error(out, want) < 1e-2
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not importable")
+def test_direct_launches_match_triton_launches(monkeypatch):
+    # the launcher called directly (dbo.moe.triton_launch) computes what kernel[grid] computes,
+    # across specializations (two sizes, a misaligned input), and is what runs after the first call
+    from dbo.moe import triton_launch
+    from dbo.moe.fused_experts import fused_swiglu_experts
+
+    outs = {}
+    for fast in ("0", "1"):
+        monkeypatch.setenv("DBO_TRITON_FAST_LAUNCH", fast)
+        triton_launch.clear_launch_cache()
+        for m in (700, 33):
+            x, w1, w2, weights, ids = _case(m, 32, 8, 1024, 256, torch.bfloat16, seed=m)
+            xs = torch.empty(m * 1024 + 1, dtype=x.dtype, device="cuda")[1:].view(m, 1024)
+            xs.copy_(x)  # 2-byte aligned: another specialization of the gate/up kernel
+            for inp in (x, xs):
+                out = torch.empty_like(x)
+                for _ in range(3):  # a key's first call compiles through kernel[grid]
+                    out.fill_(float("nan"))
+                    fused_swiglu_experts(inp, w1, w2, weights, ids, out=out)
+                outs[(fast, m, inp is xs)] = out.clone()
+        assert bool(triton_launch._CACHE) == (fast == "1")
+    triton_launch.clear_launch_cache()
+    for (fast, m, misaligned), out in outs.items():
+        assert torch.equal(out, outs[("0", m, misaligned)]), (fast, m, misaligned)
+        assert relative_error(out.float(), outs[(fast, m, False)].float()) < 1e-6, (fast, m, misaligned)
