@@ -48,7 +48,10 @@ UP = [C(64, 64, 64, 8, 4, 4), C(128, 128, 64, 8, 8, 4), C(128, 128, 64, 8, 8, 3)
       C(128, 128, 64, 8, 8, 4, tma=True, tail_m=32), C(128, 128, 64, 8, 8, 3, tma=True, tail_m=32),
       C(128, 128, 32, 8, 8, 6, tma=True, tail_m=32), C(64, 128, 64, 8, 4, 5, tma=True, tail_m=32),
       C(64, 128, 64, 8, 4, 4, tma=True, tail_m=16), C(128, 128, 64, 8, 8, 4, tma=True, tail_m=16),
-      C(128, 256, 64, 8, 8, 3, tma=True, tail_m=32)]
+      C(128, 256, 64, 8, 8, 3, tma=True, tail_m=32),
+      # narrower tiles: more programs where few experts get a few hundred rows (I <= 256)
+      C(64, 64, 64, 8, 4, 5, tma=True), C(128, 64, 64, 8, 8, 4, tma=True, tail_m=32),
+      C(64, 32, 128, 8, 4, 4, tma=True), C(128, 32, 64, 8, 4, 5, tma=True)]
 DOWN = [C(64, 128, 64, 8, 4, 4), C(128, 128, 64, 8, 8, 3), C(128, 256, 64, 8, 8, 4),
         C(64, 128, 64, 8, 4, 4, tma=True), C(128, 128, 64, 8, 8, 4, tma=True),
         C(128, 256, 64, 8, 8, 3, tma=True), C(128, 256, 64, 8, 8, 4, tma=True),
@@ -148,15 +151,19 @@ def main() -> int:
                     res = {"I": inter, "L": n_local, "tokens": t, "pairs": pairs,
                            "rows_per_expert": pairs / max(1, active), "up_limit_ms": up_lim,
                            "down_limit_ms": down_lim, "up": {}, "down": {}}
-                    for cfg in [c for c in (UP[:1] if a.down_only else UP) if c not in wrong]:
+                    persist = prefer_persistent(pairs / n_local, t * topk, n_local)  # as the library
+                    ups = [c for c in (UP[:1] if a.down_only else UP) if c not in wrong]
+                    up_pick = pick_configs(pairs / n_local, inter, n_local)[0]
+                    if up_pick not in ups:
+                        ups.insert(0, up_pick)
+                    for cfg in ups:
                         res["up"][str(tuple(cfg.__dict__.values()))] = median_ms(
-                            lambda c=cfg, cs=case, o=order, f=offsets, ac=act, n=t * topk:
-                            launch_gate_up(cs.x, o, f, cs.w1, ac, c, n, topk), a.reps)
+                            lambda c=cfg, cs=case, o=order, f=offsets, ac=act, n=t * topk, ps=persist:
+                            launch_gate_up(cs.x, o, f, cs.w1, ac, c, n, topk, ps), a.reps)
                     downs = DOWN + (SHORT_K if inter <= 256 else [])
                     if a.flat:
                         pick = pick_configs(pairs / n_local, inter, n_local)[1]
                         downs = [pick] + [c for c in FLAT + (SHORT_K if inter <= 256 else []) if c != pick]
-                    persist = prefer_persistent(pairs / n_local, t * topk, n_local)  # as the library
                     for cfg in [] if a.up_only else [c for c in downs if c not in wrong]:
                         res["down"][str(tuple(cfg.__dict__.values()))] = median_ms(
                             lambda c=cfg, cs=case, o=order, f=offsets, ac=act, yy=y, n=t * topk, ps=persist:
@@ -168,6 +175,9 @@ def main() -> int:
                     for g in ("up",) if a.up_only else ("up", "down"):
                         top = sorted(res[g], key=res[g].get)[:3]
                         print(f"  {g} top: " + "; ".join(f"{k} {res[g][k]:.3f}" for k in top), flush=True)
+                    uk = res["up"][str(tuple(up_pick.__dict__.values()))]
+                    print(f"  up: the library's pick {uk:.3f} ms ({uk / up_lim:.2f}x), best / pick "
+                          f"{res['up'][bu] / uk:.3f}", flush=True)
                     if a.flat and not a.up_only:
                         pk = res["down"][str(tuple(pick.__dict__.values()))]
                         print(f"  down: the library's pick {pk:.3f} ms ({pk / down_lim:.2f}x), best / pick "
