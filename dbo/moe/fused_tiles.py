@@ -74,6 +74,9 @@ CONFIGS: tuple[tuple[int, GemmConfig, GemmConfig, GemmConfig], ...] = (
 #: tile of 64 x 64 walking 8 column blocks (0.72x the flat tile's time at 64 rows per expert)
 FEW_EXPERTS_UP = GemmConfig(64, 64, 64, 8, 4, 4)
 FEW_EXPERTS_DOWN = GemmConfig(64, 64, 256, 8, 4, 3, n_per_program=8)
+#: above 192 rows each, few experts at I <= 256 give few tiles too: the gate/up GEMM takes the
+#: 64x128 five-stage tile up to 1024 rows and the 128-row tile with 32-row tails above
+#: (``pick_configs``; 0.82x and 0.88x the previous tiles at 259 and 2052 rows per expert)
 
 #: above this many estimated rows per expert, with I > 1024, the unfused steps (CUTLASS's
 #: grouped GEMM through ``torch._grouped_mm``) beat the fused Triton kernels on an H200 (by ~5%
@@ -105,8 +108,11 @@ def pick_configs(rows_per_expert: float, intermediate: int = 1 << 30,
         if rows_per_expert <= bound:
             if intermediate <= 256:
                 down = down_short
-                if local_experts is not None and local_experts <= 64 and rows_per_expert <= 96:
+                few = local_experts is not None and local_experts <= 64
+                if few and rows_per_expert <= 96:
                     up, down = FEW_EXPERTS_UP, FEW_EXPERTS_DOWN
+                elif few and rows_per_expert > 192:  # 0.82-0.92x the tiles below (H200 sweep)
+                    up = CONFIGS[0][1] if rows_per_expert <= 1024 else CONFIGS[2][1]
                 elif 192 < rows_per_expert <= 384:
                     up = CONFIGS[2][1]  # I <= 256 keeps the 128-row tile to 384 rows
             return up, down
