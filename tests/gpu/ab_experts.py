@@ -3,7 +3,14 @@
     python3 tests/gpu/ab_experts.py OLD_FUSED_EXPERTS.py [--tokens ...] [--json out.json]
 
 ``OLD_FUSED_EXPERTS.py`` is a copy of an earlier ``dbo/moe/fused_experts.py`` (e.g. ``git show
-REV:dbo/moe/fused_experts.py > old.py``). Over the experts benchmark's grid (or the given
+REV:dbo/moe/fused_experts.py > old.py``). It imports the library's tile table and kernels; to
+compare with an earlier tile table too, copy that table beside it and import it instead:
+
+    git show REV:dbo/moe/fused_tiles.py > .whl/old_tiles.py
+    git show REV:dbo/moe/fused_experts.py | sed 's/^from dbo.moe.fused_tiles import/from old_tiles import/' \
+        > .whl/old_fe.py
+    PYTHONPATH=$PWD/.whl:$PYTHONPATH python3 tests/gpu/ab_experts.py .whl/old_fe.py
+ Over the experts benchmark's grid (or the given
 sizes), each shape times the library's :class:`dbo.moe.SwiGLUExperts` as it is and with the old
 module's ``fused_swiglu_experts`` swapped in (everything else, the routing choice and the tiles
 included, the same), alternating step by step, and prints both against the hardware limit
