@@ -190,12 +190,18 @@ for seed, m, n_local, topk, tail, red, down_kind, persistent in [
         (0, 37, 5, 3, 16, True, "k", True), (1, 150, 3, 2, 16, False, "k", False),
         (2, 1, 3, 1, 0, True, "k", True), (3, 90, 4, 3, 16, True, "k", False),
         (4, 70, 3, 2, 0, True, "short", True), (5, 41, 5, 2, 0, True, "short", False),
-        (6, 90, 4, 3, 0, True, "flat", True), (7, 150, 3, 2, 0, False, "flat", True)]:
+        (6, 90, 4, 3, 0, True, "flat", True), (7, 150, 3, 2, 0, False, "flat", True),
+        (8, 40, 3, 2, 0, True, "flat-misaligned", True)]:
     # fp16 (the interpreter's bf16 dot is wrong): the TMA tiles, full and tail; the short-K
     # down kernel (short); the flat persistent down kernel (flat); a program per tile or a few
-    # walking the tiles (persistent)
+    # walking the tiles (persistent); weights that TMA cannot take (a misaligned view) fall back
+    # to pointer loads
     x, weights, ids, w1, w2 = _case(seed, m, n_local, topk, hidden=64, inter=32)
     x, w1, w2 = x.half(), w1.half(), w2.half()
+    if down_kind == "flat-misaligned":
+        w1 = torch.empty(w1.numel() + 1, dtype=w1.dtype)[1:].view_as(w1).copy_(w1)
+        w2 = torch.empty(w2.numel() + 1, dtype=w2.dtype)[1:].view_as(w2).copy_(w2)
+        down_kind = "flat"
     ref = reference_moe(x.float(), w1.float(), w2.float(), weights, ids)
     cfg = GemmConfig(32, 16, 16, 2, 4, 2, tma=True, tail_m=tail)
     down = {"short": GemmConfig(32, 16, 32, 2, 4, 2, n_per_program=2),

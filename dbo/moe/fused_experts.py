@@ -38,6 +38,7 @@ import torch
 from dbo.moe.fused_route import route_order
 from dbo.moe.fused_tiles import (
     CONFIGS,
+    DOWN_TAIL,
     FP32_CONFIG,
     FUSED_MAX_ROWS_PER_EXPERT,
     GemmConfig,
@@ -130,6 +131,11 @@ def _props(device: torch.device):
     return _PROPS[device]
 
 
+def _aligned(*tensors: torch.Tensor) -> bool:
+    # a TMA descriptor's base must be 16-byte aligned (a weight tensor may be a view)
+    return all(t.data_ptr() % 16 == 0 for t in tensors)
+
+
 def _precision(x: torch.Tensor) -> str:
     return "ieee" if x.dtype == torch.float32 else "tf32"
 
@@ -142,7 +148,7 @@ def launch_gate_up(x: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, 
     n_experts, two_inter, hidden = w1.shape
     inter = two_inter // 2
     cfg = FP32_CONFIG if x.element_size() > 2 else cfg
-    tma = cfg.tma and hidden % cfg.block_k == 0
+    tma = cfg.tma and hidden % cfg.block_k == 0 and _aligned(w1)
     w = TensorDescriptor.from_tensor(w1.view(n_experts * two_inter, hidden), [cfg.block_n, cfg.block_k]) \
         if tma else w1
     _launch(gate_up_kernel, _bound(cfg, pairs, n_experts, inter), x.device, (
@@ -169,9 +175,9 @@ def launch_down(act: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, w
                                 GROUP_M=cfg.group_m, PRECISION=_precision(act), num_warps=cfg.num_warps,
                                 num_stages=cfg.num_stages), persistent)
         return
+    if cfg.flat and not (inter % 8 == 0 and _aligned(act, w2)):
+        cfg = DOWN_TAIL  # TMA needs 16-byte rows and bases: the K-loop tile reads through pointers
     if cfg.flat:
-        if inter % 8:
-            raise ValueError(f"the flat down kernel needs intermediate % 8 == 0 (TMA), got {inter}")
         a_desc = TensorDescriptor.from_tensor(act, [cfg.block_m, cfg.block_k])
         w = TensorDescriptor.from_tensor(w2.view(n_experts * hidden, inter), [cfg.block_n, cfg.block_k])
         _launch(down_flat_kernel, _bound(cfg, pairs, n_experts, hidden), act.device, (
@@ -180,7 +186,7 @@ def launch_down(act: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, w
             GROUP_M=cfg.group_m, FLATTEN=True, WARP_SPECIALIZE=False, num_warps=cfg.num_warps,
             num_stages=cfg.num_stages), True)
         return
-    tma = cfg.tma and inter % cfg.block_k == 0
+    tma = cfg.tma and inter % cfg.block_k == 0 and _aligned(act, w2)
     a_desc, w = act, w2
     if tma:
         a_desc = TensorDescriptor.from_tensor(act, [cfg.block_m, cfg.block_k])

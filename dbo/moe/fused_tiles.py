@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = ["GemmConfig", "CONFIGS", "FP32_CONFIG", "FEW_EXPERTS_UP", "FEW_EXPERTS_DOWN", "FLAT_DOWN",
-           "FUSED_MAX_ROWS_PER_EXPERT",
+           "DOWN_TAIL", "FUSED_MAX_ROWS_PER_EXPERT",
            "prefer_fused", "prefer_persistent", "pick_configs"]
 
 
@@ -59,12 +59,12 @@ FP32_CONFIG = GemmConfig(64, 64, 32, 8, 4, 2, tail_m=16)
 #: expert's end); the down GEMM's flat persistent 128x256 tile from 48 rows per expert at
 #: I <= 256 and from 96 at I > 256 (0.68-0.93x the previous tiles' time at I = 256, 0.88-1.0x
 #: above; docs/perf_notes.md section 5e), the K-loop 128x256 tile with 16-row tails below.
-_DOWN_TAIL = GemmConfig(128, 256, 64, 8, 8, 4, tma=True, tail_m=16)
+DOWN_TAIL = GemmConfig(128, 256, 64, 8, 8, 4, tma=True, tail_m=16)
 FLAT_DOWN = GemmConfig(128, 256, 64, 8, 8, 3, flat=True)
 CONFIGS: tuple[tuple[int, GemmConfig, GemmConfig, GemmConfig], ...] = (
-    (48, GemmConfig(64, 128, 64, 8, 4, 5, tma=True), _DOWN_TAIL,
+    (48, GemmConfig(64, 128, 64, 8, 4, 5, tma=True), DOWN_TAIL,
      GemmConfig(64, 64, 256, 8, 4, 4, n_per_program=16)),
-    (96, GemmConfig(128, 128, 64, 8, 8, 4, tma=True, tail_m=32), _DOWN_TAIL, FLAT_DOWN),
+    (96, GemmConfig(128, 128, 64, 8, 8, 4, tma=True, tail_m=32), DOWN_TAIL, FLAT_DOWN),
     (192, GemmConfig(128, 128, 64, 8, 8, 4, tma=True, tail_m=32), FLAT_DOWN, FLAT_DOWN),
     (1 << 62, GemmConfig(64, 128, 64, 8, 4, 4, tma=True), FLAT_DOWN, FLAT_DOWN),
 )
