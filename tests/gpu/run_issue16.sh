@@ -18,7 +18,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 source "$(dirname "$0")/lib.sh"  # run, has, status
 nvidia-smi --query-gpu=name,memory.total --format=csv | tee -a "$log"
 ov="--device cuda --backend naive --attn-width 1024 --profile-shape none"
-ex="examples/hf_moe.py --device cuda --steps 3 --warmup 1 --backend naive --expert-schedule split merged --find-syncs"
+ex="examples/hf_moe.py --device cuda --steps 10 --warmup 2 --backend naive --expert-schedule split merged --find-syncs"
 if has check; then
   tests="tests/gpu/test_experts_gpu.py"
   [ -f tests/gpu/test_schedules_gpu.py ] && tests="$tests tests/gpu/test_schedules_gpu.py"
