@@ -104,9 +104,8 @@ def _launch(kernel, bound: int, device: torch.device, args: tuple, kwargs: dict,
     """Launch a grouped GEMM kernel: one program per tile of the host's ``bound`` (those past
     the device's tiles do nothing), or ``persistent``: ``min(bound, SMs x resident programs)``
     programs, each walking every num_programs-th tile, so that none is spent on the tiles past
-    the local pairs that the bound counts."""
-    if "PERSISTENT" in kernel.arg_names:
-        kwargs["PERSISTENT"] = persistent
+    the local pairs that the bound counts. ``kwargs`` carry the kernel's ``PERSISTENT`` where it
+    has one (the flat down kernel is persistent always)."""
     if not persistent:
         launch(kernel, (bound,), args, kwargs)
     elif device.type != "cuda":  # Triton's interpreter
@@ -155,8 +154,8 @@ def launch_gate_up(x: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, 
         x, order, offsets, w, act, n_experts, hidden, inter, w1.stride(0)), dict(
         TOPK=topk, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         BLOCK_E=_block_e(n_experts), GROUP_M=cfg.group_m, TAIL_M=cfg.tail_m,
-        EVEN_K=hidden % cfg.block_k == 0, PRECISION=_precision(x), TMA=tma, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages), persistent)
+        EVEN_K=hidden % cfg.block_k == 0, PRECISION=_precision(x), TMA=tma, PERSISTENT=persistent,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages), persistent)
 
 
 def launch_down(act: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, w2: torch.Tensor,
@@ -172,31 +171,29 @@ def launch_down(act: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, w
                            act.device, (act, order, offsets, w2, y, n_experts, hidden, inter, w2.stride(0)),
                            dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                                 N_PER_PROGRAM=cfg.n_per_program, BLOCK_E=_block_e(n_experts),
-                                GROUP_M=cfg.group_m, PRECISION=_precision(act), num_warps=cfg.num_warps,
-                                num_stages=cfg.num_stages), persistent)
+                                GROUP_M=cfg.group_m, PRECISION=_precision(act), PERSISTENT=persistent,
+                                num_warps=cfg.num_warps, num_stages=cfg.num_stages), persistent)
         return
-    if cfg.flat and not (inter % 8 == 0 and _aligned(act, w2)):
+    flat = cfg.flat and inter % 8 == 0 and _aligned(act, w2)
+    if cfg.flat and not flat:
         cfg = DOWN_TAIL  # TMA needs 16-byte rows and bases: the K-loop tile reads through pointers
-    if cfg.flat:
-        a_desc = TensorDescriptor.from_tensor(act, [cfg.block_m, cfg.block_k])
-        w = TensorDescriptor.from_tensor(w2.view(n_experts * hidden, inter), [cfg.block_n, cfg.block_k])
-        _launch(down_flat_kernel, _bound(cfg, pairs, n_experts, hidden), act.device, (
-            a_desc, order, offsets, w, y, n_experts, hidden, inter), dict(
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_E=_block_e(n_experts),
-            GROUP_M=cfg.group_m, FLATTEN=True, WARP_SPECIALIZE=False, num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages), True)
-        return
-    tma = cfg.tma and inter % cfg.block_k == 0 and _aligned(act, w2)
+    tma = flat or (cfg.tma and inter % cfg.block_k == 0 and _aligned(act, w2))
     a_desc, w = act, w2
     if tma:
         a_desc = TensorDescriptor.from_tensor(act, [cfg.block_m, cfg.block_k])
         w = TensorDescriptor.from_tensor(w2.view(n_experts * hidden, inter), [cfg.block_n, cfg.block_k])
+    if flat:
+        _launch(down_flat_kernel, _bound(cfg, pairs, n_experts, hidden), act.device, (
+            a_desc, order, offsets, w, y, n_experts, hidden, inter), dict(
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_E=_block_e(n_experts),
+            GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages), True)
+        return
     _launch(down_kernel, _bound(cfg, pairs, n_experts, hidden), act.device, (
         act, a_desc, order, offsets, w, y, n_experts, hidden, inter, w2.stride(0)), dict(
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_E=_block_e(n_experts),
         GROUP_M=cfg.group_m, TAIL_M=cfg.tail_m, EVEN_K=inter % cfg.block_k == 0,
-        PRECISION=_precision(act), TMA=tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages),
-        persistent)
+        PRECISION=_precision(act), TMA=tma, PERSISTENT=persistent, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages), persistent)
 
 
 def fused_swiglu_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,

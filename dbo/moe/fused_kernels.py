@@ -230,8 +230,7 @@ if triton is not None:
     @triton.jit
     def down_flat_kernel(act_desc, order_ptr, offs_ptr, w_desc, y_ptr, n_experts, hidden, inter,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr, FLATTEN: tl.constexpr,
-                         WARP_SPECIALIZE: tl.constexpr):
+                         BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr):
         # persistent: every num_programs-th tile, the tile loop flattened with the K loop so that
         # Triton pipelines the next tile's loads under this tile's products and stores (a short K
         # loop of its own, a few steps at I = 256, does not pipeline). act_desc: act as [R, inter],
@@ -241,8 +240,7 @@ if triton is not None:
         n_col = tl.cdiv(hidden, BLOCK_N)
         starts, ends, m_tiles, tile_ends, n_tiles = _tile_table(offs_ptr, n_experts, n_col, BLOCK_M, BLOCK_E)
         k_tiles = tl.cdiv(inter, BLOCK_K)
-        for t in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0), flatten=FLATTEN,
-                          warp_specialize=WARP_SPECIALIZE):
+        for t in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0), flatten=True):
             e, row0, end_row, pid_n = _tile_at(t, starts, ends, m_tiles, tile_ends, n_col, BLOCK_M, BLOCK_E,
                                                GROUP_M)
             w_row = e * hidden + pid_n * BLOCK_N

@@ -69,6 +69,27 @@ def graph_ms(fn, n: int = 30) -> float:
     return median_ms(g.replay, n)
 
 
+def fused_steps(case, inter: int, local: int, persistent: bool = False) -> dict:
+    """Each step of the fused path on ``case`` (routing, gate/up, down, top-k sum) as a call
+    with its inputs and outputs allocated now (the tiles the library picks for the case's rows
+    per expert; ``persistent`` as :func:`dbo.moe.fused_tiles.prefer_persistent` says, or not)."""
+    ids = case.ids
+    m, topk = ids.shape
+    order, offsets = fe.route_order(ids, local)
+    pairs = m * topk
+    up, down = fe.pick_configs(pairs / 256, inter, local)
+    act = torch.empty(pairs, inter, dtype=case.x.dtype, device="cuda")
+    out = torch.empty_like(case.x)
+    y = torch.empty(pairs, case.x.shape[1], dtype=case.x.dtype, device="cuda")
+    return {
+        "route": partial(fe.route_order, ids, local),
+        "gate_up": partial(fe.launch_gate_up, case.x, order, offsets, case.w1, act, up, pairs, topk,
+                           persistent),
+        "down": partial(fe.launch_down, act, order, offsets, case.w2, y, down, pairs, persistent),
+        "topk_sum": partial(fe.launch_topk_sum, y, ids, case.weights, out, local),
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None)
@@ -89,23 +110,11 @@ def main() -> None:
             for _ in range(5):
                 fn()
             torch.cuda.synchronize()
-            ids = case.ids
-            m, topk = ids.shape
-            order, offsets = fe.route_order(ids, local)
-            pairs = m * topk
+            m, topk = case.ids.shape
             if not fe.prefer_fused(tokens * topk / 256, inter):
                 print(f"I={inter} L={local} T={tokens}: the unfused steps run here", flush=True)
                 continue
-            up, down = fe.pick_configs(tokens * topk / 256, inter, local)
-            act = torch.empty(pairs, inter, dtype=case.x.dtype, device="cuda")
-            out = torch.empty_like(case.x)
-            y = torch.empty(pairs, 7168, dtype=case.x.dtype, device="cuda")
-            steps = {  # partials: bound now, called within this iteration
-                "route": partial(fe.route_order, ids, local),
-                "gate_up": partial(fe.launch_gate_up, case.x, order, offsets, case.w1, act, up, pairs, topk),
-                "down": partial(fe.launch_down, act, order, offsets, case.w2, y, down, pairs),
-                "topk_sum": partial(fe.launch_topk_sum, y, ids, case.weights, out, local),
-            }
+            steps = fused_steps(case, inter, local)
             for f in steps.values():
                 f()
             r = {"I": inter, "L": local, "T": tokens, "event_ms": median_ms(fn, 30), "graph_ms": graph_ms(fn)}
@@ -127,7 +136,7 @@ def main() -> None:
             rows.append(r)
             print(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()),
                   flush=True)
-            del case, act, y, out
+            del case, steps
             torch.cuda.empty_cache()
     if a.json:
         with open(a.json, "w") as f:

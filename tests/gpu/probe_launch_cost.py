@@ -81,33 +81,24 @@ def main() -> None:
 
 
 def experts_steps(tokens: int = 1024, inter: int = 256, local: int = 32) -> None:
-    """Host time of each step of the fused experts at a launch-bound shape (100 calls in a row
+    """Host time of each step of the fused experts at a launch-bound shape (50 calls in a row
     behind queued GEMMs), with the launcher called directly and through ``kernel[grid]``."""
+    from probe_experts_host import fused_steps
+
     from dbo.bench.experts import _apply, make_case
     from dbo.moe import SwiGLUExperts, Workspace, triton_launch
     from dbo.moe import fused_experts as fe
 
     case = make_case(tokens, 7168, inter, local)
-    topk = case.ids.shape[1]
-    pairs = tokens * topk
-    est = pairs / 256
-    up, down = fe.pick_configs(est, inter, local)
-    order, offsets = fe.route_order(case.ids, local)
-    act = torch.empty(pairs, inter, dtype=case.x.dtype, device="cuda")
-    y = torch.empty(pairs, 7168, dtype=case.x.dtype, device="cuda")
+    est = tokens * case.ids.shape[1] / 256
     out = torch.empty_like(case.x)
     experts, ws = SwiGLUExperts(num_global_experts=256), Workspace()
-    persistent = fe.prefer_persistent(est, pairs, local)
-    steps = {
-        "route_order": lambda: fe.route_order(case.ids, local),
-        "launch_gate_up": lambda: fe.launch_gate_up(case.x, order, offsets, case.w1, act, up, pairs, topk,
-                                                    persistent),
-        "launch_down": lambda: fe.launch_down(act, order, offsets, case.w2, y, down, pairs, persistent),
-        "launch_topk_sum": lambda: fe.launch_topk_sum(y, case.ids, case.weights, out, local),
+    steps = fused_steps(case, inter, local, fe.prefer_persistent(est, tokens * case.ids.shape[1], local))
+    steps.update({
         "fused_swiglu_experts": lambda: fe.fused_swiglu_experts(
             case.x, case.w1, case.w2, case.weights, case.ids, out=out, rows_per_expert=est),
         "SwiGLUExperts.apply": lambda: _apply(experts, case, False, ws),
-    }
+    })
     print(f"I={inter} L={local} T={tokens}: host us per call (direct launcher / kernel[grid])")
     for name, fn in steps.items():
         got = []
@@ -118,7 +109,6 @@ def experts_steps(tokens: int = 1024, inter: int = 256, local: int = 32) -> None
         print(f"  {name:<24} {got[0]:7.1f} / {got[1]:7.1f}", flush=True)
     os.environ.pop("DBO_TRITON_FAST_LAUNCH")
     triton_launch.clear_launch_cache()
-
 
 if __name__ == "__main__":
     main()
