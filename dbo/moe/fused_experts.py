@@ -47,7 +47,7 @@ from dbo.moe.fused_tiles import (
     prefer_persistent,
 )
 from dbo.moe.gather_reduce import _block
-from dbo.moe.triton_launch import launch
+from dbo.moe.triton_launch import Desc, cdiv, launch, next_pow2
 
 __all__ = ["GemmConfig", "CONFIGS", "FP32_CONFIG", "FUSED_MAX_ROWS_PER_EXPERT", "prefer_fused",
            "pick_configs", "fused_swiglu_experts", "route_order", "launch_gate_up", "launch_down",
@@ -55,7 +55,6 @@ __all__ = ["GemmConfig", "CONFIGS", "FP32_CONFIG", "FUSED_MAX_ROWS_PER_EXPERT", 
 
 try:
     import triton
-    from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # the module is only used where Triton is importable
     triton = None
 else:
@@ -69,12 +68,12 @@ else:
 
 
 def _block_e(n_experts: int) -> int:
-    return max(16, triton.next_power_of_2(n_experts))
+    return max(16, next_pow2(n_experts))
 
 
 def _bound(cfg: GemmConfig, pairs: int, n_experts: int, cols: int) -> int:
     # tiles: sum over experts of ceil(rows_e / BLOCK_M) <= pairs / BLOCK_M + E, times column blocks
-    return (triton.cdiv(pairs, cfg.block_m) + n_experts) * triton.cdiv(cols, cfg.block_n)
+    return (cdiv(pairs, cfg.block_m) + n_experts) * cdiv(cols, cfg.block_n)
 
 
 #: (kernel, its compile-time arguments, device) -> programs that fit on one SM at once
@@ -109,10 +108,10 @@ def _launch(kernel, bound: int, device: torch.device, args: tuple, kwargs: dict,
     if not persistent:
         launch(kernel, (bound,), args, kwargs)
     elif device.type != "cuda":  # Triton's interpreter
-        kernel[(max(1, min(bound, INTERPRETER_PROGRAMS)),)](*args, **kwargs)
+        launch(kernel, (max(1, min(bound, INTERPRETER_PROGRAMS)),), args, kwargs)
     else:
         dtype = next(a.dtype for a in args if isinstance(a, torch.Tensor))
-        key = (kernel, tuple(sorted(kwargs.items())), dtype, device)
+        key = (kernel, tuple(kwargs.items()), dtype, device)
         props = _props(device)
         per_sm = _PER_SM.get(key)
         compiled = launch(kernel, (max(1, min(bound, props.multi_processor_count * (per_sm or 1))),), args,
@@ -148,8 +147,7 @@ def launch_gate_up(x: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, 
     inter = two_inter // 2
     cfg = FP32_CONFIG if x.element_size() > 2 else cfg
     tma = cfg.tma and hidden % cfg.block_k == 0 and _aligned(w1)
-    w = TensorDescriptor.from_tensor(w1.view(n_experts * two_inter, hidden), [cfg.block_n, cfg.block_k]) \
-        if tma else w1
+    w = Desc(w1.view(n_experts * two_inter, hidden), (cfg.block_n, cfg.block_k)) if tma else w1
     _launch(gate_up_kernel, _bound(cfg, pairs, n_experts, inter), x.device, (
         x, order, offsets, w, act, n_experts, hidden, inter, w1.stride(0)), dict(
         TOPK=topk, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
@@ -164,10 +162,10 @@ def launch_down(act: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, w
     n_experts, hidden, inter = w2.shape
     cfg = FP32_CONFIG if act.element_size() > 2 else cfg
     if cfg.n_per_program:
-        if triton.next_power_of_2(inter) > cfg.block_k:
+        if next_pow2(inter) > cfg.block_k:
             raise ValueError(f"a short-K tile needs block_k >= intermediate ({inter}), got {cfg.block_k}")
-        groups = triton.cdiv(triton.cdiv(hidden, cfg.block_n), cfg.n_per_program)
-        _launch(down_short_k_kernel, (triton.cdiv(pairs, cfg.block_m) + n_experts) * groups,
+        groups = cdiv(cdiv(hidden, cfg.block_n), cfg.n_per_program)
+        _launch(down_short_k_kernel, (cdiv(pairs, cfg.block_m) + n_experts) * groups,
                            act.device, (act, order, offsets, w2, y, n_experts, hidden, inter, w2.stride(0)),
                            dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                                 N_PER_PROGRAM=cfg.n_per_program, BLOCK_E=_block_e(n_experts),
@@ -180,8 +178,8 @@ def launch_down(act: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, w
     tma = flat or (cfg.tma and inter % cfg.block_k == 0 and _aligned(act, w2))
     a_desc, w = act, w2
     if tma:
-        a_desc = TensorDescriptor.from_tensor(act, [cfg.block_m, cfg.block_k])
-        w = TensorDescriptor.from_tensor(w2.view(n_experts * hidden, inter), [cfg.block_n, cfg.block_k])
+        a_desc = Desc(act, (cfg.block_m, cfg.block_k))
+        w = Desc(w2.view(n_experts * hidden, inter), (cfg.block_n, cfg.block_k))
     if flat:
         _launch(down_flat_kernel, _bound(cfg, pairs, n_experts, hidden), act.device, (
             a_desc, order, offsets, w, y, n_experts, hidden, inter), dict(
@@ -252,6 +250,6 @@ def launch_topk_sum(y: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
     m, topk = topk_ids.shape
     hidden = y.shape[1]
     block = _block(hidden)
-    launch(topk_sum_kernel, (m, triton.cdiv(hidden, block)), (
+    launch(topk_sum_kernel, (m, cdiv(hidden, block)), (
         y, topk_ids.contiguous(), topk_weights.contiguous(), out, n_experts, hidden), dict(TOPK=topk,
         BLOCK=block))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from dbo.moe.triton_launch import launch
+from dbo.moe.triton_launch import cdiv, launch, next_pow2
 
 __all__ = ["ROUTE_CHUNK", "ROUTE_MAX_PAIRS", "route_order"]
 
@@ -95,8 +95,8 @@ def route_order(topk_ids: torch.Tensor, num_local_experts: int,
     ids = topk_ids.reshape(-1).contiguous()
     n = ids.numel()
     if 0 < n <= ROUTE_MAX_PAIRS:
-        block_e = max(16, triton.next_power_of_2(num_local_experts))
-        chunks = triton.cdiv(n, ROUTE_CHUNK)
+        block_e = max(16, next_pow2(num_local_experts))
+        chunks = cdiv(n, ROUTE_CHUNK)
         scratch = torch.empty(2, chunks, block_e, dtype=torch.int32, device=ids.device)
         order = torch.empty(n, dtype=torch.int32, device=ids.device)
         offsets = torch.empty(num_local_experts, dtype=torch.int32, device=ids.device)
@@ -104,10 +104,10 @@ def route_order(topk_ids: torch.Tensor, num_local_experts: int,
                dict(CHUNK=ROUTE_CHUNK, BLOCK_E=block_e))
         launch(_route_place_kernel, (chunks,), (ids, scratch[0], scratch[1], order, offsets, n,
                num_local_experts, chunks), dict(CHUNK=ROUTE_CHUNK, BLOCK_E=block_e,
-               BLOCK_C=max(2, triton.next_power_of_2(chunks)), num_warps=8))
+               BLOCK_C=max(2, next_pow2(chunks)), num_warps=8))
         return order, offsets
     key = torch.empty(n, dtype=torch.int16, device=ids.device)
-    launch(_route_keys_kernel, (triton.cdiv(n, 1024),), (ids, key, n, num_local_experts), dict(BLOCK=1024))
+    launch(_route_keys_kernel, (cdiv(n, 1024),), (ids, key, n, num_local_experts), dict(BLOCK=1024))
     sorted_key, order = torch.sort(key)
     if bounds is None:
         bounds = torch.arange(1, num_local_experts + 1, dtype=torch.int16, device=ids.device)

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Nsight Compute on the fused experts' kernels of one shape (the GPU host has ncu):
+#   bash tests/gpu/ncu_experts.sh OUTDIR [I L T] [kernel regex]
+# Runs the library's apply three times (the first compiles) and profiles the last call's
+# kernels matching the regex: speed of light, memory, warp stalls, occupancy (text report).
+set -uo pipefail
+out=${1:-out}; inter=${2:-256}; local=${3:-256}; tokens=${4:-16384}; regex=${5:-"gate_up|down"}
+mkdir -p "$out"
+ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+"$ncu" --kernel-name "regex:$regex" --launch-skip 4 --launch-count 2 \
+  --section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
+  --section WarpStateStats --section Occupancy --section LaunchStats --section SchedulerStats \
+  python3 - "$inter" "$local" "$tokens" > "$out/ncu_${inter}_${local}_${tokens}.txt" 2>&1 <<'PY'
+import sys
+import torch
+from dbo.bench.experts import _apply, make_case
+from dbo.moe import SwiGLUExperts, Workspace
+inter, local, tokens = (int(v) for v in sys.argv[1:4])
+case = make_case(tokens, 7168, inter, local)
+e = SwiGLUExperts()
+e.note_global_num_experts(256)
+ws = Workspace()
+for _ in range(3):
+    _apply(e, case, False, ws)
+torch.cuda.synchronize()
+print("done", inter, local, tokens)
+PY
+echo "ncu rc=$? -> $out/ncu_${inter}_${local}_${tokens}.txt"
