@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = ["GemmConfig", "CONFIGS", "FP32_CONFIG", "FEW_EXPERTS_UP", "FEW_EXPERTS_DOWN", "FLAT_DOWN",
-           "DOWN_TAIL", "FUSED_MAX_ROWS_PER_EXPERT",
+           "FLAT_DOWN_WIDE", "DOWN_TAIL", "FUSED_MAX_ROWS_PER_EXPERT",
            "prefer_fused", "prefer_persistent", "pick_configs"]
 
 
@@ -56,11 +56,15 @@ FP32_CONFIG = GemmConfig(64, 64, 32, 8, 4, 2, tail_m=16)
 #: match wins. From the tile sweeps on an H200 (tests/gpu/tune_experts.py over I 256/768/2048,
 #: 32/128/256 local experts, 32-2048 rows per expert; docs/perf_notes.md section 5): 128-row
 #: gate/up tiles up to 192 rows per expert, 64-row tiles above (fewer rows computed past each
-#: expert's end); the down GEMM's flat persistent 128x256 tile from 48 rows per expert at
-#: I <= 256 and from 96 at I > 256 (0.68-0.93x the previous tiles' time at I = 256, 0.88-1.0x
-#: above; docs/perf_notes.md section 5e), the K-loop 128x256 tile with 16-row tails below.
+#: expert's end); the down GEMM's flat persistent tile from 48 rows per expert at I <= 256 and
+#: from 96 above, the K-loop 128x256 tile with 16-row tails below. The flat tile is 128x128 with
+#: four warps and three stages: two programs fit on an SM (104 KB of shared memory, 222
+#: registers), so one program's stores overlap the other's products (0.79-0.97x the 128x256
+#: eight-warp tile's time, docs/perf_notes.md section 5f); the wide tile stays where the rows
+#: are many and so are the experts (``pick_configs``).
 DOWN_TAIL = GemmConfig(128, 256, 64, 8, 8, 4, tma=True, tail_m=16)
-FLAT_DOWN = GemmConfig(128, 256, 64, 8, 8, 3, flat=True)
+FLAT_DOWN = GemmConfig(128, 128, 64, 8, 4, 3, flat=True)
+FLAT_DOWN_WIDE = GemmConfig(128, 256, 64, 8, 8, 3, flat=True)
 CONFIGS: tuple[tuple[int, GemmConfig, GemmConfig, GemmConfig], ...] = (
     (48, GemmConfig(64, 128, 64, 8, 4, 5, tma=True), DOWN_TAIL,
      GemmConfig(64, 64, 256, 8, 4, 4, n_per_program=16)),
@@ -70,8 +74,9 @@ CONFIGS: tuple[tuple[int, GemmConfig, GemmConfig, GemmConfig], ...] = (
 )
 
 #: few local experts (<= 64) and up to 96 rows each: too few 128-row tiles to fill the GPU,
-#: so I <= 256 takes this small gate/up tile (more programs, plain loads), and a short-K down
-#: tile of 64 x 64 walking 8 column blocks (0.72x the flat tile's time at 64 rows per expert)
+#: so I <= 256 takes this small gate/up tile (more programs, plain loads), and up to 48 rows a
+#: short-K down tile of 64 x 64 walking 8 column blocks (0.72x the wide flat tile's time at 64
+#: rows per expert; the two-per-SM flat tile beats both there: 0.76x, and takes 48-96 rows)
 FEW_EXPERTS_UP = GemmConfig(64, 64, 64, 8, 4, 4)
 FEW_EXPERTS_DOWN = GemmConfig(64, 64, 256, 8, 4, 3, n_per_program=8)
 #: above 192 rows each, few experts at I <= 256 give few tiles too: the gate/up GEMM takes the
@@ -110,10 +115,12 @@ def pick_configs(rows_per_expert: float, intermediate: int = 1 << 30,
                 down = down_short
                 few = local_experts is not None and local_experts <= 64
                 if few and rows_per_expert <= 96:
-                    up, down = FEW_EXPERTS_UP, FEW_EXPERTS_DOWN
+                    up, down = FEW_EXPERTS_UP, FEW_EXPERTS_DOWN if rows_per_expert <= 48 else FLAT_DOWN
                 elif few and rows_per_expert > 192:  # 0.82-0.92x the tiles below (H200 sweep)
                     up = CONFIGS[0][1] if rows_per_expert <= 1024 else CONFIGS[2][1]
                 elif 192 < rows_per_expert <= 384:
                     up = CONFIGS[2][1]  # I <= 256 keeps the 128-row tile to 384 rows
+            elif down is FLAT_DOWN and rows_per_expert > 1024 and (local_experts or 1 << 30) > 64:
+                down = FLAT_DOWN_WIDE  # 0.79-0.86x the 128x128 tile's time at 2048 rows, 256 experts
             return up, down
     raise AssertionError("the last CONFIGS bound covers every size")

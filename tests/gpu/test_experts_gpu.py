@@ -124,7 +124,7 @@ def test_triton_kernels_match_torch(m, p, topk, hidden):
 
 
 def _fused_cases():
-    from dbo.moe.fused_tiles import CONFIGS, FEW_EXPERTS_DOWN, FEW_EXPERTS_UP, FLAT_DOWN
+    from dbo.moe.fused_tiles import CONFIGS, FEW_EXPERTS_DOWN, FEW_EXPERTS_UP, FLAT_DOWN, FLAT_DOWN_WIDE
 
     cases, seen = [], set()
     for _, up, down, short in CONFIGS:
@@ -137,6 +137,7 @@ def _fused_cases():
     cases.append((FEW_EXPERTS_UP, CONFIGS[0][3], 256, True))
     cases.append((FEW_EXPERTS_UP, FEW_EXPERTS_DOWN, 256, False))
     cases.append((CONFIGS[-1][1], FLAT_DOWN, 200, True))  # K not a multiple of the tile's: TMA's zeros
+    cases.append((CONFIGS[-1][1], FLAT_DOWN_WIDE, 512, True))
     return cases
 
 
