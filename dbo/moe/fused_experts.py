@@ -3,10 +3,10 @@
 ``out[m] = sum over local slots s of w[m, s] * (silu(x[m] @ g_e.T) * (x[m] @ u_e.T)) @ d_e.T``
 with ``e = topk_ids[m, s]``, ``[g_e; u_e] = w1[e]`` and ``d_e = w2[e]``.
 
-1. The (token, slot) pairs are sorted by local expert on the device: up to ``ROUTE_MAX_PAIRS``
-   a counting sort in two Triton launches (a histogram per chunk, then each pair's place),
-   above it one 16-bit radix sort and a ``searchsorted`` for each expert's end row. Nothing is
-   read back.
+1. The (token, slot) pairs are sorted by local expert on the device: where the chunks'
+   histogram fits (:func:`dbo.moe.fused_route.uses_counting_sort`) a counting sort in two
+   Triton launches (a histogram per chunk, then each pair's place), above it one 16-bit radix
+   sort and a ``searchsorted`` for each expert's end row. Nothing is read back.
 2. ``gate_up``: a grouped GEMM whose prologue gathers each row's token from ``x`` (no gathered
    copy of the activations) and whose epilogue applies ``silu(gate) * up`` (no ``[R, 2I]``
    intermediate): it computes the gate and up tiles of the same columns side by side.

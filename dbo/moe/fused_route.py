@@ -11,7 +11,7 @@ import torch
 
 from dbo.moe.triton_launch import cdiv, launch, next_pow2
 
-__all__ = ["ROUTE_CHUNK", "ROUTE_MAX_PAIRS", "route_order"]
+__all__ = ["ROUTE_CHUNK", "ROUTE_MAX_CELLS", "ROUTE_MAX_PAIRS", "route_order", "uses_counting_sort"]
 
 try:
     import triton
@@ -70,9 +70,19 @@ if triton is not None:
         tl.store(order_ptr + pos, c * CHUNK + v % CHUNK, mask=local)
 
 
-#: pairs per program of the Triton counting sort, and the most pairs it takes (above, torch.sort)
+#: pairs per program of the Triton counting sort; the most (chunks x padded experts) cells of
+#: its histogram that each program of the second launch reads whole (above, torch.sort): 64K
+#: pairs at 256 local experts, 512K at 32
 ROUTE_CHUNK = 1024
-ROUTE_MAX_PAIRS = 64 * 1024
+ROUTE_MAX_CELLS = 64 * 256
+#: the most pairs the counting sort takes at 256 local experts (any count up to 256)
+ROUTE_MAX_PAIRS = ROUTE_MAX_CELLS // 256 * ROUTE_CHUNK
+
+
+def uses_counting_sort(num_pairs: int, num_local_experts: int) -> bool:
+    """Whether :func:`route_order` sorts ``num_pairs`` pairs with the Triton counting sort."""
+    return num_pairs > 0 and cdiv(num_pairs, ROUTE_CHUNK) * max(16, next_pow2(num_local_experts)) \
+        <= ROUTE_MAX_CELLS
 
 
 def route_order(topk_ids: torch.Tensor, num_local_experts: int,
@@ -80,12 +90,13 @@ def route_order(topk_ids: torch.Tensor, num_local_experts: int,
     """Sort the pairs of ``topk_ids`` (``[M, topk]`` local ids, others ``-1`` or out of range)
     by local expert on the device.
 
-    Returns ``(order, offsets)``: ``order`` ``[M * topk]`` int32 (int64 above
-    ``ROUTE_MAX_PAIRS``), the pair (``m * topk + s``) of each sorted row (the local pairs first;
-    past ``offsets[-1]`` unspecified); ``offsets`` ``[E]`` int32, each expert's end row. Up to
-    ``ROUTE_MAX_PAIRS`` pairs a counting sort in two Triton launches (a histogram per chunk,
-    then the places), where torch's radix sort and the ``searchsorted`` take about ten launches
-    and ~0.1 ms of host time; above it, where the GPU time dominates, the radix sort
+    Returns ``(order, offsets)``: ``order`` ``[M * topk]`` int32 (int64 for the radix sort),
+    the pair (``m * topk + s``) of each sorted row (the local pairs first; past ``offsets[-1]``
+    unspecified); ``offsets`` ``[E]`` int32, each expert's end row. Where the chunks' histogram
+    fits (:func:`uses_counting_sort`: ``ROUTE_MAX_PAIRS`` pairs at 256 local experts, 8x that at
+    32) a counting sort in two Triton launches (a histogram per chunk, then the places), where
+    torch's radix sort and the ``searchsorted`` take about ten launches, ~0.1 ms of host time
+    and 40-60 us of GPU time (H200, 128K-512K pairs); above it the radix sort
     (``bounds``: optional cached ``arange(1, E + 1)`` int16 on the device for its
     ``searchsorted``). The order inside an expert is not fixed and changes no sum (each row is
     its own output). No host sync.
@@ -94,7 +105,7 @@ def route_order(topk_ids: torch.Tensor, num_local_experts: int,
         raise ValueError(f"at most {2**15 - 2} local experts, got {num_local_experts}")
     ids = topk_ids.reshape(-1).contiguous()
     n = ids.numel()
-    if 0 < n <= ROUTE_MAX_PAIRS:
+    if uses_counting_sort(n, num_local_experts):
         block_e = max(16, next_pow2(num_local_experts))
         chunks = cdiv(n, ROUTE_CHUNK)
         scratch = torch.empty(2, chunks, block_e, dtype=torch.int32, device=ids.device)

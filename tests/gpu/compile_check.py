@@ -31,7 +31,19 @@ def _flat(bm, bn, bk):
     return fk.down_flat_kernel, sig, consts, ("order_ptr", "offs_ptr", "y_ptr", "hidden", "inter")
 
 
-KERNELS = {"down_flat": _flat}
+def _gate_up(bm, bn, bk):
+    sig = {"x_ptr": "*bf16", "order_ptr": "*i32", "offs_ptr": "*i32", "w": f"tensordesc<bf16[{bn}, {bk}]>",
+           "act_ptr": "*bf16", "n_experts": "i32", "hidden": "i32", "inter": "i32", "stride_we": "i32",
+           "TOPK": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
+           "BLOCK_E": "constexpr", "GROUP_M": "constexpr", "TAIL_M": "constexpr", "EVEN_K": "constexpr",
+           "PRECISION": "constexpr", "TMA": "constexpr", "PERSISTENT": "constexpr"}
+    consts = {"TOPK": 8, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "BLOCK_E": 256, "GROUP_M": 8,
+              "TAIL_M": 0, "EVEN_K": True, "PRECISION": "tf32", "TMA": True, "PERSISTENT": False}
+    return fk.gate_up_kernel, sig, consts, ("x_ptr", "order_ptr", "offs_ptr", "act_ptr", "hidden", "inter",
+                                            "stride_we")
+
+
+KERNELS = {"down_flat": _flat, "gate_up": _gate_up}
 
 
 def check(name: str, tile: str) -> dict:

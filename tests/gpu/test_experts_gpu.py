@@ -142,14 +142,19 @@ def _fused_cases():
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton is not importable")
-@pytest.mark.parametrize("m", [700, 9000])  # 5.6K pairs (counting sort), 72K (radix sort)
+@pytest.mark.parametrize("m", [700, 9000])  # 5.6K pairs (counting sort), 72K (radix sort, see below)
 @pytest.mark.parametrize("case", _fused_cases(), ids=lambda c: f"{c[0].block_m}x{c[0].block_n}"
                          f"-{c[1].block_m}x{c[1].block_n}{'-short' if c[1].n_per_program else ''}"
                          f"{'-flat' if c[1].flat else ''}-{c[0].num_stages}{c[1].num_stages}"
                          f"-I{c[2]}{'-persistent' if c[3] else ''}")
-def test_every_fused_tile_matches_torch(case, m):
+def test_every_fused_tile_matches_torch(case, m, monkeypatch):
     # every tile of the table, one program per tile or persistent: the same numbers as the
-    # plain-torch steps
+    # plain-torch steps; at 72K pairs through the radix sort's int64 order (the counting sort
+    # would take 72K pairs of 32 experts: its limit is lowered here)
+    from dbo.moe import fused_route
+
+    if m == 9000:
+        monkeypatch.setattr(fused_route, "ROUTE_MAX_CELLS", 2048)
     from dbo.moe.fused_experts import fused_swiglu_experts
 
     up, down, inter, persistent = case
@@ -161,6 +166,28 @@ def test_every_fused_tile_matches_torch(case, m):
             fused_swiglu_experts(x, w1, w2, weights, ids, out=out, configs=(up, down), persistent=persistent)
     torch.cuda.synchronize()
     assert relative_error(out, want) < 1e-2
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not importable")
+@pytest.mark.parametrize("m, n_local", [(9000, 32), (65000, 32), (9000, 256), (70000, 32)])
+def test_route_order_both_sorts(m, n_local):
+    # the counting sort with many chunks (72K and 520K pairs of 32 experts) and the radix sort
+    # (72K pairs of 256 experts, 560K of 32): every local pair once, sorted by expert, the
+    # experts' end rows; nothing read back
+    from dbo.moe.fused_route import route_order, uses_counting_sort
+
+    ids = torch.randint(-1, n_local + 2, (m, 8), device="cuda", dtype=torch.int32,
+                        generator=torch.Generator(device="cuda").manual_seed(m + n_local))
+    assert uses_counting_sort(m * 8, n_local) == ((m, n_local) in ((9000, 32), (65000, 32)))
+    route_order(ids, n_local)
+    with no_host_syncs():
+        order, offsets = route_order(ids, n_local)
+    flat = ids.reshape(-1).long()
+    local = (flat >= 0) & (flat < n_local)
+    rows = order[:int(local.sum())].long()
+    assert torch.equal(torch.sort(rows).values, torch.nonzero(local).flatten())
+    assert bool((flat[rows][1:] >= flat[rows][:-1]).all())
+    assert torch.equal(offsets.long(), torch.cumsum(torch.bincount(flat[local], minlength=n_local), 0))
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton is not importable")

@@ -52,6 +52,10 @@ UP = [C(64, 64, 64, 8, 4, 4), C(128, 128, 64, 8, 8, 4), C(128, 128, 64, 8, 8, 3)
       # narrower tiles: more programs where few experts get a few hundred rows (I <= 256)
       C(64, 64, 64, 8, 4, 5, tma=True), C(128, 64, 64, 8, 8, 4, tma=True, tail_m=32),
       C(64, 32, 128, 8, 4, 4, tma=True), C(128, 32, 64, 8, 4, 5, tma=True)]
+#: gate/up tiles of which two programs fit on an SM (tests/gpu/compile_check.py: 64-96 KB of
+#: shared memory, <= 229 registers at four warps)
+UP_TWO_PER_SM = [C(128, 64, 64, 8, 4, 3, tma=True), C(128, 64, 64, 8, 4, 2, tma=True),
+                 C(64, 128, 64, 8, 4, 2, tma=True), C(128, 64, 64, 8, 4, 3, tma=True, tail_m=32)]
 DOWN = [C(64, 128, 64, 8, 4, 4), C(128, 128, 64, 8, 8, 3), C(128, 256, 64, 8, 8, 4),
         C(64, 128, 64, 8, 4, 4, tma=True), C(128, 128, 64, 8, 8, 4, tma=True),
         C(128, 256, 64, 8, 8, 3, tma=True), C(128, 256, 64, 8, 8, 4, tma=True),
@@ -104,10 +108,14 @@ def main() -> int:
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--up-only", action="store_true", help="time only the gate/up candidates")
     p.add_argument("--down-only", action="store_true", help="time only the down candidates")
+    p.add_argument("--two-per-sm", action="store_true",
+                   help="gate/up candidates: the library's pick and UP_TWO_PER_SM only")
     p.add_argument("--flat", action="store_true",
                    help="down candidates: the library's pick, the short-K tiles (I <= 256) and FLAT")
     p.add_argument("--json", default=None)
     a = p.parse_args()
+    if a.two_per_sm:
+        UP[:] = UP[:1] + UP_TWO_PER_SM
     lim = measure_device_limits()
     print(lim.describe(), flush=True)
     hidden, topk, rows = 7168, 8, []
