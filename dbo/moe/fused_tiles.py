@@ -59,9 +59,9 @@ FP32_CONFIG = GemmConfig(64, 64, 32, 8, 4, 2, tail_m=16)
 #: expert's end); the down GEMM's flat persistent tile from 48 rows per expert at I <= 256 and
 #: from 96 above, the K-loop 128x256 tile with 16-row tails below. The flat tile is 128x128 with
 #: four warps and three stages: two programs fit on an SM (104 KB of shared memory, 222
-#: registers), so one program's stores overlap the other's products (0.79-0.97x the 128x256
-#: eight-warp tile's time, docs/perf_notes.md section 5f); the wide tile stays where the rows
-#: are many and so are the experts (``pick_configs``).
+#: registers), so one program's stores overlap the other's products (0.79-1.02x the 128x256
+#: eight-warp tile's time, median 0.95, docs/perf_notes.md section 5f); the wide tile stays
+#: where the rows are many and so are the experts (``pick_configs``).
 DOWN_TAIL = GemmConfig(128, 256, 64, 8, 8, 4, tma=True, tail_m=16)
 FLAT_DOWN = GemmConfig(128, 128, 64, 8, 4, 3, flat=True)
 FLAT_DOWN_WIDE = GemmConfig(128, 256, 64, 8, 8, 3, flat=True)
