@@ -3,11 +3,13 @@
 #   bash tests/gpu/ncu_experts.sh OUTDIR [I L T] [kernel regex]
 # Runs the library's apply three times (the first compiles) and profiles the last call's
 # kernels matching the regex: speed of light, memory, warp stalls, occupancy (text report).
+# SKIP (default 4) launches of matching kernels are skipped first: the regex's matches per apply
+# times two (the first two applies), e.g. SKIP=2 COUNT=1 for a regex matching one kernel.
 set -uo pipefail
 out=${1:-out}; inter=${2:-256}; local=${3:-256}; tokens=${4:-16384}; regex=${5:-"gate_up|down"}
 mkdir -p "$out"
 ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
-"$ncu" --kernel-name "regex:$regex" --launch-skip 4 --launch-count 2 \
+"$ncu" --kernel-name "regex:$regex" --launch-skip "${SKIP:-4}" --launch-count "${COUNT:-2}" \
   --section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
   --section WarpStateStats --section Occupancy --section LaunchStats --section SchedulerStats \
   python3 - "$inter" "$local" "$tokens" > "$out/ncu_${inter}_${local}_${tokens}.txt" 2>&1 <<'PY'
