@@ -14,33 +14,16 @@ import argparse
 import cProfile
 import io
 import pstats
-import statistics
-import time
+import sys
+from pathlib import Path
 
 import torch
 
 from dbo.bench.experts import _apply, make_case
 from dbo.moe import SwiGLUExperts, Workspace
 
-
-def _busy(n: int = 20) -> None:
-    a = torch.empty(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    for _ in range(n):
-        a @ a
-
-
-def host_us(fn, reps: int = 7, n: int = 50) -> float:
-    fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        _busy()
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        ts.append((time.perf_counter() - t0) / n * 1e6)
-        torch.cuda.synchronize()
-    return statistics.median(ts)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from probe_launch_cost import per_call_us  # noqa: E402
 
 
 def main() -> int:
@@ -59,7 +42,7 @@ def main() -> int:
         def fn(e=experts, c=case, w=ws):
             return _apply(e, c, False, w)
 
-        print(f"=== I={inter} L={local} T={tokens}: apply host {host_us(fn):.1f} us per call "
+        print(f"=== I={inter} L={local} T={tokens}: apply host {per_call_us(fn, 50):.1f} us per call "
               f"(GPU kept busy)", flush=True)
         prof = cProfile.Profile()
         torch.cuda.synchronize()
