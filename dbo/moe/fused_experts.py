@@ -110,8 +110,11 @@ def _launch(kernel, bound: int, device: torch.device, args: tuple, kwargs: dict,
     elif device.type != "cuda":  # Triton's interpreter
         launch(kernel, (max(1, min(bound, INTERPRETER_PROGRAMS)),), args, kwargs)
     else:
-        dtype = next(a.dtype for a in args if isinstance(a, torch.Tensor))
-        key = (kernel, tuple(kwargs.items()), dtype, device)
+        # the activations' dtype (the first tensor argument, or the first descriptor's tensor);
+        # id(kernel): a JITFunction hashes through its source's cache key
+        dtype = next(a.tensor.dtype if type(a) is Desc else a.dtype for a in args
+                     if type(a) is Desc or isinstance(a, torch.Tensor))
+        key = (id(kernel), tuple(kwargs.items()), dtype, device)
         props = _props(device)
         per_sm = _PER_SM.get(key)
         compiled = launch(kernel, (max(1, min(bound, props.multi_processor_count * (per_sm or 1))),), args,

@@ -185,9 +185,6 @@ def launch(kernel, grid: tuple[int, ...], args: tuple, kwargs: dict):
     except TypeError:  # an argument this module does not know how Triton specializes
         return kernel[grid](*_descriptors(args), **kwargs)
     hit = _CACHE.get(key)
-    g1 = grid[1] if len(grid) > 1 else 1
-    g2 = grid[2] if len(grid) > 2 else 1
-    stream = torch._C._cuda_getCurrentRawStream(device)
     if hit is None:
         compiled = kernel[grid](*_descriptors(args), **kwargs)
         rest = kernel.arg_names[len(args):]
@@ -195,6 +192,9 @@ def launch(kernel, grid: tuple[int, ...], args: tuple, kwargs: dict):
             consts = tuple(kwargs[n] for n in rest)
             _CACHE[key] = _direct(compiled, consts, sum(type(a) is Desc for a in args))
         return compiled
+    g1 = grid[1] if len(grid) > 1 else 1
+    g2 = grid[2] if len(grid) > 2 else 1
+    stream = torch._C._cuda_getCurrentRawStream(device)
     c = hit.compiled
     if hit.raw is None:
         c.run(grid[0], g1, g2, stream, c.function, c.packed_metadata, None, None, None,

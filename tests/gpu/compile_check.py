@@ -14,11 +14,13 @@ import argparse
 import re
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from dbo.moe import fused_experts as fe
 from dbo.moe import fused_kernels as fk
 
 
@@ -62,7 +64,10 @@ def check(name: str, tile: str) -> dict:
     regs = int(re.search(r"Used (\d+) registers", rep).group(1))
     spill = re.search(r"(\d+) bytes spill stores", rep)
     smem = k.metadata.shared
-    per_sm = min((228 * 1024) // (smem + 1024), 65536 // (warps * 32 * (-(-regs // 8) * 8)), 64 // warps)
+    # as the library sizes its persistent grids, on an H100/H200 SM (228 KB, 64K registers)
+    per_sm = fe._per_sm(SimpleNamespace(metadata=k.metadata, n_regs=regs),
+                        SimpleNamespace(shared_memory_per_multiprocessor=228 * 1024,
+                                        regs_per_multiprocessor=65536))
     return dict(tile=tile, regs=regs, spill=int(spill.group(1)) if spill else 0,
                 smem_kb=round(smem / 1024, 1), per_sm=per_sm)
 
