@@ -10,7 +10,10 @@ normal mode delivers them ("host counts") or not ("device offsets": naive, all2a
 implementation's ``apply`` is timed with CUDA events, alternating implementations step by step
 so that clock drift hits them alike; the median per implementation is reported, with each row's
 hardware limit and the ratio to it (:mod:`dbo.bench.limits`: bandwidth and GEMM rate measured at
-the start of the same run).
+the start of the same run). Two timings per implementation (``--timing``): the GPU's time of a
+call queued behind other GPU work (as in a model's forward, where the host runs ahead; reported
+under the implementation's name) and an isolated call's latency from an idle GPU, its host
+launches included (``NAME, from idle``); each call's host time is in the JSON (``host_ms``).
 :func:`time_experts` is reusable with other implementations (``tests/gpu/compare_experts.py``
 times the benchmark's former experts against the library's with it).
 """
@@ -77,7 +80,8 @@ def make_case(tokens: int, hidden: int, inter: int, local_experts: int, *, num_e
 
 
 class _Stopwatch:
-    """CUDA events around a block on CUDA (read after a sync), ``perf_counter`` on the CPU."""
+    """CUDA events around a block on CUDA (read after a sync), ``perf_counter`` on the CPU; the
+    host time of the block either way (``host_ms``)."""
 
     def __init__(self, cuda: bool):
         self.cuda = cuda
@@ -87,17 +91,37 @@ class _Stopwatch:
     def __enter__(self) -> None:
         if self.cuda:
             self.start.record()
-        else:
-            self.t0 = time.perf_counter()
+        self.t0 = time.perf_counter()
 
     def __exit__(self, *exc: object) -> None:
+        self.host_ms = (time.perf_counter() - self.t0) * 1e3
         if self.cuda:
             self.end.record()
-        else:
-            self.dt = (time.perf_counter() - self.t0) * 1e3
 
     def ms(self) -> float:
-        return self.start.elapsed_time(self.end) if self.cuda else self.dt
+        return self.start.elapsed_time(self.end) if self.cuda else self.host_ms
+
+
+_SLEEP_CYCLES_PER_MS: dict[int, float] = {}
+
+
+def _sleep_cycles_per_ms() -> float:
+    """The GPU's ``torch.cuda._sleep`` cycles per millisecond, measured once per device."""
+    dev = torch.cuda.current_device()
+    if dev not in _SLEEP_CYCLES_PER_MS:
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(1 << 20)  # the clock ramps up
+        a.record()
+        torch.cuda._sleep(1 << 22)
+        b.record()
+        b.synchronize()
+        _SLEEP_CYCLES_PER_MS[dev] = (1 << 22) / max(a.elapsed_time(b), 1e-3)
+    return _SLEEP_CYCLES_PER_MS[dev]
+
+
+#: what each timing measures (``time_experts``'s ``timings``); ``device`` keeps the
+#: implementation's name, ``idle`` adds this suffix
+IDLE_SUFFIX = ", from idle"
 
 
 def _apply(experts: MoEExperts, case: ExpertsCase, host_counts: bool, ws: Workspace) -> torch.Tensor:
@@ -108,12 +132,26 @@ def _apply(experts: MoEExperts, case: ExpertsCase, host_counts: bool, ws: Worksp
 
 
 def time_experts(impls: dict[str, tuple[MoEExperts, bool]], case: ExpertsCase, *, steps: int = 30,
-                 warmup: int = 5) -> dict[str, dict[str, float]]:
-    """Time each ``name -> (experts, host_counts)`` on ``case`` (CUDA events; wall time on the CPU).
+                 warmup: int = 5,
+                 timings: tuple[str, ...] = ("device", "idle")) -> dict[str, dict[str, float]]:
+    """Time each ``name -> (experts, host_counts)`` on ``case``, alternating step by step.
 
-    Returns ``name -> {"median_ms", "p10_ms", "p90_ms", "rel_err"}``; ``rel_err`` is against the
-    first implementation's output (a sanity check: the two must compute the same thing).
+    On CUDA, ``timings`` picks what is measured (CUDA events around each call):
+
+    * ``"device"`` (reported as ``name``): each call queued behind a GPU sleep longer than its
+      host time, so that the host has launched all of it before the GPU starts it: the GPU's
+      time, as inside a model's forward where the host runs ahead of the GPU;
+    * ``"idle"`` (reported as ``name + IDLE_SUFFIX``): each call after a host sync, from an idle
+      GPU: the latency of an isolated call, the host's launches included (small calls are
+      launch-bound here).
+
+    On the CPU each call's wall time (``name``). Returns ``name -> {"median_ms", "p10_ms",
+    "p90_ms", "rel_err", "host_ms"}``: ``host_ms`` the median host time of a call; ``rel_err``
+    against the first implementation's output (the implementations must agree).
     """
+    bad = set(timings) - {"device", "idle"}
+    if bad or not timings:
+        raise ValueError(f"timings are 'device' and/or 'idle', got {timings!r}")
     calls: dict[str, Callable[[], torch.Tensor]] = {}
     for name, (experts, host) in impls.items():
         ws = Workspace()
@@ -122,39 +160,56 @@ def time_experts(impls: dict[str, tuple[MoEExperts, bool]], case: ExpertsCase, *
     for _ in range(warmup):
         for fn in calls.values():
             fn()
-    if case.x.is_cuda:
+    cuda = case.x.is_cuda
+    lead = {name: 0 for name in calls}  # GPU sleep cycles ahead of each call ("device")
+    if cuda:
         # an idle GPU runs at a low clock until it has been busy for a while: the first rows of
         # a grid read up to 2x slow without this (seen on an H200)
         torch.cuda.synchronize()
+        host: dict[str, list[float]] = {name: [] for name in calls}
         t0 = time.perf_counter()
         while time.perf_counter() - t0 < 0.2:
-            for fn in calls.values():
+            for name, fn in calls.items():
+                t = time.perf_counter()
                 fn()
+                host[name].append(time.perf_counter() - t)
             torch.cuda.synchronize()
-    cuda = case.x.is_cuda
-    events = {name: [_Stopwatch(cuda) for _ in range(steps)] for name in calls}
+        per_ms = _sleep_cycles_per_ms()
+        # twice the slowest warm host time, at least 50 us, at most 5 ms (a call that waits for
+        # the GPU from the host needs more than any sleep: its launches after the wait count)
+        lead = {name: int(per_ms * min(5.0, max(0.05, 2e3 * max(host[name])))) for name in calls}
+    else:
+        timings = ("device",)
+    kinds = [(k, name) for k in timings for name in calls]
+    events = {kn: [_Stopwatch(cuda) for _ in range(steps)] for kn in kinds}
     for i in range(steps):
-        for name, fn in calls.items():
-            with events[name][i]:
-                fn()
+        for kind, name in kinds:
+            if cuda and kind == "device":
+                torch.cuda._sleep(lead[name])
+            elif cuda:
+                torch.cuda.synchronize()
+            with events[kind, name][i]:
+                calls[name]()
     if cuda:
         torch.cuda.synchronize()
     first = outs[next(iter(outs))]
     res = {}
-    times: dict[str, list[float]] = {}
-    for name in calls:
-        times[name] = sorted(w.ms() for w in events[name])
-        n = len(times[name])
+    for kind, name in kinds:
+        ws_ = events[kind, name]
+        times = sorted(w.ms() for w in ws_)
+        n = len(times)
         err = torch.linalg.vector_norm(outs[name] - first) / torch.linalg.vector_norm(first).clamp_min(1e-30)
-        res[name] = {"median_ms": statistics.median(times[name]), "p10_ms": times[name][n // 10],
-                     "p90_ms": times[name][(9 * n) // 10], "rel_err": float(err)}
+        res[name if kind == "device" else name + IDLE_SUFFIX] = {
+            "median_ms": statistics.median(times), "p10_ms": times[n // 10], "p90_ms": times[(9 * n) // 10],
+            "rel_err": float(err), "host_ms": statistics.median(w.host_ms for w in ws_)}
     return res
 
 
 def run_grid(impls: dict[str, tuple[MoEExperts, bool]], *, hidden: list[int], intermediate: list[int],
              tokens: list[int], local_experts: list[int], topk: int = 8, steps: int = 30,
              num_experts: int = 256, dtype: torch.dtype = torch.bfloat16,
-             device: torch.device | str = "cuda", log: Callable[[str], None] | None = None) -> list[dict]:
+             device: torch.device | str = "cuda", log: Callable[[str], None] | None = None,
+             timings: tuple[str, ...] = ("device", "idle")) -> list[dict]:
     """:func:`time_experts` over the grid; one row per shape (weights made once per size)."""
     rows = []
     for h in hidden:
@@ -165,7 +220,7 @@ def run_grid(impls: dict[str, tuple[MoEExperts, bool]], *, hidden: list[int], in
                     case = make_case(t, h, inter, n_local, num_experts=num_experts, topk=topk,
                                      dtype=dtype, device=device, weights=w, seed=t)
                     w = (case.w1, case.w2)
-                    res = time_experts(impls, case, steps=steps)
+                    res = time_experts(impls, case, steps=steps, timings=timings)
                     row = {"hidden": h, "intermediate": inter, "local_experts": n_local, "tokens": t,
                            "local_pairs": int(case.counts.sum()),
                            "experts_with_rows": int((case.counts > 0).sum()), "results": res}
@@ -205,8 +260,9 @@ def format_rows(rows: list[dict], baseline: str) -> str:
     """A table: per shape the median ms of each implementation and ``baseline``'s time over it."""
     names = list(rows[0]["results"]) if rows else []
     lim = bool(rows) and "limit_ms" in rows[0]
+    wid = {n: max(16, len(n)) for n in names}
     head = f"{'hidden':>6} {'I':>5} {'L':>4} {'tokens':>6} {'pairs':>7} {'rows/e':>6} " + " ".join(
-        f"{n[:16]:>16}" + (f" {'x lim':>6}" if lim else "") for n in names)
+        f"{n:>{wid[n]}}" + (f" {'x lim':>6}" if lim else "") for n in names)
     head += (f" {'limit':>8}" if lim else "") + "  " + " ".join(
         f"{(n[:10] + '/' + baseline[:10]):>21}" for n in names if n != baseline)
     lines = [head]
@@ -215,8 +271,8 @@ def format_rows(rows: list[dict], baseline: str) -> str:
         per = r["local_pairs"] / max(1, r.get("experts_with_rows") or r["local_experts"])
         line = f"{r['hidden']:>6} {r['intermediate']:>5} {r['local_experts']:>4} {r['tokens']:>6} " \
                f"{r['local_pairs']:>7} {per:>6.0f} " + " ".join(
-                   f"{res[n]['median_ms']:>13.3f} ms" + (f" {res[n]['x_limit']:>6.2f}" if lim else "")
-                   for n in names)
+                   f"{res[n]['median_ms']:>{wid[n] - 3}.3f} ms"
+                   + (f" {res[n]['x_limit']:>6.2f}" if lim else "") for n in names)
         line += (f" {r['limit_ms']:>5.3f} ms" if lim else "") + "  " + " ".join(
             f"{res[n]['median_ms'] / res[baseline]['median_ms']:>21.3f}" for n in names if n != baseline)
         lines.append(line)
@@ -238,6 +294,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="time only the library's experts (not also the unfused steps)")
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--timing", nargs="+", choices=["device", "idle"], default=["device", "idle"],
+                   help="device: each call queued behind a GPU sleep (the GPU's time, as inside a "
+                        "forward); idle: each call after a host sync (an isolated call's latency, "
+                        "its launches included; reported as NAME" + IDLE_SUFFIX + ")")
     p.add_argument("--json", default=None, help="also write the rows here")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -253,11 +313,12 @@ def main(argv: list[str] | None = None) -> int:
     with torch.inference_mode():
         rows = run_grid(impls, hidden=a.hidden, intermediate=a.intermediate, tokens=a.tokens,
                         local_experts=a.local_experts, topk=a.topk, steps=a.steps,
-                        log=lambda s: print(s, flush=True))
+                        log=lambda s: print(s, flush=True), timings=tuple(a.timing))
     add_limits(rows, limits)
     print(f"dbo.bench experts: {torch.cuda.get_device_name()}, bf16, top-{a.topk} of 256 experts, "
-          f"device offsets, median of {a.steps} apply() calls (CUDA events); {limits.describe()}; "
-          "last columns: time over the first implementation's")
+          f"device offsets, median of {a.steps} apply() calls (CUDA events: NAME = queued behind a "
+          f"GPU sleep, the GPU's time; NAME{IDLE_SUFFIX} = after a host sync, an isolated call's "
+          f"latency); {limits.describe()}; last columns: time over the first implementation's")
     print(format_rows(rows, next(iter(impls))))
     if a.json:
         with open(a.json, "w") as f:

@@ -11,6 +11,7 @@ its own limit (``*_x``: the step's time over the bytes/flops limit of what it re
 computes), so a shape far from the limit shows which kernel costs it.
 
     python3 tests/gpu/probe_experts_host.py --grid   # the experts benchmark's 63 shapes
+    python3 tests/gpu/probe_experts_host.py --no-host --shapes 256:32:16384 2048:256:8192
 """
 
 from __future__ import annotations
@@ -95,9 +96,12 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--grid", action="store_true", help="every shape of python -m dbo.bench experts")
     ap.add_argument("--no-host", action="store_true", help="skip the host-time columns")
+    ap.add_argument("--shapes", nargs="+", default=None, metavar="I:L:T", help="these shapes only")
     a = ap.parse_args()
     grid = [(i, L, 1024 << k) for i in (256, 768, 2048) for L in (32, 128, 256) for k in range(7)]
     shapes = grid if a.grid else SHAPES
+    if a.shapes:
+        shapes = [tuple(int(v) for v in s.split(":")) for s in a.shapes]
     lim = measure_device_limits()
     print(lim.describe(), flush=True)
     rows = []

@@ -56,6 +56,15 @@ UP = [C(64, 64, 64, 8, 4, 4), C(128, 128, 64, 8, 8, 4), C(128, 128, 64, 8, 8, 3)
 #: shared memory, <= 229 registers at four warps)
 UP_TWO_PER_SM = [C(128, 64, 64, 8, 4, 3, tma=True), C(128, 64, 64, 8, 4, 2, tma=True),
                  C(64, 128, 64, 8, 4, 2, tma=True), C(128, 64, 64, 8, 4, 3, tma=True, tail_m=32)]
+#: gate/up tiles that read each weight tile for more rows (128-256 rows: half or a quarter of the
+#: 64-row tile's weight traffic through L2, which Nsight Compute finds at 87-92% of its
+#: throughput with the 64-row tile at 256-512 rows per expert; tests/gpu/compile_check.py: no
+#: spills)
+UP_WIDE = [C(128, 128, 64, 8, 8, 4, tma=True, tail_m=32), C(128, 128, 64, 8, 8, 3, tma=True, tail_m=32),
+           C(128, 128, 32, 8, 8, 6, tma=True, tail_m=32), C(256, 64, 64, 8, 8, 4, tma=True),
+           C(256, 64, 64, 8, 8, 3, tma=True), C(256, 64, 64, 8, 8, 4, tma=True, tail_m=64),
+           C(256, 32, 64, 8, 8, 5, tma=True), C(128, 64, 64, 8, 8, 5, tma=True, tail_m=32),
+           C(128, 64, 64, 8, 4, 4, tma=True, tail_m=32)]
 DOWN = [C(64, 128, 64, 8, 4, 4), C(128, 128, 64, 8, 8, 3), C(128, 256, 64, 8, 8, 4),
         C(64, 128, 64, 8, 4, 4, tma=True), C(128, 128, 64, 8, 8, 4, tma=True),
         C(128, 256, 64, 8, 8, 3, tma=True), C(128, 256, 64, 8, 8, 4, tma=True),
@@ -110,12 +119,16 @@ def main() -> int:
     p.add_argument("--down-only", action="store_true", help="time only the down candidates")
     p.add_argument("--two-per-sm", action="store_true",
                    help="gate/up candidates: the library's pick and UP_TWO_PER_SM only")
+    p.add_argument("--wide", action="store_true",
+                   help="gate/up candidates: the library's pick and UP_WIDE only")
     p.add_argument("--flat", action="store_true",
                    help="down candidates: the library's pick, the short-K tiles (I <= 256) and FLAT")
     p.add_argument("--json", default=None)
     a = p.parse_args()
     if a.two_per_sm:
         UP[:] = UP[:1] + UP_TWO_PER_SM
+    if a.wide:
+        UP[:] = UP[:1] + UP_WIDE
     lim = measure_device_limits()
     print(lim.describe(), flush=True)
     hidden, topk, rows = 7168, 8, []

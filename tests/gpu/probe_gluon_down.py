@@ -1,0 +1,95 @@
+"""The Gluon short-K down GEMM (dbo.moe.gluon_down) against the library's Triton down tile, on
+the GPU host: the same output (the rows each writes), and the time of each (CUDA events, median)
+against the GEMM's own limit, per shape at I=256.
+
+    python3 tests/gpu/probe_gluon_down.py [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from tune_experts import median_ms  # noqa: E402
+
+from dbo.bench.experts import make_case  # noqa: E402
+from dbo.bench.limits import DeviceLimits, measure_device_limits  # noqa: E402
+from dbo.moe import fused_experts as fe  # noqa: E402
+from dbo.moe import gluon_down as gd  # noqa: E402
+
+SHAPES = [(256, 32, 4096), (256, 32, 8192), (256, 32, 16384), (256, 32, 65536), (256, 128, 4096),
+          (256, 128, 16384), (256, 256, 2048), (256, 256, 8192), (256, 256, 16384), (256, 256, 65536)]
+VARIANTS = [(w, n) for w in (4, 8) for n in (None, 8, 16, 32, 112)]
+
+
+def one_shape(lim: DeviceLimits, inter: int, local: int, t: int, reps: int) -> dict:
+    hidden, topk = 7168, 8
+    case = make_case(t, hidden, inter, local, seed=t)
+    pairs = int(case.counts.sum())
+    active = int((case.counts > 0).sum())
+    est = t * topk / 256  # as the library estimates without host counts
+    order, offsets = fe.route_order(case.ids, local)
+    up, down = fe.pick_configs(est, inter, local)
+    act = torch.empty(t * topk, inter, dtype=case.x.dtype, device="cuda")
+    persist = fe.prefer_persistent(est, t * topk, local)
+    fe.launch_gate_up(case.x, order, offsets, case.w1, act, up, t * topk, topk, persist)
+    y_ref = torch.zeros(t * topk, hidden, dtype=case.x.dtype, device="cuda")
+
+    def triton_down() -> None:
+        fe.launch_down(act, order, offsets, case.w2, y_ref, down, t * topk, persist)
+
+    w_bytes = active * hidden * inter * 2
+    own = lim.time_ms(2.0 * pairs * hidden * inter, w_bytes + pairs * inter * 2 + pairs * hidden * 2)
+    r = {"I": inter, "L": local, "T": t, "pairs": pairs, "limit_ms": own,
+         "triton_ms": median_ms(triton_down, reps)}
+    for warps, npp in VARIANTS:
+        y = torch.zeros_like(y_ref)
+
+        def gluon_down(w: int = warps, n: int | None = npp, yy: torch.Tensor = y) -> None:
+            gd.launch_down_short_k(act, order, offsets, case.w2, yy, t * topk, est, num_warps=w, npp=n)
+
+        try:
+            gluon_down()
+        except Exception as e:  # noqa: BLE001 - reported per variant
+            print(f"  warps={warps} npp={npp}: {type(e).__name__}: {str(e)[:400]}", flush=True)
+            continue
+        torch.cuda.synchronize()
+        r[f"gluon_w{warps}_npp{npp}_maxdiff"] = float((y.float() - y_ref.float()).abs().max())
+        r[f"gluon_w{warps}_npp{npp}_ms"] = median_ms(gluon_down, reps)
+    return r
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--reps", type=int, default=20)
+    a = ap.parse_args()
+    lim = measure_device_limits()
+    print(lim.describe(), flush=True)
+    rows = []
+    with torch.inference_mode():
+        for inter, local, t in SHAPES:
+            r = one_shape(lim, inter, local, t, a.reps)
+            own, tri = r["limit_ms"], r["triton_ms"]
+            best = min((k for k in r if k.startswith("gluon") and k.endswith("_ms")), key=r.get, default=None)
+            res = f"best {best} {r[best]:.3f} ({r[best] / own:.2f}x, {r[best] / tri:.3f} of triton)" if best \
+                else "no gluon result"
+            print(f"I={inter} L={local} T={t} pairs={r['pairs']} own limit {own:.3f} ms | triton {tri:.3f} "
+                  f"({tri / own:.2f}x) | {res}", flush=True)
+            print("   " + " ".join(f"{k}={v:.4g}" for k, v in r.items() if k.startswith("gluon")), flush=True)
+            rows.append(r)
+            torch.cuda.empty_cache()
+    if a.json:
+        Path(a.json).write_text(json.dumps({"limits": lim.as_dict(), "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
