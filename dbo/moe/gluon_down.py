@@ -33,6 +33,7 @@ try:
         mbarrier,
         tma,
         warpgroup_mma,
+        warpgroup_mma_init,
         warpgroup_mma_wait,
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -54,7 +55,7 @@ if gluon is not None:
     @gluon.jit
     def down_short_k_wgmma_kernel(a_desc, w_desc, order_ptr, offs_ptr, y_ptr, n_experts, hidden,
                                   KC: gl.constexpr, NPP: gl.constexpr, BLOCK_E: gl.constexpr,
-                                  STAGES: gl.constexpr, num_warps: gl.constexpr):
+                                  STAGES: gl.constexpr, TWO_ACC: gl.constexpr, num_warps: gl.constexpr):
         BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
         BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
         BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
@@ -111,7 +112,9 @@ if gluon is not None:
             mbarrier.expect(a_bar, a_bytes)
             for kc in gl.static_range(KC):
                 tma.async_copy_global_to_shared(a_desc, [row0, kc * BLOCK_K], a_bar, a_smem.index(kc))
-            for p in gl.static_range(STAGES - 1):
+            # the first weight tiles: STAGES of them with two accumulators (a slot is reloaded
+            # once the MMAs of the step before are done), else STAGES - 1
+            for p in gl.static_range(STAGES if TWO_ACC else STAGES - 1):
                 if p < NPP:
                     s = loads % STAGES
                     mbarrier.expect(w_bar.index(s), w_bytes)
@@ -125,29 +128,60 @@ if gluon is not None:
             y_rows = y_ptr + slots[:, None] * hidden
             mbarrier.wait(a_bar, phase=it & 1)
 
-            prev = gl.zeros([BLOCK_M, BLOCK_N], dtype, layout=out_layout)
-            for j in range(NPP):
-                if j + STAGES - 1 < NPP:  # the slot of step j - 1, whose MMAs were waited
-                    s = loads % STAGES
-                    mbarrier.expect(w_bar.index(s), w_bytes)
+            if TWO_ACC:
+                # step j: MMAs of block j issued; those of block j - 1 waited for (KC groups may
+                # stay in flight: block j's); block j - 1's slot reloaded and its output stored
+                # while the tensor cores compute block j
+                zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=acc_layout)
+                acc_prev = warpgroup_mma_init(zero)
+                for j in range(NPP):
+                    s = uses % STAGES
+                    mbarrier.wait(w_bar.index(s), phase=(uses // STAGES) & 1)
+                    acc = warpgroup_mma(a_smem.index(0), w_smem.index(s * KC).permute((1, 0)), zero,
+                                        use_acc=False, is_async=True)
+                    for kc in gl.static_range(1, KC):
+                        acc = warpgroup_mma(a_smem.index(kc), w_smem.index(s * KC + kc).permute((1, 0)), acc,
+                                            is_async=True)
+                    done = warpgroup_mma_wait(num_outstanding=KC, deps=(acc_prev,))
+                    if (j > 0) & (j - 1 + STAGES < NPP):
+                        r = loads % STAGES
+                        mbarrier.expect(w_bar.index(r), w_bytes)
+                        for kc in gl.static_range(KC):
+                            tma.async_copy_global_to_shared(
+                                w_desc, [w_row0 + (j - 1 + STAGES) * BLOCK_N, kc * BLOCK_K], w_bar.index(r),
+                                w_smem.index(r * KC + kc))
+                        loads += 1
+                    cols = (col_block0 + j - 1) * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_layout)
+                    gl.store(y_rows + cols[None, :], gl.convert_layout(done.to(dtype), out_layout),
+                             mask=row_mask[:, None] & ((cols < hidden) & (j > 0))[None, :])
+                    acc_prev = acc
+                    uses += 1
+                done = warpgroup_mma_wait(num_outstanding=0, deps=(acc_prev,))
+                prev = gl.convert_layout(done.to(dtype), out_layout)
+            else:
+                prev = gl.zeros([BLOCK_M, BLOCK_N], dtype, layout=out_layout)
+                for j in range(NPP):
+                    if j + STAGES - 1 < NPP:  # the slot of step j - 1, whose MMAs were waited
+                        s = loads % STAGES
+                        mbarrier.expect(w_bar.index(s), w_bytes)
+                        for kc in gl.static_range(KC):
+                            tma.async_copy_global_to_shared(
+                                w_desc, [w_row0 + (j + STAGES - 1) * BLOCK_N, kc * BLOCK_K], w_bar.index(s),
+                                w_smem.index(s * KC + kc))
+                        loads += 1
+                    s = uses % STAGES
+                    mbarrier.wait(w_bar.index(s), phase=(uses // STAGES) & 1)
+                    acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=acc_layout)
                     for kc in gl.static_range(KC):
-                        tma.async_copy_global_to_shared(
-                            w_desc, [w_row0 + (j + STAGES - 1) * BLOCK_N, kc * BLOCK_K], w_bar.index(s),
-                            w_smem.index(s * KC + kc))
-                    loads += 1
-                s = uses % STAGES
-                mbarrier.wait(w_bar.index(s), phase=(uses // STAGES) & 1)
-                acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=acc_layout)
-                for kc in gl.static_range(KC):
-                    acc = warpgroup_mma(a_smem.index(kc), w_smem.index(s * KC + kc).permute((1, 0)), acc,
-                                        is_async=True)
-                # block j - 1's output, while the tensor cores compute block j
-                cols = (col_block0 + j - 1) * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_layout)
-                gl.store(y_rows + cols[None, :], prev,
-                         mask=row_mask[:, None] & ((cols < hidden) & (j > 0))[None, :])
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-                uses += 1
-                prev = gl.convert_layout(acc.to(dtype), out_layout)
+                        acc = warpgroup_mma(a_smem.index(kc), w_smem.index(s * KC + kc).permute((1, 0)), acc,
+                                            is_async=True)
+                    # block j - 1's output, while the tensor cores compute block j
+                    cols = (col_block0 + j - 1) * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_layout)
+                    gl.store(y_rows + cols[None, :], prev,
+                             mask=row_mask[:, None] & ((cols < hidden) & (j > 0))[None, :])
+                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                    uses += 1
+                    prev = gl.convert_layout(acc.to(dtype), out_layout)
             cols = (col_block0 + NPP - 1) * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_layout)
             gl.store(y_rows + cols[None, :], prev, mask=row_mask[:, None] & (cols < hidden)[None, :])
             it += 1  # noqa: SIM113 (a Gluon loop: no enumerate)
@@ -186,7 +220,7 @@ def groups_per_tile(rows_per_expert: float, n_experts: int, hidden: int, sms: in
 
 def launch_down_short_k(act: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, w2: torch.Tensor,
                         y: torch.Tensor, pairs: int, rows_per_expert: float, num_warps: int = 4,
-                        npp: int | None = None) -> None:
+                        npp: int | None = None, two_acc: bool = True, stages: int = STAGES) -> None:
     """``y[order[r]] = act[r] @ w2[e].T`` for each sorted row ``r`` of expert ``e`` (the local
     pairs' rows; ``pairs`` bounds them: the grid). ``npp``: column blocks per work item
     (default :func:`groups_per_tile`)."""
@@ -205,4 +239,4 @@ def launch_down_short_k(act: torch.Tensor, order: torch.Tensor, offsets: torch.T
     grid = (max(1, min(items, _SMS[dev])),)
     down_short_k_wgmma_kernel[grid](a_desc, w_desc, order, offsets, y, n_experts, hidden, KC=inter // BK,
                                     NPP=npp, BLOCK_E=max(16, 1 << (n_experts - 1).bit_length()),
-                                    STAGES=STAGES, num_warps=num_warps)
+                                    STAGES=stages, TWO_ACC=two_acc, num_warps=num_warps)

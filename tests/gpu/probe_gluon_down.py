@@ -26,7 +26,9 @@ from dbo.moe import gluon_down as gd  # noqa: E402
 
 SHAPES = [(256, 32, 4096), (256, 32, 8192), (256, 32, 16384), (256, 32, 65536), (256, 128, 4096),
           (256, 128, 16384), (256, 256, 2048), (256, 256, 8192), (256, 256, 16384), (256, 256, 65536)]
-VARIANTS = [(w, n) for w in (4, 8) for n in (None, 8, 16, 32, 112)]
+#: (warps, column blocks per item (None: the library's choice), two accumulators, stages)
+VARIANTS = [(4, None, False, 3), (4, None, True, 3), (8, None, True, 3), (8, None, True, 4), (4, 16, True, 3),
+            (4, 112, True, 3), (8, 16, True, 3), (8, 112, True, 3), (8, 16, True, 4), (8, 112, True, 4)]
 
 
 def one_shape(lim: DeviceLimits, inter: int, local: int, t: int, reps: int) -> dict:
@@ -49,20 +51,23 @@ def one_shape(lim: DeviceLimits, inter: int, local: int, t: int, reps: int) -> d
     own = lim.time_ms(2.0 * pairs * hidden * inter, w_bytes + pairs * inter * 2 + pairs * hidden * 2)
     r = {"I": inter, "L": local, "T": t, "pairs": pairs, "limit_ms": own,
          "triton_ms": median_ms(triton_down, reps)}
-    for warps, npp in VARIANTS:
+    for warps, npp, two, stages in VARIANTS:
         y = torch.zeros_like(y_ref)
 
-        def gluon_down(w: int = warps, n: int | None = npp, yy: torch.Tensor = y) -> None:
-            gd.launch_down_short_k(act, order, offsets, case.w2, yy, t * topk, est, num_warps=w, npp=n)
+        def gluon_down(w: int = warps, n: int | None = npp, yy: torch.Tensor = y, tw: bool = two,
+                       st: int = stages) -> None:
+            gd.launch_down_short_k(act, order, offsets, case.w2, yy, t * topk, est, num_warps=w, npp=n,
+                                   two_acc=tw, stages=st)
 
         try:
             gluon_down()
         except Exception as e:  # noqa: BLE001 - reported per variant
-            print(f"  warps={warps} npp={npp}: {type(e).__name__}: {str(e)[:400]}", flush=True)
+            print(f"  {warps} {npp} {two} {stages}: {type(e).__name__}: {str(e)[:400]}", flush=True)
             continue
         torch.cuda.synchronize()
-        r[f"gluon_w{warps}_npp{npp}_maxdiff"] = float((y.float() - y_ref.float()).abs().max())
-        r[f"gluon_w{warps}_npp{npp}_ms"] = median_ms(gluon_down, reps)
+        name = f"gluon_w{warps}_npp{npp}_{'two' if two else 'one'}_s{stages}"
+        r[f"{name}_maxdiff"] = float((y.float() - y_ref.float()).abs().max())
+        r[f"{name}_ms"] = median_ms(gluon_down, reps)
     return r
 
 
