@@ -4,9 +4,18 @@ same output as the reference."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from dbo.bench.experts import _apply, add_limits, format_rows, limit_summary, make_case, run_grid
+from dbo.bench.experts import (
+    _apply,
+    add_limits,
+    format_rows,
+    limit_summary,
+    make_case,
+    run_grid,
+    time_experts,
+)
 from dbo.bench.limits import DeviceLimits, active_experts, experts_cost, measure_device_limits
 from dbo.moe import SwiGLUExperts, Workspace, reference_moe, relative_error
 
@@ -62,3 +71,15 @@ def test_the_limit_formula():
     assert lim.time_ms(flops, nbytes) == max(nbytes / 1e12, flops / 1e14) * 1e3
     assert lim.time_ms(1e14, 0) == 1000.0 and lim.time_ms(0, 1e12) == 1000.0
     assert active_experts(8, 0) == 0 and 7.9 < active_experts(8, 1000) <= 8
+
+
+def test_timings_are_checked_and_each_call_reports_its_host_time():
+    impls = {"a": (SwiGLUExperts(use_triton=False), False)}
+    case = make_case(16, 32, 16, 4, num_experts=8, topk=3, dtype=torch.float32, device="cpu")
+    for bad in ((), ("gpu",), ("device", "wall")):
+        with pytest.raises(ValueError, match="timings"):
+            time_experts(impls, case, steps=2, timings=bad)
+    res = time_experts(impls, case, steps=3, timings=("device", "idle"))
+    # on the CPU there is no queue to get ahead of: one wall-time measure per implementation
+    assert set(res) == {"a"} and res["a"]["host_ms"] > 0 and res["a"]["median_ms"] > 0
+    assert res["a"]["rel_err"] == 0.0

@@ -1,4 +1,4 @@
-"""The Gluon short-K down GEMM (dbo.moe.gluon_down) against the library's Triton down tile, on
+"""The Gluon short-K down GEMM (tests/gpu/gluon_down_experiment.py) against the library's Triton down tile, on
 the GPU host: the same output (the rows each writes), and the time of each (CUDA events, median)
 against the GEMM's own limit, per shape at I=256.
 
@@ -17,12 +17,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import gluon_down_experiment as gd  # noqa: E402
 from tune_experts import median_ms  # noqa: E402
 
 from dbo.bench.experts import make_case  # noqa: E402
 from dbo.bench.limits import DeviceLimits, measure_device_limits  # noqa: E402
 from dbo.moe import fused_experts as fe  # noqa: E402
-from dbo.moe import gluon_down as gd  # noqa: E402
 
 SHAPES = [(256, 32, 4096), (256, 32, 8192), (256, 32, 16384), (256, 32, 65536), (256, 128, 4096),
           (256, 128, 16384), (256, 256, 2048), (256, 256, 8192), (256, 256, 16384), (256, 256, 65536)]

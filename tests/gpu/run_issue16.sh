@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# Issue 16's measurements on ONE GPU (an H200), in two device calls of under 10 minutes each:
-#   source .whl/prelude.sh && STEPS="check grid overlap decode" bash tests/gpu/run_issue16.sh OUTDIR
+# Issue 16's measurements on ONE GPU (an H200), in three device calls of under 10 minutes each:
+#   source .whl/prelude.sh && STEPS=grid bash tests/gpu/run_issue16.sh OUTDIR
+#   source .whl/prelude.sh && STEPS="check overlap decode" bash tests/gpu/run_issue16.sh OUTDIR
 #   source .whl/prelude.sh && STEPS="deepseek qwen" bash tests/gpu/run_issue16.sh OUTDIR
 # check: the experts' and the schedules' GPU tests; grid: python -m dbo.bench experts over the
-# issue's grid (fused/unfused, x limit); overlap: the one-rank overlap benchmark (naive, width
+# issue's grid (fused/unfused, each timed twice: the GPU's time and an isolated call's latency;
+# x limit; about seven minutes); overlap: the one-rank overlap benchmark (naive, width
 # 1024, 8 layers) at T 4096/16384 x I 256/2048, all three schedules and the autotune; decode: T
 # 64/256/512 at I 2048, 4 layers; deepseek/qwen: examples/hf_moe.py at one rank, plain vs DBO
 # split and merged (DeepSeek-V3 shape 4 layers; Qwen3-30B-A3B full size, 48 layers).
@@ -25,7 +27,7 @@ if has check; then
   run check 260 python3 -m pytest -q -p no:cacheprovider $tests
 fi
 if has grid; then
-  run grid 200 python3 -m dbo.bench experts --steps 20 --json "$out/experts.json"
+  run grid 480 python3 -m dbo.bench experts --steps 20 --json "$out/experts.json"
 fi
 if has overlap; then
   run overlap 240 torchrun --nproc-per-node 1 -m dbo.bench overlap $ov --layers 8 --tokens 4096 16384 \

@@ -45,3 +45,18 @@ def test_library_experts_bf16_match_reference(fmt, reduce_in_experts):
                        SwiGLUExperts(reduce_in_experts=reduce_in_experts))
     out = kernel(x.bfloat16(), w1.bfloat16(), w2.bfloat16(), weights, ids, global_num_experts=experts)
     assert relative_error(out.float(), ref) < 2e-2
+
+
+def test_experts_benchmark_times_the_gpu_and_an_isolated_call():
+    from dbo.bench.experts import IDLE_SUFFIX, make_case, time_experts
+
+    case = make_case(256, 1024, 256, 8, num_experts=64, topk=4)
+    impls = {"lib": (SwiGLUExperts(num_global_experts=64), False),
+             "unfused": (SwiGLUExperts(fused=False), False)}
+    res = time_experts(impls, case, steps=5)
+    assert set(res) == {"lib", "unfused", "lib" + IDLE_SUFFIX, "unfused" + IDLE_SUFFIX}
+    for name, r in res.items():
+        assert r["median_ms"] > 0 and r["host_ms"] > 0, name
+    # the same implementation timed both ways computes the same output; the two agree closely
+    assert res["lib" + IDLE_SUFFIX]["rel_err"] == res["lib"]["rel_err"] == 0.0
+    assert res["unfused"]["rel_err"] < 2e-2

@@ -1,4 +1,10 @@
-"""The down GEMM of the fused experts for short K (I <= 256) on Hopper, written in Gluon.
+"""An experiment, not part of the library: the down GEMM of the fused experts for short K
+(I <= 256) on Hopper, written in Gluon (Triton 3.6's explicit-layout language).
+
+Measured on an H200 (``tests/gpu/probe_gluon_down.py``, docs/perf_notes.md section 5g): the
+same output as the library's Triton tile, bit for bit, and 0.94-1.41x its time (slower on
+every shape but the largest): the library does not use it. Kept so that the next attempt starts
+from a working kernel (the profile of where its steps wait is the next thing to take).
 
 At I=256 the down GEMM reads a ``[128, 256]`` activation tile and a ``[BN, 256]`` weight tile
 per output tile and writes ``[128, BN]``: with K this short, Triton's kernels
@@ -15,9 +21,8 @@ Each program walks every num_programs-th work item: (expert, row tile of ``BM`` 
 ``NPP`` column blocks), in the order of :func:`dbo.moe.fused_kernels` (``_tile_table``): rows
 past an expert's end are computed (the next expert's rows, or TMA's zeros) and never stored.
 
-Used by :func:`dbo.moe.fused_experts.launch_down` where :func:`available` says so (CUDA,
-compute capability 9.x, Triton with Gluon's Hopper API, bf16/fp16, ``I % 64 == 0``,
-``I <= 256``).
+It runs where :func:`available` says so (CUDA, compute capability 9.x, Triton with Gluon's
+Hopper API, bf16/fp16, ``I % 64 == 0``, ``I <= 256``).
 """
 
 from __future__ import annotations
