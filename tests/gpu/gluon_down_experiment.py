@@ -2,8 +2,8 @@
 (I <= 256) on Hopper, written in Gluon (Triton 3.6's explicit-layout language).
 
 Measured on an H200 (``tests/gpu/probe_gluon_down.py``, docs/perf_notes.md section 5g): the
-same output as the library's Triton tile, bit for bit, and 0.94-1.41x its time (slower on
-every shape but the largest): the library does not use it. Kept so that the next attempt starts
+same output as the library's Triton tile, bit for bit, and 1.00-1.30x its time on nine I=256
+shapes, 0.94x on the largest: the library does not use it. Kept so that the next attempt starts
 from a working kernel (the profile of where its steps wait is the next thing to take).
 
 At I=256 the down GEMM reads a ``[128, 256]`` activation tile and a ``[BN, 256]`` weight tile
