@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from dbo.bench.limits import DeviceLimits, experts_cost, measure_device_limits
+from dbo.bench.timing import gpu_sleep
 from dbo.moe import ActivationFormat, ExpertTokensMetadata, MoEExperts, SwiGLUExperts, Workspace
 
 __all__ = ["ExpertsCase", "make_case", "time_experts", "run_grid", "add_limits", "format_rows",
@@ -102,23 +103,6 @@ class _Stopwatch:
         return self.start.elapsed_time(self.end) if self.cuda else self.host_ms
 
 
-_SLEEP_CYCLES_PER_MS: dict[int, float] = {}
-
-
-def _sleep_cycles_per_ms() -> float:
-    """The GPU's ``torch.cuda._sleep`` cycles per millisecond, measured once per device."""
-    dev = torch.cuda.current_device()
-    if dev not in _SLEEP_CYCLES_PER_MS:
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(1 << 20)  # the clock ramps up
-        a.record()
-        torch.cuda._sleep(1 << 22)
-        b.record()
-        b.synchronize()
-        _SLEEP_CYCLES_PER_MS[dev] = (1 << 22) / max(a.elapsed_time(b), 1e-3)
-    return _SLEEP_CYCLES_PER_MS[dev]
-
-
 #: what each timing measures (``time_experts``'s ``timings``); ``device`` keeps the
 #: implementation's name, ``idle`` adds this suffix
 IDLE_SUFFIX = ", from idle"
@@ -161,7 +145,7 @@ def time_experts(impls: dict[str, tuple[MoEExperts, bool]], case: ExpertsCase, *
         for fn in calls.values():
             fn()
     cuda = case.x.is_cuda
-    lead = {name: 0 for name in calls}  # GPU sleep cycles ahead of each call ("device")
+    lead_ms: dict[str, float] = {}  # CUDA: the GPU sleep ahead of each call ("device")
     if cuda:
         # an idle GPU runs at a low clock until it has been busy for a while: the first rows of
         # a grid read up to 2x slow without this (seen on an H200)
@@ -174,10 +158,9 @@ def time_experts(impls: dict[str, tuple[MoEExperts, bool]], case: ExpertsCase, *
                 fn()
                 host[name].append(time.perf_counter() - t)
             torch.cuda.synchronize()
-        per_ms = _sleep_cycles_per_ms()
         # twice the slowest warm host time, at least 50 us, at most 5 ms (a call that waits for
         # the GPU from the host needs more than any sleep: its launches after the wait count)
-        lead = {name: int(per_ms * min(5.0, max(0.05, 2e3 * max(host[name])))) for name in calls}
+        lead_ms = {name: min(5.0, max(0.05, 2e3 * max(host[name]))) for name in calls}
     else:
         timings = ("device",)
     kinds = [(k, name) for k in timings for name in calls]
@@ -185,7 +168,7 @@ def time_experts(impls: dict[str, tuple[MoEExperts, bool]], case: ExpertsCase, *
     for i in range(steps):
         for kind, name in kinds:
             if cuda and kind == "device":
-                torch.cuda._sleep(lead[name])
+                gpu_sleep(lead_ms[name])
             elif cuda:
                 torch.cuda.synchronize()
             with events[kind, name][i]:
@@ -195,13 +178,13 @@ def time_experts(impls: dict[str, tuple[MoEExperts, bool]], case: ExpertsCase, *
     first = outs[next(iter(outs))]
     res = {}
     for kind, name in kinds:
-        ws_ = events[kind, name]
-        times = sorted(w.ms() for w in ws_)
+        watches = events[kind, name]
+        times = sorted(w.ms() for w in watches)
         n = len(times)
         err = torch.linalg.vector_norm(outs[name] - first) / torch.linalg.vector_norm(first).clamp_min(1e-30)
         res[name if kind == "device" else name + IDLE_SUFFIX] = {
             "median_ms": statistics.median(times), "p10_ms": times[n // 10], "p90_ms": times[(9 * n) // 10],
-            "rel_err": float(err), "host_ms": statistics.median(w.host_ms for w in ws_)}
+            "rel_err": float(err), "host_ms": statistics.median(w.host_ms for w in watches)}
     return res
 
 
