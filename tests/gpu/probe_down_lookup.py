@@ -5,10 +5,12 @@
   block-wide reductions over the experts' tile ends per tile (``_tile_at``); ``table``: three
   scalar loads from a table of row tiles (expert, first row, end row) built beforehand (here by
   torch, untimed).
-* ``prefetch``: the rows' slots (``order``) loaded at the tile's start, under its products,
-  rather than after them.
-* ``store``: ``scatter`` (the library: each row to its slot) or ``sorted`` (each row to its
-  sorted row: contiguous tiles; the output is then compared through the order).
+  ``reduce1``: the same values from one reduction of five operands.
+* ``store``: to each row's slot (the library), or to its sorted row (contiguous tiles; the output
+  is then compared through the order), with pointers or (``STORE=2``) a TMA store for the tiles
+  whose rows are all the expert's (Triton 3.6 fails to compile that branch in the flattened
+  loop: ``TritonGPUFuseNestedLoops``). Loading the slots at the tile's start, under its
+  products, was slower: 1.02-1.49x.
 
     python3 tests/gpu/probe_down_lookup.py [--json out.json]
 
@@ -40,26 +42,53 @@ from dbo.moe.fused_tiles import FLAT_DOWN  # noqa: E402
 
 SHAPES = [(256, 32, 8192), (256, 32, 16384), (256, 32, 65536), (256, 128, 16384), (256, 256, 8192),
           (256, 256, 16384), (256, 256, 65536), (768, 256, 16384), (2048, 256, 8192)]
-#: (name, lookup table, prefetch the slots, sorted stores)
-VARIANTS = [("probe copy", False, False, False), ("prefetch", False, True, False),
-            ("table", True, False, False), ("table+prefetch", True, True, False),
-            ("table+prefetch+sorted", True, True, True)]
+#: (name, lookup: 0 the library's scan, 1 one reduction, 2 a table; stores: 0 to each row's slot,
+#: 1 to its sorted row, 2 sorted with a TMA store for the tiles whose rows are all the expert's)
+VARIANTS = [("probe copy", 0, 0), ("reduce1", 1, 0), ("table", 2, 0), ("reduce1+sorted", 1, 1),
+            ("table+sorted", 2, 1)]
 
 
 @triton.jit
-def down_probe_kernel(act_desc, order_ptr, offs_ptr, tmap_ptr, n_mt_ptr, w_desc, y_ptr, n_experts, hidden,
-                      inter, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr, TABLE: tl.constexpr,
-                      PREFETCH: tl.constexpr, SORTED: tl.constexpr):
+def _combine(c0, a0, b0, d0, f0, c1, a1, b1, d1, f1):
+    return c0 + c1, tl.maximum(a0, a1), tl.maximum(b0, b1), tl.minimum(d0, d1), tl.minimum(f0, f1)
+
+
+@triton.jit
+def _tile_at1(t, ends, tile_ends, n_col_blocks, GROUP_M: tl.constexpr):
+    # the expert of tile t and its rows and tiles in one reduction: the experts whose tiles end
+    # at or before t come first (tile_ends and ends do not decrease), so e is their count, its
+    # first tile and row their largest tile end and end row, its end tile and end row the
+    # smallest of the others' (the padding lanes' tile ends are int32 max)
+    big = 2147483647
+    before = tile_ends <= t
+    after_ends = tl.where(before | (tile_ends == big), big, ends)
+    e, first_tile, first_row, end_row, end_tile = tl.reduce(
+        (before.to(tl.int32), tl.where(before, tile_ends, 0), tl.where(before, ends, 0), after_ends,
+         tl.where(before, big, tile_ends)), 0, _combine)
+    num_m = (end_tile - first_tile) // n_col_blocks
+    local = t - first_tile
+    group = GROUP_M * n_col_blocks
+    first_m = (local // group) * GROUP_M
+    size_m = tl.maximum(tl.minimum(num_m - first_m, GROUP_M), 1)
+    pid_m = first_m + (local % group) % size_m
+    pid_n = (local % group) // size_m
+    return e, first_row, end_row, pid_m, pid_n
+
+
+@triton.jit
+def down_probe_kernel(act_desc, order_ptr, offs_ptr, tmap_ptr, n_mt_ptr, w_desc, y_ptr, y_desc, n_experts,
+                      hidden, inter, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr, LOOKUP: tl.constexpr,
+                      STORE: tl.constexpr):
     n_col = tl.cdiv(hidden, BLOCK_N)
-    if TABLE:
+    if LOOKUP == 2:
         n_m = tl.load(n_mt_ptr)
         n_tiles = n_m * n_col
     else:
         starts, ends, m_tiles, tile_ends, n_tiles = _tile_table(offs_ptr, n_experts, n_col, BLOCK_M, BLOCK_E)
     k_tiles = tl.cdiv(inter, BLOCK_K)
     for t in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0), flatten=True):
-        if TABLE:
+        if LOOKUP == 2:
             group = GROUP_M * n_col
             first_m = (t // group) * GROUP_M
             size_m = tl.minimum(n_m - first_m, GROUP_M)
@@ -68,30 +97,34 @@ def down_probe_kernel(act_desc, order_ptr, offs_ptr, tmap_ptr, n_mt_ptr, w_desc,
             e = tl.load(tmap_ptr + 3 * pid_m)
             row0 = tl.load(tmap_ptr + 3 * pid_m + 1)
             end_row = tl.load(tmap_ptr + 3 * pid_m + 2)
+        elif LOOKUP == 1:
+            e, first_row, end_row, pid_m, pid_n = _tile_at1(t, ends, tile_ends, n_col, GROUP_M)
+            row0 = first_row + pid_m * BLOCK_M
         else:
             e, row0, end_row, pid_n = _tile_at(t, starts, ends, m_tiles, tile_ends, n_col, BLOCK_M, BLOCK_E,
                                                GROUP_M)
-        rows = row0 + tl.arange(0, BLOCK_M)
-        row_mask = rows < end_row
-        if PREFETCH:
-            if SORTED:
-                slots = rows.to(tl.int64)
-            else:
-                slots = tl.load(order_ptr + rows, mask=row_mask, other=0).to(tl.int64)
         w_row = e * hidden + pid_n * BLOCK_N
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for ki in range(k_tiles):
             a = act_desc.load([row0, ki * BLOCK_K])
             b = w_desc.load([w_row, ki * BLOCK_K])
             acc = tl.dot(a, b.T, acc)
-        if not PREFETCH:
-            if SORTED:
-                slots = rows.to(tl.int64)
-            else:
-                slots = tl.load(order_ptr + rows, mask=row_mask, other=0).to(tl.int64)
+        rows = row0 + tl.arange(0, BLOCK_M)
+        row_mask = rows < end_row
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        tl.store(y_ptr + slots[:, None] * hidden + cols[None, :], acc.to(y_ptr.dtype.element_ty),
-                 mask=row_mask[:, None] & (cols < hidden)[None, :])
+        if STORE == 0:
+            slots = tl.load(order_ptr + rows, mask=row_mask, other=0).to(tl.int64)
+            tl.store(y_ptr + slots[:, None] * hidden + cols[None, :], acc.to(y_ptr.dtype.element_ty),
+                     mask=row_mask[:, None] & (cols < hidden)[None, :])
+        elif STORE == 1:
+            tl.store(y_ptr + rows.to(tl.int64)[:, None] * hidden + cols[None, :], acc.to(y_ptr.dtype.element_ty),
+                     mask=row_mask[:, None] & (cols < hidden)[None, :])
+        else:
+            if end_row - row0 >= BLOCK_M:
+                y_desc.store([row0, pid_n * BLOCK_N], acc.to(y_ptr.dtype.element_ty))
+            else:
+                tl.store(y_ptr + rows.to(tl.int64)[:, None] * hidden + cols[None, :],
+                         acc.to(y_ptr.dtype.element_ty), mask=row_mask[:, None] & (cols < hidden)[None, :])
 
 
 def tile_map(offsets: torch.Tensor, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -127,7 +160,7 @@ def one_shape(lim, inter: int, local: int, t: int, reps: int) -> dict:
     torch.cuda.synchronize()
     own = lim.time_ms(2.0 * pairs * hidden * inter,
                       active * hidden * inter * 2 + pairs * inter * 2 + pairs * hidden * 2)
-    res = {"I": inter, "L": local, "T": t, "pairs": pairs, "limit_ms": own, "library_ms": median_ms(lib, reps)}
+    res = {"I": inter, "L": local, "T": t, "pairs": pairs, "limit_ms": own}
     table, n_m = tile_map(offsets, cfg.block_m)
     a_desc = TensorDescriptor.from_tensor(act, [cfg.block_m, cfg.block_k])
     w_desc = TensorDescriptor.from_tensor(case.w2.view(local * hidden, inter), [cfg.block_n, cfg.block_k])
@@ -135,22 +168,34 @@ def one_shape(lim, inter: int, local: int, t: int, reps: int) -> dict:
     sorted_ref = torch.zeros(t * topk, hidden, dtype=case.x.dtype, device="cuda")
     valid = order[:pairs].long()
     sorted_ref[:pairs] = y_ref[valid]
-    for name, tab, pre, srt in VARIANTS:
+    y_desc = None
+    fns = {}
+    for name, lookup, store in VARIANTS:
         y = torch.zeros_like(y_ref)
+        y_desc = TensorDescriptor.from_tensor(y, [cfg.block_m, cfg.block_n])
 
-        def run(yy: torch.Tensor = y, tab: bool = tab, pre: bool = pre, srt: bool = srt) -> None:
-            down_probe_kernel[(2 * sms,)](a_desc, order, offsets, table, n_m, w_desc, yy, local, hidden, inter,
-                                          BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                                          BLOCK_E=max(16, triton.next_power_of_2(local)),
-                                          GROUP_M=cfg.group_m, TABLE=tab, PREFETCH=pre, SORTED=srt,
+        def run(yy: torch.Tensor = y, yd=y_desc, lk: int = lookup, st: int = store) -> None:
+            down_probe_kernel[(2 * sms,)](a_desc, order, offsets, table, n_m, w_desc, yy, yd, local, hidden,
+                                          inter, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                                          BLOCK_K=cfg.block_k, BLOCK_E=max(16, triton.next_power_of_2(local)),
+                                          GROUP_M=cfg.group_m, LOOKUP=lk, STORE=st,
                                           num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
         run()
         torch.cuda.synchronize()
-        ref = sorted_ref if srt else y_ref
-        same = bool(torch.equal(y[:pairs] if srt else y, ref[:pairs] if srt else ref))
-        res[name + "_ms"] = median_ms(run, reps) if same else float("nan")
+        same = bool(torch.equal(y[:pairs], sorted_ref[:pairs]) if store else torch.equal(y, y_ref))
         res[name + "_equal"] = same
+        if same:
+            fns[name] = run
+    # rounds, each variant in turn, so that the GPU's clocks drift alike for all
+    times: dict[str, list[float]] = {n: [] for n in ["library", *fns]}
+    for _ in range(3):
+        times["library"].append(median_ms(lib, max(1, reps // 3)))
+        for n, f in fns.items():
+            times[n].append(median_ms(f, max(1, reps // 3)))
+    res["library_ms"] = sorted(times["library"])[1]
+    for name, *_ in VARIANTS:
+        res[name + "_ms"] = sorted(times[name])[1] if name in times else float("nan")
     print(f"I={inter} L={local} T={t} pairs={pairs} own limit {own:.3f} ms: library {res['library_ms']:.3f} "
           f"({res['library_ms'] / own:.2f}x)" + "".join(
               f"; {n} {res[n + '_ms']:.3f} ({res[n + '_ms'] / res['library_ms']:.3f})"
