@@ -185,6 +185,18 @@ for seed, (m, topk, n_local) in enumerate([(37, 3, 5), (700, 8, 16), (300, 8, 25
     assert sorted(rows.tolist()) == torch.nonzero(local).flatten().tolist(), seed
     assert (flat[rows][1:] >= flat[rows][:-1]).all(), seed
     assert torch.equal(offsets.long(), torch.cumsum(torch.bincount(flat[local], minlength=n_local), 0))
+from dbo.moe.fused_experts import tile_map
+for counts, block_m, pairs in [([5, 0, 33, 32, 0, 1], 16, 71), ([0, 0, 0], 32, 4),
+                               ([200] + [0] * 40, 16, 200), ([3] * 70, 16, 400)]:
+    # the flat down kernel's row tiles: every expert's rows in tiles of block_m, in order (an
+    # expert without rows has none; a bound of pairs above the rows leaves the rest unwritten)
+    offsets = torch.cumsum(torch.tensor(counts), 0).to(torch.int32)
+    want = [(e, start, start + c) for e, (start, c) in enumerate(zip([0, *offsets.tolist()[:-1]], counts))
+            for start in range(start, start + c, block_m)]
+    got = tile_map(offsets, block_m, pairs)
+    n = int(got[0])
+    assert n == len(want), (counts, n)
+    assert [tuple(r) for r in got[1:1 + 3 * n].view(-1, 3).tolist()] == [(e, r0, end) for e, r0, end in want]
 from dbo.moe.fused_experts import GemmConfig, fused_swiglu_experts
 for seed, m, n_local, topk, tail, red, down_kind, persistent in [
         (0, 37, 5, 3, 16, True, "k", True), (1, 150, 3, 2, 16, False, "k", False),

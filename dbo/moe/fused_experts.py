@@ -51,7 +51,7 @@ from dbo.moe.triton_launch import Desc, cdiv, launch, next_pow2
 
 __all__ = ["GemmConfig", "CONFIGS", "FP32_CONFIG", "FUSED_MAX_ROWS_PER_EXPERT", "prefer_fused",
            "pick_configs", "fused_swiglu_experts", "route_order", "launch_gate_up", "launch_down",
-           "launch_topk_sum"]
+           "launch_topk_sum", "tile_map"]
 
 try:
     import triton
@@ -63,6 +63,7 @@ else:
         down_kernel,
         down_short_k_kernel,
         gate_up_kernel,
+        tile_map_kernel,
         topk_sum_kernel,
     )
 
@@ -159,6 +160,23 @@ def launch_gate_up(x: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, 
         num_warps=cfg.num_warps, num_stages=cfg.num_stages), persistent)
 
 
+#: row tiles per program of :func:`tile_map`
+TILE_MAP_BLOCK = 64
+
+
+def tile_map(offsets: torch.Tensor, block_m: int, pairs: int) -> torch.Tensor:
+    """The row tiles of ``block_m`` rows of the experts whose end rows are ``offsets``, for the
+    flat down kernel: int32 ``[1 + 3 * bound]``, ``[0]`` their count, then per row tile (in
+    expert order) its expert, first row and the expert's end row. ``pairs`` bounds the rows
+    (``bound = ceil(pairs / block_m) + E``). One launch, nothing read back."""
+    n_experts = offsets.numel()
+    bound = cdiv(pairs, block_m) + n_experts
+    tiles = torch.empty(1 + 3 * bound, dtype=torch.int32, device=offsets.device)
+    launch(tile_map_kernel, (cdiv(bound, TILE_MAP_BLOCK),), (offsets, tiles, n_experts, bound), dict(
+        BLOCK_M=block_m, BLOCK_E=_block_e(n_experts), BLOCK_J=TILE_MAP_BLOCK))
+    return tiles
+
+
 def launch_down(act: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, w2: torch.Tensor,
                 y: torch.Tensor, cfg: GemmConfig, pairs: int, persistent: bool = False) -> None:
     """``y[order[r]] = act[r] @ d_e.T`` for each sorted row ``r`` of expert ``e``."""
@@ -184,10 +202,11 @@ def launch_down(act: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, w
         a_desc = Desc(act, (cfg.block_m, cfg.block_k))
         w = Desc(w2.view(n_experts * hidden, inter), (cfg.block_n, cfg.block_k))
     if flat:
+        tiles = tile_map(offsets, cfg.block_m, pairs)
         _launch(down_flat_kernel, _bound(cfg, pairs, n_experts, hidden), act.device, (
-            a_desc, order, offsets, w, y, n_experts, hidden, inter), dict(
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_E=_block_e(n_experts),
-            GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages), True)
+            a_desc, order, tiles, w, y, hidden, inter), dict(
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages), True)
         return
     _launch(down_kernel, _bound(cfg, pairs, n_experts, hidden), act.device, (
         act, a_desc, order, offsets, w, y, n_experts, hidden, inter, w2.stride(0)), dict(

@@ -10,7 +10,8 @@ cost 3-9% at 256 local experts on an H200 (more registers: 255 against 118-184).
 
 from __future__ import annotations
 
-__all__ = ["gate_up_kernel", "down_kernel", "down_flat_kernel", "down_short_k_kernel", "topk_sum_kernel"]
+__all__ = ["gate_up_kernel", "down_kernel", "tile_map_kernel", "down_flat_kernel", "down_short_k_kernel",
+           "topk_sum_kernel"]
 
 try:
     import triton
@@ -228,21 +229,60 @@ if triton is not None:
                        EVEN_K, PRECISION, TMA)
 
     @triton.jit
-    def down_flat_kernel(act_desc, order_ptr, offs_ptr, w_desc, y_ptr, n_experts, hidden, inter,
+    def tile_map_kernel(offs_ptr, map_ptr, n_experts, max_tiles, BLOCK_M: tl.constexpr,
+                        BLOCK_E: tl.constexpr, BLOCK_J: tl.constexpr):
+        # the row tiles of BLOCK_M rows, in expert order, for down_flat_kernel: map[0] their
+        # count, map[1 + 3j : 4 + 3j] row tile j's expert, first row and the expert's end row.
+        # Row tile j belongs to the expert whose tiles start at or before j and end after it:
+        # the experts whose tiles end at or before j (their tile ends do not decrease) are
+        # counted, and the largest of their tile ends and end rows are tile j's expert's first
+        # tile and first row
+        es = tl.arange(0, BLOCK_E)
+        live = es < n_experts
+        ends = tl.load(offs_ptr + es, mask=live, other=0)
+        starts = tl.load(offs_ptr + es - 1, mask=live & (es > 0), other=0)
+        m_tiles = tl.where(live, (ends - starts + BLOCK_M - 1) // BLOCK_M, 0)
+        tile_ends = tl.where(live, tl.cumsum(m_tiles, 0), 2147483647)
+        total = tl.sum(m_tiles, 0)
+        if tl.program_id(0) == 0:
+            tl.store(map_ptr, total)
+        j = tl.program_id(0) * BLOCK_J + tl.arange(0, BLOCK_J)
+        keep = (j < total) & (j < max_tiles)
+        before = tile_ends[None, :] <= j[:, None]
+        e = tl.sum(before.to(tl.int32), 1)
+        first_tile = tl.max(tl.where(before, tile_ends[None, :], 0), 1)
+        first_row = tl.max(tl.where(before, ends[None, :], 0), 1)
+        end_row = tl.load(offs_ptr + e, mask=keep, other=0)
+        out = map_ptr + 1 + 3 * j
+        tl.store(out, e, mask=keep)
+        tl.store(out + 1, first_row + (j - first_tile) * BLOCK_M, mask=keep)
+        tl.store(out + 2, end_row, mask=keep)
+
+    @triton.jit
+    def down_flat_kernel(act_desc, order_ptr, map_ptr, w_desc, y_ptr, hidden, inter,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr):
+                         GROUP_M: tl.constexpr):
         # persistent: every num_programs-th tile, the tile loop flattened with the K loop so that
         # Triton pipelines the next tile's loads under this tile's products and stores (a short K
         # loop of its own, a few steps at I = 256, does not pipeline). act_desc: act as [R, inter],
-        # box [BLOCK_M, BLOCK_K]; w_desc: w2 as [E * hidden, inter], box [BLOCK_N, BLOCK_K]. No
-        # tail tiles: the rows past the expert's end (the next expert's, or TMA's zeros) are
-        # computed and never stored
+        # box [BLOCK_M, BLOCK_K]; w_desc: w2 as [E * hidden, inter], box [BLOCK_N, BLOCK_K]. The
+        # row tiles come from tile_map_kernel's map (three scalar loads per tile, where the
+        # experts' scan of _tile_at costs five block-wide reductions: 13-17% of this kernel's
+        # time at I = 256); GROUP_M row tiles share a column block in tile order. No tail tiles:
+        # the rows past the expert's end (the next expert's, or TMA's zeros) are computed and
+        # never stored
         n_col = tl.cdiv(hidden, BLOCK_N)
-        starts, ends, m_tiles, tile_ends, n_tiles = _tile_table(offs_ptr, n_experts, n_col, BLOCK_M, BLOCK_E)
+        n_m = tl.load(map_ptr)
         k_tiles = tl.cdiv(inter, BLOCK_K)
-        for t in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0), flatten=True):
-            e, row0, end_row, pid_n = _tile_at(t, starts, ends, m_tiles, tile_ends, n_col, BLOCK_M, BLOCK_E,
-                                               GROUP_M)
+        group = GROUP_M * n_col
+        for t in tl.range(tl.program_id(0), n_m * n_col, tl.num_programs(0), flatten=True):
+            first_m = (t // group) * GROUP_M
+            size_m = tl.minimum(n_m - first_m, GROUP_M)
+            pid_m = first_m + (t % group) % size_m
+            pid_n = (t % group) // size_m
+            e = tl.load(map_ptr + 1 + 3 * pid_m)
+            row0 = tl.load(map_ptr + 2 + 3 * pid_m)
+            end_row = tl.load(map_ptr + 3 + 3 * pid_m)
             w_row = e * hidden + pid_n * BLOCK_N
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             for ki in range(k_tiles):

@@ -25,12 +25,12 @@ from dbo.moe import fused_kernels as fk
 
 
 def _flat(bm, bn, bk):
-    sig = {"act_desc": f"tensordesc<bf16[{bm}, {bk}]>", "order_ptr": "*i32", "offs_ptr": "*i32",
-           "w_desc": f"tensordesc<bf16[{bn}, {bk}]>", "y_ptr": "*bf16", "n_experts": "i32", "hidden": "i32",
+    sig = {"act_desc": f"tensordesc<bf16[{bm}, {bk}]>", "order_ptr": "*i32", "map_ptr": "*i32",
+           "w_desc": f"tensordesc<bf16[{bn}, {bk}]>", "y_ptr": "*bf16", "hidden": "i32",
            "inter": "i32", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
-           "BLOCK_E": "constexpr", "GROUP_M": "constexpr"}
-    consts = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "BLOCK_E": 256, "GROUP_M": 8}
-    return fk.down_flat_kernel, sig, consts, ("order_ptr", "offs_ptr", "y_ptr", "hidden", "inter")
+           "GROUP_M": "constexpr"}
+    consts = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}
+    return fk.down_flat_kernel, sig, consts, ("order_ptr", "map_ptr", "y_ptr", "hidden", "inter")
 
 
 def _gate_up(bm, bn, bk):

@@ -1,7 +1,9 @@
 """Where the flat down GEMM's time goes at short K, on the GPU host: the library's
 ``down_flat_kernel`` against copies of it that change one thing each, same run, same inputs.
+(Written when the library's kernel scanned the experts per tile; the library has since taken the
+table: ``probe copy`` is the scan now, and ``table`` the library's lookup.)
 
-* ``lookup``: how a program finds its tile's expert and rows. ``scan`` (the library): five
+* ``lookup``: how a program finds its tile's expert and rows. ``scan`` (``probe copy``): five
   block-wide reductions over the experts' tile ends per tile (``_tile_at``); ``table``: three
   scalar loads from a table of row tiles (expert, first row, end row) built beforehand (here by
   torch, untimed).
@@ -117,14 +119,25 @@ def down_probe_kernel(act_desc, order_ptr, offs_ptr, tmap_ptr, n_mt_ptr, w_desc,
             tl.store(y_ptr + slots[:, None] * hidden + cols[None, :], acc.to(y_ptr.dtype.element_ty),
                      mask=row_mask[:, None] & (cols < hidden)[None, :])
         elif STORE == 1:
-            tl.store(y_ptr + rows.to(tl.int64)[:, None] * hidden + cols[None, :], acc.to(y_ptr.dtype.element_ty),
-                     mask=row_mask[:, None] & (cols < hidden)[None, :])
+            tl.store(y_ptr + rows.to(tl.int64)[:, None] * hidden + cols[None, :],
+                     acc.to(y_ptr.dtype.element_ty), mask=row_mask[:, None] & (cols < hidden)[None, :])
         else:
             if end_row - row0 >= BLOCK_M:
                 y_desc.store([row0, pid_n * BLOCK_N], acc.to(y_ptr.dtype.element_ty))
             else:
                 tl.store(y_ptr + rows.to(tl.int64)[:, None] * hidden + cols[None, :],
                          acc.to(y_ptr.dtype.element_ty), mask=row_mask[:, None] & (cols < hidden)[None, :])
+
+
+def loop_ms(fn, n: int) -> float:
+    """Milliseconds per call of ``n`` calls back to back between two CUDA events."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(n):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / n
 
 
 def tile_map(offsets: torch.Tensor, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -187,17 +200,21 @@ def one_shape(lim, inter: int, local: int, t: int, reps: int) -> dict:
         res[name + "_equal"] = same
         if same:
             fns[name] = run
-    # rounds, each variant in turn, so that the GPU's clocks drift alike for all
-    times: dict[str, list[float]] = {n: [] for n in ["library", *fns]}
-    for _ in range(3):
-        times["library"].append(median_ms(lib, max(1, reps // 3)))
-        for n, f in fns.items():
-            times[n].append(median_ms(f, max(1, reps // 3)))
-    res["library_ms"] = sorted(times["library"])[1]
+    # rounds, each variant in turn, so that the GPU's clocks drift alike for all; each time is
+    # a loop of back-to-back calls of at least 30 ms between two events, over its calls
+    every = {"library": lib, **fns}
+    n_calls = {n: max(3, int(30 / median_ms(f, 3))) for n, f in every.items()}
+    times: dict[str, list[float]] = {n: [] for n in every}
+    for _ in range(reps):
+        for n, f in every.items():
+            times[n].append(loop_ms(f, n_calls[n]))
+    for n in every:
+        res[("library" if n == "library" else n) + "_ms"] = sorted(times[n])[len(times[n]) // 2]
+        res[n + "_spread"] = (max(times[n]) - min(times[n])) / min(times[n])
     for name, *_ in VARIANTS:
-        res[name + "_ms"] = sorted(times[name])[1] if name in times else float("nan")
+        res.setdefault(name + "_ms", float("nan"))
     print(f"I={inter} L={local} T={t} pairs={pairs} own limit {own:.3f} ms: library {res['library_ms']:.3f} "
-          f"({res['library_ms'] / own:.2f}x)" + "".join(
+          f"({res['library_ms'] / own:.2f}x, spread {res['library_spread']:.2f})" + "".join(
               f"; {n} {res[n + '_ms']:.3f} ({res[n + '_ms'] / res['library_ms']:.3f})"
               + ("" if res[n + "_equal"] else " WRONG") for n, *_ in VARIANTS), flush=True)
     return res
@@ -206,7 +223,7 @@ def one_shape(lim, inter: int, local: int, t: int, reps: int) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--json", default=None)
-    p.add_argument("--reps", type=int, default=30)
+    p.add_argument("--reps", type=int, default=5, help="rounds (each variant's median is reported)")
     a = p.parse_args()
     lim = measure_device_limits()
     print(lim.describe(), flush=True)
