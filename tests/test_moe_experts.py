@@ -191,8 +191,9 @@ for counts, block_m, pairs in [([5, 0, 33, 32, 0, 1], 16, 71), ([0, 0, 0], 32, 4
     # the flat down kernel's row tiles: every expert's rows in tiles of block_m, in order (an
     # expert without rows has none; a bound of pairs above the rows leaves the rest unwritten)
     offsets = torch.cumsum(torch.tensor(counts), 0).to(torch.int32)
-    want = [(e, start, start + c) for e, (start, c) in enumerate(zip([0, *offsets.tolist()[:-1]], counts))
-            for start in range(start, start + c, block_m)]
+    firsts = [0, *offsets.tolist()[:-1]]
+    want = [(e, r0, first + c) for e, (first, c) in enumerate(zip(firsts, counts))
+            for r0 in range(first, first + c, block_m)]
     got = tile_map(offsets, block_m, pairs)
     n = int(got[0])
     assert n == len(want), (counts, n)
