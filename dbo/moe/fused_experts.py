@@ -17,7 +17,10 @@ with ``e = topk_ids[m, s]``, ``[g_e; u_e] = w1[e]`` and ``d_e = w2[e]``.
 
 A program finds its expert and its tile from the device offsets itself (a scan over at most
 ``BLOCK_E`` experts), so the grid is an upper bound known on the host: programs past the last
-expert's tiles do nothing. Where that bound counts many more tiles than there are (without
+expert's tiles do nothing. The flat down kernel, whose tiles are short (a few K steps at I <=
+768), reads its row tiles from a map that one small launch builds from the offsets instead
+(:func:`tile_map`: three scalar loads per tile where the scan costs five block-wide reductions).
+Where that bound counts many more tiles than there are (without
 host counts, a small local share of the experts: at 32 of 256 local experts 7 of 8 programs
 had nothing to do) the GEMMs run persistent instead: one program per resident slot of the GPU,
 each walking every num_programs-th tile (:func:`dbo.moe.fused_tiles.prefer_persistent` says
