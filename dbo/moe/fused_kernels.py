@@ -35,6 +35,16 @@ if triton is not None:
         return starts, ends, m_tiles, tile_ends, tl.sum(m_tiles, 0) * n_col_blocks
 
     @triton.jit
+    def _grouped_tile(local, num_m, n_col_blocks, GROUP_M: tl.constexpr):
+        # the local-th of num_m row blocks x n_col_blocks column blocks -> (row block, column
+        # block): GROUP_M row blocks share a column block in tile order (the weight tile stays
+        # in L2 while they read it)
+        group = GROUP_M * n_col_blocks
+        first_m = (local // group) * GROUP_M
+        size_m = tl.maximum(tl.minimum(num_m - first_m, GROUP_M), 1)
+        return first_m + (local % group) % size_m, (local % group) // size_m
+
+    @triton.jit
     def _tile_at(t, starts, ends, m_tiles, tile_ends, n_col_blocks, BLOCK_M: tl.constexpr,
                  BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr):
         # tile t (< the table's tile count) -> (expert, its first row, the expert's end row,
@@ -46,12 +56,7 @@ if triton is not None:
         first_row = tl.sum(tl.where(sel, starts, 0), 0)
         end_row = tl.sum(tl.where(sel, ends, 0), 0)
         num_m = tl.sum(tl.where(sel, m_tiles, 0), 0)
-        local = t - first_tile
-        group = GROUP_M * n_col_blocks
-        first_m = (local // group) * GROUP_M
-        size_m = tl.maximum(tl.minimum(num_m - first_m, GROUP_M), 1)
-        pid_m = first_m + (local % group) % size_m
-        pid_n = (local % group) // size_m
+        pid_m, pid_n = _grouped_tile(t - first_tile, num_m, n_col_blocks, GROUP_M)
         return e, first_row + pid_m * BLOCK_M, end_row, pid_n
 
     @triton.jit
@@ -237,13 +242,7 @@ if triton is not None:
         # the experts whose tiles end at or before j (their tile ends do not decrease) are
         # counted, and the largest of their tile ends and end rows are tile j's expert's first
         # tile and first row
-        es = tl.arange(0, BLOCK_E)
-        live = es < n_experts
-        ends = tl.load(offs_ptr + es, mask=live, other=0)
-        starts = tl.load(offs_ptr + es - 1, mask=live & (es > 0), other=0)
-        m_tiles = tl.where(live, (ends - starts + BLOCK_M - 1) // BLOCK_M, 0)
-        tile_ends = tl.where(live, tl.cumsum(m_tiles, 0), 2147483647)
-        total = tl.sum(m_tiles, 0)
+        starts, ends, m_tiles, tile_ends, total = _tile_table(offs_ptr, n_experts, 1, BLOCK_M, BLOCK_E)
         if tl.program_id(0) == 0:
             tl.store(map_ptr, total)
         j = tl.program_id(0) * BLOCK_J + tl.arange(0, BLOCK_J)
@@ -274,12 +273,8 @@ if triton is not None:
         n_col = tl.cdiv(hidden, BLOCK_N)
         n_m = tl.load(map_ptr)
         k_tiles = tl.cdiv(inter, BLOCK_K)
-        group = GROUP_M * n_col
         for t in tl.range(tl.program_id(0), n_m * n_col, tl.num_programs(0), flatten=True):
-            first_m = (t // group) * GROUP_M
-            size_m = tl.minimum(n_m - first_m, GROUP_M)
-            pid_m = first_m + (t % group) % size_m
-            pid_n = (t % group) // size_m
+            pid_m, pid_n = _grouped_tile(t, n_m, n_col, GROUP_M)
             e = tl.load(map_ptr + 1 + 3 * pid_m)
             row0 = tl.load(map_ptr + 2 + 3 * pid_m)
             end_row = tl.load(map_ptr + 3 + 3 * pid_m)

@@ -58,7 +58,7 @@ FP32_CONFIG = GemmConfig(64, 64, 32, 8, 4, 2, tail_m=16)
 #: gate/up tiles up to 192 rows per expert, 64-row tiles above (fewer rows computed past each
 #: expert's end); the down GEMM's flat persistent tile from 48 rows per expert at I <= 256 and
 #: from 96 above, the K-loop 128x256 tile with 16-row tails below. The flat tile is 128x128 with
-#: four warps and three stages: two programs fit on an SM (104 KB of shared memory, 222
+#: four warps and three stages: two programs fit on an SM (104 KB of shared memory, 198
 #: registers), so one program's stores overlap the other's products (0.79-1.02x the 128x256
 #: eight-warp tile's time, median 0.95, docs/perf_notes.md section 5f); the wide tile stays
 #: where the rows are many and so are the experts (``pick_configs``).

@@ -39,7 +39,7 @@ from tune_experts import median_ms  # noqa: E402
 from dbo.bench.experts import make_case  # noqa: E402
 from dbo.bench.limits import measure_device_limits  # noqa: E402
 from dbo.moe import fused_experts as fe  # noqa: E402
-from dbo.moe.fused_kernels import _tile_at, _tile_table  # noqa: E402
+from dbo.moe.fused_kernels import _grouped_tile, _tile_at, _tile_table  # noqa: E402
 from dbo.moe.fused_tiles import FLAT_DOWN  # noqa: E402
 
 SHAPES = [(256, 32, 8192), (256, 32, 16384), (256, 32, 65536), (256, 128, 16384), (256, 256, 8192),
@@ -67,13 +67,8 @@ def _tile_at1(t, ends, tile_ends, n_col_blocks, GROUP_M: tl.constexpr):
     e, first_tile, first_row, end_row, end_tile = tl.reduce(
         (before.to(tl.int32), tl.where(before, tile_ends, 0), tl.where(before, ends, 0), after_ends,
          tl.where(before, big, tile_ends)), 0, _combine)
-    num_m = (end_tile - first_tile) // n_col_blocks
-    local = t - first_tile
-    group = GROUP_M * n_col_blocks
-    first_m = (local // group) * GROUP_M
-    size_m = tl.maximum(tl.minimum(num_m - first_m, GROUP_M), 1)
-    pid_m = first_m + (local % group) % size_m
-    pid_n = (local % group) // size_m
+    pid_m, pid_n = _grouped_tile(t - first_tile, (end_tile - first_tile) // n_col_blocks, n_col_blocks,
+                                 GROUP_M)
     return e, first_row, end_row, pid_m, pid_n
 
 
@@ -91,11 +86,7 @@ def down_probe_kernel(act_desc, order_ptr, offs_ptr, tmap_ptr, n_mt_ptr, w_desc,
     k_tiles = tl.cdiv(inter, BLOCK_K)
     for t in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0), flatten=True):
         if LOOKUP == 2:
-            group = GROUP_M * n_col
-            first_m = (t // group) * GROUP_M
-            size_m = tl.minimum(n_m - first_m, GROUP_M)
-            pid_m = first_m + (t % group) % size_m
-            pid_n = (t % group) // size_m
+            pid_m, pid_n = _grouped_tile(t, n_m, n_col, GROUP_M)
             e = tl.load(tmap_ptr + 3 * pid_m)
             row0 = tl.load(tmap_ptr + 3 * pid_m + 1)
             end_row = tl.load(tmap_ptr + 3 * pid_m + 2)
