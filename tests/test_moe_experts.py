@@ -194,10 +194,19 @@ for counts, block_m, pairs in [([5, 0, 33, 32, 0, 1], 16, 71), ([0, 0, 0], 32, 4
     firsts = [0, *offsets.tolist()[:-1]]
     want = [(e, r0, first + c) for e, (first, c) in enumerate(zip(firsts, counts))
             for r0 in range(first, first + c, block_m)]
-    got = tile_map(offsets, block_m, pairs)
+    got, none = tile_map(offsets, block_m, pairs)
     n = int(got[0])
-    assert n == len(want), (counts, n)
+    assert n == len(want) and none is None, (counts, n)
     assert [tuple(r) for r in got[1:1 + 3 * n].view(-1, 3).tolist()] == [(e, r0, end) for e, r0, end in want]
+for seed, (m, topk, n_local) in enumerate([(37, 3, 5), (700, 8, 16), (300, 6, 256)]):
+    # with the sole rows marked: ~slot where the slot's token has no other local slot
+    ids = torch.randint(-1, 4 * n_local, (m, topk), generator=torch.Generator().manual_seed(seed)).to(torch.int32)
+    order, offsets = route_order(ids, n_local)
+    _, dest = tile_map(offsets, 16, m * topk, (order, ids))
+    n = int(offsets[-1])
+    per_token = ((ids >= 0) & (ids < n_local)).sum(1)
+    want = [~o if per_token[o // topk] == 1 else o for o in order[:n].tolist()]
+    assert dest[:n].tolist() == want and any(w < 0 for w in want), seed
 from dbo.moe.fused_experts import GemmConfig, fused_swiglu_experts
 for seed, m, n_local, topk, tail, red, down_kind, persistent in [
         (0, 37, 5, 3, 16, True, "k", True), (1, 150, 3, 2, 16, False, "k", False),
@@ -222,10 +231,17 @@ for seed, m, n_local, topk, tail, red, down_kind, persistent in [
             "k": GemmConfig(32, 16, 16, 2, 4, 2, tma=True, tail_m=tail)}[down_kind]
     out = torch.empty((m, 64) if red else (m, topk, 64), dtype=torch.float16)
     fused_swiglu_experts(x, w1, w2, weights, ids, out=out, reduce=red, configs=(cfg, down),
-                         persistent=persistent)
+                         persistent=persistent, sole_pairs=False)
     got = out.float() if red else (out.float() * weights.unsqueeze(-1)).sum(1)
     err = relative_error(got, ref)
     assert err < 2e-3, (seed, err)
+    if red and down.flat:  # the sole slots' rows written by the down kernel: the same bits
+        sole = torch.full_like(out, float("nan"))
+        fused_swiglu_experts(x, w1, w2, weights, ids, out=sole, reduce=red, configs=(cfg, down),
+                             persistent=persistent, sole_pairs=True)
+        per_token = ((ids >= 0) & (ids < n_local)).sum(1)
+        assert bool((per_token == 1).any()) and bool((per_token > 1).any()), seed
+        assert torch.equal(sole, out), (seed, (sole - out).abs().max())
 print("ok")
 """
 

@@ -48,6 +48,7 @@ from dbo.moe.fused_tiles import (
     pick_configs,
     prefer_fused,
     prefer_persistent,
+    prefer_sole,
 )
 from dbo.moe.gather_reduce import _block
 from dbo.moe.triton_launch import Desc, cdiv, launch, next_pow2
@@ -163,26 +164,47 @@ def launch_gate_up(x: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, 
         num_warps=cfg.num_warps, num_stages=cfg.num_stages), persistent)
 
 
-#: row tiles per program of :func:`tile_map`
+#: row tiles per program of :func:`tile_map`, and sorted rows per program of its ``sole`` part
 TILE_MAP_BLOCK = 64
+SOLE_ROWS_BLOCK = 512
 
 
-def tile_map(offsets: torch.Tensor, block_m: int, pairs: int) -> torch.Tensor:
+def tile_map(offsets: torch.Tensor, block_m: int, pairs: int,
+             sole: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The row tiles of ``block_m`` rows of the experts whose end rows are ``offsets``, for the
     flat down kernel: int32 ``[1 + 3 * bound]``, ``[0]`` their count, then per row tile (in
     expert order) its expert, first row and the expert's end row. ``pairs`` bounds the rows
-    (``bound = ceil(pairs / block_m) + E``). One launch, nothing read back."""
+    (``bound = ceil(pairs / block_m) + E``). One launch, nothing read back.
+
+    ``sole``: ``(order, topk_ids)``: the same launch also returns ``dest`` (``order``'s dtype,
+    ``[pairs]``): ``order[r]``, or ``~order[r]`` where row ``r``'s token has no other local slot
+    (the rows past the local pairs unwritten); else ``None``."""
     n_experts = offsets.numel()
     bound = cdiv(pairs, block_m) + n_experts
     tiles = torch.empty(1 + 3 * bound, dtype=torch.int32, device=offsets.device)
-    launch(tile_map_kernel, (cdiv(bound, TILE_MAP_BLOCK),), (offsets, tiles, n_experts, bound), dict(
-        BLOCK_M=block_m, BLOCK_E=_block_e(n_experts), BLOCK_J=TILE_MAP_BLOCK))
-    return tiles
+    grid = cdiv(bound, TILE_MAP_BLOCK)
+    order, ids, dest, topk = offsets, offsets, None, 1  # (unread without sole)
+    if sole is not None:
+        order, ids = sole
+        topk = ids.shape[1]
+        dest = torch.empty(pairs, dtype=order.dtype, device=order.device)
+        grid += cdiv(pairs, SOLE_ROWS_BLOCK)
+    launch(tile_map_kernel, (grid,), (offsets, tiles, n_experts, bound, order, ids,
+                                      tiles if dest is None else dest, n_experts), dict(
+        BLOCK_M=block_m, BLOCK_E=_block_e(n_experts), BLOCK_J=TILE_MAP_BLOCK, TOPK=topk,
+        BLOCK_T=next_pow2(topk), BLOCK_R=SOLE_ROWS_BLOCK, SOLE=sole is not None))
+    return tiles, dest
 
 
 def launch_down(act: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, w2: torch.Tensor,
-                y: torch.Tensor, cfg: GemmConfig, pairs: int, persistent: bool = False) -> None:
-    """``y[order[r]] = act[r] @ d_e.T`` for each sorted row ``r`` of expert ``e``."""
+                y: torch.Tensor, cfg: GemmConfig, pairs: int, persistent: bool = False,
+                sole: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> bool:
+    """``y[order[r]] = act[r] @ d_e.T`` for each sorted row ``r`` of expert ``e``.
+
+    ``sole``: ``(topk_ids, topk_weights, out)``: where the tile is the flat one, a row whose
+    token has no other local slot is written weighted to ``out`` instead (the top-k sum then
+    leaves that token alone: :func:`launch_topk_sum` with ``sole=True``). Returns whether it
+    was (other tiles write every row to ``y``)."""
     n_experts, hidden, inter = w2.shape
     cfg = FP32_CONFIG if act.element_size() > 2 else cfg
     if cfg.n_per_program:
@@ -195,7 +217,7 @@ def launch_down(act: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, w
                                 N_PER_PROGRAM=cfg.n_per_program, BLOCK_E=_block_e(n_experts),
                                 GROUP_M=cfg.group_m, PRECISION=_precision(act), PERSISTENT=persistent,
                                 num_warps=cfg.num_warps, num_stages=cfg.num_stages), persistent)
-        return
+        return False
     flat = cfg.flat and inter % 8 == 0 and _aligned(act, w2)
     if cfg.flat and not flat:
         cfg = DOWN_TAIL  # TMA needs 16-byte rows and bases: the K-loop tile reads through pointers
@@ -205,18 +227,21 @@ def launch_down(act: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, w
         a_desc = Desc(act, (cfg.block_m, cfg.block_k))
         w = Desc(w2.view(n_experts * hidden, inter), (cfg.block_n, cfg.block_k))
     if flat:
-        tiles = tile_map(offsets, cfg.block_m, pairs)
+        tiles, dest = tile_map(offsets, cfg.block_m, pairs, None if sole is None else (order, sole[0]))
+        ids, tw, out = sole if sole is not None else (order, order, y)  # (unread without sole)
         _launch(down_flat_kernel, _bound(cfg, pairs, n_experts, hidden), act.device, (
-            a_desc, order, tiles, w, y, hidden, inter), dict(
+            a_desc, order if dest is None else dest, tiles, w, y, tw, out, hidden, inter), dict(
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+            TOPK=ids.shape[1] if sole is not None else 1, SOLE=sole is not None,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages), True)
-        return
+        return sole is not None
     _launch(down_kernel, _bound(cfg, pairs, n_experts, hidden), act.device, (
         act, a_desc, order, offsets, w, y, n_experts, hidden, inter, w2.stride(0)), dict(
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_E=_block_e(n_experts),
         GROUP_M=cfg.group_m, TAIL_M=cfg.tail_m, EVEN_K=inter % cfg.block_k == 0,
         PRECISION=_precision(act), TMA=tma, PERSISTENT=persistent, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages), persistent)
+    return False
 
 
 def fused_swiglu_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
@@ -225,7 +250,7 @@ def fused_swiglu_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
                          configs: tuple[GemmConfig, GemmConfig] | None = None,
                          bounds: torch.Tensor | None = None,
                          rows_per_expert: float | None = None,
-                         persistent: bool | None = None) -> torch.Tensor:
+                         persistent: bool | None = None, sole_pairs: bool | None = None) -> torch.Tensor:
     """Routed SwiGLU experts, fused (see the module docstring). CUDA tensors, Triton.
 
     Args:
@@ -242,6 +267,9 @@ def fused_swiglu_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
         rows_per_expert: the caller's estimate, for the tiles (default ``max_local_pairs / E``).
         persistent: the GEMMs' programs walk the tiles (see :func:`prefer_persistent`, the
             default on CUDA) rather than one program per tile of the host's bound.
+        sole_pairs: ``reduce`` with the flat down tile: a token's row with no other local slot
+            goes weighted from the down GEMM to ``out``, skipping ``y`` and the top-k sum (the
+            same numbers). Default :func:`prefer_sole`, from the local share of the slots.
 
     Returns:
         ``out``. Nothing waits for the GPU.
@@ -261,20 +289,25 @@ def fused_swiglu_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
     launch_gate_up(x, order, offsets, w1, act, up_cfg, pairs, topk, persistent)
     y = out.view(m * topk, hidden) if not reduce else \
         torch.empty(m * topk, hidden, dtype=x.dtype, device=x.device)
-    launch_down(act, order, offsets, w2, y, down_cfg, pairs, persistent)
+    if reduce and sole_pairs is None:
+        sole_pairs = prefer_sole(est * n_experts / max(1, m * topk), topk)
+    ids, tw = topk_ids.contiguous(), topk_weights.contiguous()
+    sole = launch_down(act, order, offsets, w2, y, down_cfg, pairs, persistent,
+                       (ids, tw, out) if reduce and sole_pairs else None)
     if not reduce:
         local = (topk_ids >= 0) & (topk_ids < n_experts)
         return out.masked_fill_(~local.unsqueeze(-1), 0)
-    launch_topk_sum(y, topk_ids, topk_weights, out, n_experts)
+    launch_topk_sum(y, ids, tw, out, n_experts, sole)
     return out
 
 
 def launch_topk_sum(y: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                    out: torch.Tensor, n_experts: int) -> None:
-    """``out[m] = sum_s w[m, s] * y[m * topk + s]`` over the slots of local experts."""
+                    out: torch.Tensor, n_experts: int, sole: bool = False) -> None:
+    """``out[m] = sum_s w[m, s] * y[m * topk + s]`` over the slots of local experts (``sole``:
+    not for the tokens with one local slot, whose row :func:`launch_down` wrote)."""
     m, topk = topk_ids.shape
     hidden = y.shape[1]
     block = _block(hidden)
     launch(topk_sum_kernel, (m, cdiv(hidden, block)), (
         y, topk_ids.contiguous(), topk_weights.contiguous(), out, n_experts, hidden), dict(TOPK=topk,
-        BLOCK=block))
+        BLOCK=block, SOLE=sole))

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 __all__ = ["GemmConfig", "CONFIGS", "FP32_CONFIG", "FEW_EXPERTS_UP", "FEW_EXPERTS_DOWN", "FLAT_DOWN",
            "FLAT_DOWN_WIDE", "DOWN_TAIL", "FUSED_MAX_ROWS_PER_EXPERT",
-           "prefer_fused", "prefer_persistent", "pick_configs"]
+           "prefer_fused", "prefer_persistent", "prefer_sole", "SOLE_MIN_SHARE", "pick_configs"]
 
 
 @dataclass(frozen=True)
@@ -104,6 +104,21 @@ def prefer_persistent(rows_per_expert: float, bound_pairs: int, n_experts: int) 
     slower at 96-192 rows per expert, where the tail tiles make tiles of unequal cost (the
     hardware's scheduling of one program per tile balances them better)."""
     return rows_per_expert > 192 and bound_pairs >= 2 * rows_per_expert * n_experts
+
+
+#: the least expected share of tokens with exactly one local slot for which the flat down kernel
+#: writes those tokens' rows to the output itself (``fused_swiglu_experts(sole_pairs=...)``)
+SOLE_MIN_SHARE = 0.2
+
+
+def prefer_sole(local_share: float, topk: int) -> bool:
+    """Whether the down GEMM should write the rows of tokens with one local slot straight to the
+    output, given the expected share of slots routed to local experts: worth it where such
+    tokens are many (at 32 of 256 experts with top-8 routing ~39% of tokens; none when every
+    expert is local), since each row it writes saves the top-k sum's copy of it, and every row
+    of the tile pays for reading its token's expert ids."""
+    p = min(1.0, max(0.0, local_share))
+    return topk * p * (1.0 - p) ** (topk - 1) >= SOLE_MIN_SHARE
 
 
 def pick_configs(rows_per_expert: float, intermediate: int = 1 << 30,

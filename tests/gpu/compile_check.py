@@ -24,13 +24,18 @@ from dbo.moe import fused_experts as fe
 from dbo.moe import fused_kernels as fk
 
 
-def _flat(bm, bn, bk):
+def _flat(bm, bn, bk, sole=False):
     sig = {"act_desc": f"tensordesc<bf16[{bm}, {bk}]>", "order_ptr": "*i32", "map_ptr": "*i32",
-           "w_desc": f"tensordesc<bf16[{bn}, {bk}]>", "y_ptr": "*bf16", "hidden": "i32",
-           "inter": "i32", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
-           "GROUP_M": "constexpr"}
-    consts = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}
-    return fk.down_flat_kernel, sig, consts, ("order_ptr", "map_ptr", "y_ptr", "hidden", "inter")
+           "w_desc": f"tensordesc<bf16[{bn}, {bk}]>", "y_ptr": "*bf16", "tw_ptr": "*fp32", "out_ptr": "*bf16",
+           "hidden": "i32", "inter": "i32", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
+           "BLOCK_K": "constexpr", "GROUP_M": "constexpr", "TOPK": "constexpr", "SOLE": "constexpr"}
+    consts = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "TOPK": 8, "SOLE": sole}
+    return fk.down_flat_kernel, sig, consts, ("order_ptr", "map_ptr", "y_ptr", "tw_ptr", "out_ptr", "hidden",
+                                              "inter")
+
+
+def _flat_sole(bm, bn, bk):
+    return _flat(bm, bn, bk, sole=True)
 
 
 def _gate_up(bm, bn, bk):
@@ -45,7 +50,7 @@ def _gate_up(bm, bn, bk):
                                             "stride_we")
 
 
-KERNELS = {"down_flat": _flat, "gate_up": _gate_up}
+KERNELS = {"down_flat": _flat, "down_flat_sole": _flat_sole, "gate_up": _gate_up}
 
 
 def check(name: str, tile: str) -> dict:

@@ -233,3 +233,39 @@ def test_misaligned_weights_skip_tma(inter):
     fused_swiglu_experts(x, w1m, w2m, weights, ids, out=out)
     torch.cuda.synchronize()
     assert relative_error(out, want) < 1e-2
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not importable")
+@pytest.mark.parametrize("topk, n_local, ranks", [(8, 32, 8), (6, 16, 4), (1, 32, 2), (2, 64, 2)])
+@pytest.mark.parametrize("weights_dtype", [torch.float32, torch.bfloat16])
+def test_sole_rows_written_by_the_down_kernel_are_the_same_bits(topk, n_local, ranks, weights_dtype):
+    # the flat down kernel writing the rows of tokens with one local slot straight to the output
+    # (weighted), the top-k sum leaving them alone: bit for bit what the top-k sum writes, with
+    # tokens of no, one and several local slots; a top-k that is not a power of two
+    from dbo.moe.fused_experts import fused_swiglu_experts
+    from dbo.moe.fused_tiles import CONFIGS, FLAT_DOWN
+
+    g = torch.Generator(device="cuda").manual_seed(topk + n_local)
+    m, hidden, inter = 3000, 1024, 256
+    x = torch.randn(m, hidden, device="cuda", generator=g).bfloat16()
+    w1 = (torch.randn(n_local, 2 * inter, hidden, device="cuda", generator=g) / hidden ** 0.5).bfloat16()
+    w2 = (torch.randn(n_local, hidden, inter, device="cuda", generator=g) / inter ** 0.5).bfloat16()
+    logits = torch.randn(m, ranks * n_local, device="cuda", generator=g)
+    weights, ids = torch.topk(torch.softmax(logits, -1), topk, dim=-1)
+    ids = torch.where(ids < n_local, ids, -1).to(torch.int32)
+    weights = weights.to(weights_dtype)
+    per_token = (ids >= 0).sum(1)
+    assert bool((per_token == 1).any()) and bool((per_token == 0).any())
+    outs = {}
+    for sole in (False, True):
+        out = torch.full_like(x, float("nan"))
+        fused_swiglu_experts(x, w1, w2, weights, ids, out=out, configs=(CONFIGS[-1][1], FLAT_DOWN),
+                             sole_pairs=sole)
+        with no_host_syncs():
+            fused_swiglu_experts(x, w1, w2, weights, ids, out=out, configs=(CONFIGS[-1][1], FLAT_DOWN),
+                                 sole_pairs=sole)
+        torch.cuda.synchronize()
+        outs[sole] = out
+    assert torch.equal(outs[True], outs[False])
+    want = _apply(SwiGLUExperts(use_triton=False), x, w1, w2, weights.float(), ids, True)
+    assert relative_error(outs[True], want) < 1e-2
