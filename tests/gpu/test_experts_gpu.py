@@ -269,3 +269,46 @@ def test_sole_rows_written_by_the_down_kernel_are_the_same_bits(topk, n_local, r
     assert torch.equal(outs[True], outs[False])
     want = _apply(SwiGLUExperts(use_triton=False), x, w1, w2, weights.float(), ids, True)
     assert relative_error(outs[True], want) < 1e-2
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not importable")
+@pytest.mark.parametrize("m, n_local", [(700, 32), (3000, 256), (9000, 256)])  # 9000 x 8: the radix sort
+def test_programmatic_dependent_launch_same_bits_and_graph(monkeypatch, m, n_local):
+    # the experts' kernels launched with programmatic dependent launch (each waits for the one
+    # before it first): the same bits as plain launches, called back to back on one stream
+    # (each call's inputs rewritten in between) and replayed from a CUDA graph
+    from dbo.moe import triton_launch
+    from dbo.moe.fused_experts import fused_swiglu_experts
+
+    outs = {}
+    for pdl in ("0", "1"):
+        monkeypatch.setenv("DBO_TRITON_PDL", pdl)
+        triton_launch.clear_launch_cache()
+        assert triton_launch.pdl_enabled(torch.device("cuda")) == (pdl == "1" and
+                                                                   torch.cuda.get_device_capability()[0] >= 9)
+        x, w1, w2, weights, ids = _case(m, n_local, 8, 1024, 256, torch.bfloat16, seed=m)
+        xin = torch.zeros_like(x)
+        out = torch.empty_like(x)
+        got = []
+        for i in range(4):  # a kernel that ran ahead of the copy into xin would read stale rows
+            xin.copy_(x * (i + 1))
+            fused_swiglu_experts(xin, w1, w2, weights, ids, out=out)
+            got.append(out.clone())
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            fused_swiglu_experts(xin, w1, w2, weights, ids, out=out)
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fused_swiglu_experts(xin, w1, w2, weights, ids, out=out)
+        xin.copy_(x)
+        out.fill_(float("nan"))
+        g.replay()
+        got.append(out.clone())
+        torch.cuda.synchronize()
+        outs[pdl] = got
+    triton_launch.clear_launch_cache()
+    for a, b in zip(outs["0"], outs["1"], strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(outs["1"][-1], outs["1"][0])
