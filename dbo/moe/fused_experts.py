@@ -51,7 +51,7 @@ from dbo.moe.fused_tiles import (
     prefer_sole,
 )
 from dbo.moe.gather_reduce import _block
-from dbo.moe.triton_launch import Desc, cdiv, launch, next_pow2, pdl_enabled
+from dbo.moe.triton_launch import Desc, cdiv, launch, next_pow2
 
 __all__ = ["GemmConfig", "CONFIGS", "FP32_CONFIG", "FUSED_MAX_ROWS_PER_EXPERT", "prefer_fused",
            "pick_configs", "fused_swiglu_experts", "route_order", "launch_gate_up", "launch_down",
@@ -137,13 +137,6 @@ def _props(device: torch.device):
     return _PROPS[device]
 
 
-def _pdl(device: torch.device) -> dict:
-    # every kernel launched here follows another kernel of the experts' call (the routing's
-    # first kernel is launched plainly): programmatic dependent launch where it applies
-    pdl = pdl_enabled(device)
-    return {"PDL": pdl, "launch_pdl": pdl}
-
-
 def _aligned(*tensors: torch.Tensor) -> bool:
     # a TMA descriptor's base must be 16-byte aligned (a weight tensor may be a view)
     return all(t.data_ptr() % 16 == 0 for t in tensors)
@@ -168,7 +161,7 @@ def launch_gate_up(x: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, 
         TOPK=topk, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         BLOCK_E=_block_e(n_experts), GROUP_M=cfg.group_m, TAIL_M=cfg.tail_m,
         EVEN_K=hidden % cfg.block_k == 0, PRECISION=_precision(x), TMA=tma, PERSISTENT=persistent,
-        **_pdl(x.device), num_warps=cfg.num_warps, num_stages=cfg.num_stages), persistent)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages), persistent)
 
 
 #: row tiles per program of :func:`tile_map`, and sorted rows per program of its ``sole`` part
@@ -177,8 +170,7 @@ SOLE_ROWS_BLOCK = 512
 
 
 def tile_map(offsets: torch.Tensor, block_m: int, pairs: int,
-             sole: tuple[torch.Tensor, torch.Tensor] | None = None,
-             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+             sole: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The row tiles of ``block_m`` rows of the experts whose end rows are ``offsets``, for the
     flat down kernel: int32 ``[1 + 3 * bound]``, ``[0]`` their count, then per row tile (in
     expert order) its expert, first row and the expert's end row. ``pairs`` bounds the rows
@@ -200,7 +192,7 @@ def tile_map(offsets: torch.Tensor, block_m: int, pairs: int,
     launch(tile_map_kernel, (grid,), (offsets, tiles, n_experts, bound, order, ids,
                                       tiles if dest is None else dest, n_experts), dict(
         BLOCK_M=block_m, BLOCK_E=_block_e(n_experts), BLOCK_J=TILE_MAP_BLOCK, TOPK=topk,
-        BLOCK_T=next_pow2(topk), BLOCK_R=SOLE_ROWS_BLOCK, SOLE=sole is not None, **_pdl(offsets.device)))
+        BLOCK_T=next_pow2(topk), BLOCK_R=SOLE_ROWS_BLOCK, SOLE=sole is not None))
     return tiles, dest
 
 
@@ -224,8 +216,7 @@ def launch_down(act: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, w
                            dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                                 N_PER_PROGRAM=cfg.n_per_program, BLOCK_E=_block_e(n_experts),
                                 GROUP_M=cfg.group_m, PRECISION=_precision(act), PERSISTENT=persistent,
-                                **_pdl(act.device), num_warps=cfg.num_warps, num_stages=cfg.num_stages),
-                persistent)
+                                num_warps=cfg.num_warps, num_stages=cfg.num_stages), persistent)
         return False
     flat = cfg.flat and inter % 8 == 0 and _aligned(act, w2)
     if cfg.flat and not flat:
@@ -241,15 +232,15 @@ def launch_down(act: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, w
         _launch(down_flat_kernel, _bound(cfg, pairs, n_experts, hidden), act.device, (
             a_desc, order if dest is None else dest, tiles, w, y, tw, out, hidden, inter), dict(
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-            TOPK=ids.shape[1] if sole is not None else 1, SOLE=sole is not None, **_pdl(act.device),
+            TOPK=ids.shape[1] if sole is not None else 1, SOLE=sole is not None,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages), True)
         return sole is not None
     _launch(down_kernel, _bound(cfg, pairs, n_experts, hidden), act.device, (
         act, a_desc, order, offsets, w, y, n_experts, hidden, inter, w2.stride(0)), dict(
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_E=_block_e(n_experts),
         GROUP_M=cfg.group_m, TAIL_M=cfg.tail_m, EVEN_K=inter % cfg.block_k == 0,
-        PRECISION=_precision(act), TMA=tma, PERSISTENT=persistent, **_pdl(act.device),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages), persistent)
+        PRECISION=_precision(act), TMA=tma, PERSISTENT=persistent, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages), persistent)
     return False
 
 
@@ -319,4 +310,4 @@ def launch_topk_sum(y: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
     block = _block(hidden)
     launch(topk_sum_kernel, (m, cdiv(hidden, block)), (
         y, topk_ids.contiguous(), topk_weights.contiguous(), out, n_experts, hidden), dict(TOPK=topk,
-        BLOCK=block, SOLE=sole, **_pdl(y.device)))
+        BLOCK=block, SOLE=sole))

@@ -18,8 +18,6 @@ try:
     import triton.language as tl
 except ImportError:  # the module is only used where Triton is importable
     triton = None
-else:
-    from dbo.moe.triton_launch import wait_for_previous_kernel
 
 
 if triton is not None:
@@ -136,10 +134,9 @@ if triton is not None:
                         TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr,
                         TAIL_M: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
-                        TMA: tl.constexpr, PERSISTENT: tl.constexpr, PDL: tl.constexpr):
+                        TMA: tl.constexpr, PERSISTENT: tl.constexpr):
         # one tile per program (those past the tiles do nothing), or PERSISTENT: every
         # num_programs-th tile
-        wait_for_previous_kernel(PDL)
         starts, ends, m_tiles, tile_ends, n_tiles = _tile_table(offs_ptr, n_experts, tl.cdiv(inter, BLOCK_N),
                                                                 BLOCK_M, BLOCK_E)
         if PERSISTENT:
@@ -222,9 +219,8 @@ if triton is not None:
                      stride_we, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr, TAIL_M: tl.constexpr,
                      EVEN_K: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr,
-                     PERSISTENT: tl.constexpr, PDL: tl.constexpr):
+                     PERSISTENT: tl.constexpr):
         # one tile per program, or PERSISTENT: every num_programs-th tile
-        wait_for_previous_kernel(PDL)
         starts, ends, m_tiles, tile_ends, n_tiles = _tile_table(offs_ptr, n_experts, tl.cdiv(hidden, BLOCK_N),
                                                                 BLOCK_M, BLOCK_E)
         if PERSISTENT:
@@ -241,7 +237,7 @@ if triton is not None:
     def tile_map_kernel(offs_ptr, map_ptr, n_experts, max_tiles, order_ptr, ids_ptr, dest_ptr, n_experts_ids,
                         BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_J: tl.constexpr,
                         TOPK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr,
-                        SOLE: tl.constexpr, PDL: tl.constexpr):
+                        SOLE: tl.constexpr):
         # the row tiles of BLOCK_M rows, in expert order, for down_flat_kernel: map[0] their
         # count, map[1 + 3j : 4 + 3j] row tile j's expert, first row and the expert's end row.
         # Row tile j belongs to the expert whose tiles start at or before j and end after it:
@@ -249,7 +245,6 @@ if triton is not None:
         # counted, and the largest of their tile ends and end rows are tile j's expert's first
         # tile and first row. SOLE: the programs past the map's mark each sorted row whose token
         # has no other local slot (ids_ptr [M, TOPK]): dest[r] = ~order[r] there, order[r] else
-        wait_for_previous_kernel(PDL)
         n_map = tl.cdiv(max_tiles, BLOCK_J)
         if tl.program_id(0) < n_map:
             starts, ends, m_tiles, tile_ends, total = _tile_table(offs_ptr, n_experts, 1, BLOCK_M, BLOCK_E)
@@ -279,7 +274,7 @@ if triton is not None:
     @triton.jit
     def down_flat_kernel(act_desc, order_ptr, map_ptr, w_desc, y_ptr, tw_ptr, out_ptr, hidden, inter,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         GROUP_M: tl.constexpr, TOPK: tl.constexpr, SOLE: tl.constexpr, PDL: tl.constexpr):
+                         GROUP_M: tl.constexpr, TOPK: tl.constexpr, SOLE: tl.constexpr):
         # persistent: every num_programs-th tile, the tile loop flattened with the K loop so that
         # Triton pipelines the next tile's loads under this tile's products and stores (a short K
         # loop of its own, a few steps at I = 256, does not pipeline). act_desc: act as [R, inter],
@@ -292,7 +287,6 @@ if triton is not None:
         # dest, where ~slot marks a row whose token has no other local slot: that row is weighted
         # (tw_ptr) and written to out[token] with the top-k sum's rounding, where that sum would
         # only have copied it
-        wait_for_previous_kernel(PDL)
         n_col = tl.cdiv(hidden, BLOCK_N)
         n_m = tl.load(map_ptr)
         k_tiles = tl.cdiv(inter, BLOCK_K)
@@ -353,12 +347,10 @@ if triton is not None:
     def down_short_k_kernel(act_ptr, order_ptr, offs_ptr, w_ptr, y_ptr, n_experts, hidden, inter,
                              stride_we, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                              BLOCK_K: tl.constexpr, N_PER_PROGRAM: tl.constexpr, BLOCK_E: tl.constexpr,
-                             GROUP_M: tl.constexpr, PRECISION: tl.constexpr, PERSISTENT: tl.constexpr,
-                             PDL: tl.constexpr):
+                             GROUP_M: tl.constexpr, PRECISION: tl.constexpr, PERSISTENT: tl.constexpr):
         # inter <= BLOCK_K: a program loads its rows' activations once and walks N_PER_PROGRAM
         # column blocks; the loop over columns is the one Triton pipelines (the next weight tile
         # loads while this one multiplies), where a K loop of a few steps would not pipeline
-        wait_for_previous_kernel(PDL)
         starts, ends, m_tiles, tile_ends, n_tiles = _tile_table(
             offs_ptr, n_experts, tl.cdiv(tl.cdiv(hidden, BLOCK_N), N_PER_PROGRAM), BLOCK_M, BLOCK_E)
         if PERSISTENT:
@@ -373,10 +365,9 @@ if triton is not None:
 
     @triton.jit
     def topk_sum_kernel(y_ptr, ids_ptr, w_ptr, out_ptr, n_experts, hidden, TOPK: tl.constexpr,
-                         BLOCK: tl.constexpr, SOLE: tl.constexpr, PDL: tl.constexpr):
+                         BLOCK: tl.constexpr, SOLE: tl.constexpr):
         # a slot of another rank's expert reads nothing: its row of y was never written. SOLE: a
         # token with one local slot is left alone (the flat down kernel wrote its row)
-        wait_for_previous_kernel(PDL)
         m = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < hidden

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from dbo.moe.triton_launch import cdiv, launch, next_pow2, pdl_enabled
+from dbo.moe.triton_launch import cdiv, launch, next_pow2
 
 __all__ = ["ROUTE_CHUNK", "ROUTE_MAX_CELLS", "ROUTE_MAX_PAIRS", "route_order", "uses_counting_sort"]
 
@@ -18,8 +18,6 @@ try:
     import triton.language as tl
 except ImportError:  # the module is only used where Triton is importable
     triton = None
-else:
-    from dbo.moe.triton_launch import wait_for_previous_kernel
 
 
 if triton is not None:
@@ -45,12 +43,10 @@ if triton is not None:
 
     @triton.jit
     def _route_place_kernel(ids_ptr, hist_ptr, adj_ptr, order_ptr, offs_ptr, n, n_experts, n_chunks,
-                            CHUNK: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr,
-                            PDL: tl.constexpr):
+                            CHUNK: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr):
         # a counting sort: expert e's rows start after every smaller expert's rows and after
         # expert e's rows of the earlier chunks; within the chunk a pair's rank among its
         # expert's pairs is its place in the sorted chunk minus where its expert starts there
-        wait_for_previous_kernel(PDL)
         c = tl.program_id(0)
         es = tl.arange(0, BLOCK_E)
         cs = tl.arange(0, BLOCK_C)
@@ -115,12 +111,11 @@ def route_order(topk_ids: torch.Tensor, num_local_experts: int,
         scratch = torch.empty(2, chunks, block_e, dtype=torch.int32, device=ids.device)
         order = torch.empty(n, dtype=torch.int32, device=ids.device)
         offsets = torch.empty(num_local_experts, dtype=torch.int32, device=ids.device)
-        pdl = pdl_enabled(ids.device)  # the place kernel follows the count kernel (not the first)
         launch(_route_count_kernel, (chunks,), (ids, scratch[0], n, num_local_experts),
                dict(CHUNK=ROUTE_CHUNK, BLOCK_E=block_e))
         launch(_route_place_kernel, (chunks,), (ids, scratch[0], scratch[1], order, offsets, n,
                num_local_experts, chunks), dict(CHUNK=ROUTE_CHUNK, BLOCK_E=block_e,
-               BLOCK_C=max(2, next_pow2(chunks)), PDL=pdl, num_warps=8, launch_pdl=pdl))
+               BLOCK_C=max(2, next_pow2(chunks)), num_warps=8))
         return order, offsets
     key = torch.empty(n, dtype=torch.int16, device=ids.device)
     launch(_route_keys_kernel, (cdiv(n, 1024),), (ids, key, n, num_local_experts), dict(BLOCK=1024))

@@ -27,38 +27,19 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["Desc", "launch", "fast_launch_enabled", "clear_launch_cache", "cdiv", "next_pow2", "pdl_enabled",
-           "wait_for_previous_kernel"]
+__all__ = ["Desc", "launch", "fast_launch_enabled", "clear_launch_cache", "cdiv", "next_pow2"]
 
 try:
     import triton
-    import triton.language as tl
     from triton.runtime.jit import JITFunction
     from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # the module is only used where Triton is importable
     triton = None
-try:
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:  # a Triton without grid dependency control: no programmatic dependent launch
-    gdc_wait = gdc_launch_dependents = None
-
-if triton is not None:
-
-    @triton.jit
-    def wait_for_previous_kernel(PDL: tl.constexpr):
-        """A kernel's first statement where it is launched with ``launch_pdl`` (programmatic
-        dependent launch: :func:`pdl_enabled`): wait until the kernel before it in the stream has
-        finished and its writes are visible (before this, nothing may be read or written), then
-        let the next kernel's programs be scheduled as this one's retire, so that its launch and
-        set-up overlap this kernel's last programs instead of following them."""
-        if PDL:
-            gdc_wait()
-            gdc_launch_dependents()
 
 #: the Triton versions whose launcher (``CompiledKernel.run``, ``CudaLauncher``, the C
 #: ``launch``'s leading arguments) this module was written against
 _VERSIONS = ("3.6.",)
-_OPTIONS = frozenset({"num_warps", "num_stages", "num_ctas", "maxnreg", "launch_pdl"})
+_OPTIONS = frozenset({"num_warps", "num_stages", "num_ctas", "maxnreg"})
 #: encoded descriptors kept per compiled kernel and descriptor argument (an LRU would do no better:
 #: a steady loop reuses a handful of addresses)
 _MAX_DESCS = 64
@@ -116,27 +97,10 @@ def fast_launch_enabled() -> bool:
     return _ENABLED[0]
 
 
-_PDL: dict[object, bool] = {}
-
-
-def pdl_enabled(device: torch.device) -> bool:
-    """Whether the experts' kernels after the first of a call are launched with programmatic
-    dependent launch on ``device`` (Hopper and later, compiled Triton; ``DBO_TRITON_PDL=0`` turns
-    it off). Each such kernel starts with :func:`wait_for_previous_kernel`."""
-    hit = _PDL.get(device)
-    if hit is None:
-        hit = _PDL[device] = (gdc_wait is not None and device.type == "cuda"
-                              and torch.cuda.get_device_capability(device)[0] >= 9
-                              and os.environ.get("DBO_TRITON_PDL", "1") != "0"
-                              and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"))
-    return hit
-
-
 def clear_launch_cache() -> None:
     """Forget the compiled kernels kept by :func:`launch`, and read the environment again."""
     _CACHE.clear()
     _ENABLED.clear()
-    _PDL.clear()
 
 
 def _spec(a) -> object:

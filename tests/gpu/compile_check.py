@@ -28,9 +28,8 @@ def _flat(bm, bn, bk, sole=False):
     sig = {"act_desc": f"tensordesc<bf16[{bm}, {bk}]>", "order_ptr": "*i32", "map_ptr": "*i32",
            "w_desc": f"tensordesc<bf16[{bn}, {bk}]>", "y_ptr": "*bf16", "tw_ptr": "*fp32", "out_ptr": "*bf16",
            "hidden": "i32", "inter": "i32", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
-           "BLOCK_K": "constexpr", "GROUP_M": "constexpr", "TOPK": "constexpr", "SOLE": "constexpr",
-           "PDL": "constexpr"}
-    consts = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "TOPK": 8, "SOLE": sole, "PDL": True}
+           "BLOCK_K": "constexpr", "GROUP_M": "constexpr", "TOPK": "constexpr", "SOLE": "constexpr"}
+    consts = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "TOPK": 8, "SOLE": sole}
     return fk.down_flat_kernel, sig, consts, ("order_ptr", "map_ptr", "y_ptr", "tw_ptr", "out_ptr", "hidden",
                                               "inter")
 
@@ -44,9 +43,9 @@ def _gate_up(bm, bn, bk):
            "act_ptr": "*bf16", "n_experts": "i32", "hidden": "i32", "inter": "i32", "stride_we": "i32",
            "TOPK": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
            "BLOCK_E": "constexpr", "GROUP_M": "constexpr", "TAIL_M": "constexpr", "EVEN_K": "constexpr",
-           "PRECISION": "constexpr", "TMA": "constexpr", "PERSISTENT": "constexpr", "PDL": "constexpr"}
+           "PRECISION": "constexpr", "TMA": "constexpr", "PERSISTENT": "constexpr"}
     consts = {"TOPK": 8, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "BLOCK_E": 256, "GROUP_M": 8,
-              "TAIL_M": 0, "EVEN_K": True, "PRECISION": "tf32", "TMA": True, "PERSISTENT": False, "PDL": True}
+              "TAIL_M": 0, "EVEN_K": True, "PRECISION": "tf32", "TMA": True, "PERSISTENT": False}
     return fk.gate_up_kernel, sig, consts, ("x_ptr", "order_ptr", "offs_ptr", "act_ptr", "hidden", "inter",
                                             "stride_we")
 
