@@ -380,13 +380,11 @@ if triton is not None:
         else:
             todo = True
         if todo:
-            # masked loads rather than a branch per slot: every local slot's row is in flight at
-            # once (a branch serialized them behind each id's load); a masked slot adds 0 * 0
             acc = tl.zeros([BLOCK], dtype=tl.float32)
             for s in tl.static_range(TOPK):
                 e = tl.load(ids_ptr + m * TOPK + s)
-                local = (e >= 0) & (e < n_experts)
-                w = tl.load(w_ptr + m * TOPK + s, mask=local, other=0.0).to(tl.float32)
-                acc += w * tl.load(y_ptr + (m * TOPK + s) * hidden + cols, mask=mask & local,
-                                   other=0.0).to(tl.float32)
+                if (e >= 0) & (e < n_experts):
+                    w = tl.load(w_ptr + m * TOPK + s).to(tl.float32)
+                    acc += w * tl.load(y_ptr + (m * TOPK + s) * hidden + cols, mask=mask,
+                                       other=0.0).to(tl.float32)
             tl.store(out_ptr + m * hidden + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
