@@ -200,7 +200,8 @@ for counts, block_m, pairs in [([5, 0, 33, 32, 0, 1], 16, 71), ([0, 0, 0], 32, 4
     assert [tuple(r) for r in got[1:1 + 3 * n].view(-1, 3).tolist()] == [(e, r0, end) for e, r0, end in want]
 for seed, (m, topk, n_local) in enumerate([(37, 3, 5), (700, 8, 16), (300, 6, 256)]):
     # with the sole rows marked: ~slot where the slot's token has no other local slot
-    ids = torch.randint(-1, 4 * n_local, (m, topk), generator=torch.Generator().manual_seed(seed)).to(torch.int32)
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(-1, 4 * n_local, (m, topk), generator=g).to(torch.int32)
     order, offsets = route_order(ids, n_local)
     _, dest = tile_map(offsets, 16, m * topk, (order, ids))
     n = int(offsets[-1])

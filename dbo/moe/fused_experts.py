@@ -14,6 +14,9 @@ with ``e = topk_ids[m, s]``, ``[g_e; u_e] = w1[e]`` and ``d_e = w2[e]``.
    s]`` (``[M * topk, hidden]``, slots of other ranks' experts left unwritten).
 4. ``topk_sum``: ``out[m] = sum_s w[m, s] * y[m * topk + s]`` over the local slots, float32
    accumulation, contiguous reads, no atomics (the sum's order is fixed: run to run the same).
+   Where few slots are local (``sole_pairs``), the flat down kernel writes the row of a token's
+   only local slot to ``out[m]`` itself, weighted with the sum's rounding, and the sum skips that
+   token: its row is neither written to ``y`` nor read back.
 
 A program finds its expert and its tile from the device offsets itself (a scan over at most
 ``BLOCK_E`` experts), so the grid is an upper bound known on the host: programs past the last
@@ -170,7 +173,8 @@ SOLE_ROWS_BLOCK = 512
 
 
 def tile_map(offsets: torch.Tensor, block_m: int, pairs: int,
-             sole: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+             sole: tuple[torch.Tensor, torch.Tensor] | None = None,
+             ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The row tiles of ``block_m`` rows of the experts whose end rows are ``offsets``, for the
     flat down kernel: int32 ``[1 + 3 * bound]``, ``[0]`` their count, then per row tile (in
     expert order) its expert, first row and the expert's end row. ``pairs`` bounds the rows
