@@ -248,6 +248,7 @@ print("ok")
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+@pytest.mark.timeout(330)  # the interpreter runs every kernel in numpy: 75-125 s on a 2-core VM
 def test_triton_kernels_in_the_interpreter():
     # the grouped GEMM, the activation and the gather-reduce, run by Triton's CPU interpreter
     # (the last two cases reach every tail tile size of the fused kernels' float32 tile)

@@ -194,7 +194,7 @@ def tile_map(offsets: torch.Tensor, block_m: int, pairs: int,
         dest = torch.empty(pairs, dtype=order.dtype, device=order.device)
         grid += cdiv(pairs, SOLE_ROWS_BLOCK)
     launch(tile_map_kernel, (grid,), (offsets, tiles, n_experts, bound, order, ids,
-                                      tiles if dest is None else dest, n_experts), dict(
+                                      tiles if dest is None else dest), dict(
         BLOCK_M=block_m, BLOCK_E=_block_e(n_experts), BLOCK_J=TILE_MAP_BLOCK, TOPK=topk,
         BLOCK_T=next_pow2(topk), BLOCK_R=SOLE_ROWS_BLOCK, SOLE=sole is not None))
     return tiles, dest

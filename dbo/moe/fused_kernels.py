@@ -234,7 +234,7 @@ if triton is not None:
                        EVEN_K, PRECISION, TMA)
 
     @triton.jit
-    def tile_map_kernel(offs_ptr, map_ptr, n_experts, max_tiles, order_ptr, ids_ptr, dest_ptr, n_experts_ids,
+    def tile_map_kernel(offs_ptr, map_ptr, n_experts, max_tiles, order_ptr, ids_ptr, dest_ptr,
                         BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_J: tl.constexpr,
                         TOPK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr,
                         SOLE: tl.constexpr):
@@ -268,7 +268,7 @@ if triton is not None:
             ks = tl.arange(0, BLOCK_T)
             ids = tl.load(ids_ptr + (slots // TOPK)[:, None].to(tl.int64) * TOPK + ks[None, :],
                           mask=live[:, None] & (ks < TOPK)[None, :], other=-1)
-            n_local = tl.sum(((ids >= 0) & (ids < n_experts_ids)).to(tl.int32), 1)
+            n_local = tl.sum(((ids >= 0) & (ids < n_experts)).to(tl.int32), 1)
             tl.store(dest_ptr + rows, tl.where(n_local == 1, ~slots, slots), mask=live)
 
     @triton.jit
