@@ -232,12 +232,12 @@ def launch_down(act: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, w
         w = Desc(w2.view(n_experts * hidden, inter), (cfg.block_n, cfg.block_k))
     if flat:
         tiles, dest = tile_map(offsets, cfg.block_m, pairs, None if sole is None else (order, sole[0]))
-        ids, tw, out = sole if sole is not None else (order, order, y)  # (unread without sole)
+        # without sole the weights and the output are not read: y and order stand in for them
+        tw, out, topk = (sole[1], sole[2], sole[0].shape[1]) if sole is not None else (order, y, 1)
         _launch(down_flat_kernel, _bound(cfg, pairs, n_experts, hidden), act.device, (
             a_desc, order if dest is None else dest, tiles, w, y, tw, out, hidden, inter), dict(
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-            TOPK=ids.shape[1] if sole is not None else 1, SOLE=sole is not None,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages), True)
+            TOPK=topk, SOLE=sole is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages), True)
         return sole is not None
     _launch(down_kernel, _bound(cfg, pairs, n_experts, hidden), act.device, (
         act, a_desc, order, offsets, w, y, n_experts, hidden, inter, w2.stride(0)), dict(

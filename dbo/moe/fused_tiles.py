@@ -115,8 +115,9 @@ def prefer_sole(local_share: float, topk: int) -> bool:
     """Whether the down GEMM should write the rows of tokens with one local slot straight to the
     output, given the expected share of slots routed to local experts: worth it where such
     tokens are many (at 32 of 256 experts with top-8 routing ~39% of tokens; none when every
-    expert is local), since each row it writes saves the top-k sum's copy of it, and every row
-    of the tile pays for reading its token's expert ids."""
+    expert is local), since each row it writes saves the top-k sum's copy of it, and every
+    local row pays for reading its token's expert ids once (the tile map's launch) and its mark
+    once per column block (the down kernel's epilogue)."""
     p = min(1.0, max(0.0, local_share))
     return topk * p * (1.0 - p) ** (topk - 1) >= SOLE_MIN_SHARE
 
