@@ -90,9 +90,9 @@ class SwiGLUExperts(MoEExperts):
         fused: STANDARD format with Triton: the fused kernels of :mod:`dbo.moe.fused_experts`
             (gather in the first GEMM's prologue, activation in its epilogue, slot scatter in
             the second's). Default: chosen per call by the estimated rows per expert
-            (:func:`dbo.moe.fused_experts.prefer_fused`: fused up to 768 rows per expert or for
-            I <= 1024, the unfused steps with CUTLASS's grouped GEMM above); True forces the
-            fused kernels, False the unfused steps.
+            (:func:`dbo.moe.fused_experts.prefer_fused`: fused up to 768 rows per expert, for
+            I <= 1024 or for at most 128 local experts, the unfused steps with CUTLASS's grouped
+            GEMM above); True forces the fused kernels, False the unfused steps.
         num_global_experts: experts over all ranks, for that estimate without host counts
             (``M * topk * local / global`` pairs); :class:`MoEKernel` sets it on every call.
             Unknown: every slot is counted as local (an overestimate).
@@ -158,7 +158,7 @@ class SwiGLUExperts(MoEExperts):
         else:  # the slots' share that is local, expected: nothing is read from the device
             share = 1.0 if not self.num_global_experts else min(1.0, n_local / self.num_global_experts)
             pairs = max(1, round(m * topk_ids.shape[1] * share))
-        if m and self._use_fused(x, pairs / n_local, w2.shape[2]):
+        if m and self._use_fused(x, pairs / n_local, w2.shape[2], n_local):
             weights = torch.ones_like(topk_weights) if router_on_input else topk_weights
             return fused_swiglu_experts(
                 x, w1, w2, weights, topk_ids, out=out, reduce=self.reduce_in_experts,
@@ -183,12 +183,12 @@ class SwiGLUExperts(MoEExperts):
         return gather_reduce(y, groups.slot_rows, weights, groups.local, out=out,
                              use_triton=self.use_triton)
 
-    def _use_fused(self, x: torch.Tensor, rows_per_expert: float, inter: int) -> bool:
+    def _use_fused(self, x: torch.Tensor, rows_per_expert: float, inter: int, n_local: int) -> bool:
         if self.fused is False or not use_triton_for(x, self.use_triton):
             return False
         # a CPU tensor reaches here only with use_triton=True (Triton's interpreter): fused
         return self.fused is True or not x.is_cuda or x.element_size() > 2 \
-            or prefer_fused(rows_per_expert, inter)
+            or prefer_fused(rows_per_expert, inter, n_local)
 
     def note_global_num_experts(self, num_experts: int) -> None:
         self.num_global_experts = num_experts

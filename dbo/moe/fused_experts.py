@@ -157,6 +157,7 @@ def launch_gate_up(x: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, 
     n_experts, two_inter, hidden = w1.shape
     inter = two_inter // 2
     cfg = FP32_CONFIG if x.element_size() > 2 else cfg
+    persistent = persistent if cfg.persistent is None else cfg.persistent
     tma = cfg.tma and hidden % cfg.block_k == 0 and _aligned(w1)
     w = Desc(w1.view(n_experts * two_inter, hidden), (cfg.block_n, cfg.block_k)) if tma else w1
     _launch(gate_up_kernel, _bound(cfg, pairs, n_experts, inter), x.device, (
@@ -211,6 +212,7 @@ def launch_down(act: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, w
     was (other tiles write every row to ``y``)."""
     n_experts, hidden, inter = w2.shape
     cfg = FP32_CONFIG if act.element_size() > 2 else cfg
+    persistent = persistent if cfg.persistent is None else cfg.persistent
     if cfg.n_per_program:
         if next_pow2(inter) > cfg.block_k:
             raise ValueError(f"a short-K tile needs block_k >= intermediate ({inter}), got {cfg.block_k}")
@@ -270,7 +272,8 @@ def fused_swiglu_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
         bounds: cached ``arange(1, E + 1)`` int16 on the device (see :func:`route_order`).
         rows_per_expert: the caller's estimate, for the tiles (default ``max_local_pairs / E``).
         persistent: the GEMMs' programs walk the tiles (see :func:`prefer_persistent`, the
-            default on CUDA) rather than one program per tile of the host's bound.
+            default on CUDA) rather than one program per tile of the host's bound; a tile whose
+            ``GemmConfig.persistent`` is set keeps its own.
         sole_pairs: ``reduce`` with the flat down tile: a token's row with no other local slot
             goes weighted from the down GEMM to ``out``, skipping ``y`` and the top-k sum (the
             same numbers). Default :func:`prefer_sole`, from the local share of the slots.

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = ["GemmConfig", "CONFIGS", "FP32_CONFIG", "FEW_EXPERTS_UP", "FEW_EXPERTS_DOWN", "FLAT_DOWN",
-           "FLAT_DOWN_WIDE", "DOWN_TAIL", "FUSED_MAX_ROWS_PER_EXPERT",
+           "FLAT_DOWN_WIDE", "DOWN_TAIL", "FUSED_MAX_ROWS_PER_EXPERT", "FUSED_MAX_LOCAL_EXPERTS",
            "prefer_fused", "prefer_persistent", "prefer_sole", "SOLE_MIN_SHARE", "pick_configs"]
 
 
@@ -37,6 +37,10 @@ class GemmConfig:
     #: down only: the persistent kernel whose tile loop is flattened with its K loop (TMA loads,
     #: no tail tiles), so that the next tile's loads overlap this tile's products and stores
     flat: bool = False
+    #: None: the call's policy (:func:`prefer_persistent`); True/False: this tile's programs walk
+    #: the tiles (one per resident slot) or take one tile each (a tuned table's choice; the flat
+    #: down tile is persistent always)
+    persistent: bool | None = None
 
     def __post_init__(self) -> None:
         t = self.tail_m  # tl.dot takes at least 16 rows
@@ -45,6 +49,8 @@ class GemmConfig:
                              f"(block_m {self.block_m})")
         if self.flat and (self.n_per_program or t):
             raise ValueError("a flat tile has no tail tiles and no column blocks per program")
+        if self.flat and self.persistent is False:
+            raise ValueError("a flat tile is persistent always")
 
 
 #: 4-byte inputs (float32: tests, references) take this small tile: shared memory holds twice
@@ -83,16 +89,22 @@ FEW_EXPERTS_DOWN = GemmConfig(64, 64, 256, 8, 4, 3, n_per_program=8)
 #: 64x128 five-stage tile up to 1024 rows and the 128-row tile with 32-row tails above
 #: (``pick_configs``; 0.82x and 0.88x the previous tiles at 259 and 2052 rows per expert)
 
-#: above this many estimated rows per expert, with I > 1024, the unfused steps (CUTLASS's
-#: grouped GEMM through ``torch._grouped_mm``) beat the fused Triton kernels on an H200 (by ~5%
-#: at I=2048 and 2048 rows); below it, and at any size for I <= 1024, the fused kernels are as
-#: fast or faster with TMA tiles and launch fewer kernels (host time counts double under DBO)
+#: above this many estimated rows per expert, with I > 1024 and more than
+#: ``FUSED_MAX_LOCAL_EXPERTS`` local experts, the unfused steps (CUTLASS's grouped GEMM through
+#: ``torch._grouped_mm``) are as fast as the fused Triton kernels on an H200 (0.99-1.01x at I=2048,
+#: 256 local experts, 1024-2048 rows each); below it, at any size for I <= 1024, and with fewer
+#: local experts (1.03-1.25x the fused kernels' time at 32-128 local experts, 1024-2048 rows:
+#: ``tests/gpu/ab_tiles.py``), the fused kernels are as fast or faster and launch fewer kernels
+#: (host time counts double under DBO)
 FUSED_MAX_ROWS_PER_EXPERT = 768
+FUSED_MAX_LOCAL_EXPERTS = 128
 
 
-def prefer_fused(rows_per_expert: float, intermediate: int) -> bool:
-    """Whether the fused kernels are expected to beat the unfused steps at this size."""
-    return intermediate <= 1024 or rows_per_expert <= FUSED_MAX_ROWS_PER_EXPERT
+def prefer_fused(rows_per_expert: float, intermediate: int, local_experts: int | None = None) -> bool:
+    """Whether the fused kernels are expected to beat the unfused steps at this size
+    (``local_experts`` unknown: as if many)."""
+    few = local_experts is not None and local_experts <= FUSED_MAX_LOCAL_EXPERTS
+    return intermediate <= 1024 or rows_per_expert <= FUSED_MAX_ROWS_PER_EXPERT or few
 
 
 def prefer_persistent(rows_per_expert: float, bound_pairs: int, n_experts: int) -> bool:

@@ -169,6 +169,25 @@ def test_every_fused_tile_matches_torch(case, m, monkeypatch):
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton is not importable")
+@pytest.mark.parametrize("call_persistent", [False, True])
+def test_a_tiles_own_persistence_wins_over_the_calls(call_persistent):
+    # a tuned table's tiles carry their persistence: each GEMM keeps its own, whatever the call's
+    import dataclasses
+
+    from dbo.moe.fused_experts import fused_swiglu_experts
+    from dbo.moe.fused_tiles import CONFIGS, DOWN_TAIL
+
+    x, w1, w2, weights, ids = _case(3000, 32, 8, 1024, 512, torch.bfloat16, seed=5)
+    want = _apply(SwiGLUExperts(use_triton=False), x, w1, w2, weights, ids, True)
+    up = dataclasses.replace(CONFIGS[-1][1], persistent=not call_persistent)
+    down = dataclasses.replace(DOWN_TAIL, persistent=not call_persistent)
+    out = torch.empty_like(x)
+    fused_swiglu_experts(x, w1, w2, weights, ids, out=out, configs=(up, down), persistent=call_persistent)
+    torch.cuda.synchronize()
+    assert relative_error(out, want) < 1e-2
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not importable")
 @pytest.mark.parametrize("m, n_local", [(9000, 32), (65000, 32), (9000, 256), (70000, 32)])
 def test_route_order_both_sorts(m, n_local):
     # the counting sort with many chunks (72K and 520K pairs of 32 experts) and the radix sort

@@ -1,0 +1,201 @@
+"""Same-run A/B of tile-table variants of the fused experts, whole calls, over the issue's grid.
+
+Each variant is a rule ``(estimated rows per expert, I, local experts, host bound, estimated
+pairs) -> (gate_up tile, down tile)``, with each tile's ``persistent`` set. For every shape
+(hidden 7168, top-8 of 256, device offsets, the estimate ``SwiGLUExperts`` makes) the variants'
+whole calls (``fused_swiglu_experts``) and the library's (``SwiGLUExperts``, which may run the
+unfused steps) alternate, each queued behind a GPU sleep (the GPU's time), ``--steps`` rounds;
+each variant's output is checked against the table's. It prints per shape each variant's time
+over the table's and at the end the geometric means (by I and over the grid) of the ratio and
+of the time over the limit.
+
+    python3 tests/gpu/ab_tiles.py --json $OUT/ab_tiles.json [--variants table flat16 ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from dbo.bench.experts import _apply, make_case  # noqa: E402
+from dbo.bench.limits import experts_cost, measure_device_limits  # noqa: E402
+from dbo.bench.timing import gpu_sleep  # noqa: E402
+from dbo.moe import SwiGLUExperts, Workspace, relative_error  # noqa: E402
+from dbo.moe.fused_experts import GemmConfig, fused_swiglu_experts, pick_configs  # noqa: E402
+from dbo.moe.fused_tiles import DOWN_TAIL, prefer_persistent  # noqa: E402
+
+C = GemmConfig
+UP_128 = C(128, 128, 64, 8, 8, 4, tma=True, tail_m=32)
+WIDE_G8 = C(128, 256, 64, 8, 8, 3, flat=True)
+
+
+def _fix(cfg: GemmConfig, persistent: bool) -> GemmConfig:
+    # the call's policy made explicit (the flat tile is persistent always)
+    return cfg if cfg.persistent is not None or cfg.flat else dataclasses.replace(cfg, persistent=persistent)
+
+
+def table(est, inter, n_local, bound, pairs):
+    up, down = pick_configs(est, inter, n_local)
+    p = prefer_persistent(est, bound, n_local)
+    return _fix(up, p), _fix(down, p)
+
+
+def flat16(est, inter, n_local, bound, pairs):
+    up, down = table(est, inter, n_local, bound, pairs)
+    return up, dataclasses.replace(down, group_m=16) if down.flat else down
+
+
+def pers(est, inter, n_local, bound, pairs):
+    # gate/up persistent wherever the host's bound counts at least twice the expected pairs
+    up, down = table(est, inter, n_local, bound, pairs)
+    return dataclasses.replace(up, persistent=True) if bound >= 2 * pairs else up, down
+
+
+def big(est, inter, n_local, bound, pairs):
+    # above 768 rows per expert at I > 256: the 128-row gate/up tile (one program per tile); at
+    # I > 1024 the K-loop down tile with few experts, the wide flat one with many
+    up, down = table(est, inter, n_local, bound, pairs)
+    if est > 768 and inter > 256:
+        up = dataclasses.replace(UP_128, persistent=False)
+        if inter > 1024:
+            down = WIDE_G8 if n_local > 64 else _fix(DOWN_TAIL, prefer_persistent(est, bound, n_local))
+    return up, down
+
+
+def flat4(est, inter, n_local, bound, pairs):
+    up, down = table(est, inter, n_local, bound, pairs)
+    return up, dataclasses.replace(down, group_m=4) if down.flat else down
+
+
+def up512(est, inter, n_local, bound, pairs):
+    # the 128-row gate/up tile with 32-row tails at 384-1024 rows per expert, many experts
+    up, down = table(est, inter, n_local, bound, pairs)
+    if 384 < est <= 1024 and n_local > 64:
+        up = _fix(UP_128, prefer_persistent(est, bound, n_local))
+    return up, down
+
+
+def every(est, inter, n_local, bound, pairs):
+    up, _ = pers(est, inter, n_local, bound, pairs)
+    up2, down = big(est, inter, n_local, bound, pairs)
+    up = up2 if est > 768 and inter > 256 else up
+    return up, dataclasses.replace(down, group_m=16) if down.flat else down
+
+
+VARIANTS = {"table": table, "flat16": flat16, "flat4": flat4, "pers": pers, "big": big, "up512": up512,
+            "every": every}
+
+
+def timed(fn, lead_ms: float) -> tuple[torch.cuda.Event, torch.cuda.Event]:
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    gpu_sleep(lead_ms)
+    a.record()
+    fn()
+    b.record()
+    return a, b
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--intermediate", type=int, nargs="+", default=[256, 768, 2048])
+    p.add_argument("--local-experts", type=int, nargs="+", default=[32, 128, 256])
+    p.add_argument("--tokens", type=int, nargs="+", default=[1024 << i for i in range(7)])
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--budget-s", type=float, default=1e9, help="stop starting shapes after this")
+    p.add_argument("--json", default=None)
+    a = p.parse_args()
+    if a.variants[0] != "table":
+        a.variants.insert(0, "table")
+    lim = measure_device_limits()
+    print(lim.describe(), flush=True)
+    hidden, topk, rows, t0 = 7168, 8, [], time.monotonic()
+    lib = SwiGLUExperts(num_global_experts=256)
+    with torch.inference_mode():
+        for inter in a.intermediate:
+            for n_local in a.local_experts:
+                w = None
+                for t in a.tokens:
+                    if time.monotonic() - t0 > a.budget_s:
+                        print(f"budget spent: stopping before I={inter} L={n_local} T={t}", flush=True)
+                        break
+                    case = make_case(t, hidden, inter, n_local, seed=t, weights=w)
+                    w = (case.w1, case.w2)
+                    rows.append(ab_shape(case, inter, n_local, t, topk, hidden, lib, lim, a.variants,
+                                         a.steps))
+                    if a.json:
+                        Path(a.json).write_text(json.dumps({"limits": lim.as_dict(), "rows": rows}, indent=1))
+                    del case
+                del w
+                torch.cuda.empty_cache()
+    summary(rows, a.variants)
+    return 0
+
+
+def ab_shape(case, inter, n_local, t, topk, hidden, lib, lim, variants, steps) -> dict:
+    ws = Workspace()
+    bound = t * topk
+    pairs = max(1, round(bound * n_local / 256))  # as SwiGLUExperts estimates them
+    est = pairs / n_local
+    calls, outs = {"library": lambda: _apply(lib, case, False, ws)}, {}
+    tiles = {}
+    for v in variants:
+        cfgs = VARIANTS[v](est, inter, n_local, bound, pairs)
+        tiles[v] = [str(c) for c in cfgs]
+        outs[v] = torch.empty_like(case.x)
+        calls[v] = lambda c=cfgs, o=outs[v]: fused_swiglu_experts(
+            case.x, case.w1, case.w2, case.weights, case.ids, out=o, configs=c, rows_per_expert=est)
+    leads = {}
+    for k, fn in calls.items():
+        fn()  # compiles
+        torch.cuda.synchronize()
+        s = time.perf_counter()
+        fn()
+        leads[k] = min(20.0, max(0.05, 2e3 * (time.perf_counter() - s)))
+        torch.cuda.synchronize()
+    ref = outs["table"].float()
+    errs = {v: float(relative_error(outs[v].float(), ref)) for v in variants}
+    ev = {k: [] for k in calls}
+    for _ in range(steps):
+        for k, fn in calls.items():
+            ev[k].append(timed(fn, leads[k]))
+    torch.cuda.synchronize()
+    ms = {k: statistics.median(x.elapsed_time(y) for x, y in v) for k, v in ev.items()}
+    flops, nbytes = experts_cost(hidden=hidden, intermediate=inter, local_pairs=int(case.counts.sum()),
+                                 experts_with_rows=int((case.counts > 0).sum()))
+    limit = lim.time_ms(flops, nbytes)
+    print(f"I={inter:>4} L={n_local:>3} T={t:>5} rows/e={est:>5.0f} | table {ms['table']:.3f} ms "
+          f"({ms['table'] / limit:.2f}x) | " + " ".join(
+              f"{k} {ms[k] / ms['table']:.3f}" for k in calls if k != "table")
+          + ("" if max(errs.values()) < 2e-2 else f" | WRONG {errs}"), flush=True)
+    return {"I": inter, "L": n_local, "tokens": t, "est_rows": est, "limit_ms": limit, "ms": ms,
+            "errs": errs, "tiles": tiles}
+
+
+def summary(rows: list[dict], variants: list[str]) -> None:
+    if not rows:
+        return
+    gm = statistics.geometric_mean
+    names = ["library"] + variants
+    for i in sorted({r["I"] for r in rows}) + [None]:
+        sub = [r for r in rows if i is None or r["I"] == i]
+        print(("all" if i is None else f"I={i}") + f" ({len(sub)} rows): " + "; ".join(
+            f"{k} {gm([r['ms'][k] / r['limit_ms'] for r in sub]):.3f}x limit, "
+            f"{gm([r['ms'][k] / r['ms']['table'] for r in sub]):.3f} of table" for k in names), flush=True)
+    for k in names:
+        worst = max(rows, key=lambda r: r["ms"][k] / r["limit_ms"])
+        print(f"{k}: worst {worst['ms'][k] / worst['limit_ms']:.2f}x (I={worst['I']} L={worst['L']} "
+              f"T={worst['tokens']}), rows over 2.0: {sum(r['ms'][k] / r['limit_ms'] > 2 for r in rows)}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,43 @@
+"""The fused experts' tile rules (pure Python: no Triton, no GPU)."""
+
+from __future__ import annotations
+
+import pytest
+
+from dbo.moe.fused_tiles import (
+    FLAT_DOWN,
+    FUSED_MAX_LOCAL_EXPERTS,
+    FUSED_MAX_ROWS_PER_EXPERT,
+    GemmConfig,
+    pick_configs,
+    prefer_fused,
+)
+
+
+def test_fused_everywhere_but_many_experts_with_many_rows_and_a_wide_intermediate():
+    many = FUSED_MAX_LOCAL_EXPERTS + 1
+    assert prefer_fused(4096, 1024, many)  # I <= 1024: any size
+    assert prefer_fused(FUSED_MAX_ROWS_PER_EXPERT, 2048, many)
+    assert not prefer_fused(FUSED_MAX_ROWS_PER_EXPERT + 1, 2048, many)
+    assert prefer_fused(4096, 2048, FUSED_MAX_LOCAL_EXPERTS)  # few experts: fused at any size
+    assert not prefer_fused(4096, 2048)  # unknown: as if many
+
+
+def test_a_tile_may_carry_its_own_persistence():
+    assert GemmConfig(persistent=True).persistent is True
+    assert GemmConfig().persistent is None  # the call's policy
+    with pytest.raises(ValueError, match="persistent always"):
+        GemmConfig(128, 128, 64, 8, 4, 3, flat=True, persistent=False)
+    with pytest.raises(ValueError, match="tail_m"):
+        GemmConfig(64, 64, 64, tail_m=24)
+
+
+@pytest.mark.parametrize("rows", [1, 32, 48, 64, 96, 128, 192, 256, 384, 512, 1024, 2048, 1 << 20])
+@pytest.mark.parametrize("inter", [128, 256, 768, 2048])
+@pytest.mark.parametrize("n_local", [8, 32, 128, 256])
+def test_every_size_gets_a_valid_pair_of_tiles(rows, inter, n_local):
+    up, down = pick_configs(rows, inter, n_local)
+    assert not up.flat and not up.n_per_program  # those are down tiles
+    if down.n_per_program:
+        assert inter <= down.block_k  # a short-K tile holds the whole K
+    assert down is FLAT_DOWN or down.block_m in (64, 128)
