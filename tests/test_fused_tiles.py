@@ -10,7 +10,6 @@ from dbo.moe.fused_tiles import (
     FUSED_MAX_ROWS_PER_EXPERT,
     GemmConfig,
     pick_configs,
-    pick_split_k,
     prefer_fused,
 )
 
@@ -42,22 +41,3 @@ def test_every_size_gets_a_valid_pair_of_tiles(rows, inter, n_local):
     if down.n_per_program:
         assert inter <= down.block_k  # a short-K tile holds the whole K
     assert down is FLAT_DOWN or down.block_m in (64, 128)
-
-
-def _split(tokens, inter, n_local, fits=lambda s: True):
-    rows = tokens * 8 / 256  # top-8 of 256 experts, uniform
-    return pick_split_k(rows, n_local, inter, 7168, pick_configs(rows, inter, n_local)[0], 132, fits)
-
-
-def test_split_k_where_the_tiles_leave_the_last_wave_part_empty():
-    # 32 local experts at I=256: ~290 tiles of 64 rows at 8192 tokens, 2.2 waves of 132 SMs
-    assert [_split(t, 256, 32) for t in (1024, 2048, 4096, 8192, 16384, 32768)] == [2, 4, 4, 4, 2, 1]
-    assert [_split(t, 768, 32) for t in (1024, 4096, 8192)] == [2, 4, 1]
-    assert all(_split(t, i, n) == 1 for t in (1024, 8192, 65536) for i in (256, 768, 2048)
-               for n in (128, 256))  # enough tiles
-    assert _split(4096, 2048, 32) == 1
-    assert _split(8192, 256, 32, fits=lambda s: s <= 2) == 2  # no room for four partials
-    assert _split(8192, 256, 32, fits=lambda s: False) == 1
-    assert pick_split_k(0, 32, 256, 7168, GemmConfig(), 132) == 1
-    # each program keeps at least SPLIT_MIN_STEPS K steps: a short K is not split
-    assert pick_split_k(256, 32, 256, 512, GemmConfig(64, 128, 64), 132) == 1

@@ -49,7 +49,6 @@ from dbo.moe.fused_tiles import (
     FUSED_MAX_ROWS_PER_EXPERT,
     GemmConfig,
     pick_configs,
-    pick_split_k,
     prefer_fused,
     prefer_persistent,
     prefer_sole,
@@ -59,7 +58,7 @@ from dbo.moe.triton_launch import Desc, cdiv, launch, next_pow2
 
 __all__ = ["GemmConfig", "CONFIGS", "FP32_CONFIG", "FUSED_MAX_ROWS_PER_EXPERT", "prefer_fused",
            "pick_configs", "fused_swiglu_experts", "route_order", "launch_gate_up", "launch_down",
-           "launch_topk_sum", "tile_map", "split_k_scratch"]
+           "launch_topk_sum", "tile_map"]
 
 try:
     import triton
@@ -146,51 +145,27 @@ def _aligned(*tensors: torch.Tensor) -> bool:
     return all(t.data_ptr() % 16 == 0 for t in tensors)
 
 
-def _f32_view(t: torch.Tensor) -> torch.Tensor | None:
-    # a contiguous 2-byte tensor's memory as float32 elements, where its size and offset allow
-    try:
-        return t.view(-1).view(torch.float32)
-    except RuntimeError:
-        return None
-
-
 def _precision(x: torch.Tensor) -> str:
     return "ieee" if x.dtype == torch.float32 else "tf32"
 
 
 def launch_gate_up(x: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, w1: torch.Tensor,
                    act: torch.Tensor, cfg: GemmConfig, pairs: int, topk: int,
-                   persistent: bool = False, split_k: int = 1, scratch: torch.Tensor | None = None) -> None:
+                   persistent: bool = False) -> None:
     """``act[r] = silu(x[t] @ g_e.T) * (x[t] @ u_e.T)`` for each sorted row ``r`` of expert
-    ``e`` (``t = order[r] // topk``); ``pairs``: an upper bound of the local pairs (the grid).
-
-    ``split_k`` > 1: each tile's K steps are shared by that many programs, whose float32 sums
-    go to ``scratch`` (float32, at least :func:`split_k_scratch` elements; else allocated); the last
-    of a tile's programs to finish adds them up in a fixed order and applies the activation."""
+    ``e`` (``t = order[r] // topk``); ``pairs``: an upper bound of the local pairs (the grid)."""
     n_experts, two_inter, hidden = w1.shape
     inter = two_inter // 2
     cfg = FP32_CONFIG if x.element_size() > 2 else cfg
     persistent = persistent if cfg.persistent is None else cfg.persistent
     tma = cfg.tma and hidden % cfg.block_k == 0 and _aligned(w1)
     w = Desc(w1.view(n_experts * two_inter, hidden), (cfg.block_n, cfg.block_k)) if tma else w1
-    bound = _bound(cfg, pairs, n_experts, inter)
-    part = cnt = act  # (unread with one program per tile's K steps)
-    if split_k > 1:
-        need = split_k_scratch(cfg, pairs, n_experts, inter, split_k)
-        if scratch is None or scratch.dtype != torch.float32 or scratch.numel() < need:
-            scratch = torch.empty(need, dtype=torch.float32, device=x.device)
-        part, cnt = scratch, torch.zeros(bound, dtype=torch.int32, device=x.device)
-    _launch(gate_up_kernel, bound * split_k, x.device, (
-        x, order, offsets, w, act, n_experts, hidden, inter, w1.stride(0), part, cnt), dict(
+    _launch(gate_up_kernel, _bound(cfg, pairs, n_experts, inter), x.device, (
+        x, order, offsets, w, act, n_experts, hidden, inter, w1.stride(0)), dict(
         TOPK=topk, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         BLOCK_E=_block_e(n_experts), GROUP_M=cfg.group_m, TAIL_M=cfg.tail_m,
         EVEN_K=hidden % cfg.block_k == 0, PRECISION=_precision(x), TMA=tma, PERSISTENT=persistent,
-        SPLIT_K=split_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages), persistent)
-
-
-def split_k_scratch(cfg: GemmConfig, pairs: int, n_experts: int, inter: int, split_k: int) -> int:
-    """float32 elements of :func:`launch_gate_up`'s partials: every unit of the host's bound."""
-    return _bound(cfg, pairs, n_experts, inter) * split_k * cfg.block_m * 2 * cfg.block_n
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages), persistent)
 
 
 #: row tiles per program of :func:`tile_map`, and sorted rows per program of its ``sole`` part
@@ -281,8 +256,7 @@ def fused_swiglu_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
                          configs: tuple[GemmConfig, GemmConfig] | None = None,
                          bounds: torch.Tensor | None = None,
                          rows_per_expert: float | None = None,
-                         persistent: bool | None = None, sole_pairs: bool | None = None,
-                         split_k: int | None = None) -> torch.Tensor:
+                         persistent: bool | None = None, sole_pairs: bool | None = None) -> torch.Tensor:
     """Routed SwiGLU experts, fused (see the module docstring). CUDA tensors, Triton.
 
     Args:
@@ -303,10 +277,6 @@ def fused_swiglu_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
         sole_pairs: ``reduce`` with the flat down tile: a token's row with no other local slot
             goes weighted from the down GEMM to ``out``, skipping ``y`` and the top-k sum (the
             same numbers). Default :func:`prefer_sole`, from the local share of the slots.
-        split_k: programs sharing each gate/up tile's K steps (1, 2 or 4; their float32 sums
-            meet in the down GEMM's output buffer before it is written). Default
-            :func:`dbo.moe.fused_tiles.pick_split_k`: where the tiles are too few to fill
-            the GPU's last wave (few experts, small I) and the buffer holds the sums.
 
     Returns:
         ``out``. Nothing waits for the GPU.
@@ -323,20 +293,9 @@ def fused_swiglu_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
     if persistent is None:
         persistent = prefer_persistent(est, pairs, n_experts) if x.is_cuda else True
     act = torch.empty(m * topk, inter, dtype=x.dtype, device=x.device)
+    launch_gate_up(x, order, offsets, w1, act, up_cfg, pairs, topk, persistent)
     y = out.view(m * topk, hidden) if not reduce else \
         torch.empty(m * topk, hidden, dtype=x.dtype, device=x.device)
-    # the partials of a split K live in y: the down GEMM writes it after the gate/up GEMM
-    scratch = _f32_view(y)
-    if split_k is None:
-        split_k = 1
-        if x.is_cuda and x.element_size() == 2:
-            room = 0 if scratch is None else scratch.numel()
-            sms = _props(x.device).multi_processor_count
-            split_k = pick_split_k(est, n_experts, inter, hidden, up_cfg, sms,
-                                   lambda s: split_k_scratch(up_cfg, pairs, n_experts, inter, s) <= room)
-    elif split_k not in (1, 2, 4):
-        raise ValueError(f"split_k must be 1, 2 or 4, got {split_k}")
-    launch_gate_up(x, order, offsets, w1, act, up_cfg, pairs, topk, persistent, split_k, scratch)
     if reduce and sole_pairs is None:
         sole_pairs = prefer_sole(est * n_experts / max(1, m * topk), topk)
     ids, tw = topk_ids.contiguous(), topk_weights.contiguous()

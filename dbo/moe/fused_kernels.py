@@ -61,25 +61,22 @@ if triton is not None:
 
     @triton.jit
     def _gate_up_rows(x_ptr, order_ptr, w, act_ptr, e, row0, end_row, pid_n, hidden, inter, stride_we,
-                      k_lo, k_hi, unit, part_ptr, cnt_ptr,
                       TOPK: tl.constexpr, BM: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
-                      TMA: tl.constexpr, SPLIT_K: tl.constexpr, PART_M: tl.constexpr):
-        # BM rows from row0 (those below end_row are the expert's) x BLOCK_N columns of gate and
-        # up, over hidden's [k_lo, k_hi); with SPLIT_K > 1 this unit's sums go to its partial,
-        # and the tile's last unit to finish adds them all up in unit order
+                      TMA: tl.constexpr):
+        # BM rows from row0 (those below end_row are the expert's) x BLOCK_N columns of gate and up
         rows = row0 + tl.arange(0, BM)
         row_mask = rows < end_row
         tokens = (tl.load(order_ptr + rows, mask=row_mask, other=0) // TOPK).to(tl.int64)
         ks = tl.arange(0, BLOCK_K)
-        a_ptrs = x_ptr + tokens[:, None] * hidden + (k_lo + ks)[None, :]
+        a_ptrs = x_ptr + tokens[:, None] * hidden + ks[None, :]
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         col_mask = cols < inter
         acc_g = tl.zeros([BM, BLOCK_N], dtype=tl.float32)
         acc_u = tl.zeros([BM, BLOCK_N], dtype=tl.float32)
         if TMA:  # w: w1 as [E * 2I, hidden], box [BLOCK_N, BLOCK_K]; hidden % BLOCK_K == 0
             g_row = e * 2 * inter + pid_n * BLOCK_N
-            for k0 in range(k_lo, k_hi, BLOCK_K):
+            for k0 in range(0, hidden, BLOCK_K):
                 a = tl.load(a_ptrs, mask=row_mask[:, None], other=0.0)
                 g = w.load([g_row, k0])
                 u = w.load([g_row + inter, k0])
@@ -87,16 +84,15 @@ if triton is not None:
                 acc_u = tl.dot(a, u.T, acc_u)
                 a_ptrs += BLOCK_K
         else:
-            g_ptrs = (w + e.to(tl.int64) * stride_we + cols[None, :].to(tl.int64) * hidden
-                      + (k_lo + ks)[:, None])
+            g_ptrs = w + e.to(tl.int64) * stride_we + cols[None, :].to(tl.int64) * hidden + ks[:, None]
             u_ptrs = g_ptrs + inter * hidden
-            for k0 in range(k_lo, k_hi, BLOCK_K):
+            for k0 in range(0, hidden, BLOCK_K):
                 if EVEN_K:
                     a = tl.load(a_ptrs, mask=row_mask[:, None], other=0.0)
                     g = tl.load(g_ptrs, mask=col_mask[None, :], other=0.0)
                     u = tl.load(u_ptrs, mask=col_mask[None, :], other=0.0)
                 else:
-                    k_mask = (k0 + ks) < k_hi
+                    k_mask = (k0 + ks) < hidden
                     a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
                     g = tl.load(g_ptrs, mask=col_mask[None, :] & k_mask[:, None], other=0.0)
                     u = tl.load(u_ptrs, mask=col_mask[None, :] & k_mask[:, None], other=0.0)
@@ -105,83 +101,53 @@ if triton is not None:
                 a_ptrs += BLOCK_K
                 g_ptrs += BLOCK_K
                 u_ptrs += BLOCK_K
-        if SPLIT_K > 1:
-            # partials: [units, PART_M, 2 * BLOCK_N] float32, gate then up; no unit waits for
-            # another (the last to count itself in does the sum), so none can hang
-            cell = tl.arange(0, BM)[:, None] * (2 * BLOCK_N) + tl.arange(0, BLOCK_N)[None, :]
-            tile = unit // SPLIT_K
-            mine = part_ptr + tl.cast(unit, tl.int64) * (PART_M * 2 * BLOCK_N)
-            tl.store(mine + cell, acc_g)
-            tl.store(mine + cell + BLOCK_N, acc_u)
-            tl.debug_barrier()  # every thread's partial stored before the count (a release)
-            if tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
-                acc_g = tl.zeros([BM, BLOCK_N], dtype=tl.float32)
-                acc_u = tl.zeros([BM, BLOCK_N], dtype=tl.float32)
-                for j in tl.static_range(SPLIT_K):  # in unit order: the same sum whoever adds
-                    part = part_ptr + tl.cast(tile * SPLIT_K + j, tl.int64) * (PART_M * 2 * BLOCK_N)
-                    acc_g += tl.load(part + cell, cache_modifier=".cg")
-                    acc_u += tl.load(part + cell + BLOCK_N, cache_modifier=".cg")
-                act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
-                tl.store(act_ptr + rows.to(tl.int64)[:, None] * inter + cols[None, :],
-                         act.to(act_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
-        else:
-            act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
-            tl.store(act_ptr + rows.to(tl.int64)[:, None] * inter + cols[None, :],
-                     act.to(act_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+        act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+        tl.store(act_ptr + rows.to(tl.int64)[:, None] * inter + cols[None, :],
+                 act.to(act_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
 
     @triton.jit
-    def _gate_up_tile(u, starts, ends, m_tiles, tile_ends, x_ptr, order_ptr, w, act_ptr, hidden, inter,
-                      stride_we, part_ptr, cnt_ptr, TOPK: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
-                      GROUP_M: tl.constexpr, TAIL_M: tl.constexpr, EVEN_K: tl.constexpr,
-                      PRECISION: tl.constexpr, TMA: tl.constexpr, SPLIT_K: tl.constexpr):
-        # unit u: tile u // SPLIT_K, its (u % SPLIT_K)-th share of hidden (whole BLOCK_K steps);
-        # an expert's last tile, when its rows fit, runs as a TAIL_M-row (or BLOCK_M // 2-row)
-        # tile: the flops of the rows past the expert's end are not spent
-        e, row0, end_row, pid_n = _tile_at(u // SPLIT_K, starts, ends, m_tiles, tile_ends,
-                                           tl.cdiv(inter, BLOCK_N), BLOCK_M, BLOCK_E, GROUP_M)
-        k_share = tl.cdiv(tl.cdiv(hidden, BLOCK_K), SPLIT_K) * BLOCK_K
-        k_lo = (u % SPLIT_K) * k_share
-        k_hi = tl.minimum(hidden, k_lo + k_share)
+    def _gate_up_tile(t, starts, ends, m_tiles, tile_ends, x_ptr, order_ptr, w, act_ptr, hidden, inter,
+                      stride_we, TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr,
+                      TAIL_M: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+                      TMA: tl.constexpr):
+        # tile t; an expert's last tile, when its rows fit, runs as a TAIL_M-row (or
+        # BLOCK_M // 2-row) tile: the flops of the rows past the expert's end are not spent
+        e, row0, end_row, pid_n = _tile_at(t, starts, ends, m_tiles, tile_ends, tl.cdiv(inter, BLOCK_N),
+                                           BLOCK_M, BLOCK_E, GROUP_M)
         n = end_row - row0
         if TAIL_M == 0:
             _gate_up_rows(x_ptr, order_ptr, w, act_ptr, e, row0, end_row, pid_n, hidden, inter,
-                          stride_we, k_lo, k_hi, u, part_ptr, cnt_ptr, TOPK, BLOCK_M, BLOCK_N, BLOCK_K,
-                          EVEN_K, PRECISION, TMA, SPLIT_K, BLOCK_M)
+                          stride_we, TOPK, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, TMA)
         elif n <= TAIL_M:
             _gate_up_rows(x_ptr, order_ptr, w, act_ptr, e, row0, end_row, pid_n, hidden, inter,
-                          stride_we, k_lo, k_hi, u, part_ptr, cnt_ptr, TOPK, TAIL_M, BLOCK_N, BLOCK_K,
-                          EVEN_K, PRECISION, TMA, SPLIT_K, BLOCK_M)
+                          stride_we, TOPK, TAIL_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, TMA)
         elif n <= BLOCK_M // 2:  # (never taken when TAIL_M is BLOCK_M // 2)
             _gate_up_rows(x_ptr, order_ptr, w, act_ptr, e, row0, end_row, pid_n, hidden, inter,
-                          stride_we, k_lo, k_hi, u, part_ptr, cnt_ptr, TOPK, BLOCK_M // 2, BLOCK_N,
-                          BLOCK_K, EVEN_K, PRECISION, TMA, SPLIT_K, BLOCK_M)
+                          stride_we, TOPK, BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, TMA)
         else:
             _gate_up_rows(x_ptr, order_ptr, w, act_ptr, e, row0, end_row, pid_n, hidden, inter,
-                          stride_we, k_lo, k_hi, u, part_ptr, cnt_ptr, TOPK, BLOCK_M, BLOCK_N, BLOCK_K,
-                          EVEN_K, PRECISION, TMA, SPLIT_K, BLOCK_M)
+                          stride_we, TOPK, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, TMA)
 
     @triton.jit
     def gate_up_kernel(x_ptr, order_ptr, offs_ptr, w, act_ptr, n_experts, hidden, inter, stride_we,
-                        part_ptr, cnt_ptr,
                         TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr,
                         TAIL_M: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
-                        TMA: tl.constexpr, PERSISTENT: tl.constexpr, SPLIT_K: tl.constexpr):
-        # one unit per program (those past the units do nothing), or PERSISTENT: every
-        # num_programs-th unit; a unit is a tile, or with SPLIT_K > 1 a share of a tile's K steps
-        # (part_ptr: the units' float32 partials; cnt_ptr: a zeroed int32 count per tile)
+                        TMA: tl.constexpr, PERSISTENT: tl.constexpr):
+        # one tile per program (those past the tiles do nothing), or PERSISTENT: every
+        # num_programs-th tile
         starts, ends, m_tiles, tile_ends, n_tiles = _tile_table(offs_ptr, n_experts, tl.cdiv(inter, BLOCK_N),
                                                                 BLOCK_M, BLOCK_E)
         if PERSISTENT:
-            for u in range(tl.program_id(0), n_tiles * SPLIT_K, tl.num_programs(0)):
-                _gate_up_tile(u, starts, ends, m_tiles, tile_ends, x_ptr, order_ptr, w, act_ptr, hidden,
-                              inter, stride_we, part_ptr, cnt_ptr, TOPK, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_E,
-                              GROUP_M, TAIL_M, EVEN_K, PRECISION, TMA, SPLIT_K)
-        elif tl.program_id(0) < n_tiles * SPLIT_K:
+            for t in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
+                _gate_up_tile(t, starts, ends, m_tiles, tile_ends, x_ptr, order_ptr, w, act_ptr, hidden,
+                              inter, stride_we, TOPK, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_E, GROUP_M, TAIL_M,
+                              EVEN_K, PRECISION, TMA)
+        elif tl.program_id(0) < n_tiles:
             _gate_up_tile(tl.program_id(0), starts, ends, m_tiles, tile_ends, x_ptr, order_ptr, w, act_ptr,
-                          hidden, inter, stride_we, part_ptr, cnt_ptr, TOPK, BLOCK_M, BLOCK_N, BLOCK_K,
-                          BLOCK_E, GROUP_M, TAIL_M, EVEN_K, PRECISION, TMA, SPLIT_K)
+                          hidden, inter, stride_we, TOPK, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_E, GROUP_M,
+                          TAIL_M, EVEN_K, PRECISION, TMA)
 
     @triton.jit
     def _down_rows(act_ptr, act_desc, order_ptr, w, y_ptr, e, row0, end_row, pid_n, hidden, inter,

@@ -7,14 +7,11 @@ against its own hardware limit; docs/perf_notes.md section 5).
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
 from dataclasses import dataclass
 
 __all__ = ["GemmConfig", "CONFIGS", "FP32_CONFIG", "FEW_EXPERTS_UP", "FEW_EXPERTS_DOWN", "FLAT_DOWN",
            "FLAT_DOWN_WIDE", "DOWN_TAIL", "FUSED_MAX_ROWS_PER_EXPERT", "FUSED_MAX_LOCAL_EXPERTS",
-           "prefer_fused", "prefer_persistent", "prefer_sole", "SOLE_MIN_SHARE", "pick_configs",
-           "pick_split_k", "SPLIT_MIN_GAIN"]
+           "prefer_fused", "prefer_persistent", "prefer_sole", "SOLE_MIN_SHARE", "pick_configs"]
 
 
 @dataclass(frozen=True)
@@ -155,39 +152,3 @@ def pick_configs(rows_per_expert: float, intermediate: int = 1 << 30,
                 down = FLAT_DOWN_WIDE  # 0.79-0.86x the 128x128 tile's time at 2048 rows, 256 experts
             return up, down
     raise AssertionError("the last CONFIGS bound covers every size")
-
-
-#: how much fuller a split must keep the GPU's program slots (busy slots over the waves' slots)
-#: than the next smaller split to be chosen
-SPLIT_MIN_GAIN = 1.1
-#: the fewest K steps (of ``block_k``) a program of a split tile keeps
-SPLIT_MIN_STEPS = 16
-
-
-def pick_split_k(rows_per_expert: float, n_experts: int, inter: int, hidden: int, cfg: GemmConfig,
-                 sms: int, fits: Callable[[int], bool] = lambda s: True) -> int:
-    """How many programs share each gate/up tile's K steps (1, 2 or 4): the tiles' expected
-    count over the GPU's program slots is a number of waves, and the last one runs part-empty
-    (at 32 local experts, I=256 and ~256 rows each: ~290 tiles, 2.2 waves of 132 slots, 73% of
-    the slots busy). Splitting each tile's K steps in ``s`` makes ``s`` times the waves, each
-    ``s`` times shorter; a split is taken where it keeps the slots ``SPLIT_MIN_GAIN`` times
-    fuller than the smaller one, each program keeps ``SPLIT_MIN_STEPS`` K steps or more and
-    ``fits(s)`` (room for the float32 partials)."""
-    if rows_per_expert <= 0 or n_experts <= 0:
-        return 1
-    # an expert's rows fill rows / block_m tiles and, on average, half of one more
-    per_expert = max(1.0, rows_per_expert / cfg.block_m + 0.5)
-    tiles = n_experts * per_expert * math.ceil(inter / cfg.block_n)
-    smem = cfg.num_stages * (cfg.block_m + 2 * cfg.block_n) * cfg.block_k * 2  # bf16 A and B stages
-    slots = sms * max(1, (228 << 10) // (smem + (1 << 10)))
-    steps = math.ceil(hidden / cfg.block_k)
-
-    def busy(s: int) -> float:  # busy slots over the slots of the waves
-        waves = s * tiles / slots
-        return waves / math.ceil(waves)
-
-    best = 1
-    for s in (2, 4):
-        if steps >= SPLIT_MIN_STEPS * s and busy(s) >= SPLIT_MIN_GAIN * busy(best) and fits(s):
-            best = s
-    return best

@@ -1,13 +1,13 @@
 """Same-run A/B of tile-table variants of the fused experts, whole calls, over the issue's grid.
 
 Each variant is a rule ``(estimated rows per expert, I, local experts, host bound, estimated
-pairs) -> (gate_up tile, down tile[, split_k])``, with each tile's ``persistent`` set (no
-split_k: the library's policy). For every shape (hidden 7168, top-8 of 256, device offsets, the
-estimate ``SwiGLUExperts`` makes) the variants' whole calls (``fused_swiglu_experts``) and the
-library's (``SwiGLUExperts``, which may run the unfused steps) alternate, each queued behind a
-GPU sleep (the GPU's time), ``--steps`` rounds; each variant's output is checked against the
-table's. It prints per shape each variant's time over the table's and at the end the geometric
-means (by I and over the grid) of the ratio and of the time over the limit.
+pairs) -> (gate_up tile, down tile)``, with each tile's ``persistent`` set. For every shape
+(hidden 7168, top-8 of 256, device offsets, the estimate ``SwiGLUExperts`` makes) the variants'
+whole calls (``fused_swiglu_experts``) and the library's (``SwiGLUExperts``, which may run the
+unfused steps) alternate, each queued behind a GPU sleep (the GPU's time), ``--steps`` rounds;
+each variant's output is checked against the table's. It prints per shape each variant's time
+over the table's and at the end the geometric means (by I and over the grid) of the ratio and
+of the time over the limit.
 
     python3 tests/gpu/ab_tiles.py --json $OUT/ab_tiles.json [--variants table flat16 ...]
 """
@@ -91,13 +91,8 @@ def every(est, inter, n_local, bound, pairs):
     return up, dataclasses.replace(down, group_m=16) if down.flat else down
 
 
-def nosplit(est, inter, n_local, bound, pairs):
-    # the table without splitting the gate/up tiles' K steps (the third item: split_k)
-    return (*table(est, inter, n_local, bound, pairs), 1)
-
-
-VARIANTS = {"nosplit": nosplit, "table": table, "flat16": flat16, "flat4": flat4, "pers": pers, "big": big,
-            "up512": up512, "every": every}
+VARIANTS = {"table": table, "flat16": flat16, "flat4": flat4, "pers": pers, "big": big, "up512": up512,
+            "every": every}
 
 
 def timed(fn, lead_ms: float) -> tuple[torch.cuda.Event, torch.cuda.Event]:
@@ -154,13 +149,11 @@ def ab_shape(case, inter, n_local, t, topk, hidden, lib, lim, variants, steps) -
     calls, outs = {"library": lambda: _apply(lib, case, False, ws)}, {}
     tiles = {}
     for v in variants:
-        cfgs = VARIANTS[v](est, inter, n_local, bound, pairs)  # (up, down[, split_k])
-        split = cfgs[2] if len(cfgs) > 2 else None  # None: the library's policy
+        cfgs = VARIANTS[v](est, inter, n_local, bound, pairs)
         tiles[v] = [str(c) for c in cfgs]
         outs[v] = torch.empty_like(case.x)
-        calls[v] = lambda c=cfgs[:2], o=outs[v], sk=split: fused_swiglu_experts(
-            case.x, case.w1, case.w2, case.weights, case.ids, out=o, configs=c, rows_per_expert=est,
-            split_k=sk)
+        calls[v] = lambda c=cfgs, o=outs[v]: fused_swiglu_experts(
+            case.x, case.w1, case.w2, case.weights, case.ids, out=o, configs=c, rows_per_expert=est)
     leads = {}
     for k, fn in calls.items():
         fn()  # compiles

@@ -38,26 +38,19 @@ def _flat_sole(bm, bn, bk):
     return _flat(bm, bn, bk, sole=True)
 
 
-def _gate_up(bm, bn, bk, split_k=1, persistent=False):
+def _gate_up(bm, bn, bk):
     sig = {"x_ptr": "*bf16", "order_ptr": "*i32", "offs_ptr": "*i32", "w": f"tensordesc<bf16[{bn}, {bk}]>",
            "act_ptr": "*bf16", "n_experts": "i32", "hidden": "i32", "inter": "i32", "stride_we": "i32",
-           "part_ptr": "*fp32", "cnt_ptr": "*i32",
            "TOPK": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
            "BLOCK_E": "constexpr", "GROUP_M": "constexpr", "TAIL_M": "constexpr", "EVEN_K": "constexpr",
-           "PRECISION": "constexpr", "TMA": "constexpr", "PERSISTENT": "constexpr", "SPLIT_K": "constexpr"}
+           "PRECISION": "constexpr", "TMA": "constexpr", "PERSISTENT": "constexpr"}
     consts = {"TOPK": 8, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "BLOCK_E": 256, "GROUP_M": 8,
-              "TAIL_M": 0, "EVEN_K": True, "PRECISION": "tf32", "TMA": True, "PERSISTENT": persistent,
-              "SPLIT_K": split_k}
+              "TAIL_M": 0, "EVEN_K": True, "PRECISION": "tf32", "TMA": True, "PERSISTENT": False}
     return fk.gate_up_kernel, sig, consts, ("x_ptr", "order_ptr", "offs_ptr", "act_ptr", "hidden", "inter",
-                                            "stride_we", "part_ptr", "cnt_ptr")
+                                            "stride_we")
 
 
-def _gate_up_split(bm, bn, bk):
-    return _gate_up(bm, bn, bk, split_k=2, persistent=True)
-
-
-KERNELS = {"down_flat": _flat, "down_flat_sole": _flat_sole, "gate_up": _gate_up,
-           "gate_up_split": _gate_up_split}
+KERNELS = {"down_flat": _flat, "down_flat_sole": _flat_sole, "gate_up": _gate_up}
 
 
 def check(name: str, tile: str) -> dict:

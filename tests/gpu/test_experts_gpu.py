@@ -188,57 +188,6 @@ def test_a_tiles_own_persistence_wins_over_the_calls(call_persistent):
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton is not importable")
-@pytest.mark.parametrize("split_k, persistent, tile",
-                         [(2, True, 1), (4, False, 1), (2, False, 0), (4, True, 3)])
-def test_split_k_gate_up_matches_torch_and_repeats_bit_for_bit(split_k, persistent, tile):
-    # the gate/up tiles' K steps shared by 2 or 4 programs (the last to finish adds the float32
-    # partials in a fixed order): the torch steps' numbers, the same bits call after call, no sync
-    from dbo.moe.fused_experts import fused_swiglu_experts
-    from dbo.moe.fused_tiles import CONFIGS, FEW_EXPERTS_UP, FLAT_DOWN
-
-    up = FEW_EXPERTS_UP if tile == 0 else CONFIGS[tile][1]
-    x, w1, w2, weights, ids = _case(2500, 32, 8, 2048, 256, torch.bfloat16, seed=7 + split_k)
-    want = _apply(SwiGLUExperts(use_triton=False), x, w1, w2, weights, ids, True)
-    outs = []
-    for check in (False, True):
-        outs.append(torch.full_like(x, float("nan")))
-        with no_host_syncs() if check else contextlib.nullcontext():
-            fused_swiglu_experts(x, w1, w2, weights, ids, out=outs[-1], configs=(up, FLAT_DOWN),
-                                 persistent=persistent, split_k=split_k)
-    torch.cuda.synchronize()
-    assert relative_error(outs[0], want) < 1e-2
-    assert torch.equal(outs[0], outs[1])
-
-
-@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not importable")
-def test_the_split_k_policy_at_few_experts_keeps_the_numbers():
-    # 32 of 256 experts local, I=256, ~256 rows each: the policy splits the gate/up tiles' K
-    # steps (their partials in the down GEMM's output buffer); the same numbers as without
-    from dbo.moe.fused_experts import fused_swiglu_experts
-    from dbo.moe.fused_tiles import pick_configs, pick_split_k
-
-    m, n_local, inter, hidden = 8192, 32, 256, 7168
-    g = torch.Generator(device="cuda").manual_seed(3)
-    bf16 = torch.bfloat16
-    x = torch.randn(m, hidden, device="cuda", generator=g).to(bf16)
-    w1 = (torch.randn(n_local, 2 * inter, hidden, device="cuda", generator=g) / hidden ** 0.5).to(bf16)
-    w2 = (torch.randn(n_local, hidden, inter, device="cuda", generator=g) / inter ** 0.5).to(bf16)
-    weights, ids = torch.topk(torch.softmax(torch.randn(m, 256, device="cuda", generator=g), -1), 8, dim=-1)
-    ids = torch.where(ids < n_local, ids, -1).to(torch.int32)
-    est = m * 8 / 256
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    assert pick_split_k(est, n_local, inter, hidden, pick_configs(est, inter, n_local)[0], sms) > 1
-    outs = {}
-    for split in (None, 1):
-        outs[split] = torch.full_like(x, float("nan"))
-        fused_swiglu_experts(x, w1, w2, weights, ids, out=outs[split], rows_per_expert=est, split_k=split)
-    torch.cuda.synchronize()
-    assert relative_error(outs[None], outs[1]) < 1e-2
-    want = _apply(SwiGLUExperts(use_triton=False), x, w1, w2, weights, ids, True)
-    assert relative_error(outs[None], want) < 2e-2
-
-
-@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not importable")
 @pytest.mark.parametrize("m, n_local", [(9000, 32), (65000, 32), (9000, 256), (70000, 32)])
 def test_route_order_both_sorts(m, n_local):
     # the counting sort with many chunks (72K and 520K pairs of 32 experts) and the radix sort
