@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import statistics
 import sys
 import time
@@ -26,12 +25,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from dbo.bench.experts import _apply, make_case  # noqa: E402
-from dbo.bench.limits import experts_cost, measure_device_limits  # noqa: E402
+from dbo.bench.experts import _apply  # noqa: E402
+from dbo.bench.limits import experts_cost  # noqa: E402
 from dbo.bench.timing import gpu_sleep  # noqa: E402
-from dbo.moe import SwiGLUExperts, Workspace, relative_error  # noqa: E402
+from dbo.moe import Workspace, relative_error  # noqa: E402
 from dbo.moe.fused_experts import GemmConfig, fused_swiglu_experts, pick_configs  # noqa: E402
 from dbo.moe.fused_tiles import DOWN_TAIL, prefer_persistent  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sweep_tiles import grid_args, run_shapes  # noqa: E402
 
 C = GemmConfig
 UP_128 = C(128, 128, 64, 8, 8, 4, tma=True, tail_m=32)
@@ -106,38 +108,13 @@ def timed(fn, lead_ms: float) -> tuple[torch.cuda.Event, torch.cuda.Event]:
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--intermediate", type=int, nargs="+", default=[256, 768, 2048])
-    p.add_argument("--local-experts", type=int, nargs="+", default=[32, 128, 256])
-    p.add_argument("--tokens", type=int, nargs="+", default=[1024 << i for i in range(7)])
+    grid_args(p)
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--budget-s", type=float, default=1e9, help="stop starting shapes after this")
-    p.add_argument("--json", default=None)
     a = p.parse_args()
     if a.variants[0] != "table":
         a.variants.insert(0, "table")
-    lim = measure_device_limits()
-    print(lim.describe(), flush=True)
-    hidden, topk, rows, t0 = 7168, 8, [], time.monotonic()
-    lib = SwiGLUExperts(num_global_experts=256)
-    with torch.inference_mode():
-        for inter in a.intermediate:
-            for n_local in a.local_experts:
-                w = None
-                for t in a.tokens:
-                    if time.monotonic() - t0 > a.budget_s:
-                        print(f"budget spent: stopping before I={inter} L={n_local} T={t}", flush=True)
-                        break
-                    case = make_case(t, hidden, inter, n_local, seed=t, weights=w)
-                    w = (case.w1, case.w2)
-                    rows.append(ab_shape(case, inter, n_local, t, topk, hidden, lib, lim, a.variants,
-                                         a.steps))
-                    if a.json:
-                        Path(a.json).write_text(json.dumps({"limits": lim.as_dict(), "rows": rows}, indent=1))
-                    del case
-                del w
-                torch.cuda.empty_cache()
-    summary(rows, a.variants)
+    summary(run_shapes(a, lambda *shape: ab_shape(*shape, a.variants, a.steps)), a.variants)
     return 0
 
 

@@ -105,16 +105,19 @@ def time_candidate(fn, reps: int) -> float:
     return timed(fn, reps, lead)
 
 
-def main() -> int:
-    p = argparse.ArgumentParser()
+def grid_args(p: argparse.ArgumentParser) -> None:
+    """The grid's arguments, shared with ``ab_tiles.py``."""
     p.add_argument("--intermediate", type=int, nargs="+", default=[256, 768, 2048])
     p.add_argument("--local-experts", type=int, nargs="+", default=[32, 128, 256])
     p.add_argument("--tokens", type=int, nargs="+", default=[1024 << i for i in range(7)])
-    p.add_argument("--reps", type=int, default=5, help="calls per candidate")
-    p.add_argument("--steps", type=int, default=10, help="whole calls per way")
     p.add_argument("--budget-s", type=float, default=1e9, help="stop starting shapes after this")
     p.add_argument("--json", default=None)
-    a = p.parse_args()
+
+
+def run_shapes(a: argparse.Namespace, shape_fn) -> list[dict]:
+    """``shape_fn(case, inter, n_local, tokens, topk, hidden, library, limits)`` for every shape of
+    the grid (weights made once per I and local experts); the rows, also written to ``--json``
+    after every shape (a run cut short still leaves them)."""
     lim = measure_device_limits()
     print(lim.describe(), flush=True)
     hidden, topk, rows, t0 = 7168, 8, [], time.monotonic()
@@ -129,13 +132,22 @@ def main() -> int:
                         break
                     case = make_case(t, hidden, inter, n_local, seed=t, weights=w)
                     w = (case.w1, case.w2)
-                    rows.append(sweep_shape(case, inter, n_local, t, topk, hidden, lib, lim, a))
-                    if a.json:  # after every shape: a run cut short still leaves its rows
+                    rows.append(shape_fn(case, inter, n_local, t, topk, hidden, lib, lim))
+                    if a.json:
                         Path(a.json).write_text(json.dumps({"limits": lim.as_dict(), "rows": rows}, indent=1))
                     del case
                 del w
                 torch.cuda.empty_cache()
-    summary(rows)
+    return rows
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    grid_args(p)
+    p.add_argument("--reps", type=int, default=5, help="calls per candidate")
+    p.add_argument("--steps", type=int, default=10, help="whole calls per way")
+    a = p.parse_args()
+    summary(run_shapes(a, lambda *shape: sweep_shape(*shape, a)))
     return 0
 
 
