@@ -172,9 +172,11 @@ def test_every_fused_tile_matches_torch(case, m, monkeypatch):
 @pytest.mark.parametrize("call_persistent", [False, True])
 def test_a_tiles_own_persistence_wins_over_the_calls(call_persistent):
     # a tuned table's tiles carry their persistence: each GEMM keeps its own, whatever the call's
+    # (a persistent launch sizes its grid from the compiled kernel, cached per specialization)
     import dataclasses
 
-    from dbo.moe.fused_experts import fused_swiglu_experts
+    from dbo.moe import fused_experts as fe
+    from dbo.moe.fused_kernels import down_kernel, gate_up_kernel
     from dbo.moe.fused_tiles import CONFIGS, DOWN_TAIL
 
     x, w1, w2, weights, ids = _case(3000, 32, 8, 1024, 512, torch.bfloat16, seed=5)
@@ -182,9 +184,13 @@ def test_a_tiles_own_persistence_wins_over_the_calls(call_persistent):
     up = dataclasses.replace(CONFIGS[-1][1], persistent=not call_persistent)
     down = dataclasses.replace(DOWN_TAIL, persistent=not call_persistent)
     out = torch.empty_like(x)
-    fused_swiglu_experts(x, w1, w2, weights, ids, out=out, configs=(up, down), persistent=call_persistent)
+    fe._PER_SM.clear()
+    fe.fused_swiglu_experts(x, w1, w2, weights, ids, out=out, configs=(up, down), persistent=call_persistent)
     torch.cuda.synchronize()
     assert relative_error(out, want) < 1e-2
+    ran_persistent = {k[0] for k in fe._PER_SM}
+    assert (id(gate_up_kernel) in ran_persistent) == (not call_persistent)
+    assert (id(down_kernel) in ran_persistent) == (not call_persistent)
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton is not importable")
