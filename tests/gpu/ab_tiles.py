@@ -18,22 +18,17 @@ import argparse
 import dataclasses
 import statistics
 import sys
-import time
 from pathlib import Path
-
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from dbo.bench.experts import _apply  # noqa: E402
+from dbo.bench.experts import time_experts  # noqa: E402
 from dbo.bench.limits import experts_cost  # noqa: E402
-from dbo.bench.timing import gpu_sleep  # noqa: E402
-from dbo.moe import Workspace, relative_error  # noqa: E402
-from dbo.moe.fused_experts import GemmConfig, fused_swiglu_experts, pick_configs  # noqa: E402
+from dbo.moe.fused_experts import GemmConfig, pick_configs  # noqa: E402
 from dbo.moe.fused_tiles import DOWN_TAIL, prefer_persistent  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sweep_tiles import grid_args, run_shapes  # noqa: E402
+from sweep_tiles import FixedTiles, grid_args, run_shapes  # noqa: E402
 
 C = GemmConfig
 UP_128 = C(128, 128, 64, 8, 8, 4, tma=True, tail_m=32)
@@ -97,15 +92,6 @@ VARIANTS = {"table": table, "flat16": flat16, "flat4": flat4, "pers": pers, "big
             "every": every}
 
 
-def timed(fn, lead_ms: float) -> tuple[torch.cuda.Event, torch.cuda.Event]:
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    gpu_sleep(lead_ms)
-    a.record()
-    fn()
-    b.record()
-    return a, b
-
-
 def main() -> int:
     p = argparse.ArgumentParser()
     grid_args(p)
@@ -119,40 +105,24 @@ def main() -> int:
 
 
 def ab_shape(case, inter, n_local, t, topk, hidden, lib, lim, variants, steps) -> dict:
-    ws = Workspace()
     bound = t * topk
     pairs = max(1, round(bound * n_local / 256))  # as SwiGLUExperts estimates them
     est = pairs / n_local
-    calls, outs = {"library": lambda: _apply(lib, case, False, ws)}, {}
-    tiles = {}
-    for v in variants:
+    impls, tiles = {}, {}
+    for v in variants:  # "table" first: the others' outputs are checked against its
         cfgs = VARIANTS[v](est, inter, n_local, bound, pairs)
         tiles[v] = [str(c) for c in cfgs]
-        outs[v] = torch.empty_like(case.x)
-        calls[v] = lambda c=cfgs, o=outs[v]: fused_swiglu_experts(
-            case.x, case.w1, case.w2, case.weights, case.ids, out=o, configs=c, rows_per_expert=est)
-    leads = {}
-    for k, fn in calls.items():
-        fn()  # compiles
-        torch.cuda.synchronize()
-        s = time.perf_counter()
-        fn()
-        leads[k] = min(20.0, max(0.05, 2e3 * (time.perf_counter() - s)))
-        torch.cuda.synchronize()
-    ref = outs["table"].float()
-    errs = {v: float(relative_error(outs[v].float(), ref)) for v in variants}
-    ev = {k: [] for k in calls}
-    for _ in range(steps):
-        for k, fn in calls.items():
-            ev[k].append(timed(fn, leads[k]))
-    torch.cuda.synchronize()
-    ms = {k: statistics.median(x.elapsed_time(y) for x, y in v) for k, v in ev.items()}
+        impls[v] = (FixedTiles(cfgs, est), False)
+    impls["library"] = (lib, False)
+    res = time_experts(impls, case, steps=steps, timings=("device",))
+    ms = {k: v["median_ms"] for k, v in res.items()}
+    errs = {v: res[v]["rel_err"] for v in variants}
     flops, nbytes = experts_cost(hidden=hidden, intermediate=inter, local_pairs=int(case.counts.sum()),
                                  experts_with_rows=int((case.counts > 0).sum()))
     limit = lim.time_ms(flops, nbytes)
     print(f"I={inter:>4} L={n_local:>3} T={t:>5} rows/e={est:>5.0f} | table {ms['table']:.3f} ms "
           f"({ms['table'] / limit:.2f}x) | " + " ".join(
-              f"{k} {ms[k] / ms['table']:.3f}" for k in calls if k != "table")
+              f"{k} {ms[k] / ms['table']:.3f}" for k in ms if k != "table")
           + ("" if max(errs.values()) < 2e-2 else f" | WRONG {errs}"), flush=True)
     return {"I": inter, "L": n_local, "tokens": t, "est_rows": est, "limit_ms": limit, "ms": ms,
             "errs": errs, "tiles": tiles}

@@ -7,9 +7,10 @@ time):
 * every gate/up candidate tile alone, one program per tile and persistent;
 * every down candidate tile with the top-k sum after it (the sum skips the tokens whose only
   local slot the flat tile wrote, so the two are timed together);
-* then the whole call two ways, alternating: the library as it is (``SwiGLUExperts``, which may
-  run the unfused steps) and the fused call with the shape's best two tiles, whose output is
-  checked against the library's.
+* then the whole call two ways (``dbo.bench.experts.time_experts``: alternating, each queued
+  behind a GPU sleep): the library as it is (``SwiGLUExperts``, which may run the unfused steps)
+  and the fused call with the shape's best two tiles and the library's estimate of the rows per
+  expert, whose output is checked against the library's.
 
 It prints per shape the library's picks and the best tiles (time over the pick's), the whole
 call's ratio (best tiles / library), and at the end the geometric mean of that ratio by I and
@@ -33,10 +34,10 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from dbo.bench.experts import _apply, make_case  # noqa: E402
+from dbo.bench.experts import make_case, time_experts  # noqa: E402
 from dbo.bench.limits import experts_cost, measure_device_limits  # noqa: E402
 from dbo.bench.timing import gpu_sleep  # noqa: E402
-from dbo.moe import SwiGLUExperts, Workspace, relative_error  # noqa: E402
+from dbo.moe import SwiGLUExperts  # noqa: E402
 from dbo.moe.fused_experts import (  # noqa: E402
     GemmConfig,
     fused_swiglu_experts,
@@ -60,6 +61,20 @@ DOWN_FLAT = [FLAT_DOWN, FLAT_DOWN_WIDE, C(128, 128, 64, 16, 4, 3, flat=True),
              C(128, 128, 64, 4, 4, 3, flat=True), C(64, 256, 64, 8, 4, 3, flat=True)]
 DOWN_LOOP = [C(128, 256, 64, 8, 8, 4, tma=True, tail_m=16), C(128, 128, 64, 8, 4, 5, tma=True, tail_m=32)]
 DOWN_SHORT = [C(64, 64, 256, 8, 4, 3, n_per_program=8), C(64, 64, 256, 8, 4, 4, n_per_program=16)]
+
+
+class FixedTiles:
+    """``fused_swiglu_experts`` with fixed tiles and the library's estimate of the rows per expert,
+    as an experts object (its ``apply``), so that :func:`dbo.bench.experts.time_experts` times it
+    (alternating with the others, each call queued behind a GPU sleep)."""
+
+    def __init__(self, configs: tuple, rows_per_expert: float):
+        self.configs, self.rows_per_expert = configs, rows_per_expert
+
+    def apply(self, x, w1, w2, topk_weights, topk_ids, *, workspace, **_):
+        out = workspace.get("fused_out", tuple(x.shape), x.dtype, x.device)
+        return fused_swiglu_experts(x, w1, w2, topk_weights, topk_ids, out=out, configs=self.configs,
+                                    rows_per_expert=self.rows_per_expert)
 
 
 def both_ways(cfgs: list[GemmConfig]) -> list[GemmConfig]:
@@ -152,7 +167,6 @@ def main() -> int:
 
 
 def sweep_shape(case, inter, n_local, t, topk, hidden, lib, lim, a) -> dict:
-    ws = Workspace()
     pairs_bound = t * topk
     est_pairs = max(1, round(pairs_bound * n_local / 256))  # as SwiGLUExperts estimates them
     est = est_pairs / n_local
@@ -189,19 +203,10 @@ def sweep_shape(case, inter, n_local, t, topk, hidden, lib, lim, a) -> dict:
     best = (ups[bu], downs[bd])
 
     # the whole call: the library as it is against the fused call with the best tiles
-    ref = _apply(lib, case, False, ws).clone()
-    tuned_out = torch.empty_like(case.x)
-    calls = {"library": lambda: _apply(lib, case, False, ws),
-             "best tiles": lambda: fused_swiglu_experts(case.x, case.w1, case.w2, case.weights, case.ids,
-                                                        out=tuned_out, configs=best)}
-    calls["best tiles"]()
-    err = relative_error(tuned_out, ref)
-    leads = {k: host_lead(fn, 1) for k, fn in calls.items()}
-    times = {k: [] for k in calls}
-    for _ in range(a.steps):
-        for k, fn in calls.items():
-            times[k].append(timed(fn, 1, leads[k]))
-    whole = {k: statistics.median(v) for k, v in times.items()}
+    res_t = time_experts({"library": (lib, False), "best tiles": (FixedTiles(best, est), False)}, case,
+                         steps=a.steps, timings=("device",))
+    whole = {k: v["median_ms"] for k, v in res_t.items()}
+    err = res_t["best tiles"]["rel_err"]
     flops, nbytes = experts_cost(hidden=hidden, intermediate=inter, local_pairs=res["pairs"],
                                  experts_with_rows=res["experts_with_rows"])
     limit = lim.time_ms(flops, nbytes)
