@@ -208,12 +208,6 @@ for seed, (m, topk, n_local) in enumerate([(37, 3, 5), (700, 8, 16), (300, 6, 25
     per_token = ((ids >= 0) & (ids < n_local)).sum(1)
     want = [~o if per_token[o // topk] == 1 else o for o in order[:n].tolist()]
     assert dest[:n].tolist() == want and any(w < 0 for w in want), seed
-    # with sums: per token its local slots and zeroed counters; the zero rows of tokens with none
-    out = torch.full((m, 40), float("nan"), dtype=torch.float16)
-    _, line = tile_map(offsets, 16, m * topk, sums=(ids, out, 3))
-    assert line.shape == (m, 4) and line[:, 0].tolist() == per_token.tolist(), seed
-    assert not line[:, 1:].any() and bool((per_token == 0).any()), seed
-    assert not out[per_token == 0].any() and out[per_token > 0].isnan().all(), seed
 from dbo.moe.fused_experts import GemmConfig, fused_swiglu_experts
 for seed, m, n_local, topk, tail, red, down_kind, persistent in [
         (0, 37, 5, 3, 16, True, "k", True), (1, 150, 3, 2, 16, False, "k", False),
@@ -249,12 +243,6 @@ for seed, m, n_local, topk, tail, red, down_kind, persistent in [
         per_token = ((ids >= 0) & (ids < n_local)).sum(1)
         assert bool((per_token == 1).any()) and bool((per_token > 1).any()), seed
         assert torch.equal(sole, out), (seed, (sole - out).abs().max())
-        # the down kernel summing each token's rows itself (no top-k sum): the same bits
-        summed = torch.full_like(out, float("nan"))
-        fused_swiglu_experts(x, w1, w2, weights, ids, out=summed, reduce=red, configs=(cfg, down),
-                             persistent=persistent, sum_in_down=True)
-        assert bool((per_token > 1).any()) and bool((per_token == 0).any()), seed
-        assert torch.equal(summed, out), (seed, (summed - out).abs().max())
 print("ok")
 """
 

@@ -52,7 +52,6 @@ from dbo.moe.fused_tiles import (
     prefer_fused,
     prefer_persistent,
     prefer_sole,
-    prefer_sum_in_down,
 )
 from dbo.moe.gather_reduce import _block
 from dbo.moe.triton_launch import Desc, cdiv, launch, next_pow2
@@ -66,8 +65,14 @@ try:
 except ImportError:  # the module is only used where Triton is importable
     triton = None
 else:
-    from dbo.moe.fused_down import down_flat_kernel, tile_map_kernel, topk_sum_kernel
-    from dbo.moe.fused_kernels import down_kernel, down_short_k_kernel, gate_up_kernel
+    from dbo.moe.fused_kernels import (
+        down_flat_kernel,
+        down_kernel,
+        down_short_k_kernel,
+        gate_up_kernel,
+        tile_map_kernel,
+        topk_sum_kernel,
+    )
 
 
 def _block_e(n_experts: int) -> int:
@@ -163,19 +168,13 @@ def launch_gate_up(x: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, 
         num_warps=cfg.num_warps, num_stages=cfg.num_stages), persistent)
 
 
-#: row tiles per program of :func:`tile_map`, sorted rows per program of its ``sole`` part, tokens
-#: per program of its ``sums`` part and the columns each of those zeroes per step
+#: row tiles per program of :func:`tile_map`, and sorted rows per program of its ``sole`` part
 TILE_MAP_BLOCK = 64
 SOLE_ROWS_BLOCK = 512
-SUM_TOKENS_BLOCK = 32
-SUM_ZERO_BLOCK = 512
-#: rows the flat down kernel's sum (``sum_in_down``) gathers at a time
-SUM_ROWS = 16
 
 
 def tile_map(offsets: torch.Tensor, block_m: int, pairs: int,
              sole: tuple[torch.Tensor, torch.Tensor] | None = None,
-             sums: tuple[torch.Tensor, torch.Tensor, int] | None = None,
              ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The row tiles of ``block_m`` rows of the experts whose end rows are ``offsets``, for the
     flat down kernel: int32 ``[1 + 3 * bound]``, ``[0]`` their count, then per row tile (in
@@ -184,48 +183,33 @@ def tile_map(offsets: torch.Tensor, block_m: int, pairs: int,
 
     ``sole``: ``(order, topk_ids)``: the same launch also returns ``dest`` (``order``'s dtype,
     ``[pairs]``): ``order[r]``, or ``~order[r]`` where row ``r``'s token has no other local slot
-    (the rows past the local pairs unwritten). ``sums``: ``(topk_ids, out, n_col)``: it returns
-    instead int32 ``[M, 1 + n_col]``: per token its local slots, then ``n_col`` zeroed counters
-    (the flat down kernel's sum), and writes zeros to the rows of ``out`` of tokens with no local
-    slot. Else ``None``."""
-    if sole is not None and sums is not None:
-        raise ValueError("tile_map takes sole or sums, not both")
+    (the rows past the local pairs unwritten); else ``None``."""
     n_experts = offsets.numel()
     bound = cdiv(pairs, block_m) + n_experts
     tiles = torch.empty(1 + 3 * bound, dtype=torch.int32, device=offsets.device)
     grid = cdiv(bound, TILE_MAP_BLOCK)
-    order, ids, dest, out, topk, m, hidden, n_col = offsets, offsets, None, tiles, 1, 0, 0, 0
+    order, ids, dest, topk = offsets, offsets, None, 1  # (unread without sole)
     if sole is not None:
         order, ids = sole
         topk = ids.shape[1]
         dest = torch.empty(pairs, dtype=order.dtype, device=order.device)
         grid += cdiv(pairs, SOLE_ROWS_BLOCK)
-    elif sums is not None:
-        ids, out, n_col = sums
-        (m, topk), hidden = ids.shape, out.shape[1]
-        dest = torch.empty(m, 1 + n_col, dtype=torch.int32, device=ids.device)
-        grid += cdiv(m, SUM_TOKENS_BLOCK)
     launch(tile_map_kernel, (grid,), (offsets, tiles, n_experts, bound, order, ids,
-                                      tiles if dest is None else dest, out, m, hidden, n_col), dict(
+                                      tiles if dest is None else dest), dict(
         BLOCK_M=block_m, BLOCK_E=_block_e(n_experts), BLOCK_J=TILE_MAP_BLOCK, TOPK=topk,
-        BLOCK_T=next_pow2(topk), BLOCK_R=SUM_TOKENS_BLOCK if sums is not None else SOLE_ROWS_BLOCK,
-        SOLE=sole is not None, SUM=sums is not None, BLOCK_C=next_pow2(n_col), BLOCK_H=SUM_ZERO_BLOCK))
+        BLOCK_T=next_pow2(topk), BLOCK_R=SOLE_ROWS_BLOCK, SOLE=sole is not None))
     return tiles, dest
 
 
 def launch_down(act: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, w2: torch.Tensor,
                 y: torch.Tensor, cfg: GemmConfig, pairs: int, persistent: bool = False,
-                sole: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                sum_in_down: bool = False) -> str:
+                sole: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> bool:
     """``y[order[r]] = act[r] @ d_e.T`` for each sorted row ``r`` of expert ``e``.
 
     ``sole``: ``(topk_ids, topk_weights, out)``: where the tile is the flat one, a row whose
     token has no other local slot is written weighted to ``out`` instead (the top-k sum then
-    leaves that token alone: :func:`launch_topk_sum` with ``sole=True``); with ``sum_in_down``
-    the kernel also sums the other tokens' rows into ``out`` (:mod:`dbo.moe.fused_down`) and
-    writes the zero rows, so that no top-k sum is left to run. Returns what it wrote to
-    ``out``: ``"all"`` (every token), ``"sole"`` (the tokens with one local slot) or ``""``
-    (nothing: other tiles write every row to ``y``)."""
+    leaves that token alone: :func:`launch_topk_sum` with ``sole=True``). Returns whether it
+    was (other tiles write every row to ``y``)."""
     n_experts, hidden, inter = w2.shape
     cfg = FP32_CONFIG if act.element_size() > 2 else cfg
     persistent = persistent if cfg.persistent is None else cfg.persistent
@@ -239,7 +223,7 @@ def launch_down(act: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, w
                                 N_PER_PROGRAM=cfg.n_per_program, BLOCK_E=_block_e(n_experts),
                                 GROUP_M=cfg.group_m, PRECISION=_precision(act), PERSISTENT=persistent,
                                 num_warps=cfg.num_warps, num_stages=cfg.num_stages), persistent)
-        return ""
+        return False
     flat = cfg.flat and inter % 8 == 0 and _aligned(act, w2)
     if cfg.flat and not flat:
         cfg = DOWN_TAIL  # TMA needs 16-byte rows and bases: the K-loop tile reads through pointers
@@ -249,28 +233,21 @@ def launch_down(act: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, w
         a_desc = Desc(act, (cfg.block_m, cfg.block_k))
         w = Desc(w2.view(n_experts * hidden, inter), (cfg.block_n, cfg.block_k))
     if flat:
-        sums = sole is not None and sum_in_down
-        if sums:
-            n_col = cdiv(hidden, cfg.block_n)
-            (tiles, aux), rows = tile_map(offsets, cfg.block_m, pairs, sums=(sole[0], sole[2], n_col)), order
-        else:
-            tiles, rows = tile_map(offsets, cfg.block_m, pairs, None if sole is None else (order, sole[0]))
-            rows, aux = order if rows is None else rows, tiles
-        # without sole the ids, weights and output are not read: order and y stand in for them
-        ids, tw, out = sole if sole is not None else (order, order, y)
+        tiles, dest = tile_map(offsets, cfg.block_m, pairs, None if sole is None else (order, sole[0]))
+        # without sole the weights and the output are not read: y and order stand in for them
+        tw, out, topk = (sole[1], sole[2], sole[0].shape[1]) if sole is not None else (order, y, 1)
         _launch(down_flat_kernel, _bound(cfg, pairs, n_experts, hidden), act.device, (
-            a_desc, rows, tiles, w, y, tw, out, ids, aux, n_experts, hidden, inter), dict(
+            a_desc, order if dest is None else dest, tiles, w, y, tw, out, hidden, inter), dict(
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-            TOPK=ids.shape[1] if sole is not None else 1, SOLE=sole is not None and not sums, SUM=sums,
-            SUM_ROWS=SUM_ROWS, num_warps=cfg.num_warps, num_stages=cfg.num_stages), True)
-        return "all" if sums else "sole" if sole is not None else ""
+            TOPK=topk, SOLE=sole is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages), True)
+        return sole is not None
     _launch(down_kernel, _bound(cfg, pairs, n_experts, hidden), act.device, (
         act, a_desc, order, offsets, w, y, n_experts, hidden, inter, w2.stride(0)), dict(
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_E=_block_e(n_experts),
         GROUP_M=cfg.group_m, TAIL_M=cfg.tail_m, EVEN_K=inter % cfg.block_k == 0,
         PRECISION=_precision(act), TMA=tma, PERSISTENT=persistent, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages), persistent)
-    return ""
+    return False
 
 
 def fused_swiglu_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
@@ -279,8 +256,7 @@ def fused_swiglu_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
                          configs: tuple[GemmConfig, GemmConfig] | None = None,
                          bounds: torch.Tensor | None = None,
                          rows_per_expert: float | None = None,
-                         persistent: bool | None = None, sole_pairs: bool | None = None,
-                         sum_in_down: bool | None = None) -> torch.Tensor:
+                         persistent: bool | None = None, sole_pairs: bool | None = None) -> torch.Tensor:
     """Routed SwiGLU experts, fused (see the module docstring). CUDA tensors, Triton.
 
     Args:
@@ -301,10 +277,6 @@ def fused_swiglu_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
         sole_pairs: ``reduce`` with the flat down tile: a token's row with no other local slot
             goes weighted from the down GEMM to ``out``, skipping ``y`` and the top-k sum (the
             same numbers). Default :func:`prefer_sole`, from the local share of the slots.
-        sum_in_down: ``reduce`` with the flat down tile: the down kernel also sums each token's
-            rows (the last of them to finish does, :mod:`dbo.moe.fused_down`) and no top-k sum
-            runs (the same numbers; the sole rows go straight to ``out`` as with ``sole_pairs``).
-            Default :func:`prefer_sum_in_down`.
 
     Returns:
         ``out``. Nothing waits for the GPU.
@@ -324,20 +296,15 @@ def fused_swiglu_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
     launch_gate_up(x, order, offsets, w1, act, up_cfg, pairs, topk, persistent)
     y = out.view(m * topk, hidden) if not reduce else \
         torch.empty(m * topk, hidden, dtype=x.dtype, device=x.device)
-    share = est * n_experts / max(1, m * topk)
-    if reduce and sum_in_down is None:
-        sum_in_down = prefer_sum_in_down(est, inter, share, topk)
     if reduce and sole_pairs is None:
-        sole_pairs = prefer_sole(share, topk)
+        sole_pairs = prefer_sole(est * n_experts / max(1, m * topk), topk)
     ids, tw = topk_ids.contiguous(), topk_weights.contiguous()
-    done = launch_down(act, order, offsets, w2, y, down_cfg, pairs, persistent,
-                       (ids, tw, out) if reduce and (sole_pairs or sum_in_down) else None,
-                       bool(reduce and sum_in_down))
+    sole = launch_down(act, order, offsets, w2, y, down_cfg, pairs, persistent,
+                       (ids, tw, out) if reduce and sole_pairs else None)
     if not reduce:
         local = (topk_ids >= 0) & (topk_ids < n_experts)
         return out.masked_fill_(~local.unsqueeze(-1), 0)
-    if done != "all":
-        launch_topk_sum(y, ids, tw, out, n_experts, done == "sole")
+    launch_topk_sum(y, ids, tw, out, n_experts, sole)
     return out
 
 

@@ -1,8 +1,7 @@
 """The fused experts' Triton kernels (:mod:`dbo.moe.fused_experts` launches them; its docstring
 says what each computes): the tile table that each program reads from the device offsets, the
-gate/up grouped GEMM with the row gather and SiLU*up fused, and the down grouped GEMM (a K-loop
-tile and a short-K tile for I <= 256) writing each row to its slot. The flat persistent down
-kernel, its row-tile map and the top-k sum are in :mod:`dbo.moe.fused_down`.
+gate/up grouped GEMM with the row gather and SiLU*up fused, the down grouped GEMM (a K-loop tile
+and a short-K tile for I <= 256) writing each row to its slot, and the top-k sum.
 
 Each GEMM kernel takes a tile per program, or (``PERSISTENT``) walks every num_programs-th
 tile; the one-tile path is straight-line code, since a loop around the tile, even of one trip,
@@ -11,7 +10,8 @@ cost 3-9% at 256 local experts on an H200 (more registers: 255 against 118-184).
 
 from __future__ import annotations
 
-__all__ = ["gate_up_kernel", "down_kernel", "down_short_k_kernel"]
+__all__ = ["gate_up_kernel", "down_kernel", "tile_map_kernel", "down_flat_kernel", "down_short_k_kernel",
+           "topk_sum_kernel"]
 
 try:
     import triton
@@ -234,6 +234,91 @@ if triton is not None:
                        EVEN_K, PRECISION, TMA)
 
     @triton.jit
+    def tile_map_kernel(offs_ptr, map_ptr, n_experts, max_tiles, order_ptr, ids_ptr, dest_ptr,
+                        BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_J: tl.constexpr,
+                        TOPK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr,
+                        SOLE: tl.constexpr):
+        # the row tiles of BLOCK_M rows, in expert order, for down_flat_kernel: map[0] their
+        # count, map[1 + 3j : 4 + 3j] row tile j's expert, first row and the expert's end row.
+        # Row tile j belongs to the expert whose tiles start at or before j and end after it:
+        # the experts whose tiles end at or before j (their tile ends do not decrease) are
+        # counted, and the largest of their tile ends and end rows are tile j's expert's first
+        # tile and first row. SOLE: the programs past the map's mark each sorted row whose token
+        # has no other local slot (ids_ptr [M, TOPK]): dest[r] = ~order[r] there, order[r] else
+        n_map = tl.cdiv(max_tiles, BLOCK_J)
+        if tl.program_id(0) < n_map:
+            starts, ends, m_tiles, tile_ends, total = _tile_table(offs_ptr, n_experts, 1, BLOCK_M, BLOCK_E)
+            if tl.program_id(0) == 0:
+                tl.store(map_ptr, total)
+            j = tl.program_id(0) * BLOCK_J + tl.arange(0, BLOCK_J)
+            keep = (j < total) & (j < max_tiles)
+            before = tile_ends[None, :] <= j[:, None]
+            e = tl.sum(before.to(tl.int32), 1)
+            first_tile = tl.max(tl.where(before, tile_ends[None, :], 0), 1)
+            first_row = tl.max(tl.where(before, ends[None, :], 0), 1)
+            end_row = tl.load(offs_ptr + e, mask=keep, other=0)
+            out = map_ptr + 1 + 3 * j
+            tl.store(out, e, mask=keep)
+            tl.store(out + 1, first_row + (j - first_tile) * BLOCK_M, mask=keep)
+            tl.store(out + 2, end_row, mask=keep)
+        elif SOLE:
+            rows = (tl.program_id(0) - n_map) * BLOCK_R + tl.arange(0, BLOCK_R)
+            live = rows < tl.load(offs_ptr + n_experts - 1)
+            slots = tl.load(order_ptr + rows, mask=live, other=0)
+            ks = tl.arange(0, BLOCK_T)
+            ids = tl.load(ids_ptr + (slots // TOPK)[:, None].to(tl.int64) * TOPK + ks[None, :],
+                          mask=live[:, None] & (ks < TOPK)[None, :], other=-1)
+            n_local = tl.sum(((ids >= 0) & (ids < n_experts)).to(tl.int32), 1)
+            tl.store(dest_ptr + rows, tl.where(n_local == 1, ~slots, slots), mask=live)
+
+    @triton.jit
+    def down_flat_kernel(act_desc, order_ptr, map_ptr, w_desc, y_ptr, tw_ptr, out_ptr, hidden, inter,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         GROUP_M: tl.constexpr, TOPK: tl.constexpr, SOLE: tl.constexpr):
+        # persistent: every num_programs-th tile, the tile loop flattened with the K loop so that
+        # Triton pipelines the next tile's loads under this tile's products and stores (a short K
+        # loop of its own, a few steps at I = 256, does not pipeline). act_desc: act as [R, inter],
+        # box [BLOCK_M, BLOCK_K]; w_desc: w2 as [E * hidden, inter], box [BLOCK_N, BLOCK_K]. The
+        # row tiles come from tile_map_kernel's map (three scalar loads per tile, where the
+        # experts' scan of _tile_at costs five block-wide reductions: 13-17% of this kernel's
+        # time at I = 256); GROUP_M row tiles share a column block in tile order. No tail tiles:
+        # the rows past the expert's end (the next expert's, or TMA's zeros) are computed and
+        # never stored. SOLE (the top-k sum runs with SOLE too): order_ptr is tile_map_kernel's
+        # dest, where ~slot marks a row whose token has no other local slot: that row is weighted
+        # (tw_ptr) and written to out[token] with the top-k sum's rounding, where that sum would
+        # only have copied it
+        n_col = tl.cdiv(hidden, BLOCK_N)
+        n_m = tl.load(map_ptr)
+        k_tiles = tl.cdiv(inter, BLOCK_K)
+        for t in tl.range(tl.program_id(0), n_m * n_col, tl.num_programs(0), flatten=True):
+            pid_m, pid_n = _grouped_tile(t, n_m, n_col, GROUP_M)
+            e = tl.load(map_ptr + 1 + 3 * pid_m)
+            row0 = tl.load(map_ptr + 2 + 3 * pid_m)
+            end_row = tl.load(map_ptr + 3 + 3 * pid_m)
+            w_row = e * hidden + pid_n * BLOCK_N
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for ki in range(k_tiles):
+                a = act_desc.load([row0, ki * BLOCK_K])
+                b = w_desc.load([w_row, ki * BLOCK_K])
+                acc = tl.dot(a, b.T, acc)
+            rows = row0 + tl.arange(0, BLOCK_M)
+            row_mask = rows < end_row
+            cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            slots = tl.load(order_ptr + rows, mask=row_mask, other=0).to(tl.int64)
+            mask = row_mask[:, None] & (cols < hidden)[None, :]
+            if SOLE:
+                sole = slots < 0
+                slots = tl.where(sole, ~slots, slots)
+                scale = tl.load(tw_ptr + slots, mask=sole & row_mask, other=1.0).to(tl.float32)
+                dest = tl.where(sole[:, None], out_ptr + (slots // TOPK)[:, None] * hidden,
+                                y_ptr + slots[:, None] * hidden) + cols[None, :]
+                val = acc.to(y_ptr.dtype.element_ty).to(tl.float32) * scale[:, None]
+                tl.store(dest, val.to(y_ptr.dtype.element_ty), mask=mask)
+            else:
+                tl.store(y_ptr + slots[:, None] * hidden + cols[None, :], acc.to(y_ptr.dtype.element_ty),
+                         mask=mask)
+
+    @triton.jit
     def _down_short_k_tile(t, starts, ends, m_tiles, tile_ends, act_ptr, order_ptr, w_ptr, y_ptr, hidden,
                            inter, stride_we, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                            BLOCK_K: tl.constexpr, N_PER_PROGRAM: tl.constexpr, BLOCK_E: tl.constexpr,
@@ -277,3 +362,29 @@ if triton is not None:
             _down_short_k_tile(tl.program_id(0), starts, ends, m_tiles, tile_ends, act_ptr, order_ptr, w_ptr,
                                y_ptr, hidden, inter, stride_we, BLOCK_M, BLOCK_N, BLOCK_K, N_PER_PROGRAM,
                                BLOCK_E, GROUP_M, PRECISION)
+
+    @triton.jit
+    def topk_sum_kernel(y_ptr, ids_ptr, w_ptr, out_ptr, n_experts, hidden, TOPK: tl.constexpr,
+                         BLOCK: tl.constexpr, SOLE: tl.constexpr):
+        # a slot of another rank's expert reads nothing: its row of y was never written. SOLE: a
+        # token with one local slot is left alone (the flat down kernel wrote its row)
+        m = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < hidden
+        if SOLE:
+            n_local = 0
+            for s in tl.static_range(TOPK):
+                e = tl.load(ids_ptr + m * TOPK + s)
+                n_local += ((e >= 0) & (e < n_experts)).to(tl.int32)
+            todo = n_local != 1
+        else:
+            todo = True
+        if todo:
+            acc = tl.zeros([BLOCK], dtype=tl.float32)
+            for s in tl.static_range(TOPK):
+                e = tl.load(ids_ptr + m * TOPK + s)
+                if (e >= 0) & (e < n_experts):
+                    w = tl.load(w_ptr + m * TOPK + s).to(tl.float32)
+                    acc += w * tl.load(y_ptr + (m * TOPK + s) * hidden + cols, mask=mask,
+                                       other=0.0).to(tl.float32)
+            tl.store(out_ptr + m * hidden + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)

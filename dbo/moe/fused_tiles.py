@@ -11,8 +11,7 @@ from dataclasses import dataclass
 
 __all__ = ["GemmConfig", "CONFIGS", "FP32_CONFIG", "FEW_EXPERTS_UP", "FEW_EXPERTS_DOWN", "FLAT_DOWN",
            "FLAT_DOWN_WIDE", "DOWN_TAIL", "FUSED_MAX_ROWS_PER_EXPERT", "FUSED_MAX_LOCAL_EXPERTS",
-           "prefer_fused", "prefer_persistent", "prefer_sole", "SOLE_MIN_SHARE", "prefer_sum_in_down",
-           "pick_configs"]
+           "prefer_fused", "prefer_persistent", "prefer_sole", "SOLE_MIN_SHARE", "pick_configs"]
 
 
 @dataclass(frozen=True)
@@ -133,12 +132,6 @@ def prefer_sole(local_share: float, topk: int) -> bool:
     once per column block (the down kernel's epilogue)."""
     p = min(1.0, max(0.0, local_share))
     return topk * p * (1.0 - p) ** (topk - 1) >= SOLE_MIN_SHARE
-
-
-def prefer_sum_in_down(rows_per_expert: float, intermediate: int, local_share: float, topk: int) -> bool:
-    """Whether the flat down kernel should sum each token's rows itself
-    (``fused_swiglu_experts(sum_in_down=...)``) rather than leave them to the top-k sum."""
-    return False
 
 
 def pick_configs(rows_per_expert: float, intermediate: int = 1 << 30,

@@ -1,8 +1,7 @@
 """Same-run A/B of tile-table variants of the fused experts, whole calls, over the issue's grid.
 
 Each variant is a rule ``(estimated rows per expert, I, local experts, host bound, estimated
-pairs) -> (gate_up tile, down tile)``, with each tile's ``persistent`` set, and maybe other
-arguments of the call (``CALL_KW``). For every shape
+pairs) -> (gate_up tile, down tile)``, with each tile's ``persistent`` set. For every shape
 (hidden 7168, top-8 of 256, device offsets, the estimate ``SwiGLUExperts`` makes) the variants'
 whole calls (``fused_swiglu_experts``) and the library's (``SwiGLUExperts``, which may run the
 unfused steps) alternate, each queued behind a GPU sleep (the GPU's time), ``--steps`` rounds;
@@ -90,10 +89,7 @@ def every(est, inter, n_local, bound, pairs):
 
 
 VARIANTS = {"table": table, "flat16": flat16, "flat4": flat4, "pers": pers, "big": big, "up512": up512,
-            "every": every, "sum": table, "nosum": table}
-#: variants that are the table's tiles with other keyword arguments of ``fused_swiglu_experts``:
-#: the flat down kernel summing each token's rows itself, or leaving them to the top-k sum
-CALL_KW = {"sum": {"sum_in_down": True}, "nosum": {"sum_in_down": False}}
+            "every": every}
 
 
 def main() -> int:
@@ -116,7 +112,7 @@ def ab_shape(case, inter, n_local, t, topk, hidden, lib, lim, variants, steps) -
     for v in variants:  # "table" first: the others' outputs are checked against its
         cfgs = VARIANTS[v](est, inter, n_local, bound, pairs)
         tiles[v] = [str(c) for c in cfgs]
-        impls[v] = (FixedTiles(cfgs, est, **CALL_KW.get(v, {})), False)
+        impls[v] = (FixedTiles(cfgs, est), False)
     impls["library"] = (lib, False)
     res = time_experts(impls, case, steps=steps, timings=("device",))
     ms = {k: v["median_ms"] for k, v in res.items()}

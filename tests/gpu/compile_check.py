@@ -20,29 +20,22 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from dbo.moe import fused_down as fd
 from dbo.moe import fused_experts as fe
 from dbo.moe import fused_kernels as fk
 
 
-def _flat(bm, bn, bk, sole=False, sums=False):
+def _flat(bm, bn, bk, sole=False):
     sig = {"act_desc": f"tensordesc<bf16[{bm}, {bk}]>", "order_ptr": "*i32", "map_ptr": "*i32",
            "w_desc": f"tensordesc<bf16[{bn}, {bk}]>", "y_ptr": "*bf16", "tw_ptr": "*fp32", "out_ptr": "*bf16",
-           "ids_ptr": "*i32", "sum_ptr": "*i32", "n_experts": "i32", "hidden": "i32", "inter": "i32",
-           "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "GROUP_M": "constexpr",
-           "TOPK": "constexpr", "SOLE": "constexpr", "SUM": "constexpr", "SUM_ROWS": "constexpr"}
-    consts = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "TOPK": 8, "SOLE": sole, "SUM": sums,
-              "SUM_ROWS": fe.SUM_ROWS}
-    return fd.down_flat_kernel, sig, consts, ("order_ptr", "map_ptr", "y_ptr", "tw_ptr", "out_ptr", "ids_ptr",
-                                              "sum_ptr", "hidden", "inter")
+           "hidden": "i32", "inter": "i32", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
+           "BLOCK_K": "constexpr", "GROUP_M": "constexpr", "TOPK": "constexpr", "SOLE": "constexpr"}
+    consts = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "TOPK": 8, "SOLE": sole}
+    return fk.down_flat_kernel, sig, consts, ("order_ptr", "map_ptr", "y_ptr", "tw_ptr", "out_ptr", "hidden",
+                                              "inter")
 
 
 def _flat_sole(bm, bn, bk):
     return _flat(bm, bn, bk, sole=True)
-
-
-def _flat_sum(bm, bn, bk):
-    return _flat(bm, bn, bk, sums=True)
 
 
 def _gate_up(bm, bn, bk):
@@ -57,7 +50,7 @@ def _gate_up(bm, bn, bk):
                                             "stride_we")
 
 
-KERNELS = {"down_flat": _flat, "down_flat_sole": _flat_sole, "down_flat_sum": _flat_sum, "gate_up": _gate_up}
+KERNELS = {"down_flat": _flat, "down_flat_sole": _flat_sole, "gate_up": _gate_up}
 
 
 def check(name: str, tile: str) -> dict:

@@ -64,18 +64,17 @@ DOWN_SHORT = [C(64, 64, 256, 8, 4, 3, n_per_program=8), C(64, 64, 256, 8, 4, 4, 
 
 
 class FixedTiles:
-    """``fused_swiglu_experts`` with fixed tiles and the library's estimate of the rows per expert
-    (and ``call_kw``: its other keyword arguments), as an experts object (its ``apply``), so that
-    :func:`dbo.bench.experts.time_experts` times it (alternating with the others, each call
-    queued behind a GPU sleep)."""
+    """``fused_swiglu_experts`` with fixed tiles and the library's estimate of the rows per expert,
+    as an experts object (its ``apply``), so that :func:`dbo.bench.experts.time_experts` times it
+    (alternating with the others, each call queued behind a GPU sleep)."""
 
-    def __init__(self, configs: tuple, rows_per_expert: float, **call_kw):
-        self.configs, self.rows_per_expert, self.call_kw = configs, rows_per_expert, call_kw
+    def __init__(self, configs: tuple, rows_per_expert: float):
+        self.configs, self.rows_per_expert = configs, rows_per_expert
 
     def apply(self, x, w1, w2, topk_weights, topk_ids, *, workspace, **_):
         out = workspace.get("fused_out", tuple(x.shape), x.dtype, x.device)
         return fused_swiglu_experts(x, w1, w2, topk_weights, topk_ids, out=out, configs=self.configs,
-                                    rows_per_expert=self.rows_per_expert, **self.call_kw)
+                                    rows_per_expert=self.rows_per_expert)
 
 
 def both_ways(cfgs: list[GemmConfig]) -> list[GemmConfig]:
@@ -190,9 +189,9 @@ def sweep_shape(case, inter, n_local, t, topk, hidden, lib, lim, a) -> dict:
 
     def down_fn(c):
         def f():
-            done = launch_down(act, order, offsets, case.w2, y, c, pairs_bound, persist,
-                               (ids, tw, out) if sole else None)
-            launch_topk_sum(y, ids, tw, out, n_local, done == "sole")
+            s = launch_down(act, order, offsets, case.w2, y, c, pairs_bound, persist,
+                            (ids, tw, out) if sole else None)
+            launch_topk_sum(y, ids, tw, out, n_local, s)
         return f
 
     for i, c in enumerate(ups):
