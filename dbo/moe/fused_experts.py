@@ -53,7 +53,6 @@ from dbo.moe.fused_tiles import (
     prefer_persistent,
     prefer_sole,
 )
-from dbo.moe.gather_reduce import _block
 from dbo.moe.triton_launch import Desc, cdiv, launch, next_pow2
 
 __all__ = ["GemmConfig", "CONFIGS", "FP32_CONFIG", "FUSED_MAX_ROWS_PER_EXPERT", "prefer_fused",
@@ -308,13 +307,24 @@ def fused_swiglu_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
     return out
 
 
+#: columns of one token per program of the top-k sum: its slots are a chain of dependent loads
+#: (the ids, then each local slot's row behind a branch), so fewer, wider programs wait less.
+#: On an H200 (``tests/gpu/probe_topk_sum.py``), against 1024: 0.90-0.94x the kernel's time
+#: with 32 of 256 experts local from 16384 tokens, 0.99-1.01x with every expert local (there
+#: at the copy bandwidth either way); 8-16 warps or 4096-8192 columns did no better
+TOPK_SUM_BLOCK = 2048
+
+
 def launch_topk_sum(y: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                    out: torch.Tensor, n_experts: int, sole: bool = False) -> None:
+                    out: torch.Tensor, n_experts: int, sole: bool = False, *, block: int | None = None,
+                    num_warps: int = 4) -> None:
     """``out[m] = sum_s w[m, s] * y[m * topk + s]`` over the slots of local experts (``sole``:
-    not for the tokens with one local slot, whose row :func:`launch_down` wrote)."""
+    not for the tokens with one local slot, whose row :func:`launch_down` wrote). A program
+    sums ``block`` columns of one token (default :data:`TOPK_SUM_BLOCK`, or the row's power of
+    two where it is narrower) with ``num_warps`` warps."""
     m, topk = topk_ids.shape
     hidden = y.shape[1]
-    block = _block(hidden)
+    block = min(TOPK_SUM_BLOCK, max(16, next_pow2(hidden))) if block is None else block
     launch(topk_sum_kernel, (m, cdiv(hidden, block)), (
         y, topk_ids.contiguous(), topk_weights.contiguous(), out, n_experts, hidden), dict(TOPK=topk,
-        BLOCK=block, SOLE=sole))
+        BLOCK=block, SOLE=sole, num_warps=num_warps))
