@@ -88,8 +88,19 @@ def every(est, inter, n_local, bound, pairs):
     return up, dataclasses.replace(down, group_m=16) if down.flat else down
 
 
+def _two_per_sm(block_k: int, stages: int):
+    # the 64x128 gate/up tile with the shared memory of two programs per SM (80 KB: fewer stages
+    # or a shallower K step; 168 registers, tests/gpu/compile_check.py), where the table takes it
+    def rule(est, inter, n_local, bound, pairs):
+        up, down = table(est, inter, n_local, bound, pairs)
+        if (up.block_m, up.block_n) == (64, 128):
+            up = dataclasses.replace(up, block_k=block_k, num_stages=stages)
+        return up, down
+    return rule
+
+
 VARIANTS = {"table": table, "flat16": flat16, "flat4": flat4, "pers": pers, "big": big, "up512": up512,
-            "every": every}
+            "every": every, "up2": _two_per_sm(64, 2), "upk32": _two_per_sm(32, 4)}
 
 
 def main() -> int:
