@@ -259,6 +259,16 @@ def test_triton_kernels_in_the_interpreter():
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+@pytest.mark.parametrize("block", [8, 1000, 3072])
+def test_topk_sum_block_must_be_a_power_of_two(block):
+    from dbo.moe.fused_experts import launch_topk_sum
+
+    ids = torch.zeros(4, 2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="power of two"):
+        launch_topk_sum(torch.zeros(8, 64), ids, torch.ones(4, 2), torch.zeros(4, 64), 1, block=block)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 def test_direct_launch_keys_follow_tritons_specialization(monkeypatch):
     # dbo.moe.triton_launch keeps a compiled kernel per specialization: the key tells apart
     # what Triton compiles apart (an int of 1, a multiple of 16, a 64-bit int, a pointer's

@@ -325,6 +325,8 @@ def launch_topk_sum(y: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
     m, topk = topk_ids.shape
     hidden = y.shape[1]
     block = min(TOPK_SUM_BLOCK, max(16, next_pow2(hidden))) if block is None else block
+    if block < 16 or block & (block - 1):
+        raise ValueError(f"block must be a power of two >= 16, got {block}")
     launch(topk_sum_kernel, (m, cdiv(hidden, block)), (
         y, topk_ids.contiguous(), topk_weights.contiguous(), out, n_experts, hidden), dict(TOPK=topk,
         BLOCK=block, SOLE=sole, num_warps=num_warps))
