@@ -53,6 +53,7 @@ from dbo.moe.fused_tiles import (
     prefer_persistent,
     prefer_sole,
 )
+from dbo.moe.gather_reduce import _block
 from dbo.moe.triton_launch import Desc, cdiv, launch, next_pow2
 
 __all__ = ["GemmConfig", "CONFIGS", "FP32_CONFIG", "FUSED_MAX_ROWS_PER_EXPERT", "prefer_fused",
@@ -156,7 +157,7 @@ def launch_gate_up(x: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, 
     n_experts, two_inter, hidden = w1.shape
     inter = two_inter // 2
     cfg = FP32_CONFIG if x.element_size() > 2 else cfg
-    persistent = persistent if cfg.persistent is None else cfg.persistent
+    persistent = cfg.runs_persistent(persistent)
     tma = cfg.tma and hidden % cfg.block_k == 0 and _aligned(w1)
     w = Desc(w1.view(n_experts * two_inter, hidden), (cfg.block_n, cfg.block_k)) if tma else w1
     _launch(gate_up_kernel, _bound(cfg, pairs, n_experts, inter), x.device, (
@@ -211,7 +212,7 @@ def launch_down(act: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, w
     was (other tiles write every row to ``y``)."""
     n_experts, hidden, inter = w2.shape
     cfg = FP32_CONFIG if act.element_size() > 2 else cfg
-    persistent = persistent if cfg.persistent is None else cfg.persistent
+    persistent = cfg.runs_persistent(persistent)
     if cfg.n_per_program:
         if next_pow2(inter) > cfg.block_k:
             raise ValueError(f"a short-K tile needs block_k >= intermediate ({inter}), got {cfg.block_k}")
@@ -324,7 +325,7 @@ def launch_topk_sum(y: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
     two where it is narrower) with ``num_warps`` warps."""
     m, topk = topk_ids.shape
     hidden = y.shape[1]
-    block = min(TOPK_SUM_BLOCK, max(16, next_pow2(hidden))) if block is None else block
+    block = _block(hidden, TOPK_SUM_BLOCK) if block is None else block
     if block < 16 or block & (block - 1):
         raise ValueError(f"block must be a power of two >= 16, got {block}")
     launch(topk_sum_kernel, (m, cdiv(hidden, block)), (

@@ -52,6 +52,11 @@ class GemmConfig:
         if self.flat and self.persistent is False:
             raise ValueError("a flat tile is persistent always")
 
+    def runs_persistent(self, policy: bool) -> bool:
+        """Whether this tile's programs walk the tiles: its own ``persistent``, else the call's
+        ``policy``."""
+        return policy if self.persistent is None else self.persistent
+
 
 #: 4-byte inputs (float32: tests, references) take this small tile: shared memory holds twice
 #: the bytes per element, and speed does not matter there

@@ -90,8 +90,9 @@ if HAVE_TRITON:
         tl.store(out_ptr + m * hidden + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _block(n: int) -> int:
-    return 1024 if n >= 1024 else max(16, triton.next_power_of_2(n))
+def _block(n: int, cap: int = 1024) -> int:
+    """Columns of one program's row: the row's power of two (at least 16), at most ``cap``."""
+    return cap if n >= cap else max(16, triton.next_power_of_2(n))
 
 
 def _tile(n: int) -> tuple[int, int]:
