@@ -294,3 +294,46 @@ def test_sole_rows_written_by_the_down_kernel_are_the_same_bits(topk, n_local, r
     assert torch.equal(outs[True], outs[False])
     want = _apply(SwiGLUExperts(use_triton=False), x, w1, w2, weights.float(), ids, True)
     assert relative_error(outs[True], want) < 1e-2
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not importable")
+@pytest.mark.parametrize("topk, n_local, ranks, hidden", [
+    (8, 32, 8, 7168), (6, 16, 4, 1024), (1, 32, 2, 1024), (8, 128, 2, 1024)])
+def test_token_scan_beside_the_gemms_gives_the_same_bits(topk, n_local, ranks, hidden):
+    # the side stream's zero rows and token list, with and without the sole rows: bit for bit the
+    # plain top-k sum's output, every row written (the outputs start as NaN), no host sync; and
+    # the same replayed from a CUDA graph (the side stream's fork and join captured)
+    from dbo.moe.fused_experts import fused_swiglu_experts
+    from dbo.moe.fused_tiles import CONFIGS, FLAT_DOWN
+
+    g = torch.Generator(device="cuda").manual_seed(topk + n_local + hidden)
+    m, inter = 3000, 256
+    x = torch.randn(m, hidden, device="cuda", generator=g).bfloat16()
+    w1 = (torch.randn(n_local, 2 * inter, hidden, device="cuda", generator=g) / hidden ** 0.5).bfloat16()
+    w2 = (torch.randn(n_local, hidden, inter, device="cuda", generator=g) / inter ** 0.5).bfloat16()
+    logits = torch.randn(m, ranks * n_local, device="cuda", generator=g)
+    weights, ids = torch.topk(torch.softmax(logits, -1), topk, dim=-1)
+    ids = torch.where(ids < n_local, ids, -1).to(torch.int32)
+    assert bool(((ids >= 0).sum(1) == 0).any())
+    cfgs = (CONFIGS[-1][1], FLAT_DOWN)
+    outs = {}
+    for sole, scan in [(False, False), (False, True), (True, True), (True, False)]:
+        kw = dict(configs=cfgs, sole_pairs=sole, side_scan=scan)
+        fused_swiglu_experts(x, w1, w2, weights, ids, out=torch.empty_like(x), **kw)  # compiles
+        out = torch.full_like(x, float("nan"))
+        with no_host_syncs():
+            fused_swiglu_experts(x, w1, w2, weights, ids, out=out, **kw)
+        torch.cuda.synchronize()
+        outs[sole, scan] = out
+    for key, out in outs.items():
+        assert torch.equal(out, outs[False, False]), key
+    want = _apply(SwiGLUExperts(use_triton=False), x, w1, w2, weights.float(), ids, True)
+    assert relative_error(outs[False, False], want) < 1e-2
+    graphed = torch.full_like(x, float("nan"))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fused_swiglu_experts(x, w1, w2, weights, ids, out=graphed, configs=cfgs, sole_pairs=True,
+                             side_scan=True)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(graphed, outs[False, False])
