@@ -42,7 +42,6 @@ from __future__ import annotations
 import torch
 
 from dbo.moe.fused_route import route_order
-from dbo.moe.fused_sum import TOPK_SUM_BLOCK, launch_topk_sum, start_token_scan
 from dbo.moe.fused_tiles import (
     CONFIGS,
     DOWN_TAIL,
@@ -52,14 +51,14 @@ from dbo.moe.fused_tiles import (
     pick_configs,
     prefer_fused,
     prefer_persistent,
-    prefer_side_scan,
     prefer_sole,
 )
+from dbo.moe.gather_reduce import _block
 from dbo.moe.triton_launch import Desc, cdiv, launch, next_pow2
 
 __all__ = ["GemmConfig", "CONFIGS", "FP32_CONFIG", "FUSED_MAX_ROWS_PER_EXPERT", "prefer_fused",
            "pick_configs", "fused_swiglu_experts", "route_order", "launch_gate_up", "launch_down",
-           "launch_topk_sum", "TOPK_SUM_BLOCK", "start_token_scan", "tile_map"]
+           "launch_topk_sum", "tile_map"]
 
 try:
     import triton
@@ -72,6 +71,7 @@ else:
         down_short_k_kernel,
         gate_up_kernel,
         tile_map_kernel,
+        topk_sum_kernel,
     )
 
 
@@ -201,11 +201,6 @@ def tile_map(offsets: torch.Tensor, block_m: int, pairs: int,
     return tiles, dest
 
 
-def _runs_flat(cfg: GemmConfig, act: torch.Tensor, w2: torch.Tensor) -> bool:
-    # the flat tile takes 2-byte rows (else FP32_CONFIG) of 16-byte multiples at aligned bases (TMA)
-    return cfg.flat and act.element_size() <= 2 and w2.shape[2] % 8 == 0 and _aligned(act, w2)
-
-
 def launch_down(act: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, w2: torch.Tensor,
                 y: torch.Tensor, cfg: GemmConfig, pairs: int, persistent: bool = False,
                 sole: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> bool:
@@ -229,7 +224,7 @@ def launch_down(act: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, w
                                 GROUP_M=cfg.group_m, PRECISION=_precision(act), PERSISTENT=persistent,
                                 num_warps=cfg.num_warps, num_stages=cfg.num_stages), persistent)
         return False
-    flat = _runs_flat(cfg, act, w2)
+    flat = cfg.flat and inter % 8 == 0 and _aligned(act, w2)
     if cfg.flat and not flat:
         cfg = DOWN_TAIL  # TMA needs 16-byte rows and bases: the K-loop tile reads through pointers
     tma = flat or (cfg.tma and inter % cfg.block_k == 0 and _aligned(act, w2))
@@ -261,8 +256,7 @@ def fused_swiglu_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
                          configs: tuple[GemmConfig, GemmConfig] | None = None,
                          bounds: torch.Tensor | None = None,
                          rows_per_expert: float | None = None,
-                         persistent: bool | None = None, sole_pairs: bool | None = None,
-                         side_scan: bool | None = None) -> torch.Tensor:
+                         persistent: bool | None = None, sole_pairs: bool | None = None) -> torch.Tensor:
     """Routed SwiGLU experts, fused (see the module docstring). CUDA tensors, Triton.
 
     Args:
@@ -283,10 +277,6 @@ def fused_swiglu_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
         sole_pairs: ``reduce`` with the flat down tile: a token's row with no other local slot
             goes weighted from the down GEMM to ``out``, skipping ``y`` and the top-k sum (the
             same numbers). Default :func:`prefer_sole`, from the local share of the slots.
-        side_scan: ``reduce``: while the GEMMs run, a side stream writes the rows of the tokens
-            with no local slot as zeros and lists the tokens that need a sum, and the top-k sum
-            walks that list (:func:`dbo.moe.fused_sum.start_token_scan`; the same numbers).
-            Default :func:`prefer_side_scan`, from the local share of the slots.
 
     Returns:
         ``out``. Nothing waits for the GPU.
@@ -303,30 +293,41 @@ def fused_swiglu_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
     if persistent is None:
         persistent = prefer_persistent(est, pairs, n_experts) if x.is_cuda else True
     act = torch.empty(m * topk, inter, dtype=x.dtype, device=x.device)
+    launch_gate_up(x, order, offsets, w1, act, up_cfg, pairs, topk, persistent)
     y = out.view(m * topk, hidden) if not reduce else \
         torch.empty(m * topk, hidden, dtype=x.dtype, device=x.device)
-    share = est * n_experts / max(1, m * topk)
     if reduce and sole_pairs is None:
-        sole_pairs = prefer_sole(share, topk)
+        sole_pairs = prefer_sole(est * n_experts / max(1, m * topk), topk)
     ids, tw = topk_ids.contiguous(), topk_weights.contiguous()
-    sole = bool(reduce and sole_pairs and _runs_flat(down_cfg, act, w2))
-    if reduce and (prefer_side_scan(share, topk) if side_scan is None else side_scan):
-        # forked before the GEMMs' launches, so that it runs beside them
-        scan = start_token_scan(ids, out, n_experts, sole)
-    else:
-        scan = None
-    try:
-        launch_gate_up(x, order, offsets, w1, act, up_cfg, pairs, topk, persistent)
-        wrote_sole = launch_down(act, order, offsets, w2, y, down_cfg, pairs, persistent,
-                                 (ids, tw, out) if sole else None)
-        if wrote_sole != sole:
-            raise AssertionError("_runs_flat and launch_down disagree on the flat tile")
-    except BaseException:
-        if scan is not None and scan.done is not None:  # the scan's tensors are freed on return
-            torch.cuda.current_stream(out.device).wait_event(scan.done)
-        raise
+    sole = launch_down(act, order, offsets, w2, y, down_cfg, pairs, persistent,
+                       (ids, tw, out) if reduce and sole_pairs else None)
     if not reduce:
         local = (topk_ids >= 0) & (topk_ids < n_experts)
         return out.masked_fill_(~local.unsqueeze(-1), 0)
-    launch_topk_sum(y, ids, tw, out, n_experts, sole, scan=scan)
+    launch_topk_sum(y, ids, tw, out, n_experts, sole)
     return out
+
+
+#: columns of one token per program of the top-k sum: its slots are a chain of dependent loads
+#: (the ids, then each local slot's row behind a branch), so fewer, wider programs wait less.
+#: On an H200 (``tests/gpu/probe_topk_sum.py``), against 1024: 0.90-0.94x the kernel's time
+#: with 32 of 256 experts local from 16384 tokens, 0.99-1.01x with every expert local (there
+#: at the copy bandwidth either way); 8-16 warps or 4096-8192 columns did no better
+TOPK_SUM_BLOCK = 2048
+
+
+def launch_topk_sum(y: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                    out: torch.Tensor, n_experts: int, sole: bool = False, *, block: int | None = None,
+                    num_warps: int = 4) -> None:
+    """``out[m] = sum_s w[m, s] * y[m * topk + s]`` over the slots of local experts (``sole``:
+    not for the tokens with one local slot, whose row :func:`launch_down` wrote). A program
+    sums ``block`` columns of one token (default :data:`TOPK_SUM_BLOCK`, or the row's power of
+    two where it is narrower) with ``num_warps`` warps."""
+    m, topk = topk_ids.shape
+    hidden = y.shape[1]
+    block = _block(hidden, TOPK_SUM_BLOCK) if block is None else block
+    if block < 16 or block & (block - 1):
+        raise ValueError(f"block must be a power of two >= 16, got {block}")
+    launch(topk_sum_kernel, (m, cdiv(hidden, block)), (
+        y, topk_ids.contiguous(), topk_weights.contiguous(), out, n_experts, hidden), dict(TOPK=topk,
+        BLOCK=block, SOLE=sole, num_warps=num_warps))

@@ -1,8 +1,7 @@
 """The fused experts' Triton kernels (:mod:`dbo.moe.fused_experts` launches them; its docstring
 says what each computes): the tile table that each program reads from the device offsets, the
 gate/up grouped GEMM with the row gather and SiLU*up fused, the down grouped GEMM (a K-loop tile
-and a short-K tile for I <= 256) writing each row to its slot (the top-k sum is
-:mod:`dbo.moe.fused_sum`'s).
+and a short-K tile for I <= 256) writing each row to its slot, and the top-k sum.
 
 Each GEMM kernel takes a tile per program, or (``PERSISTENT``) walks every num_programs-th
 tile; the one-tile path is straight-line code, since a loop around the tile, even of one trip,
@@ -11,7 +10,8 @@ cost 3-9% at 256 local experts on an H200 (more registers: 255 against 118-184).
 
 from __future__ import annotations
 
-__all__ = ["gate_up_kernel", "down_kernel", "tile_map_kernel", "down_flat_kernel", "down_short_k_kernel"]
+__all__ = ["gate_up_kernel", "down_kernel", "tile_map_kernel", "down_flat_kernel", "down_short_k_kernel",
+           "topk_sum_kernel"]
 
 try:
     import triton
@@ -362,3 +362,29 @@ if triton is not None:
             _down_short_k_tile(tl.program_id(0), starts, ends, m_tiles, tile_ends, act_ptr, order_ptr, w_ptr,
                                y_ptr, hidden, inter, stride_we, BLOCK_M, BLOCK_N, BLOCK_K, N_PER_PROGRAM,
                                BLOCK_E, GROUP_M, PRECISION)
+
+    @triton.jit
+    def topk_sum_kernel(y_ptr, ids_ptr, w_ptr, out_ptr, n_experts, hidden, TOPK: tl.constexpr,
+                         BLOCK: tl.constexpr, SOLE: tl.constexpr):
+        # a slot of another rank's expert reads nothing: its row of y was never written. SOLE: a
+        # token with one local slot is left alone (the flat down kernel wrote its row)
+        m = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < hidden
+        if SOLE:
+            n_local = 0
+            for s in tl.static_range(TOPK):
+                e = tl.load(ids_ptr + m * TOPK + s)
+                n_local += ((e >= 0) & (e < n_experts)).to(tl.int32)
+            todo = n_local != 1
+        else:
+            todo = True
+        if todo:
+            acc = tl.zeros([BLOCK], dtype=tl.float32)
+            for s in tl.static_range(TOPK):
+                e = tl.load(ids_ptr + m * TOPK + s)
+                if (e >= 0) & (e < n_experts):
+                    w = tl.load(w_ptr + m * TOPK + s).to(tl.float32)
+                    acc += w * tl.load(y_ptr + (m * TOPK + s) * hidden + cols, mask=mask,
+                                       other=0.0).to(tl.float32)
+            tl.store(out_ptr + m * hidden + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)

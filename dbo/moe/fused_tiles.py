@@ -11,8 +11,7 @@ from dataclasses import dataclass
 
 __all__ = ["GemmConfig", "CONFIGS", "FP32_CONFIG", "FEW_EXPERTS_UP", "FEW_EXPERTS_DOWN", "FLAT_DOWN",
            "FLAT_DOWN_WIDE", "DOWN_TAIL", "FUSED_MAX_ROWS_PER_EXPERT", "FUSED_MAX_LOCAL_EXPERTS",
-           "prefer_fused", "prefer_persistent", "prefer_sole", "SOLE_MIN_SHARE",
-           "prefer_side_scan", "SIDE_SCAN_MIN_SHARE", "pick_configs"]
+           "prefer_fused", "prefer_persistent", "prefer_sole", "SOLE_MIN_SHARE", "pick_configs"]
 
 
 @dataclass(frozen=True)
@@ -138,23 +137,6 @@ def prefer_sole(local_share: float, topk: int) -> bool:
     once per column block (the down kernel's epilogue)."""
     p = min(1.0, max(0.0, local_share))
     return topk * p * (1.0 - p) ** (topk - 1) >= SOLE_MIN_SHARE
-
-
-#: the least expected share of tokens that need no top-k sum (no local slot, or one: the flat down
-#: kernel's sole rows) for which a side stream scans the tokens beside the GEMMs
-#: (``fused_swiglu_experts(side_scan=...)``)
-SIDE_SCAN_MIN_SHARE = 0.5
-
-
-def prefer_side_scan(local_share: float, topk: int) -> bool:
-    """Whether a side stream should write the zero rows and list the tokens to sum while the
-    GEMMs run, given the expected share of slots routed to local experts: worth it where most
-    tokens need no sum (at 32 of 256 experts with top-8 routing ~73% have no local slot or one),
-    since the top-k sum then launches programs for the listed tokens only; every token pays for
-    reading its ids once more, and the call for a second stream's fork and join."""
-    p = min(1.0, max(0.0, local_share))
-    q = 1.0 - p
-    return q ** topk + topk * p * q ** (topk - 1) >= SIDE_SCAN_MIN_SHARE
 
 
 def pick_configs(rows_per_expert: float, intermediate: int = 1 << 30,

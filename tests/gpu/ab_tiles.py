@@ -1,9 +1,7 @@
 """Same-run A/B of tile-table variants of the fused experts, whole calls, over the issue's grid.
 
 Each variant is a rule ``(estimated rows per expert, I, local experts, host bound, estimated
-pairs) -> (gate_up tile, down tile)``, with each tile's ``persistent`` set, and optionally
-``call_kw`` (``fused_swiglu_experts``'s other options) and ``consts`` (``dbo.moe.fused_sum``'s
-knobs for its calls) as attributes. For every shape
+pairs) -> (gate_up tile, down tile)``, with each tile's ``persistent`` set. For every shape
 (hidden 7168, top-8 of 256, device offsets, the estimate ``SwiGLUExperts`` makes) the variants'
 whole calls (``fused_swiglu_experts``) and the library's (``SwiGLUExperts``, which may run the
 unfused steps) alternate, each queued behind a GPU sleep (the GPU's time), ``--steps`` rounds;
@@ -101,26 +99,8 @@ def _two_per_sm(block_k: int, stages: int):
     return rule
 
 
-def _scan(**consts):
-    # the table's tiles with the token scan beside the GEMMs (fused_sum's knobs as given)
-    def rule(est, inter, n_local, bound, pairs):
-        return table(est, inter, n_local, bound, pairs)
-    rule.call_kw = dict(side_scan=True)
-    rule.consts = consts
-    return rule
-
-
-def _no_scan(est, inter, n_local, bound, pairs):
-    return table(est, inter, n_local, bound, pairs)
-
-
-_no_scan.call_kw = dict(side_scan=False)
-
 VARIANTS = {"table": table, "flat16": flat16, "flat4": flat4, "pers": pers, "big": big, "up512": up512,
-            "every": every, "up2": _two_per_sm(64, 2), "upk32": _two_per_sm(32, 4), "noscan": _no_scan,
-            "scan": _scan(), "scan_inline": _scan(SCAN_ON_SIDE_STREAM=False),
-            "scan_l8": _scan(LIST_PROGRAMS_PER_SM=8), "scan_l32": _scan(LIST_PROGRAMS_PER_SM=32),
-            "scan_s4": _scan(SCAN_PROGRAMS_PER_SM=4)}
+            "every": every, "up2": _two_per_sm(64, 2), "upk32": _two_per_sm(32, 4)}
 
 
 def main() -> int:
@@ -143,9 +123,7 @@ def ab_shape(case, inter, n_local, t, topk, hidden, lib, lim, variants, steps) -
     for v in variants:  # "table" first: the others' outputs are checked against its
         cfgs = VARIANTS[v](est, inter, n_local, bound, pairs)
         tiles[v] = [str(c) for c in cfgs]
-        rule = VARIANTS[v]
-        kw = getattr(rule, "call_kw", {})
-        impls[v] = (FixedTiles(cfgs, est, getattr(rule, "consts", None), **kw), False)
+        impls[v] = (FixedTiles(cfgs, est), False)
     impls["library"] = (lib, False)
     res = time_experts(impls, case, steps=steps, timings=("device",))
     ms = {k: v["median_ms"] for k, v in res.items()}

@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from dbo.bench.experts import make_case, time_experts  # noqa: E402
 from dbo.bench.limits import experts_cost, measure_device_limits  # noqa: E402
 from dbo.bench.timing import gpu_sleep  # noqa: E402
-from dbo.moe import SwiGLUExperts, fused_sum  # noqa: E402
+from dbo.moe import SwiGLUExperts  # noqa: E402
 from dbo.moe.fused_experts import (  # noqa: E402
     GemmConfig,
     fused_swiglu_experts,
@@ -68,22 +68,13 @@ class FixedTiles:
     as an experts object (its ``apply``), so that :func:`dbo.bench.experts.time_experts` times it
     (alternating with the others, each call queued behind a GPU sleep)."""
 
-    def __init__(self, configs: tuple, rows_per_expert: float, consts: dict | None = None, **call_kw):
-        # consts: attributes of dbo.moe.fused_sum set for this call only (its launch knobs)
-        self.configs, self.rows_per_expert, self.call_kw = configs, rows_per_expert, call_kw
-        self.consts = consts or {}
+    def __init__(self, configs: tuple, rows_per_expert: float):
+        self.configs, self.rows_per_expert = configs, rows_per_expert
 
     def apply(self, x, w1, w2, topk_weights, topk_ids, *, workspace, **_):
         out = workspace.get("fused_out", tuple(x.shape), x.dtype, x.device)
-        saved = {k: getattr(fused_sum, k) for k in self.consts}
-        try:
-            for k, v in self.consts.items():
-                setattr(fused_sum, k, v)
-            return fused_swiglu_experts(x, w1, w2, topk_weights, topk_ids, out=out, configs=self.configs,
-                                        rows_per_expert=self.rows_per_expert, **self.call_kw)
-        finally:
-            for k, v in saved.items():
-                setattr(fused_sum, k, v)
+        return fused_swiglu_experts(x, w1, w2, topk_weights, topk_ids, out=out, configs=self.configs,
+                                    rows_per_expert=self.rows_per_expert)
 
 
 def both_ways(cfgs: list[GemmConfig]) -> list[GemmConfig]:
