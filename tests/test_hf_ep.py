@@ -293,6 +293,46 @@ def test_config_and_mistakes():
         DBOExpertParallel(object(), Mesh(), Mesh())
 
 
+def test_model_experts_masks_the_sentinel_rows_of_grouped_mm(monkeypatch):
+    # transformers' grouped_mm experts leave the rows of sentinel ids ("no local expert")
+    # unwritten and mask them only in expert-parallel mode; ModelExperts passes sentinels, so it
+    # turns that mode on. Unwritten rows made NaN here (as uninitialized memory can be): a token
+    # with no local slot still gets zeros, the others their slots' sum
+    import torch
+    import transformers.integrations.moe as hf_moe
+
+    from dbo.integrations.hf_ep import ModelExperts
+    from dbo.moe import ActivationFormat, Workspace
+
+    grouped_linear = hf_moe._grouped_linear
+
+    def unwritten_tail_is_nan(input, weight, offs, *args, **kwargs):
+        out = grouped_linear(input, weight, offs, *args, **kwargs)
+        out[int(offs[-1]):] = float("nan")
+        return out
+
+    monkeypatch.setattr(hf_moe, "_grouped_linear", unwritten_tail_is_nan)
+    block = _tiny_model("qwen3_moe", 4).model.layers[0].mlp
+    assert block.experts.config._experts_implementation == "grouped_mm"
+    assert not block.experts._is_expert_parallel
+    experts = ModelExperts(block.experts, block.experts.forward)
+    assert block.experts._is_expert_parallel
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(5, 32, generator=g)
+    ids = torch.tensor([[-1, -1], [2, -1], [4, 1], [-1, 7], [0, 0]])
+    weights = torch.rand(5, 2, generator=g)
+    got = experts.apply(x, None, None, weights, ids, activation_format=ActivationFormat.STANDARD,
+                        expert_tokens_meta=None, apply_router_weight_on_input=False, workspace=Workspace())
+    want = torch.zeros_like(x)
+    for m in range(5):
+        for k in range(2):
+            if ids[m, k] >= 0:
+                want[m] += weights[m, k] * block.experts(x[m:m + 1], ids[m:m + 1, k:k + 1],
+                                                         torch.ones(1, 1))[0]
+    assert torch.equal(got[0], torch.zeros(32))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
 def test_model_experts_batched_format_equals_standard():
     # deepep_ll hands the experts [experts, rows, hidden] slabs: the same rows as STANDARD
     import torch

@@ -70,6 +70,11 @@ class ModelExperts(MoEExperts):
     def __init__(self, module: torch.nn.Module, forward: Any):
         self.module = module
         self.forward = forward
+        if hasattr(module, "_is_expert_parallel"):
+            # the sentinel ids this class passes are masked by transformers' experts
+            # implementations only in expert-parallel mode: grouped_mm leaves the sentinel rows of
+            # its output unwritten otherwise, and weight 0 times an unwritten NaN is NaN
+            module._is_expert_parallel = True
         self.num_local_experts = int(module.num_experts)
         self._format: ActivationFormat | None = None
 
