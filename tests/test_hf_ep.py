@@ -293,6 +293,15 @@ def test_config_and_mistakes():
         DBOExpertParallel(object(), Mesh(), Mesh())
 
 
+def _slot_sum(experts, x, ids, weights):
+    # the reference: each local slot through the module alone (no sentinel ids), weighted, summed
+    import torch
+
+    ones = torch.ones(x.shape[0], 1)
+    return sum(torch.where((ids[:, k] >= 0).unsqueeze(1), weights[:, k:k + 1] * experts(
+        x, ids[:, k:k + 1].clamp(min=0), ones), 0.0) for k in range(ids.shape[1]))
+
+
 def test_model_experts_masks_the_sentinel_rows_of_grouped_mm(monkeypatch):
     # transformers' grouped_mm experts leave the rows of sentinel ids ("no local expert")
     # unwritten and mask them only in expert-parallel mode; ModelExperts passes sentinels, so it
@@ -323,12 +332,7 @@ def test_model_experts_masks_the_sentinel_rows_of_grouped_mm(monkeypatch):
     weights = torch.rand(5, 2, generator=g)
     got = experts.apply(x, None, None, weights, ids, activation_format=ActivationFormat.STANDARD,
                         expert_tokens_meta=None, apply_router_weight_on_input=False, workspace=Workspace())
-    want = torch.zeros_like(x)
-    for m in range(5):
-        for k in range(2):
-            if ids[m, k] >= 0:
-                want[m] += weights[m, k] * block.experts(x[m:m + 1], ids[m:m + 1, k:k + 1],
-                                                         torch.ones(1, 1))[0]
+    want = _slot_sum(block.experts, x, ids, weights)
     assert torch.equal(got[0], torch.zeros(32))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
@@ -348,8 +352,7 @@ def test_model_experts_batched_format_equals_standard():
     weights = torch.rand(6, 2, generator=g)
     kw = dict(expert_tokens_meta=None, apply_router_weight_on_input=False, workspace=Workspace())
     std = experts.apply(x, None, None, weights, ids, activation_format=ActivationFormat.STANDARD, **kw)
-    ref = sum(torch.where((ids[:, k] >= 0).unsqueeze(1), weights[:, k:k + 1] * block.experts(
-        x, ids[:, k:k + 1].clamp(min=0), torch.ones(6, 1)), 0.0) for k in range(2))
+    ref = _slot_sum(block.experts, x, ids, weights)
     torch.testing.assert_close(std, ref, rtol=1e-5, atol=1e-6)
     # batched: expert e's slab holds the tokens routed to it (unweighted)
     slabs = torch.zeros(8, 4, 32)
