@@ -71,7 +71,7 @@ if gluon is not None:
     @gluon.jit
     def _load_partition(x_ptr, order_ptr, map_ptr, w_desc, a_bufs, g_bufs, u_bufs, ready, empty, hidden,
                         inter, TOPK: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                        LOAD_WARPS: gl.constexpr):
+                        LOAD_WARPS: gl.constexpr, FUSED_N: gl.constexpr):
         BM: gl.constexpr = a_bufs.type.shape[1]
         BK: gl.constexpr = a_bufs.type.shape[2]
         BN: gl.constexpr = w_desc.block_type.shape[0]
@@ -96,21 +96,31 @@ if gluon is not None:
                 mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)
                 bar = ready.index(s)
                 mbarrier.expect(bar, w_bytes)
-                tma.async_copy_global_to_shared(w_desc, [g_row, ki * BK], bar, g_bufs.index(s))
-                tma.async_copy_global_to_shared(w_desc, [g_row + inter, ki * BK], bar, u_bufs.index(s))
+                if FUSED_N:  # g_bufs: [STAGES, 2 * BN, BK], the gate rows then the up rows
+                    b = g_bufs.index(s)
+                    tma.async_copy_global_to_shared(w_desc, [g_row, ki * BK], bar, b.slice(0, BN))
+                    tma.async_copy_global_to_shared(w_desc, [g_row + inter, ki * BK], bar, b.slice(BN, BN))
+                else:
+                    tma.async_copy_global_to_shared(w_desc, [g_row, ki * BK], bar, g_bufs.index(s))
+                    tma.async_copy_global_to_shared(w_desc, [g_row + inter, ki * BK], bar, u_bufs.index(s))
                 async_copy.async_copy_global_to_shared(a_bufs.index(s), a_ptrs + ki * BK, mask=a_mask)
                 async_copy.mbarrier_arrive(bar, increment_count=False)
                 c += 1
 
     @gluon.jit
     def _mma_partition(map_ptr, act_ptr, a_bufs, g_bufs, u_bufs, ready, empty, hidden, inter,
-                       GROUP_M: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+                       GROUP_M: gl.constexpr, STAGES: gl.constexpr, FUSED_N: gl.constexpr,
+                       num_warps: gl.constexpr):
         BM: gl.constexpr = a_bufs.type.shape[1]
         BK: gl.constexpr = a_bufs.type.shape[2]
-        BN: gl.constexpr = g_bufs.type.shape[1]
+        BN: gl.constexpr = u_bufs.type.shape[1]
         dtype: gl.constexpr = a_bufs.dtype
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                              instr_shape=[16, BN, 16])
+        # FUSED_N: one MMA of 2 * BN columns (the gate and the up tile side by side in shared memory)
+        # reads the rows' tile once per K step instead of twice
+        acc2_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                              instr_shape=[16, 2 * BN, 16])
         tpw_n: gl.constexpr = BN // 8
         out_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // tpw_n, tpw_n], [num_warps, 1], [1, 0])
         n_m = gl.load(map_ptr)
@@ -119,23 +129,37 @@ if gluon is not None:
         c = 0
         for t in range(gl.program_id(0), n_m * n_col, gl.num_programs(0)):
             e, row0, end_row, pid_n = _tile(t, map_ptr, n_m, n_col, GROUP_M)
-            acc_g = gl.zeros([BM, BN], gl.float32, layout=acc_layout)
-            acc_u = gl.zeros([BM, BN], gl.float32, layout=acc_layout)
-            for ki in range(k_steps):
-                s = c % STAGES
-                mbarrier.wait(ready.index(s), (c // STAGES) & 1)
-                # the rows came through async copies (the generic proxy): order them before the
-                # MMAs' reads (the async proxy)
-                fence_async_shared()
-                a = a_bufs.index(s)
-                acc_g = warpgroup_mma(a, g_bufs.index(s).permute((1, 0)), acc_g, is_async=True)
-                acc_u = warpgroup_mma(a, u_bufs.index(s).permute((1, 0)), acc_u, is_async=True)
-                # the previous step's MMAs are done (both warpgroups: the barrier): its slot is free
-                acc_g, acc_u = warpgroup_mma_wait(num_outstanding=2, deps=(acc_g, acc_u))
-                gl.thread_barrier()
-                mbarrier.arrive(empty.index((c + STAGES - 1) % STAGES), pred=ki > 0)
-                c += 1
-            acc_g, acc_u = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, acc_u))
+            if FUSED_N:
+                acc = gl.zeros([BM, 2 * BN], gl.float32, layout=acc2_layout)
+                for ki in range(k_steps):
+                    s = c % STAGES
+                    mbarrier.wait(ready.index(s), (c // STAGES) & 1)
+                    fence_async_shared()
+                    acc = warpgroup_mma(a_bufs.index(s), g_bufs.index(s).permute((1, 0)), acc, is_async=True)
+                    acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+                    gl.thread_barrier()
+                    mbarrier.arrive(empty.index((c + STAGES - 1) % STAGES), pred=ki > 0)
+                    c += 1
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                acc_g, acc_u = acc.reshape([BM, 2, BN]).permute((0, 2, 1)).split()
+            else:
+                acc_g = gl.zeros([BM, BN], gl.float32, layout=acc_layout)
+                acc_u = gl.zeros([BM, BN], gl.float32, layout=acc_layout)
+                for ki in range(k_steps):
+                    s = c % STAGES
+                    mbarrier.wait(ready.index(s), (c // STAGES) & 1)
+                    # the rows came through async copies (the generic proxy): order them before the
+                    # MMAs' reads (the async proxy)
+                    fence_async_shared()
+                    a = a_bufs.index(s)
+                    acc_g = warpgroup_mma(a, g_bufs.index(s).permute((1, 0)), acc_g, is_async=True)
+                    acc_u = warpgroup_mma(a, u_bufs.index(s).permute((1, 0)), acc_u, is_async=True)
+                    # the previous step's MMAs are done (both warpgroups: the barrier): its slot is free
+                    acc_g, acc_u = warpgroup_mma_wait(num_outstanding=2, deps=(acc_g, acc_u))
+                    gl.thread_barrier()
+                    mbarrier.arrive(empty.index((c + STAGES - 1) % STAGES), pred=ki > 0)
+                    c += 1
+                acc_g, acc_u = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, acc_u))
             gl.thread_barrier()
             mbarrier.arrive(empty.index((c + STAGES - 1) % STAGES))
             act = acc_g / (1.0 + gl.exp(-acc_g)) * acc_u
@@ -148,14 +172,19 @@ if gluon is not None:
     @gluon.jit
     def gate_up_ws_kernel(x_ptr, order_ptr, map_ptr, w_desc, act_ptr, hidden, inter, TOPK: gl.constexpr,
                           BM: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                          LOAD_WARPS: gl.constexpr, LOAD_REGS: gl.constexpr, num_warps: gl.constexpr):
+                          LOAD_WARPS: gl.constexpr, LOAD_REGS: gl.constexpr, FUSED_N: gl.constexpr,
+                          num_warps: gl.constexpr):
         BN: gl.constexpr = w_desc.block_type.shape[0]
         BK: gl.constexpr = w_desc.block_type.shape[1]
         dtype: gl.constexpr = w_desc.dtype
         a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BK], dtype)
         a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BM, BK], a_layout)
-        g_bufs = gl.allocate_shared_memory(dtype, [STAGES, BN, BK], w_desc.layout)
-        u_bufs = gl.allocate_shared_memory(dtype, [STAGES, BN, BK], w_desc.layout)
+        if FUSED_N:  # the gate and up tiles in one buffer; u_bufs only carries the tile's shape
+            g_bufs = gl.allocate_shared_memory(dtype, [STAGES, 2 * BN, BK], w_desc.layout)
+            u_bufs = gl.allocate_shared_memory(dtype, [1, BN, BK], w_desc.layout)
+        else:
+            g_bufs = gl.allocate_shared_memory(dtype, [STAGES, BN, BK], w_desc.layout)
+            u_bufs = gl.allocate_shared_memory(dtype, [STAGES, BN, BK], w_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
@@ -164,9 +193,9 @@ if gluon is not None:
             mbarrier.init(empty.index(i), count=1)
         gl.warp_specialize([
             (_mma_partition, (map_ptr, act_ptr, a_bufs, g_bufs, u_bufs, ready, empty, hidden, inter, GROUP_M,
-                              STAGES, num_warps)),
+                              STAGES, FUSED_N, num_warps)),
             (_load_partition, (x_ptr, order_ptr, map_ptr, w_desc, a_bufs, g_bufs, u_bufs, ready, empty,
-                               hidden, inter, TOPK, GROUP_M, STAGES, LOAD_WARPS)),
+                               hidden, inter, TOPK, GROUP_M, STAGES, LOAD_WARPS, FUSED_N)),
         ], [LOAD_WARPS], [LOAD_REGS])
 
 
@@ -188,7 +217,7 @@ def available(x: torch.Tensor, w1: torch.Tensor, bn: int = 128) -> bool:
 def launch_gate_up_ws(x: torch.Tensor, order: torch.Tensor, tiles: torch.Tensor, w1: torch.Tensor,
                       act: torch.Tensor, topk: int, pairs: int, *, bm: int = 128, bn: int = 128, bk: int = 64,
                       stages: int = 4, group_m: int = 8, load_warps: int = 4, load_regs: int = 64,
-                      maxnreg: int | None = None, programs: int | None = None) -> None:
+                      maxnreg: int | None = None, programs: int | None = None, fused_n: bool = True) -> None:
     """The gate/up GEMM into ``act`` over the row tiles of :func:`dbo.moe.fused_experts.tile_map`
     (``tiles``, built with ``block_m=bm``); ``pairs`` bounds the local pairs (the grid)."""
     n_experts, two_inter, hidden = w1.shape
@@ -205,4 +234,5 @@ def launch_gate_up_ws(x: torch.Tensor, order: torch.Tensor, tiles: torch.Tensor,
     total = warps + load_warps
     kw = {} if maxnreg is False else {"maxnreg": maxnreg or (65536 // (32 * -(-total // 4) * 4)) // 8 * 8}
     gate_up_ws_kernel[grid](x, order, tiles, w_desc, act, hidden, inter, TOPK=topk, BM=bm, GROUP_M=group_m,
-                            STAGES=stages, LOAD_WARPS=load_warps, LOAD_REGS=load_regs, num_warps=warps, **kw)
+                            STAGES=stages, LOAD_WARPS=load_warps, LOAD_REGS=load_regs, FUSED_N=fused_n,
+                            num_warps=warps, **kw)
