@@ -32,6 +32,24 @@ def test_a_tile_may_carry_its_own_persistence():
         GemmConfig(64, 64, 64, tail_m=24)
 
 
+@pytest.mark.parametrize("kw", [dict(block_m=32), dict(block_m=128, tail_m=32), dict(flat=True),
+                                dict(n_per_program=4)])
+def test_a_warp_specialized_tile_is_a_gate_up_tile_of_64_or_128_rows(kw):
+    GemmConfig(128, 128, 64, ws=True)
+    GemmConfig(64, 128, 64, ws=True)
+    with pytest.raises(ValueError, match="warp-specialized"):
+        GemmConfig(**{"block_m": 128, "block_n": 128, **kw, "ws": True})
+
+
+def test_operands_off_a_hopper_gpu_take_the_triton_kernel():
+    import torch
+
+    from dbo.moe.fused_experts import runs_ws
+
+    x = torch.zeros(4, 128, dtype=torch.bfloat16)
+    assert not runs_ws(GemmConfig(128, 128, 64, ws=True), x, torch.zeros(2, 256, 128, dtype=torch.bfloat16))
+
+
 @pytest.mark.parametrize("rows", [1, 32, 48, 64, 96, 128, 192, 256, 384, 512, 1024, 2048, 1 << 20])
 @pytest.mark.parametrize("inter", [128, 256, 768, 2048])
 @pytest.mark.parametrize("n_local", [8, 32, 128, 256])

@@ -243,6 +243,15 @@ for seed, m, n_local, topk, tail, red, down_kind, persistent in [
         per_token = ((ids >= 0) & (ids < n_local)).sum(1)
         assert bool((per_token == 1).any()) and bool((per_token > 1).any()), seed
         assert torch.equal(sole, out), (seed, (sole - out).abs().max())
+# a warp-specialized gate/up tile (Gluon, Hopper only) runs here as the Triton kernel with its blocks
+x, weights, ids, w1, w2 = _case(9, 90, 4, 3, hidden=64, inter=32)
+x, w1, w2 = x.half(), w1.half(), w2.half()
+down = GemmConfig(32, 16, 16, 2, 4, 2, flat=True)
+outs = []
+for up in (GemmConfig(64, 16, 16, 2, 8, 2, ws=True), GemmConfig(64, 16, 16, 2, 4, 2, tma=True)):
+    outs.append(torch.empty(90, 64, dtype=torch.float16))
+    fused_swiglu_experts(x, w1, w2, weights, ids, out=outs[-1], configs=(up, down), persistent=True)
+assert torch.equal(outs[0], outs[1])
 print("ok")
 """
 

@@ -39,8 +39,11 @@ size and local experts, measured on an H200: see docs/perf_notes.md); ``configs=
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
+from dbo.moe import gluon_gate_up
 from dbo.moe.fused_route import route_order
 from dbo.moe.fused_tiles import (
     CONFIGS,
@@ -58,7 +61,7 @@ from dbo.moe.triton_launch import Desc, cdiv, launch, next_pow2
 
 __all__ = ["GemmConfig", "CONFIGS", "FP32_CONFIG", "FUSED_MAX_ROWS_PER_EXPERT", "prefer_fused",
            "pick_configs", "fused_swiglu_experts", "route_order", "launch_gate_up", "launch_down",
-           "launch_topk_sum", "tile_map"]
+           "launch_topk_sum", "tile_map", "runs_ws", "runs_flat"]
 
 try:
     import triton
@@ -149,13 +152,30 @@ def _precision(x: torch.Tensor) -> str:
     return "ieee" if x.dtype == torch.float32 else "tf32"
 
 
+def runs_ws(cfg: GemmConfig, x: torch.Tensor, w1: torch.Tensor) -> bool:
+    """Whether the gate/up tile ``cfg`` runs as the warp-specialized Gluon kernel for these
+    operands (else as the Triton kernel)."""
+    return cfg.ws and gluon_gate_up.available(x, w1, cfg.block_n)
+
+
 def launch_gate_up(x: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, w1: torch.Tensor,
                    act: torch.Tensor, cfg: GemmConfig, pairs: int, topk: int,
-                   persistent: bool = False) -> None:
+                   persistent: bool = False, tiles: torch.Tensor | None = None) -> None:
     """``act[r] = silu(x[t] @ g_e.T) * (x[t] @ u_e.T)`` for each sorted row ``r`` of expert
-    ``e`` (``t = order[r] // topk``); ``pairs``: an upper bound of the local pairs (the grid)."""
+    ``e`` (``t = order[r] // topk``); ``pairs``: an upper bound of the local pairs (the grid).
+    ``tiles``: the row-tile map of a warp-specialized tile (:func:`tile_map` with its
+    ``block_m``), where the caller built it already."""
     n_experts, two_inter, hidden = w1.shape
     inter = two_inter // 2
+    if runs_ws(cfg, x, w1):
+        if tiles is None:
+            tiles, _ = tile_map(offsets, cfg.block_m, pairs)
+        gluon_gate_up.launch_gate_up_ws(x, order, tiles, w1, act, topk, pairs, block_m=cfg.block_m,
+                                        block_n=cfg.block_n, block_k=cfg.block_k, stages=cfg.num_stages,
+                                        group_m=cfg.group_m)
+        return
+    if cfg.ws:  # the Triton kernel with the same blocks, one warp per 16 rows
+        cfg = dataclasses.replace(cfg, ws=False, tma=True, num_warps=cfg.block_m // 16)
     cfg = FP32_CONFIG if x.element_size() > 2 else cfg
     persistent = cfg.runs_persistent(persistent)
     tma = cfg.tma and hidden % cfg.block_k == 0 and _aligned(w1)
@@ -201,15 +221,24 @@ def tile_map(offsets: torch.Tensor, block_m: int, pairs: int,
     return tiles, dest
 
 
+def runs_flat(cfg: GemmConfig, act: torch.Tensor, w2: torch.Tensor) -> bool:
+    """Whether the down tile ``cfg`` runs as the flat kernel for these operands (TMA needs
+    16-byte rows and bases; else the K-loop tile)."""
+    return cfg.flat and w2.shape[2] % 8 == 0 and _aligned(act, w2)
+
+
 def launch_down(act: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, w2: torch.Tensor,
                 y: torch.Tensor, cfg: GemmConfig, pairs: int, persistent: bool = False,
-                sole: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> bool:
+                sole: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                tile_maps: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> bool:
     """``y[order[r]] = act[r] @ d_e.T`` for each sorted row ``r`` of expert ``e``.
 
     ``sole``: ``(topk_ids, topk_weights, out)``: where the tile is the flat one, a row whose
     token has no other local slot is written weighted to ``out`` instead (the top-k sum then
     leaves that token alone: :func:`launch_topk_sum` with ``sole=True``). Returns whether it
-    was (other tiles write every row to ``y``)."""
+    was (other tiles write every row to ``y``). ``tile_maps``: the flat tile's map and marks,
+    where the caller built them already (:func:`tile_map` with this tile's ``block_m``, and
+    ``sole=(order, topk_ids)`` exactly when ``sole`` is given)."""
     n_experts, hidden, inter = w2.shape
     cfg = FP32_CONFIG if act.element_size() > 2 else cfg
     persistent = cfg.runs_persistent(persistent)
@@ -224,7 +253,7 @@ def launch_down(act: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, w
                                 GROUP_M=cfg.group_m, PRECISION=_precision(act), PERSISTENT=persistent,
                                 num_warps=cfg.num_warps, num_stages=cfg.num_stages), persistent)
         return False
-    flat = cfg.flat and inter % 8 == 0 and _aligned(act, w2)
+    flat = runs_flat(cfg, act, w2)
     if cfg.flat and not flat:
         cfg = DOWN_TAIL  # TMA needs 16-byte rows and bases: the K-loop tile reads through pointers
     tma = flat or (cfg.tma and inter % cfg.block_k == 0 and _aligned(act, w2))
@@ -233,7 +262,11 @@ def launch_down(act: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, w
         a_desc = Desc(act, (cfg.block_m, cfg.block_k))
         w = Desc(w2.view(n_experts * hidden, inter), (cfg.block_n, cfg.block_k))
     if flat:
-        tiles, dest = tile_map(offsets, cfg.block_m, pairs, None if sole is None else (order, sole[0]))
+        if tile_maps is None:
+            tile_maps = tile_map(offsets, cfg.block_m, pairs, None if sole is None else (order, sole[0]))
+        elif (tile_maps[1] is None) != (sole is None):
+            raise ValueError("tile_maps must carry the sole rows' marks exactly when sole is given")
+        tiles, dest = tile_maps
         # without sole the weights and the output are not read: y and order stand in for them
         tw, out, topk = (sole[1], sole[2], sole[0].shape[1]) if sole is not None else (order, y, 1)
         _launch(down_flat_kernel, _bound(cfg, pairs, n_experts, hidden), act.device, (
@@ -293,14 +326,19 @@ def fused_swiglu_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
     if persistent is None:
         persistent = prefer_persistent(est, pairs, n_experts) if x.is_cuda else True
     act = torch.empty(m * topk, inter, dtype=x.dtype, device=x.device)
-    launch_gate_up(x, order, offsets, w1, act, up_cfg, pairs, topk, persistent)
-    y = out.view(m * topk, hidden) if not reduce else \
-        torch.empty(m * topk, hidden, dtype=x.dtype, device=x.device)
     if reduce and sole_pairs is None:
         sole_pairs = prefer_sole(est * n_experts / max(1, m * topk), topk)
     ids, tw = topk_ids.contiguous(), topk_weights.contiguous()
-    sole = launch_down(act, order, offsets, w2, y, down_cfg, pairs, persistent,
-                       (ids, tw, out) if reduce and sole_pairs else None)
+    sole_args = (ids, tw, out) if reduce and sole_pairs else None
+    maps = None
+    if runs_ws(up_cfg, x, w1) and runs_flat(down_cfg, act, w2) and up_cfg.block_m == down_cfg.block_m:
+        # one map (and the sole rows' marks) for both GEMMs
+        maps = tile_map(offsets, up_cfg.block_m, pairs, None if sole_args is None else (order, ids))
+    launch_gate_up(x, order, offsets, w1, act, up_cfg, pairs, topk, persistent,
+                   None if maps is None else maps[0])
+    y = out.view(m * topk, hidden) if not reduce else \
+        torch.empty(m * topk, hidden, dtype=x.dtype, device=x.device)
+    sole = launch_down(act, order, offsets, w2, y, down_cfg, pairs, persistent, sole_args, maps)
     if not reduce:
         local = (topk_ids >= 0) & (topk_ids < n_experts)
         return out.masked_fill_(~local.unsqueeze(-1), 0)

@@ -41,6 +41,11 @@ class GemmConfig:
     #: the tiles (one per resident slot) or take one tile each (a tuned table's choice; the flat
     #: down tile is persistent always)
     persistent: bool | None = None
+    #: gate/up only: the warp-specialized Gluon kernel (:mod:`dbo.moe.gluon_gate_up`: a loader
+    #: partition and ``block_m // 64`` MMA warpgroups, one program per SM, ``num_stages`` slots;
+    #: ``num_warps`` is not used) over the flat down kernel's row-tile map, where it runs
+    #: (Hopper, bf16/fp16); elsewhere the Triton kernel with the same blocks and TMA
+    ws: bool = False
 
     def __post_init__(self) -> None:
         t = self.tail_m  # tl.dot takes at least 16 rows
@@ -51,6 +56,9 @@ class GemmConfig:
             raise ValueError("a flat tile has no tail tiles and no column blocks per program")
         if self.flat and self.persistent is False:
             raise ValueError("a flat tile is persistent always")
+        if self.ws and (self.block_m not in (64, 128) or t or self.flat or self.n_per_program):
+            raise ValueError(f"a warp-specialized tile has 64 or 128 rows, no tail tiles and is not a down "
+                             f"tile, got {self}")
 
     def runs_persistent(self, policy: bool) -> bool:
         """Whether this tile's programs walk the tiles: its own ``persistent``, else the call's

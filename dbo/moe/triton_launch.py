@@ -57,12 +57,18 @@ def next_pow2(n: int) -> int:
 
 class Desc(NamedTuple):
     """A TMA descriptor argument of :func:`launch`: a 2-D (or higher) tensor with contiguous
-    rows and 16-byte aligned base and row strides, and the block each load or store moves."""
+    rows and 16-byte aligned base and row strides, and the block each load or store moves;
+    ``layout``: a Gluon kernel's descriptor, with the shared-memory layout of its block."""
 
     tensor: torch.Tensor
     block: tuple[int, ...]
+    layout: object = None
 
-    def descriptor(self) -> TensorDescriptor:
+    def descriptor(self):
+        if self.layout is not None:
+            from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+
+            return GluonDescriptor.from_tensor(self.tensor, list(self.block), self.layout)
         return TensorDescriptor.from_tensor(self.tensor, list(self.block))
 
 
@@ -109,7 +115,7 @@ def _spec(a) -> object:
     if t is torch.Tensor or isinstance(a, torch.Tensor):
         return a.dtype, not a.data_ptr() & 15
     if t is Desc:
-        return Desc, a.tensor.dtype, a.block
+        return Desc, a.tensor.dtype, a.block, a.layout
     if t is bool or a is None:
         return a
     if t is int:
@@ -160,7 +166,7 @@ def _encoded(d: _Direct, j: int, a: Desc) -> list:
     if d.metas[j] is None:  # decomposed into the tensor and its shape: nothing to keep
         return make_tensordesc_arg(a.descriptor(), None)
     t = a.tensor
-    key = (t.data_ptr(), t.shape, t.stride(), t.dtype, a.block)
+    key = (t.data_ptr(), t.shape, t.stride(), t.dtype, a.block, a.layout)
     memo = d.memos[j]
     hit = memo.get(key)
     if hit is None:

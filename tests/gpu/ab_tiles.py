@@ -99,7 +99,24 @@ def _two_per_sm(block_k: int, stages: int):
     return rule
 
 
-VARIANTS = {"table": table, "flat16": flat16, "flat4": flat4, "pers": pers, "big": big, "up512": up512,
+WS128 = C(128, 128, 64, 8, 8, 4, ws=True)
+WS64 = C(64, 128, 64, 8, 4, 5, ws=True)
+
+
+def _ws(rule):
+    # the warp-specialized Gluon gate/up tile where rule(est, inter, n_local) names it
+    def variant(est, inter, n_local, bound, pairs):
+        up, down = table(est, inter, n_local, bound, pairs)
+        ws = rule(est, inter, n_local)
+        return (ws if ws is not None and inter % ws.block_n == 0 else up), down
+    return variant
+
+
+VARIANTS = {"table": table, "ws256": _ws(lambda e, i, n: WS128 if e >= 256 else None),
+            "ws512": _ws(lambda e, i, n: WS128 if e >= 512 else None),
+            "ws64": _ws(lambda e, i, n: WS64 if e >= 256 else None),
+            "wsmix": _ws(lambda e, i, n: WS128 if e >= 512 else WS64 if e >= 256 else None),
+            "flat16": flat16, "flat4": flat4, "pers": pers, "big": big, "up512": up512,
             "every": every, "up2": _two_per_sm(64, 2), "upk32": _two_per_sm(32, 4)}
 
 

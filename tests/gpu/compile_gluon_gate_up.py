@@ -1,7 +1,7 @@
-"""Compile the warp-specialized Gluon gate/up kernel (``gluon_gate_up_ws.py``) for sm_90 on a
+"""Compile the warp-specialized Gluon gate/up kernel (:mod:`dbo.moe.gluon_gate_up`) for sm_90 on a
 machine without a GPU and report its registers per partition, spills and shared memory:
 
-    python tests/gpu/compile_gluon_gate_up.py [BM:BN:STAGES:LOAD_WARPS:LOAD_REGS:FUSED_N[:MAXNREG] ...] \
+    python tests/gpu/compile_gluon_gate_up.py [BM:BN:STAGES:LOAD_WARPS:LOAD_REGS[:MAXNREG] ...] \
         [--ptx DIR]
 
 The signature is what the runtime's specialization gives for real arguments (pointers and
@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import torch
@@ -24,16 +23,15 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import gluon_gate_up_ws as ws  # noqa: E402
+from dbo.moe import gluon_gate_up as ws
 
 
 def check(spec: str, ptx_dir: str | None = None) -> dict:
     parts = [int(v) for v in spec.split(":")]
-    bm, bn, stages, load_warps, load_regs, fused = parts[:6]
+    bm, bn, stages, load_warps, load_regs = parts[:5]
     warps = bm // 16
     total = -(-(warps + load_warps) // 4) * 4
-    maxnreg = parts[6] if len(parts) > 6 else (65536 // (32 * total)) // 8 * 8
+    maxnreg = parts[5] if len(parts) > 5 else (65536 // (32 * total)) // 8 * 8
     hidden, inter = 7168, 256
     w = torch.empty(8 * 2 * inter, hidden, dtype=torch.bfloat16)
     layout = gl.NVMMASharedLayout.get_default_for([bn, 64], gl.bfloat16)
@@ -42,7 +40,7 @@ def check(spec: str, ptx_dir: str | None = None) -> dict:
     i32 = torch.empty(64, dtype=torch.int32)
     args = dict(x_ptr=x, order_ptr=i32, map_ptr=i32, w_desc=desc, act_ptr=x, hidden=hidden, inter=inter)
     consts = dict(TOPK=8, BM=bm, GROUP_M=8, STAGES=stages, LOAD_WARPS=load_warps, LOAD_REGS=load_regs,
-                  FUSED_N=bool(fused), num_warps=warps)
+                  num_warps=warps)
     sig, attrs = {}, {}
     names = list(args) + list(consts)
     for i, (k, v) in enumerate(args.items()):
@@ -71,7 +69,7 @@ def check(spec: str, ptx_dir: str | None = None) -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("specs", nargs="*", default=["128:128:4:4:64:1"])
+    p.add_argument("specs", nargs="*", default=["128:128:4:4:64"])
     p.add_argument("--ptx", default=None)
     a = p.parse_args()
     for s in a.specs:

@@ -1,8 +1,8 @@
-"""The warp-specialized Gluon gate/up GEMM (``gluon_gate_up_ws.py``) against the library's gate/up
+"""The warp-specialized Gluon gate/up GEMM (:mod:`dbo.moe.gluon_gate_up`) against the library's gate/up
 tile, on the GPU host: the same output (the local pairs' rows of ``act``, compared bit for bit),
 and each one's time (CUDA events, median) against the GEMM's own limit, per shape and variant.
 
-    python3 tests/gpu/probe_gate_up_ws.py [--shapes I:L:T ...] [--variants BM:BN:STAGES:LW:LR:GM:FUSED ...]
+    python3 tests/gpu/probe_gate_up_ws.py [--shapes I:L:T ...] [--variants BM:BN:STAGES:LW:LR:GM ...]
                                           [--json out.json]
 """
 
@@ -19,17 +19,17 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import gluon_gate_up_ws as ws  # noqa: E402
 from tune_experts import median_ms  # noqa: E402
 
 from dbo.bench.experts import make_case  # noqa: E402
 from dbo.bench.limits import measure_device_limits  # noqa: E402
 from dbo.moe import fused_experts as fe  # noqa: E402
+from dbo.moe import gluon_gate_up as ws  # noqa: E402
 
 SHAPES = ["256:32:8192", "256:32:16384", "256:32:65536", "256:256:2048", "256:256:16384", "768:32:16384",
           "768:128:4096", "768:256:8192", "2048:32:65536", "2048:128:4096", "2048:256:1024", "2048:256:8192"]
-#: BM:BN:STAGES:LOAD_WARPS:LOAD_REGS:GROUP_M:FUSED_N
-VARIANTS = ["128:128:4:4:64:8:1", "128:128:4:4:64:8:0", "64:128:5:4:64:8:1", "64:128:5:4:64:8:0"]
+#: BM:BN:STAGES:LOAD_WARPS:LOAD_REGS:GROUP_M
+VARIANTS = ["128:128:4:4:64:8", "64:128:5:4:64:8"]
 
 
 def one_shape(lim, shape: str, variants: list[str], reps: int) -> dict:
@@ -53,12 +53,12 @@ def one_shape(lim, shape: str, variants: list[str], reps: int) -> dict:
     r = {"shape": shape, "pairs": pairs, "limit_ms": own, "lib_ms": median_ms(lib, reps),
          "lib_tile": f"{up.block_m}x{up.block_n} w{up.num_warps} s{up.num_stages} p{int(persist)}"}
     for v in variants:
-        bm, bn, stages, lw, lr, gm, fused = (int(p) for p in v.split(":"))
+        bm, bn, stages, lw, lr, gm = (int(p) for p in v.split(":"))
         if inter % bn:
             continue
         tiles, _ = fe.tile_map(offsets, bm, bound)
         out = torch.zeros_like(ref)
-        kw = dict(bm=bm, bn=bn, stages=stages, group_m=gm, load_warps=lw, load_regs=lr, fused_n=bool(fused))
+        kw = dict(block_m=bm, block_n=bn, stages=stages, group_m=gm, load_warps=lw, load_regs=lr)
 
         def run(o: torch.Tensor = out, tl_: torch.Tensor = tiles, kw: dict = kw) -> None:
             ws.launch_gate_up_ws(case.x, order, tl_, case.w1, o, topk, bound, **kw)
@@ -74,7 +74,7 @@ def one_shape(lim, shape: str, variants: list[str], reps: int) -> dict:
         r[f"ws{v}_ms"] = median_ms(run, reps)
 
         def with_map(o: torch.Tensor = out, kw: dict = kw) -> None:
-            tl2, _ = fe.tile_map(offsets, kw["bm"], bound)
+            tl2, _ = fe.tile_map(offsets, kw["block_m"], bound)
             ws.launch_gate_up_ws(case.x, order, tl2, case.w1, o, topk, bound, **kw)
 
         r[f"ws{v}_map_ms"] = median_ms(with_map, reps)

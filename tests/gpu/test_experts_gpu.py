@@ -294,3 +294,65 @@ def test_sole_rows_written_by_the_down_kernel_are_the_same_bits(topk, n_local, r
     assert torch.equal(outs[True], outs[False])
     want = _apply(SwiGLUExperts(use_triton=False), x, w1, w2, weights.float(), ids, True)
     assert relative_error(outs[True], want) < 1e-2
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not importable")
+@pytest.mark.parametrize("block_m", [128, 64])
+@pytest.mark.parametrize("inter, hidden, m, n_local", [(256, 7168, 3000, 32), (768, 1024, 9000, 16),
+                                                       (128, 2048, 700, 8)])
+@pytest.mark.parametrize("sole", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_warp_specialized_gate_up_is_the_same_bits(block_m, inter, hidden, m, n_local, sole, dtype):
+    # the Gluon gate/up kernel (GemmConfig.ws) against the Triton kernel with the same blocks: the
+    # same bits, whole calls (its map shared with the flat down kernel at 128 rows, with the sole
+    # rows' marks), no host sync; and close to the plain-torch steps
+    import dataclasses
+
+    from dbo.moe import fused_experts as fe
+    from dbo.moe.fused_tiles import FLAT_DOWN, GemmConfig
+
+    ws = GemmConfig(block_m, 128, 64, 8, 8, 4 if block_m == 128 else 5, ws=True)
+    x, w1, w2, weights, ids = _case(m, n_local, 8, hidden, inter, dtype, seed=m + inter)
+    if not fe.runs_ws(ws, x, w1):
+        pytest.skip("the Gluon kernel needs a Hopper GPU and Triton's Gluon")
+    triton_tile = dataclasses.replace(ws, ws=False, tma=True, num_warps=block_m // 16)
+    outs = []
+    for up in (ws, triton_tile):
+        out = torch.full_like(x, float("nan"))
+        for check in (False, True):  # the first call compiles outside the check
+            with no_host_syncs() if check else contextlib.nullcontext():
+                fe.fused_swiglu_experts(x, w1, w2, weights, ids, out=out, configs=(up, FLAT_DOWN),
+                                        sole_pairs=sole)
+        torch.cuda.synchronize()
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+    want = _apply(SwiGLUExperts(use_triton=False), x.float(), w1.float(), w2.float(), weights, ids, True)
+    assert relative_error(outs[0].float(), want) < 1e-2
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not importable")
+def test_warp_specialized_gate_up_alone_with_empty_experts():
+    # launch_gate_up with a ws tile and no map given (it builds its own): the local pairs' rows
+    # of act equal the Triton kernel's, with experts of no rows and of one row
+    import dataclasses
+
+    from dbo.moe import fused_experts as fe
+    from dbo.moe.fused_tiles import GemmConfig
+
+    ws = GemmConfig(128, 128, 64, 8, 8, 4, ws=True)
+    x, w1, _, _, ids = _case(500, 24, 4, 1024, 256, torch.bfloat16, seed=3)
+    ids[ids == 5] = -1  # expert 5 gets no rows
+    ids[ids == 7] = -1
+    ids[0, 0] = 7  # expert 7 one row
+    if not fe.runs_ws(ws, x, w1):
+        pytest.skip("the Gluon kernel needs a Hopper GPU and Triton's Gluon")
+    order, offsets = fe.route_order(ids, 24)
+    pairs = ids.numel()
+    acts = []
+    for up in (ws, dataclasses.replace(ws, ws=False, tma=True)):
+        act = torch.full((pairs, 256), float("nan"), dtype=x.dtype, device="cuda")
+        fe.launch_gate_up(x, order, offsets, w1, act, up, pairs, 4)
+        acts.append(act)
+    n = int(offsets[-1])
+    assert torch.equal(acts[0][:n], acts[1][:n])
+    assert bool(acts[0][n:].isnan().all())  # rows past the local pairs are not written
