@@ -10,8 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = ["GemmConfig", "CONFIGS", "FP32_CONFIG", "FEW_EXPERTS_UP", "FEW_EXPERTS_DOWN", "FLAT_DOWN",
-           "FLAT_DOWN_WIDE", "DOWN_TAIL", "FUSED_MAX_ROWS_PER_EXPERT", "FUSED_MAX_LOCAL_EXPERTS",
-           "prefer_fused", "prefer_persistent", "prefer_sole", "SOLE_MIN_SHARE", "pick_configs"]
+           "FLAT_DOWN_WIDE", "DOWN_TAIL", "WS_UP", "WS_UP64", "FUSED_MAX_ROWS_PER_EXPERT",
+           "FUSED_MAX_LOCAL_EXPERTS", "prefer_fused", "prefer_persistent", "prefer_sole", "SOLE_MIN_SHARE",
+           "pick_configs"]
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,18 @@ FEW_EXPERTS_DOWN = GemmConfig(64, 64, 256, 8, 4, 3, n_per_program=8)
 #: 64x128 five-stage tile up to 1024 rows and the 128-row tile with 32-row tails above
 #: (``pick_configs``; 0.82x and 0.88x the previous tiles at 259 and 2052 rows per expert)
 
+#: the warp-specialized Gluon gate/up tiles (:mod:`dbo.moe.gluon_gate_up`; on other GPUs than
+#: Hopper the Triton kernel with the same blocks): 128 rows from 1024 estimated rows per expert,
+#: 64 rows (one MMA warpgroup, five slots) from 256, except with few experts at I <= 256, where
+#: the 128-row tile only pays from 2048 rows and the 64-row one not at all (fewer, larger tiles
+#: fill the last wave worse). Same-run A/B of whole calls on an H200 over the grid (I 256/768/2048,
+#: 32/128/256 local experts, 1024-65536 tokens; ``tests/gpu/ab_tiles.py``, docs/perf_notes.md
+#: section 5m): 0.90-0.99x the Triton tiles' time where they are taken, 0.984x over the grid
+WS_UP = GemmConfig(128, 128, 64, 8, 8, 4, ws=True)
+WS_UP64 = GemmConfig(64, 128, 64, 8, 4, 5, ws=True)
+WS_MIN_ROWS = 256
+WS_WIDE_MIN_ROWS = 1024
+
 #: above this many estimated rows per expert, with I > 1024 and more than
 #: ``FUSED_MAX_LOCAL_EXPERTS`` local experts, the unfused steps (CUTLASS's grouped GEMM through
 #: ``torch._grouped_mm``) are as fast as the fused Triton kernels on an H200 (0.99-1.01x at I=2048,
@@ -147,6 +160,15 @@ def prefer_sole(local_share: float, topk: int) -> bool:
     return topk * p * (1.0 - p) ** (topk - 1) >= SOLE_MIN_SHARE
 
 
+def _ws_up(up: GemmConfig, rows: float, intermediate: int, local_experts: int | None) -> GemmConfig:
+    # the warp-specialized gate/up tiles where they pay (see WS_UP)
+    if intermediate % WS_UP.block_n or rows < WS_MIN_ROWS:
+        return up
+    if intermediate <= 256 and local_experts is not None and local_experts <= 64:
+        return WS_UP if rows > WS_WIDE_MIN_ROWS else up
+    return WS_UP if rows >= WS_WIDE_MIN_ROWS else WS_UP64
+
+
 def pick_configs(rows_per_expert: float, intermediate: int = 1 << 30,
                  local_experts: int | None = None) -> tuple[GemmConfig, GemmConfig]:
     """The ``(gate_up, down)`` tiles for an estimated number of rows per local expert."""
@@ -163,5 +185,5 @@ def pick_configs(rows_per_expert: float, intermediate: int = 1 << 30,
                     up = CONFIGS[2][1]  # I <= 256 keeps the 128-row tile to 384 rows
             elif down is FLAT_DOWN and rows_per_expert > 1024 and (local_experts or 1 << 30) > 64:
                 down = FLAT_DOWN_WIDE  # 0.79-0.86x the 128x128 tile's time at 2048 rows, 256 experts
-            return up, down
+            return _ws_up(up, rows_per_expert, intermediate, local_experts), down
     raise AssertionError("the last CONFIGS bound covers every size")
