@@ -9,7 +9,9 @@ with ``e = topk_ids[m, s]``, ``[g_e; u_e] = w1[e]`` and ``d_e = w2[e]``.
    sort and a ``searchsorted`` for each expert's end row. Nothing is read back.
 2. ``gate_up``: a grouped GEMM whose prologue gathers each row's token from ``x`` (no gathered
    copy of the activations) and whose epilogue applies ``silu(gate) * up`` (no ``[R, 2I]``
-   intermediate): it computes the gate and up tiles of the same columns side by side.
+   intermediate): it computes the gate and up tiles of the same columns side by side. From ~256
+   rows per expert on Hopper, a warp-specialized Gluon kernel (:mod:`dbo.moe.gluon_gate_up`,
+   ``GemmConfig.ws``) computes the same numbers.
 3. ``down``: a grouped GEMM whose epilogue writes each row to its slot's place, ``y[m * topk +
    s]`` (``[M * topk, hidden]``, slots of other ranks' experts left unwritten).
 4. ``topk_sum``: ``out[m] = sum_s w[m, s] * y[m * topk + s]`` over the local slots, float32
