@@ -157,7 +157,7 @@ def _precision(x: torch.Tensor) -> str:
 def runs_ws(cfg: GemmConfig, x: torch.Tensor, w1: torch.Tensor) -> bool:
     """Whether the gate/up tile ``cfg`` runs as the warp-specialized Gluon kernel for these
     operands (else as the Triton kernel)."""
-    return cfg.ws and gluon_gate_up.available(x, w1, cfg.block_n)
+    return cfg.ws and gluon_gate_up.available(x, w1, cfg.block_n) and _props(x.device).major == 9
 
 
 def launch_gate_up(x: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, w1: torch.Tensor,
@@ -172,7 +172,8 @@ def launch_gate_up(x: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, 
     if runs_ws(cfg, x, w1):
         if tiles is None:
             tiles, _ = tile_map(offsets, cfg.block_m, pairs)
-        gluon_gate_up.launch_gate_up_ws(x, order, tiles, w1, act, topk, pairs, block_m=cfg.block_m,
+        programs = min(_bound(cfg, pairs, n_experts, inter), _props(x.device).multi_processor_count)
+        gluon_gate_up.launch_gate_up_ws(x, order, tiles, w1, act, topk, programs, block_m=cfg.block_m,
                                         block_n=cfg.block_n, block_k=cfg.block_k, stages=cfg.num_stages,
                                         group_m=cfg.group_m)
         return

@@ -29,9 +29,9 @@ On an H200 (``tests/gpu/probe_gate_up_ws.py``, docs/perf_notes.md section 5m) th
 took 0.90-0.95x the Triton tile's time from ~512 rows per expert and 1.08-1.18x at 128-256 rows
 per expert with few experts (fewer, larger tiles fill the last wave worse).
 
-It runs where :func:`available` says so (CUDA, compute capability 9.x, Triton with Gluon's
-Hopper API, bf16/fp16, ``hidden % 64 == 0``, ``I % BN == 0``, 16-byte aligned contiguous
-operands); elsewhere the caller takes the Triton kernel.
+It runs on a Hopper GPU where :func:`available` says so (Triton with Gluon's Hopper API,
+bf16/fp16, ``hidden % 64 == 0``, ``I % BN == 0``, 16-byte aligned contiguous operands);
+elsewhere the caller takes the Triton kernel (:func:`dbo.moe.fused_experts.runs_ws`).
 """
 
 from __future__ import annotations
@@ -174,46 +174,34 @@ if gluon is not None:
         ], [LOAD_WARPS], [LOAD_REGS])
 
 
-_SMS: dict[torch.device, int] = {}
-_CC: dict[torch.device, int] = {}
-
-
 def available(x: torch.Tensor, w1: torch.Tensor, block_n: int) -> bool:
-    """Whether :func:`launch_gate_up_ws` runs for these operands (see the module docstring)."""
+    """Whether :func:`launch_gate_up_ws` takes these operands (see the module docstring); that
+    the device is a Hopper GPU is the caller's check (it keeps the device's properties)."""
     if gluon is None or not x.is_cuda or x.dtype not in (torch.bfloat16, torch.float16):
         return False
-    if w1.dtype != x.dtype:
-        return False
-    if x.device not in _CC:
-        _CC[x.device] = torch.cuda.get_device_capability(x.device)[0]
-    hidden, inter = x.shape[1], w1.shape[1] // 2
-    if _CC[x.device] != 9 or hidden % 64 or inter % block_n:
+    if w1.dtype != x.dtype or x.shape[1] % 64 or (w1.shape[1] // 2) % block_n:
         return False
     return not (x.data_ptr() % 16 or w1.data_ptr() % 16) and x.is_contiguous() and w1.is_contiguous()
 
 
 def launch_gate_up_ws(x: torch.Tensor, order: torch.Tensor, tiles: torch.Tensor, w1: torch.Tensor,
-                      act: torch.Tensor, topk: int, pairs: int, *, block_m: int = 128, block_n: int = 128,
+                      act: torch.Tensor, topk: int, programs: int, *, block_m: int = 128, block_n: int = 128,
                       block_k: int = 64, stages: int = 4, group_m: int = 8, load_warps: int = 4,
                       load_regs: int = 64) -> None:
     """The gate/up GEMM into ``act`` over the row tiles of :func:`dbo.moe.fused_experts.tile_map`
-    (``tiles``, built with ``block_m``); ``pairs`` bounds the local pairs (the grid: one program
-    per SM at most). ``block_m`` is 64 or 128 (one warpgroup per 64 rows)."""
+    (``tiles``, built with ``block_m``), with ``programs`` persistent programs (one per SM at
+    most: each takes a whole SM's shared memory). ``block_m`` is 64 or 128 (one warpgroup per
+    64 rows)."""
     if block_m not in (64, 128):
         raise ValueError(f"block_m must be 64 or 128, got {block_m}")
     n_experts, two_inter, hidden = w1.shape
-    inter = two_inter // 2
-    dev = x.device
-    if dev not in _SMS:
-        _SMS[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
     dt = gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16
     w = Desc(w1.view(n_experts * two_inter, hidden), (block_n, block_k),
              gl.NVMMASharedLayout.get_default_for([block_n, block_k], dt))
-    n_tiles = (cdiv(pairs, block_m) + n_experts) * (inter // block_n)
     warps = block_m // 16
     # the registers at launch: the kernel's warps (rounded to warpgroups) share the SM's 64K;
     # the partitions then move them (the loader keeps load_regs, the MMA warps take the rest)
     maxnreg = 65536 // (32 * cdiv(warps + load_warps, 4) * 4) // 8 * 8
-    launch(gate_up_ws_kernel, (max(1, min(n_tiles, _SMS[dev])),), (x, order, tiles, w, act, hidden, inter),
+    launch(gate_up_ws_kernel, (max(1, programs),), (x, order, tiles, w, act, hidden, two_inter // 2),
            dict(TOPK=topk, BM=block_m, GROUP_M=group_m, STAGES=stages, LOAD_WARPS=load_warps,
                 LOAD_REGS=load_regs, num_warps=warps, maxnreg=maxnreg))

@@ -61,7 +61,7 @@ def check(spec: str, ptx_dir: str | None = None) -> dict:
                          capture_output=True, text=True).stderr
     regs = re.search(r"Used (\d+) registers", rep)
     spill = re.search(r"(\d+) bytes spill stores", rep)
-    setmax = sorted(set(re.findall(r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32 (\d+)", k.asm["ptx"])))
+    setmax = sorted(set(re.findall(r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+(\d+)", k.asm["ptx"])))
     return dict(spec=spec, maxnreg=maxnreg, regs=int(regs.group(1)) if regs else rep[-400:],
                 spill=int(spill.group(1)) if spill else 0, setmaxnreg=setmax,
                 smem_kb=round(k.metadata.shared / 1024, 1), ptx=str(ptx))

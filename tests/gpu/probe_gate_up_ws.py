@@ -35,6 +35,7 @@ VARIANTS = ["128:128:4:4:64:8", "64:128:5:4:64:8"]
 def one_shape(lim, shape: str, variants: list[str], reps: int) -> dict:
     inter, local, t = (int(v) for v in shape.split(":"))
     hidden, topk = 7168, 8
+    sms = torch.cuda.get_device_properties("cuda").multi_processor_count
     case = make_case(t, hidden, inter, local, seed=t)
     pairs = int(case.counts.sum())
     active = int((case.counts > 0).sum())
@@ -59,9 +60,11 @@ def one_shape(lim, shape: str, variants: list[str], reps: int) -> dict:
         tiles, _ = fe.tile_map(offsets, bm, bound)
         out = torch.zeros_like(ref)
         kw = dict(block_m=bm, block_n=bn, stages=stages, group_m=gm, load_warps=lw, load_regs=lr)
+        # as the library sizes the grid: its tile bound, at most one program per SM
+        programs = min((-(-bound // bm) + local) * (inter // bn), sms)
 
-        def run(o: torch.Tensor = out, tl_: torch.Tensor = tiles, kw: dict = kw) -> None:
-            ws.launch_gate_up_ws(case.x, order, tl_, case.w1, o, topk, bound, **kw)
+        def run(o: torch.Tensor = out, tl_: torch.Tensor = tiles, kw: dict = kw, p: int = programs) -> None:
+            ws.launch_gate_up_ws(case.x, order, tl_, case.w1, o, topk, p, **kw)
 
         try:
             run()
@@ -73,9 +76,9 @@ def one_shape(lim, shape: str, variants: list[str], reps: int) -> dict:
         r[f"ws{v}_maxdiff"] = float((out[:pairs].float() - ref[:pairs].float()).abs().max())
         r[f"ws{v}_ms"] = median_ms(run, reps)
 
-        def with_map(o: torch.Tensor = out, kw: dict = kw) -> None:
+        def with_map(o: torch.Tensor = out, kw: dict = kw, p: int = programs) -> None:
             tl2, _ = fe.tile_map(offsets, kw["block_m"], bound)
-            ws.launch_gate_up_ws(case.x, order, tl2, case.w1, o, topk, bound, **kw)
+            ws.launch_gate_up_ws(case.x, order, tl2, case.w1, o, topk, p, **kw)
 
         r[f"ws{v}_map_ms"] = median_ms(with_map, reps)
     return r
