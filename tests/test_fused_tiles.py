@@ -6,6 +6,7 @@ import pytest
 
 from dbo.moe.fused_tiles import (
     FLAT_DOWN,
+    FUSED_MAX_INTERMEDIATE,
     FUSED_MAX_LOCAL_EXPERTS,
     FUSED_MAX_ROWS_PER_EXPERT,
     GemmConfig,
@@ -16,11 +17,13 @@ from dbo.moe.fused_tiles import (
 
 def test_fused_everywhere_but_many_experts_with_many_rows_and_a_wide_intermediate():
     many = FUSED_MAX_LOCAL_EXPERTS + 1
-    assert prefer_fused(4096, 1024, many)  # I <= 1024: any size
-    assert prefer_fused(FUSED_MAX_ROWS_PER_EXPERT, 2048, many)
-    assert not prefer_fused(FUSED_MAX_ROWS_PER_EXPERT + 1, 2048, many)
-    assert prefer_fused(4096, 2048, FUSED_MAX_LOCAL_EXPERTS)  # few experts: fused at any size
-    assert not prefer_fused(4096, 2048)  # unknown: as if many
+    wide = FUSED_MAX_INTERMEDIATE * 2
+    assert prefer_fused(4096, 1024, many)  # I <= 2048: any size
+    assert prefer_fused(4096, FUSED_MAX_INTERMEDIATE, many)
+    assert prefer_fused(FUSED_MAX_ROWS_PER_EXPERT, wide, many)
+    assert not prefer_fused(FUSED_MAX_ROWS_PER_EXPERT + 1, wide, many)
+    assert prefer_fused(4096, wide, FUSED_MAX_LOCAL_EXPERTS)  # few experts: fused at any size
+    assert not prefer_fused(4096, wide)  # unknown: as if many
 
 
 def test_a_tile_may_carry_its_own_persistence():

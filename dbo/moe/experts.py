@@ -90,9 +90,9 @@ class SwiGLUExperts(MoEExperts):
         fused: STANDARD format with Triton: the fused kernels of :mod:`dbo.moe.fused_experts`
             (gather in the first GEMM's prologue, activation in its epilogue, slot scatter in
             the second's). Default: chosen per call by the estimated rows per expert
-            (:func:`dbo.moe.fused_experts.prefer_fused`: fused up to 768 rows per expert, for
-            I <= 1024 or for at most 128 local experts, the unfused steps with CUTLASS's grouped
-            GEMM above); True forces the fused kernels, False the unfused steps.
+            (:func:`dbo.moe.fused_experts.prefer_fused`: fused up to 768 rows per expert, and at
+            any size for I <= 2048 or for at most 128 local experts, the unfused steps with
+            CUTLASS's grouped GEMM above); True forces the fused kernels, False the unfused steps.
         num_global_experts: experts over all ranks, for that estimate without host counts
             (``M * topk * local / global`` pairs); :class:`MoEKernel` sets it on every call.
             Unknown: every slot is counted as local (an overestimate).

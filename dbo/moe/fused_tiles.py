@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 __all__ = ["GemmConfig", "CONFIGS", "FP32_CONFIG", "FEW_EXPERTS_UP", "FEW_EXPERTS_DOWN", "FLAT_DOWN",
            "FLAT_DOWN_WIDE", "DOWN_TAIL", "WS_UP", "WS_UP64", "FUSED_MAX_ROWS_PER_EXPERT",
-           "FUSED_MAX_LOCAL_EXPERTS", "prefer_fused", "prefer_persistent", "prefer_sole", "SOLE_MIN_SHARE",
-           "pick_configs"]
+           "FUSED_MAX_LOCAL_EXPERTS", "FUSED_MAX_INTERMEDIATE", "prefer_fused", "prefer_persistent",
+           "prefer_sole", "SOLE_MIN_SHARE", "pick_configs"]
 
 
 @dataclass(frozen=True)
@@ -115,22 +115,24 @@ WS_UP64 = GemmConfig(64, 128, 64, 8, 4, 5, ws=True)
 WS_MIN_ROWS = 256
 WS_WIDE_MIN_ROWS = 1024
 
-#: above this many estimated rows per expert, with I > 1024 and more than
+#: above this many estimated rows per expert, with I > ``FUSED_MAX_INTERMEDIATE`` and more than
 #: ``FUSED_MAX_LOCAL_EXPERTS`` local experts, the unfused steps (CUTLASS's grouped GEMM through
-#: ``torch._grouped_mm``) are as fast as the fused Triton kernels on an H200 (0.99-1.01x at I=2048,
-#: 256 local experts, 1024-2048 rows each); below it, at any size for I <= 1024, and with fewer
-#: local experts (1.03-1.25x the fused kernels' time at 32-128 local experts, 1024-2048 rows:
-#: ``tests/gpu/ab_tiles.py``), the fused kernels are as fast or faster and launch fewer kernels
-#: (host time counts double under DBO)
+#: ``torch._grouped_mm``) run instead of the fused kernels. Up to I=2048 the fused kernels are as
+#: fast or faster at every size measured on an H200 (``tests/gpu/ab_tiles.py``, the unfused steps'
+#: time over the fused call's: 1.01-1.06 at I=2048, 256 local experts, 1024-2048 rows each, with
+#: the warp-specialized gate/up tiles, in three runs; 1.03-1.25 at 32-128 local experts;
+#: docs/perf_notes.md sections 5j and 5n), and they launch fewer kernels (host time counts double
+#: under DBO). Wider intermediates were not measured: there the unfused steps keep the large sizes
 FUSED_MAX_ROWS_PER_EXPERT = 768
 FUSED_MAX_LOCAL_EXPERTS = 128
+FUSED_MAX_INTERMEDIATE = 2048
 
 
 def prefer_fused(rows_per_expert: float, intermediate: int, local_experts: int | None = None) -> bool:
     """Whether the fused kernels are expected to beat the unfused steps at this size
     (``local_experts`` unknown: as if many)."""
     few = local_experts is not None and local_experts <= FUSED_MAX_LOCAL_EXPERTS
-    return intermediate <= 1024 or rows_per_expert <= FUSED_MAX_ROWS_PER_EXPERT or few
+    return intermediate <= FUSED_MAX_INTERMEDIATE or rows_per_expert <= FUSED_MAX_ROWS_PER_EXPERT or few
 
 
 def prefer_persistent(rows_per_expert: float, bound_pairs: int, n_experts: int) -> bool:
