@@ -119,8 +119,8 @@ WS_WIDE_MIN_ROWS = 1024
 #: ``FUSED_MAX_LOCAL_EXPERTS`` local experts, the unfused steps (CUTLASS's grouped GEMM through
 #: ``torch._grouped_mm``) run instead of the fused kernels. Up to I=2048 the fused kernels are as
 #: fast or faster at every size measured on an H200 (``tests/gpu/ab_tiles.py``, the unfused steps'
-#: time over the fused call's: 1.01-1.06 at I=2048, 256 local experts, 1024-2048 rows each, with
-#: the warp-specialized gate/up tiles, in three runs; 1.03-1.25 at 32-128 local experts;
+#: time over the fused call's: 1.01-1.07 at I=2048, 256 local experts, 1024-2048 rows each, with
+#: the warp-specialized gate/up tiles, in four runs; 1.03-1.25 at 32-128 local experts;
 #: docs/perf_notes.md sections 5j and 5n), and they launch fewer kernels (host time counts double
 #: under DBO). Wider intermediates were not measured: there the unfused steps keep the large sizes
 FUSED_MAX_ROWS_PER_EXPERT = 768
