@@ -41,8 +41,6 @@ size and local experts, measured on an H200: see docs/perf_notes.md); ``configs=
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from dbo.moe import gluon_gate_up
@@ -177,9 +175,8 @@ def launch_gate_up(x: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, 
                                         block_n=cfg.block_n, block_k=cfg.block_k, stages=cfg.num_stages,
                                         group_m=cfg.group_m)
         return
-    if cfg.ws:  # the Triton kernel with the same blocks, one warp per 16 rows
-        cfg = dataclasses.replace(cfg, ws=False, tma=True, num_warps=cfg.block_m // 16)
-    cfg = FP32_CONFIG if x.element_size() > 2 else cfg
+    # a ws tile here: the Triton kernel with its blocks
+    cfg = FP32_CONFIG if x.element_size() > 2 else cfg.triton_tile()
     persistent = cfg.runs_persistent(persistent)
     tma = cfg.tma and hidden % cfg.block_k == 0 and _aligned(w1)
     w = Desc(w1.view(n_experts * two_inter, hidden), (cfg.block_n, cfg.block_k)) if tma else w1

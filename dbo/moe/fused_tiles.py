@@ -7,7 +7,7 @@ against its own hardware limit; docs/perf_notes.md section 5).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 __all__ = ["GemmConfig", "CONFIGS", "FP32_CONFIG", "FEW_EXPERTS_UP", "FEW_EXPERTS_DOWN", "FLAT_DOWN",
            "FLAT_DOWN_WIDE", "DOWN_TAIL", "WS_UP", "WS_UP64", "FUSED_MAX_ROWS_PER_EXPERT",
@@ -60,6 +60,11 @@ class GemmConfig:
         if self.ws and (self.block_m not in (64, 128) or t or self.flat or self.n_per_program):
             raise ValueError(f"a warp-specialized tile has 64 or 128 rows, no tail tiles and is not a down "
                              f"tile, got {self}")
+
+    def triton_tile(self) -> GemmConfig:
+        """The Triton kernel's tile with this warp-specialized tile's blocks (TMA, one warp per
+        16 rows): what runs where the Gluon kernel does not, with the same numbers."""
+        return replace(self, ws=False, tma=True, num_warps=self.block_m // 16) if self.ws else self
 
     def runs_persistent(self, policy: bool) -> bool:
         """Whether this tile's programs walk the tiles: its own ``persistent``, else the call's

@@ -306,8 +306,6 @@ def test_warp_specialized_gate_up_is_the_same_bits(block_m, inter, hidden, m, n_
     # the Gluon gate/up kernel (GemmConfig.ws) against the Triton kernel with the same blocks: the
     # same bits, whole calls (its map shared with the flat down kernel at 128 rows, with the sole
     # rows' marks), no host sync; and close to the plain-torch steps
-    import dataclasses
-
     from dbo.moe import fused_experts as fe
     from dbo.moe.fused_tiles import FLAT_DOWN, GemmConfig
 
@@ -315,9 +313,8 @@ def test_warp_specialized_gate_up_is_the_same_bits(block_m, inter, hidden, m, n_
     x, w1, w2, weights, ids = _case(m, n_local, 8, hidden, inter, dtype, seed=m + inter)
     if not fe.runs_ws(ws, x, w1):
         pytest.skip("the Gluon kernel needs a Hopper GPU and Triton's Gluon")
-    triton_tile = dataclasses.replace(ws, ws=False, tma=True, num_warps=block_m // 16)
     outs = []
-    for up in (ws, triton_tile):
+    for up in (ws, ws.triton_tile()):
         out = torch.full_like(x, float("nan"))
         for check in (False, True):  # the first call compiles outside the check
             with no_host_syncs() if check else contextlib.nullcontext():
@@ -334,8 +331,6 @@ def test_warp_specialized_gate_up_is_the_same_bits(block_m, inter, hidden, m, n_
 def test_warp_specialized_gate_up_alone_with_empty_experts():
     # launch_gate_up with a ws tile and no map given (it builds its own): the local pairs' rows
     # of act equal the Triton kernel's, with experts of no rows and of one row
-    import dataclasses
-
     from dbo.moe import fused_experts as fe
     from dbo.moe.fused_tiles import GemmConfig
 
@@ -349,7 +344,7 @@ def test_warp_specialized_gate_up_alone_with_empty_experts():
     order, offsets = fe.route_order(ids, 24)
     pairs = ids.numel()
     acts = []
-    for up in (ws, dataclasses.replace(ws, ws=False, tma=True)):
+    for up in (ws, ws.triton_tile()):
         act = torch.full((pairs, 256), float("nan"), dtype=x.dtype, device="cuda")
         fe.launch_gate_up(x, order, offsets, w1, act, up, pairs, 4)
         acts.append(act)
