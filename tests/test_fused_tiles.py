@@ -44,6 +44,24 @@ def test_a_warp_specialized_tile_is_a_gate_up_tile_of_64_or_128_rows(kw):
         GemmConfig(**{"block_m": 128, "block_n": 128, **kw, "ws": True})
 
 
+@pytest.mark.parametrize("kw", [dict(split=1), dict(split=-2), dict(split=4, ws=False)])
+def test_split_is_two_or_more_shares_of_a_warp_specialized_tile(kw):
+    tile = GemmConfig(64, 128, 64, ws=True, split=4)
+    assert tile.triton_tile().split == 0  # the Triton kernel does not split
+    with pytest.raises(ValueError, match="split"):
+        GemmConfig(**{"block_m": 64, "block_n": 128, "ws": True, **kw})
+
+
+def test_few_experts_at_short_intermediates_split_the_last_round():
+    from dbo.moe.fused_tiles import WS_UP64_SPLIT
+
+    assert pick_configs(259, 256, 32)[0] == WS_UP64_SPLIT
+    assert pick_configs(1024, 256, 32)[0] == WS_UP64_SPLIT
+    assert pick_configs(2048, 256, 32)[0].split == 0  # the 128-row tile fills its rounds
+    assert pick_configs(128, 256, 32)[0].ws is False
+    assert all(pick_configs(r, i, n)[0].split == 0 for r in (256, 512) for i, n in ((256, 128), (768, 32)))
+
+
 def test_operands_off_a_hopper_gpu_take_the_triton_kernel():
     import torch
 

@@ -173,7 +173,7 @@ def launch_gate_up(x: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, 
         programs = min(_bound(cfg, pairs, n_experts, inter), _props(x.device).multi_processor_count)
         gluon_gate_up.launch_gate_up_ws(x, order, tiles, w1, act, topk, programs, block_m=cfg.block_m,
                                         block_n=cfg.block_n, block_k=cfg.block_k, stages=cfg.num_stages,
-                                        group_m=cfg.group_m)
+                                        group_m=cfg.group_m, split=cfg.split)
         return
     # a ws tile here: the Triton kernel with its blocks
     cfg = FP32_CONFIG if x.element_size() > 2 else cfg.triton_tile()

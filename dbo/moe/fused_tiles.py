@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 __all__ = ["GemmConfig", "CONFIGS", "FP32_CONFIG", "FEW_EXPERTS_UP", "FEW_EXPERTS_DOWN", "FLAT_DOWN",
-           "FLAT_DOWN_WIDE", "DOWN_TAIL", "WS_UP", "WS_UP64", "FUSED_MAX_ROWS_PER_EXPERT",
+           "FLAT_DOWN_WIDE", "DOWN_TAIL", "WS_UP", "WS_UP64", "WS_UP64_SPLIT", "FUSED_MAX_ROWS_PER_EXPERT",
            "FUSED_MAX_LOCAL_EXPERTS", "FUSED_MAX_INTERMEDIATE", "prefer_fused", "prefer_persistent",
            "prefer_sole", "SOLE_MIN_SHARE", "pick_configs"]
 
@@ -47,6 +47,10 @@ class GemmConfig:
     #: ``num_warps`` is not used) over the flat down kernel's row-tile map, where it runs
     #: (Hopper, bf16/fp16); elsewhere the Triton kernel with the same blocks and TMA
     ws: bool = False
+    #: warp-specialized gate/up tiles only: 0, or the most shares (>= 2) into which each tile of
+    #: the last round, the one that fewer tiles than programs fill, is split along K (float32
+    #: partials; the last share to finish adds them in share order and stores the tile)
+    split: int = 0
 
     def __post_init__(self) -> None:
         t = self.tail_m  # tl.dot takes at least 16 rows
@@ -60,11 +64,13 @@ class GemmConfig:
         if self.ws and (self.block_m not in (64, 128) or t or self.flat or self.n_per_program):
             raise ValueError(f"a warp-specialized tile has 64 or 128 rows, no tail tiles and is not a down "
                              f"tile, got {self}")
+        if self.split and (not self.ws or self.split < 2):
+            raise ValueError(f"split is 0 or >= 2, on a warp-specialized tile only, got {self}")
 
     def triton_tile(self) -> GemmConfig:
         """The Triton kernel's tile with this warp-specialized tile's blocks (TMA, one warp per
         16 rows): what runs where the Gluon kernel does not, with the same numbers."""
-        return replace(self, ws=False, tma=True, num_warps=self.block_m // 16) if self.ws else self
+        return replace(self, ws=False, split=0, tma=True, num_warps=self.block_m // 16) if self.ws else self
 
     def runs_persistent(self, policy: bool) -> bool:
         """Whether this tile's programs walk the tiles: its own ``persistent``, else the call's
@@ -111,14 +117,23 @@ FEW_EXPERTS_DOWN = GemmConfig(64, 64, 256, 8, 4, 3, n_per_program=8)
 #: the warp-specialized Gluon gate/up tiles (:mod:`dbo.moe.gluon_gate_up`; on other GPUs than
 #: Hopper the Triton kernel with the same blocks): 128 rows from 1024 estimated rows per expert,
 #: 64 rows (one MMA warpgroup, five slots) from 256, except with few experts at I <= 256, where
-#: the 128-row tile only pays from 2048 rows and the 64-row one not at all (fewer, larger tiles
-#: fill the last wave worse). Same-run A/B of whole calls on an H200 over the grid (I 256/768/2048,
-#: 32/128/256 local experts, 1024-65536 tokens; ``tests/gpu/ab_tiles.py``, docs/perf_notes.md
-#: section 5m): 0.90-0.99x the Triton tiles' time where they are taken, 0.984x over the grid
+#: the 128-row tile only pays from 2048 rows and the 64-row one only with its last round split
+#: (``WS_UP64_SPLIT``: fewer, larger tiles fill the last wave worse). Same-run A/B of whole
+#: calls on an H200 over the grid (I 256/768/2048, 32/128/256 local experts, 1024-65536 tokens;
+#: ``tests/gpu/ab_tiles.py``, docs/perf_notes.md section 5m): 0.90-0.99x the Triton tiles' time
+#: where they are taken, 0.984x over the grid
 WS_UP = GemmConfig(128, 128, 64, 8, 8, 4, ws=True)
 WS_UP64 = GemmConfig(64, 128, 64, 8, 4, 5, ws=True)
 WS_MIN_ROWS = 256
 WS_WIDE_MIN_ROWS = 1024
+#: few experts at I <= 256 from 256 to 1024 rows per expert: the 64-row tile with its last
+#: round's tiles split along K into up to four shares (``GemmConfig.split``). There the tiles are
+#: few (~290 at 256 rows per expert, 32 experts: 2.2 rounds of 132 programs) and the last round
+#: ran ~20-40% full. Same-run A/B on an H200 (``tests/gpu/ab_tiles.py --variants split4few``,
+#: docs/perf_notes.md section 5o): 0.960 and 0.965 of the Triton tile's whole-call time at
+#: I=256, 32 experts, T=8192 and 16384; 0.99-1.00 at the other few-expert rows. Splitting the
+#: other shapes' ws tiles gained nothing (0.98-1.04)
+WS_UP64_SPLIT = replace(WS_UP64, split=4)
 
 #: above this many estimated rows per expert, with I > ``FUSED_MAX_INTERMEDIATE`` and more than
 #: ``FUSED_MAX_LOCAL_EXPERTS`` local experts, the unfused steps (CUTLASS's grouped GEMM through
@@ -172,7 +187,7 @@ def _ws_up(up: GemmConfig, rows: float, intermediate: int, local_experts: int | 
     if intermediate % WS_UP.block_n or rows < WS_MIN_ROWS:
         return up
     if intermediate <= 256 and local_experts is not None and local_experts <= 64:
-        return WS_UP if rows > WS_WIDE_MIN_ROWS else up
+        return WS_UP if rows > WS_WIDE_MIN_ROWS else WS_UP64_SPLIT
     return WS_UP if rows >= WS_WIDE_MIN_ROWS else WS_UP64
 
 

@@ -74,9 +74,37 @@ if gluon is not None:
         return e, row0, end_row, pid_n
 
     @gluon.jit
+    def _plan(map_ptr, n_col, SPLIT: gl.constexpr):
+        # (tiles, whole tiles, shares): the tiles of the last round, which fewer programs than
+        # there are take, each split along K into `shares` units (at most SPLIT), so that the
+        # round's work spreads over the programs; units: the whole tiles, then the split ones
+        n_tiles = gl.load(map_ptr) * n_col
+        if SPLIT > 1:
+            progs = gl.num_programs(0)
+            rest = n_tiles % progs
+            shares = gl.minimum(progs // gl.maximum(rest, 1), SPLIT)
+            shares = gl.maximum(shares * (rest > 0).to(gl.int32), 1)
+            whole = n_tiles - rest * (shares > 1).to(gl.int32)
+        else:
+            shares = n_tiles * 0 + 1
+            whole = n_tiles
+        return whole, shares, whole + (n_tiles - whole) * shares
+
+    @gluon.jit
+    def _unit(v, whole, shares, k_steps):
+        # unit v -> (tile, first and end K step, its split slot, or -1 for a whole tile)
+        split = (v >= whole).to(gl.int32)
+        j = (v - whole) * split
+        t = v + split * (whole + j // shares - v)
+        s = j % shares
+        k0 = split * (s * k_steps // shares)
+        k1 = k_steps + split * ((s + 1) * k_steps // shares - k_steps)
+        return t, k0, k1, j - (1 - split)
+
+    @gluon.jit
     def _load_partition(x_ptr, order_ptr, map_ptr, w_desc, a_bufs, b_bufs, ready, empty, hidden, inter,
                         TOPK: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                        LOAD_WARPS: gl.constexpr):
+                        LOAD_WARPS: gl.constexpr, SPLIT: gl.constexpr):
         BM: gl.constexpr = a_bufs.type.shape[1]
         BK: gl.constexpr = a_bufs.type.shape[2]
         BN: gl.constexpr = w_desc.block_type.shape[0]
@@ -87,8 +115,10 @@ if gluon is not None:
         k_steps = hidden // BK
         w_bytes: gl.constexpr = 2 * BN * BK * 2
         ks = gl.arange(0, BK, layout=gl.SliceLayout(0, lay))
+        whole, shares, n_units = _plan(map_ptr, n_col, SPLIT)
         c = 0  # K steps issued, over every tile: the ring slot and its phase
-        for t in range(gl.program_id(0), n_m * n_col, gl.num_programs(0)):
+        for v in range(gl.program_id(0), n_units, gl.num_programs(0)):
+            t, k0, k1, _ = _unit(v, whole, shares, k_steps)
             e, row0, end_row, pid_n = _tile(t, map_ptr, n_m, n_col, GROUP_M)
             rows = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, lay))
             live = rows < end_row
@@ -96,7 +126,7 @@ if gluon is not None:
             a_ptrs = x_ptr + tokens[:, None] * hidden + ks[None, :]
             a_mask = live[:, None] & (ks < BK)[None, :]
             g_row = e * 2 * inter + pid_n * BN
-            for ki in range(k_steps):
+            for ki in range(k0, k1):
                 s = c % STAGES
                 # a fresh barrier counts as having completed the phase before its first
                 mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)
@@ -110,12 +140,12 @@ if gluon is not None:
                 c += 1
 
     @gluon.jit
-    def _mma_partition(map_ptr, act_ptr, a_bufs, b_bufs, ready, empty, hidden, inter, GROUP_M: gl.constexpr,
-                       STAGES: gl.constexpr, num_warps: gl.constexpr):
+    def _mma_partition(map_ptr, act_ptr, part_ptr, count_ptr, a_bufs, b_bufs, ready, empty, hidden, inter,
+                       GROUP_M: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
+                       num_warps: gl.constexpr):
         BM: gl.constexpr = a_bufs.type.shape[1]
         BK: gl.constexpr = a_bufs.type.shape[2]
         BN: gl.constexpr = b_bufs.type.shape[1] // 2
-        dtype: gl.constexpr = a_bufs.dtype
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                              instr_shape=[16, 2 * BN, 16])
         tpw_n: gl.constexpr = BN // 8
@@ -123,11 +153,13 @@ if gluon is not None:
         n_m = gl.load(map_ptr)
         n_col = inter // BN
         k_steps = hidden // BK
+        whole, shares, n_units = _plan(map_ptr, n_col, SPLIT)
         c = 0
-        for t in range(gl.program_id(0), n_m * n_col, gl.num_programs(0)):
+        for v in range(gl.program_id(0), n_units, gl.num_programs(0)):
+            t, k0, k1, slot = _unit(v, whole, shares, k_steps)
             e, row0, end_row, pid_n = _tile(t, map_ptr, n_m, n_col, GROUP_M)
             acc = gl.zeros([BM, 2 * BN], gl.float32, layout=acc_layout)
-            for ki in range(k_steps):
+            for ki in range(k0, k1):
                 s = c % STAGES
                 mbarrier.wait(ready.index(s), (c // STAGES) & 1)
                 # the rows came through async copies (the generic proxy): order them before the
@@ -137,23 +169,69 @@ if gluon is not None:
                 # the previous step's MMA is done (in every warpgroup: the barrier), so its slot is free
                 acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
                 gl.thread_barrier()
-                mbarrier.arrive(empty.index((c + STAGES - 1) % STAGES), pred=ki > 0)
+                mbarrier.arrive(empty.index((c + STAGES - 1) % STAGES), pred=ki > k0)
                 c += 1
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             gl.thread_barrier()
             mbarrier.arrive(empty.index((c + STAGES - 1) % STAGES))
-            acc_g, acc_u = acc.reshape([BM, 2, BN]).permute((0, 2, 1)).split()
-            act = acc_g / (1.0 + gl.exp(-acc_g)) * acc_u
-            val = gl.convert_layout(act.to(dtype), out_layout)
-            rows = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, out_layout))
-            cols = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, out_layout))
-            gl.store(act_ptr + rows.to(gl.int64)[:, None] * inter + cols[None, :], val,
-                     mask=(rows < end_row)[:, None] & (cols < inter)[None, :])
+            if SPLIT > 1:
+                if slot >= 0:
+                    _split_epilogue(acc, act_ptr, part_ptr, count_ptr, slot, shares, row0, end_row, pid_n,
+                                    inter, acc_layout, BM, BN, num_warps)
+                else:
+                    _store_tile(acc, act_ptr, row0, end_row, pid_n, inter, out_layout, BM, BN)
+            else:
+                _store_tile(acc, act_ptr, row0, end_row, pid_n, inter, out_layout, BM, BN)
 
     @gluon.jit
-    def gate_up_ws_kernel(x_ptr, order_ptr, map_ptr, w_desc, act_ptr, hidden, inter, TOPK: gl.constexpr,
-                          BM: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                          LOAD_WARPS: gl.constexpr, LOAD_REGS: gl.constexpr, num_warps: gl.constexpr):
+    def _store_tile(acc, act_ptr, row0, end_row, pid_n, inter, out_layout: gl.constexpr, BM: gl.constexpr,
+                    BN: gl.constexpr):
+        # silu(gate) * up of a whole tile, stored below the expert's end row
+        acc_g, acc_u = acc.reshape([BM, 2, BN]).permute((0, 2, 1)).split()
+        act = acc_g / (1.0 + gl.exp(-acc_g)) * acc_u
+        val = gl.convert_layout(act.to(act_ptr.dtype.element_ty), out_layout)
+        rows = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, out_layout))
+        cols = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, out_layout))
+        gl.store(act_ptr + rows.to(gl.int64)[:, None] * inter + cols[None, :], val,
+                 mask=(rows < end_row)[:, None] & (cols < inter)[None, :])
+
+    @gluon.jit
+    def _split_epilogue(acc, act_ptr, part_ptr, count_ptr, slot, shares, row0, end_row, pid_n, inter,
+                        acc_layout: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+                        num_warps: gl.constexpr):
+        # one share of a split tile: its float32 partial [BM, 2 * BN] to part_ptr's slot; the
+        # share that counts itself in last (one atomic, nobody waits) adds the tile's partials in
+        # share order (the same sum whoever is last: run to run the same bits) and stores the tile
+        r = gl.arange(0, BM, layout=gl.SliceLayout(1, acc_layout))
+        k = gl.arange(0, 2 * BN, layout=gl.SliceLayout(0, acc_layout))
+        gl.store(part_ptr + slot.to(gl.int64) * (BM * 2 * BN) + r[:, None] * (2 * BN) + k[None, :], acc)
+        gl.thread_barrier()
+        tile = slot // shares
+        if gl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu") == shares - 1:
+            dtype: gl.constexpr = act_ptr.dtype.element_ty
+            CH: gl.constexpr = 32
+            lay: gl.constexpr = gl.BlockedLayout([1, 4], [32 // (CH // 4), CH // 4], [num_warps, 1], [1, 0])
+            rows = gl.arange(0, BM, layout=gl.SliceLayout(1, lay))
+            ch = gl.arange(0, CH, layout=gl.SliceLayout(0, lay))
+            base = (part_ptr + (tile * shares).to(gl.int64) * (BM * 2 * BN) + rows[:, None] * (2 * BN)
+                    + ch[None, :])
+            live = (row0 + rows) < end_row
+            for c0 in gl.static_range(0, BN, CH):
+                g = gl.zeros([BM, CH], gl.float32, layout=lay)
+                u = gl.zeros([BM, CH], gl.float32, layout=lay)
+                for s in range(shares):
+                    g += gl.load(base + s * (BM * 2 * BN) + c0, cache_modifier=".cg")
+                    u += gl.load(base + s * (BM * 2 * BN) + BN + c0, cache_modifier=".cg")
+                act = g / (1.0 + gl.exp(-g)) * u
+                cols = pid_n * BN + c0 + ch
+                gl.store(act_ptr + (row0 + rows).to(gl.int64)[:, None] * inter + cols[None, :], act.to(dtype),
+                         mask=live[:, None] & (cols < inter)[None, :])
+
+    @gluon.jit
+    def gate_up_ws_kernel(x_ptr, order_ptr, map_ptr, w_desc, act_ptr, part_ptr, count_ptr, hidden, inter,
+                          TOPK: gl.constexpr, BM: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+                          LOAD_WARPS: gl.constexpr, LOAD_REGS: gl.constexpr, SPLIT: gl.constexpr,
+                          num_warps: gl.constexpr):
         BN: gl.constexpr = w_desc.block_type.shape[0]
         BK: gl.constexpr = w_desc.block_type.shape[1]
         dtype: gl.constexpr = w_desc.dtype
@@ -167,10 +245,10 @@ if gluon is not None:
             mbarrier.init(ready.index(i), count=LOAD_WARPS * 32 + 1)
             mbarrier.init(empty.index(i), count=1)
         gl.warp_specialize([
-            (_mma_partition, (map_ptr, act_ptr, a_bufs, b_bufs, ready, empty, hidden, inter, GROUP_M, STAGES,
-                              num_warps)),
+            (_mma_partition, (map_ptr, act_ptr, part_ptr, count_ptr, a_bufs, b_bufs, ready, empty, hidden,
+                              inter, GROUP_M, STAGES, SPLIT, num_warps)),
             (_load_partition, (x_ptr, order_ptr, map_ptr, w_desc, a_bufs, b_bufs, ready, empty, hidden, inter,
-                               TOPK, GROUP_M, STAGES, LOAD_WARPS)),
+                               TOPK, GROUP_M, STAGES, LOAD_WARPS, SPLIT)),
         ], [LOAD_WARPS], [LOAD_REGS])
 
 
@@ -187,7 +265,7 @@ def available(x: torch.Tensor, w1: torch.Tensor, block_n: int) -> bool:
 def launch_gate_up_ws(x: torch.Tensor, order: torch.Tensor, tiles: torch.Tensor, w1: torch.Tensor,
                       act: torch.Tensor, topk: int, programs: int, *, block_m: int = 128, block_n: int = 128,
                       block_k: int = 64, stages: int = 4, group_m: int = 8, load_warps: int = 4,
-                      load_regs: int = 64) -> None:
+                      load_regs: int = 64, split: int = 0) -> None:
     """The gate/up GEMM into ``act`` over the row tiles of :func:`dbo.moe.fused_experts.tile_map`
     (``tiles``, built with ``block_m``), with ``programs`` persistent programs (one per SM at
     most: each takes a whole SM's shared memory). ``block_m`` is 64 or 128 (one warpgroup per
@@ -202,6 +280,12 @@ def launch_gate_up_ws(x: torch.Tensor, order: torch.Tensor, tiles: torch.Tensor,
     # the registers at launch: the kernel's warps (rounded to warpgroups) share the SM's 64K;
     # the partitions then move them (the loader keeps load_regs, the MMA warps take the rest)
     maxnreg = 65536 // (32 * cdiv(warps + load_warps, 4) * 4) // 8 * 8
-    launch(gate_up_ws_kernel, (max(1, programs),), (x, order, tiles, w, act, hidden, two_inter // 2),
+    programs = max(1, programs)
+    part, count = act, tiles  # (not read without a split)
+    if split > 1:
+        # at most `programs` split units: a partial each, and a count per split tile
+        part = torch.empty(programs * block_m * 2 * block_n, dtype=torch.float32, device=x.device)
+        count = torch.zeros(programs, dtype=torch.int32, device=x.device)
+    launch(gate_up_ws_kernel, (programs,), (x, order, tiles, w, act, part, count, hidden, two_inter // 2),
            dict(TOPK=topk, BM=block_m, GROUP_M=group_m, STAGES=stages, LOAD_WARPS=load_warps,
-                LOAD_REGS=load_regs, num_warps=warps, maxnreg=maxnreg))
+                LOAD_REGS=load_regs, SPLIT=max(1, split), num_warps=warps, maxnreg=maxnreg))

@@ -112,7 +112,20 @@ def _ws(rule):
     return variant
 
 
-VARIANTS = {"table": table, "ws256": _ws(lambda e, i, n: WS128 if e >= 256 else None),
+def _split(shares: int, few: bool):
+    # the warp-specialized gate/up tiles with their last round split along K into up to `shares`
+    # shares; few: also the 64-row one with few experts at I <= 256 from 256 to 1024 rows
+    def rule(est, inter, n_local, bound, pairs):
+        up, down = table(est, inter, n_local, bound, pairs)
+        if few and inter <= 256 and n_local <= 64 and 256 <= est <= 1024 and inter % WS64.block_n == 0:
+            up = WS64
+        return (dataclasses.replace(up, split=shares) if up.ws and shares else up), down
+    return rule
+
+
+VARIANTS = {"table": table, "ws64few": _split(0, True), "split4": _split(4, False),
+            "split4few": _split(4, True), "split8few": _split(8, True),
+            "ws256": _ws(lambda e, i, n: WS128 if e >= 256 else None),
             "ws512": _ws(lambda e, i, n: WS128 if e >= 512 else None),
             "ws64": _ws(lambda e, i, n: WS64 if e >= 256 else None),
             "wsmix": _ws(lambda e, i, n: WS128 if e >= 512 else WS64 if e >= 256 else None),

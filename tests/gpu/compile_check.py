@@ -50,17 +50,33 @@ def _gate_up(bm, bn, bk):
                                             "stride_we")
 
 
-KERNELS = {"down_flat": _flat, "down_flat_sole": _flat_sole, "gate_up": _gate_up}
+def _stationary(bm, bn, bk, sole=True):
+    # tests/gpu/down_stationary_experiment.py: BLOCK_K is the whole K (the intermediate size)
+    import down_stationary_experiment as ds
+    sig = {"act_desc": f"tensordesc<bf16[{bm}, {bk}]>", "order_ptr": "*i32", "offs_ptr": "*i32",
+           "w_desc": f"tensordesc<bf16[{bn}, {bk}]>", "y_ptr": "*bf16", "tw_ptr": "*fp32", "out_ptr": "*bf16",
+           "n_experts": "i32", "hidden": "i32", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
+           "K": "constexpr", "TOPK": "constexpr", "SOLE": "constexpr", "STAGES": "constexpr"}
+    consts = {"BLOCK_M": bm, "BLOCK_N": bn, "K": bk, "TOPK": 8, "SOLE": sole, "STAGES": 2}
+    return ds.down_stationary_kernel, sig, consts, ("order_ptr", "offs_ptr", "y_ptr", "tw_ptr", "out_ptr",
+                                                    "hidden")
+
+
+KERNELS = {"down_flat": _flat, "down_flat_sole": _flat_sole, "gate_up": _gate_up,
+           "down_stationary": _stationary}
 
 
 def check(name: str, tile: str) -> dict:
     bm, bn, bk, warps, stages = (int(v) for v in tile.split(":"))
     fn, sig, consts, div16 = KERNELS[name](bm, bn, bk)
+    if "STAGES" in consts:
+        consts["STAGES"] = stages
     names = list(sig)
     src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in consts.items()},
                     attrs={(names.index(k),): [["tt.divisibility", 16]] for k in div16})
     k = triton.compile(src, target=GPUTarget("cuda", 90, 128),
                        options=dict(num_warps=warps, num_stages=stages))
+    Path("/tmp/_compile_check.ttgir").write_text(k.asm["ttgir"])
     ptxas = Path(triton.__file__).parent / "backends/nvidia/bin/ptxas"
     ptx = Path("/tmp/_compile_check.ptx")
     ptx.write_text(k.asm["ptx"])

@@ -26,7 +26,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from dbo.moe import gluon_gate_up as ws
 
 
-def check(spec: str, ptx_dir: str | None = None) -> dict:
+def check(spec: str, ptx_dir: str | None = None, split: int = 1) -> dict:
     parts = [int(v) for v in spec.split(":")]
     bm, bn, stages, load_warps, load_regs = parts[:5]
     warps = bm // 16
@@ -38,9 +38,11 @@ def check(spec: str, ptx_dir: str | None = None) -> dict:
     desc = TensorDescriptor.from_tensor(w, [bn, 64], layout)
     x = torch.empty(64, hidden, dtype=torch.bfloat16)
     i32 = torch.empty(64, dtype=torch.int32)
-    args = dict(x_ptr=x, order_ptr=i32, map_ptr=i32, w_desc=desc, act_ptr=x, hidden=hidden, inter=inter)
+    part = torch.empty(64, dtype=torch.float32)
+    args = dict(x_ptr=x, order_ptr=i32, map_ptr=i32, w_desc=desc, act_ptr=x, part_ptr=part, count_ptr=i32,
+                hidden=hidden, inter=inter)
     consts = dict(TOPK=8, BM=bm, GROUP_M=8, STAGES=stages, LOAD_WARPS=load_warps, LOAD_REGS=load_regs,
-                  num_warps=warps)
+                  SPLIT=split, num_warps=warps)
     sig, attrs = {}, {}
     names = list(args) + list(consts)
     for i, (k, v) in enumerate(args.items()):
@@ -71,9 +73,10 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("specs", nargs="*", default=["128:128:4:4:64"])
     p.add_argument("--ptx", default=None)
+    p.add_argument("--split", type=int, default=1, help="the kernel's SPLIT (most shares of a split tile)")
     a = p.parse_args()
     for s in a.specs:
-        print(check(s, a.ptx), flush=True)
+        print(check(s, a.ptx, a.split), flush=True)
     return 0
 
 

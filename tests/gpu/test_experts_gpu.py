@@ -351,3 +351,60 @@ def test_warp_specialized_gate_up_alone_with_empty_experts():
     n = int(offsets[-1])
     assert torch.equal(acts[0][:n], acts[1][:n])
     assert bool(acts[0][n:].isnan().all())  # rows past the local pairs are not written
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not importable")
+@pytest.mark.parametrize("block_m", [64, 128])
+@pytest.mark.parametrize("shares", [2, 4, 8])
+def test_split_last_round_of_the_warp_specialized_gate_up(block_m, shares):
+    # GemmConfig.split: the tiles of the last round split along K, their float32 partials added
+    # by the last share. Against the unsplit kernel: as close as a float32 sum in another order
+    # gives, rows past the local pairs untouched, the same bits call after call; over program
+    # counts that leave no round partly filled (1), fewer tiles than programs, and partial rounds
+    from dbo.moe import fused_experts as fe
+    from dbo.moe import gluon_gate_up as gg
+    from dbo.moe.fused_tiles import GemmConfig
+
+    x, w1, _, _, ids = _case(2500, 12, 8, 2048, 256, torch.bfloat16, seed=11)
+    ws = GemmConfig(block_m, 128, 64, 8, 8, 4 if block_m == 128 else 5, ws=True)
+    if not fe.runs_ws(ws, x, w1):
+        pytest.skip("the Gluon kernel needs a Hopper GPU and Triton's Gluon")
+    order, offsets = fe.route_order(ids, 12)
+    pairs = ids.numel()
+    tiles, _ = fe.tile_map(offsets, block_m, pairs)
+    n = int(offsets[-1])
+
+    def run(programs: int, split: int) -> torch.Tensor:
+        act = torch.full((pairs, 256), float("nan"), dtype=x.dtype, device="cuda")
+        gg.launch_gate_up_ws(x, order, tiles, w1, act, 8, programs, block_m=block_m, stages=ws.num_stages,
+                             split=split)
+        return act
+
+    base = run(132, 0)
+    for programs in (1, 7, 50, 132, 400):
+        got = run(programs, shares)
+        assert bool(got[n:].isnan().all())
+        assert relative_error(got[:n].float(), base[:n].float()) < 2e-3, programs
+        assert torch.equal(run(programs, shares)[:n], got[:n]), programs  # (NaN != NaN past n)
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not importable")
+def test_split_gate_up_whole_call_matches_torch():
+    # the table's split tile (few experts, I <= 256) through fused_swiglu_experts: no host sync,
+    # close to the plain-torch steps, run to run the same bits
+    from dbo.moe import fused_experts as fe
+    from dbo.moe.fused_tiles import FLAT_DOWN, WS_UP64_SPLIT
+
+    x, w1, w2, weights, ids = _case(4000, 16, 8, 2048, 256, torch.bfloat16, seed=5)
+    if not fe.runs_ws(WS_UP64_SPLIT, x, w1):
+        pytest.skip("the Gluon kernel needs a Hopper GPU and Triton's Gluon")
+    outs = []
+    for check in (False, True, True):  # the first call compiles outside the check
+        out = torch.full_like(x, float("nan"))
+        with no_host_syncs() if check else contextlib.nullcontext():
+            fe.fused_swiglu_experts(x, w1, w2, weights, ids, out=out, configs=(WS_UP64_SPLIT, FLAT_DOWN))
+        torch.cuda.synchronize()
+        outs.append(out)
+    assert torch.equal(outs[1], outs[2])
+    want = _apply(SwiGLUExperts(use_triton=False), x.float(), w1.float(), w2.float(), weights, ids, True)
+    assert relative_error(outs[1].float(), want) < 1e-2
