@@ -25,6 +25,16 @@ under this tile's epilogue). The row tiles come from :func:`dbo.moe.fused_expert
 (``BM`` rows of one expert; the flat down kernel reads the same map); tile ``t`` is row tile
 ``pid_m`` of column block ``pid_n``, ``GROUP_M`` row tiles per column block in tile order.
 
+``split`` (``GemmConfig.split``): where the tiles do not fill the programs' last round (at 256
+rows per expert and 32 experts, ~290 tiles are 2.2 rounds of 132 programs), each tile of that
+round is split along K into up to ``split`` shares, one unit each, so the round spreads over the
+programs. A share writes its float32 partial and counts itself in with one atomic; the last to
+count in adds the tile's partials in share order (so the sum is the same whoever finishes last:
+run to run the same bits, not the unsplit kernel's) and stores the tile. Nobody waits on
+another program, so it cannot hang when not every program is resident. On an H200 the split
+(up to four shares) took the kernel alone to 0.89-0.93x the unsplit kernel's time at I=256, 32
+experts, T=8192 and 16384 (``tests/gpu/probe_gate_up_split.py``, docs/perf_notes.md section 5o).
+
 On an H200 (``tests/gpu/probe_gate_up_ws.py``, docs/perf_notes.md section 5m) the 128-row tile
 took 0.90-0.95x the Triton tile's time from ~512 rows per expert and 1.08-1.18x at 128-256 rows
 per expert with few experts (fewer, larger tiles fill the last wave worse).
@@ -269,7 +279,8 @@ def launch_gate_up_ws(x: torch.Tensor, order: torch.Tensor, tiles: torch.Tensor,
     """The gate/up GEMM into ``act`` over the row tiles of :func:`dbo.moe.fused_experts.tile_map`
     (``tiles``, built with ``block_m``), with ``programs`` persistent programs (one per SM at
     most: each takes a whole SM's shared memory). ``block_m`` is 64 or 128 (one warpgroup per
-    64 rows)."""
+    64 rows). ``split`` >= 2: the last round's tiles split along K into up to that many shares
+    (see the module docstring; a float32 workspace of ``programs`` partial tiles)."""
     if block_m not in (64, 128):
         raise ValueError(f"block_m must be 64 or 128, got {block_m}")
     n_experts, two_inter, hidden = w1.shape
