@@ -301,22 +301,30 @@ if triton is not None:
                 a = act_desc.load([row0, ki * BLOCK_K])
                 b = w_desc.load([w_row, ki * BLOCK_K])
                 acc = tl.dot(a, b.T, acc)
-            rows = row0 + tl.arange(0, BLOCK_M)
-            row_mask = rows < end_row
-            cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-            slots = tl.load(order_ptr + rows, mask=row_mask, other=0).to(tl.int64)
-            mask = row_mask[:, None] & (cols < hidden)[None, :]
-            if SOLE:
-                sole = slots < 0
-                slots = tl.where(sole, ~slots, slots)
-                scale = tl.load(tw_ptr + slots, mask=sole & row_mask, other=1.0).to(tl.float32)
-                dest = tl.where(sole[:, None], out_ptr + (slots // TOPK)[:, None] * hidden,
-                                y_ptr + slots[:, None] * hidden) + cols[None, :]
-                val = acc.to(y_ptr.dtype.element_ty).to(tl.float32) * scale[:, None]
-                tl.store(dest, val.to(y_ptr.dtype.element_ty), mask=mask)
-            else:
-                tl.store(y_ptr + slots[:, None] * hidden + cols[None, :], acc.to(y_ptr.dtype.element_ty),
-                         mask=mask)
+            down_store(acc, row0, end_row, pid_n, order_ptr, y_ptr, tw_ptr, out_ptr, hidden, BLOCK_M, BLOCK_N,
+                       TOPK, SOLE)
+
+    @triton.jit
+    def down_store(acc, row0, end_row, pid_n, order_ptr, y_ptr, tw_ptr, out_ptr, hidden,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TOPK: tl.constexpr, SOLE: tl.constexpr):
+        # the flat down tile's epilogue: rows below end_row to their slots' rows of y, or (SOLE,
+        # a ~slot mark) weighted to out[token] with the top-k sum's rounding
+        rows = row0 + tl.arange(0, BLOCK_M)
+        row_mask = rows < end_row
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        slots = tl.load(order_ptr + rows, mask=row_mask, other=0).to(tl.int64)
+        mask = row_mask[:, None] & (cols < hidden)[None, :]
+        if SOLE:
+            sole = slots < 0
+            slots = tl.where(sole, ~slots, slots)
+            scale = tl.load(tw_ptr + slots, mask=sole & row_mask, other=1.0).to(tl.float32)
+            dest = tl.where(sole[:, None], out_ptr + (slots // TOPK)[:, None] * hidden,
+                            y_ptr + slots[:, None] * hidden) + cols[None, :]
+            val = acc.to(y_ptr.dtype.element_ty).to(tl.float32) * scale[:, None]
+            tl.store(dest, val.to(y_ptr.dtype.element_ty), mask=mask)
+        else:
+            tl.store(y_ptr + slots[:, None] * hidden + cols[None, :], acc.to(y_ptr.dtype.element_ty),
+                     mask=mask)
 
     @triton.jit
     def _down_short_k_tile(t, starts, ends, m_tiles, tile_ends, act_ptr, order_ptr, w_ptr, y_ptr, hidden,

@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from dbo.moe.fused_kernels import down_store
 from dbo.moe.triton_launch import Desc, cdiv, launch
 
 
@@ -31,25 +32,11 @@ def down_stationary_kernel(act_desc, order_ptr, offs_ptr, w_desc, y_ptr, tw_ptr,
     start = tl.load(offs_ptr + e - 1, mask=e > 0, other=0)
     if end > start:
         b = w_desc.load([e * hidden + pid_n * BLOCK_N, 0])
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         for row0 in tl.range(start, end, BLOCK_M, num_stages=STAGES):
             a = act_desc.load([row0, 0])
             acc = tl.dot(a, b.T)
-            rows = row0 + tl.arange(0, BLOCK_M)
-            row_mask = rows < end
-            slots = tl.load(order_ptr + rows, mask=row_mask, other=0).to(tl.int64)
-            mask = row_mask[:, None] & (cols < hidden)[None, :]
-            if SOLE:
-                sole = slots < 0
-                slots = tl.where(sole, ~slots, slots)
-                scale = tl.load(tw_ptr + slots, mask=sole & row_mask, other=1.0).to(tl.float32)
-                dest = tl.where(sole[:, None], out_ptr + (slots // TOPK)[:, None] * hidden,
-                                y_ptr + slots[:, None] * hidden) + cols[None, :]
-                val = acc.to(y_ptr.dtype.element_ty).to(tl.float32) * scale[:, None]
-                tl.store(dest, val.to(y_ptr.dtype.element_ty), mask=mask)
-            else:
-                tl.store(y_ptr + slots[:, None] * hidden + cols[None, :], acc.to(y_ptr.dtype.element_ty),
-                         mask=mask)
+            down_store(acc, row0, end, pid_n, order_ptr, y_ptr, tw_ptr, out_ptr, hidden, BLOCK_M, BLOCK_N,
+                       TOPK, SOLE)
 
 
 def launch_down_stationary(act: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, w2: torch.Tensor,
