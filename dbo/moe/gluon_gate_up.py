@@ -84,7 +84,7 @@ if gluon is not None:
         return e, row0, end_row, pid_n
 
     @gluon.jit
-    def _plan(map_ptr, n_col, SPLIT: gl.constexpr):
+    def _plan(map_ptr, n_col, k_steps, SPLIT: gl.constexpr):
         # (tiles, whole tiles, shares): the tiles of the last round, which fewer programs than
         # there are take, each split along K into `shares` units (at most SPLIT), so that the
         # round's work spreads over the programs; units: the whole tiles, then the split ones
@@ -92,7 +92,8 @@ if gluon is not None:
         if SPLIT > 1:
             progs = gl.num_programs(0)
             rest = n_tiles % progs
-            shares = gl.minimum(progs // gl.maximum(rest, 1), SPLIT)
+            # every share at least one K step (an empty one would free a ring slot it never took)
+            shares = gl.minimum(gl.minimum(progs // gl.maximum(rest, 1), SPLIT), k_steps)
             shares = gl.maximum(shares * (rest > 0).to(gl.int32), 1)
             whole = n_tiles - rest * (shares > 1).to(gl.int32)
         else:
@@ -125,7 +126,7 @@ if gluon is not None:
         k_steps = hidden // BK
         w_bytes: gl.constexpr = 2 * BN * BK * 2
         ks = gl.arange(0, BK, layout=gl.SliceLayout(0, lay))
-        whole, shares, n_units = _plan(map_ptr, n_col, SPLIT)
+        whole, shares, n_units = _plan(map_ptr, n_col, k_steps, SPLIT)
         c = 0  # K steps issued, over every tile: the ring slot and its phase
         for v in range(gl.program_id(0), n_units, gl.num_programs(0)):
             t, k0, k1, _ = _unit(v, whole, shares, k_steps)
@@ -163,7 +164,7 @@ if gluon is not None:
         n_m = gl.load(map_ptr)
         n_col = inter // BN
         k_steps = hidden // BK
-        whole, shares, n_units = _plan(map_ptr, n_col, SPLIT)
+        whole, shares, n_units = _plan(map_ptr, n_col, k_steps, SPLIT)
         c = 0
         for v in range(gl.program_id(0), n_units, gl.num_programs(0)):
             t, k0, k1, slot = _unit(v, whole, shares, k_steps)

@@ -355,17 +355,18 @@ def test_warp_specialized_gate_up_alone_with_empty_experts():
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton is not importable")
 @pytest.mark.parametrize("block_m", [64, 128])
-@pytest.mark.parametrize("shares", [2, 4, 8])
-def test_split_last_round_of_the_warp_specialized_gate_up(block_m, shares):
+@pytest.mark.parametrize("shares, hidden", [(2, 2048), (4, 2048), (8, 2048), (8, 128)])
+def test_split_last_round_of_the_warp_specialized_gate_up(block_m, shares, hidden):
     # GemmConfig.split: the tiles of the last round split along K, their float32 partials added
     # by the last share. Against the unsplit kernel: as close as a float32 sum in another order
     # gives, rows past the local pairs untouched, the same bits call after call; over program
-    # counts that leave no round partly filled (1), fewer tiles than programs, and partial rounds
+    # counts that leave no round partly filled (1), fewer tiles than programs, and partial rounds;
+    # at hidden 128 (two K steps) no more shares than K steps
     from dbo.moe import fused_experts as fe
     from dbo.moe import gluon_gate_up as gg
     from dbo.moe.fused_tiles import GemmConfig
 
-    x, w1, _, _, ids = _case(2500, 12, 8, 2048, 256, torch.bfloat16, seed=11)
+    x, w1, _, _, ids = _case(2500, 12, 8, hidden, 256, torch.bfloat16, seed=11)
     ws = GemmConfig(block_m, 128, 64, 8, 8, 4 if block_m == 128 else 5, ws=True)
     if not fe.runs_ws(ws, x, w1):
         pytest.skip("the Gluon kernel needs a Hopper GPU and Triton's Gluon")
