@@ -185,12 +185,9 @@ if gluon is not None:
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             gl.thread_barrier()
             mbarrier.arrive(empty.index((c + STAGES - 1) % STAGES))
-            if SPLIT > 1:
-                if slot >= 0:
-                    _split_epilogue(acc, act_ptr, part_ptr, count_ptr, slot, shares, row0, end_row, pid_n,
-                                    inter, acc_layout, BM, BN, num_warps)
-                else:
-                    _store_tile(acc, act_ptr, row0, end_row, pid_n, inter, out_layout, BM, BN)
+            if SPLIT > 1 and slot >= 0:  # (SPLIT: no split epilogue compiled in the unsplit kernel)
+                _split_epilogue(acc, act_ptr, part_ptr, count_ptr, slot, shares, row0, end_row, pid_n, inter,
+                                acc_layout, BM, BN, num_warps)
             else:
                 _store_tile(acc, act_ptr, row0, end_row, pid_n, inter, out_layout, BM, BN)
 
