@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -20,10 +19,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import down_stationary_experiment as ds  # noqa: E402
+from tune_experts import alternating_ms  # noqa: E402
 
 from dbo.bench.experts import make_case  # noqa: E402
 from dbo.bench.limits import DeviceLimits, measure_device_limits  # noqa: E402
-from dbo.bench.timing import gpu_sleep  # noqa: E402
 from dbo.moe import fused_experts as fe  # noqa: E402
 
 SHAPES = [(256, 32, 4096), (256, 32, 8192), (256, 32, 16384), (256, 32, 65536), (256, 128, 8192),
@@ -31,26 +30,6 @@ SHAPES = [(256, 32, 4096), (256, 32, 8192), (256, 32, 16384), (256, 32, 65536), 
 #: (block_m, block_n, warps, stages)
 VARIANTS = [(64, 128, 4, 1), (64, 128, 4, 2), (64, 128, 4, 3), (128, 128, 8, 1), (64, 256, 8, 1),
             (64, 256, 8, 2), (64, 128, 8, 1)]
-
-
-def timed(fns: dict, reps: int) -> dict:
-    """Median ms of each callable, their calls alternating round by round behind a GPU sleep."""
-    for f in fns.values():
-        f()
-    times = {k: [] for k in fns}
-    for _ in range(reps):
-        gpu_sleep(0.3)
-        ev = {}
-        for k, f in fns.items():
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            f()
-            b.record()
-            ev[k] = (a, b)
-        torch.cuda.synchronize()
-        for k, (a, b) in ev.items():
-            times[k].append(a.elapsed_time(b))
-    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def one_shape(lim: DeviceLimits, inter: int, local: int, t: int, reps: int) -> dict:
@@ -98,7 +77,7 @@ def one_shape(lim: DeviceLimits, inter: int, local: int, t: int, reps: int) -> d
                 good[k] = f
             except Exception as e:  # noqa: BLE001 - reported per variant
                 print(f"  {k} sole={sole}: {type(e).__name__}: {str(e)[:300]}", flush=True)
-        ms = timed(good, reps)
+        ms = alternating_ms(good, reps)
         tag = "sole_" if sole else ""
         y0, o0 = outs["lib"]
         for k in good:

@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from probe_down_stationary import timed  # noqa: E402
+from tune_experts import alternating_ms  # noqa: E402
 
 from dbo.bench.experts import make_case  # noqa: E402
 from dbo.bench.limits import measure_device_limits  # noqa: E402
@@ -50,7 +50,7 @@ def one_shape(inter: int, local: int, t: int, reps: int, sms: int) -> dict:
         acts[name] = torch.zeros(pairs, inter, dtype=case.x.dtype, device="cuda")
         fns[name] = lambda a=acts[name], bm=bm, st=st, sp=split: gg.launch_gate_up_ws(
             case.x, order, maps[bm], case.w1, a, topk, sms, block_m=bm, stages=st, split=sp)
-    ms = timed(fns, reps)
+    ms = alternating_ms(fns, reps)
     n = int(case.counts.sum())
     r = {"I": inter, "L": local, "T": t, "pairs": n, "lib_tile": str(up), "ms": ms}
     for name, bm, _, split in VARIANTS:

@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from dbo.bench.experts import make_case  # noqa: E402
 from dbo.bench.limits import measure_device_limits  # noqa: E402
+from dbo.bench.timing import gpu_sleep  # noqa: E402
 from dbo.moe import ActivationFormat, SwiGLUExperts, Workspace, relative_error  # noqa: E402
 from dbo.moe.fused_experts import (  # noqa: E402
     GemmConfig,
@@ -106,6 +107,26 @@ def median_ms(fn, reps: int) -> float:
         b.record()
     torch.cuda.synchronize()
     return statistics.median(a.elapsed_time(b) for a, b in ev)
+
+
+def alternating_ms(fns: dict, reps: int) -> dict:
+    """Median ms of each callable, their calls alternating round by round behind a GPU sleep."""
+    for f in fns.values():
+        f()
+    times = {k: [] for k in fns}
+    for _ in range(reps):
+        gpu_sleep(0.3)
+        ev = {}
+        for k, f in fns.items():
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            f()
+            b.record()
+            ev[k] = (a, b)
+        torch.cuda.synchronize()
+        for k, (a, b) in ev.items():
+            times[k].append(a.elapsed_time(b))
+    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def main() -> int:
