@@ -58,8 +58,18 @@ def test_few_experts_at_short_intermediates_split_the_last_round():
     assert pick_configs(259, 256, 32)[0] == WS_UP64_SPLIT
     assert pick_configs(1024, 256, 32)[0] == WS_UP64_SPLIT
     assert pick_configs(2048, 256, 32)[0].split == 0  # the 128-row tile fills its rounds
-    assert pick_configs(128, 256, 32)[0].ws is False
     assert all(pick_configs(r, i, n)[0].split == 0 for r in (256, 512) for i, n in ((256, 128), (768, 32)))
+
+
+@pytest.mark.parametrize("inter", [256, 768, 2048])
+@pytest.mark.parametrize("n_local", [32, 128, 256])
+def test_one_tile_of_rows_per_expert_takes_the_split_128_row_tile(inter, n_local):
+    from dbo.moe.fused_tiles import WS_UP_SPLIT
+
+    assert pick_configs(128, inter, n_local)[0] == WS_UP_SPLIT
+    assert pick_configs(192, inter, n_local)[0] == WS_UP_SPLIT
+    assert not pick_configs(96, inter, n_local)[0].ws
+    assert pick_configs(128, 320, n_local)[0].ws is False  # I not a multiple of the ws tile's columns
 
 
 def test_operands_off_a_hopper_gpu_take_the_triton_kernel():

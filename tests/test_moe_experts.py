@@ -208,6 +208,22 @@ for seed, (m, topk, n_local) in enumerate([(37, 3, 5), (700, 8, 16), (300, 6, 25
     per_token = ((ids >= 0) & (ids < n_local)).sum(1)
     want = [~o if per_token[o // topk] == 1 else o for o in order[:n].tolist()]
     assert dest[:n].tolist() == want and any(w < 0 for w in want), seed
+from dbo.moe.fused_experts import tile_maps
+for seed, (m, topk, n_local, heights, n_zero) in enumerate([(300, 8, 16, (16, 32), 300),
+                                                          (700, 8, 5, (64, 16), 7), (37, 3, 5, (32,), 0)]):
+    # one launch for two heights' maps, the sole rows' marks and zeroed counters: the same as
+    # one launch per map
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(-1, 2 * n_local, (m, topk), generator=g).to(torch.int32)
+    order, offsets = route_order(ids, n_local)
+    zero = torch.full((n_zero,), 7, dtype=torch.int32)
+    maps, dest = tile_maps(offsets, heights, m * topk, (order, ids), zero)
+    n = int(offsets[-1])
+    assert len(maps) == len(heights) and not zero.any(), seed
+    for got, bm in zip(maps, heights):
+        want, want_dest = tile_map(offsets, bm, m * topk, (order, ids))
+        k = 1 + 3 * int(want[0])
+        assert torch.equal(got[:k], want[:k]) and torch.equal(dest[:n], want_dest[:n]), (seed, bm)
 from dbo.moe.fused_experts import GemmConfig, fused_swiglu_experts
 for seed, m, n_local, topk, tail, red, down_kind, persistent in [
         (0, 37, 5, 3, 16, True, "k", True), (1, 150, 3, 2, 16, False, "k", False),

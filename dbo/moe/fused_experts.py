@@ -61,7 +61,7 @@ from dbo.moe.triton_launch import Desc, cdiv, launch, next_pow2
 
 __all__ = ["GemmConfig", "CONFIGS", "FP32_CONFIG", "FUSED_MAX_ROWS_PER_EXPERT", "prefer_fused",
            "pick_configs", "fused_swiglu_experts", "route_order", "launch_gate_up", "launch_down",
-           "launch_topk_sum", "tile_map", "runs_ws", "runs_flat"]
+           "launch_topk_sum", "tile_map", "tile_maps", "ws_programs", "runs_ws", "runs_flat"]
 
 try:
     import triton
@@ -158,22 +158,31 @@ def runs_ws(cfg: GemmConfig, x: torch.Tensor, w1: torch.Tensor) -> bool:
     return cfg.ws and gluon_gate_up.available(x, w1, cfg.block_n) and _props(x.device).major == 9
 
 
+def ws_programs(cfg: GemmConfig, pairs: int, w1: torch.Tensor) -> int:
+    """The programs of the warp-specialized gate/up kernel for tile ``cfg`` (one per SM at most);
+    a split tile's kernel takes as many int32 counters (:func:`launch_gate_up`'s ``counts``)."""
+    n_experts, two_inter, _ = w1.shape
+    return min(_bound(cfg, pairs, n_experts, two_inter // 2), _props(w1.device).multi_processor_count)
+
+
 def launch_gate_up(x: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, w1: torch.Tensor,
                    act: torch.Tensor, cfg: GemmConfig, pairs: int, topk: int,
-                   persistent: bool = False, tiles: torch.Tensor | None = None) -> None:
+                   persistent: bool = False, tiles: torch.Tensor | None = None,
+                   counts: torch.Tensor | None = None) -> None:
     """``act[r] = silu(x[t] @ g_e.T) * (x[t] @ u_e.T)`` for each sorted row ``r`` of expert
     ``e`` (``t = order[r] // topk``); ``pairs``: an upper bound of the local pairs (the grid).
     ``tiles``: the row-tile map of a warp-specialized tile (:func:`tile_map` with its
-    ``block_m``), where the caller built it already."""
+    ``block_m``), where the caller built it already; ``counts``: a split tile's zeroed counters
+    (:func:`ws_programs` of them, e.g. zeroed by :func:`tile_maps`), else allocated here."""
     n_experts, two_inter, hidden = w1.shape
     inter = two_inter // 2
     if runs_ws(cfg, x, w1):
         if tiles is None:
             tiles, _ = tile_map(offsets, cfg.block_m, pairs)
-        programs = min(_bound(cfg, pairs, n_experts, inter), _props(x.device).multi_processor_count)
-        gluon_gate_up.launch_gate_up_ws(x, order, tiles, w1, act, topk, programs, block_m=cfg.block_m,
-                                        block_n=cfg.block_n, block_k=cfg.block_k, stages=cfg.num_stages,
-                                        group_m=cfg.group_m, split=cfg.split)
+        gluon_gate_up.launch_gate_up_ws(x, order, tiles, w1, act, topk, ws_programs(cfg, pairs, w1),
+                                        block_m=cfg.block_m, block_n=cfg.block_n, block_k=cfg.block_k,
+                                        stages=cfg.num_stages, group_m=cfg.group_m, split=cfg.split,
+                                        counts=counts)
         return
     # a ws tile here: the Triton kernel with its blocks
     cfg = FP32_CONFIG if x.element_size() > 2 else cfg.triton_tile()
@@ -193,32 +202,51 @@ TILE_MAP_BLOCK = 64
 SOLE_ROWS_BLOCK = 512
 
 
-def tile_map(offsets: torch.Tensor, block_m: int, pairs: int,
-             sole: tuple[torch.Tensor, torch.Tensor] | None = None,
-             ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The row tiles of ``block_m`` rows of the experts whose end rows are ``offsets``, for the
-    flat down kernel: int32 ``[1 + 3 * bound]``, ``[0]`` their count, then per row tile (in
-    expert order) its expert, first row and the expert's end row. ``pairs`` bounds the rows
-    (``bound = ceil(pairs / block_m) + E``). One launch, nothing read back.
+def tile_maps(offsets: torch.Tensor, block_ms: tuple[int, ...], pairs: int,
+              sole: tuple[torch.Tensor, torch.Tensor] | None = None, zero: torch.Tensor | None = None,
+              ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | None]:
+    """The row tiles of each of one or two tile heights ``block_ms`` for the experts whose end
+    rows are ``offsets``, for the flat down kernel and the warp-specialized gate/up kernel: per
+    height an int32 ``[1 + 3 * bound]``, ``[0]`` their count, then per row tile (in expert order)
+    its expert, first row and the expert's end row. ``pairs`` bounds the rows (``bound =
+    ceil(pairs / block_m) + E``). One launch, nothing read back.
 
     ``sole``: ``(order, topk_ids)``: the same launch also returns ``dest`` (``order``'s dtype,
     ``[pairs]``): ``order[r]``, or ``~order[r]`` where row ``r``'s token has no other local slot
-    (the rows past the local pairs unwritten); else ``None``."""
+    (the rows past the local pairs unwritten); else ``None``. ``zero``: an int32 tensor the same
+    launch fills with zeros (the split gate/up kernel's counters), which saves it a launch."""
+    if not 1 <= len(block_ms) <= 2:
+        raise ValueError(f"one or two tile heights, got {block_ms}")
     n_experts = offsets.numel()
-    bound = cdiv(pairs, block_m) + n_experts
-    tiles = torch.empty(1 + 3 * bound, dtype=torch.int32, device=offsets.device)
-    grid = cdiv(bound, TILE_MAP_BLOCK)
+    bounds = [cdiv(pairs, bm) + n_experts for bm in block_ms]
+    maps = tuple(torch.empty(1 + 3 * b, dtype=torch.int32, device=offsets.device) for b in bounds)
+    grid = sum(cdiv(b, TILE_MAP_BLOCK) for b in bounds)
     order, ids, dest, topk = offsets, offsets, None, 1  # (unread without sole)
     if sole is not None:
         order, ids = sole
         topk = ids.shape[1]
         dest = torch.empty(pairs, dtype=order.dtype, device=order.device)
         grid += cdiv(pairs, SOLE_ROWS_BLOCK)
-    launch(tile_map_kernel, (grid,), (offsets, tiles, n_experts, bound, order, ids,
-                                      tiles if dest is None else dest), dict(
-        BLOCK_M=block_m, BLOCK_E=_block_e(n_experts), BLOCK_J=TILE_MAP_BLOCK, TOPK=topk,
-        BLOCK_T=next_pow2(topk), BLOCK_R=SOLE_ROWS_BLOCK, SOLE=sole is not None))
-    return tiles, dest
+    if zero is not None and (zero.dtype != torch.int32 or not zero.is_contiguous()):
+        raise ValueError(f"zero must be a contiguous int32 tensor, got {zero.dtype}")
+    second = len(block_ms) == 2
+    n_zero = 0 if zero is None else zero.numel()
+    launch(tile_map_kernel, (grid,), (offsets, maps[0], n_experts, bounds[0], order, ids,
+                                      maps[0] if dest is None else dest, maps[-1],
+                                      bounds[1] if second else 0, maps[0] if zero is None else zero,
+                                      n_zero), dict(
+        BLOCK_M=block_ms[0], BLOCK_E=_block_e(n_experts), BLOCK_J=TILE_MAP_BLOCK, TOPK=topk,
+        BLOCK_T=next_pow2(topk), BLOCK_R=SOLE_ROWS_BLOCK, SOLE=sole is not None,
+        BLOCK_M2=block_ms[1] if second else 0, ZERO_BLOCK=256 if n_zero else 0))
+    return maps, dest
+
+
+def tile_map(offsets: torch.Tensor, block_m: int, pairs: int,
+             sole: tuple[torch.Tensor, torch.Tensor] | None = None,
+             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`tile_maps` of one tile height: ``(its map, dest)``."""
+    maps, dest = tile_maps(offsets, (block_m,), pairs, sole)
+    return maps[0], dest
 
 
 def runs_flat(cfg: GemmConfig, act: torch.Tensor, w2: torch.Tensor) -> bool:
@@ -330,15 +358,18 @@ def fused_swiglu_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
         sole_pairs = prefer_sole(est * n_experts / max(1, m * topk), topk)
     ids, tw = topk_ids.contiguous(), topk_weights.contiguous()
     sole_args = (ids, tw, out) if reduce and sole_pairs else None
-    maps = None
-    if runs_ws(up_cfg, x, w1) and runs_flat(down_cfg, act, w2) and up_cfg.block_m == down_cfg.block_m:
-        # one map (and the sole rows' marks) for both GEMMs
-        maps = tile_map(offsets, up_cfg.block_m, pairs, None if sole_args is None else (order, ids))
-    launch_gate_up(x, order, offsets, w1, act, up_cfg, pairs, topk, persistent,
-                   None if maps is None else maps[0])
+    up_map = down_maps = counts = None
+    if runs_ws(up_cfg, x, w1) and runs_flat(down_cfg, act, w2):
+        # one launch for both GEMMs' maps, the sole rows' marks and the split's counters
+        if up_cfg.split > 1:
+            counts = torch.empty(ws_programs(up_cfg, pairs, w1), dtype=torch.int32, device=x.device)
+        heights = tuple(dict.fromkeys((up_cfg.block_m, down_cfg.block_m)))  # one map where equal
+        maps, dest = tile_maps(offsets, heights, pairs, None if sole_args is None else (order, ids), counts)
+        up_map, down_maps = maps[0], (maps[-1], dest)
+    launch_gate_up(x, order, offsets, w1, act, up_cfg, pairs, topk, persistent, up_map, counts)
     y = out.view(m * topk, hidden) if not reduce else \
         torch.empty(m * topk, hidden, dtype=x.dtype, device=x.device)
-    sole = launch_down(act, order, offsets, w2, y, down_cfg, pairs, persistent, sole_args, maps)
+    sole = launch_down(act, order, offsets, w2, y, down_cfg, pairs, persistent, sole_args, down_maps)
     if not reduce:
         local = (topk_ids >= 0) & (topk_ids < n_experts)
         return out.masked_fill_(~local.unsqueeze(-1), 0)

@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 __all__ = ["GemmConfig", "CONFIGS", "FP32_CONFIG", "FEW_EXPERTS_UP", "FEW_EXPERTS_DOWN", "FLAT_DOWN",
-           "FLAT_DOWN_WIDE", "DOWN_TAIL", "WS_UP", "WS_UP64", "WS_UP64_SPLIT", "FUSED_MAX_ROWS_PER_EXPERT",
+           "FLAT_DOWN_WIDE", "DOWN_TAIL", "WS_UP", "WS_UP64", "WS_UP64_SPLIT", "WS_UP_SPLIT",
+           "FUSED_MAX_ROWS_PER_EXPERT",
            "FUSED_MAX_LOCAL_EXPERTS", "FUSED_MAX_INTERMEDIATE", "prefer_fused", "prefer_persistent",
            "prefer_sole", "SOLE_MIN_SHARE", "pick_configs"]
 
@@ -116,12 +117,12 @@ FEW_EXPERTS_DOWN = GemmConfig(64, 64, 256, 8, 4, 3, n_per_program=8)
 
 #: the warp-specialized Gluon gate/up tiles (:mod:`dbo.moe.gluon_gate_up`; on other GPUs than
 #: Hopper the Triton kernel with the same blocks): 128 rows from 1024 estimated rows per expert,
-#: 64 rows (one MMA warpgroup, five slots) from 256, except with few experts at I <= 256, where
-#: the 128-row tile only pays from 2048 rows and the 64-row one only with its last round split
-#: (``WS_UP64_SPLIT``: fewer, larger tiles fill the last wave worse). Same-run A/B of whole
-#: calls on an H200 over the grid (I 256/768/2048, 32/128/256 local experts, 1024-65536 tokens;
-#: ``tests/gpu/ab_tiles.py``, docs/perf_notes.md section 5m): 0.90-0.99x the Triton tiles' time
-#: where they are taken, 0.984x over the grid
+#: and split from 96 to 192 (``WS_UP_SPLIT``), 64 rows (one MMA warpgroup, five slots) from 256,
+#: except with few experts at I <= 256, where the 128-row tile only pays from 2048 rows and the
+#: 64-row one only with its last round split (``WS_UP64_SPLIT``: fewer, larger tiles fill the
+#: last wave worse). Same-run A/B of whole calls on an H200 over the grid (I 256/768/2048,
+#: 32/128/256 local experts, 1024-65536 tokens; ``tests/gpu/ab_tiles.py``, docs/perf_notes.md
+#: section 5m): 0.90-0.99x the Triton tiles' time where they are taken, 0.984x over the grid
 WS_UP = GemmConfig(128, 128, 64, 8, 8, 4, ws=True)
 WS_UP64 = GemmConfig(64, 128, 64, 8, 4, 5, ws=True)
 WS_MIN_ROWS = 256
@@ -134,6 +135,15 @@ WS_WIDE_MIN_ROWS = 1024
 #: I=256, 32 experts, T=8192 and 16384; 0.99-1.00 at the other few-expert rows. Splitting the
 #: other shapes' ws tiles gained nothing (0.98-1.04)
 WS_UP64_SPLIT = replace(WS_UP64, split=4)
+#: 96-192 rows per expert (an expert's rows fill one 128-row tile, and about half of the experts
+#: spill a few rows into a second): the 128-row ws tile with its last round split in up to four
+#: shares, where the Triton 128-row tile with 32-row tails ran. Same-run A/B of whole calls on an
+#: H200 at 128 rows per expert (``tests/gpu/ab_tiles.py --variants ws128s128``, two runs, docs/
+#: perf_notes.md section 5p): 0.97 of the Triton tile's time over the nine (I, local experts)
+#: rows, 0.91 at I=768 with 32 experts, 0.95-0.96 at I=256 with 128-256; unsplit the few-expert
+#: rows lost 2-3% (a partly filled last round)
+WS_UP_SPLIT = replace(WS_UP, split=4)
+WS_SPLIT_ROWS = (96, 192)
 
 #: above this many estimated rows per expert, with I > ``FUSED_MAX_INTERMEDIATE`` and more than
 #: ``FUSED_MAX_LOCAL_EXPERTS`` local experts, the unfused steps (CUTLASS's grouped GEMM through
@@ -183,8 +193,12 @@ def prefer_sole(local_share: float, topk: int) -> bool:
 
 
 def _ws_up(up: GemmConfig, rows: float, intermediate: int, local_experts: int | None) -> GemmConfig:
-    # the warp-specialized gate/up tiles where they pay (see WS_UP)
-    if intermediate % WS_UP.block_n or rows < WS_MIN_ROWS:
+    # the warp-specialized gate/up tiles where they pay (see WS_UP and WS_UP_SPLIT)
+    if intermediate % WS_UP.block_n:
+        return up
+    if WS_SPLIT_ROWS[0] < rows <= WS_SPLIT_ROWS[1]:
+        return WS_UP_SPLIT
+    if rows < WS_MIN_ROWS:
         return up
     if intermediate <= 256 and local_experts is not None and local_experts <= 64:
         return WS_UP if rows > WS_WIDE_MIN_ROWS else WS_UP64_SPLIT

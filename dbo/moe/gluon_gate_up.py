@@ -273,12 +273,13 @@ def available(x: torch.Tensor, w1: torch.Tensor, block_n: int) -> bool:
 def launch_gate_up_ws(x: torch.Tensor, order: torch.Tensor, tiles: torch.Tensor, w1: torch.Tensor,
                       act: torch.Tensor, topk: int, programs: int, *, block_m: int = 128, block_n: int = 128,
                       block_k: int = 64, stages: int = 4, group_m: int = 8, load_warps: int = 4,
-                      load_regs: int = 64, split: int = 0) -> None:
+                      load_regs: int = 64, split: int = 0, counts: torch.Tensor | None = None) -> None:
     """The gate/up GEMM into ``act`` over the row tiles of :func:`dbo.moe.fused_experts.tile_map`
     (``tiles``, built with ``block_m``), with ``programs`` persistent programs (one per SM at
     most: each takes a whole SM's shared memory). ``block_m`` is 64 or 128 (one warpgroup per
     64 rows). ``split`` >= 2: the last round's tiles split along K into up to that many shares
-    (see the module docstring; a float32 workspace of ``programs`` partial tiles)."""
+    (see the module docstring; a float32 workspace of ``programs`` partial tiles, and ``counts``:
+    at least ``programs`` zeroed int32 counters, allocated here if not given)."""
     if block_m not in (64, 128):
         raise ValueError(f"block_m must be 64 or 128, got {block_m}")
     n_experts, two_inter, hidden = w1.shape
@@ -294,7 +295,13 @@ def launch_gate_up_ws(x: torch.Tensor, order: torch.Tensor, tiles: torch.Tensor,
     if split > 1:
         # at most `programs` split units: a partial each, and a count per split tile
         part = torch.empty(programs * block_m * 2 * block_n, dtype=torch.float32, device=x.device)
-        count = torch.zeros(programs, dtype=torch.int32, device=x.device)
+        if counts is None:
+            count = torch.zeros(programs, dtype=torch.int32, device=x.device)
+        elif counts.dtype != torch.int32 or counts.numel() < programs or counts.device != x.device:
+            raise ValueError(f"counts must be >= {programs} int32 counters on {x.device}, got "
+                             f"{counts.numel()} {counts.dtype} on {counts.device}")
+        else:
+            count = counts
     launch(gate_up_ws_kernel, (programs,), (x, order, tiles, w, act, part, count, hidden, two_inter // 2),
            dict(TOPK=topk, BM=block_m, GROUP_M=group_m, STAGES=stages, LOAD_WARPS=load_warps,
                 LOAD_REGS=load_regs, SPLIT=max(1, split), num_warps=warps, maxnreg=maxnreg))

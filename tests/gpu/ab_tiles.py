@@ -123,7 +123,27 @@ def _split(shares: int, few: bool):
     return rule
 
 
-VARIANTS = {"table": table, "ws64few": _split(0, True), "split4": _split(4, False),
+def _ws_band(ws: GemmConfig, lo: float, hi: float, few_only: bool):
+    # the warp-specialized gate/up tile ws where lo < estimated rows per expert <= hi (few_only:
+    # with <= 64 local experts only), e.g. split, where the table takes the Triton tiles
+    def rule(est, inter, n_local, bound, pairs):
+        up, down = table(est, inter, n_local, bound, pairs)
+        if lo < est <= hi and inter % ws.block_n == 0 and (n_local <= 64 or not few_only):
+            up = ws
+        return up, down
+    return rule
+
+
+VARIANTS = {"table": table,
+            "ws64s128": _ws_band(dataclasses.replace(WS64, split=4), 96, 192, False),
+            "ws64s128few": _ws_band(dataclasses.replace(WS64, split=4), 96, 192, True),
+            "ws128s128": _ws_band(dataclasses.replace(WS128, split=4), 96, 192, False),
+            "ws64s64": _ws_band(dataclasses.replace(WS64, split=4), 48, 96, False),
+            "ws128_128": _ws_band(WS128, 96, 192, False),
+            "ws128s8_128": _ws_band(dataclasses.replace(WS128, split=8), 96, 192, False),
+            "ws128s256": _ws_band(dataclasses.replace(WS128, split=4), 192, 384, False),
+            "ws128s512": _ws_band(dataclasses.replace(WS128, split=4), 384, 1024, False),
+            "ws64few": _split(0, True), "split4": _split(4, False),
             "split4few": _split(4, True), "split8few": _split(8, True),
             "ws256": _ws(lambda e, i, n: WS128 if e >= 256 else None),
             "ws512": _ws(lambda e, i, n: WS128 if e >= 512 else None),

@@ -409,3 +409,48 @@ def test_split_gate_up_whole_call_matches_torch():
     assert torch.equal(outs[1], outs[2])
     want = _apply(SwiGLUExperts(use_triton=False), x.float(), w1.float(), w2.float(), weights, ids, True)
     assert relative_error(outs[1].float(), want) < 1e-2
+
+
+def separate_launches(x, w1, w2, tw, ids, out, configs, pairs, sole):
+    """The fused call as it ran before ``fused_experts.tile_maps``: the gate/up and the down tile
+    each build their map in a launch of their own, and the split's counters are zeroed by one
+    (``sole``: the down kernel writes the rows of tokens with one local slot)."""
+    from dbo.moe import fused_experts as fe
+
+    m, topk = ids.shape
+    n_experts, two_inter, _ = w1.shape
+    up, down = configs
+    order, offsets = fe.route_order(ids, n_experts)
+    act = torch.empty(m * topk, two_inter // 2, dtype=x.dtype, device=x.device)
+    fe.launch_gate_up(x, order, offsets, w1, act, up, pairs, topk)
+    y = torch.empty(m * topk, x.shape[1], dtype=x.dtype, device=x.device)
+    sole = fe.launch_down(act, order, offsets, w2, y, down, pairs, True, (ids, tw, out) if sole else None)
+    fe.launch_topk_sum(y, ids, tw, out, n_experts, sole)
+    return out
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not importable")
+@pytest.mark.parametrize("up_name, sole", [("WS_UP64_SPLIT", True), ("WS_UP64_SPLIT", False),
+                                           ("WS_UP64", True), ("WS_UP", False)])
+def test_one_map_launch_is_the_same_bits_as_separate_launches(up_name, sole):
+    # fused_swiglu_experts builds the ws gate/up tile's map, the flat down tile's map (64 and 128
+    # rows: two maps, or one), the sole rows' marks and the split's counters in one launch: the
+    # same output bits as each built by its own launch, call after call (the counters re-zeroed)
+    from dbo.moe import fused_experts as fe
+    from dbo.moe import fused_tiles as ft
+
+    up = getattr(ft, up_name)
+    x, w1, w2, weights, ids = _case(6000, 16, 8, 2048, 256, torch.bfloat16, seed=9)
+    ids[:, 4:] = -1  # four slots of eight: tokens with one local slot, and with none
+    if not fe.runs_ws(up, x, w1):
+        pytest.skip("the Gluon kernel needs a Hopper GPU and Triton's Gluon")
+    pairs = ids.numel()
+    want = separate_launches(x, w1, w2, weights, ids, torch.full_like(x, float("nan")), (up, ft.FLAT_DOWN),
+                             pairs, sole)
+    for check in (False, True, True):  # the first call compiles outside the check
+        out = torch.full_like(x, float("nan"))
+        with no_host_syncs() if check else contextlib.nullcontext():
+            fe.fused_swiglu_experts(x, w1, w2, weights, ids, out=out, configs=(up, ft.FLAT_DOWN),
+                                    sole_pairs=sole, persistent=True)
+        torch.cuda.synchronize()
+        assert torch.equal(out, want), check

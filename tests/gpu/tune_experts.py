@@ -109,15 +109,19 @@ def median_ms(fn, reps: int) -> float:
     return statistics.median(a.elapsed_time(b) for a, b in ev)
 
 
-def alternating_ms(fns: dict, reps: int) -> dict:
-    """Median ms of each callable, their calls alternating round by round behind a GPU sleep."""
+def alternating_ms(fns: dict, reps: int, rotate: bool = False) -> dict:
+    """Median ms of each callable, their calls alternating round by round behind a GPU sleep
+    (``rotate``: each round starting at the next callable, so that none always runs first)."""
     for f in fns.values():
         f()
     times = {k: [] for k in fns}
-    for _ in range(reps):
+    names = list(fns)
+    for i in range(reps):
         gpu_sleep(0.3)
         ev = {}
-        for k, f in fns.items():
+        shift = i % len(names) if rotate else 0
+        for k in names[shift:] + names[:shift]:
+            f = fns[k]
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
             f()
