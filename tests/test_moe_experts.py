@@ -224,6 +224,25 @@ for seed, (m, topk, n_local, heights, n_zero) in enumerate([(300, 8, 16, (16, 32
         want, want_dest = tile_map(offsets, bm, m * topk, (order, ids))
         k = 1 + 3 * int(want[0])
         assert torch.equal(got[:k], want[:k]) and torch.equal(dest[:n], want_dest[:n]), (seed, bm)
+from dbo.moe.fused_experts import route_with_maps
+for seed, (m, topk, n_local, heights, sole) in enumerate([
+        (300, 8, 16, (64, 128), True), (200, 8, 32, (16,), True), (90, 6, 5, (32, 16), False),
+        (5, 2, 3, (16,), True)]):
+    # the counting sort's second launch also builds the maps, the marks and zeros: the same
+    # values as route_order and then tile_maps (several chunks in the first two cases)
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(-1, 2 * n_local, (m, topk), generator=g).to(torch.int32)
+    zero = torch.full((40,), 3, dtype=torch.int32)
+    order, offsets, maps, dest = route_with_maps(ids, n_local, heights, m * topk, sole, zero)
+    want_order, want_offsets = route_order(ids, n_local)
+    want_maps, want_dest = tile_maps(want_offsets, heights, m * topk, (want_order, ids) if sole else None)
+    n = int(want_offsets[-1])
+    assert torch.equal(offsets, want_offsets) and torch.equal(order[:n], want_order[:n]), seed
+    assert not zero.any() and (dest is None) == (not sole), seed
+    assert sole is False or torch.equal(dest[:n], want_dest[:n]), seed
+    for got, want in zip(maps, want_maps):
+        k = 1 + 3 * int(want[0])
+        assert torch.equal(got[:k], want[:k]), (seed, got[:k], want[:k])
 from dbo.moe.fused_experts import GemmConfig, fused_swiglu_experts
 for seed, m, n_local, topk, tail, red, down_kind, persistent in [
         (0, 37, 5, 3, 16, True, "k", True), (1, 150, 3, 2, 16, False, "k", False),

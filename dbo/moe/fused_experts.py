@@ -44,7 +44,7 @@ from __future__ import annotations
 import torch
 
 from dbo.moe import gluon_gate_up
-from dbo.moe.fused_route import route_order
+from dbo.moe.fused_route import route_order, route_with_maps, tile_map, tile_maps
 from dbo.moe.fused_tiles import (
     CONFIGS,
     DOWN_TAIL,
@@ -61,7 +61,8 @@ from dbo.moe.triton_launch import Desc, cdiv, launch, next_pow2
 
 __all__ = ["GemmConfig", "CONFIGS", "FP32_CONFIG", "FUSED_MAX_ROWS_PER_EXPERT", "prefer_fused",
            "pick_configs", "fused_swiglu_experts", "route_order", "launch_gate_up", "launch_down",
-           "launch_topk_sum", "tile_map", "tile_maps", "ws_programs", "runs_ws", "runs_flat"]
+           "launch_topk_sum", "tile_map", "tile_maps", "route_with_maps", "ws_programs", "runs_ws",
+           "runs_flat"]
 
 try:
     import triton
@@ -73,7 +74,6 @@ else:
         down_kernel,
         down_short_k_kernel,
         gate_up_kernel,
-        tile_map_kernel,
         topk_sum_kernel,
     )
 
@@ -197,58 +197,6 @@ def launch_gate_up(x: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, 
         num_warps=cfg.num_warps, num_stages=cfg.num_stages), persistent)
 
 
-#: row tiles per program of :func:`tile_map`, and sorted rows per program of its ``sole`` part
-TILE_MAP_BLOCK = 64
-SOLE_ROWS_BLOCK = 512
-
-
-def tile_maps(offsets: torch.Tensor, block_ms: tuple[int, ...], pairs: int,
-              sole: tuple[torch.Tensor, torch.Tensor] | None = None, zero: torch.Tensor | None = None,
-              ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | None]:
-    """The row tiles of each of one or two tile heights ``block_ms`` for the experts whose end
-    rows are ``offsets``, for the flat down kernel and the warp-specialized gate/up kernel: per
-    height an int32 ``[1 + 3 * bound]``, ``[0]`` their count, then per row tile (in expert order)
-    its expert, first row and the expert's end row. ``pairs`` bounds the rows (``bound =
-    ceil(pairs / block_m) + E``). One launch, nothing read back.
-
-    ``sole``: ``(order, topk_ids)``: the same launch also returns ``dest`` (``order``'s dtype,
-    ``[pairs]``): ``order[r]``, or ``~order[r]`` where row ``r``'s token has no other local slot
-    (the rows past the local pairs unwritten); else ``None``. ``zero``: an int32 tensor the same
-    launch fills with zeros (the split gate/up kernel's counters), which saves it a launch."""
-    if not 1 <= len(block_ms) <= 2:
-        raise ValueError(f"one or two tile heights, got {block_ms}")
-    n_experts = offsets.numel()
-    bounds = [cdiv(pairs, bm) + n_experts for bm in block_ms]
-    maps = tuple(torch.empty(1 + 3 * b, dtype=torch.int32, device=offsets.device) for b in bounds)
-    grid = sum(cdiv(b, TILE_MAP_BLOCK) for b in bounds)
-    order, ids, dest, topk = offsets, offsets, None, 1  # (unread without sole)
-    if sole is not None:
-        order, ids = sole
-        topk = ids.shape[1]
-        dest = torch.empty(pairs, dtype=order.dtype, device=order.device)
-        grid += cdiv(pairs, SOLE_ROWS_BLOCK)
-    if zero is not None and (zero.dtype != torch.int32 or not zero.is_contiguous()):
-        raise ValueError(f"zero must be a contiguous int32 tensor, got {zero.dtype}")
-    second = len(block_ms) == 2
-    n_zero = 0 if zero is None else zero.numel()
-    launch(tile_map_kernel, (grid,), (offsets, maps[0], n_experts, bounds[0], order, ids,
-                                      maps[0] if dest is None else dest, maps[-1],
-                                      bounds[1] if second else 0, maps[0] if zero is None else zero,
-                                      n_zero), dict(
-        BLOCK_M=block_ms[0], BLOCK_E=_block_e(n_experts), BLOCK_J=TILE_MAP_BLOCK, TOPK=topk,
-        BLOCK_T=next_pow2(topk), BLOCK_R=SOLE_ROWS_BLOCK, SOLE=sole is not None,
-        BLOCK_M2=block_ms[1] if second else 0, ZERO_BLOCK=256 if n_zero else 0))
-    return maps, dest
-
-
-def tile_map(offsets: torch.Tensor, block_m: int, pairs: int,
-             sole: tuple[torch.Tensor, torch.Tensor] | None = None,
-             ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """:func:`tile_maps` of one tile height: ``(its map, dest)``."""
-    maps, dest = tile_maps(offsets, (block_m,), pairs, sole)
-    return maps[0], dest
-
-
 def runs_flat(cfg: GemmConfig, act: torch.Tensor, w2: torch.Tensor) -> bool:
     """Whether the down tile ``cfg`` runs as the flat kernel for these operands (TMA needs
     16-byte rows and bases; else the K-loop tile)."""
@@ -350,7 +298,6 @@ def fused_swiglu_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
     pairs = m * topk if max_local_pairs is None else min(max_local_pairs, m * topk)
     est = pairs / n_experts if rows_per_expert is None else rows_per_expert
     up_cfg, down_cfg = pick_configs(est, inter, n_experts) if configs is None else configs
-    order, offsets = route_order(topk_ids, n_experts, bounds)
     if persistent is None:
         persistent = prefer_persistent(est, pairs, n_experts) if x.is_cuda else True
     act = torch.empty(m * topk, inter, dtype=x.dtype, device=x.device)
@@ -360,12 +307,15 @@ def fused_swiglu_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
     sole_args = (ids, tw, out) if reduce and sole_pairs else None
     up_map = down_maps = counts = None
     if runs_ws(up_cfg, x, w1) and runs_flat(down_cfg, act, w2):
-        # one launch for both GEMMs' maps, the sole rows' marks and the split's counters
+        # both GEMMs' maps, the sole rows' marks and the split's counters with the routing
         if up_cfg.split > 1:
             counts = torch.empty(ws_programs(up_cfg, pairs, w1), dtype=torch.int32, device=x.device)
         heights = tuple(dict.fromkeys((up_cfg.block_m, down_cfg.block_m)))  # one map where equal
-        maps, dest = tile_maps(offsets, heights, pairs, None if sole_args is None else (order, ids), counts)
+        order, offsets, maps, dest = route_with_maps(ids, n_experts, heights, pairs, sole_args is not None,
+                                                     counts, bounds)
         up_map, down_maps = maps[0], (maps[-1], dest)
+    else:
+        order, offsets = route_order(ids, n_experts, bounds)
     launch_gate_up(x, order, offsets, w1, act, up_cfg, pairs, topk, persistent, up_map, counts)
     y = out.view(m * topk, hidden) if not reduce else \
         torch.empty(m * topk, hidden, dtype=x.dtype, device=x.device)

@@ -10,8 +10,7 @@ cost 3-9% at 256 local experts on an H200 (more registers: 255 against 118-184).
 
 from __future__ import annotations
 
-__all__ = ["gate_up_kernel", "down_kernel", "tile_map_kernel", "down_flat_kernel", "down_short_k_kernel",
-           "topk_sum_kernel"]
+__all__ = ["gate_up_kernel", "down_kernel", "down_flat_kernel", "down_short_k_kernel", "topk_sum_kernel"]
 
 try:
     import triton
@@ -234,65 +233,6 @@ if triton is not None:
                        EVEN_K, PRECISION, TMA)
 
     @triton.jit
-    def _map_tiles(offs_ptr, map_ptr, n_experts, max_tiles, block, BLOCK_M: tl.constexpr,
-                   BLOCK_E: tl.constexpr, BLOCK_J: tl.constexpr):
-        # block `block` of the row tiles of BLOCK_M rows (see tile_map_kernel)
-        starts, ends, m_tiles, tile_ends, total = _tile_table(offs_ptr, n_experts, 1, BLOCK_M, BLOCK_E)
-        if block == 0:
-            tl.store(map_ptr, total)
-        j = block * BLOCK_J + tl.arange(0, BLOCK_J)
-        keep = (j < total) & (j < max_tiles)
-        before = tile_ends[None, :] <= j[:, None]
-        e = tl.sum(before.to(tl.int32), 1)
-        first_tile = tl.max(tl.where(before, tile_ends[None, :], 0), 1)
-        first_row = tl.max(tl.where(before, ends[None, :], 0), 1)
-        end_row = tl.load(offs_ptr + e, mask=keep, other=0)
-        out = map_ptr + 1 + 3 * j
-        tl.store(out, e, mask=keep)
-        tl.store(out + 1, first_row + (j - first_tile) * BLOCK_M, mask=keep)
-        tl.store(out + 2, end_row, mask=keep)
-
-    @triton.jit
-    def tile_map_kernel(offs_ptr, map_ptr, n_experts, max_tiles, order_ptr, ids_ptr, dest_ptr, map2_ptr,
-                        max_tiles2, zero_ptr, n_zero, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
-                        BLOCK_J: tl.constexpr, TOPK: tl.constexpr, BLOCK_T: tl.constexpr,
-                        BLOCK_R: tl.constexpr, SOLE: tl.constexpr, BLOCK_M2: tl.constexpr,
-                        ZERO_BLOCK: tl.constexpr):
-        # the row tiles of BLOCK_M rows, in expert order, for down_flat_kernel and the Gluon
-        # gate/up kernel: map[0] their count, map[1 + 3j : 4 + 3j] row tile j's expert, first
-        # row and the expert's end row. Row tile j belongs to the expert whose tiles start at or
-        # before j and end after it: the experts whose tiles end at or before j (their tile ends
-        # do not decrease) are counted, and the largest of their tile ends and end rows are tile
-        # j's expert's first tile and first row. BLOCK_M2 > 0: the next programs write map2,
-        # the same of BLOCK_M2 rows. SOLE: the programs past the maps mark each sorted row whose
-        # token has no other local slot (ids_ptr [M, TOPK]): dest[r] = ~order[r] there, order[r]
-        # else. ZERO_BLOCK > 0: program 0 also zeroes zero_ptr[:n_zero] (int32 counters), so
-        # that they need no launch of their own
-        pid = tl.program_id(0)
-        if ZERO_BLOCK > 0:  # noqa: SIM102 (a constexpr test: the body is not compiled at 0)
-            if pid == 0:
-                for z in range(0, n_zero, ZERO_BLOCK):
-                    zs = z + tl.arange(0, ZERO_BLOCK)
-                    tl.store(zero_ptr + zs, tl.zeros([ZERO_BLOCK], tl.int32), mask=zs < n_zero)
-        n_map = tl.cdiv(max_tiles, BLOCK_J)
-        n_map2 = tl.cdiv(max_tiles2, BLOCK_J)  # (the host passes 0 without a second map)
-        if pid < n_map:
-            _map_tiles(offs_ptr, map_ptr, n_experts, max_tiles, pid, BLOCK_M, BLOCK_E, BLOCK_J)
-        elif pid < n_map + n_map2:
-            if BLOCK_M2 > 0:
-                _map_tiles(offs_ptr, map2_ptr, n_experts, max_tiles2, pid - n_map, BLOCK_M2, BLOCK_E,
-                           BLOCK_J)
-        elif SOLE:
-            rows = (pid - n_map - n_map2) * BLOCK_R + tl.arange(0, BLOCK_R)
-            live = rows < tl.load(offs_ptr + n_experts - 1)
-            slots = tl.load(order_ptr + rows, mask=live, other=0)
-            ks = tl.arange(0, BLOCK_T)
-            ids = tl.load(ids_ptr + (slots // TOPK)[:, None].to(tl.int64) * TOPK + ks[None, :],
-                          mask=live[:, None] & (ks < TOPK)[None, :], other=-1)
-            n_local = tl.sum(((ids >= 0) & (ids < n_experts)).to(tl.int32), 1)
-            tl.store(dest_ptr + rows, tl.where(n_local == 1, ~slots, slots), mask=live)
-
-    @triton.jit
     def down_flat_kernel(act_desc, order_ptr, map_ptr, w_desc, y_ptr, tw_ptr, out_ptr, hidden, inter,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          GROUP_M: tl.constexpr, TOPK: tl.constexpr, SOLE: tl.constexpr):
@@ -300,7 +240,7 @@ if triton is not None:
         # Triton pipelines the next tile's loads under this tile's products and stores (a short K
         # loop of its own, a few steps at I = 256, does not pipeline). act_desc: act as [R, inter],
         # box [BLOCK_M, BLOCK_K]; w_desc: w2 as [E * hidden, inter], box [BLOCK_N, BLOCK_K]. The
-        # row tiles come from tile_map_kernel's map (three scalar loads per tile, where the
+        # row tiles come from fused_route.tile_map_kernel's map (three scalar loads per tile, where the
         # experts' scan of _tile_at costs five block-wide reductions: 13-17% of this kernel's
         # time at I = 256); GROUP_M row tiles share a column block in tile order. No tail tiles:
         # the rows past the expert's end (the next expert's, or TMA's zeros) are computed and

@@ -1,8 +1,12 @@
-"""Routing for the fused experts: the (token, slot) pairs sorted by local expert, on the device.
+"""Routing for the fused experts: the (token, slot) pairs sorted by local expert, and the row
+tiles the GEMMs walk, on the device.
 
 :func:`route_order` returns each sorted row's pair and each expert's end row without reading
 anything back: up to ``ROUTE_MAX_PAIRS`` pairs a counting sort in two Triton launches, above it
-torch's radix sort on 16-bit keys and a ``searchsorted``.
+torch's radix sort on 16-bit keys and a ``searchsorted``. :func:`tile_maps` lists the experts'
+row tiles (for the flat down kernel and the warp-specialized gate/up kernel), marks the rows
+whose token has one local slot, and zeroes the split gate/up kernel's counters, in one launch;
+:func:`route_with_maps` does both, where the counting sort runs in its second launch.
 """
 
 from __future__ import annotations
@@ -11,7 +15,9 @@ import torch
 
 from dbo.moe.triton_launch import cdiv, launch, next_pow2
 
-__all__ = ["ROUTE_CHUNK", "ROUTE_MAX_CELLS", "ROUTE_MAX_PAIRS", "route_order", "uses_counting_sort"]
+__all__ = ["ROUTE_CHUNK", "ROUTE_MAX_CELLS", "ROUTE_MAX_PAIRS", "TILE_MAP_BLOCK", "SOLE_ROWS_BLOCK",
+           "route_order", "route_order_with_maps", "uses_counting_sort", "tile_map", "tile_maps",
+           "route_with_maps"]
 
 try:
     import triton
@@ -21,6 +27,81 @@ except ImportError:  # the module is only used where Triton is importable
 
 
 if triton is not None:
+
+    @triton.jit
+    def map_tiles(starts, ends, live, map_ptr, max_tiles, block, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
+                  BLOCK_J: tl.constexpr):
+        # block `block` of the row tiles of BLOCK_M rows of the experts whose first and end rows
+        # are starts and ends ([BLOCK_E], live the real experts; see tile_map_kernel)
+        m_tiles = tl.where(live, (ends - starts + BLOCK_M - 1) // BLOCK_M, 0)
+        tile_ends = tl.where(live, tl.cumsum(m_tiles, 0), 2147483647)
+        total = tl.sum(m_tiles, 0)
+        if block == 0:
+            tl.store(map_ptr, total)
+        j = block * BLOCK_J + tl.arange(0, BLOCK_J)
+        keep = (j < total) & (j < max_tiles)
+        before = tile_ends[None, :] <= j[:, None]
+        e = tl.sum(before.to(tl.int32), 1)
+        first_tile = tl.max(tl.where(before, tile_ends[None, :], 0), 1)
+        first_row = tl.max(tl.where(before, ends[None, :], 0), 1)
+        end_row = tl.sum(tl.where(tl.arange(0, BLOCK_E)[None, :] == e[:, None], ends[None, :], 0), 1)
+        out = map_ptr + 1 + 3 * j
+        tl.store(out, e, mask=keep)
+        tl.store(out + 1, first_row + (j - first_tile) * BLOCK_M, mask=keep)
+        tl.store(out + 2, end_row, mask=keep)
+
+    @triton.jit
+    def mark_sole(ids_ptr, slots, live, n_experts, TOPK: tl.constexpr, BLOCK_T: tl.constexpr):
+        # ~slot where the slot's token has no other local slot (ids_ptr [M, TOPK]), else slot
+        ks = tl.arange(0, BLOCK_T)
+        ids = tl.load(ids_ptr + (slots // TOPK)[:, None].to(tl.int64) * TOPK + ks[None, :],
+                      mask=live[:, None] & (ks < TOPK)[None, :], other=-1)
+        n_local = tl.sum(((ids >= 0) & (ids < n_experts)).to(tl.int32), 1)
+        return tl.where(n_local == 1, ~slots, slots)
+
+    @triton.jit
+    def zero_counters(zero_ptr, n_zero, ZERO_BLOCK: tl.constexpr):
+        for z in range(0, n_zero, ZERO_BLOCK):
+            zs = z + tl.arange(0, ZERO_BLOCK)
+            tl.store(zero_ptr + zs, tl.zeros([ZERO_BLOCK], tl.int32), mask=zs < n_zero)
+
+    @triton.jit
+    def tile_map_kernel(offs_ptr, map_ptr, n_experts, max_tiles, order_ptr, ids_ptr, dest_ptr, map2_ptr,
+                        max_tiles2, zero_ptr, n_zero, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
+                        BLOCK_J: tl.constexpr, TOPK: tl.constexpr, BLOCK_T: tl.constexpr,
+                        BLOCK_R: tl.constexpr, SOLE: tl.constexpr, BLOCK_M2: tl.constexpr,
+                        ZERO_BLOCK: tl.constexpr):
+        # the row tiles of BLOCK_M rows, in expert order, for down_flat_kernel and the Gluon
+        # gate/up kernel: map[0] their count, map[1 + 3j : 4 + 3j] row tile j's expert, first
+        # row and the expert's end row. Row tile j belongs to the expert whose tiles start at or
+        # before j and end after it: the experts whose tiles end at or before j (their tile ends
+        # do not decrease) are counted, and the largest of their tile ends and end rows are tile
+        # j's expert's first tile and first row. BLOCK_M2 > 0: the next programs write map2,
+        # the same of BLOCK_M2 rows. SOLE: the programs past the maps mark each sorted row whose
+        # token has no other local slot (ids_ptr [M, TOPK]): dest[r] = ~order[r] there, order[r]
+        # else. ZERO_BLOCK > 0: program 0 also zeroes zero_ptr[:n_zero] (int32 counters), so
+        # that they need no launch of their own
+        pid = tl.program_id(0)
+        if ZERO_BLOCK > 0:  # noqa: SIM102 (a constexpr test: the body is not compiled at 0)
+            if pid == 0:
+                zero_counters(zero_ptr, n_zero, ZERO_BLOCK)
+        n_map = tl.cdiv(max_tiles, BLOCK_J)
+        n_map2 = tl.cdiv(max_tiles2, BLOCK_J)  # (the host passes 0 without a second map)
+        if pid < n_map + n_map2:
+            # (the names differ from the other branch's: Triton types a name across both)
+            es = tl.arange(0, BLOCK_E)
+            real = es < n_experts
+            ends = tl.load(offs_ptr + es, mask=real, other=0)
+            starts = tl.load(offs_ptr + es - 1, mask=real & (es > 0), other=0)
+            if pid < n_map:
+                map_tiles(starts, ends, real, map_ptr, max_tiles, pid, BLOCK_M, BLOCK_E, BLOCK_J)
+            elif BLOCK_M2 > 0:
+                map_tiles(starts, ends, real, map2_ptr, max_tiles2, pid - n_map, BLOCK_M2, BLOCK_E, BLOCK_J)
+        elif SOLE:
+            rows = (pid - n_map - n_map2) * BLOCK_R + tl.arange(0, BLOCK_R)
+            live = rows < tl.load(offs_ptr + n_experts - 1)
+            slots = tl.load(order_ptr + rows, mask=live, other=0)
+            tl.store(dest_ptr + rows, mark_sole(ids_ptr, slots, live, n_experts, TOPK, BLOCK_T), mask=live)
 
     @triton.jit
     def _route_keys_kernel(ids_ptr, key_ptr, n, n_experts, BLOCK: tl.constexpr):
@@ -43,31 +124,57 @@ if triton is not None:
 
     @triton.jit
     def _route_place_kernel(ids_ptr, hist_ptr, adj_ptr, order_ptr, offs_ptr, n, n_experts, n_chunks,
-                            CHUNK: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr):
+                            dest_ptr, map_ptr, max_tiles, map2_ptr, max_tiles2, zero_ptr, n_zero,
+                            CHUNK: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr,
+                            TOPK: tl.constexpr, BLOCK_T: tl.constexpr, SOLE: tl.constexpr,
+                            BLOCK_M: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_J: tl.constexpr,
+                            ZERO_BLOCK: tl.constexpr):
         # a counting sort: expert e's rows start after every smaller expert's rows and after
         # expert e's rows of the earlier chunks; within the chunk a pair's rank among its
-        # expert's pairs is its place in the sorted chunk minus where its expert starts there
+        # expert's pairs is its place in the sorted chunk minus where its expert starts there.
+        # SOLE: dest[row] = the row's pair, ~pair where its token has no other local slot. The
+        # programs past the chunks build the row-tile maps of BLOCK_M (> 0) and BLOCK_M2 (> 0)
+        # rows (tile_map_kernel's maps: each computes the experts' rows from the
+        # histogram itself, since offs is this launch's output); ZERO_BLOCK > 0: program 0 zeroes
+        # zero_ptr[:n_zero] (the split gate/up kernel's counters)
         c = tl.program_id(0)
         es = tl.arange(0, BLOCK_E)
         cs = tl.arange(0, BLOCK_C)
         h = tl.load(hist_ptr + cs[:, None] * BLOCK_E + es[None, :], mask=(cs < n_chunks)[:, None], other=0)
         total = tl.sum(h, 0)
-        before = tl.sum(tl.where((cs < c)[:, None], h, 0), 0)
-        own = tl.sum(tl.where((cs == c)[:, None], h, 0), 0)
         ends = tl.cumsum(total, 0)
-        if c == 0:
-            tl.store(offs_ptr + es, ends, mask=es < n_experts)
-        # adj[e] = expert e's first row for this chunk - its first place in the sorted chunk
-        tl.store(adj_ptr + c * BLOCK_E + es, ends - total + before - (tl.cumsum(own, 0) - own))
-        tl.debug_barrier()
-        i = tl.arange(0, CHUNK)
-        ids = tl.load(ids_ptr + c * CHUNK + i, mask=c * CHUNK + i < n, other=-1)
-        key = tl.where((ids >= 0) & (ids < n_experts), ids, BLOCK_E).to(tl.int32)
-        v = tl.sort(key * CHUNK + i)  # other ranks' pairs (and past the end) sort last
-        e = v // CHUNK
-        local = e < n_experts
-        pos = tl.load(adj_ptr + c * BLOCK_E + e, mask=local, other=0) + i
-        tl.store(order_ptr + pos, c * CHUNK + v % CHUNK, mask=local)
+        if ZERO_BLOCK > 0:  # noqa: SIM102 (a constexpr test: the body is not compiled at 0)
+            if c == 0:
+                zero_counters(zero_ptr, n_zero, ZERO_BLOCK)
+        if c < n_chunks:
+            before = tl.sum(tl.where((cs < c)[:, None], h, 0), 0)
+            own = tl.sum(tl.where((cs == c)[:, None], h, 0), 0)
+            if c == 0:
+                tl.store(offs_ptr + es, ends, mask=es < n_experts)
+            # adj[e] = expert e's first row for this chunk - its first place in the sorted chunk
+            tl.store(adj_ptr + c * BLOCK_E + es, ends - total + before - (tl.cumsum(own, 0) - own))
+            tl.debug_barrier()
+            i = tl.arange(0, CHUNK)
+            ids = tl.load(ids_ptr + c * CHUNK + i, mask=c * CHUNK + i < n, other=-1)
+            key = tl.where((ids >= 0) & (ids < n_experts), ids, BLOCK_E).to(tl.int32)
+            v = tl.sort(key * CHUNK + i)  # other ranks' pairs (and past the end) sort last
+            e = v // CHUNK
+            local = e < n_experts
+            pos = tl.load(adj_ptr + c * BLOCK_E + e, mask=local, other=0) + i
+            pair = c * CHUNK + v % CHUNK
+            tl.store(order_ptr + pos, pair, mask=local)
+            if SOLE:
+                marked = mark_sole(ids_ptr, pair, local, n_experts, TOPK, BLOCK_T)
+                tl.store(dest_ptr + pos, marked, mask=local)
+        elif BLOCK_M > 0:
+            live = es < n_experts
+            starts = ends - total
+            j = c - n_chunks
+            n_map = tl.cdiv(max_tiles, BLOCK_J)
+            if j < n_map:
+                map_tiles(starts, ends, live, map_ptr, max_tiles, j, BLOCK_M, BLOCK_E, BLOCK_J)
+            elif BLOCK_M2 > 0:
+                map_tiles(starts, ends, live, map2_ptr, max_tiles2, j - n_map, BLOCK_M2, BLOCK_E, BLOCK_J)
 
 
 #: pairs per program of the Triton counting sort; the most (chunks x padded experts) cells of
@@ -106,17 +213,7 @@ def route_order(topk_ids: torch.Tensor, num_local_experts: int,
     ids = topk_ids.reshape(-1).contiguous()
     n = ids.numel()
     if uses_counting_sort(n, num_local_experts):
-        block_e = max(16, next_pow2(num_local_experts))
-        chunks = cdiv(n, ROUTE_CHUNK)
-        scratch = torch.empty(2, chunks, block_e, dtype=torch.int32, device=ids.device)
-        order = torch.empty(n, dtype=torch.int32, device=ids.device)
-        offsets = torch.empty(num_local_experts, dtype=torch.int32, device=ids.device)
-        launch(_route_count_kernel, (chunks,), (ids, scratch[0], n, num_local_experts),
-               dict(CHUNK=ROUTE_CHUNK, BLOCK_E=block_e))
-        launch(_route_place_kernel, (chunks,), (ids, scratch[0], scratch[1], order, offsets, n,
-               num_local_experts, chunks), dict(CHUNK=ROUTE_CHUNK, BLOCK_E=block_e,
-               BLOCK_C=max(2, next_pow2(chunks)), num_warps=8))
-        return order, offsets
+        return _counting_sort(topk_ids, num_local_experts)
     key = torch.empty(n, dtype=torch.int16, device=ids.device)
     launch(_route_keys_kernel, (cdiv(n, 1024),), (ids, key, n, num_local_experts), dict(BLOCK=1024))
     sorted_key, order = torch.sort(key)
@@ -124,3 +221,124 @@ def route_order(topk_ids: torch.Tensor, num_local_experts: int,
         bounds = torch.arange(1, num_local_experts + 1, dtype=torch.int16, device=ids.device)
     offsets = torch.searchsorted(sorted_key, bounds).to(torch.int32)
     return order, offsets
+
+
+def route_order_with_maps(topk_ids: torch.Tensor, num_local_experts: int, maps: tuple[torch.Tensor, ...],
+                          heights: tuple[int, ...], map_block: int, dest: torch.Tensor | None = None,
+                          zero: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """:func:`route_order`'s counting sort whose second launch also writes, from its histogram,
+    the row-tile maps ``maps`` of ``heights`` rows (one or two; int32 ``[1 + 3 * bound]`` each,
+    as :func:`dbo.moe.fused_experts.tile_maps` builds them with ``map_block`` tiles per program),
+    ``dest`` (the sorted rows' pairs, ``~pair`` where the pair's token has no other local slot)
+    and zeros in ``zero`` (int32): the launches of ``tile_maps`` saved. ``None`` (nothing
+    launched) where the counting sort does not take this size."""
+    n = topk_ids.numel()
+    if not uses_counting_sort(n, num_local_experts):
+        return None
+    if not 1 <= len(maps) == len(heights) <= 2:
+        raise ValueError(f"one or two maps with their heights, got {len(maps)} and {heights}")
+    return _counting_sort(topk_ids, num_local_experts, maps, heights, map_block, dest, zero)
+
+
+def _counting_sort(topk_ids: torch.Tensor, num_local_experts: int, maps: tuple[torch.Tensor, ...] = (),
+                   heights: tuple[int, ...] = (), map_block: int = 1, dest: torch.Tensor | None = None,
+                   zero: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = topk_ids.reshape(-1).contiguous()
+    n = ids.numel()
+    block_e = max(16, next_pow2(num_local_experts))
+    chunks = cdiv(n, ROUTE_CHUNK)
+    scratch = torch.empty(2, chunks, block_e, dtype=torch.int32, device=ids.device)
+    order = torch.empty(n, dtype=torch.int32, device=ids.device)
+    offsets = torch.empty(num_local_experts, dtype=torch.int32, device=ids.device)
+    launch(_route_count_kernel, (chunks,), (ids, scratch[0], n, num_local_experts),
+           dict(CHUNK=ROUTE_CHUNK, BLOCK_E=block_e))
+    # a map of `bound` tiles has 1 + 3 * bound entries
+    bounds = [(m.numel() - 1) // 3 for m in maps] + [0, 0]
+    map_programs = sum(cdiv(b, map_block) for b in bounds)
+    topk = topk_ids.shape[1] if topk_ids.dim() == 2 else 1
+    n_zero = 0 if zero is None else zero.numel()
+    launch(_route_place_kernel, (chunks + map_programs,), (
+        ids, scratch[0], scratch[1], order, offsets, n, num_local_experts, chunks,
+        order if dest is None else dest, maps[0] if maps else order, bounds[0],
+        maps[-1] if maps else order, bounds[1] if len(maps) == 2 else 0, order if zero is None else zero,
+        n_zero), dict(CHUNK=ROUTE_CHUNK, BLOCK_E=block_e, BLOCK_C=max(2, next_pow2(chunks)), TOPK=topk,
+                      BLOCK_T=next_pow2(topk), SOLE=dest is not None, BLOCK_M=heights[0] if heights else 0,
+                      BLOCK_M2=heights[1] if len(heights) == 2 else 0, BLOCK_J=map_block,
+                      ZERO_BLOCK=256 if n_zero else 0, num_warps=8))
+    return order, offsets
+
+
+#: row tiles per program of :func:`tile_map`, and sorted rows per program of its ``sole`` part
+TILE_MAP_BLOCK = 64
+SOLE_ROWS_BLOCK = 512
+
+
+def tile_maps(offsets: torch.Tensor, block_ms: tuple[int, ...], pairs: int,
+              sole: tuple[torch.Tensor, torch.Tensor] | None = None, zero: torch.Tensor | None = None,
+              ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | None]:
+    """The row tiles of each of one or two tile heights ``block_ms`` for the experts whose end
+    rows are ``offsets``, for the flat down kernel and the warp-specialized gate/up kernel: per
+    height an int32 ``[1 + 3 * bound]``, ``[0]`` their count, then per row tile (in expert order)
+    its expert, first row and the expert's end row. ``pairs`` bounds the rows (``bound =
+    ceil(pairs / block_m) + E``). One launch, nothing read back.
+
+    ``sole``: ``(order, topk_ids)``: the same launch also returns ``dest`` (``order``'s dtype,
+    ``[pairs]``): ``order[r]``, or ``~order[r]`` where row ``r``'s token has no other local slot
+    (the rows past the local pairs unwritten); else ``None``. ``zero``: an int32 tensor the same
+    launch fills with zeros (the split gate/up kernel's counters), which saves it a launch."""
+    n_experts = offsets.numel()
+    maps = _new_maps(block_ms, pairs, n_experts, offsets.device)
+    bounds = [(t.numel() - 1) // 3 for t in maps]
+    grid = sum(cdiv(b, TILE_MAP_BLOCK) for b in bounds)
+    order, ids, dest, topk = offsets, offsets, None, 1  # (unread without sole)
+    if sole is not None:
+        order, ids = sole
+        topk = ids.shape[1]
+        dest = torch.empty(pairs, dtype=order.dtype, device=order.device)
+        grid += cdiv(pairs, SOLE_ROWS_BLOCK)
+    if zero is not None and (zero.dtype != torch.int32 or not zero.is_contiguous()):
+        raise ValueError(f"zero must be a contiguous int32 tensor, got {zero.dtype}")
+    second = len(block_ms) == 2
+    n_zero = 0 if zero is None else zero.numel()
+    launch(tile_map_kernel, (grid,), (offsets, maps[0], n_experts, bounds[0], order, ids,
+                                      maps[0] if dest is None else dest, maps[-1],
+                                      bounds[1] if second else 0, maps[0] if zero is None else zero,
+                                      n_zero), dict(
+        BLOCK_M=block_ms[0], BLOCK_E=max(16, next_pow2(n_experts)), BLOCK_J=TILE_MAP_BLOCK, TOPK=topk,
+        BLOCK_T=next_pow2(topk), BLOCK_R=SOLE_ROWS_BLOCK, SOLE=sole is not None,
+        BLOCK_M2=block_ms[1] if second else 0, ZERO_BLOCK=256 if n_zero else 0))
+    return maps, dest
+
+
+def _new_maps(block_ms: tuple[int, ...], pairs: int, n_experts: int, device) -> tuple[torch.Tensor, ...]:
+    if not 1 <= len(block_ms) <= 2:
+        raise ValueError(f"one or two tile heights, got {block_ms}")
+    return tuple(torch.empty(1 + 3 * (cdiv(pairs, bm) + n_experts), dtype=torch.int32, device=device)
+                 for bm in block_ms)
+
+
+def route_with_maps(topk_ids: torch.Tensor, n_experts: int, block_ms: tuple[int, ...], pairs: int,
+                    sole: bool, zero: torch.Tensor | None = None, bounds: torch.Tensor | None = None,
+                    ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...], torch.Tensor | None]:
+    """:func:`route_order` and :func:`tile_maps` (``sole``: with the marks, ``dest``): ``(order,
+    offsets, maps, dest)``. Where the counting sort runs, its second launch builds the maps, the
+    marks and the zeros too (:func:`dbo.moe.fused_route.route_order_with_maps`): the same values
+    in one launch fewer."""
+    maps = _new_maps(block_ms, pairs, n_experts, topk_ids.device)
+    dest = torch.empty(pairs, dtype=torch.int32, device=topk_ids.device) if sole else None
+    if zero is not None and (zero.dtype != torch.int32 or not zero.is_contiguous()):
+        raise ValueError(f"zero must be a contiguous int32 tensor, got {zero.dtype}")
+    done = route_order_with_maps(topk_ids, n_experts, maps, block_ms, TILE_MAP_BLOCK, dest, zero)
+    if done is not None:
+        return done[0], done[1], maps, dest
+    order, offsets = route_order(topk_ids, n_experts, bounds)
+    maps, dest = tile_maps(offsets, block_ms, pairs, (order, topk_ids) if sole else None, zero)
+    return order, offsets, maps, dest
+
+
+def tile_map(offsets: torch.Tensor, block_m: int, pairs: int,
+             sole: tuple[torch.Tensor, torch.Tensor] | None = None,
+             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`tile_maps` of one tile height: ``(its map, dest)``."""
+    maps, dest = tile_maps(offsets, (block_m,), pairs, sole)
+    return maps[0], dest

@@ -24,7 +24,7 @@ ex="examples/hf_moe.py --device cuda --steps 10 --warmup 2 --backend naive --exp
 if has check; then
   tests="tests/gpu/test_experts_gpu.py"
   [ -f tests/gpu/test_schedules_gpu.py ] && tests="$tests tests/gpu/test_schedules_gpu.py"
-  run check 260 python3 -m pytest -q -p no:cacheprovider $tests
+  run check 330 python3 -m pytest -q -p no:cacheprovider $tests
 fi
 if has grid; then
   run grid 480 python3 -m dbo.bench experts --steps 20 --json "$out/experts.json"

@@ -218,7 +218,9 @@ def test_route_order_both_sorts(m, n_local):
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton is not importable")
 def test_direct_launches_match_triton_launches(monkeypatch):
     # the launcher called directly (dbo.moe.triton_launch) computes what kernel[grid] computes,
-    # across specializations (two sizes, a misaligned input), and is what runs after the first call
+    # across specializations (two sizes, a misaligned input), and is what runs after the first call.
+    # At m=700 (175 rows per expert) the aligned input runs the split ws gate/up tile, which the
+    # misaligned one cannot (the Triton tile): their float32 sums differ in order, not more
     from dbo.moe import triton_launch
     from dbo.moe.fused_experts import fused_swiglu_experts
 
@@ -240,7 +242,7 @@ def test_direct_launches_match_triton_launches(monkeypatch):
     triton_launch.clear_launch_cache()
     for (fast, m, misaligned), out in outs.items():
         assert torch.equal(out, outs[("0", m, misaligned)]), (fast, m, misaligned)
-        assert relative_error(out.float(), outs[(fast, m, False)].float()) < 1e-6, (fast, m, misaligned)
+        assert relative_error(out.float(), outs[(fast, m, False)].float()) < 1e-3, (fast, m, misaligned)
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton is not importable")
@@ -454,3 +456,25 @@ def test_one_map_launch_is_the_same_bits_as_separate_launches(up_name, sole):
                                     sole_pairs=sole, persistent=True)
         torch.cuda.synchronize()
         assert torch.equal(out, want), check
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not importable")
+@pytest.mark.parametrize("m, n_local", [(3000, 32), (9000, 128), (70000, 32)])
+def test_route_with_maps_equals_routing_then_maps(m, n_local):
+    # the maps, marks and zeros from the counting sort's second launch (or, above its size, the
+    # radix sort and then tile_maps) against route_order and tile_maps: the same values
+    from dbo.moe import fused_route as fr
+
+    _, _, _, _, ids = _case(m, n_local, 8, 64, 64, torch.bfloat16, seed=m)
+    pairs = ids.numel()
+    zero = torch.full((132,), 5, dtype=torch.int32, device="cuda")
+    order, offsets, maps, dest = fr.route_with_maps(ids, n_local, (64, 128), pairs, True, zero)
+    want_order, want_offsets = fr.route_order(ids, n_local)
+    want_maps, want_dest = fr.tile_maps(want_offsets, (64, 128), pairs, (want_order, ids))
+    n = int(want_offsets[-1])
+    assert torch.equal(offsets, want_offsets) and not bool(zero.any())
+    if fr.uses_counting_sort(pairs, n_local):  # (the radix sort's order within an expert may differ)
+        assert torch.equal(order[:n], want_order[:n]) and torch.equal(dest[:n], want_dest[:n])
+    for got, want in zip(maps, want_maps, strict=True):
+        k = 1 + 3 * int(want[0])
+        assert torch.equal(got[:k], want[:k])
