@@ -9,9 +9,10 @@ with ``e = topk_ids[m, s]``, ``[g_e; u_e] = w1[e]`` and ``d_e = w2[e]``.
    sort and a ``searchsorted`` for each expert's end row. Nothing is read back.
 2. ``gate_up``: a grouped GEMM whose prologue gathers each row's token from ``x`` (no gathered
    copy of the activations) and whose epilogue applies ``silu(gate) * up`` (no ``[R, 2I]``
-   intermediate): it computes the gate and up tiles of the same columns side by side. From ~256
+   intermediate): it computes the gate and up tiles of the same columns side by side. From ~96
    rows per expert on Hopper, a warp-specialized Gluon kernel (:mod:`dbo.moe.gluon_gate_up`,
-   ``GemmConfig.ws``) computes the same numbers.
+   ``GemmConfig.ws``) computes the same numbers (split along K in its last round: in another
+   float32 order).
 3. ``down``: a grouped GEMM whose epilogue writes each row to its slot's place, ``y[m * topk +
    s]`` (``[M * topk, hidden]``, slots of other ranks' experts left unwritten).
 4. ``topk_sum``: ``out[m] = sum_s w[m, s] * y[m * topk + s]`` over the local slots, float32
@@ -23,8 +24,10 @@ with ``e = topk_ids[m, s]``, ``[g_e; u_e] = w1[e]`` and ``d_e = w2[e]``.
 A program finds its expert and its tile from the device offsets itself (a scan over at most
 ``BLOCK_E`` experts), so the grid is an upper bound known on the host: programs past the last
 expert's tiles do nothing. The flat down kernel, whose tiles are short (a few K steps at I <=
-768), reads its row tiles from a map that one small launch builds from the offsets instead
-(:func:`tile_map`: three scalar loads per tile where the scan costs five block-wide reductions).
+768), and the Gluon gate/up kernel read their row tiles from a map instead (three scalar loads
+per tile where the scan costs five block-wide reductions), built with the sole rows' marks by
+the counting sort's second launch (:func:`dbo.moe.fused_route.route_with_maps`; after the radix
+sort, or without routing, one launch of :func:`dbo.moe.fused_route.tile_maps`).
 Where that bound counts many more tiles than there are (without
 host counts, a small local share of the experts: at 32 of 256 local experts 7 of 8 programs
 had nothing to do) the GEMMs run persistent instead: one program per resident slot of the GPU,

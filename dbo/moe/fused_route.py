@@ -228,7 +228,7 @@ def route_order_with_maps(topk_ids: torch.Tensor, num_local_experts: int, maps: 
                           zero: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """:func:`route_order`'s counting sort whose second launch also writes, from its histogram,
     the row-tile maps ``maps`` of ``heights`` rows (one or two; int32 ``[1 + 3 * bound]`` each,
-    as :func:`dbo.moe.fused_experts.tile_maps` builds them with ``map_block`` tiles per program),
+    as :func:`tile_maps` builds them with ``map_block`` tiles per program),
     ``dest`` (the sorted rows' pairs, ``~pair`` where the pair's token has no other local slot)
     and zeros in ``zero`` (int32): the launches of ``tile_maps`` saved. ``None`` (nothing
     launched) where the counting sort does not take this size."""

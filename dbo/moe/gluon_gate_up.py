@@ -21,7 +21,7 @@ issue the MMAs. Here one persistent program per SM splits that work between part
   tile it applies ``silu(gate) * up`` and stores the rows below the expert's end.
 
 The loads run up to ``STAGES`` K steps ahead, across tile boundaries (the next tile's loads go on
-under this tile's epilogue). The row tiles come from :func:`dbo.moe.fused_experts.tile_map`
+under this tile's epilogue). The row tiles come from :func:`dbo.moe.fused_route.tile_map`
 (``BM`` rows of one expert; the flat down kernel reads the same map); tile ``t`` is row tile
 ``pid_m`` of column block ``pid_n``, ``GROUP_M`` row tiles per column block in tile order.
 
@@ -274,7 +274,7 @@ def launch_gate_up_ws(x: torch.Tensor, order: torch.Tensor, tiles: torch.Tensor,
                       act: torch.Tensor, topk: int, programs: int, *, block_m: int = 128, block_n: int = 128,
                       block_k: int = 64, stages: int = 4, group_m: int = 8, load_warps: int = 4,
                       load_regs: int = 64, split: int = 0, counts: torch.Tensor | None = None) -> None:
-    """The gate/up GEMM into ``act`` over the row tiles of :func:`dbo.moe.fused_experts.tile_map`
+    """The gate/up GEMM into ``act`` over the row tiles of :func:`dbo.moe.fused_route.tile_map`
     (``tiles``, built with ``block_m``), with ``programs`` persistent programs (one per SM at
     most: each takes a whole SM's shared memory). ``block_m`` is 64 or 128 (one warpgroup per
     64 rows). ``split`` >= 2: the last round's tiles split along K into up to that many shares
