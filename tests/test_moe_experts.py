@@ -335,3 +335,20 @@ def test_direct_launch_keys_follow_tritons_specialization(monkeypatch):
     tlaunch.clear_launch_cache()
     assert not tlaunch.fast_launch_enabled()
     tlaunch.clear_launch_cache()
+
+
+def test_maps_reject_bad_requests_before_launching():
+    # (raised on the host before any launch: no Triton needed)
+    from dbo.moe.fused_route import route_order_with_maps, route_with_maps, tile_maps
+
+    ids = torch.zeros(8, 2, dtype=torch.int32)
+    offsets = torch.tensor([10, 16], dtype=torch.int32)
+    with pytest.raises(ValueError, match="one or two tile heights"):
+        tile_maps(offsets, (16, 32, 64), 16)
+    with pytest.raises(ValueError, match="one or two maps"):
+        route_order_with_maps(ids, 2, (torch.zeros(7, dtype=torch.int32),), (16, 32), 64)
+    with pytest.raises(ValueError, match=r"\[M, topk\] ids"):
+        route_order_with_maps(ids.flatten(), 2, (torch.zeros(7, dtype=torch.int32),), (16,), 64,
+                              dest=torch.zeros(16, dtype=torch.int32))
+    with pytest.raises(ValueError, match="int32"):
+        route_with_maps(ids, 2, (16,), 16, True, zero=torch.zeros(4, dtype=torch.int64))

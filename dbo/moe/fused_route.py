@@ -237,6 +237,8 @@ def route_order_with_maps(topk_ids: torch.Tensor, num_local_experts: int, maps: 
         return None
     if not 1 <= len(maps) == len(heights) <= 2:
         raise ValueError(f"one or two maps with their heights, got {len(maps)} and {heights}")
+    if dest is not None and topk_ids.dim() != 2:
+        raise ValueError(f"marking the sole rows needs [M, topk] ids, got shape {tuple(topk_ids.shape)}")
     return _counting_sort(topk_ids, num_local_experts, maps, heights, map_block, dest, zero)
 
 
