@@ -70,6 +70,17 @@ def test_one_tile_of_rows_per_expert_takes_the_split_128_row_tile(inter, n_local
     assert pick_configs(192, inter, n_local)[0] == WS_UP_SPLIT
     assert not pick_configs(96, inter, n_local)[0].ws
     assert pick_configs(128, 320, n_local)[0].ws is False  # I not a multiple of the ws tile's columns
+    assert WS_UP_SPLIT.triton_tile().tail_m == 32  # off Hopper: the Triton tile with tails it replaced
+
+
+def test_a_fallback_tile_is_the_triton_tile_of_a_ws_tile():
+    triton_tile = GemmConfig(128, 128, 64, 8, 8, 4, tma=True, tail_m=32)
+    assert GemmConfig(128, 128, 64, ws=True, fallback=triton_tile).triton_tile() is triton_tile
+    assert GemmConfig(128, 128, 64, ws=True).triton_tile().ws is False  # the same blocks
+    with pytest.raises(ValueError, match="fallback"):
+        GemmConfig(128, 128, 64, fallback=triton_tile)
+    with pytest.raises(ValueError, match="fallback"):
+        GemmConfig(128, 128, 64, ws=True, fallback=GemmConfig(64, 128, 64, ws=True))
 
 
 def test_operands_off_a_hopper_gpu_take_the_triton_kernel():

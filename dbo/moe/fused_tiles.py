@@ -52,6 +52,9 @@ class GemmConfig:
     #: the last round, the one that fewer tiles than programs fill, is split along K (float32
     #: partials; the last share to finish adds them in share order and stores the tile)
     split: int = 0
+    #: warp-specialized tiles only: the Triton tile that runs where the Gluon kernel does not
+    #: (another GPU than Hopper, misaligned operands); None: the same blocks (``triton_tile``)
+    fallback: GemmConfig | None = None
 
     def __post_init__(self) -> None:
         t = self.tail_m  # tl.dot takes at least 16 rows
@@ -67,11 +70,18 @@ class GemmConfig:
                              f"tile, got {self}")
         if self.split and (not self.ws or self.split < 2):
             raise ValueError(f"split is 0 or >= 2, on a warp-specialized tile only, got {self}")
+        if self.fallback is not None and (not self.ws or self.fallback.ws):
+            raise ValueError(f"a fallback tile is a Triton tile of a warp-specialized tile, got {self}")
 
     def triton_tile(self) -> GemmConfig:
-        """The Triton kernel's tile with this warp-specialized tile's blocks (TMA, one warp per
-        16 rows): what runs where the Gluon kernel does not, with the same numbers."""
-        return replace(self, ws=False, split=0, tma=True, num_warps=self.block_m // 16) if self.ws else self
+        """What runs where this warp-specialized tile's Gluon kernel does not: its ``fallback``,
+        else the Triton kernel's tile with the same blocks (TMA, one warp per 16 rows; the same
+        numbers, unless the tile splits)."""
+        if not self.ws:
+            return self
+        if self.fallback is not None:
+            return self.fallback
+        return replace(self, ws=False, split=0, tma=True, num_warps=self.block_m // 16)
 
     def runs_persistent(self, policy: bool) -> bool:
         """Whether this tile's programs walk the tiles: its own ``persistent``, else the call's
@@ -141,8 +151,8 @@ WS_UP64_SPLIT = replace(WS_UP64, split=4)
 #: H200 at 128 rows per expert (``tests/gpu/ab_tiles.py --variants ws128s128``, two runs, docs/
 #: perf_notes.md section 5p): 0.97 of the Triton tile's time over the nine (I, local experts)
 #: rows, 0.91 at I=768 with 32 experts, 0.95-0.96 at I=256 with 128-256; unsplit the few-expert
-#: rows lost 2-3% (a partly filled last round)
-WS_UP_SPLIT = replace(WS_UP, split=4)
+#: rows lost 2-3% (a partly filled last round). Off Hopper the Triton tile it replaced runs
+WS_UP_SPLIT = replace(WS_UP, split=4, fallback=CONFIGS[2][1])  # (off Hopper: the tile with tails)
 WS_SPLIT_ROWS = (96, 192)
 
 #: above this many estimated rows per expert, with I > ``FUSED_MAX_INTERMEDIATE`` and more than
