@@ -11,8 +11,6 @@ alternating in a rotating order behind a GPU sleep, median).
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -21,7 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from tune_experts import alternating_ms  # noqa: E402
+from tune_experts import alternating_ms, probe_shapes  # noqa: E402
 
 from dbo.bench.experts import make_case  # noqa: E402
 from dbo.moe import fused_experts as fe  # noqa: E402
@@ -82,26 +80,12 @@ def one_shape(inter: int, local: int, t: int, reps: int) -> dict:
             "lib_tiles": int(lib_map[0]), "ms": ms, "same_bits": same}
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--json", default=None)
-    ap.add_argument("--reps", type=int, default=20)
-    a = ap.parse_args()
-    rows = []
-    with torch.inference_mode():
-        for inter, local, t in SHAPES:
-            r = one_shape(inter, local, t, a.reps)
-            ms = r["ms"]
-            print(f"I={inter} L={local} T={t} row tiles {r['lib_tiles']} -> {r['main_tiles']} + "
-                  f"{r['tail_tiles']} | flat {ms['lib']:.4f} ms (again {ms['lib_again'] / ms['lib']:.3f}) | "
-                  + " ".join(f"{k} {ms[k] / ms['lib']:.3f}" for k in TAILS)
-                  + f" | same bits {r['same_bits']}", flush=True)
-            rows.append(r)
-            torch.cuda.empty_cache()
-    if a.json:
-        Path(a.json).write_text(json.dumps({"rows": rows}, indent=1))
-    return 0
+def _line(r: dict) -> str:
+    ms = r["ms"]
+    tails = " ".join(f"{k} {ms[k] / ms['lib']:.3f}" for k in TAILS)
+    return (f"row tiles {r['lib_tiles']} -> {r['main_tiles']} + {r['tail_tiles']} | flat {ms['lib']:.4f} ms "
+            f"(again {ms['lib_again'] / ms['lib']:.3f}) | {tails} | same bits {r['same_bits']}")
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(probe_shapes(SHAPES, one_shape, _line, reps=20))

@@ -11,8 +11,6 @@ order behind a GPU sleep, median).
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -22,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from test_experts_gpu import separate_launches as separate  # noqa: E402
-from tune_experts import alternating_ms  # noqa: E402
+from tune_experts import alternating_ms, probe_shapes  # noqa: E402
 
 from dbo.bench.experts import make_case  # noqa: E402
 from dbo.moe import fused_experts as fe  # noqa: E402
@@ -75,25 +73,12 @@ def one_shape(inter: int, local: int, t: int, reps: int) -> dict:
             "same_bits": all(torch.equal(outs["one"], outs[k]) for k in ("sep", "maps"))}
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--json", default=None)
-    ap.add_argument("--reps", type=int, default=30)
-    a = ap.parse_args()
-    rows = []
-    with torch.inference_mode():
-        for inter, local, t in SHAPES:
-            r = one_shape(inter, local, t, a.reps)
-            ms = r["ms"]
-            print(f"I={inter} L={local} T={t} up {r['tiles'][0]} | separate {ms['sep']:.4f} ms | over it: "
-                  f"maps after routing {ms['maps'] / ms['sep']:.3f}, with it {ms['one'] / ms['sep']:.3f} "
-                  f"(again {ms['one_again'] / ms['sep']:.3f}) | same bits {r['same_bits']}", flush=True)
-            rows.append(r)
-            torch.cuda.empty_cache()
-    if a.json:
-        Path(a.json).write_text(json.dumps({"rows": rows}, indent=1))
-    return 0
+def _line(r: dict) -> str:
+    ms = r["ms"]
+    return (f"up {r['tiles'][0]} | separate {ms['sep']:.4f} ms | over it: maps after routing "
+            f"{ms['maps'] / ms['sep']:.3f}, with it {ms['one'] / ms['sep']:.3f} (again "
+            f"{ms['one_again'] / ms['sep']:.3f}) | same bits {r['same_bits']}")
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(probe_shapes(SHAPES, one_shape, _line, reps=30))

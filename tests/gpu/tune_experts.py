@@ -133,6 +133,24 @@ def alternating_ms(fns: dict, reps: int, rotate: bool = False) -> dict:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
+def probe_shapes(shapes, one_shape, line, reps: int) -> int:
+    """A probe's main over ``(I, local experts, tokens)`` shapes: ``--json`` (the rows), ``--reps``
+    (default ``reps``); ``one_shape(I, L, T, reps)`` returns a row, ``line(row)`` its printed line."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--reps", type=int, default=reps)
+    a = ap.parse_args()
+    rows = []
+    with torch.inference_mode():
+        for inter, local, t in shapes:
+            rows.append(one_shape(inter, local, t, a.reps))
+            print(f"I={inter} L={local} T={t} " + line(rows[-1]), flush=True)
+            torch.cuda.empty_cache()
+    if a.json:
+        Path(a.json).write_text(json.dumps({"rows": rows}, indent=1))
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--intermediate", type=int, nargs="+", default=[256, 768, 2048])
