@@ -21,8 +21,6 @@ Each variant's output is compared with the library's bit for bit before it is ti
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -34,10 +32,9 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from tune_experts import median_ms  # noqa: E402
+from tune_experts import median_ms, probe_shapes  # noqa: E402
 
 from dbo.bench.experts import make_case  # noqa: E402
-from dbo.bench.limits import measure_device_limits  # noqa: E402
 from dbo.moe import fused_experts as fe  # noqa: E402
 from dbo.moe.fused_kernels import _grouped_tile, _tile_at, _tile_table  # noqa: E402
 from dbo.moe.fused_tiles import FLAT_DOWN  # noqa: E402
@@ -211,20 +208,5 @@ def one_shape(lim, inter: int, local: int, t: int, reps: int) -> dict:
     return res
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--json", default=None)
-    p.add_argument("--reps", type=int, default=5, help="rounds (each variant's median is reported)")
-    a = p.parse_args()
-    lim = measure_device_limits()
-    print(lim.describe(), flush=True)
-    rows = []
-    with torch.inference_mode():
-        for inter, local, t in SHAPES:
-            rows.append(one_shape(lim, inter, local, t, a.reps))
-    if a.json:
-        Path(a.json).write_text(json.dumps({"limits": lim.as_dict(), "rows": rows}, indent=1))
-
-
 if __name__ == "__main__":
-    main()
+    sys.exit(probe_shapes(SHAPES, one_shape, reps=5, limits=True))

@@ -8,8 +8,6 @@ round behind a GPU sleep, median), against the GEMM's own limit. With and withou
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -19,10 +17,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import down_stationary_experiment as ds  # noqa: E402
-from tune_experts import alternating_ms  # noqa: E402
+from tune_experts import alternating_ms, probe_shapes  # noqa: E402
 
 from dbo.bench.experts import make_case  # noqa: E402
-from dbo.bench.limits import DeviceLimits, measure_device_limits  # noqa: E402
+from dbo.bench.limits import DeviceLimits  # noqa: E402
 from dbo.moe import fused_experts as fe  # noqa: E402
 
 SHAPES = [(256, 32, 4096), (256, 32, 8192), (256, 32, 16384), (256, 32, 65536), (256, 128, 8192),
@@ -90,36 +88,22 @@ def one_shape(lim: DeviceLimits, inter: int, local: int, t: int, reps: int) -> d
     return r
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--json", default=None)
-    ap.add_argument("--reps", type=int, default=20)
-    a = ap.parse_args()
-    lim = measure_device_limits()
-    print(lim.describe(), flush=True)
-    rows = []
-    with torch.inference_mode():
-        for inter, local, t in SHAPES:
-            r = one_shape(lim, inter, local, t, a.reps)
-            own = r["limit_ms"]
-            for tag in ("", "sole_"):
-                lib = r.get(f"{tag}lib_ms")
-                if lib is None:
-                    continue
-                parts = []
-                for k in r:
-                    if k.startswith(tag + "st") and k.endswith("_ms"):
-                        same = r.get(k[:-3] + "_same_bits")
-                        diff = "" if same else f" (DIFF {r.get(k[:-3] + '_diff', -1):.3g})"
-                        parts.append(f"{k[len(tag):-3]} {r[k] / lib:.3f}{diff}")
-                print(f"I={inter} L={local} T={t} {tag or 'y '}lib {lib:.4f} ms ({lib / own:.2f}x own limit) "
-                      "| " + ", ".join(parts), flush=True)
-            rows.append(r)
-            torch.cuda.empty_cache()
-    if a.json:
-        Path(a.json).write_text(json.dumps({"limits": lim.as_dict(), "rows": rows}, indent=1))
-    return 0
+def _line(r: dict) -> str:
+    own, lines = r["limit_ms"], []
+    for tag in ("", "sole_"):
+        lib = r.get(f"{tag}lib_ms")
+        if lib is None:
+            continue
+        parts = []
+        for k in r:
+            if k.startswith(tag + "st") and k.endswith("_ms"):
+                same = r.get(k[:-3] + "_same_bits")
+                diff = "" if same else f" (DIFF {r.get(k[:-3] + '_diff', -1):.3g})"
+                parts.append(f"{k[len(tag):-3]} {r[k] / lib:.3f}{diff}")
+        lines.append(f"I={r['I']} L={r['L']} T={r['T']} {tag or 'y '}lib {lib:.4f} ms ({lib / own:.2f}x own "
+                     "limit) | " + ", ".join(parts))
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(probe_shapes(SHAPES, one_shape, _line, reps=20, limits=True))

@@ -83,8 +83,9 @@ def one_shape(inter: int, local: int, t: int, reps: int) -> dict:
 def _line(r: dict) -> str:
     ms = r["ms"]
     tails = " ".join(f"{k} {ms[k] / ms['lib']:.3f}" for k in TAILS)
-    return (f"row tiles {r['lib_tiles']} -> {r['main_tiles']} + {r['tail_tiles']} | flat {ms['lib']:.4f} ms "
-            f"(again {ms['lib_again'] / ms['lib']:.3f}) | {tails} | same bits {r['same_bits']}")
+    return (f"I={r['I']} L={r['L']} T={r['T']} row tiles {r['lib_tiles']} -> {r['main_tiles']} + "
+            f"{r['tail_tiles']} | flat {ms['lib']:.4f} ms (again {ms['lib_again'] / ms['lib']:.3f}) | "
+            f"{tails} | same bits {r['same_bits']}")
 
 
 if __name__ == "__main__":

@@ -9,8 +9,6 @@ variants alternating round by round behind a GPU sleep, median).
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -19,10 +17,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from tune_experts import alternating_ms  # noqa: E402
+from tune_experts import alternating_ms, probe_shapes  # noqa: E402
 
 from dbo.bench.experts import make_case  # noqa: E402
-from dbo.bench.limits import measure_device_limits  # noqa: E402
 from dbo.moe import fused_experts as fe  # noqa: E402
 from dbo.moe import gluon_gate_up as gg  # noqa: E402
 
@@ -33,8 +30,10 @@ VARIANTS = [("ws64s8", 64, 5, 8), ("ws64s4", 64, 5, 4), ("ws64", 64, 5, 0), ("ws
             ("ws128", 128, 4, 0), ("ws64s4b", 64, 5, 4)]
 
 
-def one_shape(inter: int, local: int, t: int, reps: int, sms: int) -> dict:
+def one_shape(lim, inter: int, local: int, t: int, reps: int) -> dict:
+    # (lim: measured and printed by probe_shapes, not used here)
     hidden, topk = 7168, 8
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
     case = make_case(t, hidden, inter, local, seed=t)
     est = t * topk / 256
     pairs = t * topk
@@ -65,29 +64,13 @@ def one_shape(inter: int, local: int, t: int, reps: int, sms: int) -> dict:
     return r
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--json", default=None)
-    ap.add_argument("--reps", type=int, default=20)
-    a = ap.parse_args()
-    lim = measure_device_limits()
-    print(lim.describe(), flush=True)
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    rows = []
-    with torch.inference_mode():
-        for inter, local, t in SHAPES:
-            r = one_shape(inter, local, t, a.reps, sms)
-            ms = r["ms"]
-            checks = " ".join(f"{k}={v:.2g}" if isinstance(v, float) else f"{k}={v}"
-                              for k, v in r.items() if k.endswith(("_rel", "_same_bits", "_equal")))
-            print(f"I={inter} L={local} T={t} lib {ms['lib']:.4f} ms | " + " ".join(
-                f"{k} {v / ms['lib']:.3f}" for k, v in ms.items() if k != "lib") + f" | {checks}", flush=True)
-            rows.append(r)
-            torch.cuda.empty_cache()
-    if a.json:
-        Path(a.json).write_text(json.dumps({"limits": lim.as_dict(), "rows": rows}, indent=1))
-    return 0
+def _line(r: dict) -> str:
+    ms = r["ms"]
+    checks = " ".join(f"{k}={v:.2g}" if isinstance(v, float) else f"{k}={v}"
+                      for k, v in r.items() if k.endswith(("_rel", "_same_bits", "_equal")))
+    return (f"I={r['I']} L={r['L']} T={r['T']} lib {ms['lib']:.4f} ms | "
+            + " ".join(f"{k} {v / ms['lib']:.3f}" for k, v in ms.items() if k != "lib") + f" | {checks}")
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(probe_shapes(SHAPES, one_shape, _line, reps=20, limits=True))

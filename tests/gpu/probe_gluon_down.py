@@ -7,8 +7,6 @@ against the GEMM's own limit, per shape at I=256.
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -18,10 +16,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import gluon_down_experiment as gd  # noqa: E402
-from tune_experts import median_ms  # noqa: E402
+from tune_experts import median_ms, probe_shapes  # noqa: E402
 
 from dbo.bench.experts import make_case  # noqa: E402
-from dbo.bench.limits import DeviceLimits, measure_device_limits  # noqa: E402
+from dbo.bench.limits import DeviceLimits  # noqa: E402
 from dbo.moe import fused_experts as fe  # noqa: E402
 
 SHAPES = [(256, 32, 4096), (256, 32, 8192), (256, 32, 16384), (256, 32, 65536), (256, 128, 4096),
@@ -71,30 +69,15 @@ def one_shape(lim: DeviceLimits, inter: int, local: int, t: int, reps: int) -> d
     return r
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--json", default=None)
-    ap.add_argument("--reps", type=int, default=20)
-    a = ap.parse_args()
-    lim = measure_device_limits()
-    print(lim.describe(), flush=True)
-    rows = []
-    with torch.inference_mode():
-        for inter, local, t in SHAPES:
-            r = one_shape(lim, inter, local, t, a.reps)
-            own, tri = r["limit_ms"], r["triton_ms"]
-            best = min((k for k in r if k.startswith("gluon") and k.endswith("_ms")), key=r.get, default=None)
-            res = f"best {best} {r[best]:.3f} ({r[best] / own:.2f}x, {r[best] / tri:.3f} of triton)" if best \
-                else "no gluon result"
-            print(f"I={inter} L={local} T={t} pairs={r['pairs']} own limit {own:.3f} ms | triton {tri:.3f} "
-                  f"({tri / own:.2f}x) | {res}", flush=True)
-            print("   " + " ".join(f"{k}={v:.4g}" for k, v in r.items() if k.startswith("gluon")), flush=True)
-            rows.append(r)
-            torch.cuda.empty_cache()
-    if a.json:
-        Path(a.json).write_text(json.dumps({"limits": lim.as_dict(), "rows": rows}, indent=1))
-    return 0
+def _line(r: dict) -> str:
+    own, tri = r["limit_ms"], r["triton_ms"]
+    best = min((k for k in r if k.startswith("gluon") and k.endswith("_ms")), key=r.get, default=None)
+    res = f"best {best} {r[best]:.3f} ({r[best] / own:.2f}x, {r[best] / tri:.3f} of triton)" if best \
+        else "no gluon result"
+    variants = " ".join(f"{k}={v:.4g}" for k, v in r.items() if k.startswith("gluon"))
+    return (f"I={r['I']} L={r['L']} T={r['T']} pairs={r['pairs']} own limit {own:.3f} ms | triton {tri:.3f} "
+            f"({tri / own:.2f}x) | {res}\n   {variants}")
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(probe_shapes(SHAPES, one_shape, _line, reps=20, limits=True))

@@ -75,8 +75,8 @@ def one_shape(inter: int, local: int, t: int, reps: int) -> dict:
 
 def _line(r: dict) -> str:
     ms = r["ms"]
-    return (f"up {r['tiles'][0]} | separate {ms['sep']:.4f} ms | over it: maps after routing "
-            f"{ms['maps'] / ms['sep']:.3f}, with it {ms['one'] / ms['sep']:.3f} (again "
+    return (f"I={r['I']} L={r['L']} T={r['T']} up {r['tiles'][0]} | separate {ms['sep']:.4f} ms | over it: "
+            f"maps after routing {ms['maps'] / ms['sep']:.3f}, with it {ms['one'] / ms['sep']:.3f} (again "
             f"{ms['one_again'] / ms['sep']:.3f}) | same bits {r['same_bits']}")
 
 

@@ -133,21 +133,28 @@ def alternating_ms(fns: dict, reps: int, rotate: bool = False) -> dict:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def probe_shapes(shapes, one_shape, line, reps: int) -> int:
+def probe_shapes(shapes, one_shape, line=None, reps: int = 20, limits: bool = False) -> int:
     """A probe's main over ``(I, local experts, tokens)`` shapes: ``--json`` (the rows), ``--reps``
-    (default ``reps``); ``one_shape(I, L, T, reps)`` returns a row, ``line(row)`` its printed line."""
+    (default ``reps``). ``one_shape(I, L, T, reps)`` returns a row, or with ``limits``
+    ``one_shape(lim, I, L, T, reps)``, ``lim`` the device's ceilings measured first (printed, and
+    kept in the json); ``line(row)``, where given, is printed after each shape."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None)
     ap.add_argument("--reps", type=int, default=reps)
     a = ap.parse_args()
+    lim = measure_device_limits() if limits else None
+    if lim is not None:
+        print(lim.describe(), flush=True)
     rows = []
     with torch.inference_mode():
         for inter, local, t in shapes:
-            rows.append(one_shape(inter, local, t, a.reps))
-            print(f"I={inter} L={local} T={t} " + line(rows[-1]), flush=True)
+            rows.append(one_shape(*(() if lim is None else (lim,)), inter, local, t, a.reps))
+            if line is not None:
+                print(line(rows[-1]), flush=True)
             torch.cuda.empty_cache()
     if a.json:
-        Path(a.json).write_text(json.dumps({"rows": rows}, indent=1))
+        out = {"rows": rows} if lim is None else {"limits": lim.as_dict(), "rows": rows}
+        Path(a.json).write_text(json.dumps(out, indent=1))
     return 0
 
 
