@@ -17,9 +17,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import down_stationary_experiment as ds  # noqa: E402
-from tune_experts import alternating_ms, probe_shapes  # noqa: E402
+from tune_experts import alternating_ms, down_probe_inputs, probe_shapes  # noqa: E402
 
-from dbo.bench.experts import make_case  # noqa: E402
 from dbo.bench.limits import DeviceLimits  # noqa: E402
 from dbo.moe import fused_experts as fe  # noqa: E402
 
@@ -32,18 +31,8 @@ VARIANTS = [(64, 128, 4, 1), (64, 128, 4, 2), (64, 128, 4, 3), (128, 128, 8, 1),
 
 def one_shape(lim: DeviceLimits, inter: int, local: int, t: int, reps: int) -> dict:
     hidden, topk = 7168, 8
-    case = make_case(t, hidden, inter, local, seed=t)
-    pairs = int(case.counts.sum())
-    active = int((case.counts > 0).sum())
-    est = t * topk / 256  # as the library estimates without host counts
-    order, offsets = fe.route_order(case.ids, local)
-    up, down = fe.pick_configs(est, inter, local)
-    act = torch.empty(t * topk, inter, dtype=case.x.dtype, device="cuda")
-    persist = fe.prefer_persistent(est, t * topk, local)
-    fe.launch_gate_up(case.x, order, offsets, case.w1, act, up, t * topk, topk, persist)
-    w_bytes = active * hidden * inter * 2
-    own = lim.time_ms(2.0 * pairs * hidden * inter, w_bytes + pairs * inter * 2 + pairs * hidden * 2)
-    r = {"I": inter, "L": local, "T": t, "pairs": pairs, "limit_ms": own, "down": str(down)}
+    case, order, offsets, down, act, persist, r = down_probe_inputs(lim, inter, local, t, hidden, topk)
+    r["down"] = str(down)
     ids, tw = case.ids.contiguous(), case.weights.contiguous()
     for sole in (False, True):
         outs, fns = {}, {}

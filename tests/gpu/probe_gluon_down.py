@@ -16,9 +16,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import gluon_down_experiment as gd  # noqa: E402
-from tune_experts import median_ms, probe_shapes  # noqa: E402
+from tune_experts import down_probe_inputs, median_ms, probe_shapes  # noqa: E402
 
-from dbo.bench.experts import make_case  # noqa: E402
 from dbo.bench.limits import DeviceLimits  # noqa: E402
 from dbo.moe import fused_experts as fe  # noqa: E402
 
@@ -31,24 +30,14 @@ VARIANTS = [(4, None, False, 3), (4, None, True, 3), (8, None, True, 3), (8, Non
 
 def one_shape(lim: DeviceLimits, inter: int, local: int, t: int, reps: int) -> dict:
     hidden, topk = 7168, 8
-    case = make_case(t, hidden, inter, local, seed=t)
-    pairs = int(case.counts.sum())
-    active = int((case.counts > 0).sum())
+    case, order, offsets, down, act, persist, r = down_probe_inputs(lim, inter, local, t, hidden, topk)
     est = t * topk / 256  # as the library estimates without host counts
-    order, offsets = fe.route_order(case.ids, local)
-    up, down = fe.pick_configs(est, inter, local)
-    act = torch.empty(t * topk, inter, dtype=case.x.dtype, device="cuda")
-    persist = fe.prefer_persistent(est, t * topk, local)
-    fe.launch_gate_up(case.x, order, offsets, case.w1, act, up, t * topk, topk, persist)
     y_ref = torch.zeros(t * topk, hidden, dtype=case.x.dtype, device="cuda")
 
     def triton_down() -> None:
         fe.launch_down(act, order, offsets, case.w2, y_ref, down, t * topk, persist)
 
-    w_bytes = active * hidden * inter * 2
-    own = lim.time_ms(2.0 * pairs * hidden * inter, w_bytes + pairs * inter * 2 + pairs * hidden * 2)
-    r = {"I": inter, "L": local, "T": t, "pairs": pairs, "limit_ms": own,
-         "triton_ms": median_ms(triton_down, reps)}
+    r["triton_ms"] = median_ms(triton_down, reps)
     for warps, npp, two, stages in VARIANTS:
         y = torch.zeros_like(y_ref)
 

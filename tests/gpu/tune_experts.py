@@ -133,6 +133,26 @@ def alternating_ms(fns: dict, reps: int, rotate: bool = False) -> dict:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
+def down_probe_inputs(lim, inter: int, local: int, t: int, hidden: int = 7168, topk: int = 8):
+    """The down GEMM's inputs for a grid shape as the library makes them (device offsets, the
+    gate/up GEMM with the library's tile), for the down-kernel probes: ``(case, order, offsets,
+    the library's down tile, act, persistent, row)``, ``row`` the shape, its local pairs and the
+    down GEMM's own limit in ms (its flops; its weights, ``act`` and ``y``'s bytes)."""
+    case = make_case(t, hidden, inter, local, seed=t)
+    pairs = int(case.counts.sum())
+    active = int((case.counts > 0).sum())
+    est = t * topk / 256  # as the library estimates without host counts
+    order, offsets = route_order(case.ids, local)
+    up, down = pick_configs(est, inter, local)
+    act = torch.empty(t * topk, inter, dtype=case.x.dtype, device="cuda")
+    persist = prefer_persistent(est, t * topk, local)
+    launch_gate_up(case.x, order, offsets, case.w1, act, up, t * topk, topk, persist)
+    w_bytes = active * hidden * inter * 2
+    own = lim.time_ms(2.0 * pairs * hidden * inter, w_bytes + pairs * inter * 2 + pairs * hidden * 2)
+    return case, order, offsets, down, act, persist, {"I": inter, "L": local, "T": t, "pairs": pairs,
+                                                       "limit_ms": own}
+
+
 def probe_shapes(shapes, one_shape, line=None, reps: int = 20, limits: bool = False) -> int:
     """A probe's main over ``(I, local experts, tokens)`` shapes: ``--json`` (the rows), ``--reps``
     (default ``reps``). ``one_shape(I, L, T, reps)`` returns a row, or with ``limits``
