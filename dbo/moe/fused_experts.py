@@ -187,7 +187,7 @@ def launch_gate_up(x: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, 
                                         stages=cfg.num_stages, group_m=cfg.group_m, split=cfg.split,
                                         counts=counts)
         return
-    # a ws tile here: the Triton kernel with its blocks
+    # a ws tile here (not on a Hopper GPU, or operands it cannot take): its Triton tile
     cfg = FP32_CONFIG if x.element_size() > 2 else cfg.triton_tile()
     persistent = cfg.runs_persistent(persistent)
     tma = cfg.tma and hidden % cfg.block_k == 0 and _aligned(w1)

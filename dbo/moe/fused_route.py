@@ -242,11 +242,22 @@ def route_order_with_maps(topk_ids: torch.Tensor, num_local_experts: int, maps: 
     return _counting_sort(topk_ids, num_local_experts, maps, heights, map_block, dest, zero)
 
 
+def _zeroing(zero: torch.Tensor | None, stand_in: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """A launch's arguments for zeroing ``zero`` (int32 counters): its pointer (``stand_in``,
+    unread, without one), their count and the kernel's ``ZERO_BLOCK`` (0: nothing to zero)."""
+    if zero is None:
+        return stand_in, 0, 0
+    if zero.dtype != torch.int32 or not zero.is_contiguous():
+        raise ValueError(f"zero must be a contiguous int32 tensor, got {zero.dtype}")
+    return zero, zero.numel(), 256
+
+
 def _counting_sort(topk_ids: torch.Tensor, num_local_experts: int, maps: tuple[torch.Tensor, ...] = (),
                    heights: tuple[int, ...] = (), map_block: int = 1, dest: torch.Tensor | None = None,
                    zero: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     ids = topk_ids.reshape(-1).contiguous()
     n = ids.numel()
+    zero_arg, n_zero, zero_block = _zeroing(zero, ids)
     block_e = max(16, next_pow2(num_local_experts))
     chunks = cdiv(n, ROUTE_CHUNK)
     scratch = torch.empty(2, chunks, block_e, dtype=torch.int32, device=ids.device)
@@ -258,15 +269,14 @@ def _counting_sort(topk_ids: torch.Tensor, num_local_experts: int, maps: tuple[t
     bounds = [(m.numel() - 1) // 3 for m in maps] + [0, 0]
     map_programs = sum(cdiv(b, map_block) for b in bounds)
     topk = topk_ids.shape[1] if topk_ids.dim() == 2 else 1
-    n_zero = 0 if zero is None else zero.numel()
     launch(_route_place_kernel, (chunks + map_programs,), (
         ids, scratch[0], scratch[1], order, offsets, n, num_local_experts, chunks,
         order if dest is None else dest, maps[0] if maps else order, bounds[0],
-        maps[-1] if maps else order, bounds[1] if len(maps) == 2 else 0, order if zero is None else zero,
-        n_zero), dict(CHUNK=ROUTE_CHUNK, BLOCK_E=block_e, BLOCK_C=max(2, next_pow2(chunks)), TOPK=topk,
-                      BLOCK_T=next_pow2(topk), SOLE=dest is not None, BLOCK_M=heights[0] if heights else 0,
-                      BLOCK_M2=heights[1] if len(heights) == 2 else 0, BLOCK_J=map_block,
-                      ZERO_BLOCK=256 if n_zero else 0, num_warps=8))
+        maps[-1] if maps else order, bounds[1] if len(maps) == 2 else 0, zero_arg, n_zero), dict(
+        CHUNK=ROUTE_CHUNK, BLOCK_E=block_e, BLOCK_C=max(2, next_pow2(chunks)), TOPK=topk,
+        BLOCK_T=next_pow2(topk), SOLE=dest is not None, BLOCK_M=heights[0] if heights else 0,
+        BLOCK_M2=heights[1] if len(heights) == 2 else 0, BLOCK_J=map_block, ZERO_BLOCK=zero_block,
+        num_warps=8))
     return order, offsets
 
 
@@ -298,17 +308,14 @@ def tile_maps(offsets: torch.Tensor, block_ms: tuple[int, ...], pairs: int,
         topk = ids.shape[1]
         dest = torch.empty(pairs, dtype=order.dtype, device=order.device)
         grid += cdiv(pairs, SOLE_ROWS_BLOCK)
-    if zero is not None and (zero.dtype != torch.int32 or not zero.is_contiguous()):
-        raise ValueError(f"zero must be a contiguous int32 tensor, got {zero.dtype}")
+    zero_arg, n_zero, zero_block = _zeroing(zero, maps[0])
     second = len(block_ms) == 2
-    n_zero = 0 if zero is None else zero.numel()
     launch(tile_map_kernel, (grid,), (offsets, maps[0], n_experts, bounds[0], order, ids,
                                       maps[0] if dest is None else dest, maps[-1],
-                                      bounds[1] if second else 0, maps[0] if zero is None else zero,
-                                      n_zero), dict(
+                                      bounds[1] if second else 0, zero_arg, n_zero), dict(
         BLOCK_M=block_ms[0], BLOCK_E=max(16, next_pow2(n_experts)), BLOCK_J=TILE_MAP_BLOCK, TOPK=topk,
         BLOCK_T=next_pow2(topk), BLOCK_R=SOLE_ROWS_BLOCK, SOLE=sole is not None,
-        BLOCK_M2=block_ms[1] if second else 0, ZERO_BLOCK=256 if n_zero else 0))
+        BLOCK_M2=block_ms[1] if second else 0, ZERO_BLOCK=zero_block))
     return maps, dest
 
 
@@ -328,8 +335,6 @@ def route_with_maps(topk_ids: torch.Tensor, n_experts: int, block_ms: tuple[int,
     in one launch fewer."""
     maps = _new_maps(block_ms, pairs, n_experts, topk_ids.device)
     dest = torch.empty(pairs, dtype=torch.int32, device=topk_ids.device) if sole else None
-    if zero is not None and (zero.dtype != torch.int32 or not zero.is_contiguous()):
-        raise ValueError(f"zero must be a contiguous int32 tensor, got {zero.dtype}")
     done = route_order_with_maps(topk_ids, n_experts, maps, block_ms, TILE_MAP_BLOCK, dest, zero)
     if done is not None:
         return done[0], done[1], maps, dest
