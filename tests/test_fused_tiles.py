@@ -73,15 +73,6 @@ def test_one_tile_of_rows_per_expert_takes_the_split_128_row_tile(inter, n_local
     assert WS_UP_SPLIT.triton_tile().tail_m == 32  # off Hopper: the Triton tile with tails it replaced
 
 
-@pytest.mark.parametrize("kw", [dict(extra_m=8), dict(extra_m=48), dict(extra_m=128), dict(flat=False),
-                                dict(flat=False, ws=True)])
-def test_extra_rows_are_16_32_or_64_on_a_flat_down_tile(kw):
-    tile = GemmConfig(128, 128, 64, 8, 4, 3, flat=True, extra_m=16)
-    assert tile.rows == 144 and GemmConfig(64, 128, 64, flat=True).rows == 64
-    with pytest.raises(ValueError, match="extra_m"):
-        GemmConfig(**{"block_m": 128, "block_n": 128, "flat": True, "extra_m": 32, **kw})
-
-
 def test_a_fallback_tile_is_the_triton_tile_of_a_ws_tile():
     triton_tile = GemmConfig(128, 128, 64, 8, 8, 4, tma=True, tail_m=32)
     assert GemmConfig(128, 128, 64, ws=True, fallback=triton_tile).triton_tile() is triton_tile

@@ -216,7 +216,7 @@ def launch_down(act: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, w
     token has no other local slot is written weighted to ``out`` instead (the top-k sum then
     leaves that token alone: :func:`launch_topk_sum` with ``sole=True``). Returns whether it
     was (other tiles write every row to ``y``). ``tile_maps``: the flat tile's map and marks,
-    where the caller built them already (:func:`tile_map` with this tile's ``rows``, and
+    where the caller built them already (:func:`tile_map` with this tile's ``block_m``, and
     ``sole=(order, topk_ids)`` exactly when ``sole`` is given)."""
     n_experts, hidden, inter = w2.shape
     cfg = FP32_CONFIG if act.element_size() > 2 else cfg
@@ -237,24 +237,21 @@ def launch_down(act: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, w
         cfg = DOWN_TAIL  # TMA needs 16-byte rows and bases: the K-loop tile reads through pointers
     tma = flat or (cfg.tma and inter % cfg.block_k == 0 and _aligned(act, w2))
     a_desc, w = act, w2
-    a2_desc = None
     if tma:
         a_desc = Desc(act, (cfg.block_m, cfg.block_k))
-        a2_desc = Desc(act, (cfg.extra_m, cfg.block_k)) if flat and cfg.extra_m else a_desc
         w = Desc(w2.view(n_experts * hidden, inter), (cfg.block_n, cfg.block_k))
     if flat:
         if tile_maps is None:
-            tile_maps = tile_map(offsets, cfg.rows, pairs, None if sole is None else (order, sole[0]))
+            tile_maps = tile_map(offsets, cfg.block_m, pairs, None if sole is None else (order, sole[0]))
         elif (tile_maps[1] is None) != (sole is None):
             raise ValueError("tile_maps must carry the sole rows' marks exactly when sole is given")
         tiles, dest = tile_maps
         # without sole the weights and the output are not read: y and order stand in for them
         tw, out, topk = (sole[1], sole[2], sole[0].shape[1]) if sole is not None else (order, y, 1)
         _launch(down_flat_kernel, _bound(cfg, pairs, n_experts, hidden), act.device, (
-            a_desc, a2_desc, order if dest is None else dest, tiles, w, y, tw, out, hidden, inter), dict(
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EXTRA_M=cfg.extra_m,
-            GROUP_M=cfg.group_m, TOPK=topk, SOLE=sole is not None, num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages), True)
+            a_desc, order if dest is None else dest, tiles, w, y, tw, out, hidden, inter), dict(
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+            TOPK=topk, SOLE=sole is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages), True)
         return sole is not None
     _launch(down_kernel, _bound(cfg, pairs, n_experts, hidden), act.device, (
         act, a_desc, order, offsets, w, y, n_experts, hidden, inter, w2.stride(0)), dict(
@@ -316,7 +313,7 @@ def fused_swiglu_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
         # both GEMMs' maps, the sole rows' marks and the split's counters with the routing
         if up_cfg.split > 1:
             counts = torch.empty(ws_programs(up_cfg, pairs, w1), dtype=torch.int32, device=x.device)
-        heights = tuple(dict.fromkeys((up_cfg.block_m, down_cfg.rows)))  # one map where equal
+        heights = tuple(dict.fromkeys((up_cfg.block_m, down_cfg.block_m)))  # one map where equal
         order, offsets, maps, dest = route_with_maps(ids, n_experts, heights, pairs, sole_args is not None,
                                                      counts, bounds)
         up_map, down_maps = maps[0], (maps[-1], dest)

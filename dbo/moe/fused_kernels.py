@@ -233,10 +233,9 @@ if triton is not None:
                        EVEN_K, PRECISION, TMA)
 
     @triton.jit
-    def down_flat_kernel(act_desc, act2_desc, order_ptr, map_ptr, w_desc, y_ptr, tw_ptr, out_ptr, hidden,
-                         inter, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         EXTRA_M: tl.constexpr, GROUP_M: tl.constexpr, TOPK: tl.constexpr,
-                         SOLE: tl.constexpr):
+    def down_flat_kernel(act_desc, order_ptr, map_ptr, w_desc, y_ptr, tw_ptr, out_ptr, hidden, inter,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         GROUP_M: tl.constexpr, TOPK: tl.constexpr, SOLE: tl.constexpr):
         # persistent: every num_programs-th tile, the tile loop flattened with the K loop so that
         # Triton pipelines the next tile's loads under this tile's products and stores (a short K
         # loop of its own, a few steps at I = 256, does not pipeline). act_desc: act as [R, inter],
@@ -248,10 +247,7 @@ if triton is not None:
         # never stored. SOLE (the top-k sum runs with SOLE too): order_ptr is tile_map_kernel's
         # dest, where ~slot marks a row whose token has no other local slot: that row is weighted
         # (tw_ptr) and written to out[token] with the top-k sum's rounding, where that sum would
-        # only have copied it. EXTRA_M > 0: a tile is BLOCK_M + EXTRA_M rows (the map's height), the
-        # last EXTRA_M in a second, smaller product with the same weight tile (act2_desc: box
-        # [EXTRA_M, BLOCK_K]), so that an expert's few rows past a multiple of BLOCK_M join its last
-        # tile instead of a tile of their own that streams the weights again
+        # only have copied it
         n_col = tl.cdiv(hidden, BLOCK_N)
         n_m = tl.load(map_ptr)
         k_tiles = tl.cdiv(inter, BLOCK_K)
@@ -262,20 +258,12 @@ if triton is not None:
             end_row = tl.load(map_ptr + 3 + 3 * pid_m)
             w_row = e * hidden + pid_n * BLOCK_N
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            if EXTRA_M > 0:
-                acc2 = tl.zeros([BLOCK_N, EXTRA_M], dtype=tl.float32)  # transposed: a [BLOCK_N, EXTRA_M] MMA
             for ki in range(k_tiles):
                 a = act_desc.load([row0, ki * BLOCK_K])
                 b = w_desc.load([w_row, ki * BLOCK_K])
                 acc = tl.dot(a, b.T, acc)
-                if EXTRA_M > 0:
-                    a2 = act2_desc.load([row0 + BLOCK_M, ki * BLOCK_K])
-                    acc2 = tl.dot(b, a2.T, acc2)
             down_store(acc, row0, end_row, pid_n, order_ptr, y_ptr, tw_ptr, out_ptr, hidden, BLOCK_M, BLOCK_N,
                        TOPK, SOLE)
-            if EXTRA_M > 0:
-                down_store(acc2.T, row0 + BLOCK_M, end_row, pid_n, order_ptr, y_ptr, tw_ptr, out_ptr, hidden,
-                           EXTRA_M, BLOCK_N, TOPK, SOLE)
 
     @triton.jit
     def down_store(acc, row0, end_row, pid_n, order_ptr, y_ptr, tw_ptr, out_ptr, hidden,

@@ -55,12 +55,6 @@ class GemmConfig:
     #: warp-specialized tiles only: the Triton tile that runs where the Gluon kernel does not
     #: (another GPU than Hopper, misaligned operands); None: the same blocks (``triton_tile``)
     fallback: GemmConfig | None = None
-    #: flat down tiles only: 0, or 16/32/64 more rows per tile, computed with the same weight tile
-    #: as a second, transposed product (``[block_n, extra_m]``: the weights as the MMA's rows),
-    #: so that a tile holds ``block_m + extra_m`` rows and an expert's few rows past a multiple of
-    #: ``block_m`` join its last tile, instead of a tile of their own that streams the weights
-    #: again and computes ``block_m`` rows for them
-    extra_m: int = 0
 
     def __post_init__(self) -> None:
         t = self.tail_m  # tl.dot takes at least 16 rows
@@ -76,15 +70,8 @@ class GemmConfig:
                              f"tile, got {self}")
         if self.split and (not self.ws or self.split < 2):
             raise ValueError(f"split is 0 or >= 2, on a warp-specialized tile only, got {self}")
-        if self.extra_m and (not self.flat or self.extra_m not in (16, 32, 64)):
-            raise ValueError(f"extra_m is 0, or 16, 32 or 64 on a flat down tile, got {self}")
         if self.fallback is not None and (not self.ws or self.fallback.ws):
             raise ValueError(f"a fallback tile is a Triton tile of a warp-specialized tile, got {self}")
-
-    @property
-    def rows(self) -> int:
-        """The rows of one tile: the height of its row-tile map."""
-        return self.block_m + self.extra_m
 
     def triton_tile(self) -> GemmConfig:
         """What runs where this warp-specialized tile's Gluon kernel does not: its ``fallback``,

@@ -134,25 +134,7 @@ def _ws_band(ws: GemmConfig, lo: float, hi: float, few_only: bool):
     return rule
 
 
-FLAT64 = C(64, 128, 64, 8, 4, 3, flat=True)
-
-
-def _extra(extra: int, lo: float, hi: float, base: GemmConfig | None = None):
-    # the flat down tile with `extra` more rows per tile (GemmConfig.extra_m) where lo < estimated
-    # rows per expert <= hi: the table's flat tile, or `base` there in place of the table's tile
-    def rule(est, inter, n_local, bound, pairs):
-        up, down = table(est, inter, n_local, bound, pairs)
-        if lo < est <= hi:
-            flat = base or (down if down.flat else None)
-            if flat is not None:
-                down = dataclasses.replace(flat, extra_m=extra)
-        return up, down
-    return rule
-
-
 VARIANTS = {"table": table,
-            "x16_384": _extra(16, 96, 384), "x32_384": _extra(32, 96, 384), "x16all": _extra(16, 0, 1 << 62),
-            "f64x32_96": _extra(32, 40, 96, FLAT64), "f64x16_96": _extra(16, 40, 96, FLAT64),
             "ws64s128": _ws_band(dataclasses.replace(WS64, split=4), 96, 192, False),
             "ws64s128few": _ws_band(dataclasses.replace(WS64, split=4), 96, 192, True),
             "ws128s128": _ws_band(dataclasses.replace(WS128, split=4), 96, 192, False),

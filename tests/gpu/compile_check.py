@@ -24,27 +24,18 @@ from dbo.moe import fused_experts as fe
 from dbo.moe import fused_kernels as fk
 
 
-def _flat(bm, bn, bk, sole=False, extra=0):
-    sig = {"act_desc": f"tensordesc<bf16[{bm}, {bk}]>", "act2_desc": f"tensordesc<bf16[{extra or bm}, {bk}]>",
-           "order_ptr": "*i32", "map_ptr": "*i32",
+def _flat(bm, bn, bk, sole=False):
+    sig = {"act_desc": f"tensordesc<bf16[{bm}, {bk}]>", "order_ptr": "*i32", "map_ptr": "*i32",
            "w_desc": f"tensordesc<bf16[{bn}, {bk}]>", "y_ptr": "*bf16", "tw_ptr": "*fp32", "out_ptr": "*bf16",
            "hidden": "i32", "inter": "i32", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
-           "BLOCK_K": "constexpr", "EXTRA_M": "constexpr", "GROUP_M": "constexpr", "TOPK": "constexpr",
-           "SOLE": "constexpr"}
-    consts = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "EXTRA_M": extra, "GROUP_M": 8, "TOPK": 8,
-              "SOLE": sole}
+           "BLOCK_K": "constexpr", "GROUP_M": "constexpr", "TOPK": "constexpr", "SOLE": "constexpr"}
+    consts = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "TOPK": 8, "SOLE": sole}
     return fk.down_flat_kernel, sig, consts, ("order_ptr", "map_ptr", "y_ptr", "tw_ptr", "out_ptr", "hidden",
                                               "inter")
 
 
 def _flat_sole(bm, bn, bk):
     return _flat(bm, bn, bk, sole=True)
-
-
-def _flat_extra(extra):
-    def kernel(bm, bn, bk):
-        return _flat(bm, bn, bk, sole=True, extra=extra)
-    return kernel
 
 
 def _gate_up(bm, bn, bk):
@@ -71,8 +62,7 @@ def _stationary(bm, bn, bk, sole=True):
                                                     "hidden")
 
 
-KERNELS = {"down_flat": _flat, "down_flat_sole": _flat_sole, "down_flat_x16": _flat_extra(16),
-           "down_flat_x32": _flat_extra(32), "down_flat_x64": _flat_extra(64), "gate_up": _gate_up,
+KERNELS = {"down_flat": _flat, "down_flat_sole": _flat_sole, "gate_up": _gate_up,
            "down_stationary": _stationary}
 
 

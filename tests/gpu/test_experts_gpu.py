@@ -7,7 +7,6 @@ kernels against plain torch. Run on the GPU host: ``pytest tests/gpu/test_expert
 from __future__ import annotations
 
 import contextlib
-from dataclasses import replace
 
 import pytest
 import torch
@@ -125,15 +124,7 @@ def test_triton_kernels_match_torch(m, p, topk, hidden):
 
 
 def _fused_cases():
-    from dbo.moe.fused_tiles import (
-        CONFIGS,
-        FEW_EXPERTS_DOWN,
-        FEW_EXPERTS_UP,
-        FLAT_DOWN,
-        FLAT_DOWN_WIDE,
-        WS_UP_SPLIT,
-        GemmConfig,
-    )
+    from dbo.moe.fused_tiles import CONFIGS, FEW_EXPERTS_DOWN, FEW_EXPERTS_UP, FLAT_DOWN, FLAT_DOWN_WIDE
 
     cases, seen = [], set()
     for _, up, down, short in CONFIGS:
@@ -147,13 +138,6 @@ def _fused_cases():
     cases.append((FEW_EXPERTS_UP, FEW_EXPERTS_DOWN, 256, False))
     cases.append((CONFIGS[-1][1], FLAT_DOWN, 200, True))  # K not a multiple of the tile's: TMA's zeros
     cases.append((CONFIGS[-1][1], FLAT_DOWN_WIDE, 512, True))
-    # extra rows per flat tile (a second, transposed product); with the ws tile: two map heights
-    for up, down, inter in ((CONFIGS[-1][1], replace(FLAT_DOWN, extra_m=16), 512),
-                            (CONFIGS[-1][1], replace(FLAT_DOWN, extra_m=32), 256),
-                            (CONFIGS[-1][1], GemmConfig(64, 128, 64, 8, 4, 3, flat=True, extra_m=32), 512),
-                            (CONFIGS[-1][1], GemmConfig(64, 128, 64, 8, 4, 3, flat=True, extra_m=64), 200),
-                            (WS_UP_SPLIT, replace(FLAT_DOWN, extra_m=16), 512)):
-        cases.append((up, down, inter, True))
     return cases
 
 
@@ -161,8 +145,7 @@ def _fused_cases():
 @pytest.mark.parametrize("m", [700, 9000])  # 5.6K pairs (counting sort), 72K (radix sort, see below)
 @pytest.mark.parametrize("case", _fused_cases(), ids=lambda c: f"{c[0].block_m}x{c[0].block_n}"
                          f"-{c[1].block_m}x{c[1].block_n}{'-short' if c[1].n_per_program else ''}"
-                         f"{'-flat' if c[1].flat else ''}{f'+{c[1].extra_m}' if c[1].extra_m else ''}"
-                         f"{'-ws' if c[0].ws else ''}-{c[0].num_stages}{c[1].num_stages}"
+                         f"{'-flat' if c[1].flat else ''}-{c[0].num_stages}{c[1].num_stages}"
                          f"-I{c[2]}{'-persistent' if c[3] else ''}")
 def test_every_fused_tile_matches_torch(case, m, monkeypatch):
     # every tile of the table, one program per tile or persistent: the same numbers as the
@@ -282,16 +265,12 @@ def test_misaligned_weights_skip_tma(inter):
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton is not importable")
 @pytest.mark.parametrize("topk, n_local, ranks", [(8, 32, 8), (6, 16, 4), (1, 32, 2), (2, 64, 2)])
 @pytest.mark.parametrize("weights_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("extra", [0, 16])
-def test_sole_rows_written_by_the_down_kernel_are_the_same_bits(topk, n_local, ranks, weights_dtype, extra):
+def test_sole_rows_written_by_the_down_kernel_are_the_same_bits(topk, n_local, ranks, weights_dtype):
     # the flat down kernel writing the rows of tokens with one local slot straight to the output
     # (weighted), the top-k sum leaving them alone: bit for bit what the top-k sum writes, with
-    # tokens of no, one and several local slots; a top-k that is not a power of two; extra rows
-    # per tile (the sole rows among them too)
+    # tokens of no, one and several local slots; a top-k that is not a power of two
     from dbo.moe.fused_experts import fused_swiglu_experts
     from dbo.moe.fused_tiles import CONFIGS, FLAT_DOWN
-
-    down = replace(FLAT_DOWN, extra_m=extra)
 
     g = torch.Generator(device="cuda").manual_seed(topk + n_local)
     m, hidden, inter = 3000, 1024, 256
@@ -307,10 +286,10 @@ def test_sole_rows_written_by_the_down_kernel_are_the_same_bits(topk, n_local, r
     outs = {}
     for sole in (False, True):
         out = torch.full_like(x, float("nan"))
-        fused_swiglu_experts(x, w1, w2, weights, ids, out=out, configs=(CONFIGS[-1][1], down),
+        fused_swiglu_experts(x, w1, w2, weights, ids, out=out, configs=(CONFIGS[-1][1], FLAT_DOWN),
                              sole_pairs=sole)
         with no_host_syncs():
-            fused_swiglu_experts(x, w1, w2, weights, ids, out=out, configs=(CONFIGS[-1][1], down),
+            fused_swiglu_experts(x, w1, w2, weights, ids, out=out, configs=(CONFIGS[-1][1], FLAT_DOWN),
                                  sole_pairs=sole)
         torch.cuda.synchronize()
         outs[sole] = out
