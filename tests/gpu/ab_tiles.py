@@ -46,11 +46,6 @@ def table(est, inter, n_local, bound, pairs):
     return _fix(up, p), _fix(down, p)
 
 
-def flat16(est, inter, n_local, bound, pairs):
-    up, down = table(est, inter, n_local, bound, pairs)
-    return up, dataclasses.replace(down, group_m=16) if down.flat else down
-
-
 def pers(est, inter, n_local, bound, pairs):
     # gate/up persistent wherever the host's bound counts at least twice the expected pairs
     up, down = table(est, inter, n_local, bound, pairs)
@@ -68,9 +63,13 @@ def big(est, inter, n_local, bound, pairs):
     return up, down
 
 
-def flat4(est, inter, n_local, bound, pairs):
-    up, down = table(est, inter, n_local, bound, pairs)
-    return up, dataclasses.replace(down, group_m=4) if down.flat else down
+def _flat_group(group_m: int):
+    # the flat down tile with group_m row tiles per column block in tile order (1: the column
+    # blocks of one row tile one after the other, its activation tile read again at once)
+    def rule(est, inter, n_local, bound, pairs):
+        up, down = table(est, inter, n_local, bound, pairs)
+        return up, dataclasses.replace(down, group_m=group_m) if down.flat else down
+    return rule
 
 
 def up512(est, inter, n_local, bound, pairs):
@@ -139,6 +138,8 @@ VARIANTS = {"table": table,
             "ws64s128few": _ws_band(dataclasses.replace(WS64, split=4), 96, 192, True),
             "ws128s128": _ws_band(dataclasses.replace(WS128, split=4), 96, 192, False),
             "ws64s64": _ws_band(dataclasses.replace(WS64, split=4), 48, 96, False),
+            "ws128s64": _ws_band(dataclasses.replace(WS128, split=4), 48, 96, False),
+            "ws128_64": _ws_band(WS128, 48, 96, False),
             "ws128_128": _ws_band(WS128, 96, 192, False),
             "ws128s8_128": _ws_band(dataclasses.replace(WS128, split=8), 96, 192, False),
             "ws128s256": _ws_band(dataclasses.replace(WS128, split=4), 192, 384, False),
@@ -149,7 +150,7 @@ VARIANTS = {"table": table,
             "ws512": _ws(lambda e, i, n: WS128 if e >= 512 else None),
             "ws64": _ws(lambda e, i, n: WS64 if e >= 256 else None),
             "wsmix": _ws(lambda e, i, n: WS128 if e >= 512 else WS64 if e >= 256 else None),
-            "flat16": flat16, "flat4": flat4, "pers": pers, "big": big, "up512": up512,
+            **{f"flat{g}": _flat_group(g) for g in (1, 2, 4, 16)}, "pers": pers, "big": big, "up512": up512,
             "every": every, "up2": _two_per_sm(64, 2), "upk32": _two_per_sm(32, 4)}
 
 
