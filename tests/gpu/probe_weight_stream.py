@@ -1,7 +1,7 @@
 """How fast a grouped GEMM's weight tiles stream from HBM, by the weights' layout in memory.
 
 Up to ~128 rows per expert the experts' limit is the weights' bytes, and at 128 rows the
-library's GEMMs move them at 70-80% of the copy bandwidth (at I=2048, 256 local experts, T=4096
+library's GEMMs move them at 69-77% of the copy bandwidth (at I=2048, 256 local experts, T=4096
 the gate/up GEMM its 15 GB at ~3.3 TB/s, the down GEMM its 7.5 GB at ~3.0). A weight tile
 ``[BN, BK]`` of a row-major ``[N, K]`` matrix is ``BN`` runs of ``2 * BK`` bytes, 2 * K bytes
 apart: does that layout cost bandwidth? This probe times a GEMM-shaped kernel that streams every
