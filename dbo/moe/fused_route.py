@@ -265,14 +265,14 @@ def _counting_sort(topk_ids: torch.Tensor, num_local_experts: int, maps: tuple[t
     offsets = torch.empty(num_local_experts, dtype=torch.int32, device=ids.device)
     launch(_route_count_kernel, (chunks,), (ids, scratch[0], n, num_local_experts),
            dict(CHUNK=ROUTE_CHUNK, BLOCK_E=block_e))
-    # a map of `bound` tiles has 1 + 3 * bound entries
+    # a map of `bound` tiles has 1 + 3 * bound entries (0: no such map)
     bounds = [(m.numel() - 1) // 3 for m in maps] + [0, 0]
     map_programs = sum(cdiv(b, map_block) for b in bounds)
     topk = topk_ids.shape[1] if topk_ids.dim() == 2 else 1
     launch(_route_place_kernel, (chunks + map_programs,), (
         ids, scratch[0], scratch[1], order, offsets, n, num_local_experts, chunks,
         order if dest is None else dest, maps[0] if maps else order, bounds[0],
-        maps[-1] if maps else order, bounds[1] if len(maps) == 2 else 0, zero_arg, n_zero), dict(
+        maps[-1] if maps else order, bounds[1], zero_arg, n_zero), dict(
         CHUNK=ROUTE_CHUNK, BLOCK_E=block_e, BLOCK_C=max(2, next_pow2(chunks)), TOPK=topk,
         BLOCK_T=next_pow2(topk), SOLE=dest is not None, BLOCK_M=heights[0] if heights else 0,
         BLOCK_M2=heights[1] if len(heights) == 2 else 0, BLOCK_J=map_block, ZERO_BLOCK=zero_block,
@@ -333,11 +333,11 @@ def route_with_maps(topk_ids: torch.Tensor, n_experts: int, block_ms: tuple[int,
     offsets, maps, dest)``. Where the counting sort runs, its second launch builds the maps, the
     marks and the zeros too (:func:`dbo.moe.fused_route.route_order_with_maps`): the same values
     in one launch fewer."""
-    maps = _new_maps(block_ms, pairs, n_experts, topk_ids.device)
-    dest = torch.empty(pairs, dtype=torch.int32, device=topk_ids.device) if sole else None
-    done = route_order_with_maps(topk_ids, n_experts, maps, block_ms, TILE_MAP_BLOCK, dest, zero)
-    if done is not None:
-        return done[0], done[1], maps, dest
+    if uses_counting_sort(topk_ids.numel(), n_experts):
+        maps = _new_maps(block_ms, pairs, n_experts, topk_ids.device)
+        dest = torch.empty(pairs, dtype=torch.int32, device=topk_ids.device) if sole else None
+        routed = route_order_with_maps(topk_ids, n_experts, maps, block_ms, TILE_MAP_BLOCK, dest, zero)
+        return *routed, maps, dest
     order, offsets = route_order(topk_ids, n_experts, bounds)
     maps, dest = tile_maps(offsets, block_ms, pairs, (order, topk_ids) if sole else None, zero)
     return order, offsets, maps, dest
