@@ -52,6 +52,16 @@ def test_split_is_two_or_more_shares_of_a_warp_specialized_tile(kw):
         GemmConfig(**{"block_m": 64, "block_n": 128, "ws": True, **kw})
 
 
+@pytest.mark.parametrize("kw", [dict(spill=8), dict(spill=48), dict(spill=64, block_m=64),
+                                dict(spill=32, ws=False)])
+def test_spill_is_16_32_or_64_rows_below_a_warp_specialized_tile(kw):
+    tile = GemmConfig(128, 128, 64, ws=True, spill=64)
+    assert GemmConfig(64, 128, 64, ws=True, spill=32).spill == 32
+    assert tile.triton_tile().spill == 0  # the Triton kernel has no swapped products
+    with pytest.raises(ValueError, match="spill"):
+        GemmConfig(**{"block_m": 128, "block_n": 128, "ws": True, **kw})
+
+
 def test_few_experts_at_short_intermediates_split_the_last_round():
     from dbo.moe.fused_tiles import WS_UP64_SPLIT
 

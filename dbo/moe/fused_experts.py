@@ -185,7 +185,7 @@ def launch_gate_up(x: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, 
         gluon_gate_up.launch_gate_up_ws(x, order, tiles, w1, act, topk, ws_programs(cfg, pairs, w1),
                                         block_m=cfg.block_m, block_n=cfg.block_n, block_k=cfg.block_k,
                                         stages=cfg.num_stages, group_m=cfg.group_m, split=cfg.split,
-                                        counts=counts)
+                                        counts=counts, spill=cfg.spill)
         return
     # a ws tile here (not on a Hopper GPU, or operands it cannot take): its Triton tile
     cfg = FP32_CONFIG if x.element_size() > 2 else cfg.triton_tile()

@@ -55,6 +55,11 @@ class GemmConfig:
     #: warp-specialized tiles only: the Triton tile that runs where the Gluon kernel does not
     #: (another GPU than Hopper, misaligned operands); None: the same blocks (``triton_tile``)
     fallback: GemmConfig | None = None
+    #: warp-specialized gate/up tiles only: 0, or 16/32/64 rows (< ``block_m``): a whole tile with
+    #: at most that many rows (an expert's few rows past its last full tile) runs as swapped
+    #: products, the weight tile as the MMAs' rows and the tile's rows as their columns, so that
+    #: the rows past the expert's end cost ``spill / block_m`` of the tile's flops
+    spill: int = 0
 
     def __post_init__(self) -> None:
         t = self.tail_m  # tl.dot takes at least 16 rows
@@ -70,6 +75,9 @@ class GemmConfig:
                              f"tile, got {self}")
         if self.split and (not self.ws or self.split < 2):
             raise ValueError(f"split is 0 or >= 2, on a warp-specialized tile only, got {self}")
+        if self.spill and (not self.ws or self.spill not in (16, 32, 64) or self.spill >= self.block_m):
+            raise ValueError(f"spill is 0 or 16, 32, 64 below block_m, on a warp-specialized tile only, "
+                             f"got {self}")
         if self.fallback is not None and (not self.ws or self.fallback.ws):
             raise ValueError(f"a fallback tile is a Triton tile of a warp-specialized tile, got {self}")
 
@@ -81,7 +89,7 @@ class GemmConfig:
             return self
         if self.fallback is not None:
             return self.fallback
-        return replace(self, ws=False, split=0, tma=True, num_warps=self.block_m // 16)
+        return replace(self, ws=False, split=0, spill=0, tma=True, num_warps=self.block_m // 16)
 
     def runs_persistent(self, policy: bool) -> bool:
         """Whether this tile's programs walk the tiles: its own ``persistent``, else the call's

@@ -152,7 +152,7 @@ if gluon is not None:
 
     @gluon.jit
     def _mma_partition(map_ptr, act_ptr, part_ptr, count_ptr, a_bufs, b_bufs, ready, empty, hidden, inter,
-                       GROUP_M: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
+                       GROUP_M: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr, SPILL: gl.constexpr,
                        num_warps: gl.constexpr):
         BM: gl.constexpr = a_bufs.type.shape[1]
         BK: gl.constexpr = a_bufs.type.shape[2]
@@ -169,27 +169,70 @@ if gluon is not None:
         for v in range(gl.program_id(0), n_units, gl.num_programs(0)):
             t, k0, k1, slot = _unit(v, whole, shares, k_steps)
             e, row0, end_row, pid_n = _tile(t, map_ptr, n_m, n_col, GROUP_M)
-            acc = gl.zeros([BM, 2 * BN], gl.float32, layout=acc_layout)
-            for ki in range(k0, k1):
-                s = c % STAGES
-                mbarrier.wait(ready.index(s), (c // STAGES) & 1)
-                # the rows came through async copies (the generic proxy): order them before the
-                # MMA's reads (the async proxy)
-                fence_async_shared()
-                acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), acc, is_async=True)
-                # the previous step's MMA is done (in every warpgroup: the barrier), so its slot is free
-                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-                gl.thread_barrier()
-                mbarrier.arrive(empty.index((c + STAGES - 1) % STAGES), pred=ki > k0)
-                c += 1
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            gl.thread_barrier()
-            mbarrier.arrive(empty.index((c + STAGES - 1) % STAGES))
-            if SPLIT > 1 and slot >= 0:  # (SPLIT: no split epilogue compiled in the unsplit kernel)
-                _split_epilogue(acc, act_ptr, part_ptr, count_ptr, slot, shares, row0, end_row, pid_n, inter,
-                                acc_layout, BM, BN, num_warps)
+            if SPILL > 0 and slot < 0 and end_row - row0 <= SPILL:  # (SPILL: compiled in only if asked)
+                c = _spill_tile(a_bufs, b_bufs, ready, empty, act_ptr, c, k0, k1, row0, end_row, pid_n, inter,
+                                SPILL, STAGES, num_warps)
             else:
-                _store_tile(acc, act_ptr, row0, end_row, pid_n, inter, out_layout, BM, BN)
+                acc = gl.zeros([BM, 2 * BN], gl.float32, layout=acc_layout)
+                for ki in range(k0, k1):
+                    s = c % STAGES
+                    mbarrier.wait(ready.index(s), (c // STAGES) & 1)
+                    # the rows came through async copies (the generic proxy): order them before the
+                    # MMA's reads (the async proxy)
+                    fence_async_shared()
+                    acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), acc, is_async=True)
+                    # the previous step's MMA is done (in every warpgroup: the barrier), so its slot is free
+                    acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+                    gl.thread_barrier()
+                    mbarrier.arrive(empty.index((c + STAGES - 1) % STAGES), pred=ki > k0)
+                    c += 1
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                gl.thread_barrier()
+                mbarrier.arrive(empty.index((c + STAGES - 1) % STAGES))
+                if SPLIT > 1 and slot >= 0:  # (SPLIT: no split epilogue compiled in the unsplit kernel)
+                    _split_epilogue(acc, act_ptr, part_ptr, count_ptr, slot, shares, row0, end_row, pid_n,
+                                    inter, acc_layout, BM, BN, num_warps)
+                else:
+                    _store_tile(acc, act_ptr, row0, end_row, pid_n, inter, out_layout, BM, BN)
+
+    @gluon.jit
+    def _spill_tile(a_bufs, b_bufs, ready, empty, act_ptr, c, k0, k1, row0, end_row, pid_n, inter,
+                    SPILL: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+        # a whole tile whose rows fit in SPILL (an expert's few rows past its last full tile): the
+        # swapped products, the gate and the up weight tile as the MMAs' BN rows each and the
+        # tile's first SPILL rows as their columns, so that the rows past the expert's end cost
+        # SPILL / BM of the tile's flops rather than all of them. The same ring walk as a tile;
+        # returns the K steps' count
+        BN: gl.constexpr = b_bufs.type.shape[1] // 2
+        lay: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                      instr_shape=[16, SPILL, 16])
+        acc_g = gl.zeros([BN, SPILL], gl.float32, layout=lay)
+        acc_u = gl.zeros([BN, SPILL], gl.float32, layout=lay)
+        for ki in range(k0, k1):
+            s = c % STAGES
+            mbarrier.wait(ready.index(s), (c // STAGES) & 1)
+            fence_async_shared()
+            rows_t = a_bufs.index(s).slice(0, SPILL).permute((1, 0))
+            b = b_bufs.index(s)
+            acc_g = warpgroup_mma(b.slice(0, BN), rows_t, acc_g, is_async=True)
+            acc_u = warpgroup_mma(b.slice(BN, BN), rows_t, acc_u, is_async=True)
+            # the previous step's two MMAs are done (in every warpgroup), so its slot is free
+            acc_g, acc_u = warpgroup_mma_wait(num_outstanding=2, deps=(acc_g, acc_u))
+            gl.thread_barrier()
+            mbarrier.arrive(empty.index((c + STAGES - 1) % STAGES), pred=ki > k0)
+            c += 1
+        acc_g, acc_u = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, acc_u))
+        gl.thread_barrier()
+        mbarrier.arrive(empty.index((c + STAGES - 1) % STAGES))
+        act = acc_g / (1.0 + gl.exp(-acc_g)) * acc_u  # [columns, rows]
+        # stored with each thread's 8 columns side by side (a row's columns are contiguous)
+        out_l: gl.constexpr = gl.BlockedLayout([8, 1], [BN // 8, 32 // (BN // 8)], [1, num_warps], [0, 1])
+        val = gl.convert_layout(act.to(act_ptr.dtype.element_ty), out_l)
+        cols = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, out_l))
+        rows = row0 + gl.arange(0, SPILL, layout=gl.SliceLayout(0, out_l))
+        gl.store(act_ptr + rows.to(gl.int64)[None, :] * inter + cols[:, None], val,
+                 mask=(rows < end_row)[None, :] & (cols < inter)[:, None])
+        return c
 
     @gluon.jit
     def _store_tile(acc, act_ptr, row0, end_row, pid_n, inter, out_layout: gl.constexpr, BM: gl.constexpr,
@@ -239,7 +282,7 @@ if gluon is not None:
     def gate_up_ws_kernel(x_ptr, order_ptr, map_ptr, w_desc, act_ptr, part_ptr, count_ptr, hidden, inter,
                           TOPK: gl.constexpr, BM: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                           LOAD_WARPS: gl.constexpr, LOAD_REGS: gl.constexpr, SPLIT: gl.constexpr,
-                          num_warps: gl.constexpr):
+                          SPILL: gl.constexpr, num_warps: gl.constexpr):
         BN: gl.constexpr = w_desc.block_type.shape[0]
         BK: gl.constexpr = w_desc.block_type.shape[1]
         dtype: gl.constexpr = w_desc.dtype
@@ -254,7 +297,7 @@ if gluon is not None:
             mbarrier.init(empty.index(i), count=1)
         gl.warp_specialize([
             (_mma_partition, (map_ptr, act_ptr, part_ptr, count_ptr, a_bufs, b_bufs, ready, empty, hidden,
-                              inter, GROUP_M, STAGES, SPLIT, num_warps)),
+                              inter, GROUP_M, STAGES, SPLIT, SPILL, num_warps)),
             (_load_partition, (x_ptr, order_ptr, map_ptr, w_desc, a_bufs, b_bufs, ready, empty, hidden, inter,
                                TOPK, GROUP_M, STAGES, LOAD_WARPS, SPLIT)),
         ], [LOAD_WARPS], [LOAD_REGS])
@@ -273,15 +316,20 @@ def available(x: torch.Tensor, w1: torch.Tensor, block_n: int) -> bool:
 def launch_gate_up_ws(x: torch.Tensor, order: torch.Tensor, tiles: torch.Tensor, w1: torch.Tensor,
                       act: torch.Tensor, topk: int, programs: int, *, block_m: int = 128, block_n: int = 128,
                       block_k: int = 64, stages: int = 4, group_m: int = 8, load_warps: int = 4,
-                      load_regs: int = 64, split: int = 0, counts: torch.Tensor | None = None) -> None:
+                      load_regs: int = 64, split: int = 0, counts: torch.Tensor | None = None,
+                      spill: int = 0) -> None:
     """The gate/up GEMM into ``act`` over the row tiles of :func:`dbo.moe.fused_route.tile_map`
     (``tiles``, built with ``block_m``), with ``programs`` persistent programs (one per SM at
     most: each takes a whole SM's shared memory). ``block_m`` is 64 or 128 (one warpgroup per
     64 rows). ``split`` >= 2: the last round's tiles split along K into up to that many shares
     (see the module docstring; a float32 workspace of ``programs`` partial tiles, and ``counts``:
-    at least ``programs`` zeroed int32 counters, allocated here if not given)."""
+    at least ``programs`` zeroed int32 counters, allocated here if not given). ``spill`` 16, 32
+    or 64 (< ``block_m``): a whole tile with at most that many rows runs as the swapped products
+    (see the module docstring); 0: none does."""
     if block_m not in (64, 128):
         raise ValueError(f"block_m must be 64 or 128, got {block_m}")
+    if spill and (spill not in (16, 32, 64) or spill >= block_m):
+        raise ValueError(f"spill must be 0 or 16, 32, 64 below block_m ({block_m}), got {spill}")
     n_experts, two_inter, hidden = w1.shape
     dt = gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16
     w = Desc(w1.view(n_experts * two_inter, hidden), (block_n, block_k),
@@ -304,4 +352,4 @@ def launch_gate_up_ws(x: torch.Tensor, order: torch.Tensor, tiles: torch.Tensor,
             count = counts
     launch(gate_up_ws_kernel, (programs,), (x, order, tiles, w, act, part, count, hidden, two_inter // 2),
            dict(TOPK=topk, BM=block_m, GROUP_M=group_m, STAGES=stages, LOAD_WARPS=load_warps,
-                LOAD_REGS=load_regs, SPLIT=max(1, split), num_warps=warps, maxnreg=maxnreg))
+                LOAD_REGS=load_regs, SPLIT=max(1, split), SPILL=spill, num_warps=warps, maxnreg=maxnreg))

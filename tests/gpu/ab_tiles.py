@@ -133,7 +133,23 @@ def _ws_band(ws: GemmConfig, lo: float, hi: float, few_only: bool):
     return rule
 
 
+def _spill(rows: int, band: tuple[float, float] | None = None):
+    # the table's warp-specialized gate/up tiles with swapped products for tiles of at most `rows`
+    # rows (GemmConfig.spill); band: the 128-row tile, split 4, with them where lo < est <= hi
+    def rule(est, inter, n_local, bound, pairs):
+        up, down = table(est, inter, n_local, bound, pairs)
+        if band is not None and band[0] < est <= band[1] and inter % WS128.block_n == 0:
+            up = dataclasses.replace(WS128, split=4)
+        if up.ws and rows < up.block_m:
+            up = dataclasses.replace(up, spill=rows)
+        return up, down
+    return rule
+
+
 VARIANTS = {"table": table,
+            "sp16": _spill(16), "sp32": _spill(32), "sp64": _spill(64),
+            "w128sp32": _spill(32, (96, 384)), "w128sp64": _spill(64, (96, 384)),
+            "w128sp64_1k": _spill(64, (96, 1024)),
             "ws64s128": _ws_band(dataclasses.replace(WS64, split=4), 96, 192, False),
             "ws64s128few": _ws_band(dataclasses.replace(WS64, split=4), 96, 192, True),
             "ws128s128": _ws_band(dataclasses.replace(WS128, split=4), 96, 192, False),

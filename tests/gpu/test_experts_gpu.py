@@ -392,6 +392,77 @@ def test_split_last_round_of_the_warp_specialized_gate_up(block_m, shares, hidde
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton is not importable")
+@pytest.mark.parametrize("block_m, spill", [(128, 16), (128, 32), (128, 64), (64, 16), (64, 32)])
+@pytest.mark.parametrize("split", [0, 4])
+def test_swapped_spill_tiles_of_the_warp_specialized_gate_up(block_m, spill, split):
+    # GemmConfig.spill: a whole tile of at most `spill` rows runs as the swapped products. Experts
+    # of 1 row to past two tiles (their last tiles of every size around `spill`, a few rows past a
+    # full tile, empty experts), against the kernel without it: as close as the MMA's other
+    # operand order gives (reported if not the same bits), rows past the local pairs untouched,
+    # the same bits call after call; split (the last round along K) over program counts that
+    # split tiles of every size
+    from dbo.moe import fused_experts as fe
+    from dbo.moe import gluon_gate_up as gg
+    from dbo.moe.fused_tiles import GemmConfig
+
+    hidden, inter = 2048, 256
+    counts = [1, 5, 0, spill - 1, spill, spill + 1, block_m - 1, block_m, block_m + 3, block_m + spill,
+              block_m + spill + 1, 2 * block_m + 7, 3, spill // 2 + 1]
+    ids = torch.cat([torch.full((c,), e, dtype=torch.int32) for e, c in enumerate(counts)]).cuda()[:, None]
+    g = torch.Generator(device="cuda").manual_seed(block_m + spill)
+    x = torch.randn(ids.shape[0], hidden, device="cuda", generator=g).to(torch.bfloat16)
+    w1 = (torch.randn(len(counts), 2 * inter, hidden, device="cuda", generator=g) / hidden ** 0.5).to(x.dtype)
+    ws = GemmConfig(block_m, 128, 64, 8, 8, 4 if block_m == 128 else 5, ws=True, spill=spill)
+    if not fe.runs_ws(ws, x, w1):
+        pytest.skip("the Gluon kernel needs a Hopper GPU and Triton's Gluon")
+    order, offsets = fe.route_order(ids, len(counts))
+    pairs = ids.numel() + 64  # rows past the local pairs, to check they stay untouched
+    tiles, _ = fe.tile_map(offsets, block_m, pairs)
+    n = int(offsets[-1])
+
+    def run(programs: int, spill_rows: int) -> torch.Tensor:
+        act = torch.full((pairs, inter), float("nan"), dtype=x.dtype, device="cuda")
+        gg.launch_gate_up_ws(x, order, tiles, w1, act, 1, programs, block_m=block_m, stages=ws.num_stages,
+                             split=split, spill=spill_rows)
+        return act
+
+    for programs in (132, 5):
+        base, got = run(programs, 0), run(programs, spill)
+        assert bool(got[n:].isnan().all())
+        assert not bool(got[:n].isnan().any())
+        assert relative_error(got[:n].float(), base[:n].float()) < 2e-3, programs
+        assert torch.equal(run(programs, spill)[:n], got[:n]), programs
+        if not torch.equal(got[:n], base[:n]):
+            print(f"block_m {block_m} spill {spill} split {split} programs {programs}: not the same bits, "
+                  f"{int((got[:n] != base[:n]).sum())} of {got[:n].numel()} values differ")
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not importable")
+@pytest.mark.parametrize("block_m, spill, split", [(128, 32, 4), (64, 32, 0), (128, 64, 0)])
+def test_spill_gate_up_whole_call_matches_torch(block_m, spill, split):
+    # a spill tile through fused_swiglu_experts (its map shared with the flat down kernel at 128
+    # rows): no host sync, close to the plain-torch steps, run to run the same bits
+    from dbo.moe import fused_experts as fe
+    from dbo.moe.fused_tiles import FLAT_DOWN, GemmConfig
+
+    up = GemmConfig(block_m, 128, 64, 8, 8, 4 if block_m == 128 else 5, ws=True, split=split, spill=spill)
+    x, w1, w2, weights, ids = _case(3000, 16, 8, 2048, 256, torch.bfloat16, seed=block_m + spill)
+    if not fe.runs_ws(up, x, w1):
+        pytest.skip("the Gluon kernel needs a Hopper GPU and Triton's Gluon")
+    outs = []
+    for check in (False, True, True):  # the first call compiles outside the check
+        out = torch.full_like(x, float("nan"))
+        with no_host_syncs() if check else contextlib.nullcontext():
+            fe.fused_swiglu_experts(x, w1, w2, weights, ids, out=out, configs=(up, FLAT_DOWN),
+                                    sole_pairs=True)
+        torch.cuda.synchronize()
+        outs.append(out)
+    assert torch.equal(outs[1], outs[2])
+    want = _apply(SwiGLUExperts(use_triton=False), x.float(), w1.float(), w2.float(), weights, ids, True)
+    assert relative_error(outs[1].float(), want) < 1e-2
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not importable")
 def test_split_gate_up_whole_call_matches_torch():
     # the table's split tile (few experts, I <= 256) through fused_swiglu_experts: no host sync,
     # close to the plain-torch steps, run to run the same bits
