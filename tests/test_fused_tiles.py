@@ -52,13 +52,13 @@ def test_split_is_two_or_more_shares_of_a_warp_specialized_tile(kw):
         GemmConfig(**{"block_m": 64, "block_n": 128, "ws": True, **kw})
 
 
-@pytest.mark.parametrize("kw", [dict(spill=8), dict(spill=48), dict(spill=64, block_m=64),
-                                dict(spill=32, ws=False)])
-def test_spill_is_16_32_or_64_rows_below_a_warp_specialized_tile(kw):
-    tile = GemmConfig(128, 128, 64, ws=True, spill=64)
-    assert GemmConfig(64, 128, 64, ws=True, spill=32).spill == 32
-    assert tile.triton_tile().spill == 0  # the Triton kernel has no swapped products
-    with pytest.raises(ValueError, match="spill"):
+@pytest.mark.parametrize("kw", [dict(extra_m=8), dict(extra_m=64), dict(extra_m=32, split=4),
+                                dict(extra_m=32, ws=False)])
+def test_extra_rows_are_16_or_32_on_a_warp_specialized_tile_that_does_not_split(kw):
+    tile = GemmConfig(128, 128, 64, ws=True, extra_m=32)
+    assert tile.map_rows == 160 and GemmConfig(64, 128, 64, ws=True, extra_m=16).map_rows == 80
+    assert tile.triton_tile().extra_m == 0 and tile.triton_tile().map_rows == 128
+    with pytest.raises(ValueError, match="extra_m"):
         GemmConfig(**{"block_m": 128, "block_n": 128, "ws": True, **kw})
 
 

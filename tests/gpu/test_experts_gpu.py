@@ -392,61 +392,61 @@ def test_split_last_round_of_the_warp_specialized_gate_up(block_m, shares, hidde
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton is not importable")
-@pytest.mark.parametrize("block_m, spill", [(128, 16), (128, 32), (128, 64), (64, 16), (64, 32)])
-@pytest.mark.parametrize("split", [0, 4])
-def test_swapped_spill_tiles_of_the_warp_specialized_gate_up(block_m, spill, split):
-    # GemmConfig.spill: a whole tile of at most `spill` rows runs as the swapped products. Experts
-    # of 1 row to past two tiles (their last tiles of every size around `spill`, a few rows past a
-    # full tile, empty experts), against the kernel without it: as close as the MMA's other
-    # operand order gives (reported if not the same bits), rows past the local pairs untouched,
-    # the same bits call after call; split (the last round along K) over program counts that
-    # split tiles of every size
+@pytest.mark.parametrize("block_m, extra", [(128, 16), (128, 32), (64, 16), (64, 32)])
+def test_extra_rows_of_the_warp_specialized_gate_up(block_m, extra):
+    # GemmConfig.extra_m: each row tile holds block_m + extra rows, the last extra multiplied as
+    # swapped products from the same weight slot. Experts of 1 row to past three tiles (tiles
+    # that end in the first block_m rows, in the extra ones, at their edges; empty experts),
+    # against the kernel without them: as close as the MMA's other operand order gives (reported
+    # if not the same bits), rows past the local pairs untouched, the same bits call after call,
+    # over program counts of one round and of many
     from dbo.moe import fused_experts as fe
     from dbo.moe import gluon_gate_up as gg
     from dbo.moe.fused_tiles import GemmConfig
 
-    hidden, inter = 2048, 256
-    counts = [1, 5, 0, spill - 1, spill, spill + 1, block_m - 1, block_m, block_m + 3, block_m + spill,
-              block_m + spill + 1, 2 * block_m + 7, 3, spill // 2 + 1]
+    hidden, inter, h = 2048, 256, block_m + extra
+    counts = [1, 5, 0, block_m - 1, block_m, block_m + 1, block_m + extra // 2, h - 1, h, h + 1,
+              2 * h - 3, 2 * h + block_m + 7, 3 * h, extra + 3]
     ids = torch.cat([torch.full((c,), e, dtype=torch.int32) for e, c in enumerate(counts)]).cuda()[:, None]
-    g = torch.Generator(device="cuda").manual_seed(block_m + spill)
+    g = torch.Generator(device="cuda").manual_seed(block_m + extra)
     x = torch.randn(ids.shape[0], hidden, device="cuda", generator=g).to(torch.bfloat16)
     w1 = (torch.randn(len(counts), 2 * inter, hidden, device="cuda", generator=g) / hidden ** 0.5).to(x.dtype)
-    ws = GemmConfig(block_m, 128, 64, 8, 8, 4 if block_m == 128 else 5, ws=True, spill=spill)
+    ws = GemmConfig(block_m, 128, 64, 8, 8, 3 if block_m == 128 else 4, ws=True, extra_m=extra)
     if not fe.runs_ws(ws, x, w1):
         pytest.skip("the Gluon kernel needs a Hopper GPU and Triton's Gluon")
     order, offsets = fe.route_order(ids, len(counts))
     pairs = ids.numel() + 64  # rows past the local pairs, to check they stay untouched
-    tiles, _ = fe.tile_map(offsets, block_m, pairs)
     n = int(offsets[-1])
 
-    def run(programs: int, spill_rows: int) -> torch.Tensor:
+    def run(programs: int, extra_m: int) -> torch.Tensor:
+        tiles, _ = fe.tile_map(offsets, block_m + extra_m, pairs)
         act = torch.full((pairs, inter), float("nan"), dtype=x.dtype, device="cuda")
         gg.launch_gate_up_ws(x, order, tiles, w1, act, 1, programs, block_m=block_m, stages=ws.num_stages,
-                             split=split, spill=spill_rows)
+                             extra_m=extra_m)
         return act
 
     for programs in (132, 5):
-        base, got = run(programs, 0), run(programs, spill)
+        base, got = run(programs, 0), run(programs, extra)
         assert bool(got[n:].isnan().all())
         assert not bool(got[:n].isnan().any())
         assert relative_error(got[:n].float(), base[:n].float()) < 2e-3, programs
-        assert torch.equal(run(programs, spill)[:n], got[:n]), programs
+        assert torch.equal(run(programs, extra)[:n], got[:n]), programs
         if not torch.equal(got[:n], base[:n]):
-            print(f"block_m {block_m} spill {spill} split {split} programs {programs}: not the same bits, "
+            print(f"block_m {block_m} extra {extra} programs {programs}: not the same bits, "
                   f"{int((got[:n] != base[:n]).sum())} of {got[:n].numel()} values differ")
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton is not importable")
-@pytest.mark.parametrize("block_m, spill, split", [(128, 32, 4), (64, 32, 0), (128, 64, 0)])
-def test_spill_gate_up_whole_call_matches_torch(block_m, spill, split):
-    # a spill tile through fused_swiglu_experts (its map shared with the flat down kernel at 128
-    # rows): no host sync, close to the plain-torch steps, run to run the same bits
+@pytest.mark.parametrize("block_m, extra", [(128, 32), (64, 32), (128, 16)])
+def test_extra_rows_gate_up_whole_call_matches_torch(block_m, extra):
+    # extra rows through fused_swiglu_experts (two maps: the gate/up tile's block_m + extra rows
+    # and the flat down tile's 128, the sole rows' marks with the second): no host sync, close
+    # to the plain-torch steps, run to run the same bits
     from dbo.moe import fused_experts as fe
     from dbo.moe.fused_tiles import FLAT_DOWN, GemmConfig
 
-    up = GemmConfig(block_m, 128, 64, 8, 8, 4 if block_m == 128 else 5, ws=True, split=split, spill=spill)
-    x, w1, w2, weights, ids = _case(3000, 16, 8, 2048, 256, torch.bfloat16, seed=block_m + spill)
+    up = GemmConfig(block_m, 128, 64, 8, 8, 3 if block_m == 128 else 4, ws=True, extra_m=extra)
+    x, w1, w2, weights, ids = _case(3000, 16, 8, 2048, 256, torch.bfloat16, seed=block_m + extra)
     if not fe.runs_ws(up, x, w1):
         pytest.skip("the Gluon kernel needs a Hopper GPU and Triton's Gluon")
     outs = []
