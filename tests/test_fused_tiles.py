@@ -52,16 +52,6 @@ def test_split_is_two_or_more_shares_of_a_warp_specialized_tile(kw):
         GemmConfig(**{"block_m": 64, "block_n": 128, "ws": True, **kw})
 
 
-@pytest.mark.parametrize("kw", [dict(extra_m=8), dict(extra_m=64), dict(extra_m=32, split=4),
-                                dict(extra_m=32, ws=False)])
-def test_extra_rows_are_16_or_32_on_a_warp_specialized_tile_that_does_not_split(kw):
-    tile = GemmConfig(128, 128, 64, ws=True, extra_m=32)
-    assert tile.map_rows == 160 and GemmConfig(64, 128, 64, ws=True, extra_m=16).map_rows == 80
-    assert tile.triton_tile().extra_m == 0 and tile.triton_tile().map_rows == 128
-    with pytest.raises(ValueError, match="extra_m"):
-        GemmConfig(**{"block_m": 128, "block_n": 128, "ws": True, **kw})
-
-
 def test_few_experts_at_short_intermediates_split_the_last_round():
     from dbo.moe.fused_tiles import WS_UP64_SPLIT
 

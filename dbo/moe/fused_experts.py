@@ -181,11 +181,11 @@ def launch_gate_up(x: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, 
     inter = two_inter // 2
     if runs_ws(cfg, x, w1):
         if tiles is None:
-            tiles, _ = tile_map(offsets, cfg.map_rows, pairs)
+            tiles, _ = tile_map(offsets, cfg.block_m, pairs)
         gluon_gate_up.launch_gate_up_ws(x, order, tiles, w1, act, topk, ws_programs(cfg, pairs, w1),
                                         block_m=cfg.block_m, block_n=cfg.block_n, block_k=cfg.block_k,
                                         stages=cfg.num_stages, group_m=cfg.group_m, split=cfg.split,
-                                        counts=counts, extra_m=cfg.extra_m)
+                                        counts=counts)
         return
     # a ws tile here (not on a Hopper GPU, or operands it cannot take): its Triton tile
     cfg = FP32_CONFIG if x.element_size() > 2 else cfg.triton_tile()
@@ -313,7 +313,7 @@ def fused_swiglu_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
         # both GEMMs' maps, the sole rows' marks and the split's counters with the routing
         if up_cfg.split > 1:
             counts = torch.empty(ws_programs(up_cfg, pairs, w1), dtype=torch.int32, device=x.device)
-        heights = tuple(dict.fromkeys((up_cfg.map_rows, down_cfg.block_m)))  # one map where equal
+        heights = tuple(dict.fromkeys((up_cfg.block_m, down_cfg.block_m)))  # one map where equal
         order, offsets, maps, dest = route_with_maps(ids, n_experts, heights, pairs, sole_args is not None,
                                                      counts, bounds)
         up_map, down_maps = maps[0], (maps[-1], dest)

@@ -55,11 +55,6 @@ class GemmConfig:
     #: warp-specialized tiles only: the Triton tile that runs where the Gluon kernel does not
     #: (another GPU than Hopper, misaligned operands); None: the same blocks (``triton_tile``)
     fallback: GemmConfig | None = None
-    #: warp-specialized gate/up tiles only, not split: 0, or 16/32 rows more per row tile (a map of
-    #: ``block_m + extra_m`` rows), multiplied from the same weight tile as swapped products (the
-    #: weights as the MMAs' rows, those rows as their columns), so that an expert's few rows past
-    #: a tile's ``block_m`` take no row tile of their own (which would stream the weights again)
-    extra_m: int = 0
 
     def __post_init__(self) -> None:
         t = self.tail_m  # tl.dot takes at least 16 rows
@@ -75,9 +70,6 @@ class GemmConfig:
                              f"tile, got {self}")
         if self.split and (not self.ws or self.split < 2):
             raise ValueError(f"split is 0 or >= 2, on a warp-specialized tile only, got {self}")
-        if self.extra_m and (not self.ws or self.extra_m not in (16, 32) or self.split):
-            raise ValueError(f"extra_m is 0, 16 or 32, on a warp-specialized tile that does not split, "
-                             f"got {self}")
         if self.fallback is not None and (not self.ws or self.fallback.ws):
             raise ValueError(f"a fallback tile is a Triton tile of a warp-specialized tile, got {self}")
 
@@ -89,12 +81,7 @@ class GemmConfig:
             return self
         if self.fallback is not None:
             return self.fallback
-        return replace(self, ws=False, split=0, extra_m=0, tma=True, num_warps=self.block_m // 16)
-
-    @property
-    def map_rows(self) -> int:
-        """The rows of one tile of this tile's row-tile map (``block_m + extra_m``)."""
-        return self.block_m + self.extra_m
+        return replace(self, ws=False, split=0, tma=True, num_warps=self.block_m // 16)
 
     def runs_persistent(self, policy: bool) -> bool:
         """Whether this tile's programs walk the tiles: its own ``persistent``, else the call's

@@ -113,9 +113,9 @@ if gluon is not None:
         return t, k0, k1, j - (1 - split)
 
     @gluon.jit
-    def _load_partition(x_ptr, order_ptr, map_ptr, w_desc, a_bufs, e_bufs, b_bufs, ready, empty, hidden,
-                        inter, TOPK: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                        LOAD_WARPS: gl.constexpr, SPLIT: gl.constexpr, EXTRA: gl.constexpr):
+    def _load_partition(x_ptr, order_ptr, map_ptr, w_desc, a_bufs, b_bufs, ready, empty, hidden, inter,
+                        TOPK: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+                        LOAD_WARPS: gl.constexpr, SPLIT: gl.constexpr):
         BM: gl.constexpr = a_bufs.type.shape[1]
         BK: gl.constexpr = a_bufs.type.shape[2]
         BN: gl.constexpr = w_desc.block_type.shape[0]
@@ -136,12 +136,6 @@ if gluon is not None:
             tokens = (gl.load(order_ptr + rows, mask=live, other=0) // TOPK).to(gl.int64)
             a_ptrs = x_ptr + tokens[:, None] * hidden + ks[None, :]
             a_mask = live[:, None] & (ks < BK)[None, :]
-            if EXTRA > 0:  # the tile's last EXTRA rows, into their own buffer
-                e_rows = row0 + BM + gl.arange(0, EXTRA, layout=gl.SliceLayout(1, lay))
-                e_live = e_rows < end_row
-                e_tokens = (gl.load(order_ptr + e_rows, mask=e_live, other=0) // TOPK).to(gl.int64)
-                e_ptrs = x_ptr + e_tokens[:, None] * hidden + ks[None, :]
-                e_mask = e_live[:, None] & (ks < BK)[None, :]
             g_row = e * 2 * inter + pid_n * BN
             for ki in range(k0, k1):
                 s = c % STAGES
@@ -153,16 +147,15 @@ if gluon is not None:
                 tma.async_copy_global_to_shared(w_desc, [g_row, ki * BK], bar, b.slice(0, BN))
                 tma.async_copy_global_to_shared(w_desc, [g_row + inter, ki * BK], bar, b.slice(BN, BN))
                 async_copy.async_copy_global_to_shared(a_bufs.index(s), a_ptrs + ki * BK, mask=a_mask)
-                if EXTRA > 0:
-                    async_copy.async_copy_global_to_shared(e_bufs.index(s), e_ptrs + ki * BK, mask=e_mask)
                 async_copy.mbarrier_arrive(bar, increment_count=False)
                 c += 1
 
     @gluon.jit
-    def _mma_partition(map_ptr, act_ptr, part_ptr, count_ptr, a_bufs, e_bufs, b_bufs, ready, empty, hidden,
-                       inter, GROUP_M: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
-                       EXTRA: gl.constexpr, num_warps: gl.constexpr):
+    def _mma_partition(map_ptr, act_ptr, part_ptr, count_ptr, a_bufs, b_bufs, ready, empty, hidden, inter,
+                       GROUP_M: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
+                       num_warps: gl.constexpr):
         BM: gl.constexpr = a_bufs.type.shape[1]
+        BK: gl.constexpr = a_bufs.type.shape[2]
         BN: gl.constexpr = b_bufs.type.shape[1] // 2
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                              instr_shape=[16, 2 * BN, 16])
@@ -170,77 +163,33 @@ if gluon is not None:
         out_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // tpw_n, tpw_n], [num_warps, 1], [1, 0])
         n_m = gl.load(map_ptr)
         n_col = inter // BN
-        k_steps = hidden // (a_bufs.type.shape[2])
+        k_steps = hidden // BK
         whole, shares, n_units = _plan(map_ptr, n_col, k_steps, SPLIT)
         c = 0
         for v in range(gl.program_id(0), n_units, gl.num_programs(0)):
             t, k0, k1, slot = _unit(v, whole, shares, k_steps)
             e, row0, end_row, pid_n = _tile(t, map_ptr, n_m, n_col, GROUP_M)
             acc = gl.zeros([BM, 2 * BN], gl.float32, layout=acc_layout)
-            if EXTRA > 0 and end_row - row0 > BM:  # (EXTRA: compiled in only if asked)
-                c, acc = _k_loop_extra(a_bufs, e_bufs, b_bufs, ready, empty, act_ptr, acc, c, k0, k1,
-                                       row0 + BM, end_row, pid_n, inter, STAGES, num_warps)
-            else:
-                for ki in range(k0, k1):
-                    s = c % STAGES
-                    mbarrier.wait(ready.index(s), (c // STAGES) & 1)
-                    # the rows came through async copies (the generic proxy): order them before the
-                    # MMA's reads (the async proxy)
-                    fence_async_shared()
-                    acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), acc, is_async=True)
-                    # the previous step's MMA is done (in every warpgroup: the barrier), so its slot is free
-                    acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-                    gl.thread_barrier()
-                    mbarrier.arrive(empty.index((c + STAGES - 1) % STAGES), pred=ki > k0)
-                    c += 1
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            for ki in range(k0, k1):
+                s = c % STAGES
+                mbarrier.wait(ready.index(s), (c // STAGES) & 1)
+                # the rows came through async copies (the generic proxy): order them before the
+                # MMA's reads (the async proxy)
+                fence_async_shared()
+                acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), acc, is_async=True)
+                # the previous step's MMA is done (in every warpgroup: the barrier), so its slot is free
+                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
                 gl.thread_barrier()
-                mbarrier.arrive(empty.index((c + STAGES - 1) % STAGES))
+                mbarrier.arrive(empty.index((c + STAGES - 1) % STAGES), pred=ki > k0)
+                c += 1
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            gl.thread_barrier()
+            mbarrier.arrive(empty.index((c + STAGES - 1) % STAGES))
             if SPLIT > 1 and slot >= 0:  # (SPLIT: no split epilogue compiled in the unsplit kernel)
                 _split_epilogue(acc, act_ptr, part_ptr, count_ptr, slot, shares, row0, end_row, pid_n, inter,
                                 acc_layout, BM, BN, num_warps)
             else:
                 _store_tile(acc, act_ptr, row0, end_row, pid_n, inter, out_layout, BM, BN)
-
-    @gluon.jit
-    def _k_loop_extra(a_bufs, e_bufs, b_bufs, ready, empty, act_ptr, acc, c, k0, k1, e_row0, end_row, pid_n,
-                      inter, STAGES: gl.constexpr, num_warps: gl.constexpr):
-        # a tile with rows past its first BM: per K step the tile's product and, from the same
-        # weight slot, the swapped products of its last EXTRA rows (the gate and the up weight
-        # tile as the MMAs' BN rows each, those rows as their columns), whose activations it
-        # stores here; returns the K steps' count and the tile's accumulator
-        BN: gl.constexpr = b_bufs.type.shape[1] // 2
-        EXTRA: gl.constexpr = e_bufs.type.shape[1]
-        lay: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                      instr_shape=[16, EXTRA, 16])
-        acc_g = gl.zeros([BN, EXTRA], gl.float32, layout=lay)
-        acc_u = gl.zeros([BN, EXTRA], gl.float32, layout=lay)
-        for ki in range(k0, k1):
-            s = c % STAGES
-            mbarrier.wait(ready.index(s), (c // STAGES) & 1)
-            fence_async_shared()
-            b = b_bufs.index(s)
-            acc = warpgroup_mma(a_bufs.index(s), b.permute((1, 0)), acc, is_async=True)
-            rows_t = e_bufs.index(s).permute((1, 0))
-            acc_g = warpgroup_mma(b.slice(0, BN), rows_t, acc_g, is_async=True)
-            acc_u = warpgroup_mma(b.slice(BN, BN), rows_t, acc_u, is_async=True)
-            # the previous step's three MMAs are done (in every warpgroup), so its slot is free
-            acc, acc_g, acc_u = warpgroup_mma_wait(num_outstanding=3, deps=(acc, acc_g, acc_u))
-            gl.thread_barrier()
-            mbarrier.arrive(empty.index((c + STAGES - 1) % STAGES), pred=ki > k0)
-            c += 1
-        acc, acc_g, acc_u = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc_g, acc_u))
-        gl.thread_barrier()
-        mbarrier.arrive(empty.index((c + STAGES - 1) % STAGES))
-        act = acc_g / (1.0 + gl.exp(-acc_g)) * acc_u  # [columns, rows]
-        # stored with each thread's 8 columns side by side (a row's columns are contiguous)
-        out_l: gl.constexpr = gl.BlockedLayout([8, 1], [BN // 8, 32 // (BN // 8)], [1, num_warps], [0, 1])
-        val = gl.convert_layout(act.to(act_ptr.dtype.element_ty), out_l)
-        cols = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, out_l))
-        rows = e_row0 + gl.arange(0, EXTRA, layout=gl.SliceLayout(0, out_l))
-        gl.store(act_ptr + rows.to(gl.int64)[None, :] * inter + cols[:, None], val,
-                 mask=(rows < end_row)[None, :] & (cols < inter)[:, None])
-        return c, acc
 
     @gluon.jit
     def _store_tile(acc, act_ptr, row0, end_row, pid_n, inter, out_layout: gl.constexpr, BM: gl.constexpr,
@@ -290,17 +239,13 @@ if gluon is not None:
     def gate_up_ws_kernel(x_ptr, order_ptr, map_ptr, w_desc, act_ptr, part_ptr, count_ptr, hidden, inter,
                           TOPK: gl.constexpr, BM: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                           LOAD_WARPS: gl.constexpr, LOAD_REGS: gl.constexpr, SPLIT: gl.constexpr,
-                          EXTRA: gl.constexpr, num_warps: gl.constexpr):
+                          num_warps: gl.constexpr):
         BN: gl.constexpr = w_desc.block_type.shape[0]
         BK: gl.constexpr = w_desc.block_type.shape[1]
         dtype: gl.constexpr = w_desc.dtype
         a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BK], dtype)
         a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BM, BK], a_layout)
         b_bufs = gl.allocate_shared_memory(dtype, [STAGES, 2 * BN, BK], w_desc.layout)
-        EB: gl.constexpr = EXTRA if EXTRA > 0 else 16  # (no extra rows: a buffer never written nor read)
-        e_stages: gl.constexpr = STAGES if EXTRA > 0 else 1
-        e_bufs = gl.allocate_shared_memory(dtype, [e_stages, EB, BK],
-                                           gl.NVMMASharedLayout.get_default_for([EB, BK], dtype))
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
@@ -308,10 +253,10 @@ if gluon is not None:
             mbarrier.init(ready.index(i), count=LOAD_WARPS * 32 + 1)
             mbarrier.init(empty.index(i), count=1)
         gl.warp_specialize([
-            (_mma_partition, (map_ptr, act_ptr, part_ptr, count_ptr, a_bufs, e_bufs, b_bufs, ready, empty,
-                              hidden, inter, GROUP_M, STAGES, SPLIT, EXTRA, num_warps)),
-            (_load_partition, (x_ptr, order_ptr, map_ptr, w_desc, a_bufs, e_bufs, b_bufs, ready, empty,
-                               hidden, inter, TOPK, GROUP_M, STAGES, LOAD_WARPS, SPLIT, EXTRA)),
+            (_mma_partition, (map_ptr, act_ptr, part_ptr, count_ptr, a_bufs, b_bufs, ready, empty, hidden,
+                              inter, GROUP_M, STAGES, SPLIT, num_warps)),
+            (_load_partition, (x_ptr, order_ptr, map_ptr, w_desc, a_bufs, b_bufs, ready, empty, hidden, inter,
+                               TOPK, GROUP_M, STAGES, LOAD_WARPS, SPLIT)),
         ], [LOAD_WARPS], [LOAD_REGS])
 
 
@@ -328,20 +273,15 @@ def available(x: torch.Tensor, w1: torch.Tensor, block_n: int) -> bool:
 def launch_gate_up_ws(x: torch.Tensor, order: torch.Tensor, tiles: torch.Tensor, w1: torch.Tensor,
                       act: torch.Tensor, topk: int, programs: int, *, block_m: int = 128, block_n: int = 128,
                       block_k: int = 64, stages: int = 4, group_m: int = 8, load_warps: int = 4,
-                      load_regs: int = 64, split: int = 0, counts: torch.Tensor | None = None,
-                      extra_m: int = 0) -> None:
+                      load_regs: int = 64, split: int = 0, counts: torch.Tensor | None = None) -> None:
     """The gate/up GEMM into ``act`` over the row tiles of :func:`dbo.moe.fused_route.tile_map`
     (``tiles``, built with ``block_m``), with ``programs`` persistent programs (one per SM at
     most: each takes a whole SM's shared memory). ``block_m`` is 64 or 128 (one warpgroup per
     64 rows). ``split`` >= 2: the last round's tiles split along K into up to that many shares
     (see the module docstring; a float32 workspace of ``programs`` partial tiles, and ``counts``:
-    at least ``programs`` zeroed int32 counters, allocated here if not given). ``extra_m`` 16 or
-    32 (not with ``split``): ``tiles`` has ``block_m + extra_m`` rows per tile, the last
-    ``extra_m`` multiplied as swapped products (see the module docstring)."""
+    at least ``programs`` zeroed int32 counters, allocated here if not given)."""
     if block_m not in (64, 128):
         raise ValueError(f"block_m must be 64 or 128, got {block_m}")
-    if extra_m and (extra_m not in (16, 32) or split > 1):
-        raise ValueError(f"extra_m must be 0, 16 or 32, and 0 with a split, got {extra_m} (split {split})")
     n_experts, two_inter, hidden = w1.shape
     dt = gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16
     w = Desc(w1.view(n_experts * two_inter, hidden), (block_n, block_k),
@@ -364,4 +304,4 @@ def launch_gate_up_ws(x: torch.Tensor, order: torch.Tensor, tiles: torch.Tensor,
             count = counts
     launch(gate_up_ws_kernel, (programs,), (x, order, tiles, w, act, part, count, hidden, two_inter // 2),
            dict(TOPK=topk, BM=block_m, GROUP_M=group_m, STAGES=stages, LOAD_WARPS=load_warps,
-                LOAD_REGS=load_regs, SPLIT=max(1, split), EXTRA=extra_m, num_warps=warps, maxnreg=maxnreg))
+                LOAD_REGS=load_regs, SPLIT=max(1, split), num_warps=warps, maxnreg=maxnreg))

@@ -133,23 +133,7 @@ def _ws_band(ws: GemmConfig, lo: float, hi: float, few_only: bool):
     return rule
 
 
-def _extra(block_m: int, extra: int, lo: float, hi: float, min_local: int = 0):
-    # the ws gate/up tile of block_m + extra rows (GemmConfig.extra_m; 3 stages at 128 rows, 4 at
-    # 64: the shared memory), unsplit, where lo < estimated rows per expert <= hi and there are
-    # at least min_local local experts
-    tile = C(block_m, 128, 64, 8, 8, 3 if block_m == 128 else 4, ws=True, extra_m=extra)
-
-    def rule(est, inter, n_local, bound, pairs):
-        up, down = table(est, inter, n_local, bound, pairs)
-        if lo < est <= hi and inter % tile.block_n == 0 and n_local >= min_local:
-            up = tile
-        return up, down
-    return rule
-
-
 VARIANTS = {"table": table,
-            "x128_32": _extra(128, 32, 96, 1024), "x128_16": _extra(128, 16, 96, 1024),
-            "x64_32": _extra(64, 32, 192, 1024), "x64_16": _extra(64, 16, 48, 1024),
             "ws64s128": _ws_band(dataclasses.replace(WS64, split=4), 96, 192, False),
             "ws64s128few": _ws_band(dataclasses.replace(WS64, split=4), 96, 192, True),
             "ws128s128": _ws_band(dataclasses.replace(WS128, split=4), 96, 192, False),

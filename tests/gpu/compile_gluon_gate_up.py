@@ -26,7 +26,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from dbo.moe import gluon_gate_up as ws
 
 
-def check(spec: str, ptx_dir: str | None = None, split: int = 1, extra: int = 0) -> dict:
+def check(spec: str, ptx_dir: str | None = None, split: int = 1) -> dict:
     parts = [int(v) for v in spec.split(":")]
     bm, bn, stages, load_warps, load_regs = parts[:5]
     warps = bm // 16
@@ -42,7 +42,7 @@ def check(spec: str, ptx_dir: str | None = None, split: int = 1, extra: int = 0)
     args = dict(x_ptr=x, order_ptr=i32, map_ptr=i32, w_desc=desc, act_ptr=x, part_ptr=part, count_ptr=i32,
                 hidden=hidden, inter=inter)
     consts = dict(TOPK=8, BM=bm, GROUP_M=8, STAGES=stages, LOAD_WARPS=load_warps, LOAD_REGS=load_regs,
-                  SPLIT=split, EXTRA=extra, num_warps=warps)
+                  SPLIT=split, num_warps=warps)
     sig, attrs = {}, {}
     names = list(args) + list(consts)
     for i, (k, v) in enumerate(args.items()):
@@ -74,10 +74,9 @@ def main() -> int:
     p.add_argument("specs", nargs="*", default=["128:128:4:4:64"])
     p.add_argument("--ptx", default=None)
     p.add_argument("--split", type=int, default=1, help="the kernel's SPLIT (most shares of a split tile)")
-    p.add_argument("--extra", type=int, default=0, help="the kernel's EXTRA (rows per tile past BM)")
     a = p.parse_args()
     for s in a.specs:
-        print(check(s, a.ptx, a.split, a.extra), flush=True)
+        print(check(s, a.ptx, a.split), flush=True)
     return 0
 
 
