@@ -277,6 +277,7 @@ for seed, m, n_local, topk, tail, red, down_kind, persistent in [
                              persistent=persistent, sole_pairs=True)
         per_token = ((ids >= 0) & (ids < n_local)).sum(1)
         assert bool((per_token == 1).any()) and bool((per_token > 1).any()), seed
+        assert bool((per_token == 0).any()), seed  # (their zero rows: the down kernel's too)
         assert torch.equal(sole, out), (seed, (sole - out).abs().max())
 # a warp-specialized gate/up tile (Gluon, Hopper only) runs here as the Triton kernel with its blocks
 x, weights, ids, w1, w2 = _case(9, 90, 4, 3, hidden=64, inter=32)
