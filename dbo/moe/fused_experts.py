@@ -213,10 +213,9 @@ def launch_down(act: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, w
     """``y[order[r]] = act[r] @ d_e.T`` for each sorted row ``r`` of expert ``e``.
 
     ``sole``: ``(topk_ids, topk_weights, out)``: where the tile is the flat one, a row whose
-    token has no other local slot is written weighted to ``out`` instead, and the rows of
-    ``out`` of the tokens with no local slot are zeroed (the top-k sum then leaves those tokens
-    alone: :func:`launch_topk_sum` with ``sole=True``). Returns whether it was (other tiles
-    write every row to ``y``). ``tile_maps``: the flat tile's map and marks,
+    token has no other local slot is written weighted to ``out`` instead (the top-k sum then
+    leaves that token alone: :func:`launch_topk_sum` with ``sole=True``). Returns whether it
+    was (other tiles write every row to ``y``). ``tile_maps``: the flat tile's map and marks,
     where the caller built them already (:func:`tile_map` with this tile's ``block_m``, and
     ``sole=(order, topk_ids)`` exactly when ``sole`` is given)."""
     n_experts, hidden, inter = w2.shape
@@ -247,15 +246,12 @@ def launch_down(act: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, w
         elif (tile_maps[1] is None) != (sole is None):
             raise ValueError("tile_maps must carry the sole rows' marks exactly when sole is given")
         tiles, dest = tile_maps
-        # without sole the ids, the weights and the output are not read: y and order stand in
-        ids, tw, out = sole if sole is not None else (order, order, y)
-        topk, n_tokens = (ids.shape[1], ids.shape[0]) if sole is not None else (1, 0)
+        # without sole the weights and the output are not read: y and order stand in for them
+        tw, out, topk = (sole[1], sole[2], sole[0].shape[1]) if sole is not None else (order, y, 1)
         _launch(down_flat_kernel, _bound(cfg, pairs, n_experts, hidden), act.device, (
-            a_desc, order if dest is None else dest, tiles, w, y, tw, out, ids, n_tokens, n_experts, hidden,
-            inter), dict(
+            a_desc, order if dest is None else dest, tiles, w, y, tw, out, hidden, inter), dict(
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-            TOPK=topk, TOPK_P2=next_pow2(topk), SOLE=sole is not None, num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages), True)
+            TOPK=topk, SOLE=sole is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages), True)
         return sole is not None
     _launch(down_kernel, _bound(cfg, pairs, n_experts, hidden), act.device, (
         act, a_desc, order, offsets, w, y, n_experts, hidden, inter, w2.stride(0)), dict(
@@ -346,7 +342,7 @@ def launch_topk_sum(y: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
                     out: torch.Tensor, n_experts: int, sole: bool = False, *, block: int | None = None,
                     num_warps: int = 4) -> None:
     """``out[m] = sum_s w[m, s] * y[m * topk + s]`` over the slots of local experts (``sole``:
-    not for the tokens with one local slot or none, whose rows :func:`launch_down` wrote). A program
+    not for the tokens with one local slot, whose row :func:`launch_down` wrote). A program
     sums ``block`` columns of one token (default :data:`TOPK_SUM_BLOCK`, or the row's power of
     two where it is narrower) with ``num_warps`` warps."""
     m, topk = topk_ids.shape

@@ -233,10 +233,9 @@ if triton is not None:
                        EVEN_K, PRECISION, TMA)
 
     @triton.jit
-    def down_flat_kernel(act_desc, order_ptr, map_ptr, w_desc, y_ptr, tw_ptr, out_ptr, ids_ptr, n_tokens,
-                         n_experts, hidden, inter, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, TOPK: tl.constexpr,
-                         SOLE: tl.constexpr, TOPK_P2: tl.constexpr = 1):
+    def down_flat_kernel(act_desc, order_ptr, map_ptr, w_desc, y_ptr, tw_ptr, out_ptr, hidden, inter,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         GROUP_M: tl.constexpr, TOPK: tl.constexpr, SOLE: tl.constexpr):
         # persistent: every num_programs-th tile, the tile loop flattened with the K loop so that
         # Triton pipelines the next tile's loads under this tile's products and stores (a short K
         # loop of its own, a few steps at I = 256, does not pipeline). act_desc: act as [R, inter],
@@ -248,9 +247,7 @@ if triton is not None:
         # never stored. SOLE (the top-k sum runs with SOLE too): order_ptr is tile_map_kernel's
         # dest, where ~slot marks a row whose token has no other local slot: that row is weighted
         # (tw_ptr) and written to out[token] with the top-k sum's rounding, where that sum would
-        # only have copied it; and after the tiles (where the programs' last round leaves SMs
-        # idle) the zero rows of out of the tokens with no local slot (ids_ptr), where that sum
-        # would have written them
+        # only have copied it
         n_col = tl.cdiv(hidden, BLOCK_N)
         n_m = tl.load(map_ptr)
         k_tiles = tl.cdiv(inter, BLOCK_K)
@@ -267,28 +264,6 @@ if triton is not None:
                 acc = tl.dot(a, b.T, acc)
             down_store(acc, row0, end_row, pid_n, order_ptr, y_ptr, tw_ptr, out_ptr, hidden, BLOCK_M, BLOCK_N,
                        TOPK, SOLE)
-        if SOLE:
-            zero_rows(ids_ptr, out_ptr, n_tokens, n_experts, hidden, TOPK, TOPK_P2, 16, 512)
-
-    @triton.jit
-    def zero_rows(ids_ptr, out_ptr, n_tokens, n_experts, hidden, TOPK: tl.constexpr, TOPK_P2: tl.constexpr,
-                  BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
-        # out[t] = 0 for each token t with no local slot (TOPK_P2: TOPK's power of two), BLOCK_T
-        # tokens a step, the programs taking the token blocks in turn
-        slots = tl.arange(0, TOPK_P2)
-        cols = tl.arange(0, BLOCK_C)
-        zero = tl.zeros([BLOCK_T, BLOCK_C], dtype=out_ptr.dtype.element_ty)
-        for b in range(tl.program_id(0), tl.cdiv(n_tokens, BLOCK_T), tl.num_programs(0)):
-            toks = b * BLOCK_T + tl.arange(0, BLOCK_T)
-            live = toks < n_tokens
-            ids = tl.load(ids_ptr + toks.to(tl.int64)[:, None] * TOPK + slots[None, :],
-                          mask=live[:, None] & (slots < TOPK)[None, :], other=-1)
-            n_local = tl.sum(((ids >= 0) & (ids < n_experts)).to(tl.int32), axis=1)
-            none = live & (n_local == 0)
-            rows = out_ptr + toks.to(tl.int64)[:, None] * hidden
-            for c0 in range(0, hidden, BLOCK_C):
-                tl.store(rows + (c0 + cols)[None, :], zero,
-                         mask=none[:, None] & ((c0 + cols) < hidden)[None, :])
 
     @triton.jit
     def down_store(acc, row0, end_row, pid_n, order_ptr, y_ptr, tw_ptr, out_ptr, hidden,
@@ -361,7 +336,7 @@ if triton is not None:
     def topk_sum_kernel(y_ptr, ids_ptr, w_ptr, out_ptr, n_experts, hidden, TOPK: tl.constexpr,
                          BLOCK: tl.constexpr, SOLE: tl.constexpr):
         # a slot of another rank's expert reads nothing: its row of y was never written. SOLE: a
-        # token with one local slot or none is left alone (the flat down kernel wrote its row)
+        # token with one local slot is left alone (the flat down kernel wrote its row)
         m = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < hidden
@@ -370,7 +345,7 @@ if triton is not None:
             for s in tl.static_range(TOPK):
                 e = tl.load(ids_ptr + m * TOPK + s)
                 n_local += ((e >= 0) & (e < n_experts)).to(tl.int32)
-            todo = n_local > 1
+            todo = n_local != 1
         else:
             todo = True
         if todo:

@@ -27,13 +27,11 @@ from dbo.moe import fused_kernels as fk
 def _flat(bm, bn, bk, sole=False):
     sig = {"act_desc": f"tensordesc<bf16[{bm}, {bk}]>", "order_ptr": "*i32", "map_ptr": "*i32",
            "w_desc": f"tensordesc<bf16[{bn}, {bk}]>", "y_ptr": "*bf16", "tw_ptr": "*fp32", "out_ptr": "*bf16",
-           "ids_ptr": "*i32", "n_tokens": "i32", "n_experts": "i32", "hidden": "i32", "inter": "i32",
-           "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "GROUP_M": "constexpr",
-           "TOPK": "constexpr", "SOLE": "constexpr", "TOPK_P2": "constexpr"}
-    consts = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "TOPK": 8, "SOLE": sole,
-              "TOPK_P2": 8}
-    return fk.down_flat_kernel, sig, consts, ("order_ptr", "map_ptr", "y_ptr", "tw_ptr", "out_ptr", "ids_ptr",
-                                              "hidden", "inter")
+           "hidden": "i32", "inter": "i32", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
+           "BLOCK_K": "constexpr", "GROUP_M": "constexpr", "TOPK": "constexpr", "SOLE": "constexpr"}
+    consts = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "TOPK": 8, "SOLE": sole}
+    return fk.down_flat_kernel, sig, consts, ("order_ptr", "map_ptr", "y_ptr", "tw_ptr", "out_ptr", "hidden",
+                                              "inter")
 
 
 def _flat_sole(bm, bn, bk):
