@@ -352,10 +352,8 @@ if triton is not None:
             acc = tl.zeros([BLOCK], dtype=tl.float32)
             for s in tl.static_range(TOPK):
                 e = tl.load(ids_ptr + m * TOPK + s)
-                local = (e >= 0) & (e < n_experts)
-                # predicated, not branched: the local slots' rows are loaded side by side rather
-                # than one round trip after another (the same sum, in slot order)
-                w = tl.load(w_ptr + m * TOPK + s, mask=local, other=0.0).to(tl.float32)
-                v = tl.load(y_ptr + (m * TOPK + s) * hidden + cols, mask=mask & local, other=0.0)
-                acc = tl.where(local, acc + w * v.to(tl.float32), acc)
+                if (e >= 0) & (e < n_experts):
+                    w = tl.load(w_ptr + m * TOPK + s).to(tl.float32)
+                    acc += w * tl.load(y_ptr + (m * TOPK + s) * hidden + cols, mask=mask,
+                                       other=0.0).to(tl.float32)
             tl.store(out_ptr + m * hidden + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
