@@ -133,7 +133,17 @@ def _ws_band(ws: GemmConfig, lo: float, hi: float, few_only: bool):
     return rule
 
 
-VARIANTS = {"table": table,
+def _up_group(group_m: int):
+    # the warp-specialized gate/up tile with group_m row tiles per column block in tile order
+    # (fewer group boundaries inside an expert's row tiles: each one splits that expert's weight
+    # reads between two groups, far apart in time)
+    def rule(est, inter, n_local, bound, pairs):
+        up, down = table(est, inter, n_local, bound, pairs)
+        return (dataclasses.replace(up, group_m=group_m) if up.ws else up), down
+    return rule
+
+
+VARIANTS = {"table": table, **{f"upg{g}": _up_group(g) for g in (4, 16, 32, 64)},
             "ws64s128": _ws_band(dataclasses.replace(WS64, split=4), 96, 192, False),
             "ws64s128few": _ws_band(dataclasses.replace(WS64, split=4), 96, 192, True),
             "ws128s128": _ws_band(dataclasses.replace(WS128, split=4), 96, 192, False),
