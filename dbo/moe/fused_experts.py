@@ -47,7 +47,7 @@ from __future__ import annotations
 import torch
 
 from dbo.moe import gluon_gate_up
-from dbo.moe.fused_route import route_order, route_with_maps, tile_map, tile_maps
+from dbo.moe.fused_route import block_e, route_order, route_with_maps, tile_map, tile_maps
 from dbo.moe.fused_tiles import (
     CONFIGS,
     DOWN_TAIL,
@@ -79,10 +79,6 @@ else:
         gate_up_kernel,
         topk_sum_kernel,
     )
-
-
-def _block_e(n_experts: int) -> int:
-    return max(16, next_pow2(n_experts))
 
 
 def _bound(cfg: GemmConfig, pairs: int, n_experts: int, cols: int) -> int:
@@ -195,7 +191,7 @@ def launch_gate_up(x: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, 
     _launch(gate_up_kernel, _bound(cfg, pairs, n_experts, inter), x.device, (
         x, order, offsets, w, act, n_experts, hidden, inter, w1.stride(0)), dict(
         TOPK=topk, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        BLOCK_E=_block_e(n_experts), GROUP_M=cfg.group_m, TAIL_M=cfg.tail_m,
+        BLOCK_E=block_e(n_experts), GROUP_M=cfg.group_m, TAIL_M=cfg.tail_m,
         EVEN_K=hidden % cfg.block_k == 0, PRECISION=_precision(x), TMA=tma, PERSISTENT=persistent,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages), persistent)
 
@@ -228,7 +224,7 @@ def launch_down(act: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, w
         _launch(down_short_k_kernel, (cdiv(pairs, cfg.block_m) + n_experts) * groups,
                            act.device, (act, order, offsets, w2, y, n_experts, hidden, inter, w2.stride(0)),
                            dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                                N_PER_PROGRAM=cfg.n_per_program, BLOCK_E=_block_e(n_experts),
+                                N_PER_PROGRAM=cfg.n_per_program, BLOCK_E=block_e(n_experts),
                                 GROUP_M=cfg.group_m, PRECISION=_precision(act), PERSISTENT=persistent,
                                 num_warps=cfg.num_warps, num_stages=cfg.num_stages), persistent)
         return False
@@ -255,7 +251,7 @@ def launch_down(act: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, w
         return sole is not None
     _launch(down_kernel, _bound(cfg, pairs, n_experts, hidden), act.device, (
         act, a_desc, order, offsets, w, y, n_experts, hidden, inter, w2.stride(0)), dict(
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_E=_block_e(n_experts),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_E=block_e(n_experts),
         GROUP_M=cfg.group_m, TAIL_M=cfg.tail_m, EVEN_K=inter % cfg.block_k == 0,
         PRECISION=_precision(act), TMA=tma, PERSISTENT=persistent, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages), persistent)

@@ -16,7 +16,7 @@ import torch
 from dbo.moe.triton_launch import cdiv, launch, next_pow2
 
 __all__ = ["ROUTE_CHUNK", "ROUTE_MAX_CELLS", "ROUTE_MAX_PAIRS", "TILE_MAP_BLOCK", "SOLE_ROWS_BLOCK",
-           "route_order", "route_order_with_maps", "uses_counting_sort", "tile_map", "tile_maps",
+           "block_e", "route_order", "route_order_with_maps", "uses_counting_sort", "tile_map", "tile_maps",
            "route_with_maps"]
 
 try:
@@ -186,10 +186,14 @@ ROUTE_MAX_CELLS = 64 * 256
 ROUTE_MAX_PAIRS = ROUTE_MAX_CELLS // 256 * ROUTE_CHUNK
 
 
+def block_e(n_experts: int) -> int:
+    """The kernels' ``BLOCK_E``: the experts padded to a power of two, at least 16."""
+    return max(16, next_pow2(n_experts))
+
+
 def uses_counting_sort(num_pairs: int, num_local_experts: int) -> bool:
     """Whether :func:`route_order` sorts ``num_pairs`` pairs with the Triton counting sort."""
-    return num_pairs > 0 and cdiv(num_pairs, ROUTE_CHUNK) * max(16, next_pow2(num_local_experts)) \
-        <= ROUTE_MAX_CELLS
+    return num_pairs > 0 and cdiv(num_pairs, ROUTE_CHUNK) * block_e(num_local_experts) <= ROUTE_MAX_CELLS
 
 
 def route_order(topk_ids: torch.Tensor, num_local_experts: int,
@@ -258,22 +262,21 @@ def _counting_sort(topk_ids: torch.Tensor, num_local_experts: int, maps: tuple[t
     ids = topk_ids.reshape(-1).contiguous()
     n = ids.numel()
     zero_arg, n_zero, zero_block = _zeroing(zero, ids)
-    block_e = max(16, next_pow2(num_local_experts))
+    padded = block_e(num_local_experts)
     chunks = cdiv(n, ROUTE_CHUNK)
-    scratch = torch.empty(2, chunks, block_e, dtype=torch.int32, device=ids.device)
+    scratch = torch.empty(2, chunks, padded, dtype=torch.int32, device=ids.device)
     order = torch.empty(n, dtype=torch.int32, device=ids.device)
     offsets = torch.empty(num_local_experts, dtype=torch.int32, device=ids.device)
     launch(_route_count_kernel, (chunks,), (ids, scratch[0], n, num_local_experts),
-           dict(CHUNK=ROUTE_CHUNK, BLOCK_E=block_e))
-    # a map of `bound` tiles has 1 + 3 * bound entries (0: no such map)
-    bounds = [(m.numel() - 1) // 3 for m in maps] + [0, 0]
+           dict(CHUNK=ROUTE_CHUNK, BLOCK_E=padded))
+    bounds = [_map_bound(m) for m in maps] + [0, 0]  # (0: no such map)
     map_programs = sum(cdiv(b, map_block) for b in bounds)
     topk = topk_ids.shape[1] if topk_ids.dim() == 2 else 1
     launch(_route_place_kernel, (chunks + map_programs,), (
         ids, scratch[0], scratch[1], order, offsets, n, num_local_experts, chunks,
         order if dest is None else dest, maps[0] if maps else order, bounds[0],
         maps[-1] if maps else order, bounds[1], zero_arg, n_zero), dict(
-        CHUNK=ROUTE_CHUNK, BLOCK_E=block_e, BLOCK_C=max(2, next_pow2(chunks)), TOPK=topk,
+        CHUNK=ROUTE_CHUNK, BLOCK_E=padded, BLOCK_C=max(2, next_pow2(chunks)), TOPK=topk,
         BLOCK_T=next_pow2(topk), SOLE=dest is not None, BLOCK_M=heights[0] if heights else 0,
         BLOCK_M2=heights[1] if len(heights) == 2 else 0, BLOCK_J=map_block, ZERO_BLOCK=zero_block,
         num_warps=8))
@@ -300,7 +303,7 @@ def tile_maps(offsets: torch.Tensor, block_ms: tuple[int, ...], pairs: int,
     launch fills with zeros (the split gate/up kernel's counters), which saves it a launch."""
     n_experts = offsets.numel()
     maps = _new_maps(block_ms, pairs, n_experts, offsets.device)
-    bounds = [(t.numel() - 1) // 3 for t in maps]
+    bounds = [_map_bound(t) for t in maps]
     grid = sum(cdiv(b, TILE_MAP_BLOCK) for b in bounds)
     order, ids, dest, topk = offsets, offsets, None, 1  # (unread without sole)
     if sole is not None:
@@ -313,10 +316,15 @@ def tile_maps(offsets: torch.Tensor, block_ms: tuple[int, ...], pairs: int,
     launch(tile_map_kernel, (grid,), (offsets, maps[0], n_experts, bounds[0], order, ids,
                                       maps[0] if dest is None else dest, maps[-1],
                                       bounds[1] if second else 0, zero_arg, n_zero), dict(
-        BLOCK_M=block_ms[0], BLOCK_E=max(16, next_pow2(n_experts)), BLOCK_J=TILE_MAP_BLOCK, TOPK=topk,
+        BLOCK_M=block_ms[0], BLOCK_E=block_e(n_experts), BLOCK_J=TILE_MAP_BLOCK, TOPK=topk,
         BLOCK_T=next_pow2(topk), BLOCK_R=SOLE_ROWS_BLOCK, SOLE=sole is not None,
         BLOCK_M2=block_ms[1] if second else 0, ZERO_BLOCK=zero_block))
     return maps, dest
+
+
+def _map_bound(tiles: torch.Tensor) -> int:
+    # the most row tiles a map holds: its entries are their count, then three per tile
+    return (tiles.numel() - 1) // 3
 
 
 def _new_maps(block_ms: tuple[int, ...], pairs: int, n_experts: int, device) -> tuple[torch.Tensor, ...]:
