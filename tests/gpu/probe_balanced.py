@@ -10,14 +10,12 @@ before) has no spills where the rows per expert are a multiple of the tiles' hei
 of the two times bounds what removing that padding could gain. The outputs are checked against
 the unfused reference of the same routing.
 
-    python3 tests/gpu/probe_balanced.py [--json out.json] [--tokens 4096 8192 16384]
+    python3 tests/gpu/probe_balanced.py [--json out.json] [--reps 20]
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -27,10 +25,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from tune_experts import alternating_ms  # noqa: E402
+from tune_experts import alternating_ms, probe_shapes  # noqa: E402
 
 from dbo.bench.experts import _apply, make_case  # noqa: E402
-from dbo.bench.limits import experts_cost, measure_device_limits  # noqa: E402
+from dbo.bench.limits import experts_cost  # noqa: E402
 from dbo.moe import SwiGLUExperts, Workspace  # noqa: E402
 
 
@@ -47,9 +45,18 @@ def balanced_ids(tokens: int, local: int, *, num_experts: int = 256, topk: int =
     return torch.where(ids < local, ids, -1).to(torch.int32)
 
 
-def one_shape(lim, inter: int, local: int, t: int, reps: int, w=None) -> tuple[dict, tuple]:
+#: (I, local experts, tokens): the grid's rows at 128, 256 and 512 rows per expert
+SHAPES = [(i, n, t) for i in (256, 768, 2048) for n in (32, 128, 256) for t in (4096, 8192, 16384)]
+#: the last shape's weights, kept for the next shape of the same I and local experts
+_weights: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def one_shape(lim, inter: int, local: int, t: int, reps: int) -> dict:
     hidden = 7168
+    w = _weights.pop((inter, local), None)
+    _weights.clear()
     case_r = make_case(t, hidden, inter, local, seed=t, weights=w)
+    _weights[inter, local] = (case_r.w1, case_r.w2)
     ids = balanced_ids(t, local, seed=t)
     counts = torch.bincount(ids[ids >= 0].long(), minlength=local).to(torch.int32).cpu()
     case_b = dataclasses.replace(case_r, ids=ids, counts=counts, _meta=None)
@@ -70,45 +77,26 @@ def one_shape(lim, inter: int, local: int, t: int, reps: int, w=None) -> tuple[d
         flops, nbytes = experts_cost(hidden=hidden, intermediate=inter, local_pairs=int(c.counts.sum()),
                                      experts_with_rows=int((c.counts > 0).sum()))
         row.setdefault("x_limit", {})[k] = ms[k] / lim.time_ms(flops, nbytes)
-    print(f"I={inter:>4} L={local:>3} T={t:>5} rows/e {8 * t // 256:>4} "
-          f"(random {row['rows_per_expert']['random']}) | random {ms['random']:.3f} ms "
-          f"({row['x_limit']['random']:.2f}x) balanced {ms['balanced']:.3f} ms "
-          f"({row['x_limit']['balanced']:.2f}x) | balanced/random {ms['balanced'] / ms['random']:.3f}"
-          + f" | err {max(err.values()):.1e}", flush=True)
-    return row, (case_r.w1, case_r.w2)
+    return row
 
 
-def main() -> int:
-    p = argparse.ArgumentParser()
-    p.add_argument("--intermediate", type=int, nargs="+", default=[256, 768, 2048])
-    p.add_argument("--local-experts", type=int, nargs="+", default=[32, 128, 256])
-    p.add_argument("--tokens", type=int, nargs="+", default=[4096, 8192, 16384])
-    p.add_argument("--reps", type=int, default=20)
-    p.add_argument("--json", default=None)
-    a = p.parse_args()
-    lim = measure_device_limits()
-    print(lim.describe(), flush=True)
-    rows = []
-    with torch.inference_mode():
-        for inter in a.intermediate:
-            for local in a.local_experts:
-                w = None
-                for t in a.tokens:
-                    row, w = one_shape(lim, inter, local, t, a.reps, w)
-                    rows.append(row)
-                del w
-                torch.cuda.empty_cache()
-    for t in a.tokens:
+def _line(row: dict) -> str:
+    ms, x = row["ms"], row["x_limit"]
+    return (f"I={row['I']:>4} L={row['L']:>3} T={row['T']:>5} rows/e {8 * row['T'] // 256:>4} "
+            f"(random {row['rows_per_expert']['random']}) | random {ms['random']:.3f} ms "
+            f"({x['random']:.2f}x) balanced {ms['balanced']:.3f} ms ({x['balanced']:.2f}x) | "
+            f"balanced/random {ms['balanced'] / ms['random']:.3f} | err {max(row['rel_err'].values()):.1e}")
+
+
+def _summary(rows: list[dict]) -> None:
+    gm = statistics.geometric_mean
+    for t in sorted({r["T"] for r in rows}):
         sub = [r for r in rows if r["T"] == t]
-        gm = statistics.geometric_mean
-        ratio = gm([r['ms']['balanced'] / r['ms']['random'] for r in sub])
+        ratio = gm([r["ms"]["balanced"] / r["ms"]["random"] for r in sub])
         print(f"T={t}: balanced/random geomean {ratio:.3f}, "
               f"x limit random {gm([r['x_limit']['random'] for r in sub]):.3f} balanced "
               f"{gm([r['x_limit']['balanced'] for r in sub]):.3f}", flush=True)
-    if a.json:
-        Path(a.json).write_text(json.dumps({"limits": lim.as_dict(), "rows": rows}, indent=1))
-    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(probe_shapes(SHAPES, one_shape, _line, reps=20, limits=True, summary=_summary))

@@ -153,11 +153,12 @@ def down_probe_inputs(lim, inter: int, local: int, t: int, hidden: int = 7168, t
                                                        "limit_ms": own}
 
 
-def probe_shapes(shapes, one_shape, line=None, reps: int = 20, limits: bool = False) -> int:
+def probe_shapes(shapes, one_shape, line=None, reps: int = 20, limits: bool = False, summary=None) -> int:
     """A probe's main over ``(I, local experts, tokens)`` shapes: ``--json`` (the rows), ``--reps``
     (default ``reps``). ``one_shape(I, L, T, reps)`` returns a row, or with ``limits``
     ``one_shape(lim, I, L, T, reps)``, ``lim`` the device's ceilings measured first (printed, and
-    kept in the json); ``line(row)``, where given, is printed after each shape."""
+    kept in the json); ``line(row)``, where given, is printed after each shape, and
+    ``summary(rows)`` after the last."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None)
     ap.add_argument("--reps", type=int, default=reps)
@@ -172,6 +173,8 @@ def probe_shapes(shapes, one_shape, line=None, reps: int = 20, limits: bool = Fa
             if line is not None:
                 print(line(rows[-1]), flush=True)
             torch.cuda.empty_cache()
+    if summary is not None:
+        summary(rows)
     if a.json:
         out = {"rows": rows} if lim is None else {"limits": lim.as_dict(), "rows": rows}
         Path(a.json).write_text(json.dumps(out, indent=1))
