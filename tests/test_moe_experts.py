@@ -186,18 +186,31 @@ for seed, (m, topk, n_local) in enumerate([(37, 3, 5), (700, 8, 16), (300, 8, 25
     assert (flat[rows][1:] >= flat[rows][:-1]).all(), seed
     assert torch.equal(offsets.long(), torch.cumsum(torch.bincount(flat[local], minlength=n_local), 0))
 from dbo.moe.fused_experts import tile_map
-for counts, block_m, pairs in [([5, 0, 33, 32, 0, 1], 16, 71), ([0, 0, 0], 32, 4),
-                               ([200] + [0] * 40, 16, 200), ([3] * 70, 16, 400)]:
+from dbo.moe.fused_route import MAP_ENTRY
+def _groups(n, g):
+    # an expert's n row tiles in ceil(n / g) groups of as equal sizes as can be: (start, size)
+    k = max(1, -(-n // g))
+    starts = [-(-c * n // k) for c in range(k + 1)]
+    return [(starts[c], starts[c + 1] - starts[c]) for c in range(k) for _ in range(starts[c], starts[c + 1])]
+assert _groups(9, 8) == [(0, 5)] * 5 + [(5, 4)] * 4 and _groups(3, 8) == [(0, 3)] * 3
+for counts, block_m, pairs, group in [([5, 0, 33, 32, 0, 1], 16, 71, 8), ([0, 0, 0], 32, 4, 8),
+                                      ([200] + [0] * 40, 16, 200, 8), ([3] * 70, 16, 400, 8),
+                                      ([5, 0, 33, 32, 0, 1], 4, 71, 3), ([150, 7, 40, 0, 97], 8, 300, 5),
+                                      ([150, 7, 40, 0, 97], 8, 300, 1)]:
     # the flat down kernel's row tiles: every expert's rows in tiles of block_m, in order (an
-    # expert without rows has none; a bound of pairs above the rows leaves the rest unwritten)
+    # expert without rows has none; a bound of pairs above the rows leaves the rest unwritten),
+    # each with its group: at most `group` row tiles, all of one expert
     offsets = torch.cumsum(torch.tensor(counts), 0).to(torch.int32)
     firsts = [0, *offsets.tolist()[:-1]]
-    want = [(e, r0, first + c) for e, (first, c) in enumerate(zip(firsts, counts))
-            for r0 in range(first, first + c, block_m)]
-    got, none = tile_map(offsets, block_m, pairs)
+    want, tile0 = [], 0
+    for e, (first, c) in enumerate(zip(firsts, counts)):
+        r0s = range(first, first + c, block_m)
+        want += [(e, r0, first + c, tile0 + g0, gn) for r0, (g0, gn) in zip(r0s, _groups(len(r0s), group))]
+        tile0 += len(r0s)
+    got, none = tile_map(offsets, block_m, pairs, group_m=group)
     n = int(got[0])
     assert n == len(want) and none is None, (counts, n)
-    assert [tuple(r) for r in got[1:1 + 3 * n].view(-1, 3).tolist()] == [(e, r0, end) for e, r0, end in want]
+    assert [tuple(r) for r in got[1:1 + MAP_ENTRY * n].view(-1, MAP_ENTRY).tolist()] == want, (counts, group)
 for seed, (m, topk, n_local) in enumerate([(37, 3, 5), (700, 8, 16), (300, 6, 256)]):
     # with the sole rows marked: ~slot where the slot's token has no other local slot
     g = torch.Generator().manual_seed(seed)
@@ -209,39 +222,42 @@ for seed, (m, topk, n_local) in enumerate([(37, 3, 5), (700, 8, 16), (300, 6, 25
     want = [~o if per_token[o // topk] == 1 else o for o in order[:n].tolist()]
     assert dest[:n].tolist() == want and any(w < 0 for w in want), seed
 from dbo.moe.fused_experts import tile_maps
-for seed, (m, topk, n_local, heights, n_zero) in enumerate([(300, 8, 16, (16, 32), 300),
-                                                          (700, 8, 5, (64, 16), 7), (37, 3, 5, (32,), 0)]):
-    # one launch for two heights' maps, the sole rows' marks and zeroed counters: the same as
-    # one launch per map
+for seed, (m, topk, n_local, heights, n_zero, groups) in enumerate([
+        (300, 8, 16, (16, 32), 300, (8, 8)), (700, 8, 5, (64, 16), 7, (3, 2)), (37, 3, 5, (32,), 0, (8,)),
+        (700, 8, 5, (16, 16), 0, (8, 3))]):
+    # one launch for two maps (heights, groups), the sole rows' marks and zeroed counters: the
+    # same as one launch per map
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(-1, 2 * n_local, (m, topk), generator=g).to(torch.int32)
     order, offsets = route_order(ids, n_local)
     zero = torch.full((n_zero,), 7, dtype=torch.int32)
-    maps, dest = tile_maps(offsets, heights, m * topk, (order, ids), zero)
+    maps, dest = tile_maps(offsets, heights, m * topk, (order, ids), zero, groups)
     n = int(offsets[-1])
     assert len(maps) == len(heights) and not zero.any(), seed
-    for got, bm in zip(maps, heights):
-        want, want_dest = tile_map(offsets, bm, m * topk, (order, ids))
-        k = 1 + 3 * int(want[0])
+    for got, bm, gm in zip(maps, heights, groups):
+        want, want_dest = tile_map(offsets, bm, m * topk, (order, ids), gm)
+        k = 1 + MAP_ENTRY * int(want[0])
         assert torch.equal(got[:k], want[:k]) and torch.equal(dest[:n], want_dest[:n]), (seed, bm)
 from dbo.moe.fused_experts import route_with_maps
-for seed, (m, topk, n_local, heights, sole) in enumerate([
-        (300, 8, 16, (64, 128), True), (200, 8, 32, (16,), True), (90, 6, 5, (32, 16), False),
-        (5, 2, 3, (16,), True)]):
+for seed, (m, topk, n_local, heights, sole, groups) in enumerate([
+        (300, 8, 16, (64, 128), True, (8, 8)), (200, 8, 32, (16,), True, (2,)),
+        (90, 6, 5, (32, 16), False, (3, 5)), (5, 2, 3, (16,), True, (8,)),
+        (90, 6, 5, (16, 16), True, (8, 2))]):
     # the counting sort's second launch also builds the maps, the marks and zeros: the same
     # values as route_order and then tile_maps (several chunks in the first two cases)
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(-1, 2 * n_local, (m, topk), generator=g).to(torch.int32)
     zero = torch.full((40,), 3, dtype=torch.int32)
-    order, offsets, maps, dest = route_with_maps(ids, n_local, heights, m * topk, sole, zero)
+    order, offsets, maps, dest = route_with_maps(ids, n_local, heights, m * topk, sole, zero, groups=groups)
     want_order, want_offsets = route_order(ids, n_local)
-    want_maps, want_dest = tile_maps(want_offsets, heights, m * topk, (want_order, ids) if sole else None)
+    want_maps, want_dest = tile_maps(want_offsets, heights, m * topk, (want_order, ids) if sole else None,
+                                     groups=groups)
     n = int(want_offsets[-1])
     assert torch.equal(offsets, want_offsets) and torch.equal(order[:n], want_order[:n]), seed
     assert not zero.any() and (dest is None) == (not sole), seed
     assert sole is False or torch.equal(dest[:n], want_dest[:n]), seed
     for got, want in zip(maps, want_maps):
-        k = 1 + 3 * int(want[0])
+        k = 1 + MAP_ENTRY * int(want[0])
         assert torch.equal(got[:k], want[:k]), (seed, got[:k], want[:k])
 from dbo.moe.fused_experts import GemmConfig, fused_swiglu_experts
 for seed, m, n_local, topk, tail, red, down_kind, persistent in [
@@ -353,3 +369,7 @@ def test_maps_reject_bad_requests_before_launching():
                               dest=torch.zeros(16, dtype=torch.int32))
     with pytest.raises(ValueError, match="int32"):
         route_with_maps(ids, 2, (16,), 16, True, zero=torch.zeros(4, dtype=torch.int64))
+    with pytest.raises(ValueError, match="a group size"):
+        tile_maps(offsets, (16,), 16, groups=(0,))
+    with pytest.raises(ValueError, match="a group size"):
+        route_order_with_maps(ids, 2, (torch.zeros(7, dtype=torch.int32),), (16,), 64, groups=(8, 8))

@@ -24,7 +24,7 @@ with ``e = topk_ids[m, s]``, ``[g_e; u_e] = w1[e]`` and ``d_e = w2[e]``.
 A program finds its expert and its tile from the device offsets itself (a scan over at most
 ``BLOCK_E`` experts), so the grid is an upper bound known on the host: programs past the last
 expert's tiles do nothing. The flat down kernel, whose tiles are short (a few K steps at I <=
-768), and the Gluon gate/up kernel read their row tiles from a map instead (three scalar loads
+768), and the Gluon gate/up kernel read their row tiles from a map instead (five scalar loads
 per tile where the scan costs five block-wide reductions), built with the sole rows' marks by
 the counting sort's second launch (:func:`dbo.moe.fused_route.route_with_maps`; after the radix
 sort, or without routing, one launch of :func:`dbo.moe.fused_route.tile_maps`).
@@ -33,7 +33,8 @@ host counts, a small local share of the experts: at 32 of 256 local experts 7 of
 had nothing to do) the GEMMs run persistent instead: one program per resident slot of the GPU,
 each walking every num_programs-th tile (:func:`dbo.moe.fused_tiles.prefer_persistent` says
 where that pays). Within an expert the tiles are visited in groups of ``group_m`` row blocks
-per column block, so that concurrent programs share weight tiles in L2.
+per column block, so that concurrent programs share weight tiles in L2 (the maps' groups are
+as equal as can be and never span two experts; the K-loop kernels' take ``group_m`` at a time).
 
 Both GEMMs' tiles are ``BLOCK_M`` rows of one expert; an expert's last tile, when its rows fit,
 runs as a smaller tile (``GemmConfig.tail_m``, or half of ``BLOCK_M``), so the rows past the
@@ -177,11 +178,10 @@ def launch_gate_up(x: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, 
     inter = two_inter // 2
     if runs_ws(cfg, x, w1):
         if tiles is None:
-            tiles, _ = tile_map(offsets, cfg.block_m, pairs)
+            tiles, _ = tile_map(offsets, cfg.block_m, pairs, group_m=cfg.group_m)
         gluon_gate_up.launch_gate_up_ws(x, order, tiles, w1, act, topk, ws_programs(cfg, pairs, w1),
                                         block_m=cfg.block_m, block_n=cfg.block_n, block_k=cfg.block_k,
-                                        stages=cfg.num_stages, group_m=cfg.group_m, split=cfg.split,
-                                        counts=counts)
+                                        stages=cfg.num_stages, split=cfg.split, counts=counts)
         return
     # a ws tile here (not on a Hopper GPU, or operands it cannot take): its Triton tile
     cfg = FP32_CONFIG if x.element_size() > 2 else cfg.triton_tile()
@@ -238,7 +238,8 @@ def launch_down(act: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, w
         w = Desc(w2.view(n_experts * hidden, inter), (cfg.block_n, cfg.block_k))
     if flat:
         if tile_maps is None:
-            tile_maps = tile_map(offsets, cfg.block_m, pairs, None if sole is None else (order, sole[0]))
+            tile_maps = tile_map(offsets, cfg.block_m, pairs, None if sole is None else (order, sole[0]),
+                                 cfg.group_m)
         elif (tile_maps[1] is None) != (sole is None):
             raise ValueError("tile_maps must carry the sole rows' marks exactly when sole is given")
         tiles, dest = tile_maps
@@ -246,7 +247,7 @@ def launch_down(act: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, w
         tw, out, topk = (sole[1], sole[2], sole[0].shape[1]) if sole is not None else (order, y, 1)
         _launch(down_flat_kernel, _bound(cfg, pairs, n_experts, hidden), act.device, (
             a_desc, order if dest is None else dest, tiles, w, y, tw, out, hidden, inter), dict(
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             TOPK=topk, SOLE=sole is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages), True)
         return sole is not None
     _launch(down_kernel, _bound(cfg, pairs, n_experts, hidden), act.device, (
@@ -309,9 +310,12 @@ def fused_swiglu_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
         # both GEMMs' maps, the sole rows' marks and the split's counters with the routing
         if up_cfg.split > 1:
             counts = torch.empty(ws_programs(up_cfg, pairs, w1), dtype=torch.int32, device=x.device)
-        heights = tuple(dict.fromkeys((up_cfg.block_m, down_cfg.block_m)))  # one map where equal
-        order, offsets, maps, dest = route_with_maps(ids, n_experts, heights, pairs, sole_args is not None,
-                                                     counts, bounds)
+        # one map where both tiles' rows and groups are equal
+        shapes = tuple(dict.fromkeys(((up_cfg.block_m, up_cfg.group_m),
+                                      (down_cfg.block_m, down_cfg.group_m))))
+        order, offsets, maps, dest = route_with_maps(ids, n_experts, tuple(h for h, _ in shapes), pairs,
+                                                     sole_args is not None, counts, bounds,
+                                                     tuple(g for _, g in shapes))
         up_map, down_maps = maps[0], (maps[-1], dest)
     else:
         order, offsets = route_order(ids, n_experts, bounds)

@@ -20,6 +20,7 @@ except ImportError:  # the module is only used where Triton is importable
 
 
 if triton is not None:
+    from dbo.moe.fused_route import map_tile
 
     @triton.jit
     def _tile_table(offs_ptr, n_experts, n_col_blocks, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
@@ -235,14 +236,14 @@ if triton is not None:
     @triton.jit
     def down_flat_kernel(act_desc, order_ptr, map_ptr, w_desc, y_ptr, tw_ptr, out_ptr, hidden, inter,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         GROUP_M: tl.constexpr, TOPK: tl.constexpr, SOLE: tl.constexpr):
+                         TOPK: tl.constexpr, SOLE: tl.constexpr):
         # persistent: every num_programs-th tile, the tile loop flattened with the K loop so that
         # Triton pipelines the next tile's loads under this tile's products and stores (a short K
         # loop of its own, a few steps at I = 256, does not pipeline). act_desc: act as [R, inter],
         # box [BLOCK_M, BLOCK_K]; w_desc: w2 as [E * hidden, inter], box [BLOCK_N, BLOCK_K]. The
-        # row tiles come from fused_route.tile_map_kernel's map (three scalar loads per tile, where the
+        # row tiles come from fused_route.tile_map_kernel's map (five scalar loads per tile, where the
         # experts' scan of _tile_at costs five block-wide reductions: 13-17% of this kernel's
-        # time at I = 256); GROUP_M row tiles share a column block in tile order. No tail tiles:
+        # time at I = 256); a group's row tiles share a column block in tile order. No tail tiles:
         # the rows past the expert's end (the next expert's, or TMA's zeros) are computed and
         # never stored. SOLE (the top-k sum runs with SOLE too): order_ptr is tile_map_kernel's
         # dest, where ~slot marks a row whose token has no other local slot: that row is weighted
@@ -252,10 +253,7 @@ if triton is not None:
         n_m = tl.load(map_ptr)
         k_tiles = tl.cdiv(inter, BLOCK_K)
         for t in tl.range(tl.program_id(0), n_m * n_col, tl.num_programs(0), flatten=True):
-            pid_m, pid_n = _grouped_tile(t, n_m, n_col, GROUP_M)
-            e = tl.load(map_ptr + 1 + 3 * pid_m)
-            row0 = tl.load(map_ptr + 2 + 3 * pid_m)
-            end_row = tl.load(map_ptr + 3 + 3 * pid_m)
+            e, row0, end_row, pid_n = map_tile(t, map_ptr, n_col)
             w_row = e * hidden + pid_n * BLOCK_N
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             for ki in range(k_tiles):

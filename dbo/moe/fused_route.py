@@ -16,6 +16,7 @@ import torch
 from dbo.moe.triton_launch import cdiv, launch, next_pow2
 
 __all__ = ["ROUTE_CHUNK", "ROUTE_MAX_CELLS", "ROUTE_MAX_PAIRS", "TILE_MAP_BLOCK", "SOLE_ROWS_BLOCK",
+           "MAP_ENTRY", "MAP_GROUP_M",
            "block_e", "route_order", "route_order_with_maps", "uses_counting_sort", "tile_map", "tile_maps",
            "route_with_maps"]
 
@@ -30,9 +31,10 @@ if triton is not None:
 
     @triton.jit
     def map_tiles(starts, ends, live, map_ptr, max_tiles, block, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
-                  BLOCK_J: tl.constexpr):
+                  BLOCK_J: tl.constexpr, GROUP_M: tl.constexpr):
         # block `block` of the row tiles of BLOCK_M rows of the experts whose first and end rows
-        # are starts and ends ([BLOCK_E], live the real experts; see tile_map_kernel)
+        # are starts and ends ([BLOCK_E], live the real experts; see tile_map_kernel). An
+        # expert's row tiles form ceil(tiles / GROUP_M) groups of as equal sizes as can be
         m_tiles = tl.where(live, (ends - starts + BLOCK_M - 1) // BLOCK_M, 0)
         tile_ends = tl.where(live, tl.cumsum(m_tiles, 0), 2147483647)
         total = tl.sum(m_tiles, 0)
@@ -44,11 +46,36 @@ if triton is not None:
         e = tl.sum(before.to(tl.int32), 1)
         first_tile = tl.max(tl.where(before, tile_ends[None, :], 0), 1)
         first_row = tl.max(tl.where(before, ends[None, :], 0), 1)
-        end_row = tl.sum(tl.where(tl.arange(0, BLOCK_E)[None, :] == e[:, None], ends[None, :], 0), 1)
-        out = map_ptr + 1 + 3 * j
+        own = tl.arange(0, BLOCK_E)[None, :] == e[:, None]
+        end_row = tl.sum(tl.where(own, ends[None, :], 0), 1)
+        # group c of the expert's n tiles (in k groups) starts at its tile ceil(c * n / k): tile
+        # i is in group floor(i * k / n)
+        n = tl.maximum(tl.sum(tl.where(own, m_tiles[None, :], 0), 1), 1)
+        k = (n + GROUP_M - 1) // GROUP_M
+        c = (j - first_tile) * k // n
+        g0 = (c * n + k - 1) // k
+        g1 = ((c + 1) * n + k - 1) // k
+        out = map_ptr + 1 + 5 * j  # (MAP_ENTRY int32 per tile)
         tl.store(out, e, mask=keep)
         tl.store(out + 1, first_row + (j - first_tile) * BLOCK_M, mask=keep)
         tl.store(out + 2, end_row, mask=keep)
+        tl.store(out + 3, first_tile + g0, mask=keep)
+        tl.store(out + 4, g1 - g0, mask=keep)
+
+    @triton.jit
+    def map_tile(t, map_ptr, n_col):
+        # tile t of a map's row tiles x n_col column blocks -> (expert, first row, the expert's
+        # end row, column block): a group's row tiles take each column block one after the other
+        # (so that they read its weight tile from L2 together), and no group holds two experts
+        q = t // n_col  # a row tile of t's group (the group's tiles are n_col times its rows)
+        g0 = tl.load(map_ptr + 4 + 5 * q)
+        gn = tl.load(map_ptr + 5 + 5 * q)
+        local = t - g0 * n_col
+        pid_m = g0 + local % gn
+        e = tl.load(map_ptr + 1 + 5 * pid_m)
+        row0 = tl.load(map_ptr + 2 + 5 * pid_m)
+        end_row = tl.load(map_ptr + 3 + 5 * pid_m)
+        return e, row0, end_row, local // gn
 
     @triton.jit
     def mark_sole(ids_ptr, slots, live, n_experts, TOPK: tl.constexpr, BLOCK_T: tl.constexpr):
@@ -70,17 +97,18 @@ if triton is not None:
                         max_tiles2, zero_ptr, n_zero, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
                         BLOCK_J: tl.constexpr, TOPK: tl.constexpr, BLOCK_T: tl.constexpr,
                         BLOCK_R: tl.constexpr, SOLE: tl.constexpr, BLOCK_M2: tl.constexpr,
-                        ZERO_BLOCK: tl.constexpr):
+                        ZERO_BLOCK: tl.constexpr, GROUP_M: tl.constexpr, GROUP_M2: tl.constexpr):
         # the row tiles of BLOCK_M rows, in expert order, for down_flat_kernel and the Gluon
-        # gate/up kernel: map[0] their count, map[1 + 3j : 4 + 3j] row tile j's expert, first
-        # row and the expert's end row. Row tile j belongs to the expert whose tiles start at or
+        # gate/up kernel: map[0] their count, map[1 + 5j : 6 + 5j] row tile j's expert, first
+        # row, the expert's end row, its group's first row tile and size (map_tiles: at most
+        # GROUP_M tiles, of one expert). Row tile j belongs to the expert whose tiles start at or
         # before j and end after it: the experts whose tiles end at or before j (their tile ends
         # do not decrease) are counted, and the largest of their tile ends and end rows are tile
         # j's expert's first tile and first row. BLOCK_M2 > 0: the next programs write map2,
-        # the same of BLOCK_M2 rows. SOLE: the programs past the maps mark each sorted row whose
-        # token has no other local slot (ids_ptr [M, TOPK]): dest[r] = ~order[r] there, order[r]
-        # else. ZERO_BLOCK > 0: program 0 also zeroes zero_ptr[:n_zero] (int32 counters), so
-        # that they need no launch of their own
+        # the same of BLOCK_M2 rows (groups of GROUP_M2). SOLE: the programs past the maps mark
+        # each sorted row whose token has no other local slot (ids_ptr [M, TOPK]): dest[r] =
+        # ~order[r] there, order[r] else. ZERO_BLOCK > 0: program 0 also zeroes
+        # zero_ptr[:n_zero] (int32 counters), so that they need no launch of their own
         pid = tl.program_id(0)
         if ZERO_BLOCK > 0:  # noqa: SIM102 (a constexpr test: the body is not compiled at 0)
             if pid == 0:
@@ -94,9 +122,10 @@ if triton is not None:
             ends = tl.load(offs_ptr + es, mask=real, other=0)
             starts = tl.load(offs_ptr + es - 1, mask=real & (es > 0), other=0)
             if pid < n_map:
-                map_tiles(starts, ends, real, map_ptr, max_tiles, pid, BLOCK_M, BLOCK_E, BLOCK_J)
+                map_tiles(starts, ends, real, map_ptr, max_tiles, pid, BLOCK_M, BLOCK_E, BLOCK_J, GROUP_M)
             elif BLOCK_M2 > 0:
-                map_tiles(starts, ends, real, map2_ptr, max_tiles2, pid - n_map, BLOCK_M2, BLOCK_E, BLOCK_J)
+                map_tiles(starts, ends, real, map2_ptr, max_tiles2, pid - n_map, BLOCK_M2, BLOCK_E, BLOCK_J,
+                          GROUP_M2)
         elif SOLE:
             rows = (pid - n_map - n_map2) * BLOCK_R + tl.arange(0, BLOCK_R)
             live = rows < tl.load(offs_ptr + n_experts - 1)
@@ -128,7 +157,7 @@ if triton is not None:
                             CHUNK: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr,
                             TOPK: tl.constexpr, BLOCK_T: tl.constexpr, SOLE: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_J: tl.constexpr,
-                            ZERO_BLOCK: tl.constexpr):
+                            ZERO_BLOCK: tl.constexpr, GROUP_M: tl.constexpr, GROUP_M2: tl.constexpr):
         # a counting sort: expert e's rows start after every smaller expert's rows and after
         # expert e's rows of the earlier chunks; within the chunk a pair's rank among its
         # expert's pairs is its place in the sorted chunk minus where its expert starts there.
@@ -172,9 +201,10 @@ if triton is not None:
             j = c - n_chunks
             n_map = tl.cdiv(max_tiles, BLOCK_J)
             if j < n_map:
-                map_tiles(starts, ends, live, map_ptr, max_tiles, j, BLOCK_M, BLOCK_E, BLOCK_J)
+                map_tiles(starts, ends, live, map_ptr, max_tiles, j, BLOCK_M, BLOCK_E, BLOCK_J, GROUP_M)
             elif BLOCK_M2 > 0:
-                map_tiles(starts, ends, live, map2_ptr, max_tiles2, j - n_map, BLOCK_M2, BLOCK_E, BLOCK_J)
+                map_tiles(starts, ends, live, map2_ptr, max_tiles2, j - n_map, BLOCK_M2, BLOCK_E, BLOCK_J,
+                          GROUP_M2)
 
 
 #: pairs per program of the Triton counting sort; the most (chunks x padded experts) cells of
@@ -184,6 +214,14 @@ ROUTE_CHUNK = 1024
 ROUTE_MAX_CELLS = 64 * 256
 #: the most pairs the counting sort takes at 256 local experts (any count up to 256)
 ROUTE_MAX_PAIRS = ROUTE_MAX_CELLS // 256 * ROUTE_CHUNK
+
+
+#: int32 entries per row tile of a row-tile map (after its count): the expert, the tile's first
+#: row, the expert's end row, its group's first row tile and the group's size
+MAP_ENTRY = 5
+#: the most row tiles of one group of a map by default (an expert with more has several, of
+#: as equal sizes as can be); a group's row tiles take each column block one after the other
+MAP_GROUP_M = 8
 
 
 def block_e(n_experts: int) -> int:
@@ -229,10 +267,12 @@ def route_order(topk_ids: torch.Tensor, num_local_experts: int,
 
 def route_order_with_maps(topk_ids: torch.Tensor, num_local_experts: int, maps: tuple[torch.Tensor, ...],
                           heights: tuple[int, ...], map_block: int, dest: torch.Tensor | None = None,
-                          zero: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+                          zero: torch.Tensor | None = None, groups: tuple[int, ...] | None = None,
+                          ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """:func:`route_order`'s counting sort whose second launch also writes, from its histogram,
-    the row-tile maps ``maps`` of ``heights`` rows (one or two; int32 ``[1 + 3 * bound]`` each,
-    as :func:`tile_maps` builds them with ``map_block`` tiles per program),
+    the row-tile maps ``maps`` of ``heights`` rows and ``groups`` row tiles per group at most
+    (one or two; int32 ``[1 + MAP_ENTRY * bound]`` each, as :func:`tile_maps` builds them with
+    ``map_block`` tiles per program),
     ``dest`` (the sorted rows' pairs, ``~pair`` where the pair's token has no other local slot)
     and zeros in ``zero`` (int32): the launches of ``tile_maps`` saved. ``None`` (nothing
     launched) where the counting sort does not take this size."""
@@ -243,7 +283,8 @@ def route_order_with_maps(topk_ids: torch.Tensor, num_local_experts: int, maps: 
         raise ValueError(f"one or two maps with their heights, got {len(maps)} and {heights}")
     if dest is not None and topk_ids.dim() != 2:
         raise ValueError(f"marking the sole rows needs [M, topk] ids, got shape {tuple(topk_ids.shape)}")
-    return _counting_sort(topk_ids, num_local_experts, maps, heights, map_block, dest, zero)
+    return _counting_sort(topk_ids, num_local_experts, maps, heights, map_block, dest, zero,
+                          _groups(groups, heights))
 
 
 def _zeroing(zero: torch.Tensor | None, stand_in: torch.Tensor) -> tuple[torch.Tensor, int, int]:
@@ -256,9 +297,18 @@ def _zeroing(zero: torch.Tensor | None, stand_in: torch.Tensor) -> tuple[torch.T
     return zero, zero.numel(), 256
 
 
+def _groups(groups: tuple[int, ...] | None, heights: tuple[int, ...]) -> tuple[int, ...]:
+    # each map's most row tiles per group (default MAP_GROUP_M), checked
+    groups = (MAP_GROUP_M,) * len(heights) if groups is None else tuple(groups)
+    if len(groups) != len(heights) or any(g < 1 for g in groups):
+        raise ValueError(f"a group size >= 1 per map, got {groups} for heights {heights}")
+    return groups
+
+
 def _counting_sort(topk_ids: torch.Tensor, num_local_experts: int, maps: tuple[torch.Tensor, ...] = (),
                    heights: tuple[int, ...] = (), map_block: int = 1, dest: torch.Tensor | None = None,
-                   zero: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   zero: torch.Tensor | None = None, groups: tuple[int, ...] = (),
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     ids = topk_ids.reshape(-1).contiguous()
     n = ids.numel()
     zero_arg, n_zero, zero_block = _zeroing(zero, ids)
@@ -279,7 +329,7 @@ def _counting_sort(topk_ids: torch.Tensor, num_local_experts: int, maps: tuple[t
         CHUNK=ROUTE_CHUNK, BLOCK_E=padded, BLOCK_C=max(2, next_pow2(chunks)), TOPK=topk,
         BLOCK_T=next_pow2(topk), SOLE=dest is not None, BLOCK_M=heights[0] if heights else 0,
         BLOCK_M2=heights[1] if len(heights) == 2 else 0, BLOCK_J=map_block, ZERO_BLOCK=zero_block,
-        num_warps=8))
+        GROUP_M=groups[0] if groups else 1, GROUP_M2=groups[1] if len(groups) == 2 else 1, num_warps=8))
     return order, offsets
 
 
@@ -290,12 +340,19 @@ SOLE_ROWS_BLOCK = 512
 
 def tile_maps(offsets: torch.Tensor, block_ms: tuple[int, ...], pairs: int,
               sole: tuple[torch.Tensor, torch.Tensor] | None = None, zero: torch.Tensor | None = None,
-              ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | None]:
+              groups: tuple[int, ...] | None = None) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | None]:
     """The row tiles of each of one or two tile heights ``block_ms`` for the experts whose end
     rows are ``offsets``, for the flat down kernel and the warp-specialized gate/up kernel: per
-    height an int32 ``[1 + 3 * bound]``, ``[0]`` their count, then per row tile (in expert order)
-    its expert, first row and the expert's end row. ``pairs`` bounds the rows (``bound =
-    ceil(pairs / block_m) + E``). One launch, nothing read back.
+    height an int32 ``[1 + MAP_ENTRY * bound]``, ``[0]`` their count, then per row tile (in
+    expert order) its expert, first row, the expert's end row, and its group's first row tile and
+    size. ``pairs`` bounds the rows (``bound = ceil(pairs / block_m) + E``). One launch, nothing
+    read back.
+
+    The groups (``groups``: the most row tiles of one per map, default :data:`MAP_GROUP_M`) never
+    hold two experts' tiles: an expert's ``n`` row tiles form ``ceil(n / group)`` groups of as
+    equal sizes as can be. The kernels walk a group's tiles column block by column block
+    (``map_tile``), so the row tiles that multiply one weight tile run at about the same time and
+    read it from L2, not from memory again.
 
     ``sole``: ``(order, topk_ids)``: the same launch also returns ``dest`` (``order``'s dtype,
     ``[pairs]``): ``order[r]``, or ``~order[r]`` where row ``r``'s token has no other local slot
@@ -303,6 +360,7 @@ def tile_maps(offsets: torch.Tensor, block_ms: tuple[int, ...], pairs: int,
     launch fills with zeros (the split gate/up kernel's counters), which saves it a launch."""
     n_experts = offsets.numel()
     maps = _new_maps(block_ms, pairs, n_experts, offsets.device)
+    groups = _groups(groups, block_ms)
     bounds = [_map_bound(t) for t in maps]
     grid = sum(cdiv(b, TILE_MAP_BLOCK) for b in bounds)
     order, ids, dest, topk = offsets, offsets, None, 1  # (unread without sole)
@@ -318,42 +376,45 @@ def tile_maps(offsets: torch.Tensor, block_ms: tuple[int, ...], pairs: int,
                                       bounds[1] if second else 0, zero_arg, n_zero), dict(
         BLOCK_M=block_ms[0], BLOCK_E=block_e(n_experts), BLOCK_J=TILE_MAP_BLOCK, TOPK=topk,
         BLOCK_T=next_pow2(topk), BLOCK_R=SOLE_ROWS_BLOCK, SOLE=sole is not None,
-        BLOCK_M2=block_ms[1] if second else 0, ZERO_BLOCK=zero_block))
+        BLOCK_M2=block_ms[1] if second else 0, ZERO_BLOCK=zero_block, GROUP_M=groups[0],
+        GROUP_M2=groups[-1]))
     return maps, dest
 
 
 def _map_bound(tiles: torch.Tensor) -> int:
-    # the most row tiles a map holds: its entries are their count, then three per tile
-    return (tiles.numel() - 1) // 3
+    # the most row tiles a map holds: its entries are their count, then MAP_ENTRY per tile
+    return (tiles.numel() - 1) // MAP_ENTRY
 
 
 def _new_maps(block_ms: tuple[int, ...], pairs: int, n_experts: int, device) -> tuple[torch.Tensor, ...]:
     if not 1 <= len(block_ms) <= 2:
         raise ValueError(f"one or two tile heights, got {block_ms}")
-    return tuple(torch.empty(1 + 3 * (cdiv(pairs, bm) + n_experts), dtype=torch.int32, device=device)
+    return tuple(torch.empty(1 + MAP_ENTRY * (cdiv(pairs, bm) + n_experts), dtype=torch.int32, device=device)
                  for bm in block_ms)
 
 
 def route_with_maps(topk_ids: torch.Tensor, n_experts: int, block_ms: tuple[int, ...], pairs: int,
                     sole: bool, zero: torch.Tensor | None = None, bounds: torch.Tensor | None = None,
+                    groups: tuple[int, ...] | None = None,
                     ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...], torch.Tensor | None]:
-    """:func:`route_order` and :func:`tile_maps` (``sole``: with the marks, ``dest``): ``(order,
-    offsets, maps, dest)``. Where the counting sort runs, its second launch builds the maps, the
-    marks and the zeros too (:func:`dbo.moe.fused_route.route_order_with_maps`): the same values
-    in one launch fewer."""
+    """:func:`route_order` and :func:`tile_maps` (``sole``: with the marks, ``dest``; ``groups``:
+    each map's most row tiles per group): ``(order, offsets, maps, dest)``. Where the counting
+    sort runs, its second launch builds the maps, the marks and the zeros too
+    (:func:`dbo.moe.fused_route.route_order_with_maps`): the same values in one launch fewer."""
     if uses_counting_sort(topk_ids.numel(), n_experts):
         maps = _new_maps(block_ms, pairs, n_experts, topk_ids.device)
         dest = torch.empty(pairs, dtype=torch.int32, device=topk_ids.device) if sole else None
-        routed = route_order_with_maps(topk_ids, n_experts, maps, block_ms, TILE_MAP_BLOCK, dest, zero)
+        routed = route_order_with_maps(topk_ids, n_experts, maps, block_ms, TILE_MAP_BLOCK, dest, zero,
+                                       groups)
         return *routed, maps, dest
     order, offsets = route_order(topk_ids, n_experts, bounds)
-    maps, dest = tile_maps(offsets, block_ms, pairs, (order, topk_ids) if sole else None, zero)
+    maps, dest = tile_maps(offsets, block_ms, pairs, (order, topk_ids) if sole else None, zero, groups)
     return order, offsets, maps, dest
 
 
 def tile_map(offsets: torch.Tensor, block_m: int, pairs: int,
-             sole: tuple[torch.Tensor, torch.Tensor] | None = None,
+             sole: tuple[torch.Tensor, torch.Tensor] | None = None, group_m: int = MAP_GROUP_M,
              ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`tile_maps` of one tile height: ``(its map, dest)``."""
-    maps, dest = tile_maps(offsets, (block_m,), pairs, sole)
+    maps, dest = tile_maps(offsets, (block_m,), pairs, sole, groups=(group_m,))
     return maps[0], dest

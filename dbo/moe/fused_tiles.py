@@ -19,7 +19,9 @@ __all__ = ["GemmConfig", "CONFIGS", "FP32_CONFIG", "FEW_EXPERTS_UP", "FEW_EXPERT
 @dataclass(frozen=True)
 class GemmConfig:
     """One grouped GEMM's tile: ``block_m`` rows x ``block_n`` columns, ``block_k`` deep;
-    ``group_m`` row blocks share a column block in launch order; Triton's warps and stages."""
+    ``group_m`` row blocks share a column block in launch order (the flat down and the
+    warp-specialized tiles: at most ``group_m``, the groups of their row-tile map, which never
+    span two experts); Triton's warps and stages."""
 
     block_m: int = 64
     block_n: int = 64

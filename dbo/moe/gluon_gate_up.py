@@ -23,7 +23,8 @@ issue the MMAs. Here one persistent program per SM splits that work between part
 The loads run up to ``STAGES`` K steps ahead, across tile boundaries (the next tile's loads go on
 under this tile's epilogue). The row tiles come from :func:`dbo.moe.fused_route.tile_map`
 (``BM`` rows of one expert; the flat down kernel reads the same map); tile ``t`` is row tile
-``pid_m`` of column block ``pid_n``, ``GROUP_M`` row tiles per column block in tile order.
+``pid_m`` of column block ``pid_n``, the row tiles of a group of the map (of one expert) one after
+the other per column block in tile order.
 
 ``split`` (``GemmConfig.split``): where the tiles do not fill the programs' last round (at 256
 rows per expert and 32 experts, ~290 tiles are 2.2 rounds of 132 programs), each tile of that
@@ -70,18 +71,19 @@ except ImportError:  # no Triton, or one without Gluon's Hopper API
 if gluon is not None:
 
     @gluon.jit
-    def _tile(t, map_ptr, n_m, n_col, GROUP_M: gl.constexpr):
-        # tile t -> (expert, first row, the expert's end row, column block): GROUP_M row tiles
-        # share a column block in tile order
-        group = GROUP_M * n_col
-        first_m = (t // group) * GROUP_M
-        size_m = gl.maximum(gl.minimum(n_m - first_m, GROUP_M), 1)
-        pid_m = first_m + (t % group) % size_m
-        pid_n = (t % group) // size_m
-        e = gl.load(map_ptr + 1 + 3 * pid_m)
-        row0 = gl.load(map_ptr + 2 + 3 * pid_m)
-        end_row = gl.load(map_ptr + 3 + 3 * pid_m)
-        return e, row0, end_row, pid_n
+    def _tile(t, map_ptr, n_col):
+        # tile t -> (expert, first row, the expert's end row, column block), as
+        # fused_route.map_tile: a group's row tiles (of one expert) share a column block in tile
+        # order; a map entry is MAP_ENTRY (5) int32
+        q = t // n_col
+        g0 = gl.load(map_ptr + 4 + 5 * q)
+        gn = gl.load(map_ptr + 5 + 5 * q)
+        local = t - g0 * n_col
+        pid_m = g0 + local % gn
+        e = gl.load(map_ptr + 1 + 5 * pid_m)
+        row0 = gl.load(map_ptr + 2 + 5 * pid_m)
+        end_row = gl.load(map_ptr + 3 + 5 * pid_m)
+        return e, row0, end_row, local // gn
 
     @gluon.jit
     def _plan(map_ptr, n_col, k_steps, SPLIT: gl.constexpr):
@@ -114,14 +116,13 @@ if gluon is not None:
 
     @gluon.jit
     def _load_partition(x_ptr, order_ptr, map_ptr, w_desc, a_bufs, b_bufs, ready, empty, hidden, inter,
-                        TOPK: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+                        TOPK: gl.constexpr, STAGES: gl.constexpr,
                         LOAD_WARPS: gl.constexpr, SPLIT: gl.constexpr):
         BM: gl.constexpr = a_bufs.type.shape[1]
         BK: gl.constexpr = a_bufs.type.shape[2]
         BN: gl.constexpr = w_desc.block_type.shape[0]
         # 16 bytes per thread along a row, the warps stacked over the rows
         lay: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (BK // 8), BK // 8], [LOAD_WARPS, 1], [1, 0])
-        n_m = gl.load(map_ptr)
         n_col = inter // BN
         k_steps = hidden // BK
         w_bytes: gl.constexpr = 2 * BN * BK * 2
@@ -130,7 +131,7 @@ if gluon is not None:
         c = 0  # K steps issued, over every tile: the ring slot and its phase
         for v in range(gl.program_id(0), n_units, gl.num_programs(0)):
             t, k0, k1, _ = _unit(v, whole, shares, k_steps)
-            e, row0, end_row, pid_n = _tile(t, map_ptr, n_m, n_col, GROUP_M)
+            e, row0, end_row, pid_n = _tile(t, map_ptr, n_col)
             rows = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, lay))
             live = rows < end_row
             tokens = (gl.load(order_ptr + rows, mask=live, other=0) // TOPK).to(gl.int64)
@@ -152,7 +153,7 @@ if gluon is not None:
 
     @gluon.jit
     def _mma_partition(map_ptr, act_ptr, part_ptr, count_ptr, a_bufs, b_bufs, ready, empty, hidden, inter,
-                       GROUP_M: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
+                       STAGES: gl.constexpr, SPLIT: gl.constexpr,
                        num_warps: gl.constexpr):
         BM: gl.constexpr = a_bufs.type.shape[1]
         BK: gl.constexpr = a_bufs.type.shape[2]
@@ -161,14 +162,13 @@ if gluon is not None:
                                                              instr_shape=[16, 2 * BN, 16])
         tpw_n: gl.constexpr = BN // 8
         out_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // tpw_n, tpw_n], [num_warps, 1], [1, 0])
-        n_m = gl.load(map_ptr)
         n_col = inter // BN
         k_steps = hidden // BK
         whole, shares, n_units = _plan(map_ptr, n_col, k_steps, SPLIT)
         c = 0
         for v in range(gl.program_id(0), n_units, gl.num_programs(0)):
             t, k0, k1, slot = _unit(v, whole, shares, k_steps)
-            e, row0, end_row, pid_n = _tile(t, map_ptr, n_m, n_col, GROUP_M)
+            e, row0, end_row, pid_n = _tile(t, map_ptr, n_col)
             acc = gl.zeros([BM, 2 * BN], gl.float32, layout=acc_layout)
             for ki in range(k0, k1):
                 s = c % STAGES
@@ -237,7 +237,7 @@ if gluon is not None:
 
     @gluon.jit
     def gate_up_ws_kernel(x_ptr, order_ptr, map_ptr, w_desc, act_ptr, part_ptr, count_ptr, hidden, inter,
-                          TOPK: gl.constexpr, BM: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+                          TOPK: gl.constexpr, BM: gl.constexpr, STAGES: gl.constexpr,
                           LOAD_WARPS: gl.constexpr, LOAD_REGS: gl.constexpr, SPLIT: gl.constexpr,
                           num_warps: gl.constexpr):
         BN: gl.constexpr = w_desc.block_type.shape[0]
@@ -254,9 +254,9 @@ if gluon is not None:
             mbarrier.init(empty.index(i), count=1)
         gl.warp_specialize([
             (_mma_partition, (map_ptr, act_ptr, part_ptr, count_ptr, a_bufs, b_bufs, ready, empty, hidden,
-                              inter, GROUP_M, STAGES, SPLIT, num_warps)),
+                              inter, STAGES, SPLIT, num_warps)),
             (_load_partition, (x_ptr, order_ptr, map_ptr, w_desc, a_bufs, b_bufs, ready, empty, hidden, inter,
-                               TOPK, GROUP_M, STAGES, LOAD_WARPS, SPLIT)),
+                               TOPK, STAGES, LOAD_WARPS, SPLIT)),
         ], [LOAD_WARPS], [LOAD_REGS])
 
 
@@ -272,14 +272,15 @@ def available(x: torch.Tensor, w1: torch.Tensor, block_n: int) -> bool:
 
 def launch_gate_up_ws(x: torch.Tensor, order: torch.Tensor, tiles: torch.Tensor, w1: torch.Tensor,
                       act: torch.Tensor, topk: int, programs: int, *, block_m: int = 128, block_n: int = 128,
-                      block_k: int = 64, stages: int = 4, group_m: int = 8, load_warps: int = 4,
+                      block_k: int = 64, stages: int = 4, load_warps: int = 4,
                       load_regs: int = 64, split: int = 0, counts: torch.Tensor | None = None) -> None:
     """The gate/up GEMM into ``act`` over the row tiles of :func:`dbo.moe.fused_route.tile_map`
-    (``tiles``, built with ``block_m``), with ``programs`` persistent programs (one per SM at
-    most: each takes a whole SM's shared memory). ``block_m`` is 64 or 128 (one warpgroup per
-    64 rows). ``split`` >= 2: the last round's tiles split along K into up to that many shares
-    (see the module docstring; a float32 workspace of ``programs`` partial tiles, and ``counts``:
-    at least ``programs`` zeroed int32 counters, allocated here if not given)."""
+    (``tiles``, built with ``block_m``; its groups set the tiles' order), with ``programs``
+    persistent programs (one per SM at most: each takes a whole SM's shared memory). ``block_m``
+    is 64 or 128 (one warpgroup per 64 rows). ``split`` >= 2: the last round's tiles split along
+    K into up to that many shares (see the module docstring; a float32 workspace of ``programs``
+    partial tiles, and ``counts``: at least ``programs`` zeroed int32 counters, allocated here if
+    not given)."""
     if block_m not in (64, 128):
         raise ValueError(f"block_m must be 64 or 128, got {block_m}")
     n_experts, two_inter, hidden = w1.shape
@@ -303,5 +304,5 @@ def launch_gate_up_ws(x: torch.Tensor, order: torch.Tensor, tiles: torch.Tensor,
         else:
             count = counts
     launch(gate_up_ws_kernel, (programs,), (x, order, tiles, w, act, part, count, hidden, two_inter // 2),
-           dict(TOPK=topk, BM=block_m, GROUP_M=group_m, STAGES=stages, LOAD_WARPS=load_warps,
+           dict(TOPK=topk, BM=block_m, STAGES=stages, LOAD_WARPS=load_warps,
                 LOAD_REGS=load_regs, SPLIT=max(1, split), num_warps=warps, maxnreg=maxnreg))

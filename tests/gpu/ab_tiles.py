@@ -133,17 +133,20 @@ def _ws_band(ws: GemmConfig, lo: float, hi: float, few_only: bool):
     return rule
 
 
-def _up_group(group_m: int):
-    # the warp-specialized gate/up tile with group_m row tiles per column block in tile order
-    # (fewer group boundaries inside an expert's row tiles: each one splits that expert's weight
-    # reads between two groups, far apart in time)
+def _up_group(group_m: int, up_too: bool = True, down_too: bool = False):
+    # the warp-specialized gate/up tile (up_too) and the flat down tile (down_too) with at most
+    # group_m row tiles per group of their map (a group's row tiles take each column block one
+    # after the other; groups never span two experts, and an expert's groups are as equal as can be)
     def rule(est, inter, n_local, bound, pairs):
         up, down = table(est, inter, n_local, bound, pairs)
-        return (dataclasses.replace(up, group_m=group_m) if up.ws else up), down
+        up = dataclasses.replace(up, group_m=group_m) if up.ws and up_too else up
+        return up, (dataclasses.replace(down, group_m=group_m) if down.flat and down_too else down)
     return rule
 
 
 VARIANTS = {"table": table, **{f"upg{g}": _up_group(g) for g in (4, 16, 32, 64)},
+            **{f"dng{g}": _up_group(g, False, True) for g in (4, 16, 32, 64)},
+            **{f"grp{g}": _up_group(g, True, True) for g in (4, 12, 16, 32, 64)},
             "ws64s128": _ws_band(dataclasses.replace(WS64, split=4), 96, 192, False),
             "ws64s128few": _ws_band(dataclasses.replace(WS64, split=4), 96, 192, True),
             "ws128s128": _ws_band(dataclasses.replace(WS128, split=4), 96, 192, False),

@@ -28,8 +28,8 @@ def _flat(bm, bn, bk, sole=False):
     sig = {"act_desc": f"tensordesc<bf16[{bm}, {bk}]>", "order_ptr": "*i32", "map_ptr": "*i32",
            "w_desc": f"tensordesc<bf16[{bn}, {bk}]>", "y_ptr": "*bf16", "tw_ptr": "*fp32", "out_ptr": "*bf16",
            "hidden": "i32", "inter": "i32", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
-           "BLOCK_K": "constexpr", "GROUP_M": "constexpr", "TOPK": "constexpr", "SOLE": "constexpr"}
-    consts = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "TOPK": 8, "SOLE": sole}
+           "BLOCK_K": "constexpr", "TOPK": "constexpr", "SOLE": "constexpr"}
+    consts = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "TOPK": 8, "SOLE": sole}
     return fk.down_flat_kernel, sig, consts, ("order_ptr", "map_ptr", "y_ptr", "tw_ptr", "out_ptr", "hidden",
                                               "inter")
 

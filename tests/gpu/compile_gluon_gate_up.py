@@ -41,7 +41,7 @@ def check(spec: str, ptx_dir: str | None = None, split: int = 1) -> dict:
     part = torch.empty(64, dtype=torch.float32)
     args = dict(x_ptr=x, order_ptr=i32, map_ptr=i32, w_desc=desc, act_ptr=x, part_ptr=part, count_ptr=i32,
                 hidden=hidden, inter=inter)
-    consts = dict(TOPK=8, BM=bm, GROUP_M=8, STAGES=stages, LOAD_WARPS=load_warps, LOAD_REGS=load_regs,
+    consts = dict(TOPK=8, BM=bm, STAGES=stages, LOAD_WARPS=load_warps, LOAD_REGS=load_regs,
                   SPLIT=split, num_warps=warps)
     sig, attrs = {}, {}
     names = list(args) + list(consts)

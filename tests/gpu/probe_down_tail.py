@@ -23,6 +23,7 @@ from tune_experts import alternating_ms, probe_shapes  # noqa: E402
 
 from dbo.bench.experts import make_case  # noqa: E402
 from dbo.moe import fused_experts as fe  # noqa: E402
+from dbo.moe.fused_route import MAP_GROUP_M  # noqa: E402
 from dbo.moe.fused_tiles import FLAT_DOWN, GemmConfig  # noqa: E402
 
 SHAPES = [(256, 32, 4096), (256, 32, 16384), (256, 256, 4096), (256, 256, 8192), (768, 32, 4096),
@@ -34,17 +35,21 @@ TAILS = {"t64w4s3": (4, 3), "t64w4s4": (4, 4)}
 
 def host_maps(counts: list[int], tail: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(main, tails): the 128-row tiles but each expert's last when it has <= tail rows, and
-    those last tiles, in the map format of fused_route.tile_map ([count, (e, row0, end)...])."""
+    those last tiles, in the map format of fused_route.tile_map ([count, (e, row0, end, group's
+    first tile, group's size)...]; groups of at most MAP_GROUP_M tiles of one expert)."""
     main, tails, start = [], [], 0
     for e, c in enumerate(counts):
         end = start + c
         full, rest = divmod(c, 128)
         rows = [start + 128 * i for i in range(full)]
         if 0 < rest <= tail:
-            tails.append((e, start + 128 * full, end))
+            tails.append((e, start + 128 * full, end, len(tails), 1))
         elif rest:
             rows.append(start + 128 * full)
-        main += [(e, r0, end) for r0 in rows]
+        n, g = len(rows), max(1, -(-len(rows) // MAP_GROUP_M))
+        firsts = [-(-i * n // g) for i in range(g + 1)]
+        main += [(e, r0, end, len(main) + firsts[i * g // n], firsts[i * g // n + 1] - firsts[i * g // n])
+                 for i, r0 in enumerate(rows)]
         start = end
 
     def pack(tiles):

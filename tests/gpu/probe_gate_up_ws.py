@@ -57,9 +57,9 @@ def one_shape(lim, shape: str, variants: list[str], reps: int) -> dict:
         bm, bn, stages, lw, lr, gm = (int(p) for p in v.split(":"))
         if inter % bn:
             continue
-        tiles, _ = fe.tile_map(offsets, bm, bound)
+        tiles, _ = fe.tile_map(offsets, bm, bound, group_m=gm)
         out = torch.zeros_like(ref)
-        kw = dict(block_m=bm, block_n=bn, stages=stages, group_m=gm, load_warps=lw, load_regs=lr)
+        kw = dict(block_m=bm, block_n=bn, stages=stages, load_warps=lw, load_regs=lr)
         # as the library sizes the grid: its tile bound, at most one program per SM
         programs = min((-(-bound // bm) + local) * (inter // bn), sms)
 
@@ -76,8 +76,8 @@ def one_shape(lim, shape: str, variants: list[str], reps: int) -> dict:
         r[f"ws{v}_maxdiff"] = float((out[:pairs].float() - ref[:pairs].float()).abs().max())
         r[f"ws{v}_ms"] = median_ms(run, reps)
 
-        def with_map(o: torch.Tensor = out, kw: dict = kw, p: int = programs) -> None:
-            tl2, _ = fe.tile_map(offsets, kw["block_m"], bound)
+        def with_map(o: torch.Tensor = out, kw: dict = kw, p: int = programs, gm: int = gm) -> None:
+            tl2, _ = fe.tile_map(offsets, kw["block_m"], bound, group_m=gm)
             ws.launch_gate_up_ws(case.x, order, tl2, case.w1, o, topk, p, **kw)
 
         r[f"ws{v}_map_ms"] = median_ms(with_map, reps)

@@ -476,5 +476,5 @@ def test_route_with_maps_equals_routing_then_maps(m, n_local):
     if fr.uses_counting_sort(pairs, n_local):  # (the radix sort's order within an expert may differ)
         assert torch.equal(order[:n], want_order[:n]) and torch.equal(dest[:n], want_dest[:n])
     for got, want in zip(maps, want_maps, strict=True):
-        k = 1 + 3 * int(want[0])
+        k = 1 + fr.MAP_ENTRY * int(want[0])
         assert torch.equal(got[:k], want[:k])

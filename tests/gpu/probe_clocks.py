@@ -1,0 +1,101 @@
+"""The SM clock and the board power while a kernel runs for seconds: a large bf16 GEMM (the
+benchmark's ceiling, ``dbo.bench.limits``), then the library's experts call at a few shapes, each
+back to back for ``--seconds``. ``nvidia-smi`` samples the GPU every 50 ms in the background.
+
+    python3 tests/gpu/probe_clocks.py [--shapes I:L:T ...] [--seconds 4]
+
+Per phase it prints the achieved rate (TFLOP/s, each call's flops over its mean time) and the
+median SM clock, power and throttle reasons of the samples taken in that phase: whether the
+GEMM-bound calls run at the clock the ceiling was measured at.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from dbo.bench.experts import _apply, make_case  # noqa: E402
+from dbo.moe import SwiGLUExperts, Workspace  # noqa: E402
+
+QUERY = "timestamp,clocks.sm,power.draw,clocks_event_reasons.active"
+
+
+def _loop(fn, seconds: float) -> tuple[float, float, float, int]:
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.time()
+    n = 0
+    while time.time() - t0 < seconds:
+        for _ in range(4):
+            fn()
+        n += 4
+        torch.cuda.synchronize()
+    t1 = time.time()
+    return t0, t1, (t1 - t0) / n, n
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", nargs="+", default=["2048:256:32768", "256:256:65536", "2048:32:8192"])
+    ap.add_argument("--seconds", type=float, default=4.0)
+    a = ap.parse_args()
+    with tempfile.NamedTemporaryFile(suffix=".csv", delete=False) as log:
+        smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={QUERY}", "--format=csv,noheader,nounits",
+                                "-lms", "50"], stdout=log, stderr=subprocess.DEVNULL)
+        phases = _phases(a)
+        time.sleep(0.3)
+        smi.terminate()
+        smi.wait()
+    samples = []
+    for line in Path(log.name).read_text().splitlines():
+        f = [p.strip() for p in line.split(",")]
+        try:
+            ts = datetime.datetime.strptime(f[0], "%Y/%m/%d %H:%M:%S.%f").timestamp()
+            samples.append((ts, float(f[1]), float(f[2]), f[3]))
+        except (ValueError, IndexError):
+            continue
+    for name, t0, t1, tflops, reps in phases:
+        s = [x for x in samples if t0 + 0.5 <= x[0] <= t1]  # (the first half second: clocks settle)
+        if not s:
+            print(f"{name}: {tflops:.0f} TFLOP/s over {reps} calls; no samples", flush=True)
+            continue
+        clock = [x[1] for x in s]
+        watts = statistics.median(x[2] for x in s)
+        print(f"{name}: {tflops:.0f} TFLOP/s over {reps} calls | SM clock median "
+              f"{statistics.median(clock):.0f} MHz ({min(clock):.0f}-{max(clock):.0f}), power median "
+              f"{watts:.0f} W, throttle reasons {sorted({x[3] for x in s})} ({len(s)} samples)", flush=True)
+    return 0
+
+
+def _phases(a) -> list[tuple[str, float, float, float, int]]:
+    # (name, start, end, TFLOP/s, calls) of each phase
+    n = 8192
+    x = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    t0, t1, dt, reps = _loop(lambda: x @ w, a.seconds)
+    phases = [("gemm 8192", t0, t1, 2 * n**3 / dt / 1e12, reps)]
+    for shape in a.shapes:
+        inter, local, tokens = (int(v) for v in shape.split(":"))
+        case = make_case(tokens, 7168, inter, local)
+        e = SwiGLUExperts()
+        e.note_global_num_experts(256)
+        ws = Workspace()
+        flops = 6.0 * int(case.counts.sum()) * 7168 * inter
+        t0, t1, dt, reps = _loop(lambda e=e, case=case, ws=ws: _apply(e, case, False, ws), a.seconds)
+        phases.append((f"experts {shape}", t0, t1, flops / dt / 1e12, reps))
+        del case
+        torch.cuda.empty_cache()
+    return phases
+
+
+if __name__ == "__main__":
+    sys.exit(main())
