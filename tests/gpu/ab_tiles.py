@@ -144,7 +144,38 @@ def _up_group(group_m: int, up_too: bool = True, down_too: bool = False):
     return rule
 
 
-VARIANTS = {"table": table, **{f"upg{g}": _up_group(g) for g in (4, 16, 32, 64)},
+def _down64(stages: int, lo: float):
+    # the flat down tile of 64 rows (two programs per SM) from `lo` estimated rows per expert: an
+    # expert's last row tile pads at most 63 rows (at 256 rows per expert the 128-row tiles
+    # compute ~2.5 tiles' rows for 2), its weight tiles read by twice as many row tiles (in one
+    # group of the map, at about the same time)
+    def rule(est, inter, n_local, bound, pairs):
+        up, down = table(est, inter, n_local, bound, pairs)
+        if down.flat and est >= lo:
+            down = dataclasses.replace(down, block_m=64, num_stages=stages)
+        return up, down
+    return rule
+
+
+def _few(ws: GemmConfig, max_inter: int, lo: float, hi: float):
+    # with few local experts (<= 64) at I <= max_inter and lo < estimated rows per expert <= hi,
+    # the warp-specialized gate/up tile ws (e.g. the 128-row one split where the 64-row split one
+    # runs: half the weight tiles streamed per row, ~2.2 rounds of tiles where there were ~4.1)
+    def rule(est, inter, n_local, bound, pairs):
+        up, down = table(est, inter, n_local, bound, pairs)
+        if n_local <= 64 and inter <= max_inter and lo < est <= hi and inter % ws.block_n == 0:
+            up = ws
+        return up, down
+    return rule
+
+
+VARIANTS = {"table": table, "fd64s3": _down64(3, 192), "fd64s4": _down64(4, 192),
+            "f128s4": _few(dataclasses.replace(WS128, split=4), 256, 192, 1024),
+            "f128s8": _few(dataclasses.replace(WS128, split=8), 256, 192, 1024),
+            "a128s4": _few(dataclasses.replace(WS128, split=4), 1 << 20, 192, 1024),
+            "f64s8": _few(dataclasses.replace(WS64, split=8), 256, 192, 1024),
+            "f128s4all": _few(dataclasses.replace(WS128, split=4), 256, 192, 1 << 30),
+            **{f"upg{g}": _up_group(g) for g in (4, 16, 32, 64)},
             **{f"dng{g}": _up_group(g, False, True) for g in (4, 16, 32, 64)},
             **{f"grp{g}": _up_group(g, True, True) for g in (4, 12, 16, 32, 64)},
             "ws64s128": _ws_band(dataclasses.replace(WS64, split=4), 96, 192, False),
