@@ -83,3 +83,15 @@ def test_timings_are_checked_and_each_call_reports_its_host_time():
     # on the CPU there is no queue to get ahead of: one wall-time measure per implementation
     assert set(res) == {"a"} and res["a"]["host_ms"] > 0 and res["a"]["median_ms"] > 0
     assert res["a"]["rel_err"] == 0.0
+
+
+def test_experts_call_is_one_library_call_on_the_case():
+    from dbo.bench.experts import experts_call
+    from dbo.moe import SwiGLUExperts, reference_moe, relative_error
+
+    case = make_case(24, 32, 16, 4, num_experts=8, topk=3, dtype=torch.float32, device="cpu", seed=3)
+    experts = SwiGLUExperts()
+    out = experts_call(case, experts, num_experts=8)()
+    assert experts.num_global_experts == 8
+    ref = reference_moe(case.x, case.w1, case.w2, case.weights, case.ids)
+    assert relative_error(out, ref) < 1e-5

@@ -34,8 +34,8 @@ from dbo.bench.limits import DeviceLimits, experts_cost, measure_device_limits
 from dbo.bench.timing import gpu_sleep
 from dbo.moe import ActivationFormat, ExpertTokensMetadata, MoEExperts, SwiGLUExperts, Workspace
 
-__all__ = ["ExpertsCase", "make_case", "time_experts", "run_grid", "add_limits", "format_rows",
-           "limit_summary", "main"]
+__all__ = ["ExpertsCase", "make_case", "experts_call", "time_experts", "run_grid", "add_limits",
+           "format_rows", "limit_summary", "main"]
 
 
 @dataclass
@@ -113,6 +113,17 @@ def _apply(experts: MoEExperts, case: ExpertsCase, host_counts: bool, ws: Worksp
                          activation_format=ActivationFormat.STANDARD,
                          expert_tokens_meta=case.meta(host_counts),
                          apply_router_weight_on_input=False, workspace=ws)
+
+
+def experts_call(case: ExpertsCase, experts: MoEExperts | None = None, *, num_experts: int = 256,
+                 host_counts: bool = False) -> Callable[[], torch.Tensor]:
+    """One call of ``experts`` (default the library's :class:`SwiGLUExperts`) on ``case`` as the
+    grid makes it (told the global expert count, a workspace of its own), for the probes and
+    profilers that run it on their own."""
+    experts = SwiGLUExperts() if experts is None else experts
+    experts.note_global_num_experts(num_experts)
+    ws = Workspace()
+    return lambda: _apply(experts, case, host_counts, ws)
 
 
 def time_experts(impls: dict[str, tuple[MoEExperts, bool]], case: ExpertsCase, *, steps: int = 30,

@@ -66,7 +66,9 @@ if triton is not None:
     def map_tile(t, map_ptr, n_col):
         # tile t of a map's row tiles x n_col column blocks -> (expert, first row, the expert's
         # end row, column block): a group's row tiles take each column block one after the other
-        # (so that they read its weight tile from L2 together), and no group holds two experts
+        # (so that they read its weight tile from L2 together), and no group holds two experts.
+        # The Gluon gate/up kernel walks the same way in its own _tile (Gluon calls no Triton
+        # function): change both together
         q = t // n_col  # a row tile of t's group (the group's tiles are n_col times its rows)
         g0 = tl.load(map_ptr + 4 + 5 * q)
         gn = tl.load(map_ptr + 5 + 5 * q)

@@ -22,15 +22,11 @@ fi
   "${sections[@]}" python3 - "$inter" "$local" "$tokens" > "$out/ncu_$tag.txt" 2>&1 <<'PY'
 import sys
 import torch
-from dbo.bench.experts import _apply, make_case
-from dbo.moe import SwiGLUExperts, Workspace
+from dbo.bench.experts import experts_call, make_case
 inter, local, tokens = (int(v) for v in sys.argv[1:4])
-case = make_case(tokens, 7168, inter, local)
-e = SwiGLUExperts()
-e.note_global_num_experts(256)
-ws = Workspace()
+call = experts_call(make_case(tokens, 7168, inter, local))
 for _ in range(3):
-    _apply(e, case, False, ws)
+    call()
 torch.cuda.synchronize()
 print("done", inter, local, tokens)
 PY

@@ -14,8 +14,8 @@ import time
 
 import torch
 
-from dbo.bench.experts import _apply, make_case
-from dbo.moe import SwiGLUExperts, Workspace
+from dbo.bench.experts import experts_call, make_case
+from dbo.moe import SwiGLUExperts
 
 
 def main() -> int:
@@ -26,12 +26,7 @@ def main() -> int:
     for spec in a.shapes:
         inter, local, tokens = (int(v) for v in spec.split(":"))
         case = make_case(tokens, 7168, inter, local)
-        impls = {"library": SwiGLUExperts(), "unfused": SwiGLUExperts(fused=False)}
-        calls = {}
-        for name, e in impls.items():
-            e.note_global_num_experts(256)
-            ws = Workspace()
-            calls[name] = lambda e=e, w=ws, c=case: _apply(e, c, False, w)
+        calls = {"library": experts_call(case), "unfused": experts_call(case, SwiGLUExperts(fused=False))}
         for _ in range(5):
             for fn in calls.values():
                 fn()

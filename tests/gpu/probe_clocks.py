@@ -23,8 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from dbo.bench.experts import _apply, make_case  # noqa: E402
-from dbo.moe import SwiGLUExperts, Workspace  # noqa: E402
+from dbo.bench.experts import experts_call, make_case  # noqa: E402
 
 QUERY = "timestamp,clocks.sm,power.draw,clocks_event_reasons.active"
 
@@ -86,11 +85,8 @@ def _phases(a) -> list[tuple[str, float, float, float, int]]:
     for shape in a.shapes:
         inter, local, tokens = (int(v) for v in shape.split(":"))
         case = make_case(tokens, 7168, inter, local)
-        e = SwiGLUExperts()
-        e.note_global_num_experts(256)
-        ws = Workspace()
         flops = 6.0 * int(case.counts.sum()) * 7168 * inter
-        t0, t1, dt, reps = _loop(lambda e=e, case=case, ws=ws: _apply(e, case, False, ws), a.seconds)
+        t0, t1, dt, reps = _loop(experts_call(case), a.seconds)
         phases.append((f"experts {shape}", t0, t1, flops / dt / 1e12, reps))
         del case
         torch.cuda.empty_cache()

@@ -19,8 +19,7 @@ from pathlib import Path
 
 import torch
 
-from dbo.bench.experts import _apply, make_case
-from dbo.moe import SwiGLUExperts, Workspace
+from dbo.bench.experts import experts_call, make_case
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from probe_launch_cost import per_call_us  # noqa: E402
@@ -34,14 +33,7 @@ def main() -> int:
     a = p.parse_args()
     for spec in a.shapes:
         inter, local, tokens = (int(v) for v in spec.split(":"))
-        case = make_case(tokens, 7168, inter, local)
-        experts = SwiGLUExperts()
-        experts.note_global_num_experts(256)
-        ws = Workspace()
-
-        def fn(e=experts, c=case, w=ws):
-            return _apply(e, c, False, w)
-
+        fn = experts_call(make_case(tokens, 7168, inter, local))
         print(f"=== I={inter} L={local} T={tokens}: apply host {per_call_us(fn, 50):.1f} us per call "
               f"(GPU kept busy)", flush=True)
         prof = cProfile.Profile()
