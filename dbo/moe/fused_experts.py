@@ -27,7 +27,7 @@ expert's tiles do nothing. The flat down kernel, whose tiles are short (a few K 
 768), and the Gluon gate/up kernel read their row tiles from a map instead (five scalar loads
 per tile where the scan costs five block-wide reductions), built with the sole rows' marks by
 the counting sort's second launch (:func:`dbo.moe.fused_route.route_with_maps`; after the radix
-sort, or without routing, one launch of :func:`dbo.moe.fused_route.tile_maps`).
+sort, or without routing, one launch of :func:`dbo.moe.fused_maps.tile_maps`).
 Where that bound counts many more tiles than there are (without
 host counts, a small local share of the experts: at 32 of 256 local experts 7 of 8 programs
 had nothing to do) the GEMMs run persistent instead: one program per resident slot of the GPU,
@@ -48,7 +48,8 @@ from __future__ import annotations
 import torch
 
 from dbo.moe import gluon_gate_up
-from dbo.moe.fused_route import block_e, route_order, route_with_maps, tile_map, tile_maps
+from dbo.moe.fused_maps import block_e, tile_map, tile_maps
+from dbo.moe.fused_route import route_order, route_with_maps
 from dbo.moe.fused_tiles import (
     CONFIGS,
     DOWN_TAIL,

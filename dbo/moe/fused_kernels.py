@@ -20,7 +20,7 @@ except ImportError:  # the module is only used where Triton is importable
 
 
 if triton is not None:
-    from dbo.moe.fused_route import map_tile
+    from dbo.moe.fused_maps import map_tile
 
     @triton.jit
     def _tile_table(offs_ptr, n_experts, n_col_blocks, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
@@ -241,7 +241,7 @@ if triton is not None:
         # Triton pipelines the next tile's loads under this tile's products and stores (a short K
         # loop of its own, a few steps at I = 256, does not pipeline). act_desc: act as [R, inter],
         # box [BLOCK_M, BLOCK_K]; w_desc: w2 as [E * hidden, inter], box [BLOCK_N, BLOCK_K]. The
-        # row tiles come from fused_route.tile_map_kernel's map (five scalar loads per tile, where the
+        # row tiles come from fused_maps.tile_map_kernel's map (five scalar loads per tile, where the
         # experts' scan of _tile_at costs five block-wide reductions: 13-17% of this kernel's
         # time at I = 256); a group's row tiles share a column block in tile order. No tail tiles:
         # the rows past the expert's end (the next expert's, or TMA's zeros) are computed and

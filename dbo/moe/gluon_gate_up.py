@@ -21,7 +21,7 @@ issue the MMAs. Here one persistent program per SM splits that work between part
   tile it applies ``silu(gate) * up`` and stores the rows below the expert's end.
 
 The loads run up to ``STAGES`` K steps ahead, across tile boundaries (the next tile's loads go on
-under this tile's epilogue). The row tiles come from :func:`dbo.moe.fused_route.tile_map`
+under this tile's epilogue). The row tiles come from :func:`dbo.moe.fused_maps.tile_map`
 (``BM`` rows of one expert; the flat down kernel reads the same map); tile ``t`` is row tile
 ``pid_m`` of column block ``pid_n``, the row tiles of a group of the map (of one expert) one after
 the other per column block in tile order.
@@ -73,7 +73,7 @@ if gluon is not None:
     @gluon.jit
     def _tile(t, map_ptr, n_col):
         # tile t -> (expert, first row, the expert's end row, column block), as
-        # fused_route.map_tile: a group's row tiles (of one expert) share a column block in tile
+        # fused_maps.map_tile: a group's row tiles (of one expert) share a column block in tile
         # order; a map entry is MAP_ENTRY (5) int32
         q = t // n_col
         g0 = gl.load(map_ptr + 4 + 5 * q)
@@ -274,7 +274,7 @@ def launch_gate_up_ws(x: torch.Tensor, order: torch.Tensor, tiles: torch.Tensor,
                       act: torch.Tensor, topk: int, programs: int, *, block_m: int = 128, block_n: int = 128,
                       block_k: int = 64, stages: int = 4, load_warps: int = 4,
                       load_regs: int = 64, split: int = 0, counts: torch.Tensor | None = None) -> None:
-    """The gate/up GEMM into ``act`` over the row tiles of :func:`dbo.moe.fused_route.tile_map`
+    """The gate/up GEMM into ``act`` over the row tiles of :func:`dbo.moe.fused_maps.tile_map`
     (``tiles``, built with ``block_m``; its groups set the tiles' order), with ``programs``
     persistent programs (one per SM at most: each takes a whole SM's shared memory). ``block_m``
     is 64 or 128 (one warpgroup per 64 rows). ``split`` >= 2: the last round's tiles split along

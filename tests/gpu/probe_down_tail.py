@@ -35,7 +35,7 @@ TAILS = {"t64w4s3": (4, 3), "t64w4s4": (4, 4)}
 
 def host_maps(counts: list[int], tail: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(main, tails): the 128-row tiles but each expert's last when it has <= tail rows, and
-    those last tiles, in the map format of fused_route.tile_map ([count, (e, row0, end, group's
+    those last tiles, in the map format of fused_maps.tile_map ([count, (e, row0, end, group's
     first tile, group's size)...]; groups of at most MAP_GROUP_M tiles of one expert)."""
     main, tails, start = [], [], 0
     for e, c in enumerate(counts):
