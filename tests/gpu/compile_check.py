@@ -62,8 +62,22 @@ def _stationary(bm, bn, bk, sole=True):
                                                     "hidden")
 
 
+def _epilogue(epi):
+    # tests/gpu/probe_down_epilogue.py's copy of the flat down kernel with epilogue EPI
+    def spec(bm, bn, bk):
+        import probe_down_epilogue as pe
+        sig = {"act_desc": f"tensordesc<bf16[{bm}, {bk}]>", "order_ptr": "*i32", "map_ptr": "*i32",
+               "w_desc": f"tensordesc<bf16[{bn}, {bk}]>", "y_ptr": "*bf16",
+               "ypad_desc": f"tensordesc<bf16[{bm}, {bn}]>", "hidden": "i32", "inter": "i32",
+               "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "EPI": "constexpr"}
+        consts = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "EPI": epi}
+        return pe.down_epi_kernel, sig, consts, ("order_ptr", "map_ptr", "y_ptr", "hidden", "inter")
+    return spec
+
+
 KERNELS = {"down_flat": _flat, "down_flat_sole": _flat_sole, "gate_up": _gate_up,
-           "down_stationary": _stationary}
+           "down_stationary": _stationary, "down_epi_scatter": _epilogue(0), "down_epi_tma": _epilogue(1),
+           "down_epi_none": _epilogue(2)}
 
 
 def check(name: str, tile: str) -> dict:
