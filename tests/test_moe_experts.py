@@ -186,7 +186,7 @@ for seed, (m, topk, n_local) in enumerate([(37, 3, 5), (700, 8, 16), (300, 8, 25
     assert (flat[rows][1:] >= flat[rows][:-1]).all(), seed
     assert torch.equal(offsets.long(), torch.cumsum(torch.bincount(flat[local], minlength=n_local), 0))
 from dbo.moe.fused_experts import tile_map
-from dbo.moe.fused_route import MAP_ENTRY
+from dbo.moe.fused_maps import MAP_ENTRY
 def _groups(n, g):
     # an expert's n row tiles in ceil(n / g) groups of as equal sizes as can be: (start, size)
     k = max(1, -(-n // g))
@@ -356,7 +356,8 @@ def test_direct_launch_keys_follow_tritons_specialization(monkeypatch):
 
 def test_maps_reject_bad_requests_before_launching():
     # (raised on the host before any launch: no Triton needed)
-    from dbo.moe.fused_route import route_order_with_maps, route_with_maps, tile_maps
+    from dbo.moe.fused_maps import tile_maps
+    from dbo.moe.fused_route import route_order_with_maps, route_with_maps
 
     ids = torch.zeros(8, 2, dtype=torch.int32)
     offsets = torch.tensor([10, 16], dtype=torch.int32)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from dbo.moe.fused_tiles import GemmConfig
 from dbo.moe.triton_launch import cdiv, launch, next_pow2
 
 __all__ = ["MAP_ENTRY", "MAP_GROUP_M", "TILE_MAP_BLOCK", "SOLE_ROWS_BLOCK", "block_e", "tile_maps",
@@ -137,9 +138,10 @@ if triton is not None:
 #: int32 entries per row tile of a row-tile map (after its count): the expert, the tile's first
 #: row, the expert's end row, its group's first row tile and the group's size
 MAP_ENTRY = 5
-#: the most row tiles of one group of a map by default (an expert with more has several, of
-#: as equal sizes as can be); a group's row tiles take each column block one after the other
-MAP_GROUP_M = 8
+#: the most row tiles of one group of a map by default, a tile's default ``group_m`` (an expert
+#: with more has several, of as equal sizes as can be); a group's row tiles take each column
+#: block one after the other
+MAP_GROUP_M = GemmConfig.group_m
 
 
 def block_e(n_experts: int) -> int:

@@ -7,32 +7,17 @@ torch's radix sort on 16-bit keys and a ``searchsorted``. :func:`dbo.moe.fused_m
 lists the experts' row tiles (for the flat down kernel and the warp-specialized gate/up kernel),
 marks the rows whose token has one local slot, and zeroes the split gate/up kernel's counters, in
 one launch; :func:`route_with_maps` does both, where the counting sort runs in its second launch.
-The maps' names are re-exported here.
 """
 
 from __future__ import annotations
 
 import torch
 
-from dbo.moe.fused_maps import (
-    MAP_ENTRY,
-    MAP_GROUP_M,
-    SOLE_ROWS_BLOCK,
-    TILE_MAP_BLOCK,
-    block_e,
-    check_groups,
-    map_bound,
-    new_maps,
-    tile_map,
-    tile_maps,
-    zeroing,
-)
+from dbo.moe.fused_maps import TILE_MAP_BLOCK, block_e, check_groups, map_bound, new_maps, tile_maps, zeroing
 from dbo.moe.triton_launch import cdiv, launch, next_pow2
 
-__all__ = ["ROUTE_CHUNK", "ROUTE_MAX_CELLS", "ROUTE_MAX_PAIRS", "TILE_MAP_BLOCK", "SOLE_ROWS_BLOCK",
-           "MAP_ENTRY", "MAP_GROUP_M",
-           "block_e", "route_order", "route_order_with_maps", "uses_counting_sort", "tile_map", "tile_maps",
-           "route_with_maps"]
+__all__ = ["ROUTE_CHUNK", "ROUTE_MAX_CELLS", "ROUTE_MAX_PAIRS", "route_order", "route_order_with_maps",
+           "uses_counting_sort", "route_with_maps"]
 
 try:
     import triton

@@ -23,7 +23,7 @@ from tune_experts import alternating_ms, probe_shapes  # noqa: E402
 
 from dbo.bench.experts import make_case  # noqa: E402
 from dbo.moe import fused_experts as fe  # noqa: E402
-from dbo.moe.fused_route import MAP_GROUP_M  # noqa: E402
+from dbo.moe.fused_maps import MAP_GROUP_M  # noqa: E402
 from dbo.moe.fused_tiles import FLAT_DOWN, GemmConfig  # noqa: E402
 
 SHAPES = [(256, 32, 4096), (256, 32, 16384), (256, 256, 4096), (256, 256, 8192), (768, 32, 4096),

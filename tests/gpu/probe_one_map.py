@@ -1,6 +1,6 @@
 """The row-tile maps, the sole rows' marks and the split's counters built with the routing (the
 counting sort's second launch: ``fused_route.route_with_maps``, the library's call, "one"), in a
-launch after it (``fused_route.tile_maps``, "maps") and in one launch each (the map of the
+launch after it (``fused_maps.tile_maps``, "maps") and in one launch each (the map of the
 warp-specialized gate/up tile, its counters' memset, the flat down tile's map with the marks,
 "sep"), whole calls with the library's tiles, on the GPU host: whether the outputs are the same
 bits, and each path's time (CUDA events, the paths alternating round by round in a rotating
@@ -24,13 +24,14 @@ from tune_experts import alternating_ms, probe_shapes  # noqa: E402
 
 from dbo.bench.experts import make_case  # noqa: E402
 from dbo.moe import fused_experts as fe  # noqa: E402
+from dbo.moe import fused_maps as fm  # noqa: E402
 from dbo.moe import fused_route as fr  # noqa: E402
 
 
 def _maps_after_routing(topk_ids, n_experts, block_ms, pairs, sole, zero=None, bounds=None):
     # route_with_maps as it was: the routing, then tile_maps's own launch
     order, offsets = fr.route_order(topk_ids, n_experts, bounds)
-    maps, dest = fr.tile_maps(offsets, block_ms, pairs, (order, topk_ids) if sole else None, zero)
+    maps, dest = fm.tile_maps(offsets, block_ms, pairs, (order, topk_ids) if sole else None, zero)
     return order, offsets, maps, dest
 
 

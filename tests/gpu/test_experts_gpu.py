@@ -463,6 +463,7 @@ def test_one_map_launch_is_the_same_bits_as_separate_launches(up_name, sole):
 def test_route_with_maps_equals_routing_then_maps(m, n_local):
     # the maps, marks and zeros from the counting sort's second launch (or, above its size, the
     # radix sort and then tile_maps) against route_order and tile_maps: the same values
+    from dbo.moe import fused_maps as fm
     from dbo.moe import fused_route as fr
 
     _, _, _, _, ids = _case(m, n_local, 8, 64, 64, torch.bfloat16, seed=m)
@@ -470,11 +471,11 @@ def test_route_with_maps_equals_routing_then_maps(m, n_local):
     zero = torch.full((132,), 5, dtype=torch.int32, device="cuda")
     order, offsets, maps, dest = fr.route_with_maps(ids, n_local, (64, 128), pairs, True, zero)
     want_order, want_offsets = fr.route_order(ids, n_local)
-    want_maps, want_dest = fr.tile_maps(want_offsets, (64, 128), pairs, (want_order, ids))
+    want_maps, want_dest = fm.tile_maps(want_offsets, (64, 128), pairs, (want_order, ids))
     n = int(want_offsets[-1])
     assert torch.equal(offsets, want_offsets) and not bool(zero.any())
     if fr.uses_counting_sort(pairs, n_local):  # (the radix sort's order within an expert may differ)
         assert torch.equal(order[:n], want_order[:n]) and torch.equal(dest[:n], want_dest[:n])
     for got, want in zip(maps, want_maps, strict=True):
-        k = 1 + fr.MAP_ENTRY * int(want[0])
+        k = 1 + fm.MAP_ENTRY * int(want[0])
         assert torch.equal(got[:k], want[:k])
