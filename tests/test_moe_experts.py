@@ -295,24 +295,6 @@ for seed, m, n_local, topk, tail, red, down_kind, persistent in [
         assert bool((per_token == 1).any()) and bool((per_token > 1).any()), seed
         assert bool((per_token == 0).any()), seed  # (their zero rows: the down kernel's too)
         assert torch.equal(sole, out), (seed, (sole - out).abs().max())
-# the down GEMM and the top-k sum by column parts (on a GPU fused_swiglu_experts(sum_parts=) runs
-# them so, each part's sum on another stream): the same bits as one launch each, sole rows or not
-from dbo.moe import fused_experts as fe
-x, weights, ids, w1, w2 = _case(10, 90, 4, 3, hidden=80, inter=32)
-act = torch.randn(90 * 3, 32).half()
-order, offsets = fe.route_order(ids, 4)
-down = GemmConfig(32, 16, 16, 2, 4, 2, flat=True)
-assert fe.column_parts(80, 16, 3) == [(0, 16), (16, 48), (48, 80)]
-for sole in (False, True):
-    outs = []
-    for parts in (1, 3):
-        y, out = torch.full((90 * 3, 80), float("nan")).half(), torch.full((90, 80), float("nan")).half()
-        for c in fe.column_parts(80, 16, parts):
-            s = fe.launch_down(act, order, offsets, w2.half(), y, down, 270, True,
-                               (ids, weights, out) if sole else None, cols=c)
-            fe.launch_topk_sum(y, ids, weights, out, 4, s, cols=c, block=16 if parts > 1 else None)
-        outs.append(out)
-    assert not outs[0].isnan().any() and torch.equal(outs[0], outs[1]), sole
 # a warp-specialized gate/up tile (Gluon, Hopper only) runs here as the Triton kernel with its blocks
 x, weights, ids, w1, w2 = _case(9, 90, 4, 3, hidden=64, inter=32)
 x, w1, w2 = x.half(), w1.half(), w2.half()

@@ -206,8 +206,7 @@ def runs_flat(cfg: GemmConfig, act: torch.Tensor, w2: torch.Tensor) -> bool:
 def launch_down(act: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, w2: torch.Tensor,
                 y: torch.Tensor, cfg: GemmConfig, pairs: int, persistent: bool = False,
                 sole: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                tile_maps: tuple[torch.Tensor, torch.Tensor | None] | None = None,
-                cols: tuple[int, int] | None = None) -> bool:
+                tile_maps: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> bool:
     """``y[order[r]] = act[r] @ d_e.T`` for each sorted row ``r`` of expert ``e``.
 
     ``sole``: ``(topk_ids, topk_weights, out)``: where the tile is the flat one, a row whose
@@ -215,16 +214,10 @@ def launch_down(act: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, w
     leaves that token alone: :func:`launch_topk_sum` with ``sole=True``). Returns whether it
     was (other tiles write every row to ``y``). ``tile_maps``: the flat tile's map and marks,
     where the caller built them already (:func:`tile_map` with this tile's ``block_m``, and
-    ``sole=(order, topk_ids)`` exactly when ``sole`` is given). ``cols``: ``(c0, c1)``, only
-    those output columns, ``c0`` a multiple of the tile's ``block_n`` (the flat tile only)."""
+    ``sole=(order, topk_ids)`` exactly when ``sole`` is given)."""
     n_experts, hidden, inter = w2.shape
     cfg = FP32_CONFIG if act.element_size() > 2 else cfg
     persistent = cfg.runs_persistent(persistent)
-    c0, c1 = (0, hidden) if cols is None else cols
-    if cols is not None and not (runs_flat(cfg, act, w2) and 0 <= c0 < c1 <= hidden
-                                 and c0 % cfg.block_n == 0):
-        raise ValueError(f"cols {cols}: a column range of the flat tile, starting at a multiple of "
-                         f"its block_n ({cfg.block_n}) within {hidden}")
     if cfg.n_per_program:
         if next_pow2(inter) > cfg.block_k:
             raise ValueError(f"a short-K tile needs block_k >= intermediate ({inter}), got {cfg.block_k}")
@@ -253,9 +246,8 @@ def launch_down(act: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, w
         tiles, dest = tile_maps
         # without sole the weights and the output are not read: y and order stand in for them
         tw, out, topk = (sole[1], sole[2], sole[0].shape[1]) if sole is not None else (order, y, 1)
-        _launch(down_flat_kernel, _bound(cfg, pairs, n_experts, c1 - c0), act.device, (
-            a_desc, order if dest is None else dest, tiles, w, y, tw, out, hidden, inter, c0 // cfg.block_n,
-            cdiv(c1, cfg.block_n)), dict(
+        _launch(down_flat_kernel, _bound(cfg, pairs, n_experts, hidden), act.device, (
+            a_desc, order if dest is None else dest, tiles, w, y, tw, out, hidden, inter), dict(
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             TOPK=topk, SOLE=sole is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages), True)
         return sole is not None
@@ -274,8 +266,7 @@ def fused_swiglu_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
                          configs: tuple[GemmConfig, GemmConfig] | None = None,
                          bounds: torch.Tensor | None = None,
                          rows_per_expert: float | None = None,
-                         persistent: bool | None = None, sole_pairs: bool | None = None,
-                         sum_parts: int | None = None) -> torch.Tensor:
+                         persistent: bool | None = None, sole_pairs: bool | None = None) -> torch.Tensor:
     """Routed SwiGLU experts, fused (see the module docstring). CUDA tensors, Triton.
 
     Args:
@@ -332,70 +323,12 @@ def fused_swiglu_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
     launch_gate_up(x, order, offsets, w1, act, up_cfg, pairs, topk, persistent, up_map, counts)
     y = out.view(m * topk, hidden) if not reduce else \
         torch.empty(m * topk, hidden, dtype=x.dtype, device=x.device)
+    sole = launch_down(act, order, offsets, w2, y, down_cfg, pairs, persistent, sole_args, down_maps)
     if not reduce:
-        launch_down(act, order, offsets, w2, y, down_cfg, pairs, persistent, sole_args, down_maps)
         local = (topk_ids >= 0) & (topk_ids < n_experts)
         return out.masked_fill_(~local.unsqueeze(-1), 0)
-    parts = SUM_PARTS if sum_parts is None else sum_parts
-    if parts > 1 and x.is_cuda and runs_flat(down_cfg, act, w2):
-        _down_and_sum_parts(act, order, offsets, w2, y, down_cfg, pairs, sole_args, down_maps, ids, tw, out,
-                            parts)
-        return out
-    sole = launch_down(act, order, offsets, w2, y, down_cfg, pairs, persistent, sole_args, down_maps)
     launch_topk_sum(y, ids, tw, out, n_experts, sole)
     return out
-
-
-#: column parts of the flat down GEMM whose top-k sums run on another stream while the next part's
-#: products run (1: one down launch, then the sum)
-SUM_PARTS = 1
-#: which stream takes the parts' top-k sums ("side"), or the down parts ("down")
-PARTS_SIDE = "side"
-_STREAMS: dict[tuple[torch.device, str], torch.cuda.Stream] = {}
-
-
-def column_parts(hidden: int, block_n: int, parts: int) -> list[tuple[int, int]]:
-    """``parts`` column ranges of ``hidden`` of as equal sizes as whole ``block_n`` blocks give."""
-    blocks = cdiv(hidden, block_n)
-    parts = max(1, min(parts, blocks))
-    edges = [block_n * (blocks * i // parts) for i in range(parts)] + [hidden]
-    return list(zip(edges[:-1], edges[1:], strict=True))
-
-
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    s = _STREAMS.get((device, PARTS_SIDE))
-    if s is None:
-        priority = -1 if PARTS_SIDE == "down" else 0
-        s = _STREAMS[device, PARTS_SIDE] = torch.cuda.Stream(device, priority=priority)
-    return s
-
-
-def _down_and_sum_parts(act, order, offsets, w2, y, cfg, pairs, sole_args, down_maps, ids, tw, out,
-                        parts) -> None:
-    # the down GEMM part by part of its columns, each part's top-k sum on the other stream after
-    # it, so that a sum (memory-bound) runs while the next part's products do
-    n_experts, hidden, _ = w2.shape
-    main = torch.cuda.current_stream(act.device)
-    side = _side_stream(act.device)
-    side.wait_stream(main)
-    sole = sole_args is not None
-    ranges = column_parts(hidden, cfg.block_n, parts)
-    if PARTS_SIDE == "down":
-        events = []
-        with torch.cuda.stream(side):
-            for c in ranges:
-                launch_down(act, order, offsets, w2, y, cfg, pairs, True, sole_args, down_maps, cols=c)
-                events.append(side.record_event())
-        for c, ev in zip(ranges, events, strict=True):
-            main.wait_event(ev)
-            launch_topk_sum(y, ids, tw, out, n_experts, sole, cols=c)
-        return
-    for c in ranges:
-        launch_down(act, order, offsets, w2, y, cfg, pairs, True, sole_args, down_maps, cols=c)
-        side.wait_event(main.record_event())
-        with torch.cuda.stream(side):
-            launch_topk_sum(y, ids, tw, out, n_experts, sole, cols=c)
-    main.wait_event(side.record_event())
 
 
 #: columns of one token per program of the top-k sum: its slots are a chain of dependent loads
@@ -408,19 +341,16 @@ TOPK_SUM_BLOCK = 2048
 
 def launch_topk_sum(y: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                     out: torch.Tensor, n_experts: int, sole: bool = False, *, block: int | None = None,
-                    num_warps: int = 4, cols: tuple[int, int] | None = None) -> None:
+                    num_warps: int = 4) -> None:
     """``out[m] = sum_s w[m, s] * y[m * topk + s]`` over the slots of local experts (``sole``:
     not for the tokens with one local slot, whose row :func:`launch_down` wrote). A program
     sums ``block`` columns of one token (default :data:`TOPK_SUM_BLOCK`, or the row's power of
     two where it is narrower) with ``num_warps`` warps."""
     m, topk = topk_ids.shape
     hidden = y.shape[1]
-    c0, c1 = (0, hidden) if cols is None else cols
-    if not 0 <= c0 < c1 <= hidden:
-        raise ValueError(f"cols must be a range within [0, {hidden}), got {cols}")
-    block = _block(c1 - c0, TOPK_SUM_BLOCK) if block is None else block
+    block = _block(hidden, TOPK_SUM_BLOCK) if block is None else block
     if block < 16 or block & (block - 1):
         raise ValueError(f"block must be a power of two >= 16, got {block}")
-    launch(topk_sum_kernel, (m, cdiv(c1 - c0, block)), (
-        y, topk_ids.contiguous(), topk_weights.contiguous(), out, n_experts, hidden, c0, c1), dict(TOPK=topk,
+    launch(topk_sum_kernel, (m, cdiv(hidden, block)), (
+        y, topk_ids.contiguous(), topk_weights.contiguous(), out, n_experts, hidden), dict(TOPK=topk,
         BLOCK=block, SOLE=sole, num_warps=num_warps))

@@ -235,7 +235,7 @@ if triton is not None:
 
     @triton.jit
     def down_flat_kernel(act_desc, order_ptr, map_ptr, w_desc, y_ptr, tw_ptr, out_ptr, hidden, inter,
-                         col_lo, col_hi, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          TOPK: tl.constexpr, SOLE: tl.constexpr):
         # persistent: every num_programs-th tile, the tile loop flattened with the K loop so that
         # Triton pipelines the next tile's loads under this tile's products and stores (a short K
@@ -248,14 +248,12 @@ if triton is not None:
         # never stored. SOLE (the top-k sum runs with SOLE too): order_ptr is tile_map_kernel's
         # dest, where ~slot marks a row whose token has no other local slot: that row is weighted
         # (tw_ptr) and written to out[token] with the top-k sum's rounding, where that sum would
-        # only have copied it. Column blocks col_lo <= pid_n < col_hi only (a part of the columns,
-        # whose top-k sum can run while the next part's products do)
-        n_col = col_hi - col_lo
+        # only have copied it
+        n_col = tl.cdiv(hidden, BLOCK_N)
         n_m = tl.load(map_ptr)
         k_tiles = tl.cdiv(inter, BLOCK_K)
         for t in tl.range(tl.program_id(0), n_m * n_col, tl.num_programs(0), flatten=True):
             e, row0, end_row, pid_n = map_tile(t, map_ptr, n_col)
-            pid_n += col_lo
             w_row = e * hidden + pid_n * BLOCK_N
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             for ki in range(k_tiles):
@@ -333,14 +331,13 @@ if triton is not None:
                                BLOCK_E, GROUP_M, PRECISION)
 
     @triton.jit
-    def topk_sum_kernel(y_ptr, ids_ptr, w_ptr, out_ptr, n_experts, hidden, col_lo, col_hi,
-                         TOPK: tl.constexpr, BLOCK: tl.constexpr, SOLE: tl.constexpr):
-        # columns col_lo <= c < col_hi of each token. A slot of another rank's expert reads
-        # nothing: its row of y was never written. SOLE: a token with one local slot is left alone
-        # (the flat down kernel wrote its row)
+    def topk_sum_kernel(y_ptr, ids_ptr, w_ptr, out_ptr, n_experts, hidden, TOPK: tl.constexpr,
+                         BLOCK: tl.constexpr, SOLE: tl.constexpr):
+        # a slot of another rank's expert reads nothing: its row of y was never written. SOLE: a
+        # token with one local slot is left alone (the flat down kernel wrote its row)
         m = tl.program_id(0).to(tl.int64)
-        cols = col_lo + tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        mask = cols < col_hi
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < hidden
         if SOLE:
             n_local = 0
             for s in tl.static_range(TOPK):

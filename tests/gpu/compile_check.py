@@ -27,8 +27,8 @@ from dbo.moe import fused_kernels as fk
 def _flat(bm, bn, bk, sole=False):
     sig = {"act_desc": f"tensordesc<bf16[{bm}, {bk}]>", "order_ptr": "*i32", "map_ptr": "*i32",
            "w_desc": f"tensordesc<bf16[{bn}, {bk}]>", "y_ptr": "*bf16", "tw_ptr": "*fp32", "out_ptr": "*bf16",
-           "hidden": "i32", "inter": "i32", "col_lo": "i32", "col_hi": "i32", "BLOCK_M": "constexpr",
-           "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "TOPK": "constexpr", "SOLE": "constexpr"}
+           "hidden": "i32", "inter": "i32", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
+           "BLOCK_K": "constexpr", "TOPK": "constexpr", "SOLE": "constexpr"}
     consts = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "TOPK": 8, "SOLE": sole}
     return fk.down_flat_kernel, sig, consts, ("order_ptr", "map_ptr", "y_ptr", "tw_ptr", "out_ptr", "hidden",
                                               "inter")
@@ -75,17 +75,7 @@ def _epilogue(epi):
     return spec
 
 
-def _topk_sum(bm, bn, bk, sole=False):
-    # the top-k sum: BLOCK = bn columns per program (bm, bk unused)
-    sig = {"y_ptr": "*bf16", "ids_ptr": "*i32", "w_ptr": "*fp32", "out_ptr": "*bf16", "n_experts": "i32",
-           "hidden": "i32", "col_lo": "i32", "col_hi": "i32", "TOPK": "constexpr", "BLOCK": "constexpr",
-           "SOLE": "constexpr"}
-    consts = {"TOPK": 8, "BLOCK": bn, "SOLE": sole}
-    return fk.topk_sum_kernel, sig, consts, ("y_ptr", "ids_ptr", "w_ptr", "out_ptr", "hidden")
-
-
-KERNELS = {"topk_sum": _topk_sum, "topk_sum_sole": lambda *t: _topk_sum(*t, sole=True),
-           "down_flat": _flat, "down_flat_sole": _flat_sole, "gate_up": _gate_up,
+KERNELS = {"down_flat": _flat, "down_flat_sole": _flat_sole, "gate_up": _gate_up,
            "down_stationary": _stationary, "down_epi_scatter": _epilogue(0), "down_epi_tma": _epilogue(1),
            "down_epi_none": _epilogue(2)}
 
