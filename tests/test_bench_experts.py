@@ -71,6 +71,28 @@ def test_the_limit_formula():
     assert lim.time_ms(flops, nbytes) == max(nbytes / 1e12, flops / 1e14) * 1e3
     assert lim.time_ms(1e14, 0) == 1000.0 and lim.time_ms(0, 1e12) == 1000.0
     assert active_experts(8, 0) == 0 and 7.9 < active_experts(8, 1000) <= 8
+    with pytest.raises(ValueError, match="held"):
+        lim.time_ms(flops, nbytes, held=True)
+    # the held GEMM rate (a power cap's) moves only the flops-bound limits
+    held = DeviceLimits("test", copy_gbps=1000.0, gemm_tflops=100.0, held_gemm_tflops=80.0)
+    assert held.time_ms(1e14, 0, held=True) == 1250.0 and held.time_ms(0, 1e12, held=True) == 1000.0
+    assert "held for seconds: 80 TFLOP/s" in held.describe() and "held" not in lim.describe()
+
+
+def test_rows_get_their_ratio_to_the_held_limit_where_it_was_measured():
+    impls = {"a": (SwiGLUExperts(use_triton=False), False)}
+    rows = run_grid(impls, hidden=[32], intermediate=[16], tokens=[8, 40], local_experts=[4],
+                    topk=3, steps=2, num_experts=8, dtype=torch.float32, device="cpu")
+    # a GEMM rate so low that every row is flops-bound: the held ratio is the burst one x 2
+    add_limits(rows, DeviceLimits("t", copy_gbps=1e6, gemm_tflops=1e-6, held_gemm_tflops=5e-7), dtype_bytes=4)
+    for r in rows:
+        res = r["results"]["a"]
+        assert res["x_held"] == pytest.approx(res["x_limit"] / 2)
+    s = limit_summary(rows)["a"]
+    assert s["geomean_x_held"] == pytest.approx(s["geomean_x_limit"] / 2)
+    assert "at the held GEMM rate" in format_rows(rows, "a")
+    add_limits(rows, DeviceLimits("t", copy_gbps=1e6, gemm_tflops=1e-6), dtype_bytes=4)
+    assert "geomean_x_held" not in limit_summary(rows)["a"]
 
 
 def test_timings_are_checked_and_each_call_reports_its_host_time():

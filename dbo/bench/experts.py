@@ -237,16 +237,28 @@ def add_limits(rows: list[dict], limits: DeviceLimits, dtype_bytes: int = 2) -> 
         r["limit_ms"] = limits.time_ms(flops, nbytes)
         r["limit_bound"] = "flops" if flops / limits.gemm_tflops / 1e12 > nbytes / limits.copy_gbps / 1e9 \
             else "bytes"
+        held = limits.held_gemm_tflops is not None
+        # informative: the limit at the GEMM rate held for seconds (a power cap's)
+        r.pop("held_limit_ms", None)
+        if held:
+            r["held_limit_ms"] = limits.time_ms(flops, nbytes, held=True)
         for res in r["results"].values():
             res["x_limit"] = res["median_ms"] / r["limit_ms"]
+            res.pop("x_held", None)
+            if held:
+                res["x_held"] = res["median_ms"] / r["held_limit_ms"]
 
 
 def limit_summary(rows: list[dict]) -> dict[str, dict[str, float]]:
-    """Per implementation: geometric mean and worst of ``x_limit`` over the rows."""
+    """Per implementation: geometric mean and worst of ``x_limit`` over the rows (and of
+    ``x_held``, the ratio to the limit at the held GEMM rate, where it was measured)."""
     out = {}
     for name in (rows[0]["results"] if rows else {}):
-        xs = [r["results"][name]["x_limit"] for r in rows]
+        res = [r["results"][name] for r in rows]
+        xs = [x["x_limit"] for x in res]
         out[name] = {"geomean_x_limit": statistics.geometric_mean(xs), "worst_x_limit": max(xs)}
+        if all("x_held" in x for x in res):
+            out[name]["geomean_x_held"] = statistics.geometric_mean(x["x_held"] for x in res)
     return out
 
 
@@ -272,8 +284,10 @@ def format_rows(rows: list[dict], baseline: str) -> str:
         lines.append(line)
     if lim:
         for name, s in limit_summary(rows).items():
+            held = "" if "geomean_x_held" not in s else \
+                f" ({s['geomean_x_held']:.2f}x the limit at the held GEMM rate)"
             lines.append(f"{name}: geometric mean {s['geomean_x_limit']:.2f}x the limit, worst "
-                         f"{s['worst_x_limit']:.2f}x over {len(rows)} rows")
+                         f"{s['worst_x_limit']:.2f}x over {len(rows)} rows{held}")
     return "\n".join(lines)
 
 
@@ -292,12 +306,15 @@ def main(argv: list[str] | None = None) -> int:
                    help="device: each call queued behind a GPU sleep (the GPU's time, as inside a "
                         "forward); idle: each call after a host sync (an isolated call's latency, "
                         "its launches included; reported as NAME" + IDLE_SUFFIX + ")")
+    p.add_argument("--held-s", type=float, default=2.0,
+                   help="also run the ceiling's GEMM back to back for this long and report each "
+                        "row's ratio to the limit at that held rate (0: not)")
     p.add_argument("--json", default=None, help="also write the rows here")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         sys.stderr.write("python -m dbo.bench experts needs a CUDA GPU\n")
         return 2
-    limits = measure_device_limits()
+    limits = measure_device_limits(held_s=a.held_s)
     print(limits.describe(), flush=True)
     # what MoEKernel tells the experts: 256 experts over all ranks (a local share for the
     # kernel choice without host counts)

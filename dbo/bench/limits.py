@@ -7,6 +7,11 @@ device, so a ratio to the limit is comparable across machines and runs:
 * bandwidth: a large device-to-device copy, counting bytes read plus bytes written;
 * matrix rate: a large square bf16 GEMM (8192^3 on CUDA) on random data (zeros run faster).
 
+Both run for milliseconds, before a power cap acts. Optionally (``held_s``) the same GEMM also
+runs back to back for seconds: on an H200 (700 W cap) it then holds ~0.83 of the burst rate at a
+lower clock, and so does any call long enough to meet the cap. That held rate is reported beside
+the limit, for reading the flops-bound rows; the limit itself uses the burst rate.
+
 The routed experts' cost (:func:`experts_cost`) is that of the two grouped GEMMs over the
 (token, slot) pairs routed to this rank: flops ``2 * pairs * hidden * 2I + 2 * pairs * I * hidden``;
 bytes = the weights of the experts that receive rows (``3 * hidden * I`` elements each) plus each
@@ -38,17 +43,25 @@ class DeviceLimits:
     device: str
     copy_gbps: float
     gemm_tflops: float
+    #: the GEMM's rate held for seconds (None: not measured); informative, see the module docstring
+    held_gemm_tflops: float | None = None
 
-    def time_ms(self, flops: float, num_bytes: float) -> float:
-        """The limit of a kernel that moves ``num_bytes`` and does ``flops``: milliseconds."""
-        return max(num_bytes / (self.copy_gbps * 1e9), flops / (self.gemm_tflops * 1e12)) * 1e3
+    def time_ms(self, flops: float, num_bytes: float, held: bool = False) -> float:
+        """The limit of a kernel that moves ``num_bytes`` and does ``flops``: milliseconds
+        (``held``: at the held GEMM rate)."""
+        rate = self.held_gemm_tflops if held else self.gemm_tflops
+        if rate is None:
+            raise ValueError("the held GEMM rate was not measured (measure_device_limits(held_s=...))")
+        return max(num_bytes / (self.copy_gbps * 1e9), flops / (rate * 1e12)) * 1e3
 
     def as_dict(self) -> dict:
         return asdict(self)
 
     def describe(self) -> str:
+        held = "" if self.held_gemm_tflops is None else \
+            f" (the GEMM held for seconds: {self.held_gemm_tflops:.0f} TFLOP/s)"
         return (f"limit = max(bytes / {self.copy_gbps / 1e3:.2f} TB/s, flops / {self.gemm_tflops:.0f} "
-                f"TFLOP/s), both measured at the start of this run on {self.device}")
+                f"TFLOP/s), both measured at the start of this run on {self.device}{held}")
 
 
 def _median_ms(fn, device: torch.device, reps: int) -> float:
@@ -86,11 +99,30 @@ def _gemm_ms(n: int, dtype: torch.dtype, device: torch.device, reps: int) -> flo
     return _median_ms(lambda: a @ b, device, reps)
 
 
+def _held_gemm_ms(n: int, dtype: torch.dtype, device: torch.device, seconds: float) -> float:
+    # the GEMM back to back for `seconds`; the mean of its second half (the clock has settled)
+    gen = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(n, n, device=device, generator=gen).to(dtype)
+    b = torch.randn(n, n, device=device, generator=gen).to(dtype)
+    ms = _median_ms(lambda: a @ b, device, 3)
+    half = max(1, int(seconds / 2 / (ms * 1e-3)))
+    for _ in range(half):
+        a @ b
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(half):
+        a @ b
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / half
+
+
 def measure_device_limits(device: torch.device | str | None = None, *, copy_bytes: int | None = None,
-                          gemm_n: int | None = None, reps: int = 10) -> DeviceLimits:
+                          gemm_n: int | None = None, reps: int = 10, held_s: float = 0.0) -> DeviceLimits:
     """Measure the copy bandwidth and the GEMM rate of ``device`` (default: the current CUDA
     device, else the CPU). ``copy_bytes``/``gemm_n``: sizes (default 2 GiB and 8192 on CUDA,
-    64 MiB and 1024 on the CPU)."""
+    64 MiB and 1024 on the CPU). ``held_s`` > 0 (CUDA): also the GEMM's rate run back to back
+    for that many seconds (``DeviceLimits.held_gemm_tflops``), after the burst measurements."""
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
             else torch.device("cpu")
@@ -101,9 +133,12 @@ def measure_device_limits(device: torch.device | str | None = None, *, copy_byte
     dtype = torch.bfloat16 if cuda else torch.float32
     copy_ms = _copy_ms(copy_bytes, device, reps)
     gemm_ms = _gemm_ms(gemm_n, dtype, device, reps)
+    held = None
+    if held_s > 0 and cuda:
+        held = 2 * gemm_n ** 3 / (_held_gemm_ms(gemm_n, dtype, device, held_s) * 1e-3) / 1e12
     name = torch.cuda.get_device_name(device) if cuda else "cpu"
     return DeviceLimits(device=name, copy_gbps=2 * copy_bytes / (copy_ms * 1e-3) / 1e9,
-                        gemm_tflops=2 * gemm_n ** 3 / (gemm_ms * 1e-3) / 1e12)
+                        gemm_tflops=2 * gemm_n ** 3 / (gemm_ms * 1e-3) / 1e12, held_gemm_tflops=held)
 
 
 def active_experts(local_experts: int, local_pairs: float) -> float:

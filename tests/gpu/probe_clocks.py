@@ -46,6 +46,10 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", nargs="+", default=["2048:256:32768", "256:256:65536", "2048:32:8192"])
     ap.add_argument("--seconds", type=float, default=4.0)
+    ap.add_argument("--zero-rows", nargs="*", type=float, default=[],
+                    help="the GEMM again with this share of its first operand's rows zero (what a "
+                         "tile's rows past an expert's end multiply, where they are zeros): whether "
+                         "zero operands cost the power cap less")
     a = ap.parse_args()
     with tempfile.NamedTemporaryFile(suffix=".csv", delete=False) as log:
         smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={QUERY}", "--format=csv,noheader,nounits",
@@ -82,6 +86,12 @@ def _phases(a) -> list[tuple[str, float, float, float, int]]:
     w = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     t0, t1, dt, reps = _loop(lambda: x @ w, a.seconds)
     phases = [("gemm 8192", t0, t1, 2 * n**3 / dt / 1e12, reps)]
+    for share in a.zero_rows:
+        # the last rows of every 128-row tile zero, as past an expert's end
+        pad = torch.arange(n, device=x.device) % 128 >= round(128 * (1 - share))
+        xz = x.masked_fill(pad[:, None], 0)
+        t0, t1, dt, reps = _loop(lambda xz=xz: xz @ w, a.seconds)
+        phases.append((f"gemm 8192, {share:.0%} rows zero", t0, t1, 2 * n**3 / dt / 1e12, reps))
     for shape in a.shapes:
         inter, local, tokens = (int(v) for v in shape.split(":"))
         case = make_case(tokens, 7168, inter, local)

@@ -162,7 +162,10 @@ def probe_shapes(shapes, one_shape, line=None, reps: int = 20, limits: bool = Fa
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None)
     ap.add_argument("--reps", type=int, default=reps)
+    ap.add_argument("--shapes", nargs="+", metavar="I:L:T", help="instead of the probe's shapes")
     a = ap.parse_args()
+    if a.shapes:
+        shapes = [tuple(int(v) for v in s.split(":")) for s in a.shapes]
     lim = measure_device_limits() if limits else None
     if lim is not None:
         print(lim.describe(), flush=True)
