@@ -92,18 +92,19 @@ def _copy_ms(copy_bytes: int, device: torch.device, reps: int) -> float:
     return _median_ms(lambda: dst.copy_(src), device, reps)
 
 
-def _gemm_ms(n: int, dtype: torch.dtype, device: torch.device, reps: int) -> float:
+def _gemm_operands(n: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator(device=device).manual_seed(0)
-    a = torch.randn(n, n, device=device, generator=gen).to(dtype)
-    b = torch.randn(n, n, device=device, generator=gen).to(dtype)
+    return tuple(torch.randn(n, n, device=device, generator=gen).to(dtype) for _ in range(2))
+
+
+def _gemm_ms(n: int, dtype: torch.dtype, device: torch.device, reps: int) -> float:
+    a, b = _gemm_operands(n, dtype, device)
     return _median_ms(lambda: a @ b, device, reps)
 
 
 def _held_gemm_ms(n: int, dtype: torch.dtype, device: torch.device, seconds: float) -> float:
     # the GEMM back to back for `seconds`; the mean of its second half (the clock has settled)
-    gen = torch.Generator(device=device).manual_seed(0)
-    a = torch.randn(n, n, device=device, generator=gen).to(dtype)
-    b = torch.randn(n, n, device=device, generator=gen).to(dtype)
+    a, b = _gemm_operands(n, dtype, device)
     ms = _median_ms(lambda: a @ b, device, 3)
     half = max(1, int(seconds / 2 / (ms * 1e-3)))
     for _ in range(half):
