@@ -229,7 +229,10 @@ def run_grid(impls: dict[str, tuple[MoEExperts, bool]], *, hidden: list[int], in
 
 
 def add_limits(rows: list[dict], limits: DeviceLimits, dtype_bytes: int = 2) -> None:
-    """Give each row its limit (``limit_ms``) and each result its ratio to it (``x_limit``)."""
+    """Give each row its limit (``limit_ms``) and each result its ratio to it (``x_limit``);
+    where ``limits`` has the held GEMM rate, also ``held_limit_ms`` and ``x_held``."""
+    # informative: the limit at the GEMM rate held for seconds (a power cap's)
+    held = limits.held_gemm_tflops is not None
     for r in rows:
         flops, nbytes = experts_cost(hidden=r["hidden"], intermediate=r["intermediate"],
                                      local_pairs=r["local_pairs"], experts_with_rows=r["experts_with_rows"],
@@ -237,8 +240,6 @@ def add_limits(rows: list[dict], limits: DeviceLimits, dtype_bytes: int = 2) -> 
         r["limit_ms"] = limits.time_ms(flops, nbytes)
         r["limit_bound"] = "flops" if flops / limits.gemm_tflops / 1e12 > nbytes / limits.copy_gbps / 1e9 \
             else "bytes"
-        held = limits.held_gemm_tflops is not None
-        # informative: the limit at the GEMM rate held for seconds (a power cap's)
         r.pop("held_limit_ms", None)
         if held:
             r["held_limit_ms"] = limits.time_ms(flops, nbytes, held=True)

@@ -134,12 +134,14 @@ def measure_device_limits(device: torch.device | str | None = None, *, copy_byte
     dtype = torch.bfloat16 if cuda else torch.float32
     copy_ms = _copy_ms(copy_bytes, device, reps)
     gemm_ms = _gemm_ms(gemm_n, dtype, device, reps)
-    held = None
-    if held_s > 0 and cuda:
-        held = 2 * gemm_n ** 3 / (_held_gemm_ms(gemm_n, dtype, device, held_s) * 1e-3) / 1e12
+    held_ms = _held_gemm_ms(gemm_n, dtype, device, held_s) if held_s > 0 and cuda else None
     name = torch.cuda.get_device_name(device) if cuda else "cpu"
+
+    def tflops(ms: float) -> float:
+        return 2 * gemm_n ** 3 / (ms * 1e-3) / 1e12
     return DeviceLimits(device=name, copy_gbps=2 * copy_bytes / (copy_ms * 1e-3) / 1e9,
-                        gemm_tflops=2 * gemm_n ** 3 / (gemm_ms * 1e-3) / 1e12, held_gemm_tflops=held)
+                        gemm_tflops=tflops(gemm_ms),
+                        held_gemm_tflops=None if held_ms is None else tflops(held_ms))
 
 
 def active_experts(local_experts: int, local_pairs: float) -> float:

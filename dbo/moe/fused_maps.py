@@ -63,21 +63,26 @@ if triton is not None:
         tl.store(out + 4, g1 - g0, mask=keep)
 
     @triton.jit
-    def map_tile(t, map_ptr, n_col):
-        # tile t of a map's row tiles x n_col column blocks -> (expert, first row, the expert's
-        # end row, column block): a group's row tiles take each column block one after the other
-        # (so that they read its weight tile from L2 together), and no group holds two experts.
-        # The Gluon gate/up kernel walks the same way in its own _tile (Gluon calls no Triton
-        # function): change both together
+    def map_row_tile(t, map_ptr, n_col):
+        # tile t of a map's row tiles x n_col column blocks -> (row tile, column block): a
+        # group's row tiles take each column block one after the other (so that they read its
+        # weight tile from L2 together), and no group holds two experts. The Gluon gate/up kernel
+        # walks the same way in its own _tile (Gluon calls no Triton function): change both
+        # together
         q = t // n_col  # a row tile of t's group (the group's tiles are n_col times its rows)
         g0 = tl.load(map_ptr + 4 + 5 * q)
         gn = tl.load(map_ptr + 5 + 5 * q)
         local = t - g0 * n_col
-        pid_m = g0 + local % gn
+        return g0 + local % gn, local // gn
+
+    @triton.jit
+    def map_tile(t, map_ptr, n_col):
+        # tile t -> (expert, first row, the expert's end row, column block), by map_row_tile
+        pid_m, pid_n = map_row_tile(t, map_ptr, n_col)
         e = tl.load(map_ptr + 1 + 5 * pid_m)
         row0 = tl.load(map_ptr + 2 + 5 * pid_m)
         end_row = tl.load(map_ptr + 3 + 5 * pid_m)
-        return e, row0, end_row, local // gn
+        return e, row0, end_row, pid_n
 
     @triton.jit
     def mark_sole(ids_ptr, slots, live, n_experts, TOPK: tl.constexpr, BLOCK_T: tl.constexpr):

@@ -63,15 +63,6 @@ def big(est, inter, n_local, bound, pairs):
     return up, down
 
 
-def _flat_group(group_m: int):
-    # the flat down tile with group_m row tiles per column block in tile order (1: the column
-    # blocks of one row tile one after the other, its activation tile read again at once)
-    def rule(est, inter, n_local, bound, pairs):
-        up, down = table(est, inter, n_local, bound, pairs)
-        return up, dataclasses.replace(down, group_m=group_m) if down.flat else down
-    return rule
-
-
 def up512(est, inter, n_local, bound, pairs):
     # the 128-row gate/up tile with 32-row tails at 384-1024 rows per expert, many experts
     up, down = table(est, inter, n_local, bound, pairs)
@@ -194,7 +185,10 @@ VARIANTS = {"table": table, "fd64s3": _down64(3, 192), "fd64s4": _down64(4, 192)
             "ws512": _ws(lambda e, i, n: WS128 if e >= 512 else None),
             "ws64": _ws(lambda e, i, n: WS64 if e >= 256 else None),
             "wsmix": _ws(lambda e, i, n: WS128 if e >= 512 else WS64 if e >= 256 else None),
-            **{f"flat{g}": _flat_group(g) for g in (1, 2, 4, 16)}, "pers": pers, "big": big, "up512": up512,
+            # (flat1-16: earlier sessions' names of dng1-16)
+            # flat1-16: the flat down tile's groups (the names of earlier sessions' runs; dng alike)
+            **{f"flat{g}": _up_group(g, False, True) for g in (1, 2, 4, 16)},
+            "pers": pers, "big": big, "up512": up512,
             "every": every, "up2": _two_per_sm(64, 2), "upk32": _two_per_sm(32, 4)}
 
 

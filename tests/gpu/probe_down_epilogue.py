@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tune_experts import alternating_ms, down_probe_inputs, probe_shapes  # noqa: E402
 
 from dbo.moe import fused_experts as fe  # noqa: E402
-from dbo.moe.fused_maps import map_tile  # noqa: E402
+from dbo.moe.fused_maps import map_row_tile, map_tile  # noqa: E402
 from dbo.moe.triton_launch import Desc, launch  # noqa: E402
 
 SHAPES = [(256, 32, 16384), (256, 32, 65536), (256, 128, 16384), (256, 256, 16384), (256, 256, 65536),
@@ -66,10 +66,8 @@ def down_epi_kernel(act_desc, order_ptr, map_ptr, w_desc, y_ptr, ypad_desc, hidd
             tl.store(y_ptr + slots[:, None] * hidden + cols[None, :], acc.to(y_ptr.dtype.element_ty),
                      mask=(rows < end_row)[:, None] & (cols < hidden)[None, :])
         elif EPI == 1:
-            # row tile q of the map (the one holding row0): its block of the padded buffer
-            q = t // n_col
-            g0 = tl.load(map_ptr + 4 + 5 * q)
-            pid_m = g0 + (t - g0 * n_col) % tl.load(map_ptr + 5 + 5 * q)
+            # the tile's row tile of the map: its block of the padded buffer
+            pid_m, _ = map_row_tile(t, map_ptr, n_col)
             ypad_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(y_ptr.dtype.element_ty))
         else:
             tl.store(y_ptr + t, tl.sum(tl.sum(acc, 1), 0).to(y_ptr.dtype.element_ty))

@@ -19,11 +19,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from tune_experts import alternating_ms, probe_shapes  # noqa: E402
+from tune_experts import alternating_ms, host_map, probe_shapes  # noqa: E402
 
 from dbo.bench.experts import make_case  # noqa: E402
 from dbo.moe import fused_experts as fe  # noqa: E402
-from dbo.moe.fused_maps import MAP_GROUP_M  # noqa: E402
 from dbo.moe.fused_tiles import FLAT_DOWN, GemmConfig  # noqa: E402
 
 SHAPES = [(256, 32, 4096), (256, 32, 16384), (256, 256, 4096), (256, 256, 8192), (768, 32, 4096),
@@ -35,27 +34,19 @@ TAILS = {"t64w4s3": (4, 3), "t64w4s4": (4, 4)}
 
 def host_maps(counts: list[int], tail: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(main, tails): the 128-row tiles but each expert's last when it has <= tail rows, and
-    those last tiles, in the map format of fused_maps.tile_map ([count, (e, row0, end, group's
-    first tile, group's size)...]; groups of at most MAP_GROUP_M tiles of one expert)."""
+    those last tiles (each a group of its own), in the map format of fused_maps.tile_map."""
     main, tails, start = [], [], 0
     for e, c in enumerate(counts):
         end = start + c
         full, rest = divmod(c, 128)
         rows = [start + 128 * i for i in range(full)]
         if 0 < rest <= tail:
-            tails.append((e, start + 128 * full, end, len(tails), 1))
+            tails.append([(e, start + 128 * full, end)])
         elif rest:
             rows.append(start + 128 * full)
-        n, g = len(rows), max(1, -(-len(rows) // MAP_GROUP_M))
-        firsts = [-(-i * n // g) for i in range(g + 1)]
-        main += [(e, r0, end, len(main) + firsts[i * g // n], firsts[i * g // n + 1] - firsts[i * g // n])
-                 for i, r0 in enumerate(rows)]
+        main.append([(e, r0, end) for r0 in rows])
         start = end
-
-    def pack(tiles):
-        flat = [len(tiles)] + [v for t in tiles for v in t]
-        return torch.tensor(flat, dtype=torch.int32, device="cuda")
-    return pack(main), pack(tails)
+    return host_map(main), host_map(tails)
 
 
 def one_shape(inter: int, local: int, t: int, reps: int) -> dict:

@@ -27,10 +27,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from tune_experts import alternating_ms, down_probe_inputs, probe_shapes  # noqa: E402
+from tune_experts import alternating_ms, down_probe_inputs, host_map, probe_shapes  # noqa: E402
 
 from dbo.moe import fused_experts as fe  # noqa: E402
-from dbo.moe.fused_maps import MAP_GROUP_M  # noqa: E402
 
 SHAPES = [(2048, 256, 8192), (2048, 128, 4096), (768, 256, 8192), (768, 256, 16384), (256, 256, 16384),
           (2048, 256, 32768)]
@@ -39,20 +38,13 @@ BM = 128
 
 def padded_map(counts: list[int]) -> tuple[torch.Tensor, list[int]]:
     """The flat down map over ``act`` with each expert's rows at a multiple of ``BM`` (the map
-    format of fused_maps.tile_map, groups of at most MAP_GROUP_M tiles of one expert), and the
-    experts' first padded rows."""
+    format of fused_maps.tile_map), and the experts' first padded rows."""
     tiles, starts, start = [], [], 0
     for e, c in enumerate(counts):
         starts.append(start)
-        rows = [start + BM * i for i in range(-(-c // BM))]
-        n, g = len(rows), max(1, -(-len(rows) // MAP_GROUP_M))
-        firsts = [-(-i * n // g) for i in range(g + 1)]
-        for i, r0 in enumerate(rows):
-            c0, c1 = firsts[i * g // n], firsts[i * g // n + 1]
-            tiles.append((e, r0, start + c, len(tiles) - i + c0, c1 - c0))
-        start += BM * len(rows)
-    flat = [len(tiles)] + [v for t in tiles for v in t]
-    return torch.tensor(flat, dtype=torch.int32, device="cuda"), starts + [start]
+        tiles.append([(e, start + BM * i, start + c) for i in range(-(-c // BM))])
+        start += BM * len(tiles[-1])
+    return host_map(tiles), starts + [start]
 
 
 def sustained_ms(fn, seconds: float) -> float:

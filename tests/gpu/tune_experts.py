@@ -34,6 +34,7 @@ from dbo.moe.fused_experts import (  # noqa: E402
     pick_configs,
     route_order,
 )
+from dbo.moe.fused_maps import MAP_GROUP_M  # noqa: E402
 from dbo.moe.fused_tiles import prefer_persistent  # noqa: E402
 
 C = GemmConfig
@@ -151,6 +152,25 @@ def down_probe_inputs(lim, inter: int, local: int, t: int, hidden: int = 7168, t
     own = lim.time_ms(2.0 * pairs * hidden * inter, w_bytes + pairs * inter * 2 + pairs * hidden * 2)
     return case, order, offsets, down, act, persist, {"I": inter, "L": local, "T": t, "pairs": pairs,
                                                        "limit_ms": own}
+
+
+def host_map(tiles_by_expert: list[list[tuple[int, int, int]]], group_m: int = MAP_GROUP_M,
+             device: str = "cuda") -> torch.Tensor:
+    """A row-tile map built on the host, for the probes whose maps the library does not build:
+    from each expert's row tiles ``(expert, first row, end row)`` in order, fused_maps' format
+    (``[count]``, then per tile those three, its group's first tile and the group's size), an
+    expert's tiles in groups of at most ``group_m`` of as equal sizes as can be (as
+    ``fused_maps.map_tiles`` groups them)."""
+    flat, count = [], 0
+    for tiles in tiles_by_expert:
+        n = len(tiles)
+        g = max(1, -(-n // group_m))
+        firsts = [-(-i * n // g) for i in range(g + 1)]
+        for i, tile in enumerate(tiles):
+            c = i * g // n
+            flat += [*tile, count + firsts[c], firsts[c + 1] - firsts[c]]
+        count += n
+    return torch.tensor([count, *flat], dtype=torch.int32, device=device)
 
 
 def probe_shapes(shapes, one_shape, line=None, reps: int = 20, limits: bool = False, summary=None) -> int:
