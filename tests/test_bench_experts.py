@@ -48,6 +48,7 @@ def test_grid_times_every_implementation_and_outputs_agree():
 def test_limits_are_measured_and_every_row_gets_its_ratio():
     limits = measure_device_limits("cpu", copy_bytes=1 << 20, gemm_n=64, reps=3)
     assert limits.copy_gbps > 0 and limits.gemm_tflops > 0
+    assert limits.instance is None and limits.as_dict()["instance"] is None  # a GPU's UUID only
     impls = {"a": (SwiGLUExperts(use_triton=False), False)}
     rows = run_grid(impls, hidden=[32], intermediate=[16], tokens=[8, 40], local_experts=[4],
                     topk=3, steps=2, num_experts=8, dtype=torch.float32, device="cpu")
@@ -77,6 +78,8 @@ def test_the_limit_formula():
     held = DeviceLimits("test", copy_gbps=1000.0, gemm_tflops=100.0, held_gemm_tflops=80.0)
     assert held.time_ms(1e14, 0, held=True) == 1250.0 and held.time_ms(0, 1e12, held=True) == 1000.0
     assert "held for seconds: 80 TFLOP/s" in held.describe() and "held" not in lim.describe()
+    named = DeviceLimits("H200", copy_gbps=1000.0, gemm_tflops=100.0, instance="GPU-0-1-2-3-4")
+    assert "on H200 (GPU-0-1-2-3-4)" in named.describe() and "GPU-" not in lim.describe()
 
 
 def test_rows_get_their_ratio_to_the_held_limit_where_it_was_measured():

@@ -45,6 +45,9 @@ class DeviceLimits:
     gemm_tflops: float
     #: the GEMM's rate held for seconds (None: not measured); informative, see the module docstring
     held_gemm_tflops: float | None = None
+    #: the GPU's UUID (None on the CPU): two H200s of one kind ran the same experts calls 3% apart
+    #: in time over these ceilings (docs/perf_notes.md section 5u), so runs say which one they had
+    instance: str | None = None
 
     def time_ms(self, flops: float, num_bytes: float, held: bool = False) -> float:
         """The limit of a kernel that moves ``num_bytes`` and does ``flops``: milliseconds
@@ -61,7 +64,8 @@ class DeviceLimits:
         held = "" if self.held_gemm_tflops is None else \
             f" (the GEMM held for seconds: {self.held_gemm_tflops:.0f} TFLOP/s)"
         return (f"limit = max(bytes / {self.copy_gbps / 1e3:.2f} TB/s, flops / {self.gemm_tflops:.0f} "
-                f"TFLOP/s), both measured at the start of this run on {self.device}{held}")
+                f"TFLOP/s), both measured at the start of this run on {self.device}"
+                f"{'' if self.instance is None else f' ({self.instance})'}{held}")
 
 
 def _median_ms(fn, device: torch.device, reps: int) -> float:
@@ -136,12 +140,14 @@ def measure_device_limits(device: torch.device | str | None = None, *, copy_byte
     gemm_ms = _gemm_ms(gemm_n, dtype, device, reps)
     held_ms = _held_gemm_ms(gemm_n, dtype, device, held_s) if held_s > 0 and cuda else None
     name = torch.cuda.get_device_name(device) if cuda else "cpu"
+    uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None) if cuda else None
 
     def tflops(ms: float) -> float:
         return 2 * gemm_n ** 3 / (ms * 1e-3) / 1e12
     return DeviceLimits(device=name, copy_gbps=2 * copy_bytes / (copy_ms * 1e-3) / 1e9,
                         gemm_tflops=tflops(gemm_ms),
-                        held_gemm_tflops=None if held_ms is None else tflops(held_ms))
+                        held_gemm_tflops=None if held_ms is None else tflops(held_ms),
+                        instance=None if uuid is None else f"GPU-{uuid}")
 
 
 def active_experts(local_experts: int, local_pairs: float) -> float:

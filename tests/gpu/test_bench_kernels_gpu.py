@@ -60,3 +60,12 @@ def test_experts_benchmark_times_the_gpu_and_an_isolated_call():
     # the same implementation timed both ways computes the same output; the two agree closely
     assert res["lib" + IDLE_SUFFIX]["rel_err"] == res["lib"]["rel_err"] == 0.0
     assert res["unfused"]["rel_err"] < 2e-2
+
+
+def test_limits_name_the_gpu_instance():
+    from dbo.bench.limits import measure_device_limits
+
+    lim = measure_device_limits(copy_bytes=64 << 20, gemm_n=1024, reps=3)
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    assert lim.instance == f"GPU-{props.uuid}" and lim.as_dict()["instance"] == lim.instance
+    assert lim.instance.count("-") == 5  # GPU- and the UUID's four dashes, as nvidia-smi prints it

@@ -110,9 +110,11 @@ def median_ms(fn, reps: int) -> float:
     return statistics.median(a.elapsed_time(b) for a, b in ev)
 
 
-def alternating_ms(fns: dict, reps: int, rotate: bool = False) -> dict:
+def alternating_ms(fns: dict, reps: int, rotate: bool = False, sleep_each_ms: float = 0.0) -> dict:
     """Median ms of each callable, their calls alternating round by round behind a GPU sleep
-    (``rotate``: each round starting at the next callable, so that none always runs first)."""
+    (``rotate``: each round starting at the next callable, so that none always runs first;
+    ``sleep_each_ms``: a sleep of that long before each call too, so that the host's launches of
+    many short calls in a round stay ahead of the GPU)."""
     for f in fns.values():
         f()
     times = {k: [] for k in fns}
@@ -123,6 +125,8 @@ def alternating_ms(fns: dict, reps: int, rotate: bool = False) -> dict:
         shift = i % len(names) if rotate else 0
         for k in names[shift:] + names[:shift]:
             f = fns[k]
+            if sleep_each_ms:
+                gpu_sleep(sleep_each_ms)
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
             f()
