@@ -45,18 +45,21 @@ SHAPES = [(i, n, t) for i in (256, 768, 2048) for n in (32, 128) for t in (1024,
     [(256, 256, 1024), (256, 256, 2048)]
 
 
+#: a side stream per device, for the second chain
+_SIDE: dict = {}
+
+
 def _forked(first, second):
     # second on a side stream, first on the caller's, joined before returning
     main = torch.cuda.current_stream()
-    side = _SIDE.setdefault(main.device, torch.cuda.Stream(device=main.device))
+    if main.device not in _SIDE:  # (setdefault would make a stream on every call)
+        _SIDE[main.device] = torch.cuda.Stream(device=main.device)
+    side = _SIDE[main.device]
     side.wait_stream(main)
     with torch.cuda.stream(side):
         second()
     first()
     main.wait_stream(side)
-
-
-_SIDE: dict = {}
 
 
 def one_shape(lim, inter: int, local: int, t: int, reps: int) -> dict:
