@@ -5,7 +5,8 @@
 #   source .whl/prelude.sh && STEPS="deepseek qwen" bash tests/gpu/run_issue16.sh OUTDIR
 # check: the experts' and the schedules' GPU tests; grid: python -m dbo.bench experts over the
 # issue's grid (fused/unfused, each timed twice: the GPU's time and an isolated call's latency;
-# x limit; about seven minutes); overlap: the one-rank overlap benchmark (naive, width
+# x limit; about three minutes; SMI=1: with the GPU's clock, power and temperature sampled, for
+# tests/gpu/smi_rows.py); overlap: the one-rank overlap benchmark (naive, width
 # 1024, 8 layers) at T 4096/16384 x I 256/2048, all three schedules and the autotune; decode: T
 # 64/256/512 at I 2048, 4 layers; deepseek/qwen: examples/hf_moe.py at one rank, plain vs DBO
 # split and merged (DeepSeek-V3 shape 4 layers; Qwen3-30B-A3B full size, 48 layers).
@@ -27,7 +28,20 @@ if has check; then
   run check 330 python3 -m pytest -q -p no:cacheprovider $tests
 fi
 if has grid; then
-  run grid 480 python3 -m dbo.bench experts --steps 20 --json "$out/experts.json"
+  # SMI=1: nvidia-smi samples the GPU every 100 ms and each line of the grid gets its epoch time,
+  # for tests/gpu/smi_rows.py (the clock, power and temperature of each row)
+  if [ "${SMI:-0}" = 1 ]; then
+    nvidia-smi --query-gpu=uuid,name,vbios_version,power.limit,clocks.max.sm,temperature.gpu --format=csv \
+      | tee -a "$log"
+    nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,temperature.memory,clocks_event_reasons.active \
+      --format=csv,noheader -lms 100 >"$out/smi_grid.csv" 2>&1 &
+    smi=$!
+    run grid 480 bash -c 'python3 -m dbo.bench experts --steps 20 --json "$1/experts.json" 2>&1 |
+      while IFS= read -r l; do echo "$(date +%s.%N) $l"; done; exit "${PIPESTATUS[0]}"' _ "$out"
+    kill "$smi"
+  else
+    run grid 480 python3 -m dbo.bench experts --steps 20 --json "$out/experts.json"
+  fi
 fi
 if has overlap; then
   run overlap 240 torchrun --nproc-per-node 1 -m dbo.bench overlap $ov --layers 8 --tokens 4096 16384 \

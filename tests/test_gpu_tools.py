@@ -1,0 +1,63 @@
+"""The GPU host's analysis scripts that read files only (no GPU): tests/gpu/smi_rows.py."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+_SPEC = importlib.util.spec_from_file_location(
+    "smi_rows", Path(__file__).resolve().parent / "gpu" / "smi_rows.py")
+smi_rows = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(smi_rows)
+
+T0 = 1795582700.0  # 2026-11-25 04:58:20 UTC
+
+
+def _stamp(t: float) -> str:
+    import datetime
+    return datetime.datetime.fromtimestamp(t, datetime.timezone.utc).strftime("%Y/%m/%d %H:%M:%S.%f")[:-3]
+
+
+@pytest.fixture
+def files(tmp_path):
+    log = tmp_path / "issue16_log.txt"
+    log.write_text("\n".join([
+        "=== [grid] (cap 480s) $ bash -c ...",
+        f"{T0:.6f} limit = max(bytes / 4.25 TB/s, flops / 795 TFLOP/s), ...",
+        f"{T0 + 1:.6f} H=7168 I=256 L=32 T=1024: library, offsets 0.140 ms",
+        f"{T0 + 3:.6f} H=7168 I=2048 L=256 T=65536: library, offsets 77.5 ms",
+        f"{T0 + 3.1:.6f} library, offsets: geometric mean 1.34x the limit",
+        "=== [grid] rc=0 (took 154 s)"]) + "\n")
+    csv = tmp_path / "smi_grid.csv"
+    lines = ["garbage line", "2026/11/25 04:58:20.000, [N/A], 3201 MHz, 80 W, 37, 37, 0x1"]
+    # row 1 (T0, T0+1]: 1980 MHz 120 W; row 2 (T0+1, T0+3]: 1400-1440 MHz ~690 W
+    for k in range(10):
+        lines.append(f"{_stamp(T0 + 0.05 + 0.1 * k)}, 1980 MHz, 3201 MHz, 120.5 W, 40, 41, 0x1")
+    for k in range(20):
+        mhz = 1400 + 40 * (k % 2)
+        lines.append(f"{_stamp(T0 + 1.05 + 0.1 * k)}, {mhz} MHz, 3201 MHz, 690 W, 58, 60, 0x4")
+    csv.write_text("\n".join(lines) + "\n")
+    return log, csv
+
+
+def test_rows_get_the_samples_of_their_own_window(files, capsys):
+    log, csv = files
+    rows = smi_rows.windows(str(log))
+    assert [r[0] for r in rows] == [(256, 32, 1024), (2048, 256, 65536)]
+    assert rows[0][1:] == (pytest.approx(T0), pytest.approx(T0 + 1))
+    s = smi_rows.samples(str(csv))
+    assert len(s) == 30  # the unparsable and the [N/A] lines are skipped
+    assert smi_rows.main([str(log), str(csv)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[1].split() == ["256", "32", "1024", "10", "1980", "120", "40"]
+    assert out[2].split() == ["2048", "256", "65536", "20", "1420", "690", "58"]
+    assert out[-1].startswith("mean of the rows' medians: SM 1700 MHz, 405 W, 49.0 C over 2 rows")
+
+
+def test_nothing_to_read_is_an_error(tmp_path, capsys):
+    empty = tmp_path / "empty"
+    empty.write_text("")
+    assert smi_rows.main([str(empty), str(empty)]) == 1
+    assert smi_rows.main([str(empty)]) == 2
