@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import importlib.util
 from pathlib import Path
 
@@ -16,7 +17,6 @@ T0 = 1795582700.0  # 2026-11-25 04:58:20 UTC
 
 
 def _stamp(t: float) -> str:
-    import datetime
     return datetime.datetime.fromtimestamp(t, datetime.timezone.utc).strftime("%Y/%m/%d %H:%M:%S.%f")[:-3]
 
 

@@ -12,7 +12,6 @@ GEMM-bound calls run at the clock the ceiling was measured at.
 from __future__ import annotations
 
 import argparse
-import datetime
 import statistics
 import subprocess
 import sys
@@ -24,6 +23,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from dbo.bench.experts import experts_call, make_case  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from smi_rows import read_smi  # noqa: E402
 
 QUERY = "timestamp,clocks.sm,power.draw,clocks_event_reasons.active"
 
@@ -59,11 +61,9 @@ def main() -> int:
         smi.terminate()
         smi.wait()
     samples = []
-    for line in Path(log.name).read_text().splitlines():
-        f = [p.strip() for p in line.split(",")]
+    for ts, f in read_smi(log.name, utc=False):
         try:
-            ts = datetime.datetime.strptime(f[0], "%Y/%m/%d %H:%M:%S.%f").timestamp()
-            samples.append((ts, float(f[1]), float(f[2]), f[3]))
+            samples.append((ts, float(f[0]), float(f[1]), f[2]))
         except (ValueError, IndexError):
             continue
     for name, t0, t1, tflops, reps in phases:

@@ -25,19 +25,30 @@ from pathlib import Path
 ROW = re.compile(r"^(\d+\.\d+) (limit =|H=\d+ I=(\d+) L=(\d+) T=(\d+):)")
 
 
-def samples(path: str) -> list[tuple[float, float, float, float]]:
-    """``(epoch s, SM MHz, watts, GPU degrees C)`` of each parsable line of the CSV."""
+def read_smi(path: str, utc: bool = True) -> list[tuple[float, list[str]]]:
+    """``(epoch s, the other columns)`` of each line of an ``nvidia-smi --query-gpu=timestamp,...
+    --format=csv,noheader`` log whose timestamp parses. ``utc``: its local time read as UTC (the
+    GPU host's zone, for a log read on another machine); else in this machine's zone (a log
+    written here, against ``time.time()``)."""
     out = []
     for line in Path(path).read_text().splitlines():
         p = [x.strip() for x in line.split(",")]
-        if len(p) < 5:
-            continue
         try:
             t = datetime.datetime.strptime(p[0], "%Y/%m/%d %H:%M:%S.%f")
-            vals = [float(p[i].split()[0]) for i in (1, 3, 4)]
         except ValueError:
             continue
-        out.append((t.replace(tzinfo=datetime.timezone.utc).timestamp(), *vals))
+        out.append(((t.replace(tzinfo=datetime.timezone.utc) if utc else t).timestamp(), p[1:]))
+    return out
+
+
+def samples(path: str) -> list[tuple[float, float, float, float]]:
+    """``(epoch s, SM MHz, watts, GPU degrees C)`` of each parsable line of the grid's CSV."""
+    out = []
+    for t, p in read_smi(path):
+        try:
+            out.append((t, *(float(p[i].split()[0]) for i in (0, 2, 3))))
+        except (ValueError, IndexError):
+            continue
     return out
 
 
