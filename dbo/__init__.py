@@ -5,7 +5,6 @@ expert-parallel all-to-all runs on a comm stream while another's matmuls run on 
 stream. See README.md.
 """
 
-from dbo.attention_split import split_attention_metadata
 from dbo.context import (
     UBatchContext,
     active_run,
@@ -41,7 +40,7 @@ from dbo.errors import (
 )
 from dbo.expert_schedule import ExpertSchedule
 from dbo.overlap import DBOWrapper, overlapped_forward
-from dbo.split import SplitConfig, SplitMode, UBatchPlan, plan_ubatches
+from dbo.split import SplitConfig, SplitMode, UBatchPlan, plan_ubatches, split_attention_metadata
 from dbo.trace import Trace
 
 __version__ = "0.1.0"

@@ -32,7 +32,8 @@ import torch
 from dbo.expert_schedule import ExpertSchedule, parse_expert_schedule
 from dbo.overlap import _check_carveout, overlapped_forward
 from dbo.partition import check_num_sms
-from dbo.split import NEVER_SPLIT, SplitConfig, _group_size, _reduce_max, plan_ubatches
+from dbo.split import NEVER_SPLIT, SplitConfig, plan_ubatches
+from dbo.split.plan import _group_size, _reduce_max
 
 __all__ = [
     "NEVER_SPLIT",

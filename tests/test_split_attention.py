@@ -1,4 +1,4 @@
-"""dbo.attention_split: each ubatch's attention metadata when cuts split requests. The numerical
+"""dbo.split.attention: each ubatch's attention metadata when cuts split requests. The numerical
 check runs causal attention over each request's KV cache (context + this step's tokens) as
 overlapped ubatches under run_ubatches (each ubatch writes its keys, yields, then attends) and
 compares the concatenated outputs with attention over the whole batch."""
@@ -12,8 +12,8 @@ from hypothesis import given, note
 from hypothesis import strategies as st
 
 import dbo
-from dbo.attention_split import RequestPart, UBatchAttention, split_attention_metadata
 from dbo.split import SplitConfig, plan_ubatches
+from dbo.split.attention import RequestPart, UBatchAttention, split_attention_metadata
 
 H, D = 2, 8
 

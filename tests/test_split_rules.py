@@ -27,7 +27,7 @@ from dbo.split import (
     split_requests_two_chunk,
     split_tokens,
 )
-from dbo.split_policies import (
+from dbo.split.policies import (
     SGLANG_TWO_CHUNK_THRESHOLD,
     is_uniform_decode,
     max_capacity_with_nonempty_last,

@@ -13,13 +13,13 @@ from dataclasses import dataclass, field
 import torch
 
 from dbo.expert_schedule import ExpertSchedule, parse_expert_schedule
-from dbo.split_policies import Slice
+from dbo.split.policies import Slice
 
 __all__ = ["NEVER_SPLIT", "SplitMode", "SplitReason", "Vote", "SplitConfig", "UBatchPlan"]
 
 
 class SplitMode(str, enum.Enum):
-    """Where the cuts go (the policies of :mod:`dbo.split_policies`)."""
+    """Where the cuts go (the policies of :mod:`dbo.split.policies`)."""
 
     TOKENS = "tokens"  #: even token counts; a request may straddle a cut (draft tokens never do)
     REQUESTS = "requests"  #: at request boundaries, balanced by tokens (two-chunk if configured)
@@ -68,7 +68,7 @@ class SplitConfig:
         pad_to_multiple: round the padded ubatch size up to a multiple of this. Default 1.
         enabled: False runs every forward plainly (as does ``DBO_DISABLE=1``).
         two_chunk_threshold: REQUESTS mode cuts one request in two at the token midpoint when
-            the best request-boundary cut scores a :func:`~dbo.split_policies.token_balance`
+            the best request-boundary cut scores a :func:`~dbo.split.policies.token_balance`
             below this (SGLang's ``tbo_token_distribution_threshold``, 0.48 there). Default 0:
             never, so REQUESTS mode keeps every request whole unless asked.
         num_speculative_tokens: draft tokens per request in a speculative decode step; a batch

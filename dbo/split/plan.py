@@ -3,7 +3,7 @@
 Three separate passes, the first two pure:
 
 1. :func:`local_vote` picks this rank's cut points with one of the policies of
-   :mod:`dbo.split_policies` (even token counts; request boundaries balanced by tokens, with the
+   :mod:`dbo.split.policies` (even token counts; request boundaries balanced by tokens, with the
    "two-chunk" fallback; the caller's own points; or filling each ubatch up to the padded size),
    applies the off switches and the thresholds, and says whether this rank wants to split.
 2. :func:`resolve_plan` turns the group's reduced votes into this rank's :class:`UBatchPlan`.
@@ -43,9 +43,9 @@ from typing import Any
 import torch
 
 from dbo.expert_schedule import ExpertSchedule
-from dbo.split_log import FALLBACK_LOG, FallbackLog
-from dbo.split_padding import graph_padded_size, mask_padding_routing
-from dbo.split_policies import (
+from dbo.split.log import FALLBACK_LOG
+from dbo.split.padding import graph_padded_size
+from dbo.split.policies import (
     Slice,
     fill_cuts,
     is_uniform_decode,
@@ -56,22 +56,10 @@ from dbo.split_policies import (
     split_requests_two_chunk,
     split_tokens,
 )
-from dbo.split_types import NEVER_SPLIT, SplitConfig, SplitMode, SplitReason, UBatchPlan, Vote
+from dbo.split.types import NEVER_SPLIT, SplitConfig, SplitMode, SplitReason, UBatchPlan, Vote
 
 __all__ = [
     "DISABLE_ENV_VAR",
-    "NEVER_SPLIT",
-    "SplitMode",
-    "SplitReason",
-    "ExpertSchedule",
-    "SplitConfig",
-    "UBatchPlan",
-    "Vote",
-    "split_tokens",
-    "split_requests",
-    "split_requests_two_chunk",
-    "split_at",
-    "fill_cuts",
     "LocalDecision",
     "local_vote",
     "encode_vote",
@@ -79,10 +67,6 @@ __all__ = [
     "plan_ubatches",
     "no_split_plan",
     "dbo_disabled_by_env",
-    "graph_padded_size",
-    "mask_padding_routing",
-    "FallbackLog",
-    "FALLBACK_LOG",
 ]
 
 #: set to 1/true/yes/on to run every forward plainly (read at each decision)

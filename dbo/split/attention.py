@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from dbo.split_policies import Slice
-from dbo.split_types import UBatchPlan
+from dbo.split.policies import Slice
+from dbo.split.types import UBatchPlan
 
 __all__ = ["RequestPart", "UBatchAttention", "split_attention_metadata"]
 
