@@ -7,7 +7,7 @@ adds the ``world_size`` partial sums. The bytes move with plain ``Tensor.copy_``
 ``torch.distributed._symmetric_memory`` buffers, which the GPU's copy engines carry over NVLink:
 no SM runs a communication kernel, so compute beside the transfer keeps the whole GPU (DeepEP's
 normal mode holds 24-48 SMs for its kernels, and the compute beside them ran 15-36% slower on an
-H200; docs/perf_notes.md). Arrival is signalled with the symmetric memory's one-thread
+H200; docs/performance.md). Arrival is signalled with the symmetric memory's one-thread
 ``put_signal``/``wait_signal`` kernels; the receiver's wait sits on the compute stream right
 before the data is read.
 

@@ -4,7 +4,7 @@ Whether two overlapped ubatches beat one plain forward depends on the model, the
 and the machine: DBO hides communication behind compute, but each ubatch runs every local
 expert, so the expert weights are read once per ubatch, and small batches are bound by that
 read. On two H200s joined by NVLink, DeepEP low-latency decode lost at every batch size
-measured (docs/perf_notes.md). :func:`autotune_split_config` times the plain and the
+measured (docs/performance.md). :func:`autotune_split_config` times the plain and the
 overlapped forward at a few token counts and returns a :class:`~dbo.split.SplitConfig` whose
 threshold splits only where DBO was faster, so that the wrapper picks the faster mode.
 

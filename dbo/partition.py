@@ -2,7 +2,7 @@
 
 On Hopper a large GEMM holds every SM until it finishes, so a communication kernel launched
 behind it (DeepEP's normal mode takes 24-48 SMs) waits for it, and the overlap is lost
-(docs/perf_notes.md). A green context is a CUDA context confined to a set of SMs: kernels
+(docs/performance.md). A green context is a CUDA context confined to a set of SMs: kernels
 launched on its stream never run elsewhere, so the SMs outside it stay free for the
 communication kernels of the other ubatch, launched on the (ordinary) comm stream.
 

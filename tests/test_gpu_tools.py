@@ -1,4 +1,4 @@
-"""The GPU host's analysis scripts that read files only (no GPU): tests/gpu/smi_rows.py."""
+"""The GPU host's analysis scripts that read files only (no GPU): tools/probes/smi_rows.py."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 _SPEC = importlib.util.spec_from_file_location(
-    "smi_rows", Path(__file__).resolve().parent / "gpu" / "smi_rows.py")
+    "smi_rows", Path(__file__).resolve().parents[1] / "tools" / "probes" / "smi_rows.py")
 smi_rows = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(smi_rows)
 
@@ -22,7 +22,7 @@ def _stamp(t: float) -> str:
 
 @pytest.fixture
 def files(tmp_path):
-    log = tmp_path / "issue16_log.txt"
+    log = tmp_path / "grid_log.txt"
     log.write_text("\n".join([
         "=== [grid] (cap 480s) $ bash -c ...",
         f"{T0:.6f} limit = max(bytes / 4.25 TB/s, flops / 795 TFLOP/s), ...",

@@ -1,4 +1,4 @@
-"""The splitting rules engines use (issue 11): two-chunk, caller points, filling to the padded
+"""The splitting rules engines use: two-chunk, caller points, filling to the padded
 size, speculative decode, CUDA-graph padding, and the group's agreement on kinds and empty
 ubatches. Hypothesis properties over simulated groups (an element-wise MAX of the ranks' vote
 vectors, as the all-reduce does; the real one on gloo is in test_split_dist.py) plus worked

@@ -14,8 +14,8 @@ the start of the same run). Two timings per implementation (``--timing``): the G
 call queued behind other GPU work (as in a model's forward, where the host runs ahead; reported
 under the implementation's name) and an isolated call's latency from an idle GPU, its host
 launches included (``NAME, from idle``); each call's host time is in the JSON (``host_ms``).
-:func:`time_experts` is reusable with other implementations (``tests/gpu/compare_experts.py``
-times the benchmark's former experts against the library's with it).
+:func:`time_experts` is reusable with other implementations (pass any callable with the
+library's signature to time it against the library's in the same run).
 """
 
 from __future__ import annotations

@@ -46,7 +46,7 @@ class DeviceLimits:
     #: the GEMM's rate held for seconds (None: not measured); informative, see the module docstring
     held_gemm_tflops: float | None = None
     #: the GPU's UUID (None on the CPU): two H200s of one kind ran the same experts calls 3% apart
-    #: in time over these ceilings (docs/perf_notes.md section 5u), so runs say which one they had
+    #: in time over these ceilings (docs/performance.md), so runs say which one they had
     instance: str | None = None
 
     def time_ms(self, flops: float, num_bytes: float, held: bool = False) -> float:

@@ -40,7 +40,7 @@ Both GEMMs' tiles are ``BLOCK_M`` rows of one expert; an expert's last tile, whe
 runs as a smaller tile (``GemmConfig.tail_m``, or half of ``BLOCK_M``), so the rows past the
 expert's end cost no flops (at 128 rows per expert a 128-row tile computed 1.5x the rows).
 Tile sizes come from :mod:`dbo.moe.fused_tiles` (per bucket of rows per expert, intermediate
-size and local experts, measured on an H200: see docs/perf_notes.md); ``configs=`` overrides.
+size and local experts, measured on an H200: see docs/performance.md); ``configs=`` overrides.
 """
 
 from __future__ import annotations
@@ -333,7 +333,7 @@ def fused_swiglu_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
 
 #: columns of one token per program of the top-k sum: its slots are a chain of dependent loads
 #: (the ids, then each local slot's row behind a branch), so fewer, wider programs wait less.
-#: On an H200 (``tests/gpu/probe_topk_sum.py``), against 1024: 0.90-0.94x the kernel's time
+#: On an H200 (``tests/gpu/probe_topk_sum.py`` at 88cef6a), against 1024: 0.90-0.94x the kernel's time
 #: with 32 of 256 experts local from 16384 tokens, 0.99-1.01x with every expert local (there
 #: at the copy bandwidth either way); 8-16 warps or 4096-8192 columns did no better
 TOPK_SUM_BLOCK = 2048

@@ -1,8 +1,8 @@
 """The fused experts' tiles: which tile each grouped GEMM of :mod:`dbo.moe.fused_experts` runs
 with, by rows per expert and intermediate size, and when the fused kernels beat the unfused steps.
 
-The table comes from tile sweeps on an H200 (``tests/gpu/tune_experts.py``: each GEMM alone,
-against its own hardware limit; docs/perf_notes.md section 5).
+The table comes from tile sweeps on an H200 (``tools/probes/tune_experts.py``: each GEMM alone,
+against its own hardware limit; docs/performance.md).
 """
 
 from __future__ import annotations
@@ -97,14 +97,14 @@ FP32_CONFIG = GemmConfig(64, 64, 32, 8, 4, 2, tail_m=16)
 
 
 #: (largest estimated rows per expert, gate_up tile, down tile, down tile when I <= 256), first
-#: match wins. From the tile sweeps on an H200 (tests/gpu/tune_experts.py over I 256/768/2048,
-#: 32/128/256 local experts, 32-2048 rows per expert; docs/perf_notes.md section 5): 128-row
+#: match wins. From the tile sweeps on an H200 (tools/probes/tune_experts.py over I 256/768/2048,
+#: 32/128/256 local experts, 32-2048 rows per expert; docs/performance.md): 128-row
 #: gate/up tiles up to 192 rows per expert, 64-row tiles above (fewer rows computed past each
 #: expert's end); the down GEMM's flat persistent tile from 48 rows per expert at I <= 256 and
 #: from 96 above, the K-loop 128x256 tile with 16-row tails below. The flat tile is 128x128 with
 #: four warps and three stages: two programs fit on an SM (104 KB of shared memory, 198
 #: registers), so one program's stores overlap the other's products (0.79-1.02x the 128x256
-#: eight-warp tile's time, median 0.95, docs/perf_notes.md section 5f); the wide tile stays
+#: eight-warp tile's time, median 0.95, docs/performance.md); the wide tile stays
 #: where the rows are many and so are the experts (``pick_configs``).
 DOWN_TAIL = GemmConfig(128, 256, 64, 8, 8, 4, tma=True, tail_m=16)
 FLAT_DOWN = GemmConfig(128, 128, 64, 8, 4, 3, flat=True)
@@ -133,7 +133,7 @@ FEW_EXPERTS_DOWN = GemmConfig(64, 64, 256, 8, 4, 3, n_per_program=8)
 #: except with few experts at I <= 256, where the 128-row tile only pays from 2048 rows and the
 #: 64-row one only with its last round split (``WS_UP64_SPLIT``: fewer, larger tiles fill the
 #: last wave worse). Same-run A/B of whole calls on an H200 over the grid (I 256/768/2048,
-#: 32/128/256 local experts, 1024-65536 tokens; ``tests/gpu/ab_tiles.py``, docs/perf_notes.md
+#: 32/128/256 local experts, 1024-65536 tokens; ``tests/gpu/ab_tiles.py`` at 88cef6a, docs/performance.md
 #: section 5m): 0.90-0.99x the Triton tiles' time where they are taken, 0.984x over the grid
 WS_UP = GemmConfig(128, 128, 64, 8, 8, 4, ws=True)
 WS_UP64 = GemmConfig(64, 128, 64, 8, 4, 5, ws=True)
@@ -142,16 +142,16 @@ WS_WIDE_MIN_ROWS = 1024
 #: few experts at I <= 256 from 256 to 1024 rows per expert: the 64-row tile with its last
 #: round's tiles split along K into up to four shares (``GemmConfig.split``). There the tiles are
 #: few (~290 at 256 rows per expert, 32 experts: 2.2 rounds of 132 programs) and the last round
-#: ran ~20-40% full. Same-run A/B on an H200 (``tests/gpu/ab_tiles.py --variants split4few``,
-#: docs/perf_notes.md section 5o): 0.960 and 0.965 of the Triton tile's whole-call time at
+#: ran ~20-40% full. Same-run A/B on an H200 (``tests/gpu/ab_tiles.py --variants split4few`` at 88cef6a,
+#: docs/performance.md): 0.960 and 0.965 of the Triton tile's whole-call time at
 #: I=256, 32 experts, T=8192 and 16384; 0.99-1.00 at the other few-expert rows. Splitting the
 #: other shapes' ws tiles gained nothing (0.98-1.04)
 WS_UP64_SPLIT = replace(WS_UP64, split=4)
 #: 96-192 rows per expert (an expert's rows fill one 128-row tile, and about half of the experts
 #: spill a few rows into a second): the 128-row ws tile with its last round split in up to four
 #: shares, where the Triton 128-row tile with 32-row tails ran. Same-run A/B of whole calls on an
-#: H200 at 128 rows per expert (``tests/gpu/ab_tiles.py --variants ws128s128``, two runs, docs/
-#: perf_notes.md section 5p): 0.97 of the Triton tile's time over the nine (I, local experts)
+#: H200 at 128 rows per expert (``tests/gpu/ab_tiles.py --variants ws128s128`` at 88cef6a, two runs, docs/
+#: docs/performance.md): 0.97 of the Triton tile's time over the nine (I, local experts)
 #: rows, 0.91 at I=768 with 32 experts, 0.95-0.96 at I=256 with 128-256; unsplit the few-expert
 #: rows lost 2-3% (a partly filled last round). Off Hopper the Triton tile it replaced runs
 WS_UP_SPLIT = replace(WS_UP, split=4, fallback=CONFIGS[2][1])  # (off Hopper: the tile with tails)
@@ -160,10 +160,10 @@ WS_SPLIT_ROWS = (96, 192)
 #: above this many estimated rows per expert, with I > ``FUSED_MAX_INTERMEDIATE`` and more than
 #: ``FUSED_MAX_LOCAL_EXPERTS`` local experts, the unfused steps (CUTLASS's grouped GEMM through
 #: ``torch._grouped_mm``) run instead of the fused kernels. Up to I=2048 the fused kernels are as
-#: fast or faster at every size measured on an H200 (``tests/gpu/ab_tiles.py``, the unfused steps'
+#: fast or faster at every size measured on an H200 (``tests/gpu/ab_tiles.py`` at 88cef6a, the unfused steps'
 #: time over the fused call's: 1.01-1.07 at I=2048, 256 local experts, 1024-2048 rows each, with
 #: the warp-specialized gate/up tiles, in four runs; 1.03-1.25 at 32-128 local experts;
-#: docs/perf_notes.md sections 5j and 5n), and they launch fewer kernels (host time counts double
+#: docs/performance.md), and they launch fewer kernels (host time counts double
 #: under DBO). Wider intermediates were not measured: there the unfused steps keep the large sizes
 FUSED_MAX_ROWS_PER_EXPERT = 768
 FUSED_MAX_LOCAL_EXPERTS = 128
@@ -180,7 +180,7 @@ def prefer_fused(rows_per_expert: float, intermediate: int, local_experts: int |
 def prefer_persistent(rows_per_expert: float, bound_pairs: int, n_experts: int) -> bool:
     """Whether the grouped GEMMs run persistent (a program per resident slot, walking the tiles)
     rather than one program per tile of the host's bound. Measured on an H200
-    (``tests/gpu/ab_experts.py``): persistent is 3-9% faster where the bound counts at least
+    (``tests/gpu/ab_experts.py`` at 88cef6a): persistent is 3-9% faster where the bound counts at least
     twice the expected local pairs (a local share of the experts <= 1/2 without host counts: the
     bound's programs are mostly empty) and the experts get more than 192 rows each, but 14-26%
     slower at 96-192 rows per expert, where the tail tiles make tiles of unequal cost (the

@@ -34,9 +34,9 @@ count in adds the tile's partials in share order (so the sum is the same whoever
 run to run the same bits, not the unsplit kernel's) and stores the tile. Nobody waits on
 another program, so it cannot hang when not every program is resident. On an H200 the split
 (up to four shares) took the kernel alone to 0.89-0.93x the unsplit kernel's time at I=256, 32
-experts, T=8192 and 16384 (``tests/gpu/probe_gate_up_split.py``, docs/perf_notes.md section 5o).
+experts, T=8192 and 16384 (``tests/gpu/probe_gate_up_split.py`` at 88cef6a, docs/performance.md).
 
-On an H200 (``tests/gpu/probe_gate_up_ws.py``, docs/perf_notes.md section 5m) the 128-row tile
+On an H200 (``tests/gpu/probe_gate_up_ws.py`` at 88cef6a, docs/performance.md) the 128-row tile
 took 0.90-0.95x the Triton tile's time from ~512 rows per expert and 1.08-1.18x at 128-256 rows
 per expert with few experts (fewer, larger tiles fill the last wave worse).
 

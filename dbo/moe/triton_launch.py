@@ -5,7 +5,7 @@
 string, the global-variable check), against ~5 us for the compiled kernel's launcher alone, and
 a TMA descriptor argument adds ~10 us more (the descriptor object, then ``cuTensorMapEncodeTiled``
 at every launch). The experts launch four to five kernels per call, so at small sizes the host,
-not the GPU, set their time (docs/perf_notes.md section 5).
+not the GPU, set their time (docs/performance.md).
 
 :func:`launch` keeps each compiled kernel under the key that Triton itself specializes on (each
 argument's type, a pointer's 16-byte alignment, an integer's divisibility by 16 and whether it

@@ -12,7 +12,7 @@ uniform rows per expert (every expert R rows; no routing):
 * the library's fused gate/up and down kernels (``launch_gate_up``/``launch_down``) on the
   same rows.
 
-    python3 tests/gpu/probe_gemm_rate.py [--json OUT]
+    python3 tools/probes/gemm_rate.py [--json OUT]
 """
 
 from __future__ import annotations

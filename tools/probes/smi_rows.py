@@ -1,9 +1,9 @@
 """The GPU's SM clock, board power and temperature during each row of an experts grid, from the
-two files ``run_issue16.sh`` writes with ``SMI=1`` (anywhere: no GPU needed).
+two files ``tests/gpu/run.sh grid`` writes with ``SMI=1`` (anywhere: no GPU needed).
 
-    python3 tests/gpu/smi_rows.py OUT/issue16_log.txt OUT/smi_grid.csv
+    python3 tools/probes/smi_rows.py OUT/grid_log.txt OUT/smi_grid.csv
 
-``issue16_log.txt``: the grid's lines, each behind the epoch time it was printed at (the
+``grid_log.txt``: the grid's lines, each behind the epoch time it was printed at (the
 benchmark prints a row's line when its timings are done, so a row's window runs from the
 previous line to its own; the window holds the row's set-up and its ``from idle`` timings too,
 not only the GPU-time calls). ``smi_grid.csv``: ``nvidia-smi --query-gpu=timestamp,clocks.sm,
@@ -11,7 +11,7 @@ clocks.mem,power.draw,temperature.gpu,temperature.memory,clocks_event_reasons.ac
 csv,noheader -lms 100`` (its timestamps are the machine's local time, read as UTC, as that
 machine keeps it). Per row it prints the samples' count and the medians of the SM clock, the
 power and the GPU temperature, and their mean over the grid: what to hold side by side for
-two GPUs of one kind whose grids differ (docs/perf_notes.md sections 5u-5v).
+two GPUs of one kind whose grids differ (docs/performance.md).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Shared memory, registers and spills of a fused-experts kernel's tile, compiled for sm_90 on a
 machine without a GPU (Triton's compiler and its ``ptxas``): which tiles fit two programs per SM.
 
-    python tests/gpu/compile_check.py down_flat 128:256:64:8:3 64:256:64:4:2 ...
+    python tools/probes/compile_check.py down_flat 128:256:64:8:3 64:256:64:4:2 ...
 
 Each tile is ``BLOCK_M:BLOCK_N:BLOCK_K:num_warps:num_stages``. The signature marks pointers and
 the 16-divisible ints with ``tt.divisibility=16`` as the runtime's specialization does (without
@@ -50,34 +50,7 @@ def _gate_up(bm, bn, bk):
                                             "stride_we")
 
 
-def _stationary(bm, bn, bk, sole=True):
-    # tests/gpu/down_stationary_experiment.py: BLOCK_K is the whole K (the intermediate size)
-    import down_stationary_experiment as ds
-    sig = {"act_desc": f"tensordesc<bf16[{bm}, {bk}]>", "order_ptr": "*i32", "offs_ptr": "*i32",
-           "w_desc": f"tensordesc<bf16[{bn}, {bk}]>", "y_ptr": "*bf16", "tw_ptr": "*fp32", "out_ptr": "*bf16",
-           "n_experts": "i32", "hidden": "i32", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
-           "K": "constexpr", "TOPK": "constexpr", "SOLE": "constexpr", "STAGES": "constexpr"}
-    consts = {"BLOCK_M": bm, "BLOCK_N": bn, "K": bk, "TOPK": 8, "SOLE": sole, "STAGES": 2}
-    return ds.down_stationary_kernel, sig, consts, ("order_ptr", "offs_ptr", "y_ptr", "tw_ptr", "out_ptr",
-                                                    "hidden")
-
-
-def _epilogue(epi):
-    # tests/gpu/probe_down_epilogue.py's copy of the flat down kernel with epilogue EPI
-    def spec(bm, bn, bk):
-        import probe_down_epilogue as pe
-        sig = {"act_desc": f"tensordesc<bf16[{bm}, {bk}]>", "order_ptr": "*i32", "map_ptr": "*i32",
-               "w_desc": f"tensordesc<bf16[{bn}, {bk}]>", "y_ptr": "*bf16",
-               "ypad_desc": f"tensordesc<bf16[{bm}, {bn}]>", "hidden": "i32", "inter": "i32",
-               "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "EPI": "constexpr"}
-        consts = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "EPI": epi}
-        return pe.down_epi_kernel, sig, consts, ("order_ptr", "map_ptr", "y_ptr", "hidden", "inter")
-    return spec
-
-
-KERNELS = {"down_flat": _flat, "down_flat_sole": _flat_sole, "gate_up": _gate_up,
-           "down_stationary": _stationary, "down_epi_scatter": _epilogue(0), "down_epi_tma": _epilogue(1),
-           "down_epi_none": _epilogue(2)}
+KERNELS = {"down_flat": _flat, "down_flat_sole": _flat_sole, "gate_up": _gate_up}
 
 
 def check(name: str, tile: str) -> dict:

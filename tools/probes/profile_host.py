@@ -1,11 +1,11 @@
 """Where the host time of one experts ``apply`` goes, on the GPU host.
 
-    python3 tests/gpu/profile_host.py [--shapes I:L:T ...] [--calls 300] [--top 30]
+    python3 tools/probes/profile_host.py [--shapes I:L:T ...] [--calls 300] [--top 30]
 
 For each shape (intermediate size, local experts, tokens; hidden 7168, top-8 of 256): the host
 time of one ``SwiGLUExperts.apply`` with the GPU kept busy (no launch waits), then a cProfile of
 ``--calls`` applies (the functions with the most own time). The experts benchmark's small rows
-are launch-bound (docs/perf_notes.md section 5): this says which Python costs them.
+are launch-bound (docs/performance.md): this says which Python costs them.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 from dbo.bench.experts import experts_call, make_case
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from probe_launch_cost import per_call_us  # noqa: E402
+from launch_cost import per_call_us  # noqa: E402
 
 
 def main() -> int:

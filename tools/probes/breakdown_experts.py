@@ -1,25 +1,21 @@
 """Where each experts call's GPU time goes, kernel by kernel, timed as the benchmark times it.
 
-    python3 tests/gpu/breakdown_experts.py [--shapes I:L:T ...] [--old OLD_FUSED_EXPERTS.py] [--json F]
+    python3 tools/probes/breakdown_experts.py [--shapes I:L:T ...] [--json F]
 
 For each shape the library's :class:`dbo.moe.SwiGLUExperts` (device offsets, as the experts
 grid) is called ``--steps`` times, each call queued behind a GPU sleep (the benchmark's "GPU
 time"), under torch.profiler. From the trace, per call: the span from its first kernel's start
 to its last kernel's end, the kernels' summed time, the gaps (span - sum), and each kernel's
-mean time. ``--old`` profiles a copy of an earlier ``fused_experts.py`` too (as
-``tests/gpu/ab_experts.py`` swaps it in), in the same run.
+mean time.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import statistics
-import sys
 import tempfile
 from collections import defaultdict
-from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -28,9 +24,6 @@ from dbo.bench.experts import _apply, make_case
 from dbo.bench.limits import experts_cost, measure_device_limits
 from dbo.bench.timing import gpu_sleep
 from dbo.moe import SwiGLUExperts, Workspace
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ab_experts import _Swapped  # noqa: E402
 
 SHAPES = ["256:32:1024", "256:32:4096", "256:32:8192", "256:32:16384", "256:32:32768", "256:128:1024",
           "256:128:8192", "256:256:2048", "256:256:16384", "768:32:4096", "768:32:8192", "768:256:8192",
@@ -88,18 +81,12 @@ def profile_calls(fn, steps: int, lead_ms: float) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", nargs="+", default=SHAPES, metavar="I:L:T")
-    ap.add_argument("--old", default=None, help="a copy of an earlier dbo/moe/fused_experts.py")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     limits = measure_device_limits()
     print(limits.describe(), flush=True)
     impls = {"library": SwiGLUExperts(num_global_experts=256)}
-    if args.old:
-        spec = importlib.util.spec_from_file_location("old_fused_experts", args.old)
-        old = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(old)
-        impls["old"] = _Swapped(old.fused_swiglu_experts)
     rows = []
     for shape in args.shapes:
         inter, local, tokens = map(int, shape.split(":"))

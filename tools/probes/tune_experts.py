@@ -6,7 +6,7 @@ candidate's output against the unfused reference on the first shape, and prints 
 best tile, its time and its ratio to the GEMM's own limit (bandwidth and GEMM rate measured at
 the start of the run). The chosen tiles go into ``dbo.moe.fused_experts.CONFIGS``.
 
-    python tests/gpu/tune_experts.py --json $OUT/tune.json
+    python tools/probes/tune_experts.py --json $OUT/tune.json
 """
 
 from __future__ import annotations
@@ -54,13 +54,13 @@ UP = [C(64, 64, 64, 8, 4, 4), C(128, 128, 64, 8, 8, 4), C(128, 128, 64, 8, 8, 3)
       # narrower tiles: more programs where few experts get a few hundred rows (I <= 256)
       C(64, 64, 64, 8, 4, 5, tma=True), C(128, 64, 64, 8, 8, 4, tma=True, tail_m=32),
       C(64, 32, 128, 8, 4, 4, tma=True), C(128, 32, 64, 8, 4, 5, tma=True)]
-#: gate/up tiles of which two programs fit on an SM (tests/gpu/compile_check.py: 64-96 KB of
+#: gate/up tiles of which two programs fit on an SM (tools/probes/compile_check.py: 64-96 KB of
 #: shared memory, <= 229 registers at four warps)
 UP_TWO_PER_SM = [C(128, 64, 64, 8, 4, 3, tma=True), C(128, 64, 64, 8, 4, 2, tma=True),
                  C(64, 128, 64, 8, 4, 2, tma=True), C(128, 64, 64, 8, 4, 3, tma=True, tail_m=32)]
 #: gate/up tiles that read each weight tile for more rows (128-256 rows: half or a quarter of the
 #: 64-row tile's weight traffic through L2, which Nsight Compute finds at 87-92% of its
-#: throughput with the 64-row tile at 256-512 rows per expert; tests/gpu/compile_check.py: no
+#: throughput with the 64-row tile at 256-512 rows per expert; tools/probes/compile_check.py: no
 #: spills)
 UP_WIDE = [C(128, 128, 64, 8, 8, 4, tma=True, tail_m=32), C(128, 128, 64, 8, 8, 3, tma=True, tail_m=32),
            C(128, 128, 32, 8, 8, 6, tma=True, tail_m=32), C(256, 64, 64, 8, 8, 4, tma=True),
@@ -88,7 +88,7 @@ SHORT_K = [C(64, 128, 256, 8, 4, 2, n_per_program=8), C(128, 64, 256, 8, 4, 3, n
 FLAT = [C(128, 256, 64, 8, 8, 3, flat=True), C(128, 128, 64, 8, 4, 4, flat=True),
         C(64, 256, 64, 8, 4, 4, flat=True),
         # two programs per SM (shared memory <= ~110 KB, registers <= 256 per thread at 4 warps:
-        # tests/gpu/compile_check.py), so that one's stores overlap the other's products
+        # tools/probes/compile_check.py), so that one's stores overlap the other's products
         C(64, 256, 64, 8, 4, 2, flat=True), C(128, 128, 64, 8, 4, 2, flat=True),
         C(128, 128, 64, 8, 4, 3, flat=True), C(64, 128, 64, 8, 4, 3, flat=True),
         C(64, 128, 64, 8, 4, 2, flat=True)]

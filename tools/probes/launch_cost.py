@@ -2,9 +2,9 @@
 the same with a TMA descriptor argument, the compiled kernel's launcher called directly, and a
 few torch calls, each timed on the host while the GPU is kept busy (no launch waits).
 
-    python3 tests/gpu/probe_launch_cost.py
+    python3 tools/probes/launch_cost.py
 
-The experts' small shapes are launch-bound (docs/perf_notes.md section 5): this says how much
+The experts' small shapes are launch-bound (docs/performance.md): this says how much
 of an ``apply``'s host time a launch costs, and what a direct launch would save.
 """
 
@@ -83,7 +83,7 @@ def main() -> None:
 def experts_steps(tokens: int = 1024, inter: int = 256, local: int = 32) -> None:
     """Host time of each step of the fused experts at a launch-bound shape (50 calls in a row
     behind queued GEMMs), with the launcher called directly and through ``kernel[grid]``."""
-    from probe_experts_host import fused_steps
+    from experts_host import fused_steps
 
     from dbo.bench.experts import _apply, make_case
     from dbo.moe import SwiGLUExperts, Workspace, triton_launch

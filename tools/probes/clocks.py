@@ -2,7 +2,7 @@
 benchmark's ceiling, ``dbo.bench.limits``), then the library's experts call at a few shapes, each
 back to back for ``--seconds``. ``nvidia-smi`` samples the GPU every 50 ms in the background.
 
-    python3 tests/gpu/probe_clocks.py [--shapes I:L:T ...] [--seconds 4]
+    python3 tools/probes/clocks.py [--shapes I:L:T ...] [--seconds 4]
 
 Per phase it prints the achieved rate (TFLOP/s, each call's flops over its mean time) and the
 median SM clock, power and throttle reasons of the samples taken in that phase: whether the

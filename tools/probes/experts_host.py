@@ -1,6 +1,6 @@
 """Host time against GPU time of the library's experts, per shape.
 
-    python3 tests/gpu/probe_experts_host.py [--json out.json]
+    python3 tools/probes/experts_host.py [--json out.json]
 
 For each shape: the benchmark's time (CUDA events around each ``apply``, as ``dbo.bench
 experts``), the host time of one ``apply`` (``perf_counter`` while the GPU is kept busy, so no
@@ -10,8 +10,8 @@ graph time is launch-bound. Each step's GPU time (a CUDA graph of it alone) is p
 its own limit (``*_x``: the step's time over the bytes/flops limit of what it reads, writes and
 computes), so a shape far from the limit shows which kernel costs it.
 
-    python3 tests/gpu/probe_experts_host.py --grid   # the experts benchmark's 63 shapes
-    python3 tests/gpu/probe_experts_host.py --no-host --shapes 256:32:16384 2048:256:8192
+    python3 tools/probes/experts_host.py --grid   # the experts benchmark's 63 shapes
+    python3 tools/probes/experts_host.py --no-host --shapes 256:32:16384 2048:256:8192
 """
 
 from __future__ import annotations

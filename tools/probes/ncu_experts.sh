@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Nsight Compute on the fused experts' kernels of one shape (the GPU host has ncu):
-#   bash tests/gpu/ncu_experts.sh OUTDIR [I L T] [kernel regex]
+#   bash tools/probes/ncu_experts.sh OUTDIR [I L T] [kernel regex]
 # Runs the library's apply three times (the first compiles) and profiles the last call's
 # kernels matching the regex: speed of light, memory, warp stalls, occupancy (text report).
 # SKIP (default 4) launches of matching kernels are skipped first: the regex's matches per apply
