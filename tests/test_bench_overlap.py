@@ -15,6 +15,7 @@ import torch
 
 from dbo.bench.__main__ import main as bench_main
 from dbo.bench.backends import BACKENDS, make_backend
+from dbo.bench.compare import compare_bundles, load_bundle
 
 
 def test_command_line_entry_lists_commands_and_rejects_unknown(capsys):
@@ -22,7 +23,7 @@ def test_command_line_entry_lists_commands_and_rejects_unknown(capsys):
     assert bench_main(["nope"]) == 2
     assert bench_main(["--help"]) == 0
     err = capsys.readouterr().err
-    assert "overlap, switch, breakdown, experts" in err
+    assert "overlap, switch, breakdown, experts, compare" in err
 
 
 def test_backend_registry_names_every_backend_module():
@@ -115,6 +116,32 @@ def test_bench_naive_cpu_bundle(tmp_path):
     bundle = _run_bench(tmp_path, "--backend", "naive")
     _check_structure(bundle, "naive", [])
     assert bundle["shapes"][0]["tokens"] == 64
+    _check_compare(tmp_path, bundle)
+
+
+def _check_compare(tmp_path: Path, bundle: dict) -> None:
+    # a second backend's bundle of the same shapes: faster serial, slower DBO than the real one
+    other = json.loads(json.dumps(bundle))
+    other["args"]["backend"] = "other"
+    for sh in other["shapes"]:
+        s = sh["summary"]
+        s["serial_ms"], s["dbo_ms"], s["merged_ms"] = s["serial_ms"] / 2, s["dbo_ms"] * 3, None
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "bench_overlap.json").write_text(json.dumps(other))
+    rows = compare_bundles([bundle, other])
+    real = bundle["shapes"][0]["summary"]
+    row = rows[0]
+    assert (row["tokens"], row["intermediate"]) == (64, bundle["shapes"][0]["intermediate"])
+    assert row["serial_backend"] == "other" and row["serial_ms"] == real["serial_ms"] / 2
+    best_dbo = min(t for t in (real["dbo_ms"], real["merged_ms"]) if t is not None)
+    assert row["dbo_ms"] == best_dbo and row["dbo_choice"].startswith("naive/")
+    assert row["speedup"] == row["serial_ms"] / best_dbo
+    out = tmp_path / "cmp.json"
+    assert bench_main(["compare", str(tmp_path / "bundle"), str(tmp_path / "other"), "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["rows"] == json.loads(json.dumps(rows))
+    assert bench_main(["compare", str(tmp_path / "nothing")]) == 1
+    with pytest.raises(ValueError, match="not an overlap bundle"):
+        load_bundle(out)
 
 
 @pytest.mark.multiproc

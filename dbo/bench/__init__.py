@@ -5,7 +5,9 @@
 * ``switch``: the CPU cost of one ubatch switch against a thread ping-pong (:mod:`dbo.bench.switch`);
 * ``breakdown``: where a DBO step's time goes, from two torch.profiler traces
   (:mod:`dbo.bench.breakdown`);
-* ``experts``: the library's experts alone at the benchmark's shapes (:mod:`dbo.bench.experts`).
+* ``experts``: the library's experts alone at the benchmark's shapes (:mod:`dbo.bench.experts`);
+* ``compare``: the best DBO step against the best serial step of any backend, from the overlap
+  bundles of one run (:mod:`dbo.bench.compare`).
 
 The parts are reusable: :mod:`dbo.bench.timing` (per-step GPU times over a group, launch time,
 host-sync detection), :mod:`dbo.bench.report` (summaries, table, plot), :mod:`dbo.bench.backends`

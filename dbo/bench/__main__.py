@@ -1,4 +1,4 @@
-"""``python -m dbo.bench overlap|switch|breakdown|experts [ARGS]``; ``-h`` after a command
+"""``python -m dbo.bench overlap|switch|breakdown|experts|compare [ARGS]``; ``-h`` after a command
 lists its options (``torchrun --nproc-per-node N -m dbo.bench overlap ...`` for the overlap one)."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ COMMANDS = {
     "switch": "dbo.bench.switch",
     "breakdown": "dbo.bench.breakdown",
     "experts": "dbo.bench.experts",
+    "compare": "dbo.bench.compare",
 }
 
 

@@ -1,0 +1,111 @@
+"""The best overlapped step against the best serial step of ANY backend, from several overlap
+bundles of one run (``python -m dbo.bench overlap --out DIR`` per backend)::
+
+    python -m dbo.bench compare DIR_OR_JSON [DIR_OR_JSON ...] [--json OUT]
+
+Per shape (tokens, intermediate): the fastest serial step over the bundles (and its backend),
+the fastest DBO step over the bundles and schedules (split or merged; backend/schedule), and
+their ratio (best serial / best DBO: above 1 means overlap pays over the best plain choice), with
+each backend's comm time. Compare only bundles of one run on one machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+__all__ = ["load_bundle", "compare_bundles", "format_comparison", "main"]
+
+_DBO_SCHEDULES = (("split", "dbo_ms"), ("merged", "merged_ms"))
+
+
+def load_bundle(path: str | Path) -> dict:
+    """Read an overlap bundle: a ``bench_overlap.json`` or the directory that holds one."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "bench_overlap.json"
+    if not p.exists():
+        raise FileNotFoundError(f"no overlap bundle at {p}")
+    bundle = json.loads(p.read_text())
+    if not str(bundle.get("schema", "")).startswith("dbo.bench_overlap/"):
+        raise ValueError(f"{p} is not an overlap bundle (schema {bundle.get('schema')!r})")
+    return bundle
+
+
+def compare_bundles(bundles: list[dict]) -> list[dict[str, Any]]:
+    """One row per (tokens, intermediate) seen in any bundle, sorted; ``None`` where no bundle
+    measured that part. Each row: ``tokens``, ``intermediate``, ``serial_ms``/``serial_backend``,
+    ``dbo_ms``/``dbo_choice`` (``backend/schedule``), ``speedup`` (serial / DBO) and
+    ``comm_ms`` (backend -> ms per layer)."""
+    if not bundles:
+        raise ValueError("compare_bundles needs at least one bundle")
+    rows: dict[tuple[int, int], dict[str, Any]] = {}
+    for bundle in bundles:
+        backend = bundle["args"]["backend"]
+        for shape in bundle["shapes"]:
+            s = shape.get("summary") or {}
+            key = (int(shape["tokens"]), int(shape["intermediate"]))
+            row = rows.setdefault(key, {"tokens": key[0], "intermediate": key[1], "serial_ms": None,
+                                        "serial_backend": None, "dbo_ms": None, "dbo_choice": None,
+                                        "speedup": None, "comm_ms": {}})
+            if s.get("comm_ms") is not None:
+                row["comm_ms"][backend] = s["comm_ms"]
+            t = s.get("serial_ms")
+            if t is not None and (row["serial_ms"] is None or t < row["serial_ms"]):
+                row["serial_ms"], row["serial_backend"] = t, backend
+            for schedule, field in _DBO_SCHEDULES:
+                t = s.get(field)
+                if t is not None and (row["dbo_ms"] is None or t < row["dbo_ms"]):
+                    row["dbo_ms"], row["dbo_choice"] = t, f"{backend}/{schedule}"
+    out = [rows[k] for k in sorted(rows)]
+    for row in out:
+        if row["serial_ms"] is not None and row["dbo_ms"]:
+            row["speedup"] = row["serial_ms"] / row["dbo_ms"]
+    return out
+
+
+def _f(x: float | None, spec: str = ".2f") -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+
+
+def format_comparison(rows: list[dict[str, Any]]) -> str:
+    """A Markdown table of :func:`compare_bundles`'s rows."""
+    backends = sorted({b for r in rows for b in r["comm_ms"]})
+    head = ["T", "I", *(f"{b} comm" for b in backends), "best serial (backend)",
+            "best DBO (backend/schedule)", "best DBO / best serial"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [str(r["tokens"]), str(r["intermediate"]), *(_f(r["comm_ms"].get(b)) for b in backends),
+                 f"{_f(r['serial_ms'])} ({r['serial_backend'] or '-'})",
+                 f"{_f(r['dbo_ms'])} ({r['dbo_choice'] or '-'})",
+                 "-" if r["speedup"] is None else f"{r['speedup']:.3f}x"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m dbo.bench compare", description=__doc__.split("\n\n")[0])
+    ap.add_argument("bundles", nargs="+", help="overlap bundles (bench_overlap.json or its directory)")
+    ap.add_argument("--json", default=None, help="also write the rows here")
+    args = ap.parse_args(argv)
+    bundles = []
+    for path in args.bundles:
+        try:
+            bundles.append(load_bundle(path))
+        except (FileNotFoundError, ValueError) as exc:
+            print(f"skipped: {exc}")
+    if not bundles:
+        print("no bundle to compare")
+        return 1
+    for b in bundles:
+        for inter, tuned in (b.get("autotune") or {}).items():
+            print(f"{b['args']['backend']} I={inter}: autotune chose {tuned.get('schedule')}")
+    rows = compare_bundles(bundles)
+    print("per layer, ms (one run; compare bundles of one run only)")
+    print(format_comparison(rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"rows": rows}, indent=1))
+    return 0

@@ -1,0 +1,180 @@
+#!/usr/bin/env bash
+# The GPU tests and measurements, by what each checks or measures. From the project root on a
+# host with NVIDIA GPUs (on the GPU host, after `bash ../shared/gpu/fetch-wheels.sh` once):
+#
+#   source .whl/prelude.sh && bash tests/gpu/run.sh [-o OUTDIR] [-d DEADLINE_S] STEP[:N] ...
+#
+# N is the number of ranks for the steps that take one (default 2). With fewer GPUs than ranks,
+# the ranks share GPU 0 where the step allows it (copy_engine, deepep): correctness only, the
+# timings mean nothing. Steps run in the order given; each has a time cap, cut to what is left of
+# DEADLINE_S (default 570 s; a step with under 20 s left is skipped and counts as failed).
+#
+#   env            the GPUs, the link topology, the versions of torch, NCCL, greenlet, transformers
+#   core           the context on a GPU: stream/event protocol, SM partitioning, expert schedules
+#   experts        the experts' kernels: no host sync, against float32/float64 references
+#   grid           `python -m dbo.bench experts` over the limit grid (one GPU, ~3 min); SMI=1
+#                  samples clock/power/temperature (read back: tools/probes/smi_rows.py)
+#   switch         `python -m dbo.bench switch` on CUDA and CPU (the cost of one ubatch switch)
+#   copy_engine:N  the copy-engine backend's conformance (DBO == serial == reference), stop test
+#   deepep:N       the DeepEP backends' conformance (high-throughput and low-latency)
+#   faults         a dead, stalled or slow peer inside DeepEP calls (2 ranks on one GPU)
+#   nccl           the all2all/naive backends over NCCL (tests/test_backends_nccl.py)
+#   demo:N         examples/moe_overlap.py with each backend (DeepEP's when importable)
+#   overlap:N      `dbo.bench overlap` on the thin prefill grid (8 layers, I=256, attention width
+#                  1024, T=4096/8192/16384; I=2048 too with WIDE=1) for deepep_ht and copy_engine,
+#                  then `dbo.bench compare`: best DBO over the best serial of any backend
+#   decode:N       `dbo.bench overlap` with deepep_ll at decode sizes (T=32..512, I=2048)
+#   onerank        the one-rank overlap benchmark (naive: nothing to hide) at T 4096/16384 x
+#                  I 256/2048, and the decode sizes: what splitting alone costs
+#   hf:N           examples/hf_moe.py: Qwen3-30B-A3B (full size, random weights) and DeepSeek-V3's
+#                  layer, plain vs DBOPrefill per dbo implementation (needs transformers >= 5.23:
+#                  EXTRA_WHEELS="transformers==5.23.0 ..." ../shared/gpu/fetch-wheels.sh)
+#
+# Writes OUTDIR/run_log.txt (everything printed; default OUTDIR: $OUT, else ./out) and one
+# OUTDIR/STEP.tgz per step that writes files (JSON bundles, traces). Exits non-zero if a step
+# failed. NVLink multicast stays off (the GPU host's GPUs are shared).
+set -uo pipefail
+out=${OUT:-out}
+deadline_s=570
+while getopts "o:d:h" opt; do
+  case $opt in
+    o) out=$OPTARG ;;
+    d) deadline_s=$OPTARG ;;
+    *) sed -n '2,36p' "$0"; exit 2 ;;
+  esac
+done
+shift $((OPTIND - 1))
+[ $# -gt 0 ] || { sed -n '2,36p' "$0"; exit 2; }
+mkdir -p "$out"
+log="$out/run_log.txt"
+deadline=$((SECONDS + deadline_s))
+status=0
+export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+ngpu=$(nvidia-smi -L 2>/dev/null | wc -l)
+pytest_gpu="python3 -m pytest -q -p no:cacheprovider -rA"
+
+run() {  # run NAME CAP_S CMD...: log the command, its output and its exit code
+  local name=$1 cap=$2; shift 2
+  local left=$((deadline - SECONDS))
+  if [ "$left" -lt 20 ]; then
+    echo "=== [$name] SKIPPED: ${left}s left of the deadline" | tee -a "$log"
+    status=1
+    return
+  fi
+  [ "$cap" -gt "$left" ] && cap=$left
+  echo "=== [$name] (cap ${cap}s) \$ $*" | tee -a "$log"
+  local t0=$SECONDS
+  timeout -k 10 "$cap" "$@" 2>&1 | tee -a "$log"
+  local rc=${PIPESTATUS[0]}
+  echo "=== [$name] rc=$rc (took $((SECONDS - t0)) s)" | tee -a "$log"
+  [ "$rc" -eq 0 ] || status=1
+}
+
+bundle() {  # bundle STEP: one archive per step's files (fewer files to bring back)
+  local dir="$out/$1"
+  if [ -d "$dir" ] && [ -n "$(ls -A "$dir")" ]; then
+    tar -C "$out" -czf "$out/$1.tgz" "$1" && rm -rf "${dir:?}"
+  fi
+}
+
+tr_() {  # tr_ N ARGS...: torchrun with N ranks
+  local n=$1; shift
+  torchrun --nproc-per-node "$n" "$@"
+}
+
+ov_thin="--device cuda --layers 8 --attn-width 1024 --profile-shape none"
+
+for arg in "$@"; do
+  step=${arg%%:*}
+  n=2
+  [ "$arg" != "$step" ] && n=${arg#*:}
+  files="$out/$step"
+  mkdir -p "$files"
+  case $step in
+    env)
+      run env 60 bash -c 'nvidia-smi --query-gpu=uuid,name,memory.total,driver_version,power.limit --format=csv;
+        nvidia-smi topo -m | head -12;
+        python3 -c "import torch, greenlet; print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda,
+          \"gpus\", torch.cuda.device_count(), \"nccl\", torch.cuda.nccl.version(), \"greenlet\", greenlet.__version__)";
+        python3 -c "import transformers; print(\"transformers\", transformers.__version__)" || true;
+        python3 -c "import deep_ep; print(\"deep_ep\", deep_ep.__file__)" || true' ;;
+    core)
+      run core 240 $pytest_gpu tests/gpu/test_streams_gpu.py tests/gpu/test_partition_gpu.py \
+        tests/gpu/test_schedules_gpu.py ;;
+    experts)
+      run experts 330 $pytest_gpu tests/gpu/test_experts_gpu.py tests/gpu/test_bench_kernels_gpu.py ;;
+    grid)
+      if [ "${SMI:-0}" = 1 ]; then
+        nvidia-smi --query-gpu=uuid,name,vbios_version,power.limit,clocks.max.sm,temperature.gpu --format=csv \
+          | tee -a "$log"
+        nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,temperature.memory,clocks_event_reasons.active \
+          --format=csv,noheader -lms 100 >"$files/smi_grid.csv" 2>&1 &
+        smi=$!
+        # each line behind its epoch time, for tools/probes/smi_rows.py
+        run grid 480 bash -c 'python3 -m dbo.bench experts --steps 20 --json "$1/experts.json" 2>&1 |
+          while IFS= read -r l; do echo "$(date +%s.%N) $l"; done | tee "$1/grid_log.txt"; exit "${PIPESTATUS[0]}"' _ "$files"
+        kill "$smi"
+      else
+        run grid 480 python3 -m dbo.bench experts --steps 20 --json "$files/experts.json"
+      fi ;;
+    switch)
+      run switch-cuda 60 python3 -m dbo.bench switch --device cuda --json "$files/switch_cuda.json"
+      run switch-cpu 60 python3 -m dbo.bench switch --device cpu --json "$files/switch_cpu.json" ;;
+    copy_engine)
+      run "copy_engine-$n" 240 tr_ "$n" tests/gpu/run_copy_engine.py --json "$files/conformance_$n.json"
+      run "copy_engine-stop-$n" 90 tr_ "$n" tests/gpu/run_copy_engine.py --stop-test ;;
+    deepep)
+      shared=()
+      [ "$ngpu" -lt "$n" ] && shared=(--shared-gpu)
+      run "deepep-$n" 300 tr_ "$n" tests/gpu/run_deepep.py "${shared[@]}" --json "$files/conformance_$n.json" ;;
+    faults)
+      run faults 400 python3 tests/gpu/run_deepep_faults.py --bench --json "$files/faults.json" ;;
+    nccl)
+      run nccl 180 python3 -m pytest -q -p no:cacheprovider tests/test_backends_nccl.py -rA ;;
+    demo)
+      for b in naive all2all copy_engine; do
+        run "demo-$b-$n" 90 tr_ "$n" examples/moe_overlap.py --device cuda --backend "$b" \
+          --trace "$files/demo_$b.trace.json"
+      done
+      if python3 -c "import deep_ep" 2>/dev/null; then
+        for b in deepep_ht deepep_ll; do  # DeepEP combines bf16 only
+          run "demo-$b-$n" 90 tr_ "$n" examples/moe_overlap.py --device cuda --backend "$b" --dtype bfloat16 \
+            --hidden 2048 --tokens 256 --experts 16 --topk 4 --trace "$files/demo_$b.trace.json"
+        done
+      fi ;;
+    overlap)
+      inter="256"
+      [ "${WIDE:-0}" = 1 ] && inter="256 2048"
+      for b in ${BACKENDS:-deepep_ht copy_engine}; do
+        run "overlap-$b-$n" 300 tr_ "$n" -m dbo.bench overlap $ov_thin --backend "$b" --intermediate $inter \
+          --tokens ${TOKENS:-4096 8192 16384} --time-budget-s 240 --out "$files/$b"
+      done
+      run "overlap-compare-$n" 30 python3 -m dbo.bench compare "$files"/*/ --json "$files/compare.json" ;;
+    decode)
+      run "decode-$n" 240 tr_ "$n" -m dbo.bench overlap --device cuda --backend deepep_ll --intermediate 2048 \
+        --tokens ${TOKENS:-32 128 512} --cuda-graph --time-budget-s 200 --out "$files/deepep_ll" ;;
+    onerank)
+      run onerank 240 tr_ 1 -m dbo.bench overlap $ov_thin --backend naive --tokens 4096 16384 \
+        --intermediate 256 2048 --time-budget-s 200 --out "$files/prefill"
+      run onerank-decode 150 tr_ 1 -m dbo.bench overlap --device cuda --backend naive --attn-width 1024 \
+        --profile-shape none --layers 4 --tokens 64 256 512 --intermediate 2048 --no-autotune \
+        --modes compute dbo_compute merged_compute serial dbo merged --time-budget-s 120 --out "$files/decode" ;;
+    hf)
+      ex="examples/hf_moe.py --device cuda --steps 3 --warmup 1"
+      ckpt=${HF_CKPT:-/tmp/qwen3-30b-a3b-8}
+      save=()
+      [ -f "$ckpt/config.json" ] || save=(--save-checkpoint "$ckpt")
+      run "hf-smoke-$n" 120 tr_ "$n" $ex --preset tiny-deepseek_v3 --backend naive all2all \
+        --shape 4x64 7x32 --unconverted --json "$files/smoke.json"
+      run "hf-qwen-$n" 330 tr_ "$n" $ex --preset qwen3-30b-a3b --layers "${HF_LAYERS:-8}" "${save[@]}" \
+        --checkpoint "$ckpt" --hf-all-to-all --backend all2all copy_engine deepep_ht \
+        --expert-schedule split merged --shape 8x2048 16x4096 --json "$files/qwen.json" ;;
+    *)
+      echo "=== unknown step '$step' (see the header of $0)" | tee -a "$log"
+      status=1 ;;
+  esac
+  bundle "$step"
+done
+echo "=== overall status $status" | tee -a "$log"
+exit $status
