@@ -2,9 +2,9 @@
 
 Layout: ``base`` (interfaces and result types), ``weight_and_reduce`` (the top-k
 weight-and-reduce variants), ``kernel`` (:class:`MoEKernel`), ``experts`` (the SwiGLU experts,
-without host syncs on CUDA) with ``grouping`` (pairs sorted by expert on the device),
-``grouped_gemm`` (``torch._grouped_mm`` / Triton / loop) and ``gather_reduce`` (the fused
-activation, row gather and weighted reduction: Triton, or plain torch), ``router`` (top-k
+without host syncs on CUDA) with ``grouping`` (pairs sorted by expert on the device) and
+``kernels`` (the GPU kernels: the fused experts, ``grouped_gemm`` and ``gather_reduce``, their
+tiles and launch helpers; plain torch where Triton is absent), ``router`` (top-k
 routing), ``local`` (a single-rank backend), ``reference`` (the trusted single-process MoE),
 ``validate`` (argument checks), ``handles`` (per-ubatch state), ``merged`` (the merged expert
 schedule: one experts call over every ubatch's rows).

@@ -3,13 +3,13 @@
 ``y = w2 @ (silu(g) * u)`` with ``[g; u] = w1 @ x``.
 
 STANDARD format: the (token, slot) pairs are sorted by local expert on the device
-(:mod:`dbo.moe.grouping`); two grouped GEMMs (:mod:`dbo.moe.grouped_gemm`: ``torch._grouped_mm``
+(:mod:`dbo.moe.grouping`); two grouped GEMMs (:mod:`dbo.moe.kernels.grouped_gemm`: ``torch._grouped_mm``
 for bf16 on Hopper, a Triton grouped GEMM otherwise on CUDA) run on the per-expert end rows,
 which come from the backend's host-side counts when it has them
 (``ExpertTokensMetadata.expert_num_tokens_cpu``, DeepEP normal mode) or are computed on the
 device. Host counts must be exact (DeepEP's ``expert_alignment`` left at 1): they are trusted,
 since checking them would read the GPU. The activation is one fused kernel; each token's output
-is a gather-reduce of its slots' rows weighted by the router (:mod:`dbo.moe.gather_reduce`:
+is a gather-reduce of its slots' rows weighted by the router (:mod:`dbo.moe.kernels.gather_reduce`:
 Triton, float32 accumulation, no atomics). Nothing in :meth:`SwiGLUExperts.apply` reads the GPU
 back, so under DBO the CPU queues the other ubatch's work while these kernels run. On the CPU
 (and without Triton) the same steps run in plain torch.
@@ -37,10 +37,10 @@ from dbo.moe.base import (
     TopKWeightAndReduceNoOp,
     Workspace,
 )
-from dbo.moe.fused_experts import fused_swiglu_experts, prefer_fused
-from dbo.moe.gather_reduce import gather_reduce, gather_rows, silu_and_mul, use_triton_for
-from dbo.moe.grouped_gemm import grouped_mm
 from dbo.moe.grouping import group_by_expert
+from dbo.moe.kernels.fused_experts import fused_swiglu_experts, prefer_fused
+from dbo.moe.kernels.gather_reduce import gather_reduce, gather_rows, silu_and_mul, use_triton_for
+from dbo.moe.kernels.grouped_gemm import grouped_mm
 from dbo.moe.validate import check_expert_weights
 
 __all__ = ["SwiGLUExperts", "swiglu_expert", "dequantize_blocks", "FP8_SCALE_BLOCK"]
@@ -87,10 +87,10 @@ class SwiGLUExperts(MoEExperts):
         batched_rows: BATCHED_EXPERTS on CUDA: compute only the first ``batched_rows`` rows of
             each expert's slab (rows past it are left unwritten). Only for a caller that knows
             no expert receives more (a masked grouped GEMM's expected rows); default all.
-        fused: STANDARD format with Triton: the fused kernels of :mod:`dbo.moe.fused_experts`
+        fused: STANDARD format with Triton: the fused kernels of :mod:`dbo.moe.kernels.fused_experts`
             (gather in the first GEMM's prologue, activation in its epilogue, slot scatter in
             the second's). Default: chosen per call by the estimated rows per expert
-            (:func:`dbo.moe.fused_experts.prefer_fused`: fused up to 768 rows per expert, and at
+            (:func:`dbo.moe.kernels.fused_experts.prefer_fused`: fused up to 768 rows per expert, and at
             any size for I <= 2048 or for at most 128 local experts, the unfused steps with
             CUTLASS's grouped GEMM above); True forces the fused kernels, False the unfused steps.
         num_global_experts: experts over all ranks, for that estimate without host counts

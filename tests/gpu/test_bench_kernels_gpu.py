@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dbo.moe import ActivationFormat, MoEKernel, SwiGLUExperts, relative_error, topk_route
-from dbo.moe.gather_reduce import HAVE_TRITON, gather_reduce
+from dbo.moe.kernels.gather_reduce import HAVE_TRITON, gather_reduce
 from dbo.moe.local import LocalPrepareAndFinalize
 from dbo.moe.reference import reference_moe
 

@@ -86,8 +86,9 @@ def experts_steps(tokens: int = 1024, inter: int = 256, local: int = 32) -> None
     from experts_host import fused_steps
 
     from dbo.bench.experts import _apply, make_case
-    from dbo.moe import SwiGLUExperts, Workspace, triton_launch
-    from dbo.moe import fused_experts as fe
+    from dbo.moe import SwiGLUExperts, Workspace
+    from dbo.moe.kernels import fused_experts as fe
+    from dbo.moe.kernels import triton_launch
 
     case = make_case(tokens, 7168, inter, local)
     est = tokens * case.ids.shape[1] / 256
