@@ -13,7 +13,7 @@ _SPEC = importlib.util.spec_from_file_location(
 smi_rows = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(smi_rows)
 
-T0 = 1795582700.0  # 2026-11-25 04:58:20 UTC
+T0 = 1795582700.0  # an epoch time, in seconds
 
 
 def _stamp(t: float) -> str:

@@ -78,10 +78,7 @@ bundle() {  # bundle STEP: one archive per step's files (fewer files to bring ba
   fi
 }
 
-tr_() {  # tr_ N ARGS...: torchrun with N ranks
-  local n=$1; shift
-  torchrun --nproc-per-node "$n" "$@"
-}
+tr_="torchrun --nproc-per-node"  # then N ARGS...
 
 ov_thin="--device cuda --layers 8 --attn-width 1024 --profile-shape none"
 
@@ -122,24 +119,24 @@ for arg in "$@"; do
       run switch-cuda 60 python3 -m dbo.bench switch --device cuda --json "$files/switch_cuda.json"
       run switch-cpu 60 python3 -m dbo.bench switch --device cpu --json "$files/switch_cpu.json" ;;
     copy_engine)
-      run "copy_engine-$n" 240 tr_ "$n" tests/gpu/run_copy_engine.py --json "$files/conformance_$n.json"
-      run "copy_engine-stop-$n" 90 tr_ "$n" tests/gpu/run_copy_engine.py --stop-test ;;
+      run "copy_engine-$n" 240 $tr_ "$n" tests/gpu/run_copy_engine.py --json "$files/conformance_$n.json"
+      run "copy_engine-stop-$n" 90 $tr_ "$n" tests/gpu/run_copy_engine.py --stop-test ;;
     deepep)
       shared=()
       [ "$ngpu" -lt "$n" ] && shared=(--shared-gpu)
-      run "deepep-$n" 300 tr_ "$n" tests/gpu/run_deepep.py "${shared[@]}" --json "$files/conformance_$n.json" ;;
+      run "deepep-$n" 300 $tr_ "$n" tests/gpu/run_deepep.py "${shared[@]}" --json "$files/conformance_$n.json" ;;
     faults)
       run faults 400 python3 tests/gpu/run_deepep_faults.py --bench --json "$files/faults.json" ;;
     nccl)
       run nccl 180 python3 -m pytest -q -p no:cacheprovider tests/test_backends_nccl.py -rA ;;
     demo)
       for b in naive all2all copy_engine; do
-        run "demo-$b-$n" 90 tr_ "$n" examples/moe_overlap.py --device cuda --backend "$b" \
+        run "demo-$b-$n" 90 $tr_ "$n" examples/moe_overlap.py --device cuda --backend "$b" \
           --trace "$files/demo_$b.trace.json"
       done
       if python3 -c "import deep_ep" 2>/dev/null; then
         for b in deepep_ht deepep_ll; do  # DeepEP combines bf16 only
-          run "demo-$b-$n" 90 tr_ "$n" examples/moe_overlap.py --device cuda --backend "$b" --dtype bfloat16 \
+          run "demo-$b-$n" 90 $tr_ "$n" examples/moe_overlap.py --device cuda --backend "$b" --dtype bfloat16 \
             --hidden 2048 --tokens 256 --experts 16 --topk 4 --trace "$files/demo_$b.trace.json"
         done
       fi ;;
@@ -147,17 +144,17 @@ for arg in "$@"; do
       inter="256"
       [ "${WIDE:-0}" = 1 ] && inter="256 2048"
       for b in ${BACKENDS:-deepep_ht copy_engine}; do
-        run "overlap-$b-$n" 300 tr_ "$n" -m dbo.bench overlap $ov_thin --backend "$b" --intermediate $inter \
+        run "overlap-$b-$n" 300 $tr_ "$n" -m dbo.bench overlap $ov_thin --backend "$b" --intermediate $inter \
           --tokens ${TOKENS:-4096 8192 16384} --time-budget-s 240 --out "$files/$b"
       done
       run "overlap-compare-$n" 30 python3 -m dbo.bench compare "$files"/*/ --json "$files/compare.json" ;;
     decode)
-      run "decode-$n" 240 tr_ "$n" -m dbo.bench overlap --device cuda --backend deepep_ll --intermediate 2048 \
+      run "decode-$n" 240 $tr_ "$n" -m dbo.bench overlap --device cuda --backend deepep_ll --intermediate 2048 \
         --tokens ${TOKENS:-32 128 512} --cuda-graph --time-budget-s 200 --out "$files/deepep_ll" ;;
     onerank)
-      run onerank 240 tr_ 1 -m dbo.bench overlap $ov_thin --backend naive --tokens 4096 16384 \
+      run onerank 240 $tr_ 1 -m dbo.bench overlap $ov_thin --backend naive --tokens 4096 16384 \
         --intermediate 256 2048 --time-budget-s 200 --out "$files/prefill"
-      run onerank-decode 150 tr_ 1 -m dbo.bench overlap --device cuda --backend naive --attn-width 1024 \
+      run onerank-decode 150 $tr_ 1 -m dbo.bench overlap --device cuda --backend naive --attn-width 1024 \
         --profile-shape none --layers 4 --tokens 64 256 512 --intermediate 2048 --no-autotune \
         --modes compute dbo_compute merged_compute serial dbo merged --time-budget-s 120 --out "$files/decode" ;;
     hf)
@@ -165,9 +162,9 @@ for arg in "$@"; do
       ckpt=${HF_CKPT:-/tmp/qwen3-30b-a3b-8}
       save=()
       [ -f "$ckpt/config.json" ] || save=(--save-checkpoint "$ckpt")
-      run "hf-smoke-$n" 120 tr_ "$n" $ex --preset tiny-deepseek_v3 --backend naive all2all \
+      run "hf-smoke-$n" 120 $tr_ "$n" $ex --preset tiny-deepseek_v3 --backend naive all2all \
         --shape 4x64 7x32 --unconverted --json "$files/smoke.json"
-      run "hf-qwen-$n" 330 tr_ "$n" $ex --preset qwen3-30b-a3b --layers "${HF_LAYERS:-8}" "${save[@]}" \
+      run "hf-qwen-$n" 330 $tr_ "$n" $ex --preset qwen3-30b-a3b --layers "${HF_LAYERS:-8}" "${save[@]}" \
         --checkpoint "$ckpt" --hf-all-to-all --backend all2all copy_engine deepep_ht \
         --expert-schedule split merged --shape 8x2048 16x4096 --json "$files/qwen.json" ;;
     *)
