@@ -116,7 +116,36 @@ def test_bench_naive_cpu_bundle(tmp_path):
     bundle = _run_bench(tmp_path, "--backend", "naive")
     _check_structure(bundle, "naive", [])
     assert bundle["shapes"][0]["tokens"] == 64
+    link = bundle["env"]["link"]
+    assert link["world_size"] == 2 and link["gbps_out"] > 0 and "gloo" in link["transport"]
+    s = bundle["shapes"][0]["summary"]
+    hidden = bundle["args"]["hidden"]
+    assert s["comm_bytes"] == 2 * 1 * 64 * hidden * 4  # naive, 2 ranks, 64 float32 tokens
+    assert s["link_ms"] == pytest.approx(s["comm_bytes"] / (link["gbps_out"] * 1e9) * 1e3)
+    assert s["comm_x_link"] == pytest.approx(s["comm_ms"] / s["link_ms"])
     _check_compare(tmp_path, bundle)
+
+
+def test_comm_bytes_per_backend():
+    from dbo.bench.link import comm_bytes
+
+    # 2 tokens on rank 0 of 4 ranks, 8 experts (2 per rank), top-3; hidden 10, 2-byte elements
+    ids = torch.tensor([[0, 2, 3], [5, 7, -1]])
+    kw = dict(world_size=4, rank=0, num_experts=8, hidden=10, elem_bytes=2)
+    row = 10 * 2
+    # token 0: remote experts 2, 3 on rank 1 (one rank); token 1: 5 on rank 2, 7 on rank 3
+    assert comm_bytes("deepep_ht", ids, **kw) == 2 * 3 * row
+    assert comm_bytes("all2all", ids, **kw) == 2 * 3 * row
+    assert comm_bytes("deepep_ll", ids, **kw) == 2 * 4 * row  # per expert: 2, 3, 5, 7
+    assert comm_bytes("naive", ids, **kw) == 2 * 3 * 2 * row
+    assert comm_bytes("copy_engine", ids, **kw) == 3 * 2 * (2 * row + 2 * 3 * 4)
+    # on rank 1: token 0 reaches rank 0 (expert 0; 2 and 3 are local), token 1 ranks 2 and 3
+    assert comm_bytes("deepep_ht", ids, **{**kw, "rank": 1}) == 2 * 3 * row
+    assert comm_bytes("deepep_ll", ids, **{**kw, "rank": 1}) == 2 * 3 * row
+    with pytest.raises(ValueError, match="knows"):
+        comm_bytes("nope", ids, **kw)
+    with pytest.raises(ValueError, match="multiple"):
+        comm_bytes("naive", ids, **{**kw, "num_experts": 6})
 
 
 def _check_compare(tmp_path: Path, bundle: dict) -> None:
@@ -176,3 +205,26 @@ def test_bench_deepep_paths_on_fake(tmp_path, backend, extra, sms):
         assert bundle["crossover"][0]["intermediate"] == sh["intermediate"]
     else:
         assert bundle["env"]["deepep_setup"]["deep_ep_default_num_sms"] == 20
+
+
+def test_backend_opts_parse():
+    from dbo.bench.overlap_args import parse_backend_opts
+
+    assert parse_backend_opts(["put_order=rank", "num_sms=24", "x=1.5", "flag=True"]) == \
+        {"put_order": "rank", "num_sms": 24, "x": 1.5, "flag": True}
+    for bad in ("novalue", "1x=2", "=3"):
+        with pytest.raises(ValueError, match="KEY=VALUE"):
+            parse_backend_opts([bad])
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(180)
+def test_bench_copy_engine_with_backend_opt(tmp_path):
+    bundle = _run_bench(tmp_path, "--backend", "copy_engine", "--backend-opt", "put_order=rank")
+    _check_structure(bundle, "copy_engine", [])
+    assert bundle["args"]["backend_kwargs"] == {"put_order": "rank"}
+    s = bundle["shapes"][0]["summary"]
+    assert s["comm_bytes"] == 64 * (2 * bundle["args"]["hidden"] * 4 + 2 * bundle["args"]["topk"] * 4)
+    from dbo.bench.compare import label
+
+    assert label(bundle) == "copy_engine[put_order=rank]"

@@ -59,6 +59,50 @@ def test_conformance_3_ranks(world3):
     check_backend(world3, _make, cases)
 
 
+def test_destinations_ring_and_rank_order():
+    from dbo.backends.copy_engine import destinations
+
+    assert destinations(2, 4) == [2, 3, 0, 1]
+    assert destinations(2, 4, "rank") == [0, 1, 2, 3]
+    for w in range(1, 9):  # at each step of the ring, the ranks write into different peers
+        steps = list(zip(*(destinations(r, w) for r in range(w)), strict=True))
+        assert all(sorted(step) == list(range(w)) for step in steps)
+    with pytest.raises(ValueError, match="put_order"):
+        destinations(0, 2, "random")
+
+
+def _orders_agree() -> float:
+    """The same MoE call through a ring-order and a rank-order backend: the same bits."""
+    from dbo.backends.copy_engine import CopyEnginePrepareAndFinalize
+    from dbo.context import run_ubatches
+    from dbo.moe import MoEKernel, SwiGLUExperts, local_expert_weights, make_expert_weights, topk_route
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    w1, w2 = make_expert_weights(4 * world, 64, 32, dtype=torch.float32, seed=4)
+    w1, w2 = local_expert_weights(w1, rank, world), local_expert_weights(w2, rank, world)
+    x = torch.randn(20 + 5 * rank, 64, generator=torch.Generator().manual_seed(rank))
+    weights, ids = topk_route(x @ torch.randn(64, 4 * world, generator=torch.Generator().manual_seed(6)), 3)
+    outs = []
+    for order in ("ring", "rank"):
+        pf = CopyEnginePrepareAndFinalize(hidden_size=64, max_tokens_per_rank=32, max_topk=3,
+                                          dtype=torch.float32, device="cpu", timeout_s=20.0,
+                                          put_order=order)
+        assert pf.put_order == order
+        kernel = MoEKernel(pf, SwiGLUExperts())
+
+        def call(lo, hi, kernel=kernel):
+            return kernel(x[lo:hi], w1, w2, weights[lo:hi], ids[lo:hi], global_num_experts=4 * world)
+
+        outs.append(call(0, x.shape[0]))
+        outs.append(torch.cat(run_ubatches([lambda: call(0, 9), lambda: call(9, x.shape[0])])))
+    assert torch.equal(outs[0], outs[2]) and torch.equal(outs[1], outs[3])
+    return float((outs[0] - outs[1]).abs().max())
+
+
+def test_put_orders_give_the_same_bits(world3):
+    assert max(world3.run(_orders_agree)) < 1e-5
+
+
 def _many_layers(layers: int, per_layer_backends: bool = False) -> float:
     """``layers`` MoE layers in a row on one backend, or on one backend per layer sharing one
     transport (buffers reused either way), DBO vs serial."""
@@ -243,7 +287,8 @@ def _bad_args() -> list[str]:
     for kwargs in ({"hidden_size": 0, "max_tokens_per_rank": 4},
                    {"hidden_size": 8, "max_tokens_per_rank": -1},
                    {"hidden_size": 8, "max_tokens_per_rank": 4, "dtype": torch.int8},
-                   {"hidden_size": 8, "max_tokens_per_rank": 4, "device": "meta"}):
+                   {"hidden_size": 8, "max_tokens_per_rank": 4, "device": "meta"},
+                   {"hidden_size": 8, "max_tokens_per_rank": 4, "put_order": "random"}):
         try:
             CopyEnginePrepareAndFinalize(device=kwargs.pop("device", "cpu"), **kwargs)
         except ValueError as exc:
@@ -253,6 +298,6 @@ def _bad_args() -> list[str]:
 
 def test_bad_constructor_arguments(world2):
     msgs = world2.run(_bad_args)[0]
-    assert len(msgs) == 4, msgs
+    assert len(msgs) == 5, msgs
     assert "hidden_size" in msgs[0] and "max_tokens_per_rank" in msgs[1]
-    assert "dtype" in msgs[2] and "cuda or cpu" in msgs[3]
+    assert "dtype" in msgs[2] and "cuda or cpu" in msgs[3] and "put_order" in msgs[4]

@@ -17,7 +17,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-__all__ = ["load_bundle", "compare_bundles", "format_comparison", "main"]
+__all__ = ["load_bundle", "label", "compare_bundles", "format_comparison", "main"]
 
 _DBO_SCHEDULES = (("split", "dbo_ms"), ("merged", "merged_ms"))
 
@@ -35,6 +35,12 @@ def load_bundle(path: str | Path) -> dict:
     return bundle
 
 
+def label(bundle: dict) -> str:
+    """The backend's name, with its ``--backend-opt`` options if any: ``copy_engine[put_order=rank]``."""
+    opts = bundle["args"].get("backend_opt") or []
+    return bundle["args"]["backend"] + (f"[{','.join(opts)}]" if opts else "")
+
+
 def compare_bundles(bundles: list[dict]) -> list[dict[str, Any]]:
     """One row per (tokens, intermediate) seen in any bundle, sorted; ``None`` where no bundle
     measured that part. Each row: ``tokens``, ``intermediate``, ``serial_ms``/``serial_backend``,
@@ -44,7 +50,7 @@ def compare_bundles(bundles: list[dict]) -> list[dict[str, Any]]:
         raise ValueError("compare_bundles needs at least one bundle")
     rows: dict[tuple[int, int], dict[str, Any]] = {}
     for bundle in bundles:
-        backend = bundle["args"]["backend"]
+        backend = label(bundle)
         for shape in bundle["shapes"]:
             s = shape.get("summary") or {}
             key = (int(shape["tokens"]), int(shape["intermediate"]))
@@ -102,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     for b in bundles:
         for inter, tuned in (b.get("autotune") or {}).items():
-            print(f"{b['args']['backend']} I={inter}: autotune chose {tuned.get('schedule')}")
+            print(f"{label(b)} I={inter}: autotune chose {tuned.get('schedule')}")
     rows = compare_bundles(bundles)
     print("per layer, ms (one run; compare bundles of one run only)")
     print(format_comparison(rows))

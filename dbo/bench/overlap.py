@@ -54,6 +54,7 @@ from dbo.autotune import NEVER_SPLIT, autotune_split_config
 from dbo.bench.backends import make_backend, shutdown_distributed
 from dbo.bench.capture import cuda_graph, traces
 from dbo.bench.limits import layer_limit_ms, measure_device_limits
+from dbo.bench.link import measure_link
 from dbo.bench.model import BenchModel, LayerDims
 from dbo.bench.overlap_args import (
     DTYPES,
@@ -121,7 +122,8 @@ def tune_and_time_wrapper(args: argparse.Namespace, benches: list[ShapeBench], b
 
 def build_backend(args: argparse.Namespace, tokens: int, device: torch.device, dtype: torch.dtype) -> Any:
     return make_backend(args.backend, None, hidden=args.hidden, num_experts=args.experts,
-                        topk=args.topk, max_tokens_per_rank=tokens, dtype=dtype, device=device)
+                        topk=args.topk, max_tokens_per_rank=tokens, dtype=dtype, device=device,
+                        **getattr(args, "backend_kwargs", {}))
 
 
 def run(args: argparse.Namespace, rank: int, world: int, device: torch.device, out_dir: Path,
@@ -142,6 +144,11 @@ def run(args: argparse.Namespace, rank: int, world: int, device: torch.device, o
     # the ceilings for the compute columns' limit, measured on this device in this run
     limits = measure_device_limits(device)
     env["limits"] = limits.as_dict()
+    # the link rate for the comm column's limit, measured on this group in this run
+    link = measure_link(None, device)
+    env["link"] = None if link is None else link.as_dict()
+    if link is not None and rank == 0:
+        print(link.describe(), flush=True)
     target = profile_target(args)
     shapes, chrome = [], []
     tuned: dict[int, dict] = {}
@@ -166,6 +173,7 @@ def run(args: argparse.Namespace, rank: int, world: int, device: torch.device, o
                 sb = ShapeBench(args, model, backend, tokens, device, rank, progress, budget,
                                 dbo_backend)
                 sb.rec["flops_per_token_per_layer"] = dims.flops_per_token()
+                sb.link = link
                 sb.rec["limit_ms_per_layer"] = layer_limit_ms(
                     limits, tokens=tokens, hidden=dims.hidden, intermediate=inter,
                     shared_intermediate=dims.shared_intermediate, num_experts=dims.num_experts,
@@ -217,7 +225,7 @@ def run(args: argparse.Namespace, rank: int, world: int, device: torch.device, o
 
 
 def _jsonable(d: dict) -> dict:
-    return {k: (v if isinstance(v, (int, float, str, bool, list, type(None))) else str(v))
+    return {k: (v if isinstance(v, (int, float, str, bool, list, dict, type(None))) else str(v))
             for k, v in d.items()}
 
 

@@ -45,6 +45,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                             "MoE layer (run under torchrun)",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--backend", choices=sorted(BACKENDS), default="deepep_ht")
+    p.add_argument("--backend-opt", action="append", default=[], metavar="KEY=VALUE",
+                   help="a keyword argument of the backend's constructor (repeatable), e.g. "
+                        "put_order=rank for copy_engine; ints, floats, true/false parsed")
     p.add_argument("--device", choices=["cpu", "cuda"], default=None,
                    help="cuda: NCCL on cuda:LOCAL_RANK; cpu: gloo (default: cuda if available)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
@@ -102,6 +105,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench_overlap_out", help="directory of the bundle")
     args = p.parse_args(argv)
+    try:
+        args.backend_kwargs = parse_backend_opts(args.backend_opt)
+    except ValueError as exc:
+        p.error(str(exc))
     resolve_defaults(args)
     for name in ("hidden", "experts", "topk", "attn_width", "layers", "steps"):
         if getattr(args, name) < 1:
@@ -115,6 +122,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.ll_rows not in ("auto", "full") and not args.ll_rows.isdigit():
         p.error("--ll-rows must be auto, full or a number")
     return args
+
+
+def parse_backend_opts(opts: list[str]) -> dict[str, object]:
+    """``["put_order=rank", "num_sms=24"]`` -> ``{"put_order": "rank", "num_sms": 24}``."""
+    out: dict[str, object] = {}
+    for opt in opts:
+        key, sep, raw = opt.partition("=")
+        if not sep or not key.isidentifier():
+            raise ValueError(f"--backend-opt wants KEY=VALUE with KEY a Python name, got {opt!r}")
+        value: object = raw
+        if raw.lower() in ("true", "false"):
+            value = raw.lower() == "true"
+        else:
+            for kind in (int, float):
+                try:
+                    value = kind(raw)
+                    break
+                except ValueError:
+                    pass
+        out[key] = value
+    return out
 
 
 def resolve_defaults(args: argparse.Namespace) -> None:

@@ -16,6 +16,9 @@ Definitions (per shape; every time is per MoE layer: a step's time over its laye
 * ``peak_ratio``: peak memory of the best DBO configuration over that of the best serial one
   (``torch.cuda.max_memory_allocated``, weights included); ``peak_extra_ratio``: the same for
   the memory allocated during the step only.
+* ``link`` and ``x link``: the link limit of the comm column (``dbo.bench.link``: the bytes this
+  backend moves out of a rank per layer over the copy-engine put rate measured at the start of
+  the run) and ``comm / link``.
 * ``wrapper``: the overlapped forward deciding by itself, over the serial time: measured with
   the config that ``dbo.autotune`` tuned on the same grid (the default, unless
   ``--no-autotune``), alternating with the best serial configuration for three rounds and
@@ -93,6 +96,9 @@ def summarize_shape(shape: dict, default_splits: bool) -> dict:
     timed = [(t, k, name) for k, (name, t) in enumerate((("plain", t_serial), ("split", t_dbo),
                                                           ("merged", t_merged))) if t is not None]
     out["best_schedule"] = min(timed)[2] if timed else None
+    out["comm_bytes"] = shape.get("comm_bytes_per_layer")
+    out["link_ms"] = shape.get("link_ms_per_layer")
+    out["comm_x_link"] = _ratio(t_comm, out["link_ms"])
     limit = (shape.get("limit_ms_per_layer") or {}).get("total")
     out["limit_ms"] = limit
     out["compute_x_limit"] = _ratio(t_compute, limit)
@@ -133,7 +139,8 @@ def format_table(bundle: dict) -> str:
              f"times per layer in ms: median of {args['steps']} steps (step time = slowest rank); "
              "cfg sN = DeepEP SMs, kN = DBO SM carve-out; dbo = split schedule, merged = one "
              "experts call per layer (m-cmp: its compute alone)"]
-    head = (f"{'tokens':>6} {'I':>5} {'compute':>8} {'comm':>7} {'comm%':>5} {'serial':>7} {'[cfg]':>8} "
+    head = (f"{'tokens':>6} {'I':>5} {'compute':>8} {'comm':>7} {'x link':>6} {'comm%':>5} {'serial':>7} "
+            f"{'[cfg]':>8} "
             f"{'dbo':>7} {'[cfg]':>8} {'speedup':>7} {'eff':>5} {'dbo-cmp':>7} {'peak':>5} {'peak+':>5} "
             f"{'wrap':>5} {'merged':>7} {'m-cmp':>7} {'best':>6}")
     lines.append(head)
@@ -142,7 +149,8 @@ def format_table(bundle: dict) -> str:
         share = s.get("comm_share")
         lines.append(
             f"{sh['tokens']:>6} {sh['intermediate']:>5} {_f(s.get('compute_ms')):>8} "
-            f"{_f(s.get('comm_ms')):>7} {_f(None if share is None else 100 * share, '.0f'):>5} "
+            f"{_f(s.get('comm_ms')):>7} {_f(s.get('comm_x_link')):>6} "
+            f"{_f(None if share is None else 100 * share, '.0f'):>5} "
             f"{_f(s.get('serial_ms')):>7} {s.get('serial_config', '-'):>8} {_f(s.get('dbo_ms')):>7} "
             f"{s.get('dbo_config', '-'):>8} {_f(s.get('speedup'), '.3f'):>7} "
             f"{_f(s.get('efficiency')):>5} {_f(s.get('dbo_compute_ms')):>7} "
@@ -190,6 +198,17 @@ def format_table(bundle: dict) -> str:
                          f"{_f(s.get('dbo_compute_over_compute'), '.3f'):>6} "
                          f"{_f(s.get('merged_compute_ms')):>7} "
                          f"{_f(s.get('merged_compute_over_compute'), '.3f'):>6}")
+    link = env.get("link")
+    if link and any((sh.get("summary") or {}).get("link_ms") for sh in bundle["shapes"]):
+        lines.append(f"comm against the link (per layer; link = bytes out of a rank / "
+                     f"{link['gbps_out']:.0f} GB/s, {link['transport']}, measured in this run)")
+        lines.append(f"{'tokens':>6} {'I':>5} {'comm':>7} {'MB out':>7} {'link':>7} {'x link':>6}")
+        for sh in bundle["shapes"]:
+            s = sh.get("summary") or {}
+            mb = s.get("comm_bytes")
+            lines.append(f"{sh['tokens']:>6} {sh['intermediate']:>5} {_f(s.get('comm_ms')):>7} "
+                         f"{_f(None if mb is None else mb / 1e6, '.1f'):>7} {_f(s.get('link_ms')):>7} "
+                         f"{_f(s.get('comm_x_link')):>6}")
     for cross in bundle.get("crossover") or []:
         lines.append(f"I={cross['intermediate']}: DBO faster than serial from "
                      f"{cross.get('eager', '-')} tokens/rank on (eager), {cross.get('graph', '-')} "

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 import dbo
+from dbo.bench.link import COMM_BYTES_BACKENDS, LinkLimits, comm_bytes
 from dbo.bench.model import (
     BenchModel,
     IdentityExperts,
@@ -124,6 +125,7 @@ class ShapeBench:
         self.rows: dict[str, int | None] = {"serial": None, "dbo": None, "merged": None}
         self.carveout: int | None = None  #: the DBO runs' sm_carveout
         self.batched = backend.activation_format.name == "BATCHED_EXPERTS"
+        self.link: LinkLimits | None = None  #: the run's link rate (dbo.bench.link), set by the caller
 
     # -- steps --
 
@@ -258,6 +260,15 @@ class ShapeBench:
             return
         self.use(self.pf, "serial")
         routing = self.model.record_routing(self.x)
+        if self.args.backend in COMM_BYTES_BACKENDS:  # for the comm column's link limit
+            dims = self.model.dims
+            world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+            per_layer = [comm_bytes(self.args.backend, ids, world_size=world, rank=self.rank,
+                                    num_experts=dims.num_experts, hidden=dims.hidden,
+                                    elem_bytes=self.x.element_size()) for _, _, ids in routing]
+            self.rec["comm_bytes_per_layer"] = sum(per_layer) / len(per_layer)
+            if self.link is not None:
+                self.rec["link_ms_per_layer"] = self.link.time_ms(self.rec["comm_bytes_per_layer"])
         ident = IdentityExperts()
         kernels = [MoEKernel(self.pf, ident) for _ in range(self.layers)]
         step = self.model.comm_step(kernels, routing)

@@ -22,7 +22,9 @@
 #   demo:N         examples/moe_overlap.py with each backend (DeepEP's when importable)
 #   overlap:N      `dbo.bench overlap` on the thin prefill grid (8 layers, I=256, attention width
 #                  1024, T=4096/8192/16384; I=2048 too with WIDE=1) for deepep_ht and copy_engine,
-#                  then `dbo.bench compare`: best DBO over the best serial of any backend
+#                  then `dbo.bench compare`: best DBO over the best serial of any backend.
+#                  BACKENDS="deepep_ht copy_engine copy_engine+put_order=rank" (NAME+KEY=VALUE: a
+#                  --backend-opt), TOKENS, OVERLAP_ARGS (more options), OVERLAP_BUDGET_S, OVERLAP_CAP_S
 #   decode:N       `dbo.bench overlap` with deepep_ll at decode sizes (T=32..512, I=2048)
 #   onerank        the one-rank overlap benchmark (naive: nothing to hide) at T 4096/16384 x
 #                  I 256/2048, and the decode sizes: what splitting alone costs
@@ -40,11 +42,11 @@ while getopts "o:d:h" opt; do
   case $opt in
     o) out=$OPTARG ;;
     d) deadline_s=$OPTARG ;;
-    *) sed -n '2,36p' "$0"; exit 2 ;;
+    *) sed -n '2,37p' "$0"; exit 2 ;;
   esac
 done
 shift $((OPTIND - 1))
-[ $# -gt 0 ] || { sed -n '2,36p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,37p' "$0"; exit 2; }
 mkdir -p "$out"
 log="$out/run_log.txt"
 deadline=$((SECONDS + deadline_s))
@@ -143,9 +145,13 @@ for arg in "$@"; do
     overlap)
       inter="256"
       [ "${WIDE:-0}" = 1 ] && inter="256 2048"
-      for b in ${BACKENDS:-deepep_ht copy_engine}; do
-        run "overlap-$b-$n" 300 $tr_ "$n" -m dbo.bench overlap $ov_thin --backend "$b" --intermediate $inter \
-          --tokens ${TOKENS:-4096 8192 16384} --time-budget-s 240 --out "$files/$b"
+      for spec in ${BACKENDS:-deepep_ht copy_engine}; do  # NAME or NAME+KEY=VALUE (a --backend-opt)
+        b=${spec%%+*}
+        opt=()
+        [ "$spec" != "$b" ] && opt=(--backend-opt "${spec#*+}")
+        run "overlap-$spec-$n" "${OVERLAP_CAP_S:-300}" $tr_ "$n" -m dbo.bench overlap $ov_thin --backend "$b" "${opt[@]}" \
+          --intermediate $inter --tokens ${TOKENS:-4096 8192 16384} --time-budget-s "${OVERLAP_BUDGET_S:-240}" \
+          ${OVERLAP_ARGS:-} --out "$files/${spec//[+=]/_}"
       done
       run "overlap-compare-$n" 30 python3 -m dbo.bench compare "$files"/*/ --json "$files/compare.json" ;;
     decode)
