@@ -44,7 +44,8 @@ def greedy_generate(model: torch.nn.Module, input_ids: torch.Tensor,
         config: the split (rows are sequences; default: split from 2 sequences).
         group: the expert-parallel group (agrees on the split once, at the prefill; default: the
             group of a model loaded with dbo's expert-parallel implementations, else the default
-            group). A model loaded with FSDP2 is first :func:`~dbo.integrations.hf_ep.prepare_for_overlap`'d.
+            group). A model loaded with FSDP2 is first :func:`~dbo.integrations.hf_fsdp.prepare_for_overlap`'d
+            (a no-op once it has run a forward).
         mask_padding_tokens: route prompt padding to no expert.
 
     Returns:

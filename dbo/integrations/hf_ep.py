@@ -17,12 +17,14 @@ model's own (:class:`~dbo.integrations.hf_experts.ModelExperts`: the experts mod
 ``experts_implementation`` it was loaded with), on this rank's local expert ids.
 
 transformers wraps the whole model in FSDP2 for this (``fsdp_size=W``): the dense weights are
-sharded and all-gathered before every layer, and the experts modules (FSDP over one rank) are
-copied into a fresh buffer before every call. Two ubatches inside one layer at once do not fit
-that (the first to finish a layer would free the weights the second is still using), so
-:func:`prepare_for_overlap` (called by ``DBOPrefill`` and ``greedy_generate``) gathers the dense
-weights once and keeps them whole; the experts stay sharded, and :class:`ModelExperts` reads
-them when it runs, whichever copy FSDP has registered then.
+sharded and all-gathered before every layer, the experts modules (FSDP over one rank) copied into
+a fresh buffer before every call, and FSDP's buffers made at the first forward fail under
+``torch.inference_mode()``. Each implementation therefore has its model
+:func:`~dbo.integrations.hf_fsdp.prepare_for_overlap`'d at its first forward
+(:mod:`dbo.integrations.hf_fsdp`): the dense weights gathered once and kept whole, FSDP's buffers
+made outside inference mode, so the model as ``from_pretrained`` returns it runs plain, under
+inference mode and as overlapped ubatches. The experts stay sharded, and :class:`ModelExperts`
+reads them when it runs, whichever copy FSDP has registered then.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import torch
 from dbo.errors import DBOError
 from dbo.integrations.backends import BACKENDS, make_backend
 from dbo.integrations.hf_experts import ModelExperts, UnsupportedEPError
+from dbo.integrations.hf_fsdp import prepare_at_first_forward, prepare_for_overlap
 from dbo.integrations.moe_block import mask_routing
 from dbo.moe import MoEKernel
 
@@ -144,6 +147,9 @@ class DBOExpertParallel:
         self._signature: tuple[Any, ...] | None = None
         # lets model-level helpers (prepare_for_overlap, expert_parallel_modules) find it
         experts._dbo_expert_parallel = self
+        # transformers wraps the model in FSDP2 after this: keep its dense weights whole and make
+        # its buffers outside inference mode at the model's first forward (hf_fsdp)
+        prepare_at_first_forward(experts)
 
     def _build(self, x: torch.Tensor, topk: int) -> MoEKernel:
         pf = make_backend(self.backend, self.group, hidden=x.shape[1], num_experts=self.num_experts,
@@ -208,7 +214,9 @@ def register_default_ep_implementations() -> list[str]:
 
 def ep_distributed_config(backend: str = "all2all", world_size: int | None = None) -> Any:
     """``DistributedConfig(fsdp_size=W, ep_size=W, ep_implementation="dbo_<backend>")`` for
-    ``from_pretrained``: every rank holds ``E / W`` whole experts and its own batch.
+    ``from_pretrained``: every rank holds ``E / W`` whole experts and its own batch. The model it
+    loads keeps its dense weights whole from its first forward on, which may run under
+    ``torch.inference_mode()`` (:mod:`dbo.integrations.hf_fsdp`).
 
     Args:
         backend: a backend name (``"deepep_ht"``) or a registered implementation name.
@@ -263,39 +271,6 @@ def switch_ep_backend(model: torch.nn.Module, backend: str, **backend_kwargs: An
         impl.reset()
         impl.backend, impl.backend_kwargs = backend, dict(backend_kwargs)  # instance attributes
         impl.kernel, impl._signature = None, None
-    return model
-
-
-def prepare_for_overlap(model: torch.nn.Module) -> torch.nn.Module:
-    """Make a model that transformers loaded with FSDP2 safe to run as overlapped ubatches;
-    returns ``model``. A no-op for any other model, and after the first call.
-
-    Gathers the dense (non-expert) weights once and keeps them whole (no all-gather per layer
-    and forward from then on; each rank holds them whole plus FSDP's own ``1/W`` shard), and
-    creates FSDP's expert buffers outside inference mode (so ``torch.inference_mode()`` works,
-    which it does not on a freshly loaded model). The experts stay sharded (``E / W`` per rank);
-    FSDP still copies a layer's local experts into a buffer around each call (over one rank:
-    no communication). Collective over the model's FSDP group: call it on every rank.
-    """
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # pragma: no cover - torch without FSDP2
-        return model
-    if getattr(model, "_dbo_prepared_for_overlap", False):
-        return model
-    modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    if not modules:
-        return model
-    # FSDP's buffers made here must not be inference tensors, even if the caller is in inference mode
-    with torch.inference_mode(False), torch.no_grad():
-        for m in modules:
-            m.unshard()
-            if getattr(m, "_is_expert_parallel", False) or hasattr(m, "_dbo_expert_parallel"):
-                m.reshard()
-            else:
-                m.set_reshard_after_forward(False, recurse=False)
-    model._dbo_prepared_for_overlap = True
-    logger.info("dbo: %d FSDP modules prepared for overlap (dense weights kept whole)", len(modules))
     return model
 
 

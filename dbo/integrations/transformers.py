@@ -270,7 +270,8 @@ def prefill_logits(model: torch.nn.Module, input_ids: torch.Tensor,
 class DBOPrefill(torch.nn.Module):
     """Overlapped prefill of a (converted, or loaded with dbo's expert-parallel implementations)
     transformers causal LM. A model loaded with FSDP2 is first
-    :func:`~dbo.integrations.hf_ep.prepare_for_overlap`'d (collective: build it on every rank).
+    :func:`~dbo.integrations.hf_fsdp.prepare_for_overlap`'d (collective: build it on every rank; a
+    no-op once the model has run a forward).
 
     ``DBOPrefill(model, group=ep_group)(input_ids, attention_mask)`` splits the batch at
     sequence boundaries into ubatches (all ranks of ``group`` agree, padding with all-padding

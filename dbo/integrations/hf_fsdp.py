@@ -1,0 +1,124 @@
+"""The FSDP2 wrapper transformers puts around an expert-parallel model, made fit for inference.
+
+``from_pretrained(..., distributed_config=DistributedConfig(fsdp_size=W, ep_size=W, ...))``
+wraps the whole model in FSDP2: each dense weight (attention, norms, embeddings, router,
+lm_head) is sharded over the ``W`` ranks and all-gathered before every layer of every forward,
+and each experts module is an FSDP unit over one rank (its local experts copied into a buffer
+around every call). Left as it is, that fails dbo twice:
+
+- FSDP makes a unit's all-gather buffers at its first forward. Made under
+  ``torch.inference_mode()`` they are inference tensors: the experts units (one rank) fail at
+  once ("Inference tensors do not track version counter"), and the dense units fail the first
+  later forward outside inference mode ("Inplace update to inference tensor outside
+  InferenceMode").
+- Two ubatches inside one layer: the first to finish a layer would free (reshard) the dense
+  weights the second is still using.
+
+:func:`prepare_for_overlap` fixes both, through FSDP's public API: it all-gathers the dense
+weights once and keeps them whole (``unshard()``, ``set_reshard_after_forward(False)``), and
+makes every unit's buffers outside inference mode. A model loaded with dbo's expert-parallel
+implementations gets it at its first forward, whatever mode that runs in:
+:func:`prepare_at_first_forward` (called for each experts module as transformers builds dbo's
+implementation) holds a forward pre-hook common to all modules (``torch.nn.modules.module.
+register_module_forward_pre_hook``, which runs before FSDP's own hooks) until every such model
+has been prepared, then removes it. Until then every module call in the process pays one
+Python call and an ``isinstance`` check.
+
+What it costs: each rank holds the dense weights whole (``D`` bytes) beside FSDP's ``D / W``
+shard, where FSDP alone would hold the units it keeps whole (lm_head and the final norm) plus
+one or two layers at a time; the experts stay sharded (``E / W`` per rank). No all-gather per
+forward from the first on.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from typing import Any
+
+import torch
+
+__all__ = ["prepare_for_overlap", "prepare_at_first_forward", "pending_first_forward"]
+
+logger = logging.getLogger(__name__)
+
+try:
+    from torch.distributed.fsdp import FSDPModule
+except ImportError:  # pragma: no cover - torch without FSDP2
+    FSDPModule = None
+
+# experts modules run through dbo's implementations whose model has not been prepared yet
+_pending: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+_hook: Any = None
+
+
+def _is_experts(module: torch.nn.Module) -> bool:
+    return bool(getattr(module, "_is_expert_parallel", False)) or hasattr(module, "_dbo_expert_parallel")
+
+
+def prepare_for_overlap(model: torch.nn.Module) -> torch.nn.Module:
+    """Make a model that transformers loaded with FSDP2 safe to run under
+    ``torch.inference_mode()`` and as overlapped ubatches; returns ``model``. A no-op for a
+    model without FSDP units and for the units already prepared (a model loaded with dbo's
+    implementations is prepared at its first forward, so calling this is never needed).
+
+    Gathers the dense (non-expert) weights once and keeps them whole (each rank then holds them
+    whole plus FSDP's own ``1/W`` shard), and creates every unit's FSDP buffers outside inference
+    mode. The experts stay sharded (``E / W`` per rank); FSDP still copies a layer's local
+    experts into a buffer around each call (over one rank: no communication). Collective over
+    the model's FSDP group: call it on every rank, before or at the same forward.
+
+    Raises:
+        TypeError: ``model`` is not a ``torch.nn.Module``.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"prepare_for_overlap takes a torch.nn.Module, got {type(model).__name__}")
+    if FSDPModule is None:  # pragma: no cover
+        return model
+    units = [m for m in model.modules()
+             if isinstance(m, FSDPModule) and not getattr(m, "_dbo_prepared", False)]
+    if units:
+        # FSDP's buffers made here must not be inference tensors, even if the caller is in inference mode
+        with torch.inference_mode(False), torch.no_grad():
+            for m in units:
+                m.unshard()
+                if _is_experts(m):
+                    m.reshard()
+                else:
+                    m.set_reshard_after_forward(False, recurse=False)
+                m._dbo_prepared = True
+        logger.info("dbo: %d FSDP units prepared (dense weights kept whole, buffers outside "
+                    "inference mode)", len(units))
+    if _pending:
+        for m in model.modules():
+            _pending.discard(m)
+    return model
+
+
+def prepare_at_first_forward(experts: torch.nn.Module) -> None:
+    """Have the model that holds ``experts`` :func:`prepare_for_overlap`'d at its first forward
+    (before FSDP's own pre-forward, in whatever autograd mode the forward runs)."""
+    global _hook
+    _pending.add(experts)
+    if _hook is None:
+        # kept out of torch.compile's graphs, like FSDP's own hooks (wrapped here, not at import,
+        # which would import dynamo with this module)
+        _hook = torch.nn.modules.module.register_module_forward_pre_hook(
+            torch.compiler.disable(_before_forward))
+
+
+def pending_first_forward() -> bool:
+    """Whether a loaded model still waits for its first forward (the global pre-hook is held)."""
+    return _hook is not None
+
+
+def _before_forward(module: torch.nn.Module, args: Any) -> None:
+    global _hook
+    # FSDP runs a model's root unit first, so the first unit called holds the model's experts
+    if _pending and FSDPModule is not None and isinstance(module, FSDPModule) \
+            and any(m in _pending for m in module.modules()):
+        prepare_for_overlap(module)
+    if not _pending and _hook is not None:
+        _hook.remove()
+        _hook = None
+    return None
