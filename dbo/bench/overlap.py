@@ -123,7 +123,7 @@ def tune_and_time_wrapper(args: argparse.Namespace, benches: list[ShapeBench], b
 def build_backend(args: argparse.Namespace, tokens: int, device: torch.device, dtype: torch.dtype) -> Any:
     return make_backend(args.backend, None, hidden=args.hidden, num_experts=args.experts,
                         topk=args.topk, max_tokens_per_rank=tokens, dtype=dtype, device=device,
-                        **getattr(args, "backend_kwargs", {}))
+                        link=getattr(args, "link_model", None), **getattr(args, "backend_kwargs", {}))
 
 
 def run(args: argparse.Namespace, rank: int, world: int, device: torch.device, out_dir: Path,
@@ -149,6 +149,10 @@ def run(args: argparse.Namespace, rank: int, world: int, device: torch.device, o
     env["link"] = None if link is None else link.as_dict()
     if link is not None and rank == 0:
         print(link.describe(), flush=True)
+    sim = getattr(args, "link_model", None)
+    env["simulated_link"] = None if sim is None else sim.as_dict()
+    if sim is not None and rank == 0:
+        print(sim.describe(), flush=True)
     target = profile_target(args)
     shapes, chrome = [], []
     tuned: dict[int, dict] = {}
@@ -225,6 +229,7 @@ def run(args: argparse.Namespace, rank: int, world: int, device: torch.device, o
 
 
 def _jsonable(d: dict) -> dict:
+    d = {k: v for k, v in d.items() if k != "link_model"}  # in env["simulated_link"]
     return {k: (v if isinstance(v, (int, float, str, bool, list, dict, type(None))) else str(v))
             for k, v in d.items()}
 

@@ -45,6 +45,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                             "MoE layer (run under torchrun)",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--backend", choices=sorted(BACKENDS), default="deepep_ht")
+    p.add_argument("--link", default=None, metavar="GBPS[,LATENCY_US]",
+                   help="hold every dispatch and combine back to a simulated link of GBPS GB/s per GPU "
+                        "and LATENCY_US (dbo.backends.simulated_link); the bytes still move")
+    p.add_argument("--remote-fraction", type=float, default=1.0,
+                   help="with --link: the share of the traffic that crosses the link (7/8 = 0.875 for "
+                        "8 GPUs a host)")
     p.add_argument("--backend-opt", action="append", default=[], metavar="KEY=VALUE",
                    help="a keyword argument of the backend's constructor (repeatable), e.g. "
                         "put_order=rank for copy_engine; ints, floats, true/false parsed")
@@ -107,6 +113,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     try:
         args.backend_kwargs = parse_backend_opts(args.backend_opt)
+        args.link_model = None
+        if args.link is not None:
+            from dbo.backends.simulated_link import SimulatedLink
+
+            args.link_model = SimulatedLink.parse(args.link, args.remote_fraction)
     except ValueError as exc:
         p.error(str(exc))
     resolve_defaults(args)

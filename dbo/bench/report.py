@@ -130,12 +130,19 @@ def _f(x: float | None, spec: str = ".2f") -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
 
+def _link(env: dict) -> str:
+    sim = env.get("simulated_link")
+    if not sim:
+        return ""
+    return f" link={sim['gbps']:g}GB/s,{sim['latency_us']:g}us,remote={sim['remote_fraction']:.3f}"
+
+
 def format_table(bundle: dict) -> str:
     """The short text table printed at the end (per-layer milliseconds)."""
     env, args = bundle["env"], bundle["args"]
     lines = [f"dbo bench_overlap: backend={args['backend']} world={env.get('world_size')} "
              f"device={env.get('device_name')} layers/step={args['layers']} hidden={args['hidden']} "
-             f"experts={args['experts']} top-{args['topk']} attn_width={args['attn_width']}",
+             f"experts={args['experts']} top-{args['topk']} attn_width={args['attn_width']}{_link(env)}",
              f"times per layer in ms: median of {args['steps']} steps (step time = slowest rank); "
              "cfg sN = DeepEP SMs, kN = DBO SM carve-out; dbo = split schedule, merged = one "
              "experts call per layer (m-cmp: its compute alone)"]

@@ -65,7 +65,8 @@ def cpu_backends() -> list[str]:
 
 def make_backend(name: str, group: Any, *, hidden: int, num_experts: int, topk: int,
                  dtype: torch.dtype, device: torch.device | str,
-                 max_tokens_per_rank: int | None = None, **kwargs: Any) -> PrepareAndFinalize:
+                 max_tokens_per_rank: int | None = None, link: Any = None,
+                 **kwargs: Any) -> PrepareAndFinalize:
     """Build backend ``name`` on ``group`` (None: the default group).
 
     Args:
@@ -75,6 +76,8 @@ def make_backend(name: str, group: Any, *, hidden: int, num_experts: int, topk: 
         max_tokens_per_rank: the most tokens any rank sends in one call (needed by the
             backends with ``needs_max_tokens``; copy_engine allocates that much ahead and grows
             past it; ignored by the others).
+        link: a :class:`dbo.backends.simulated_link.SimulatedLink`: the backend's arrivals held
+            back to a slower link's time (the bytes still move through the backend).
         kwargs: backend-specific options, passed on unchanged.
 
     Raises:
@@ -87,6 +90,14 @@ def make_backend(name: str, group: Any, *, hidden: int, num_experts: int, topk: 
     if spec.bf16_only and dtype != torch.bfloat16:
         raise TypeError(f"backend {name!r} moves bf16 activations only; the model is {dtype} "
                         "(convert it with model.to(torch.bfloat16) first)")
+    if link is not None:
+        from dbo.backends.simulated_link import SimulatedLink, SimulatedLinkPrepareAndFinalize
+
+        if not isinstance(link, SimulatedLink):
+            raise TypeError(f"link must be a SimulatedLink, got {type(link).__name__}")
+        inner = make_backend(name, group, hidden=hidden, num_experts=num_experts, topk=topk, dtype=dtype,
+                             device=device, max_tokens_per_rank=max_tokens_per_rank, **kwargs)
+        return SimulatedLinkPrepareAndFinalize(inner, link, name)
     module = importlib.import_module(f"dbo.backends.{spec.module}")
     if spec.class_name is not None:
         return getattr(module, spec.class_name)(group, hidden_size=hidden, **kwargs)

@@ -10,7 +10,8 @@
 # DEADLINE_S (default 570 s; a step with under 20 s left is skipped and counts as failed).
 #
 #   env            the GPUs, the link topology, the versions of torch, NCCL, greenlet, transformers
-#   core           the context on a GPU: stream/event protocol, SM partitioning, expert schedules
+#   core           the context on a GPU: stream/event protocol, SM partitioning, expert schedules,
+#                  the simulated link
 #   experts        the experts' kernels: no host sync, against float32/float64 references
 #   grid           `python -m dbo.bench experts` over the limit grid (one GPU, ~3 min); SMI=1
 #                  samples clock/power/temperature (read back: tools/probes/smi_rows.py)
@@ -42,11 +43,11 @@ while getopts "o:d:h" opt; do
   case $opt in
     o) out=$OPTARG ;;
     d) deadline_s=$OPTARG ;;
-    *) sed -n '2,37p' "$0"; exit 2 ;;
+    *) sed -n '2,38p' "$0"; exit 2 ;;
   esac
 done
 shift $((OPTIND - 1))
-[ $# -gt 0 ] || { sed -n '2,37p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,38p' "$0"; exit 2; }
 mkdir -p "$out"
 log="$out/run_log.txt"
 deadline=$((SECONDS + deadline_s))
@@ -99,7 +100,7 @@ for arg in "$@"; do
         python3 -c "import transformers; print(\"transformers\", transformers.__version__)" || true;
         python3 -c "import deep_ep; print(\"deep_ep\", deep_ep.__file__)" || true' ;;
     core)
-      run core 240 $pytest_gpu tests/gpu/test_streams_gpu.py tests/gpu/test_partition_gpu.py \
+      run core 240 $pytest_gpu tests/gpu/test_streams_gpu.py tests/gpu/test_partition_gpu.py tests/gpu/test_link_gpu.py \
         tests/gpu/test_schedules_gpu.py ;;
     experts)
       run experts 330 $pytest_gpu tests/gpu/test_experts_gpu.py tests/gpu/test_bench_kernels_gpu.py ;;
