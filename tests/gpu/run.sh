@@ -26,7 +26,8 @@
 #                  then `dbo.bench compare`: best DBO over the best serial of any backend.
 #                  BACKENDS="deepep_ht copy_engine copy_engine+put_order=rank" (NAME+KEY=VALUE: a
 #                  --backend-opt), TOKENS, OVERLAP_ARGS (more options), OVERLAP_BUDGET_S, OVERLAP_CAP_S
-#   decode:N       `dbo.bench overlap` with deepep_ll at decode sizes (T=32..512, I=2048)
+#   decode:N       `dbo.bench overlap` with deepep_ll at decode sizes (T=32..512, I=2048); DECODE_ARGS
+#                  (more options, e.g. "--experts 32 --link 50,5 --remote-fraction 0.875"), TOKENS
 #   onerank        the one-rank overlap benchmark (naive: nothing to hide) at T 4096/16384 x
 #                  I 256/2048, and the decode sizes: what splitting alone costs
 #   hf:N           examples/hf_moe.py: Qwen3-30B-A3B (full size, random weights) and DeepSeek-V3's
@@ -43,11 +44,11 @@ while getopts "o:d:h" opt; do
   case $opt in
     o) out=$OPTARG ;;
     d) deadline_s=$OPTARG ;;
-    *) sed -n '2,38p' "$0"; exit 2 ;;
+    *) sed -n '2,39p' "$0"; exit 2 ;;
   esac
 done
 shift $((OPTIND - 1))
-[ $# -gt 0 ] || { sed -n '2,38p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,39p' "$0"; exit 2; }
 mkdir -p "$out"
 log="$out/run_log.txt"
 deadline=$((SECONDS + deadline_s))
@@ -156,8 +157,9 @@ for arg in "$@"; do
       done
       run "overlap-compare-$n" 30 python3 -m dbo.bench compare "$files"/*/ --json "$files/compare.json" ;;
     decode)
-      run "decode-$n" 240 $tr_ "$n" -m dbo.bench overlap --device cuda --backend deepep_ll --intermediate 2048 \
-        --tokens ${TOKENS:-32 128 512} --cuda-graph --time-budget-s 200 --out "$files/deepep_ll" ;;
+      run "decode-$n" "${DECODE_CAP_S:-240}" $tr_ "$n" -m dbo.bench overlap --device cuda --backend deepep_ll \
+        --intermediate 2048 --tokens ${TOKENS:-32 128 512} --cuda-graph --time-budget-s "${DECODE_BUDGET_S:-200}" \
+        ${DECODE_ARGS:-} --out "$files/deepep_ll" ;;
     onerank)
       run onerank 240 $tr_ 1 -m dbo.bench overlap $ov_thin --backend naive --tokens 4096 16384 \
         --intermediate 256 2048 --time-budget-s 200 --out "$files/prefill"
