@@ -52,6 +52,7 @@ import torch.distributed as dist
 from dbo.bench.overlap_args import init_distributed as join_group
 from dbo.bench.syncs import format_sites, host_syncs
 from dbo.integrations.backends import BACKENDS, cpu_backends
+from dbo.integrations.hf_checkpoint import write_random_checkpoint
 from dbo.integrations.hf_presets import PRESETS, TINY_FAMILIES, causal_lm_class, preset_config, tiny_config
 from dbo.integrations.moe_block import ExpertParallelMoE
 from dbo.integrations.transformers import (
@@ -198,13 +199,23 @@ def build_model(args: argparse.Namespace, config, device: torch.device, *, conve
 
 
 def save_checkpoint(args: argparse.Namespace, config, rank: int) -> None:
-    """Rank 0 writes ``--preset`` with random weights (the same as the built model's) to
-    ``--save-checkpoint``; the others wait."""
+    """Every rank writes its share of ``--preset`` with random weights to ``--save-checkpoint``,
+    drawn on its own device (``dbo.integrations.hf_checkpoint``: sharded safetensors in the
+    Hub's key layout, an index and config.json; the model is never built). Rank 0 prints the time
+    and the bytes written."""
+    cuda = args.device == "cuda"
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    t0 = time.perf_counter()
+    path = write_random_checkpoint(config, args.save_checkpoint, dtype=args.dtype, device=device,
+                                   seed=args.seed)
+    seconds = time.perf_counter() - t0
     if rank == 0:
-        model = build_model(args, config, torch.device("cpu"), convert=False)
-        model.save_pretrained(args.save_checkpoint)
-        del model
-    dist.barrier()
+        index = json.loads((path / "model.safetensors.index.json").read_text())
+        size, files = index["metadata"]["total_size"], len(set(index["weight_map"].values()))
+        dtype = str(args.dtype).removeprefix("torch.")
+        print(f"wrote {path}: {size / 1e9:.2f} GB ({size:,} bytes) of random {dtype} weights in "
+              f"{files} files on {dist.get_world_size()} ranks, {seconds:.1f} s "
+              f"({size / 1e9 / seconds:.2f} GB/s)", flush=True)
 
 
 def load_checkpoint(args: argparse.Namespace, device: torch.device, *, expert_parallel: bool):

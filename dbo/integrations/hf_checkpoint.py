@@ -1,0 +1,206 @@
+"""Random-weight transformers checkpoints, written in parallel by the ranks of a process group.
+
+``write_random_checkpoint(config, directory)`` writes what ``save_pretrained`` would write for a
+model of ``config`` with random weights (sharded safetensors, ``model.safetensors.index.json``
+and ``config.json``), without ever building the model: a full-size Qwen3-30B-A3B (61 GB in
+bf16) is written by every GPU of a host at once, each drawing its share of the tensors on its
+own device, one shard at a time.
+
+- **names and shapes** come from the model class itself, built on the meta device (no memory).
+  The default ``layout="checkpoint"`` writes the key layout of the Hub and of ``save_pretrained``
+  (per-expert ``...mlp.experts.{i}.gate_proj.weight``, Mixtral's ``...experts.{i}.w1.weight``):
+  transformers' own reverse weight conversion (the one ``save_pretrained`` applies) maps the
+  in-memory names to them, and ``from_pretrained`` converts them back (fusing the experts into
+  ``gate_up_proj`` / ``down_proj``), as it does for a checkpoint from the Hub.
+  ``layout="model"`` writes the in-memory names (fused 3-D experts), which transformers >= 5.23
+  loads too, without a conversion.
+- **shards**: the non-layer tensors (embeddings, final norm, lm_head) form the first shard, then
+  each decoder layer (``...layers.{i}.``) its own, cut in order into pieces of at most
+  ``max_shard_bytes`` (a DeepSeek-V3 MoE layer is 23 GB). The shards do not depend on the group
+  size; each rank writes the shards assigned to it (largest first, to the rank with the fewest
+  bytes so far), one at a time: a rank holds one shard on its device and, while writing it, in
+  host memory.
+- **values**: 1-D tensors whose name holds ``norm`` are ones, tensors whose name ends in ``bias``
+  zeros (DeepSeek-V3's ``e_score_correction_bias``), everything else N(0, ``std``) (default:
+  ``config.initializer_range``, else 0.02), drawn by a generator of its own seeded from ``seed``
+  and the tensor's checkpoint name: the same checkpoint for any group size. CPU and CUDA
+  generators draw different numbers, so a checkpoint written on GPUs differs from one written on
+  CPUs with the same seed.
+
+Collective: every rank of ``group`` calls it with the same arguments, and all must see the same
+``directory`` (one host, or a shared file system). It returns once the directory is complete on
+every rank. The files of a checkpoint already in ``directory`` (``model*.safetensors``, the
+index, ``config.json``) are removed first, and ``config.json`` is written last: a directory with
+one holds a complete checkpoint.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["write_random_checkpoint", "checkpoint_shards"]
+
+INDEX_NAME = "model.safetensors.index.json"
+LAYOUTS = ("checkpoint", "model")
+_LAYER = re.compile(r"^(.*?\.layers\.(\d+))\.")
+
+
+def _meta_model(config: Any) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def _checkpoint_names(model: torch.nn.Module, state: dict[str, torch.Tensor],
+                      layout: str) -> dict[str, torch.Tensor]:
+    if layout == "model":
+        return state
+    from transformers.core_model_loading import revert_weight_conversion
+
+    return revert_weight_conversion(model, dict(state))
+
+
+def checkpoint_shards(config: Any, *, dtype: torch.dtype = torch.bfloat16, layout: str = "checkpoint",
+                      max_shard_bytes: int = 5 * 2**30) -> list[dict[str, tuple[int, ...]]]:
+    """The shards :func:`write_random_checkpoint` writes for ``config``: one ``{name: shape}`` per
+    file, in file order (the non-layer tensors first, then layer by layer). Builds nothing."""
+    _check(config, dtype, layout, max_shard_bytes)
+    model = _meta_model(config)
+    tied = set(getattr(model, "all_tied_weights_keys", None) or {})
+    groups: dict[int, dict[str, torch.Tensor]] = {}
+    for name, t in model.state_dict().items():
+        if name in tied:
+            continue
+        m = _LAYER.match(name)
+        groups.setdefault(int(m.group(2)) if m else -1, {})[name] = t
+    shards: list[dict[str, tuple[int, ...]]] = []
+    for key in sorted(groups):
+        shard: dict[str, tuple[int, ...]] = {}
+        size = 0
+        for name, t in _checkpoint_names(model, groups[key], layout).items():
+            nbytes = t.numel() * dtype.itemsize
+            if shard and size + nbytes > max_shard_bytes:
+                shards.append(shard)
+                shard, size = {}, 0
+            shard[name] = tuple(t.shape)
+            size += nbytes
+        if shard:
+            shards.append(shard)
+    return shards
+
+
+def _check(config: Any, dtype: Any, layout: str, max_shard_bytes: Any) -> None:
+    from transformers import PretrainedConfig
+
+    if not isinstance(config, PretrainedConfig):
+        raise TypeError(f"config must be a transformers PretrainedConfig, got {type(config).__name__}")
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
+        raise ValueError(f"max_shard_bytes must be a positive int, got {max_shard_bytes!r}")
+
+
+def _assign(sizes: list[int], world: int) -> list[int]:
+    """Owner rank of each shard: largest first, to the rank with the fewest bytes so far."""
+    load = [0] * world
+    owner = [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        r = min(range(world), key=lambda r: (load[r], r))
+        owner[i] = r
+        load[r] += sizes[i]
+    return owner
+
+
+def _tensor_seed(seed: int, name: str) -> int:
+    digest = hashlib.blake2b(f"{seed}/{name}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)
+
+
+def _random_tensor(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+                   seed: int, std: float) -> torch.Tensor:
+    parts = name.split(".")
+    if len(shape) == 1 and "norm" in (parts[-2] if len(parts) > 1 else name):
+        return torch.ones(shape, dtype=dtype, device=device)
+    if name.endswith("bias"):
+        return torch.zeros(shape, dtype=dtype, device=device)
+    g = torch.Generator(device=device).manual_seed(_tensor_seed(seed, name))
+    return torch.empty(shape, dtype=dtype, device=device).normal_(0.0, std, generator=g)
+
+
+def _shard_name(i: int, n: int) -> str:
+    return f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+
+
+def write_random_checkpoint(config: Any, directory: str | Path, *, dtype: torch.dtype = torch.bfloat16,
+                            device: str | torch.device | None = None, group: Any = None, seed: int = 0,
+                            std: float | None = None, layout: str = "checkpoint",
+                            max_shard_bytes: int = 5 * 2**30) -> Path:
+    """Write a random-weight checkpoint of ``config``'s causal LM to ``directory``; return its path.
+
+    Collective over ``group`` (default: the default group if ``torch.distributed`` is
+    initialized, else this process alone): each rank draws its shards on ``device`` (default
+    CPU; pass its GPU) and writes them with ``safetensors``; rank 0 writes the index and
+    ``config.json`` (a copy of ``config`` with ``dtype``). ``from_pretrained(directory)`` loads it
+    without missing or unexpected keys, whole or expert-parallel. See the module docstring for
+    the layout, the shards and the values.
+    """
+    _check(config, dtype, layout, max_shard_bytes)
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed must be an int, got {seed!r}")
+    std = float(getattr(config, "initializer_range", 0.02) if std is None else std)
+    if not std > 0:
+        raise ValueError(f"std must be positive, got {std}")
+    device = torch.device("cpu" if device is None else device)
+    directory = Path(directory)
+    if directory.exists() and not directory.is_dir():
+        raise ValueError(f"directory {str(directory)!r} exists and is not a directory")
+    distributed = dist.is_available() and dist.is_initialized()
+    if group is not None and not distributed:
+        raise ValueError("group given but torch.distributed is not initialized")
+    rank = dist.get_rank(group) if distributed else 0
+    world = dist.get_world_size(group) if distributed else 1
+
+    def barrier() -> None:
+        if distributed:
+            dist.barrier(group=group)
+
+    shards = checkpoint_shards(config, dtype=dtype, layout=layout, max_shard_bytes=max_shard_bytes)
+    sizes = [sum(math.prod(s) for s in shard.values()) * dtype.itemsize for shard in shards]
+    owner = _assign(sizes, world)
+    if rank == 0:
+        directory.mkdir(parents=True, exist_ok=True)
+        for old in [*directory.glob("model*.safetensors"), directory / INDEX_NAME, directory / "config.json"]:
+            old.unlink(missing_ok=True)
+    barrier()
+
+    from safetensors.torch import save_file
+
+    for i, shard in enumerate(shards):
+        if owner[i] != rank:
+            continue
+        tensors = {name: _random_tensor(name, shape, dtype, device, seed, std)
+                   for name, shape in shard.items()}
+        save_file(tensors, str(directory / _shard_name(i, len(shards))), metadata={"format": "pt"})
+        del tensors
+    barrier()
+    if rank == 0:
+        weight_map = {name: _shard_name(i, len(shards)) for i, shard in enumerate(shards) for name in shard}
+        index = {"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}
+        (directory / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        saved = copy.deepcopy(config)
+        saved.dtype = dtype
+        saved.save_pretrained(directory)
+    barrier()
+    return directory
