@@ -12,9 +12,12 @@ experts, with ``(hidden_states [M, hidden], top_k_index [M, topk], top_k_weights
 (:data:`EP_IMPLEMENTATIONS`, registered when :mod:`dbo.integrations.transformers` is imported):
 its dispatch and combine run through a :class:`dbo.moe.MoEKernel` with the backend, the same
 kernel :class:`~dbo.integrations.moe_block.ExpertParallelMoE` drives, so under DBO the ubatches
-switch while a dispatch or combine is in flight. The experts that run on what arrived are the
-model's own (:class:`~dbo.integrations.hf_experts.ModelExperts`: the experts module's forward, whatever
-``experts_implementation`` it was loaded with), on this rank's local expert ids.
+switch while a dispatch or combine is in flight. The experts that run on what arrived
+(:mod:`dbo.integrations.hf_experts`) are dbo's library experts on the module's own weights
+(:class:`~dbo.integrations.hf_experts.LibraryExperts`, which skip the slots whose expert is on
+another rank) where its layout allows, or the module's own forward
+(:class:`~dbo.integrations.hf_experts.ModelExperts`, whatever ``experts_implementation``), as
+chosen by ``ep_distributed_config(backend, experts=...)`` or :func:`switch_ep_experts`.
 
 transformers wraps the whole model in FSDP2 for this (``fsdp_size=W``): the dense weights are
 sharded and all-gathered before every layer, the experts modules (FSDP over one rank) copied into
@@ -23,8 +26,8 @@ a fresh buffer before every call, and FSDP's buffers made at the first forward f
 :func:`~dbo.integrations.hf_fsdp.prepare_for_overlap`'d at its first forward
 (:mod:`dbo.integrations.hf_fsdp`): the dense weights gathered once and kept whole, FSDP's buffers
 made outside inference mode, so the model as ``from_pretrained`` returns it runs plain, under
-inference mode and as overlapped ubatches. The experts stay sharded, and :class:`ModelExperts`
-reads them when it runs, whichever copy FSDP has registered then.
+inference mode and as overlapped ubatches. The experts stay sharded, and both kinds of experts
+read them when they run, whichever copy FSDP has registered then.
 """
 
 from __future__ import annotations
@@ -36,7 +39,13 @@ import torch
 
 from dbo.errors import DBOError
 from dbo.integrations.backends import BACKENDS, make_backend
-from dbo.integrations.hf_experts import ModelExperts, UnsupportedEPError
+from dbo.integrations.hf_experts import (
+    EXPERTS_CHOICES,
+    LibraryExperts,
+    ModelExperts,
+    UnsupportedEPError,
+    make_experts,
+)
 from dbo.integrations.hf_fsdp import prepare_at_first_forward, prepare_for_overlap
 from dbo.integrations.moe_block import mask_routing
 from dbo.moe import MoEKernel
@@ -46,9 +55,11 @@ __all__ = [
     "DEEPEP_LL_MAX_TOKENS",
     "EP_IMPLEMENTATIONS",
     "TransformersVersionError",
+    "EXPERTS_CHOICES",
     "UnsupportedEPError",
     "ep_interface",
     "ModelExperts",
+    "LibraryExperts",
     "DBOExpertParallel",
     "register_ep_implementation",
     "register_default_ep_implementations",
@@ -56,6 +67,8 @@ __all__ = [
     "expert_parallel_modules",
     "expert_parallel_group",
     "switch_ep_backend",
+    "switch_ep_experts",
+    "ep_experts",
     "prepare_for_overlap",
 ]
 
@@ -110,9 +123,11 @@ def ep_interface() -> type:
 class DBOExpertParallel:
     """A transformers ``EPImplementation`` whose tokens move through a dbo backend.
 
-    Subclasses (made by :func:`register_ep_implementation`) set :attr:`backend` and
-    :attr:`backend_kwargs`. transformers builds one per experts module, during ``from_pretrained``
-    (before the weights are loaded); the backend is built at the first call, when the hidden
+    Subclasses (made by :func:`register_ep_implementation`) set :attr:`backend`,
+    :attr:`backend_kwargs` and :attr:`experts_choice` (one of :data:`EXPERTS_CHOICES`; the
+    instance's :attr:`experts_kind` says which it runs: ``"library"`` or ``"model"``).
+    transformers builds one per experts module, during ``from_pretrained`` (before the weights
+    are loaded); the backend is built at the first call, when the hidden
     size, dtype, top-k and device are known (collective for copy_engine and DeepEP: every rank
     reaches each layer in the same order, as the MoE layers are collective anyway).
 
@@ -123,11 +138,13 @@ class DBOExpertParallel:
             tokens between ranks that each hold their own batch).
 
     Raises:
-        UnsupportedEPError: ``tp_size > 1``.
+        UnsupportedEPError: ``tp_size > 1``; ``experts_choice == "library"`` for experts the
+            library experts cannot run.
     """
 
     backend: ClassVar[str] = "all2all"
     backend_kwargs: ClassVar[dict[str, Any]] = {}
+    experts_choice: ClassVar[str] = "auto"
 
     def __init__(self, experts: torch.nn.Module, ep_mesh: Any, tp_mesh: Any):
         if tp_mesh.size() != 1:
@@ -139,9 +156,11 @@ class DBOExpertParallel:
         self.num_local_experts = int(experts.num_experts)
         self.num_experts = self.num_local_experts * ep_mesh.size()
         self.first_expert = ep_mesh.get_local_rank() * self.num_local_experts
-        self.experts = ModelExperts(experts, experts.forward)
+        # its own forward, before transformers replaces module.forward with this implementation's
+        self._module, self._module_forward = experts, experts.forward
+        self.experts, self.experts_kind = make_experts(experts, experts.forward, self.experts_choice)
         self.kernel: MoEKernel | None = None
-        # the kernel's w1/w2: ModelExperts reads the module's weights itself (the same placeholder
+        # the kernel's w1/w2: the experts read the module's weights themselves (the same placeholder
         # every call, so the merged expert schedule sees one layer's ubatches as one call)
         self._no_weights = torch.empty(0)
         self._signature: tuple[Any, ...] | None = None
@@ -182,20 +201,44 @@ class DBOExpertParallel:
         if self.kernel is not None:
             self.kernel.reset()
 
+    def set_experts(self, choice: str) -> str:
+        """Run ``choice`` (:data:`EXPERTS_CHOICES`) from the next call on, on the same backend;
+        returns the kind now run (``"library"`` or ``"model"``).
 
-def register_ep_implementation(name: str, backend: str, **backend_kwargs: Any) -> str:
+        Raises:
+            ValueError: unknown choice.
+            UnsupportedEPError: ``"library"`` for experts the library experts cannot run.
+        """
+        experts, kind = make_experts(self._module, self._module_forward, choice)
+        self.reset()
+        self.experts, self.experts_kind = experts, kind
+        if self.kernel is not None:
+            self.kernel = MoEKernel(self.kernel.prepare_finalize, experts)
+        return kind
+
+
+def _check_experts_choice(experts: str) -> None:
+    if experts not in EXPERTS_CHOICES:
+        raise ValueError(f"experts must be one of {EXPERTS_CHOICES}, got {experts!r}")
+
+
+def register_ep_implementation(name: str, backend: str, *, experts: str = "auto",
+                               **backend_kwargs: Any) -> str:
     """Register dbo backend ``backend`` (built with ``backend_kwargs``) under ``name`` in
-    transformers' ``EPImplementationInterface``; returns ``name``.
+    transformers' ``EPImplementationInterface``, running ``experts`` (:data:`EXPERTS_CHOICES`);
+    returns ``name``.
 
     Raises:
-        ValueError: unknown backend.
+        ValueError: unknown backend or experts choice.
         TransformersVersionError: transformers < :data:`MIN_TRANSFORMERS`.
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; choose from {sorted(BACKENDS)}")
+    _check_experts_choice(experts)
     interface = ep_interface()
     cls = type(f"DBOExpertParallel_{name}", (DBOExpertParallel,),
-               {"backend": backend, "backend_kwargs": dict(backend_kwargs), "__module__": __name__})
+               {"backend": backend, "backend_kwargs": dict(backend_kwargs), "experts_choice": experts,
+                "__module__": __name__})
     interface.register(name, cls)
     return name
 
@@ -212,7 +255,8 @@ def register_default_ep_implementations() -> list[str]:
             for name, (backend, kw) in EP_IMPLEMENTATIONS.items()]
 
 
-def ep_distributed_config(backend: str = "all2all", world_size: int | None = None) -> Any:
+def ep_distributed_config(backend: str = "all2all", world_size: int | None = None, *,
+                          experts: str | None = None) -> Any:
     """``DistributedConfig(fsdp_size=W, ep_size=W, ep_implementation="dbo_<backend>")`` for
     ``from_pretrained``: every rank holds ``E / W`` whole experts and its own batch. The model it
     loads keeps its dense weights whole from its first forward on, which may run under
@@ -221,18 +265,38 @@ def ep_distributed_config(backend: str = "all2all", world_size: int | None = Non
     Args:
         backend: a backend name (``"deepep_ht"``) or a registered implementation name.
         world_size: ``W`` (default: the default process group's size).
+        experts: which experts run on what arrives: ``"auto"`` (dbo's library experts on the
+            model's weights where its experts' layout allows, else the model's own),
+            ``"library"`` (refused at load time where the layout does not allow) or ``"model"``
+            (the experts module's own forward); None: the implementation's own (``"auto"`` for
+            the ``dbo_<backend>`` names). Another choice than that is the implementation
+            ``"dbo_<backend>:<experts>"``, registered by this call (on this rank).
 
     Raises:
         TransformersVersionError: transformers < :data:`MIN_TRANSFORMERS`.
-        ValueError: unknown backend; no process group and no ``world_size``.
+        ValueError: unknown backend or experts choice; no process group and no ``world_size``.
     """
-    ep_interface()
+    interface = ep_interface()
     from transformers.distributed import DistributedConfig
 
+    if experts is not None:
+        _check_experts_choice(experts)
     name = backend if backend in EP_IMPLEMENTATIONS or backend.startswith("dbo_") else f"dbo_{backend}"
-    if name not in EP_IMPLEMENTATIONS and name not in ep_interface()():
+    registered = interface()
+    if name not in EP_IMPLEMENTATIONS and name not in registered:
         raise ValueError(f"unknown backend {backend!r}; choose from "
                          f"{sorted(b for b, _ in EP_IMPLEMENTATIONS.values())}")
+    cls = registered.get(name)
+    if isinstance(cls, type) and issubclass(cls, DBOExpertParallel):
+        if experts is not None and cls.experts_choice != experts:
+            base = name.partition(":")[0]
+            base_cls = registered.get(base)
+            name = base if getattr(base_cls, "experts_choice", None) == experts else f"{base}:{experts}"
+            if name not in registered:
+                register_ep_implementation(name, cls.backend, experts=experts, **cls.backend_kwargs)
+    elif experts is not None:
+        raise ValueError(f"{name!r} is not one of dbo's expert-parallel implementations: no experts "
+                         "choice for it")
     if world_size is None:
         if not torch.distributed.is_initialized():
             raise ValueError("ep_distributed_config needs world_size or an initialized process group")
@@ -253,6 +317,14 @@ def expert_parallel_group(model: torch.nn.Module) -> Any:
     return found[0][1].group if found else None
 
 
+def _require_dbo_modules(model: torch.nn.Module) -> list[tuple[str, DBOExpertParallel]]:
+    found = expert_parallel_modules(model)
+    if not found:
+        raise ValueError("the model has no experts module running through dbo's expert-parallel "
+                         "implementations: load it with ep_distributed_config(...)")
+    return found
+
+
 def switch_ep_backend(model: torch.nn.Module, backend: str, **backend_kwargs: Any) -> torch.nn.Module:
     """Run every experts module that goes through dbo's implementations through ``backend``
     (built with ``backend_kwargs`` at its next call) from now on; returns ``model``. For
@@ -263,15 +335,37 @@ def switch_ep_backend(model: torch.nn.Module, backend: str, **backend_kwargs: An
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; choose from {sorted(BACKENDS)}")
-    found = expert_parallel_modules(model)
-    if not found:
-        raise ValueError("the model has no experts module running through dbo's expert-parallel "
-                         "implementations: load it with ep_distributed_config(...)")
+    found = _require_dbo_modules(model)
     for _, impl in found:
         impl.reset()
         impl.backend, impl.backend_kwargs = backend, dict(backend_kwargs)  # instance attributes
         impl.kernel, impl._signature = None, None
     return model
+
+
+def switch_ep_experts(model: torch.nn.Module, experts: str) -> torch.nn.Module:
+    """Run ``experts`` (:data:`EXPERTS_CHOICES`) in every experts module that goes through dbo's
+    implementations from its next call on, on the same backend and weights; returns ``model``.
+    All modules are checked before any changes.
+
+    Raises:
+        ValueError: unknown choice, or no experts module runs through dbo's implementations.
+        UnsupportedEPError: ``"library"`` for a model whose experts the library experts cannot run.
+    """
+    _check_experts_choice(experts)
+    found = _require_dbo_modules(model)
+    if experts == "library":
+        for _, impl in found:
+            LibraryExperts(impl._module)  # raises for a layout it cannot run
+    for _, impl in found:
+        impl.set_experts(experts)
+    return model
+
+
+def ep_experts(model: torch.nn.Module) -> dict[str, str]:
+    """Experts module name -> the experts it runs (``"library"`` or ``"model"``), for every
+    experts module of ``model`` that goes through dbo's implementations."""
+    return {name: impl.experts_kind for name, impl in expert_parallel_modules(model)}
 
 
 # importing this module (or dbo.integrations.transformers) registers the names; a no-op before 5.23

@@ -1,15 +1,27 @@
-"""A transformers experts module's own forward as dbo experts, for expert-parallel models.
+"""The experts that run in dbo's expert-parallel implementations, on a transformers experts module.
 
-:class:`ModelExperts` runs what the backend delivered through the experts module transformers
-loaded (whatever ``experts_implementation``), on this rank's local expert ids, in both
-activation formats; :mod:`dbo.integrations.hf_ep` builds one per experts module. Under FSDP2
-the module's parameters are DTensors swapped around each call; :func:`_local_params` swaps them
-where the experts read them, since under DBO one call spans yields.
+Two choices (:data:`EXPERTS_CHOICES`), both in both activation formats:
+
+- :class:`LibraryExperts` (``"library"``): dbo's :class:`~dbo.moe.SwiGLUExperts` on the
+  module's own weights, read where they lie: transformers' fused ``gate_up_proj``
+  ``[E, 2I, hidden]`` (gate rows first) and ``down_proj`` ``[E, hidden, I]`` are already
+  ``w1`` / ``w2`` (no copy). Slots whose expert is on another rank (id ``-1``) are skipped, not
+  computed. Only for SiLU-gated experts in that layout (:func:`library_layout_problem` says why
+  not otherwise).
+- :class:`ModelExperts` (``"model"``): the module's own forward (whatever
+  ``experts_implementation``), on this rank's local expert ids and transformers' sentinel for
+  the slots whose expert is elsewhere.
+
+``"auto"`` (:func:`make_experts`'s default) takes the library experts where the layout allows
+and the module's own otherwise. Under FSDP2 the module's parameters are DTensors swapped around
+each call; :func:`_local_params` swaps them where the experts read them, since under DBO one
+call spans yields.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,14 +32,26 @@ from dbo.moe import (
     ActivationFormat,
     ExpertTokensMetadata,
     MoEExperts,
+    SwiGLUExperts,
     TopKWeightAndReduce,
     TopKWeightAndReduceDelegate,
     TopKWeightAndReduceNoOp,
     Workspace,
 )
 from dbo.moe.experts import dequantize_blocks
+from dbo.moe.validate import ACTIVATION_DTYPES
 
-__all__ = ["UnsupportedEPError", "ModelExperts"]
+__all__ = ["EXPERTS_CHOICES", "UnsupportedEPError", "ModelExperts", "LibraryExperts",
+           "library_layout_problem", "make_experts"]
+
+logger = logging.getLogger(__name__)
+
+#: which experts run on what a backend delivered: "library" (dbo's SwiGLUExperts on the
+#: module's weights), "model" (the module's own forward), "auto" (library where supported)
+EXPERTS_CHOICES = ("auto", "library", "model")
+
+# the experts classes "auto" ran with their own forward, logged once each
+_fallbacks_logged: set[str] = set()
 
 
 class UnsupportedEPError(DBOError, ValueError):
@@ -127,3 +151,155 @@ class ModelExperts(MoEExperts):
         weights = mine.to(x.dtype) if apply_router_weight_on_input else \
             torch.where(mine, topk_weights, 0.0).to(x.dtype)
         return self._run(x, ids, weights)
+
+
+def _is_silu(act: Any) -> bool:
+    if isinstance(act, torch.nn.SiLU):
+        return True
+    try:
+        from transformers.activations import SiLUActivation
+    except ImportError:  # pragma: no cover - transformers without it
+        return False
+    return isinstance(act, SiLUActivation)
+
+
+def _default_gate(module: torch.nn.Module) -> bool:
+    # transformers' use_experts_implementation puts _default_apply_gate (silu(gate) * up over
+    # the two halves of gate_up) on the class unless the class brings its own
+    fn = getattr(type(module), "_apply_gate", None)
+    return fn is not None and getattr(fn, "__name__", "") == "_default_apply_gate" \
+        and getattr(fn, "__module__", "") == "transformers.integrations.moe"
+
+
+def library_layout_problem(module: torch.nn.Module) -> str | None:
+    """Why dbo's library experts cannot run on ``module``'s own weights; None if they can.
+
+    They can for an experts module that transformers' ``use_experts_implementation`` declares
+    concatenated, not transposed, gated, without biases or a post-expert norm, whose only
+    parameters are ``gate_up_proj`` ``[E, 2I, hidden]`` (gate rows first) and ``down_proj``
+    ``[E, hidden, I]`` of a float dtype, with SiLU as ``act_fn`` and the default gate
+    (``silu(gate) * up``): Qwen3-MoE's, Mixtral's and DeepSeek-V3's in transformers 5.x.
+    """
+    if not hasattr(module, "is_transposed"):
+        return ("it does not declare its weight layout (transformers' use_experts_implementation "
+                "sets is_transposed, is_concatenated, has_gate, has_bias)")
+    if not getattr(module, "has_gate", True):
+        return "it has no gate (an up projection only, not SwiGLU)"
+    if module.is_transposed:
+        return ("its weights are stored transposed (gate_up_proj [E, hidden, 2I], down_proj "
+                "[E, I, hidden]); the library experts would copy them at every call")
+    if not getattr(module, "is_concatenated", True):
+        return "it interleaves the gate and up columns of gate_up_proj"
+    if getattr(module, "has_bias", False):
+        return "its projections have biases"
+    if getattr(module, "has_post_expert_norm", False):
+        return "it normalizes each expert's output"
+    names = {n for n, _ in module.named_parameters()}
+    gate_up, down = module._parameters.get("gate_up_proj"), module._parameters.get("down_proj")
+    if gate_up is None or down is None or gate_up.dim() != 3 or down.dim() != 3:
+        return "it has no fused 3-D gate_up_proj and down_proj parameters"
+    if names - {"gate_up_proj", "down_proj"}:
+        return (f"it has parameters besides gate_up_proj and down_proj: "
+                f"{', '.join(sorted(names - {'gate_up_proj', 'down_proj'}))}")
+    e, two_i, hidden = gate_up.shape
+    if two_i % 2 or tuple(down.shape) != (e, hidden, two_i // 2):
+        return (f"gate_up_proj {tuple(gate_up.shape)} and down_proj {tuple(down.shape)} are not "
+                "[E, 2I, hidden] and [E, hidden, I]")
+    if gate_up.dtype not in ACTIVATION_DTYPES or down.dtype != gate_up.dtype:
+        return f"its weights are {gate_up.dtype}/{down.dtype}, not one of {ACTIVATION_DTYPES}"
+    if not _default_gate(module):
+        return f"it gates with its own {type(module).__name__}._apply_gate, not silu(gate) * up"
+    if not _is_silu(getattr(module, "act_fn", None)):
+        return (f"its activation is {type(getattr(module, 'act_fn', None)).__name__}, not silu "
+                "(the library experts are SwiGLU)")
+    return None
+
+
+def _refusal(module: torch.nn.Module, problem: str) -> str:
+    return (f"dbo's library experts cannot run {type(module).__name__}: {problem}. They need "
+            "SwiGLU experts with fused gate_up_proj [E, 2I, hidden] (gate rows first), down_proj "
+            "[E, hidden, I], silu, no biases; use experts='model' (the module's own forward)")
+
+
+class LibraryExperts(SwiGLUExperts):
+    """dbo's :class:`~dbo.moe.SwiGLUExperts` on a transformers experts module's own weights.
+
+    ``gate_up_proj`` ``[E, 2I, hidden]`` (gate rows first) and ``down_proj`` ``[E, hidden, I]``
+    are ``w1`` and ``w2`` as they are (no copy); they are read when the experts run (the local
+    tensors of FSDP's DTensors), so ``w1`` / ``w2`` of :meth:`apply` are ignored (placeholders).
+    Slots whose expert is on another rank (id ``-1``) are skipped. Inference only: nothing is
+    recorded for autograd (the backends' exchanges record nothing either). The output goes to a fresh
+    buffer at every call, as the module's own forward does: the kernel's per-ubatch workspaces
+    live as long as the layer, so one per layer would hold every layer's received rows at once.
+
+    Args:
+        module: the experts module (``num_experts`` = its local expert count).
+        swiglu_kwargs: passed to :class:`~dbo.moe.SwiGLUExperts` (``reduce_in_experts`` stays True).
+
+    Raises:
+        UnsupportedEPError: the module's layout is not one the library experts run
+            (:func:`library_layout_problem`).
+    """
+
+    def __init__(self, module: torch.nn.Module, **swiglu_kwargs: Any):
+        problem = library_layout_problem(module)
+        if problem is not None:
+            raise UnsupportedEPError(_refusal(module, problem))
+        if not swiglu_kwargs.pop("reduce_in_experts", True):
+            raise ValueError("LibraryExperts reduce over top-k in the experts (reduce_in_experts=True)")
+        super().__init__(**swiglu_kwargs)
+        self.module = module
+        self.num_local_experts = int(module.num_experts)
+
+    def apply(self, hidden_states: torch.Tensor, w1: torch.Tensor | None, w2: torch.Tensor | None,
+              topk_weights: torch.Tensor | None, topk_ids: torch.Tensor | None, *,
+              activation_format: ActivationFormat, expert_tokens_meta: ExpertTokensMetadata | None,
+              apply_router_weight_on_input: bool, workspace: Workspace,
+              a1q_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """See :meth:`dbo.moe.SwiGLUExperts.apply` (``w1``/``w2``/``workspace`` unused)."""
+        del w1, w2, workspace
+        with _local_params(self.module):
+            gate_up, down = self.module.gate_up_proj, self.module.down_proj
+            if gate_up.shape[0] != self.num_local_experts:
+                raise UnsupportedEPError(
+                    f"the experts module holds {gate_up.shape[0]} experts' weights on this rank, not "
+                    f"its {self.num_local_experts}: dbo's implementations need every expert whole "
+                    "on one rank (ep_size == fsdp_size * tp_size)")
+            # inference only, like the backends: no gradient reaches the weights (views, no copy)
+            return super().apply(hidden_states.detach(), gate_up.detach(), down.detach(),
+                                 topk_weights, topk_ids,
+                                 activation_format=activation_format,
+                                 expert_tokens_meta=expert_tokens_meta,
+                                 apply_router_weight_on_input=apply_router_weight_on_input,
+                                 workspace=Workspace(), a1q_scale=a1q_scale)
+
+
+def make_experts(module: torch.nn.Module, forward: Any, choice: str = "auto") -> tuple[MoEExperts, str]:
+    """The experts for ``module`` and which they are (``"library"`` or ``"model"``).
+
+    Args:
+        module: the experts module.
+        forward: its own forward (for :class:`ModelExperts`).
+        choice: ``"library"`` (:class:`LibraryExperts`, refused where the layout does not allow),
+            ``"model"`` (:class:`ModelExperts`) or ``"auto"`` (the library experts where the
+            layout allows, the module's own forward otherwise, logged once per class).
+
+    Raises:
+        ValueError: ``choice`` is not one of :data:`EXPERTS_CHOICES`.
+        UnsupportedEPError: ``"library"`` for a module the library experts cannot run.
+    """
+    if choice not in EXPERTS_CHOICES:
+        raise ValueError(f"experts must be one of {EXPERTS_CHOICES}, got {choice!r}")
+    if choice == "model":
+        return ModelExperts(module, forward), "model"
+    problem = library_layout_problem(module)
+    if problem is None:
+        return LibraryExperts(module), "library"
+    if choice == "library":
+        raise UnsupportedEPError(_refusal(module, problem))
+    name = type(module).__name__
+    if name not in _fallbacks_logged:
+        _fallbacks_logged.add(name)
+        logger.warning("dbo: %s runs its own forward in dbo's expert-parallel implementations "
+                       "(every received slot, non-local ones included): %s", name, problem)
+    return ModelExperts(module, forward), "model"
