@@ -11,8 +11,10 @@
 ``--checkpoint DIR`` loads a saved checkpoint (``save_pretrained``'s, or one from the Hub)
 expert-parallel with transformers' own loader and dbo's backends as its EP implementations
 (``from_pretrained(DIR, distributed_config=ep_distributed_config(backend))``, transformers >=
-5.23): each rank reads only its experts. ``--save-checkpoint DIR`` writes the ``--preset``'s
-model with random weights there first (rank 0, whole), for trying it out.
+5.23): each rank reads only its experts; ``--ep-experts library model`` times both experts choices
+on the same loaded model (dbo's library experts on the model's weights, the model's own experts
+module). ``--save-checkpoint DIR`` writes the ``--preset``'s model with random weights there first
+(every rank its share, on its device: ``dbo.integrations.hf_checkpoint``), for trying it out.
 
 Without ``--checkpoint``, every rank builds the model from its config alone on the meta device,
 converts it with ``dbo.integrations.transformers.convert_to_expert_parallel`` (each MoE layer
@@ -106,8 +108,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "implementation and time its plain prefill (under no_grad, which it needs); "
                         "every other row's logits are compared with it (column 'rel vs a2a')")
     p.add_argument("--save-checkpoint", default=None,
-                   help="DIR: first write --preset with random weights there (save_pretrained, rank 0) "
-                        "and load it as --checkpoint")
+                   help="DIR: first write --preset with random weights there (every rank its share: "
+                        "dbo.integrations.hf_checkpoint) and load it as --checkpoint")
+    p.add_argument("--ep-experts", nargs="+", default=["auto"], choices=["auto", "library", "model"],
+                   help="with --checkpoint: the experts that run on what arrives (library: dbo's on the "
+                        "model's weights; model: the model's own module); each is timed")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the results here (rank 0)")
     args = p.parse_args(argv)
@@ -372,8 +377,13 @@ def run(args: argparse.Namespace, rank: int, world: int, device: torch.device) -
     max_tokens = max(b * s for b, s in args.shape)  # the plain run sends the whole batch at once
     fp32 = args.dtype == torch.float32
     keep = args.logits_to_keep
+    choices = args.ep_experts if args.checkpoint else [None]
     with torch.inference_mode():
-        for backend in args.backend:
+        for choice, backend in ((c, b) for c in choices for b in args.backend):
+            if choice is not None:
+                from dbo.integrations.hf_ep import switch_ep_experts
+
+                switch_ep_experts(model, choice)
             use_backend(model, backend, max_tokens, args)
             runners = {sched: DBOPrefill(model, prefill_split_config(2, expert_schedule=sched),
                                          logits_to_keep=args.logits_to_keep, sm_carveout=args.sm_carveout)
@@ -399,6 +409,8 @@ def run(args: argparse.Namespace, rank: int, world: int, device: torch.device) -
                     good = rel <= 1e-4 if fp32 else (rel <= 0.1 or -neg_agree >= 0.75)
                     ok &= good
                     label = backend if len(runners) == 1 else f"{backend}/{sched}"
+                    if len(choices) > 1:
+                        label = f"{label} ({choice} experts)"
                     rows.append(dict(backend=label, batch=shape[0], seq=shape[1], plain_ms=t_p,
                                      dbo_ms=t_dbo, rel_err=rel, top1_agree=-neg_agree, ok=good,
                                      split=str(run_dbo.last_plan), expert_schedule=sched,
