@@ -30,9 +30,11 @@
 #                  (more options, e.g. "--experts 32 --link 50,5 --remote-fraction 0.875"), TOKENS
 #   onerank        the one-rank overlap benchmark (naive: nothing to hide) at T 4096/16384 x
 #                  I 256/2048, and the decode sizes: what splitting alone costs
-#   hf:N           examples/hf_moe.py: Qwen3-30B-A3B (full size, random weights) and DeepSeek-V3's
-#                  layer, plain vs DBOPrefill per dbo implementation (needs transformers >= 5.23:
-#                  EXTRA_WHEELS="transformers==5.23.0 ..." ../shared/gpu/fetch-wheels.sh)
+#   hf:N           examples/hf_moe.py: a tiny DeepSeek-V3 smoke test, then Qwen3-30B-A3B at full size
+#                  (random weights written by every rank, HF_LAYERS=48) loaded expert-parallel:
+#                  transformers' all_to_all beside HF_BACKENDS, plain vs DBOPrefill, EP_EXPERTS
+#                  ("library model" for both); needs transformers >= 5.23:
+#                  EXTRA_WHEELS="transformers==5.23.0" ../shared/gpu/fetch-wheels.sh
 #
 # Writes OUTDIR/run_log.txt (everything printed; default OUTDIR: $OUT, else ./out) and one
 # OUTDIR/STEP.tgz per step that writes files (JSON bundles, traces). Exits non-zero if a step
@@ -44,11 +46,11 @@ while getopts "o:d:h" opt; do
   case $opt in
     o) out=$OPTARG ;;
     d) deadline_s=$OPTARG ;;
-    *) sed -n '2,39p' "$0"; exit 2 ;;
+    *) sed -n '2,41p' "$0"; exit 2 ;;
   esac
 done
 shift $((OPTIND - 1))
-[ $# -gt 0 ] || { sed -n '2,39p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,41p' "$0"; exit 2; }
 mkdir -p "$out"
 log="$out/run_log.txt"
 deadline=$((SECONDS + deadline_s))
@@ -168,14 +170,15 @@ for arg in "$@"; do
         --modes compute dbo_compute merged_compute serial dbo merged --time-budget-s 120 --out "$files/decode" ;;
     hf)
       ex="examples/hf_moe.py --device cuda --steps 3 --warmup 1"
-      ckpt=${HF_CKPT:-/tmp/qwen3-30b-a3b-8}
+      ckpt=${HF_CKPT:-/tmp/qwen3-30b-a3b-${HF_LAYERS:-48}}
       save=()
-      [ -f "$ckpt/config.json" ] || save=(--save-checkpoint "$ckpt")
+      [ -f "$ckpt/config.json" ] || save=(--save-checkpoint "$ckpt")  # every rank writes its share
       run "hf-smoke-$n" 120 $tr_ "$n" $ex --preset tiny-deepseek_v3 --backend naive all2all \
         --shape 4x64 7x32 --unconverted --json "$files/smoke.json"
-      run "hf-qwen-$n" 330 $tr_ "$n" $ex --preset qwen3-30b-a3b --layers "${HF_LAYERS:-8}" "${save[@]}" \
-        --checkpoint "$ckpt" --hf-all-to-all --backend all2all copy_engine deepep_ht \
-        --expert-schedule split merged --shape 8x2048 16x4096 --json "$files/qwen.json" ;;
+      run "hf-qwen-$n" "${HF_CAP_S:-420}" $tr_ "$n" $ex --preset qwen3-30b-a3b --layers "${HF_LAYERS:-48}" \
+        "${save[@]}" --checkpoint "$ckpt" --hf-all-to-all --backend ${HF_BACKENDS:-copy_engine deepep_ht all2all} \
+        --ep-experts ${EP_EXPERTS:-library} --expert-schedule split merged --shape 8x2048 16x4096 \
+        --json "$files/qwen.json" ;;
     *)
       echo "=== unknown step '$step' (see the header of $0)" | tee -a "$log"
       status=1 ;;
