@@ -38,7 +38,7 @@ import torch
 
 from dbo.moe.base import ActivationFormat, PrepareAndFinalize
 
-__all__ = ["SimulatedLink", "SimulatedLinkPrepareAndFinalize", "FORMULA"]
+__all__ = ["SimulatedLink", "SimulatedLinkPrepareAndFinalize", "FORMULA", "LinkStreams", "LINK_STREAMS"]
 
 FORMULA = "arrival >= send + latency_us + remote_fraction * bytes / gbps"
 
@@ -109,26 +109,35 @@ class SimulatedLink:
                 "shape under uniform routing)")
 
 
-class _LinkStreams:
-    """One link stream per CUDA device, made once (a run may be captured in a CUDA graph)."""
+class LinkStreams:
+    """One link stream per CUDA device, made once (a run may be captured in a CUDA graph), and
+    the GPU sleep's cycles per microsecond there. One process-wide object, :data:`LINK_STREAMS`."""
 
-    streams: dict[int, torch.cuda.Stream] = {}
-    cycles_per_us: dict[int, float] = {}
+    def __init__(self) -> None:
+        self.streams: dict[int, torch.cuda.Stream] = {}
+        self.cycles_per_us: dict[int, float] = {}
 
-    @classmethod
-    def get(cls, device: torch.device) -> tuple[torch.cuda.Stream, float]:
+    def get(self, device: torch.device) -> tuple[torch.cuda.Stream, float]:
         idx = device.index if device.index is not None else torch.cuda.current_device()
-        if idx not in cls.streams:
+        if idx not in self.streams:
             with torch.cuda.device(idx):
-                cls.streams[idx] = torch.cuda.Stream(priority=-1)
+                self.streams[idx] = torch.cuda.Stream(priority=-1)
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 torch.cuda._sleep(1_000_000)  # wake the clocks up
                 start.record()
                 torch.cuda._sleep(10_000_000)
                 end.record()
                 end.synchronize()
-                cls.cycles_per_us[idx] = 10_000_000 / max(start.elapsed_time(end) * 1e3, 1e-3)
-        return cls.streams[idx], cls.cycles_per_us[idx]
+                self.cycles_per_us[idx] = 10_000_000 / max(start.elapsed_time(end) * 1e3, 1e-3)
+        return self.streams[idx], self.cycles_per_us[idx]
+
+    def reset(self) -> None:
+        """Forget the streams (with nothing queued on them)."""
+        self.streams.clear()
+        self.cycles_per_us.clear()
+
+
+LINK_STREAMS = LinkStreams()
 
 
 class SimulatedLinkPrepareAndFinalize(PrepareAndFinalize):
@@ -205,7 +214,7 @@ class SimulatedLinkPrepareAndFinalize(PrepareAndFinalize):
     def _held(self, start: Any, us: float, device: torch.device) -> Callable[[], None]:
         """Queue the modelled delay after ``start``; returns what the receiver calls first."""
         if device.type == "cuda":
-            stream, cycles_per_us = _LinkStreams.get(device)
+            stream, cycles_per_us = LINK_STREAMS.get(device)
             stream.wait_event(start)
             with torch.cuda.stream(stream):  # no yield inside
                 torch.cuda._sleep(max(int(us * cycles_per_us), 1))
