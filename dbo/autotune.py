@@ -312,3 +312,4 @@ def autotune_split_config(
                             threshold, rows, margin, schedule)
     logger.info("dbo autotune:\n%s", result.table())
     return result
+
