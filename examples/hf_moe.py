@@ -113,6 +113,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ep-experts", nargs="+", default=["auto"], choices=["auto", "library", "model"],
                    help="with --checkpoint: the experts that run on what arrives (library: dbo's on the "
                         "model's weights; model: the model's own module); each is timed")
+    p.add_argument("--link", default=None, metavar="GBPS[,LATENCY_US]",
+                   help="run dbo's backends under a simulated link (dbo.backends.simulated_link): the "
+                        "bytes still move, their arrival is held back to GBPS GB/s and LATENCY_US")
+    p.add_argument("--remote-fraction", type=float, default=1.0,
+                   help="with --link: the share of the traffic that crosses it (7/8 for 8 GPUs a host)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the results here (rank 0)")
     args = p.parse_args(argv)
@@ -279,6 +284,10 @@ def use_backend(model: torch.nn.Module, backend: str, max_tokens: int, args: arg
     kw = {}
     if BACKENDS[backend].needs_max_tokens:
         kw["max_tokens_per_rank"] = args.max_tokens_per_rank or max_tokens
+    if args.link:
+        from dbo.backends.simulated_link import SimulatedLink
+
+        kw["link"] = SimulatedLink.parse(args.link, args.remote_fraction)
     if args.checkpoint:
         from dbo.integrations.hf_ep import switch_ep_backend
 
@@ -466,13 +475,20 @@ def run(args: argparse.Namespace, rank: int, world: int, device: torch.device) -
     return 0 if ok else 1
 
 
+def _link_text(args) -> str:
+    from dbo.backends.simulated_link import SimulatedLink
+
+    return SimulatedLink.parse(args.link, args.remote_fraction).describe()
+
+
 def report(args, config, world: int, build_s: float, rows: list[dict], device: torch.device) -> None:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     what = f"{args.checkpoint} (loaded expert-parallel)" if args.checkpoint else args.preset
     print(f"\n{what}: {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
           f"{args.dtype}, {world} x {name}; rank 0 {'loaded' if args.checkpoint else 'built'} its "
           f"model in {build_s:.1f} s; "
-          f"median of {args.steps} steps, slowest rank; tokens/s per GPU = batch*seq / time\n")
+          f"median of {args.steps} steps, slowest rank; tokens/s per GPU = batch*seq / time"
+          + ("" if not args.link else "; " + _link_text(args)) + "\n")
     print("| backend | batch x seq | plain ms | DBO ms | plain tok/s | DBO tok/s | DBO speedup "
           "| rel err | top-1 agree | peak GiB plain / DBO | rel vs a2a |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")

@@ -39,15 +39,17 @@ def test_hf_example_on_cpu(tmp_path):
 
 
 def test_hf_example_loads_a_checkpoint(tmp_path):
-    # --save-checkpoint writes a tiny Mixtral with save_pretrained; --checkpoint loads it
-    # expert-parallel through from_pretrained with dbo's backends as transformers' EP implementations
+    # --save-checkpoint writes a tiny Mixtral (every rank its share); --checkpoint loads it
+    # expert-parallel through from_pretrained with dbo's backends as transformers' EP
+    # implementations, both experts choices, under a simulated link
     pytest.importorskip("transformers.distributed.expert_parallel", reason="transformers < 5.23")
     pytest.importorskip("accelerate")
     out_json = tmp_path / "ckpt.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            str(EXAMPLE), "--preset", "tiny-mixtral", "--save-checkpoint", str(tmp_path / "ckpt"),
            "--backend", "all2all", "copy_engine", "--shape", "3x8", "--steps", "1", "--warmup", "0",
-           "--logits-to-keep", "0", "--unconverted", "--json", str(out_json)]
+           "--logits-to-keep", "0", "--unconverted", "--json", str(out_json),
+           "--ep-experts", "library", "model", "--link", "1000,2000", "--remote-fraction", "0.875"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("DBO_DISABLE", None)
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=150)
@@ -57,6 +59,11 @@ def test_hf_example_loads_a_checkpoint(tmp_path):
     result = json.loads(out_json.read_text())
     assert result["checkpoint"] == str(tmp_path / "ckpt")
     rows = result["rows"]
-    assert [r["backend"] for r in rows] == ["all2all", "copy_engine", "unconverted"]
+    assert [r["backend"] for r in rows] == [f"{b} ({e} experts)" for e in ("library", "model")
+                                            for b in ("all2all", "copy_engine")] + ["unconverted"]
     for r in rows:  # DBO == plain per backend; the whole model == the expert-parallel one
         assert r["rel_err"] <= 1e-4 and r["top1_agree"] == 1.0, r
+    # under the simulated link (2 ms a transfer, a dispatch and a combine per layer)
+    assert "simulated link: 1000 GB/s, 2000 us latency" in out, out
+    layers = result["layers"]
+    assert all(r["plain_ms"] >= 2 * 2.0 * layers for r in rows[:-1]), rows
