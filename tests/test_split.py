@@ -8,7 +8,7 @@ import logging
 
 import pytest
 import torch
-from hypothesis import given, note
+from hypothesis import example, given, note
 from hypothesis import strategies as st
 
 from dbo.split import (
@@ -114,6 +114,7 @@ def test_split_requests_examples():
 
 
 @given(st.integers(0, 2000), st.integers(0, 1000), st.integers(0, 1000), st.booleans())
+@example(1, 0, 0, True)  # one token, no threshold: a ubatch would be padding only
 def test_thresholds_respected(num_tokens, decode_thr, prefill_thr, decode_only):
     cfg = SplitConfig(decode_token_threshold=decode_thr, prefill_token_threshold=prefill_thr)
     d = local_vote(num_tokens, cfg, decode_only=decode_only)
@@ -122,6 +123,8 @@ def test_thresholds_respected(num_tokens, decode_thr, prefill_thr, decode_only):
         assert d.vote is Vote.ABSTAIN
     elif num_tokens < thr:
         assert d.vote is Vote.NO and d.reason is SplitReason.BELOW_THRESHOLD
+    elif num_tokens < cfg.num_ubatches:  # one token per ubatch at least, or a ubatch of padding
+        assert d.vote is Vote.NO and d.reason is SplitReason.EMPTY_UBATCH
     else:
         assert d.vote is Vote.YES
         assert_covers(d.slices, num_tokens)
