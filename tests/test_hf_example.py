@@ -67,3 +67,24 @@ def test_hf_example_loads_a_checkpoint(tmp_path):
     assert "simulated link: 1000 GB/s, 2000 us latency" in out, out
     layers = result["layers"]
     assert all(r["plain_ms"] >= 2 * 2.0 * layers for r in rows[:-1]), rows
+
+
+def test_hf_generate_example_agrees_with_generate(tmp_path):
+    # greedy decoding: transformers' generate() with its own all_to_all EP, then dbo's
+    # greedy_generate on two backends, plain and overlapped; float32, so every run's tokens agree
+    pytest.importorskip("transformers.distributed.expert_parallel", reason="transformers < 5.23")
+    pytest.importorskip("accelerate")
+    out_json = tmp_path / "gen.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(EXAMPLE.parent / "hf_generate.py"), "--save-checkpoint", str(tmp_path / "ckpt"),
+           "--steps", "1", "--warmup", "0", "--json", str(out_json)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("DBO_DISABLE", None)
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=150)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    rows = json.loads(out_json.read_text())["rows"]
+    assert [r["run"] for r in rows] == ["transformers generate (all_to_all)"] + [
+        f"dbo greedy_generate {b} {m}" for b in ("all2all", "copy_engine") for m in ("plain", "DBO")]
+    assert all(r["same"] == 1.0 and r["prefix"] == 1.0 and r["tok_s"] > 0 for r in rows), rows
+    assert all(r["split"].startswith("split(") for r in rows[2::2]), rows  # the DBO rows split

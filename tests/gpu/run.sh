@@ -35,6 +35,9 @@
 #                  transformers' all_to_all beside HF_BACKENDS, plain vs DBOPrefill, EP_EXPERTS
 #                  ("library model" for both); needs transformers >= 5.23:
 #                  EXTRA_WHEELS="transformers==5.23.0" ../shared/gpu/fetch-wheels.sh
+#   generate:N     examples/hf_generate.py: greedy decoding of 64 new tokens after 512-token prompts,
+#                  batch 64 per rank: transformers' generate() (all_to_all) beside dbo's
+#                  greedy_generate on GEN_BACKENDS, plain and DBO, and the ids' agreement
 #
 # Writes OUTDIR/run_log.txt (everything printed; default OUTDIR: $OUT, else ./out) and one
 # OUTDIR/STEP.tgz per step that writes files (JSON bundles, traces). Exits non-zero if a step
@@ -46,11 +49,11 @@ while getopts "o:d:h" opt; do
   case $opt in
     o) out=$OPTARG ;;
     d) deadline_s=$OPTARG ;;
-    *) sed -n '2,41p' "$0"; exit 2 ;;
+    *) sed -n '2,44p' "$0"; exit 2 ;;
   esac
 done
 shift $((OPTIND - 1))
-[ $# -gt 0 ] || { sed -n '2,41p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,44p' "$0"; exit 2; }
 mkdir -p "$out"
 log="$out/run_log.txt"
 deadline=$((SECONDS + deadline_s))
@@ -179,6 +182,13 @@ for arg in "$@"; do
         "${save[@]}" --checkpoint "$ckpt" --hf-all-to-all --backend ${HF_BACKENDS:-copy_engine deepep_ht all2all} \
         --ep-experts ${EP_EXPERTS:-library} --expert-schedule split merged --shape 8x2048 16x4096 \
         --json "$files/qwen.json" ;;
+    generate)
+      ckpt=${HF_CKPT:-/tmp/qwen3-30b-a3b-${HF_LAYERS:-48}}
+      save=(--checkpoint "$ckpt")
+      [ -f "$ckpt/config.json" ] || save=(--save-checkpoint "$ckpt")
+      run "generate-$n" "${GEN_CAP_S:-420}" $tr_ "$n" examples/hf_generate.py --device cuda --preset qwen3-30b-a3b \
+        --layers "${HF_LAYERS:-48}" "${save[@]}" --batch 64 --prompt 512 --new-tokens 64 \
+        --backend ${GEN_BACKENDS:-copy_engine deepep_ht} --json "$files/generate.json" ;;
     *)
       echo "=== unknown step '$step' (see the header of $0)" | tee -a "$log"
       status=1 ;;
