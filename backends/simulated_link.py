@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from dbo.moe.base import ActivationFormat, PrepareAndFinalize
+from dbo.streams import gpu_sleep
 
 __all__ = ["SimulatedLink", "SimulatedLinkPrepareAndFinalize", "FORMULA", "LinkStreams", "LINK_STREAMS"]
 
@@ -110,31 +111,22 @@ class SimulatedLink:
 
 
 class LinkStreams:
-    """One link stream per CUDA device, made once (a run may be captured in a CUDA graph), and
-    the GPU sleep's cycles per microsecond there. One process-wide object, :data:`LINK_STREAMS`."""
+    """One link stream per CUDA device, made once (a run may be captured in a CUDA graph). One
+    process-wide object, :data:`LINK_STREAMS`."""
 
     def __init__(self) -> None:
         self.streams: dict[int, torch.cuda.Stream] = {}
-        self.cycles_per_us: dict[int, float] = {}
 
-    def get(self, device: torch.device) -> tuple[torch.cuda.Stream, float]:
+    def get(self, device: torch.device) -> torch.cuda.Stream:
         idx = device.index if device.index is not None else torch.cuda.current_device()
         if idx not in self.streams:
             with torch.cuda.device(idx):
                 self.streams[idx] = torch.cuda.Stream(priority=-1)
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                torch.cuda._sleep(1_000_000)  # wake the clocks up
-                start.record()
-                torch.cuda._sleep(10_000_000)
-                end.record()
-                end.synchronize()
-                self.cycles_per_us[idx] = 10_000_000 / max(start.elapsed_time(end) * 1e3, 1e-3)
-        return self.streams[idx], self.cycles_per_us[idx]
+        return self.streams[idx]
 
     def reset(self) -> None:
         """Forget the streams (with nothing queued on them)."""
         self.streams.clear()
-        self.cycles_per_us.clear()
 
 
 LINK_STREAMS = LinkStreams()
@@ -214,10 +206,10 @@ class SimulatedLinkPrepareAndFinalize(PrepareAndFinalize):
     def _held(self, start: Any, us: float, device: torch.device) -> Callable[[], None]:
         """Queue the modelled delay after ``start``; returns what the receiver calls first."""
         if device.type == "cuda":
-            stream, cycles_per_us = LINK_STREAMS.get(device)
+            stream = LINK_STREAMS.get(device)
             stream.wait_event(start)
             with torch.cuda.stream(stream):  # no yield inside
-                torch.cuda._sleep(max(int(us * cycles_per_us), 1))
+                gpu_sleep(us / 1e3)
                 done = torch.cuda.Event()
                 done.record()
 

@@ -37,6 +37,7 @@ __all__ = [
     "record_access",
     "current_logical_stream",
     "hand_over",
+    "gpu_sleep",
 ]
 
 _stream_ids = itertools.count()
@@ -367,3 +368,24 @@ class StreamPool:
 
 
 STREAM_POOL = StreamPool()
+
+
+#: cycles of ``torch.cuda._sleep`` per millisecond, by CUDA device index (measured once each)
+_SLEEP_CYCLES_PER_MS: dict[int, float] = {}
+
+
+def gpu_sleep(ms: float) -> None:
+    """Queue a kernel that spins about ``ms`` milliseconds on the current CUDA stream (one block:
+    it holds next to nothing of the GPU). The rate is measured once per device, at the first call
+    there (a host sync)."""
+    idx = torch.cuda.current_device()
+    rate = _SLEEP_CYCLES_PER_MS.get(idx)
+    if rate is None:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(1_000_000)  # wake the clocks up
+        start.record()
+        torch.cuda._sleep(20_000_000)
+        end.record()
+        end.synchronize()
+        rate = _SLEEP_CYCLES_PER_MS[idx] = 20_000_000 / max(start.elapsed_time(end), 1e-3)
+    torch.cuda._sleep(max(int(ms * rate), 1))

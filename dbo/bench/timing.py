@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from dbo.bench.syncs import format_sites, host_syncs
+from dbo.streams import gpu_sleep  # re-exported: the benchmarks' GPU hold
 
 __all__ = ["Timing", "measure", "Progress", "reduce_max", "gpu_sleep"]
 
@@ -79,24 +80,6 @@ def _barrier(device: torch.device) -> None:
     _sync(device)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
-
-
-class _SleepCalibration:
-    cycles_per_ms: float | None = None
-
-
-def gpu_sleep(ms: float) -> None:
-    """Queue a kernel that spins about ``ms`` milliseconds on the current CUDA stream."""
-    cal = _SleepCalibration
-    if cal.cycles_per_ms is None:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(1_000_000)  # wake the clocks up
-        start.record()
-        torch.cuda._sleep(20_000_000)
-        end.record()
-        end.synchronize()
-        cal.cycles_per_ms = 20_000_000 / max(start.elapsed_time(end), 1e-3)
-    torch.cuda._sleep(int(ms * cal.cycles_per_ms))
 
 
 def _percentile(xs: list[float], q: float) -> float:
