@@ -39,16 +39,9 @@ def world():
 
 
 def _tiny_model(family: str, seed: int):
-    import torch
+    from dbo.integrations.hf_presets import tiny_random_model
 
-    from dbo.integrations.hf_presets import causal_lm_class, tiny_config
-
-    torch.manual_seed(seed)
-    model = causal_lm_class(family)(tiny_config(family)).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.3)  # large enough that routing differs token to token
-    return model
+    return tiny_random_model(family, seed)
 
 
 @pytest.fixture(scope="module")

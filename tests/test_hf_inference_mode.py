@@ -38,15 +38,9 @@ def world():
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    import torch
+    from dbo.integrations.hf_presets import tiny_random_model
 
-    from dbo.integrations.hf_presets import causal_lm_class, tiny_config
-
-    torch.manual_seed(0)
-    model = causal_lm_class("qwen3_moe")(tiny_config("qwen3_moe")).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.3)  # large enough that routing differs token to token
+    model = tiny_random_model("qwen3_moe", 0)
     path = tmp_path_factory.mktemp("ckpt") / "qwen3_moe"
     model.save_pretrained(path)
     return str(path)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["TINY_FAMILIES", "PRESETS", "tiny_config", "preset_config", "causal_lm_class"]
+__all__ = ["TINY_FAMILIES", "PRESETS", "tiny_config", "preset_config", "causal_lm_class", "tiny_random_model"]
 
 #: families with a tiny test config
 TINY_FAMILIES = ("qwen3_moe", "mixtral", "deepseek_v3")
@@ -95,3 +95,17 @@ def preset_config(name: str, *, layers: int | None = None, **overrides: Any) -> 
     cfg = cls(**kw)
     cfg.dtype = torch.bfloat16
     return cfg
+
+
+def tiny_random_model(family: str, seed: int = 0, std: float = 0.3) -> Any:
+    """The tiny ``family`` causal LM (:func:`tiny_config`) with every parameter drawn from
+    N(0, ``std``), seeded: ``std`` 0.3 is large enough that routing differs token to token (the
+    tests' models)."""
+    import torch
+
+    torch.manual_seed(seed)
+    model = causal_lm_class(family)(tiny_config(family)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, std)
+    return model
