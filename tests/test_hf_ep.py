@@ -68,25 +68,18 @@ def checkpoints(tmp_path_factory):
 
 
 def _inputs(rank: int, seed: int):
-    import torch
+    from dbo.testing.hf import left_padded_prompts
 
-    g = torch.Generator().manual_seed(seed * 101 + rank)
-    batch = (3, 5)[rank]
-    ids = torch.randint(0, 64, (batch, 7), generator=g)
-    mask = torch.ones_like(ids)
-    for i, pad in enumerate(((0, 3, 0), (2, 0, 0, 6, 1))[rank]):
-        mask[i, :pad] = 0  # left padding, different per rank
-    return ids, mask
+    return left_padded_prompts(seed * 101 + rank, ((0, 3, 0), (2, 0, 0, 6, 1))[rank], 7)  # padding per rank
 
 
 def _load(path: str, implementation: str | None):
-    import torch
-    from transformers import AutoModelForCausalLM
     from transformers.distributed import DistributedConfig
 
-    kw = {} if implementation is None else {"distributed_config": DistributedConfig(
-        fsdp_size=2, ep_size=2, ep_implementation=implementation)}
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kw).eval()
+    from dbo.testing.hf import load_float32
+
+    return load_float32(path, None if implementation is None else DistributedConfig(
+        fsdp_size=2, ep_size=2, ep_implementation=implementation))
 
 
 def _logits_job(path: str, backends: tuple[str, ...], seed: int) -> dict:

@@ -58,25 +58,16 @@ def checkpoint(tmp_path_factory):
 
 
 def _inputs(rank: int):
-    import torch
+    from dbo.testing.hf import left_padded_prompts
 
-    g = torch.Generator().manual_seed(23 + rank)
-    batch = (3, 5)[rank]
-    ids = torch.randint(0, 64, (batch, 6), generator=g)
-    mask = torch.ones_like(ids)
-    for i, pad in enumerate(((0, 3, 0), (2, 0, 0, 5, 1))[rank]):
-        mask[i, :pad] = 0  # left padding, different per rank
-    return ids, mask
+    return left_padded_prompts(23 + rank, ((0, 3, 0), (2, 0, 0, 5, 1))[rank], 6)  # padding per rank
 
 
 def _load(path: str, backend: str | None, **experts):
-    import torch
-    from transformers import AutoModelForCausalLM
-
     from dbo.integrations.hf_ep import ep_distributed_config
+    from dbo.testing.hf import load_float32
 
-    kw = {} if backend is None else {"distributed_config": ep_distributed_config(backend, **experts)}
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kw).eval()
+    return load_float32(path, None if backend is None else ep_distributed_config(backend, **experts))
 
 
 def _choice_job(path: str, backend: str) -> dict:

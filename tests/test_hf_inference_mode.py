@@ -47,25 +47,16 @@ def checkpoint(tmp_path_factory):
 
 
 def _inputs(rank: int):
-    import torch
+    from dbo.testing.hf import left_padded_prompts
 
-    g = torch.Generator().manual_seed(11 + rank)
-    batch = (3, 4)[rank]
-    ids = torch.randint(0, 64, (batch, 6), generator=g)
-    mask = torch.ones_like(ids)
-    for i, pad in enumerate(((2, 0, 0), (0, 4, 1, 0))[rank]):
-        mask[i, :pad] = 0
-    return ids, mask
+    return left_padded_prompts(11 + rank, ((2, 0, 0), (0, 4, 1, 0))[rank], 6)
 
 
 def _load(path: str, backend: str | None):
-    import torch
-    from transformers import AutoModelForCausalLM
-
     from dbo.integrations.hf_ep import ep_distributed_config
+    from dbo.testing.hf import load_float32
 
-    kw = {} if backend is None else {"distributed_config": ep_distributed_config(backend)}
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kw)
+    return load_float32(path, None if backend is None else ep_distributed_config(backend))
 
 
 def _rel(a, b, valid) -> float:
