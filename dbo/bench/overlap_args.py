@@ -76,10 +76,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="MoE layers per step (deepep_ll 4, else 2); times are reported per layer")
     p.add_argument("--num-sms", type=int, nargs="+", default=None,
                    help="deepep_ht: SMs for DeepEP's kernels, Buffer.set_num_sms (24 32 48)")
-    p.add_argument("--ll-rows", default="auto",
-                   help="deepep_ll expert rows computed per expert: auto (most tokens any expert "
-                        "received, rounded up to 16: a masked grouped GEMM stand-in), full (the "
-                        "whole capacity) or a number")
+    p.add_argument("--ll-rows", default="masked",
+                   help="deepep_ll experts: masked (the fused kernels over the rows that arrived, "
+                        "counted on the device), or two batched matmuls over auto (the most "
+                        "tokens any expert received, rounded up to 16), full (the whole "
+                        "capacity) or a number of rows per expert")
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     p.add_argument("--steps", type=int, default=None, help="timed steps per configuration (20)")
     p.add_argument("--warmup", type=int, default=None, help="warm-up steps per configuration (3)")
@@ -130,8 +131,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--num-sms values must be even (DeepEP)")
     if args.topk > args.experts:
         p.error("--topk must be <= --experts")
-    if args.ll_rows not in ("auto", "full") and not args.ll_rows.isdigit():
-        p.error("--ll-rows must be auto, full or a number")
+    if args.ll_rows not in ("masked", "auto", "full") and not args.ll_rows.isdigit():
+        p.error("--ll-rows must be masked, auto, full or a number")
     return args
 
 

@@ -215,7 +215,10 @@ class ShapeBench:
                                         ("merged", self.merged, self.pf_dbo, 2)):
                 cap = pf.max_num_tokens_per_rank() * pf.num_dispatchers() * calls
                 self.rows[mode] = _round_rows(self._rows_received(pf, fn, mode), cap)
-        elif self.batched and self.args.ll_rows != "full":
+        elif self.batched and self.args.ll_rows == "full":
+            cap = self.pf.max_num_tokens_per_rank() * self.pf.num_dispatchers()
+            self.rows = {"serial": cap, "dbo": cap, "merged": 2 * cap}
+        elif self.batched and self.args.ll_rows != "masked":
             n = int(self.args.ll_rows)
             self.rows = {"serial": n, "dbo": n, "merged": 2 * n}
         self.rec["ll_rows"] = dict(self.rows) if self.batched else None

@@ -14,8 +14,10 @@ Triton, float32 accumulation, no atomics). Nothing in :meth:`SwiGLUExperts.apply
 back, so under DBO the CPU queues the other ubatch's work while these kernels run. On the CPU
 (and without Triton) the same steps run in plain torch.
 
-BATCHED_EXPERTS format: two batched matmuls over each expert's slab on CUDA; a loop over the
-experts that received tokens on the CPU.
+BATCHED_EXPERTS format: on CUDA the fused kernels over the rows that arrived, with the counts
+read on the device (:mod:`dbo.moe.kernels.batched`; without Triton, or with ``batched_rows``,
+two batched matmuls over each expert's slab); a loop over the experts that received tokens on
+the CPU.
 
 fp8 inputs: a backend that hands over fp8 activations with DeepEP's block scales (one float32
 scale per 128 hidden elements, ``a1q_scale``) gets them dequantized to the weights' dtype before
@@ -38,6 +40,7 @@ from dbo.moe.base import (
     Workspace,
 )
 from dbo.moe.grouping import group_by_expert
+from dbo.moe.kernels.batched import batched_swiglu_experts
 from dbo.moe.kernels.fused_experts import fused_swiglu_experts, prefer_fused
 from dbo.moe.kernels.gather_reduce import gather_reduce, gather_rows, silu_and_mul, use_triton_for
 from dbo.moe.kernels.grouped_gemm import grouped_mm
@@ -84,9 +87,11 @@ class SwiGLUExperts(MoEExperts):
         use_grouped_mm: allow ``torch._grouped_mm`` (default: where it applies).
         use_triton: use the Triton kernels (default: on CUDA when Triton is importable; False
             forces the plain torch versions, True forces Triton, e.g. under TRITON_INTERPRET).
-        batched_rows: BATCHED_EXPERTS on CUDA: compute only the first ``batched_rows`` rows of
-            each expert's slab (rows past it are left unwritten). Only for a caller that knows
-            no expert receives more (a masked grouped GEMM's expected rows); default all.
+        batched_rows: BATCHED_EXPERTS on CUDA: two batched matmuls over the first
+            ``batched_rows`` rows of each expert's slab (rows past it are left unwritten), in
+            place of the fused kernels over the rows that arrived. Only for a caller that knows
+            no expert receives more; default None (the fused kernels where Triton runs, else
+            the matmuls over whole slabs).
         fused: STANDARD format with Triton: the fused kernels of :mod:`dbo.moe.kernels.fused_experts`
             (gather in the first GEMM's prologue, activation in its epilogue, slot scatter in
             the second's). Default: chosen per call by the estimated rows per expert
@@ -132,7 +137,7 @@ class SwiGLUExperts(MoEExperts):
         self._format = activation_format
         x = dequantize_blocks(hidden_states, a1q_scale, w1.dtype)
         if activation_format is ActivationFormat.BATCHED_EXPERTS:
-            return self._apply_batched(x, w1, w2, expert_tokens_meta, workspace)
+            return self._apply_batched(x, w1, w2, expert_tokens_meta, workspace, topk_ids)
         return self._apply_standard(x, w1, w2, topk_weights, topk_ids, expert_tokens_meta,
                                     apply_router_weight_on_input, workspace)
 
@@ -203,7 +208,8 @@ class SwiGLUExperts(MoEExperts):
     # ---- BATCHED_EXPERTS ------------------------------------------------------------------
 
     def _apply_batched(self, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
-                       meta: ExpertTokensMetadata | None, workspace: Workspace) -> torch.Tensor:
+                       meta: ExpertTokensMetadata | None, workspace: Workspace,
+                       topk_ids: torch.Tensor | None = None) -> torch.Tensor:
         if x.dim() != 3:
             raise ValueError(f"BATCHED_EXPERTS activations must be [num_local_experts, max_tokens, "
                              f"hidden], got shape {tuple(x.shape)}")
@@ -212,6 +218,12 @@ class SwiGLUExperts(MoEExperts):
         n_local, max_tokens, hidden = x.shape
         check_expert_weights(w1, w2, hidden, x.dtype, n_local)
         out = workspace.get("fused_out", (n_local, max_tokens, hidden), x.dtype, x.device)
+        if x.is_cuda and self.batched_rows is None and use_triton_for(x, self.use_triton):
+            # the rows that arrived only (the counts stay on the device); rows past them are
+            # left unwritten, which finalize ignores
+            est = None if topk_ids is None else topk_ids.numel() / n_local
+            return batched_swiglu_experts(x, w1, w2, meta.expert_num_tokens, out=out,
+                                          rows_per_expert=est)
         if x.is_cuda:
             # padded rows compute garbage, which finalize ignores; two launches beat a loop
             rows = max_tokens if self.batched_rows is None else min(self.batched_rows, max_tokens)

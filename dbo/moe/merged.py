@@ -17,9 +17,10 @@ Formats:
 * BATCHED_EXPERTS: each ubatch's ``[L, cap_u, hidden]`` slab holds expert ``e``'s rows at its
   front (``n_u[e]`` of them); the merged slab ``[L, sum cap_u, hidden]`` holds ubatch 0's rows
   of expert ``e``, then ubatch 1's, and so on, packed at the front with ``sum_u n_u[e]`` as the
-  count, built by one gather with indices computed on the device (no host sync). Each ubatch
-  gets back ``[L, cap_u, hidden]`` with its rows at the front again (rows past its count are
-  unspecified, as the format allows).
+  count. Only the rows that arrived are copied, to places computed on the device (no host
+  sync: :func:`dbo.moe.kernels.batched.move_rows`, one launch per ubatch); the slab's other rows
+  are unspecified. Each ubatch gets back ``[L, cap_u, hidden]`` with its rows at the front again
+  (rows past its count unspecified, as the format allows), copied the same way.
 
 Failure: a ubatch that raises anywhere makes the driver unwind the others, which throws
 ``GreenletExit`` into a waiting ubatch; its rendezvous is dropped on the way out, so the next
@@ -45,6 +46,7 @@ from dbo.context import (
 )
 from dbo.moe.base import ActivationFormat, ExpertTokensMetadata
 from dbo.moe.errors import MergedScheduleError
+from dbo.moe.kernels.batched import move_rows
 
 __all__ = ["ExpertsInput", "ExpertsRendezvous", "merge_inputs", "same_call_key", "MAX_IDLE_YIELDS"]
 
@@ -96,14 +98,6 @@ def _merge_meta(metas: Sequence[ExpertTokensMetadata | None]) -> ExpertTokensMet
     return ExpertTokensMetadata(dev.to(metas[0].expert_num_tokens.dtype), host)
 
 
-def _gather_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """``out[e, r] = x[e, rows[e, r]]`` for ``x`` ``[L, C, ...]`` and ``rows`` ``[L, R]`` int64."""
-    if x.element_size() == 1 and x.is_floating_point():  # fp8: gather moves bytes
-        return _gather_rows(x.view(torch.uint8), rows).view(x.dtype)
-    idx = rows.view(*rows.shape, *([1] * (x.dim() - 2))).expand(*rows.shape, *x.shape[2:])
-    return torch.gather(x, 1, idx)
-
-
 def _merge_standard(inputs: Sequence[ExpertsInput]) -> tuple[ExpertsInput, Splitter]:
     rows = [int(i.a1q.shape[0]) for i in inputs]
     ids = [i.topk_ids for i in inputs]
@@ -130,21 +124,31 @@ def _merge_batched(inputs: Sequence[ExpertsInput]) -> tuple[ExpertsInput, Splitt
                                   "expert_tokens_meta in every ubatch")
     caps = [int(i.a1q.shape[1]) for i in inputs]
     n_local, device = int(inputs[0].a1q.shape[0]), inputs[0].a1q.device
-    total, u_max = sum(caps), len(inputs) - 1
+    total = sum(caps)
     counts = torch.stack([m.expert_num_tokens.to(torch.int64) for m in metas], dim=1)  # [L, U]
-    ends = counts.cumsum(1)
-    starts = ends - counts
-    # each ubatch's first row in the concatenated slabs, filled on the device (no host copy)
-    base = torch.cat([torch.full((1,), sum(caps[:u]), dtype=torch.int64, device=device)
-                      for u in range(len(caps))])
-    pos = torch.arange(total, dtype=torch.int64, device=device)
-    # merged row p of expert e belongs to the first ubatch whose rows of e end after p
-    owner = (pos.view(1, -1, 1) >= ends.view(n_local, 1, -1)).sum(-1).clamp_(max=u_max)  # [L, C]
-    src = (base[owner] + pos.view(1, -1) - starts.gather(1, owner)).clamp_(0, max(total - 1, 0))
-    scales = _cat([i.a1q_scale for i in inputs], 1, "scales")
+    starts = counts.cumsum(1) - counts
+    expert = torch.arange(n_local, dtype=torch.int64, device=device).view(-1, 1)
+
+    def rows(u: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # ubatch u's slab rows and their merged rows; -1 past the expert's count (not copied)
+        j = torch.arange(caps[u], dtype=torch.int64, device=device).view(1, -1)
+        merged_row = torch.where(j < counts[:, u:u + 1], expert * total + starts[:, u:u + 1] + j, -1)
+        return (expert * caps[u] + j).view(-1), merged_row.view(-1)
+
+    places = [rows(u) for u in range(len(caps))]
+
+    def pack(parts: list[torch.Tensor]) -> torch.Tensor:
+        out = parts[0].new_empty(n_local, total, *parts[0].shape[2:])
+        for part, (slab_rows, merged_rows) in zip(parts, places):
+            move_rows(part, out, slab_rows, merged_rows, row_dims=2)
+        return out
+
+    scales = [i.a1q_scale for i in inputs]
+    if any(t is not None for t in scales) and not all(t is not None for t in scales):
+        raise MergedScheduleError("merged experts: some ubatches received scales and others not")
     merged = ExpertsInput(
-        _gather_rows(torch.cat([i.a1q for i in inputs], dim=1), src),
-        None if scales is None else _gather_rows(scales, src),
+        pack([i.a1q for i in inputs]),
+        None if scales[0] is None else pack(scales),
         _merge_meta(metas),
         _cat([i.topk_ids for i in inputs], 0, "top-k ids"),
         _cat([i.topk_weights for i in inputs], 0, "top-k weights"),
@@ -152,9 +156,9 @@ def _merge_batched(inputs: Sequence[ExpertsInput]) -> tuple[ExpertsInput, Splitt
 
     def split(out: torch.Tensor) -> list[torch.Tensor]:
         parts = []
-        for u, cap in enumerate(caps):
-            r = torch.arange(cap, dtype=torch.int64, device=device).view(1, -1)
-            parts.append(_gather_rows(out, (starts[:, u:u + 1] + r).clamp_(0, max(total - 1, 0))))
+        for cap, (slab_rows, merged_rows) in zip(caps, places):
+            part = out.new_empty(n_local, cap, *out.shape[2:])
+            parts.append(move_rows(out, part, merged_rows, slab_rows, row_dims=2))
         return parts
 
     return merged, split
