@@ -485,3 +485,84 @@ def test_route_with_maps_equals_routing_then_maps(m, n_local):
     for got, want in zip(maps, want_maps, strict=True):
         k = 1 + fm.MAP_ENTRY * int(want[0])
         assert torch.equal(got[:k], want[:k])
+
+
+# ---- BATCHED_EXPERTS (deepep_ll's slabs) ----------------------------------------------------
+
+
+def _slabs(n_local: int, cap: int, hidden: int, inter: int, dtype: torch.dtype, seed: int):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(n_local, cap, hidden, device="cuda", generator=g).to(dtype)
+    w1 = (torch.randn(n_local, 2 * inter, hidden, device="cuda", generator=g) / hidden ** 0.5).to(dtype)
+    w2 = (torch.randn(n_local, hidden, inter, device="cuda", generator=g) / inter ** 0.5).to(dtype)
+    counts = torch.randint(0, cap + 1, (n_local,), device="cuda", generator=g).to(torch.int32)
+    counts[0], counts[-1] = 0, cap
+    return x, w1, w2, counts
+
+
+def _batched(experts: SwiGLUExperts, x, w1, w2, counts, topk_ids=None) -> torch.Tensor:
+    return experts.apply(x, w1, w2, None, topk_ids, activation_format=ActivationFormat.BATCHED_EXPERTS,
+                         expert_tokens_meta=ExpertTokensMetadata(counts), apply_router_weight_on_input=False,
+                         workspace=Workspace())
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="needs Triton")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("n_local,cap,hidden,inter", [(8, 512, 2048, 1024), (3, 100, 256, 128),
+                                                      (16, 64, 7168, 2048)])
+def test_batched_slabs_compute_the_rows_that_arrived(dtype, n_local, cap, hidden, inter):
+    # the fused kernels over each expert's first counts[e] rows, with no host sync, against the
+    # batched matmuls over whole slabs (the same rows); rows past the counts stay unwritten
+    x, w1, w2, counts = _slabs(n_local, cap, hidden, inter, dtype, seed=cap)
+    want = _batched(SwiGLUExperts(batched_rows=cap), x, w1, w2, counts)
+    experts = SwiGLUExperts()
+    _batched(experts, x, w1, w2, counts)  # compiles
+    with no_host_syncs():
+        got = _batched(experts, x, w1, w2, counts).clone()
+    for e, c in enumerate(counts.tolist()):
+        if c:
+            err = relative_error(got[e, :c].float(), want[e, :c].float())
+            assert err < TOL[dtype], (e, c, err)
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="needs Triton")
+def test_batched_slabs_in_a_cuda_graph_follow_the_counts():
+    # captured once, replayed with other counts: the graph reads them on the device
+    from dbo.moe.kernels.batched import batched_swiglu_experts
+
+    x, w1, w2, counts = _slabs(8, 256, 1024, 512, torch.bfloat16, seed=5)
+    out = torch.zeros_like(x)
+    batched_swiglu_experts(x, w1, w2, counts, out=out)  # compiles
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        batched_swiglu_experts(x, w1, w2, counts, out=out)
+    for seed in range(3):
+        counts.copy_(torch.randint(0, 257, (8,), device="cuda", generator=torch.Generator(
+            device="cuda").manual_seed(seed)).to(torch.int32))
+        out.fill_(float("nan"))
+        graph.replay()
+        want = _batched(SwiGLUExperts(batched_rows=256), x, w1, w2, counts)
+        for e, c in enumerate(counts.tolist()):
+            assert bool(out[e, c:].isnan().all()), (seed, e)
+            if c:
+                assert relative_error(out[e, :c].float(), want[e, :c].float()) < TOL[torch.bfloat16], (seed, e)
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="needs Triton")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.float32])
+def test_move_rows_on_the_gpu_is_plain_indexing(dtype):
+    from dbo.moe.kernels.batched import move_rows
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    src = torch.randn(4, 300, 7168 if dtype != torch.float32 else 56, device="cuda", generator=g).to(dtype)
+    dst = torch.zeros(2, 700, src.shape[-1], device="cuda").to(dtype)
+    s = torch.randperm(1200, device="cuda", generator=g)[:900]
+    d = torch.randperm(1400, device="cuda", generator=g)[:900]
+    s[::7] = -1
+    d[::5] = -1
+    want = dst.cpu().clone()
+    move_rows(src.cpu(), want, s.cpu(), d.cpu(), row_dims=2, use_triton=False)
+    with no_host_syncs():
+        move_rows(src, dst, s, d, row_dims=2)
+    assert torch.equal(dst.cpu().view(torch.uint8), want.view(torch.uint8))
