@@ -123,8 +123,9 @@ def run(a: argparse.Namespace, args: argparse.Namespace, rank: int, world: int,
     rows = []
 
     cfg = DistributedConfig(fsdp_size=world, ep_size=world, ep_implementation="all_to_all")
-    ref = AutoModelForCausalLM.from_pretrained(args.checkpoint, dtype=args.dtype,
-                                               distributed_config=cfg).eval()
+    ref = hf_moe.timed_load(lambda: AutoModelForCausalLM.from_pretrained(args.checkpoint, dtype=args.dtype,
+                                                                         distributed_config=cfg),
+                            device, "transformers all_to_all").eval()
     with torch.no_grad():  # transformers' own EP fails under inference_mode
         ms, want = timed(lambda m=ref: m.generate(input_ids=ids, attention_mask=mask, do_sample=False,
                                                   max_new_tokens=a.new_tokens, min_new_tokens=a.new_tokens),

@@ -237,7 +237,26 @@ def load_checkpoint(args: argparse.Namespace, device: torch.device, *, expert_pa
 
     kw = {"distributed_config": ep_distributed_config(args.backend[0], dist.get_world_size())} \
         if expert_parallel else {"device_map": device}
-    return AutoModelForCausalLM.from_pretrained(args.checkpoint, dtype=args.dtype, **kw).eval()
+    what = f"dbo_{args.backend[0]} expert-parallel" if expert_parallel else "whole"
+    return timed_load(lambda: AutoModelForCausalLM.from_pretrained(args.checkpoint, dtype=args.dtype, **kw),
+                      device, what).eval()
+
+
+def timed_load(load, device: torch.device, what: str):
+    """``load()``, printing (rank 0) its seconds and the peak GPU memory of the slowest and
+    fullest rank: the load table's row."""
+    reset_peak(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    model = load()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    seconds, peak = slowest([time.perf_counter() - t0, peak_gib(device)], device)
+    if dist.get_rank() == 0:
+        print(f"load ({what}): from_pretrained {seconds:.1f} s, peak {peak:.2f} GiB per rank "
+              "(slowest / fullest rank)", flush=True)
+    return model
 
 
 def reset_peak(device: torch.device) -> None:
@@ -260,8 +279,9 @@ def hf_all_to_all_rows(args: argparse.Namespace, inputs: dict, device: torch.dev
     from transformers.distributed import DistributedConfig
 
     cfg = DistributedConfig(fsdp_size=world, ep_size=world, ep_implementation="all_to_all")
-    ref = AutoModelForCausalLM.from_pretrained(args.checkpoint, dtype=args.dtype,
-                                               distributed_config=cfg).eval()
+    ref = timed_load(lambda: AutoModelForCausalLM.from_pretrained(args.checkpoint, dtype=args.dtype,
+                                                                  distributed_config=cfg),
+                     device, "transformers all_to_all").eval()
     anchor, keep = {}, args.logits_to_keep
     with torch.no_grad():  # transformers' EP fails under inference_mode (its DTensor experts)
         for shape, ids in inputs.items():
