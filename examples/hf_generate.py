@@ -105,6 +105,14 @@ def agreement(got: torch.Tensor, want: torch.Tensor, prompt: int) -> tuple[float
     return same.all(1).float().mean().item(), (first.float() / g.shape[1]).mean().item()
 
 
+def add_row(rows: list[dict], rank: int, row: dict) -> None:
+    """Keep ``row`` and print it at once (rank 0): a run cut short still shows what it measured."""
+    rows.append(row)
+    if rank == 0:
+        print(f"row: {row['run']}: {row['ms']:.1f} ms, {row['tok_s']:,.0f} new tokens/s per GPU, "
+              f"identical {row['same']:.2f}, before 1st diff {row['prefix']:.2f}", flush=True)
+
+
 def run(a: argparse.Namespace, args: argparse.Namespace, rank: int, world: int,
         device: torch.device) -> list[dict]:
     from transformers import AutoModelForCausalLM
@@ -131,8 +139,8 @@ def run(a: argparse.Namespace, args: argparse.Namespace, rank: int, world: int,
                                                   max_new_tokens=a.new_tokens, min_new_tokens=a.new_tokens),
                          a.steps, a.warmup, device)
     ms = hf_moe.slowest([ms], device)[0]
-    rows.append(dict(run="transformers generate (all_to_all)", ms=ms, tok_s=new / ms * 1e3,
-                     same=1.0, prefix=1.0))
+    add_row(rows, rank, dict(run="transformers generate (all_to_all)", ms=ms, tok_s=new / ms * 1e3,
+                             same=1.0, prefix=1.0))
     del ref
     gc.collect()
     if device.type == "cuda":
@@ -149,8 +157,9 @@ def run(a: argparse.Namespace, args: argparse.Namespace, rank: int, world: int,
                     model, ids, mask, max_new_tokens=a.new_tokens, config=split), a.steps, a.warmup, device)
                 same, prefix = agreement(got, want, a.prompt)
                 ms, neg_same, neg_prefix = hf_moe.slowest([ms, -same, -prefix], device)
-                rows.append(dict(run=f"dbo greedy_generate {backend} {name}", ms=ms, tok_s=new / ms * 1e3,
-                                 same=-neg_same, prefix=-neg_prefix, split=str(plan)))
+                add_row(rows, rank, dict(run=f"dbo greedy_generate {backend} {name}", ms=ms,
+                                         tok_s=new / ms * 1e3, same=-neg_same, prefix=-neg_prefix,
+                                         split=str(plan)))
     return rows
 
 

@@ -37,7 +37,8 @@
 #                  EXTRA_WHEELS="transformers==5.23.0" ../shared/gpu/fetch-wheels.sh
 #   generate:N     examples/hf_generate.py: greedy decoding of 64 new tokens after 512-token prompts,
 #                  batch 64 per rank: transformers' generate() (all_to_all) beside dbo's
-#                  greedy_generate on GEN_BACKENDS, plain and DBO, and the ids' agreement
+#                  greedy_generate on GEN_BACKENDS, plain and DBO, and the ids' agreement (GEN_STEPS
+#                  timed calls each, default 1: transformers' generate() alone takes minutes)
 #
 # Writes OUTDIR/run_log.txt (everything printed; default OUTDIR: $OUT, else ./out) and one
 # OUTDIR/STEP.tgz per step that writes files (JSON bundles, traces). Exits non-zero if a step
@@ -49,11 +50,11 @@ while getopts "o:d:h" opt; do
   case $opt in
     o) out=$OPTARG ;;
     d) deadline_s=$OPTARG ;;
-    *) sed -n '2,44p' "$0"; exit 2 ;;
+    *) sed -n '2,45p' "$0"; exit 2 ;;
   esac
 done
 shift $((OPTIND - 1))
-[ $# -gt 0 ] || { sed -n '2,44p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,45p' "$0"; exit 2; }
 mkdir -p "$out"
 log="$out/run_log.txt"
 deadline=$((SECONDS + deadline_s))
@@ -187,7 +188,7 @@ for arg in "$@"; do
       save=(--checkpoint "$ckpt")
       [ -f "$ckpt/config.json" ] || save=(--save-checkpoint "$ckpt")
       run "generate-$n" "${GEN_CAP_S:-420}" $tr_ "$n" examples/hf_generate.py --device cuda --preset qwen3-30b-a3b \
-        --layers "${HF_LAYERS:-48}" "${save[@]}" --batch 64 --prompt 512 --new-tokens 64 \
+        --layers "${HF_LAYERS:-48}" "${save[@]}" --batch 64 --prompt 512 --new-tokens 64 --steps "${GEN_STEPS:-1}" --warmup 1 \
         --backend ${GEN_BACKENDS:-copy_engine deepep_ht} --json "$files/generate.json" ;;
     *)
       echo "=== unknown step '$step' (see the header of $0)" | tee -a "$log"

@@ -129,13 +129,26 @@ def _launch(kernel, bound: int, device: torch.device, args: tuple, kwargs: dict,
         key = (id(kernel), tuple(kwargs.items()), dtype, device)
         props = _props(device)
         per_sm = _PER_SM.get(key)
-        compiled = launch(kernel, (max(1, min(bound, props.multi_processor_count * (per_sm or 1))),), args,
+        compiled = launch(kernel, (max(1, min(bound, resident_sms(props) * (per_sm or 1))),), args,
                           kwargs)
         if per_sm is None:
             _PER_SM[key] = _per_sm(compiled, props)
 
 
 _PROPS: dict[torch.device, object] = {}
+
+_CARVEOUT = getattr(torch._C, "_get_sm_carveout_experimental", None)
+
+
+def resident_sms(props) -> int:
+    """The SMs a persistent kernel's programs spread over: the device's, less torch's SM
+    carve-out where one is set (:func:`dbo.overlap.sm_carveout`, as cuBLAS leaves them). A
+    persistent grid that fills every SM keeps each SM until its last tile is done, so a kernel
+    queued meanwhile on another stream (a DeepEP kernel of the other ubatch) cannot start
+    before it ends; the carve-out leaves it room."""
+    total = props.multi_processor_count
+    carve = _CARVEOUT() if _CARVEOUT is not None else None
+    return max(1, total - carve) if carve else total
 
 
 def _props(device: torch.device):
@@ -163,7 +176,7 @@ def ws_programs(cfg: GemmConfig, pairs: int, w1: torch.Tensor) -> int:
     """The programs of the warp-specialized gate/up kernel for tile ``cfg`` (one per SM at most);
     a split tile's kernel takes as many int32 counters (:func:`launch_gate_up`'s ``counts``)."""
     n_experts, two_inter, _ = w1.shape
-    return min(_bound(cfg, pairs, n_experts, two_inter // 2), _props(w1.device).multi_processor_count)
+    return min(_bound(cfg, pairs, n_experts, two_inter // 2), resident_sms(_props(w1.device)))
 
 
 def launch_gate_up(x: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, w1: torch.Tensor,
