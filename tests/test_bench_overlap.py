@@ -190,18 +190,23 @@ def test_bench_dbo_sm_carveout_variants(tmp_path):
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("backend, extra, sms", [
     ("deepep_ht", ["--num-sms", "24", "32"], [24, 32]),
+    ("deepep_ll", ["--tokens", "32", "--ll-rows", "auto"], []),
     ("deepep_ll", ["--tokens", "32"], []),
 ])
 def test_bench_deepep_paths_on_fake(tmp_path, backend, extra, sms):
     # the fake deep_ep (dbo.testing) runs the DeepEP code paths of the benchmark on gloo:
-    # SM-count switching, record/replay, the low-latency row bound
+    # SM-count switching, record/replay, the low-latency row bound (--ll-rows auto) or none
+    # (the default: the experts take the rows that arrived from the device counts)
     bundle = _run_bench(tmp_path, "--backend", backend, "--fake-deep-ep", *extra)
     _check_structure(bundle, backend, sms)
     sh = bundle["shapes"][0]
     if backend == "deepep_ll":
         rows = sh["ll_rows"]
-        assert 0 < rows["dbo"] <= rows["serial"] <= 2 * sh["tokens"]
-        assert rows["dbo"] <= rows["merged"] <= 2 * rows["dbo"] + 16
+        if "auto" in extra:
+            assert 0 < rows["dbo"] <= rows["serial"] <= 2 * sh["tokens"]
+            assert rows["dbo"] <= rows["merged"] <= 2 * rows["dbo"] + 16
+        else:
+            assert rows == {"serial": None, "dbo": None, "merged": None}
         assert bundle["crossover"][0]["intermediate"] == sh["intermediate"]
     else:
         assert bundle["env"]["deepep_setup"]["deep_ep_default_num_sms"] == 20
@@ -241,3 +246,22 @@ def test_bench_under_a_simulated_link(tmp_path):
                    "formula": "arrival >= send + latency_us + remote_fraction * bytes / gbps"}
     s = bundle["shapes"][0]["summary"]
     assert s["comm_ms"] >= 2 * 20.0  # a dispatch and a combine per layer, each past its latency
+
+
+def test_cuda_graph_rows_in_the_table(tmp_path):
+    # the CUDA-graph table (filled on GPUs only) renders the merged capture where there is one,
+    # a dash where it failed, and a failed capture's error
+    from dbo.bench.report import format_table
+
+    bundle = _run_bench(tmp_path, "--backend", "naive")
+    shape = bundle["shapes"][0]
+    graph = {"ok": True, "eager_serial_ms": 2.0, "eager_dbo_ms": 3.0, "graph_serial_ms": 1.0,
+             "graph_dbo_ms": 0.9, "graph_dbo_over_serial": 0.9, "dbo_replay_equals_eager": True}
+    shapes = [dict(shape, cuda_graph=dict(graph, graph_merged_ms=0.8, graph_merged_over_serial=0.8)),
+              dict(shape, tokens=128, cuda_graph=dict(graph, merged_error="RuntimeError: x")),
+              dict(shape, tokens=256, cuda_graph={"ok": False, "error": "RuntimeError: capture"})]
+    lines = format_table(dict(bundle, shapes=shapes)).splitlines()
+    head = next(i for i, ln in enumerate(lines) if ln.startswith("CUDA graph"))
+    rows = [ln.split() for ln in lines[head + 2:head + 5]]
+    assert rows[0][-2:] == ["0.80", "0.800"] and rows[1][-2:] == ["-", "-"]
+    assert rows[2][:3] == ["256", str(shape["intermediate"]), "FAILED:"]

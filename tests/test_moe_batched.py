@@ -34,7 +34,7 @@ def test_move_rows_copies_the_pairs_whose_indices_are_both_set(dtype):
     s = s.clamp(max=29)
     d = d.clamp(max=39)
     want = dst.clone().view(-1, 6)
-    for i, j in zip(s.tolist(), d.tolist()):
+    for i, j in zip(s.tolist(), d.tolist(), strict=True):
         if i >= 0 and j >= 0:
             want[j] = src.view(-1, 6)[i]
     got = move_rows(src, dst, s, d, row_dims=2, use_triton=False)

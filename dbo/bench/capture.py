@@ -1,5 +1,5 @@
 """Captures of one shape: dbo's schedule trace and torch.profiler kernel traces of a step, and
-a whole serial and DBO step captured into CUDA graphs and replayed (deepep_ll)."""
+a whole serial, DBO and merged-schedule step captured into CUDA graphs and replayed (deepep_ll)."""
 
 from __future__ import annotations
 
@@ -53,8 +53,55 @@ def traces(sb: ShapeBench, profile: bool, out_dir: Path) -> dict | None:
     sb.progress.update(sb._label("traces"))
     return trace.to_chrome() if sb.rank == 0 else None
 
+def _capture(sb: ShapeBench, mode: str, res: dict[str, Any], graphs: list[Any]) -> torch.Tensor:
+    """Time ``mode``'s eager step, capture it whole, replay it: its figures into ``res``."""
+    sb.use_best(mode)
+    fn = {"serial": sb.serial, "dbo": sb.dbo, "merged": sb.merged}[mode]
+    eager = fn()
+    res[f"eager_{mode}_ms"] = measure(fn, warmup=1, steps=sb.args.steps, device=sb.device,
+                                      memory=False).median_ms / sb.layers
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    dist.barrier()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, capture_error_mode="thread_local"):
+        static_out = fn()
+    graphs.append(g)
+    g.replay()
+    torch.cuda.synchronize()
+    res[f"{mode}_replay_rel_err"] = max_rel_error(static_out, eager, sb.device)
+    res[f"{mode}_replay_bitwise_equal"] = bool(
+        reduce_max([0.0 if torch.equal(static_out, eager) else 1.0], sb.device)[0] == 0.0)
+    timing = measure(g.replay, warmup=2, steps=sb.args.steps, device=sb.device)
+    res[f"graph_{mode}_ms"] = timing.median_ms / sb.layers
+    res[f"graph_{mode}_timing"] = timing.to_json()
+    if res[f"{mode}_replay_rel_err"] > sb.tol:
+        sb.rec["warnings"].append(f"T={sb.T}: the replayed {mode} graph differs from "
+                                  f"eager (rel err {res[f'{mode}_replay_rel_err']:.3e})")
+    return static_out
+
+
+def _clean_after_failed_capture(sb: ShapeBench, res: dict[str, Any], key: str) -> None:
+    try:
+        torch.cuda.synchronize()
+        # an aborted capture advanced DeepEP's host-side buffer index without running the
+        # kernels: clean both low-latency buffers (collective; the failure is symmetric)
+        pf = sb.pf
+        pf.buffer.clean_low_latency_buffer(pf.max_tokens_per_rank, pf.padded_hidden,
+                                           pf.num_experts)
+        torch.cuda.synchronize()
+    except Exception as exc2:  # noqa: BLE001 - a sticky CUDA error: nothing more can run
+        res[key] += f"; then {type(exc2).__name__}: {exc2}"
+        raise
+
+
 def cuda_graph(sb: ShapeBench) -> None:
-    """Capture a whole serial step and a whole DBO step; replay; compare with eager."""
+    """Capture a whole serial, DBO (split) and merged-schedule step; replay; compare with eager.
+    The merged capture is optional: where it fails, the serial and DBO figures stand."""
     res: dict[str, Any] = {"ok": False}
     sb.rec["cuda_graph"] = res
     if sb.budget.expired():
@@ -63,57 +110,26 @@ def cuda_graph(sb: ShapeBench) -> None:
         return
     graphs: list[Any] = []
     try:
-        outs = {}
-        for mode in ("serial", "dbo"):
-            sb.use_best(mode)
-            fn = sb.serial if mode == "serial" else sb.dbo
-            eager = fn()
-            res[f"eager_{mode}_ms"] = measure(fn, warmup=1, steps=sb.args.steps, device=sb.device,
-                                              memory=False).median_ms / sb.layers
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    fn()
-            torch.cuda.current_stream().wait_stream(side)
-            dist.barrier()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, capture_error_mode="thread_local"):
-                static_out = fn()
-            graphs.append(g)
-            g.replay()
-            torch.cuda.synchronize()
-            res[f"{mode}_replay_rel_err"] = max_rel_error(static_out, eager, sb.device)
-            res[f"{mode}_replay_bitwise_equal"] = bool(
-                reduce_max([0.0 if torch.equal(static_out, eager) else 1.0], sb.device)[0] == 0.0)
-            timing = measure(g.replay, warmup=2, steps=sb.args.steps, device=sb.device)
-            res[f"graph_{mode}_ms"] = timing.median_ms / sb.layers
-            res[f"graph_{mode}_timing"] = timing.to_json()
-            outs[mode] = static_out
-        res["dbo_vs_serial_rel_err"] = max_rel_error(outs["dbo"], outs["serial"], sb.device)
-        res["dbo_replay_equals_eager"] = res["dbo_replay_rel_err"] <= sb.tol
-        res["graph_dbo_over_serial"] = res["graph_dbo_ms"] / res["graph_serial_ms"]
-        res["graph_serial_over_dbo"] = res["graph_serial_ms"] / res["graph_dbo_ms"]
-        res["eager_dbo_over_graph_dbo"] = res["eager_dbo_ms"] / res["graph_dbo_ms"]
-        res["ok"] = True
-        for mode in ("serial", "dbo"):
-            if res[f"{mode}_replay_rel_err"] > sb.tol:
-                sb.rec["warnings"].append(f"T={sb.T}: the replayed {mode} graph differs from "
-                                            f"eager (rel err {res[f'{mode}_replay_rel_err']:.3e})")
-    except Exception as exc:  # noqa: BLE001 - report what prevented capture, keep the bundle
-        res["error"] = f"{type(exc).__name__}: {exc}"
-        sb.rec["warnings"].append(f"T={sb.T}: CUDA graph capture/replay failed: {res['error']}")
         try:
-            torch.cuda.synchronize()
-            # an aborted capture advanced DeepEP's host-side buffer index without running the
-            # kernels: clean both low-latency buffers (collective; the failure is symmetric)
-            pf = sb.pf
-            pf.buffer.clean_low_latency_buffer(pf.max_tokens_per_rank, pf.padded_hidden,
-                                               pf.num_experts)
-            torch.cuda.synchronize()
-        except Exception as exc2:  # noqa: BLE001 - a sticky CUDA error: nothing more can run
-            res["error"] += f"; then {type(exc2).__name__}: {exc2}"
-            raise
+            outs = {mode: _capture(sb, mode, res, graphs) for mode in ("serial", "dbo")}
+            res["dbo_vs_serial_rel_err"] = max_rel_error(outs["dbo"], outs["serial"], sb.device)
+            res["dbo_replay_equals_eager"] = res["dbo_replay_rel_err"] <= sb.tol
+            res["graph_dbo_over_serial"] = res["graph_dbo_ms"] / res["graph_serial_ms"]
+            res["graph_serial_over_dbo"] = res["graph_serial_ms"] / res["graph_dbo_ms"]
+            res["eager_dbo_over_graph_dbo"] = res["eager_dbo_ms"] / res["graph_dbo_ms"]
+            res["ok"] = True
+        except Exception as exc:  # noqa: BLE001 - report what prevented capture, keep the bundle
+            res["error"] = f"{type(exc).__name__}: {exc}"
+            sb.rec["warnings"].append(f"T={sb.T}: CUDA graph capture/replay failed: {res['error']}")
+            _clean_after_failed_capture(sb, res, "error")
+        if res["ok"] and "merged" in sb.args.modes and not sb.budget.expired():
+            try:
+                _capture(sb, "merged", res, graphs)
+                res["graph_merged_over_serial"] = res["graph_merged_ms"] / res["graph_serial_ms"]
+            except Exception as exc:  # noqa: BLE001 - the merged figures are extra
+                res["merged_error"] = f"{type(exc).__name__}: {exc}"
+                sb.rec["warnings"].append(f"T={sb.T}: merged CUDA graph failed: {res['merged_error']}")
+                _clean_after_failed_capture(sb, res, "merged_error")
     finally:
         graphs.clear()
         sb.pf.reset()

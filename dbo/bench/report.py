@@ -177,9 +177,9 @@ def format_table(bundle: dict) -> str:
     graphs = [sh for sh in bundle["shapes"] if sh.get("cuda_graph")]
     if graphs:
         lines.append("CUDA graph (whole step captured; per layer ms): eager serial/DBO, replayed "
-                     "serial/DBO, DBO replay == eager DBO")
+                     "serial/DBO, DBO replay == eager DBO, replayed merged schedule and its ratio to serial")
         lines.append(f"{'tokens':>6} {'I':>5} {'eager-s':>7} {'eager-d':>7} {'graph-s':>7} {'graph-d':>7} "
-                     f"{'d/s':>6} {'equal':>6}")
+                     f"{'d/s':>6} {'equal':>6} {'graph-m':>7} {'m/s':>6}")
         for sh in graphs:
             g = sh["cuda_graph"]
             if not g.get("ok"):
@@ -188,7 +188,8 @@ def format_table(bundle: dict) -> str:
             lines.append(f"{sh['tokens']:>6} {sh['intermediate']:>5} {_f(g['eager_serial_ms']):>7} "
                          f"{_f(g['eager_dbo_ms']):>7} {_f(g['graph_serial_ms']):>7} "
                          f"{_f(g['graph_dbo_ms']):>7} {_f(g['graph_dbo_over_serial'], '.3f'):>6} "
-                         f"{str(g['dbo_replay_equals_eager']):>6}")
+                         f"{str(g['dbo_replay_equals_eager']):>6} {_f(g.get('graph_merged_ms')):>7} "
+                         f"{_f(g.get('graph_merged_over_serial'), '.3f'):>6}")
     if any((sh.get("summary") or {}).get("limit_ms") for sh in bundle["shapes"]):
         lim = env.get("limits") or {}
         lines.append(f"compute against the limit (per layer; limit = sum over the layer's parts of "

@@ -310,11 +310,11 @@ class ShapeBench:
         return m["num_sms"], m.get("sm_carveout")
 
     def use_best(self, mode: str) -> None:
-        """Run the next ``mode`` steps ("serial" or "dbo") in its fastest configuration."""
+        """Run the next ``mode`` steps ("serial", "dbo" or "merged") in its fastest configuration."""
         s, k = self.best(mode)
         self.sms.set(s)
         self.use(self.pf, mode)
-        self.carveout = k if mode == "dbo" else None
+        self.carveout = k if mode in ("dbo", "merged") else None
 
     def adaptive_forward(self) -> Callable[[torch.Tensor], torch.Tensor]:
         """The model's forward with each mode's best configuration: the one DBO measured best

@@ -139,7 +139,7 @@ def _merge_batched(inputs: Sequence[ExpertsInput]) -> tuple[ExpertsInput, Splitt
 
     def pack(parts: list[torch.Tensor]) -> torch.Tensor:
         out = parts[0].new_empty(n_local, total, *parts[0].shape[2:])
-        for part, (slab_rows, merged_rows) in zip(parts, places):
+        for part, (slab_rows, merged_rows) in zip(parts, places, strict=True):
             move_rows(part, out, slab_rows, merged_rows, row_dims=2)
         return out
 
@@ -156,7 +156,7 @@ def _merge_batched(inputs: Sequence[ExpertsInput]) -> tuple[ExpertsInput, Splitt
 
     def split(out: torch.Tensor) -> list[torch.Tensor]:
         parts = []
-        for cap, (slab_rows, merged_rows) in zip(caps, places):
+        for cap, (slab_rows, merged_rows) in zip(caps, places, strict=True):
             part = out.new_empty(n_local, cap, *out.shape[2:])
             parts.append(move_rows(out, part, merged_rows, slab_rows, row_dims=2))
         return parts
