@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -42,6 +43,8 @@ from dbo.streams import gpu_sleep
 __all__ = ["SimulatedLink", "SimulatedLinkPrepareAndFinalize", "FORMULA", "LinkStreams", "LINK_STREAMS"]
 
 FORMULA = "arrival >= send + latency_us + remote_fraction * bytes / gbps"
+#: calls whose modelled time a wrapper keeps (SimulatedLinkPrepareAndFinalize.modelled_us)
+MODELLED_KEPT = 4096
 
 #: backends that send every token to every peer (dispatch), and a partial sum back (combine)
 _EVERY_PEER = ("copy_engine", "naive")
@@ -153,8 +156,9 @@ class SimulatedLinkPrepareAndFinalize(PrepareAndFinalize):
         self._world = inner.num_dispatchers()
         self._num_experts = 0  # the last dispatch's, for the combine of the same call
         self._topk = 1
-        #: modelled microseconds of each call so far, (phase, us): for tests and reports
-        self.modelled_us: list[tuple[str, float]] = []
+        #: modelled microseconds of the last calls, (phase, us), oldest first: for tests and
+        #: reports (the last MODELLED_KEPT, so that a long run does not grow it without bound)
+        self.modelled_us: deque[tuple[str, float]] = deque(maxlen=MODELLED_KEPT)
 
     def __getattr__(self, attr: str) -> Any:  # the wrapped backend's own knobs (set_num_sms, ...)
         if attr == "inner":
