@@ -28,6 +28,11 @@
 #                  --backend-opt), TOKENS, OVERLAP_ARGS (more options), OVERLAP_BUDGET_S, OVERLAP_CAP_S
 #   decode:N       `dbo.bench overlap` with deepep_ll at decode sizes (T=32..512, I=2048); DECODE_ARGS
 #                  (more options, e.g. "--experts 32 --link 50,5 --remote-fraction 0.875"), TOKENS
+#   link:N         the tables under the simulated link (remote 7/8) for each of LINKS ("50,5 25,10":
+#                  GBPS,LATENCY_US): prefill with deepep_ht (24 SMs) and copy_engine at LINK_INTER
+#                  ("256 2048") x TOKENS, compare, then decode with deepep_ll and 8 local experts
+#                  per rank (DECODE_TOKENS, CUDA graphs); LINK_ARGS adds options to the prefill runs
+#                  (e.g. "--dbo-sm-carveout none 8 16"); ~9 min for one link at 4 ranks
 #   onerank        the one-rank overlap benchmark (naive: nothing to hide) at T 4096/16384 x
 #                  I 256/2048, and the decode sizes: what splitting alone costs
 #   hf:N           examples/hf_moe.py: a tiny DeepSeek-V3 smoke test, then Qwen3-30B-A3B at full size
@@ -50,11 +55,11 @@ while getopts "o:d:h" opt; do
   case $opt in
     o) out=$OPTARG ;;
     d) deadline_s=$OPTARG ;;
-    *) sed -n '2,45p' "$0"; exit 2 ;;
+    *) sed -n '2,50p' "$0"; exit 2 ;;
   esac
 done
 shift $((OPTIND - 1))
-[ $# -gt 0 ] || { sed -n '2,45p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,50p' "$0"; exit 2; }
 mkdir -p "$out"
 log="$out/run_log.txt"
 deadline=$((SECONDS + deadline_s))
@@ -166,6 +171,22 @@ for arg in "$@"; do
       run "decode-$n" "${DECODE_CAP_S:-240}" $tr_ "$n" -m dbo.bench overlap --device cuda --backend deepep_ll \
         --intermediate 2048 --tokens ${TOKENS:-32 128 512} --cuda-graph --time-budget-s "${DECODE_BUDGET_S:-200}" \
         ${DECODE_ARGS:-} --out "$files/deepep_ll" ;;
+    link)
+      for l in ${LINKS:-50,5 25,10}; do  # prefill: deepep_ht (24 SMs) and copy_engine; then decode
+        for b in deepep_ht copy_engine; do
+          sms=()
+          [ "$b" = deepep_ht ] && sms=(--num-sms 24)
+          run "link-$l-$b-$n" "${LINK_CAP_S:-150}" $tr_ "$n" -m dbo.bench overlap $ov_thin --backend "$b" "${sms[@]}" \
+            --intermediate ${LINK_INTER:-256 2048} --tokens ${TOKENS:-4096 8192 16384} --link "$l" \
+            --remote-fraction 0.875 --steps 6 --time-budget-s "${LINK_BUDGET_S:-120}" ${LINK_ARGS:-} \
+            --out "$files/${l/,/_}/$b"
+        done
+        run "link-$l-compare-$n" 30 python3 -m dbo.bench compare "$files/${l/,/_}"/*/ --json "$files/${l/,/_}/compare.json"
+        run "link-$l-decode-$n" "${DECODE_CAP_S:-150}" $tr_ "$n" -m dbo.bench overlap --device cuda --backend deepep_ll \
+          --intermediate 2048 --experts $((8 * n)) --tokens ${DECODE_TOKENS:-32 64 128 256 512} --cuda-graph \
+          --link "$l" --remote-fraction 0.875 --time-budget-s "${DECODE_BUDGET_S:-110}" ${DECODE_ARGS:-} \
+          --out "$files/${l/,/_}/deepep_ll"
+      done ;;
     onerank)
       run onerank 240 $tr_ 1 -m dbo.bench overlap $ov_thin --backend naive --tokens 4096 16384 \
         --intermediate 256 2048 --time-budget-s 200 --out "$files/prefill"
