@@ -390,3 +390,23 @@ def test_persistent_grids_leave_the_sm_carveout_free(monkeypatch):
     assert fused_experts.resident_sms(props) == 124
     monkeypatch.setattr(fused_experts, "_CARVEOUT", lambda: 500)
     assert fused_experts.resident_sms(props) == 1
+
+
+def test_tma_tiles_fall_back_below_sm90(monkeypatch):
+    # the TMA tiles (and the flat down kernel, which loads through TMA only) need sm_90: on an
+    # older GPU the pointer-load tiles run instead
+    from types import SimpleNamespace
+
+    from dbo.moe.kernels import fused_experts
+
+    gpu_tensor = SimpleNamespace(is_cuda=True, device="cuda:0")
+    for major, want in ((8, False), (9, True), (10, True)):
+        monkeypatch.setattr(fused_experts, "_props", lambda d, m=major: SimpleNamespace(major=m))
+        assert fused_experts._tma_ok(gpu_tensor) is want
+    assert fused_experts._tma_ok(torch.zeros(1))  # a CPU tensor: Triton's interpreter emulates TMA
+    cfg = fused_experts.GemmConfig(32, 16, 16, 2, 4, 2, flat=True)
+    act, w2 = torch.zeros(4, 16), torch.zeros(2, 8, 16)
+    monkeypatch.setattr(fused_experts, "_aligned", lambda *t: True)
+    for ok in (False, True):
+        monkeypatch.setattr(fused_experts, "_tma_ok", lambda t, ok=ok: ok)
+        assert fused_experts.runs_flat(cfg, act, w2) is ok

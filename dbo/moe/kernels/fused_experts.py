@@ -157,6 +157,12 @@ def _props(device: torch.device):
     return _PROPS[device]
 
 
+def _tma_ok(t: torch.Tensor) -> bool:
+    """Whether ``t``'s device has the tensor memory accelerator the TMA tiles load through
+    (sm_90 on; Triton's interpreter emulates it)."""
+    return not t.is_cuda or _props(t.device).major >= 9
+
+
 def _aligned(*tensors: torch.Tensor) -> bool:
     # a TMA descriptor's base must be 16-byte aligned (a weight tensor may be a view)
     return all(t.data_ptr() % 16 == 0 for t in tensors)
@@ -200,7 +206,7 @@ def launch_gate_up(x: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, 
     # a ws tile here (not on a Hopper GPU, or operands it cannot take): its Triton tile
     cfg = FP32_CONFIG if x.element_size() > 2 else cfg.triton_tile()
     persistent = cfg.runs_persistent(persistent)
-    tma = cfg.tma and hidden % cfg.block_k == 0 and _aligned(w1)
+    tma = cfg.tma and _tma_ok(x) and hidden % cfg.block_k == 0 and _aligned(w1)
     w = Desc(w1.view(n_experts * two_inter, hidden), (cfg.block_n, cfg.block_k)) if tma else w1
     _launch(gate_up_kernel, _bound(cfg, pairs, n_experts, inter), x.device, (
         x, order, offsets, w, act, n_experts, hidden, inter, w1.stride(0)), dict(
@@ -212,8 +218,8 @@ def launch_gate_up(x: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, 
 
 def runs_flat(cfg: GemmConfig, act: torch.Tensor, w2: torch.Tensor) -> bool:
     """Whether the down tile ``cfg`` runs as the flat kernel for these operands (TMA needs
-    16-byte rows and bases; else the K-loop tile)."""
-    return cfg.flat and w2.shape[2] % 8 == 0 and _aligned(act, w2)
+    sm_90 or newer, 16-byte rows and bases; else the K-loop tile)."""
+    return cfg.flat and _tma_ok(act) and w2.shape[2] % 8 == 0 and _aligned(act, w2)
 
 
 def launch_down(act: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, w2: torch.Tensor,
@@ -245,7 +251,7 @@ def launch_down(act: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, w
     flat = runs_flat(cfg, act, w2)
     if cfg.flat and not flat:
         cfg = DOWN_TAIL  # TMA needs 16-byte rows and bases: the K-loop tile reads through pointers
-    tma = flat or (cfg.tma and inter % cfg.block_k == 0 and _aligned(act, w2))
+    tma = flat or (cfg.tma and _tma_ok(act) and inter % cfg.block_k == 0 and _aligned(act, w2))
     a_desc, w = act, w2
     if tma:
         a_desc = Desc(act, (cfg.block_m, cfg.block_k))
