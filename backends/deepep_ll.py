@@ -54,6 +54,7 @@ from .deepep_buffer import (
     get_deepep_buffer,
 )
 from .deepep_common import (
+    FP8_BLOCK,
     DeepEPPrepareAndFinalize,
     check_bf16,
     dequantize_fp8_blocks,
@@ -300,6 +301,8 @@ class DeepEPLLPrepareAndFinalize(DeepEPPrepareAndFinalize):
             if scale is not None and self.dequantize_received:
                 q, scale = dequantize_fp8_blocks(q, scale), None
             a1q = q[..., : self.hidden]
+            if scale is not None:  # the blocks of the padded hidden's first ``hidden`` elements
+                scale = scale[..., : -(-self.hidden // FP8_BLOCK)]
             return PrepareResult(a1q, scale, ExpertTokensMetadata(counts, None), None, None)
 
         return (recv_hook, receiver) if use_hook else receiver

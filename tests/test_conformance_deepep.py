@@ -69,6 +69,10 @@ def test_deepep_ll_conformance(world2):
                      backend="ll", use_fp8_dispatch=True),
         with_options(dataclasses.replace(base, name="hidden 2048 unpadded", hidden=2048),
                      backend="ll"),
+        # fp8 handed to the experts with the scales of the unpadded hidden's blocks only
+        with_options(dataclasses.replace(base, name="fp8 padded hidden 200, experts dequantize",
+                                         hidden=200, tol_ref=6e-2),
+                     backend="ll", use_fp8_dispatch=True, dequantize_received=False),
     ]
     results = check_backend(world2, _make, cases)
     # two ubatches, each registers a dispatch and a combine hook: all ran
