@@ -253,3 +253,34 @@ def test_expert_parallel_load_gives_the_whole_models_logits(world, tmp_path):
 def _write_ckpt_job(directory: str) -> None:
     # std 0.3: routing differs token to token
     write_random_checkpoint(tiny_config("qwen3_moe"), directory, dtype=torch.float32, seed=7, std=0.3)
+
+
+def _write_with_a_failing_rank_job(directory: str) -> str:
+    # rank 1 cannot write its shards (its disk is full): both ranks raise at once, rank 1 its
+    # own error and rank 0 naming rank 1, and the directory has no config.json
+    import safetensors.torch
+    import torch.distributed as dist
+
+    real = safetensors.torch.save_file
+    if dist.get_rank() == 1:
+        def full(*args, **kwargs):
+            raise OSError(28, "No space left on device")
+
+        safetensors.torch.save_file = full
+    try:
+        write_random_checkpoint(tiny_config("qwen3_moe"), directory, dtype=torch.float32,
+                                max_shard_bytes=8192)
+    except Exception as exc:  # noqa: BLE001 - the error is the result
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        safetensors.torch.save_file = real  # the worker runs the module's other jobs too
+    return "no error"
+
+
+@pytest.mark.multiproc
+def test_a_rank_that_fails_to_write_fails_every_rank(world, tmp_path):
+    path = str(tmp_path / "ckpt")
+    errs = world.run(_write_with_a_failing_rank_job, path, timeout_s=60)
+    assert errs[0].startswith("RuntimeError") and "rank 1 failed while writing its shards" in errs[0], errs
+    assert errs[1].startswith("OSError") and "No space left" in errs[1], errs
+    assert not (tmp_path / "ckpt" / "config.json").exists()

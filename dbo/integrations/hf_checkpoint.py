@@ -41,6 +41,7 @@ import hashlib
 import json
 import math
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -172,35 +173,68 @@ def write_random_checkpoint(config: Any, directory: str | Path, *, dtype: torch.
     rank = dist.get_rank(group) if distributed else 0
     world = dist.get_world_size(group) if distributed else 1
 
-    def barrier() -> None:
+    def agree(phase: Callable[[], None], what: str) -> None:
+        # every rank runs its part of the phase, then all learn whether any failed: a rank that
+        # raised re-raises, the others raise naming it (no rank waits for a failed peer)
+        failed: BaseException | None = None
+        try:
+            phase()
+        except Exception as exc:  # noqa: BLE001 - re-raised below, after telling the peers
+            failed = exc
         if distributed:
-            dist.barrier(group=group)
+            flag = torch.tensor([rank + 1 if failed is not None else 0], dtype=torch.int64,
+                                device=_flag_device(group))
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+            first = int(flag.item()) - 1
+        else:
+            first = rank if failed is not None else -1
+        if failed is not None:
+            raise failed
+        if first >= 0:
+            raise RuntimeError(f"write_random_checkpoint: rank {first} failed while {what}; "
+                               f"{str(directory)!r} is incomplete (no config.json)")
 
     shards = checkpoint_shards(config, dtype=dtype, layout=layout, max_shard_bytes=max_shard_bytes)
     sizes = [sum(math.prod(s) for s in shard.values()) * dtype.itemsize for shard in shards]
     owner = _assign(sizes, world)
-    if rank == 0:
-        directory.mkdir(parents=True, exist_ok=True)
-        for old in [*directory.glob("model*.safetensors"), directory / INDEX_NAME, directory / "config.json"]:
-            old.unlink(missing_ok=True)
-    barrier()
 
-    from safetensors.torch import save_file
+    def clear() -> None:
+        if rank == 0:
+            directory.mkdir(parents=True, exist_ok=True)
+            for old in [*directory.glob("model*.safetensors"), directory / INDEX_NAME,
+                        directory / "config.json"]:
+                old.unlink(missing_ok=True)
 
-    for i, shard in enumerate(shards):
-        if owner[i] != rank:
-            continue
-        tensors = {name: _random_tensor(name, shape, dtype, device, seed, std)
-                   for name, shape in shard.items()}
-        save_file(tensors, str(directory / _shard_name(i, len(shards))), metadata={"format": "pt"})
-        del tensors
-    barrier()
-    if rank == 0:
-        weight_map = {name: _shard_name(i, len(shards)) for i, shard in enumerate(shards) for name in shard}
-        index = {"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}
-        (directory / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-        saved = copy.deepcopy(config)
-        saved.dtype = dtype
-        saved.save_pretrained(directory)
-    barrier()
+    def write_shards() -> None:
+        from safetensors.torch import save_file
+
+        for i, shard in enumerate(shards):
+            if owner[i] != rank:
+                continue
+            tensors = {name: _random_tensor(name, shape, dtype, device, seed, std)
+                       for name, shape in shard.items()}
+            save_file(tensors, str(directory / _shard_name(i, len(shards))), metadata={"format": "pt"})
+            del tensors
+
+    def write_index() -> None:
+        if rank == 0:
+            weight_map = {name: _shard_name(i, len(shards)) for i, shard in enumerate(shards)
+                          for name in shard}
+            index = {"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}
+            (directory / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+            saved = copy.deepcopy(config)
+            saved.dtype = dtype
+            saved.save_pretrained(directory)
+
+    agree(clear, "clearing the directory")
+    agree(write_shards, "writing its shards")
+    agree(write_index, "writing the index and config.json")
     return directory
+
+
+def _flag_device(group: Any) -> torch.device:
+    """Where a small tensor for a collective over ``group`` lives (NCCL takes CUDA tensors only)."""
+    backend = str(dist.get_backend(group)).lower()
+    if "nccl" in backend and "gloo" not in backend:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
