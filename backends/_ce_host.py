@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from dbo.errors import CollectiveTimeoutError
+from dbo.watchdog import resolve_timeout
 
 __all__ = ["ALIGN", "align", "open_shared", "check_one_host", "HostBoard", "BOARD_FIELDS"]
 
@@ -112,6 +113,7 @@ class HostBoard:
         entry[0] = seq  # last: a reader that sees the seq sees the values
         rows: list[list[int]] = []
         deadline = None
+        timeout_s = resolve_timeout(self.timeout_s)  # a collective_timeout() block overrides it
         for peer, table in enumerate(self.tables):
             e = table[slot, seq % _BOARD_DEPTH]
             spins = 0
@@ -119,10 +121,10 @@ class HostBoard:
                 spins += 1
                 if spins > 64:
                     now = time.monotonic()
-                    deadline = deadline or now + self.timeout_s
+                    deadline = deadline or now + timeout_s
                     if now > deadline:
                         raise CollectiveTimeoutError(
-                            f"{self.what}: rank {self.rank} waited {self.timeout_s:.1f} s for rank "
+                            f"{self.what}: rank {self.rank} waited {timeout_s:.1f} s for rank "
                             f"{peer} to publish the token count of dispatch {seq} of ubatch {slot} "
                             f"(it published {int(e[0])}): the peer died or fell out of step")
                     time.sleep(0 if spins < 1024 else 1e-4)

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from dbo.errors import CollectiveTimeoutError
+from dbo.watchdog import resolve_timeout
 
 from ._ce_host import HostBoard, align, check_one_host, open_shared
 
@@ -191,13 +192,14 @@ class CpuTransport(Transport):
         return self._data[slot][peer][start:start + nbytes]
 
     def _spin(self, flag: np.ndarray, idx: tuple[int, int], want: int, what: str) -> None:
-        deadline = time.monotonic() + self.timeout_s
+        timeout_s = resolve_timeout(self.timeout_s)  # a collective_timeout() block overrides it
+        deadline = time.monotonic() + timeout_s
         spins = 0
         while int(flag[idx]) != want:
             spins += 1
             if time.monotonic() > deadline:
                 raise CollectiveTimeoutError(f"copy_engine: rank {self.rank} {what} for more than "
-                                             f"{self.timeout_s:.1f} s: the peer died or fell out "
+                                             f"{timeout_s:.1f} s: the peer died or fell out "
                                              "of step")
             time.sleep(0 if spins < 1024 else 1e-4)
 
@@ -264,11 +266,15 @@ class CudaTransport(Transport):
         start = self.layouts[slot].offset(name) + offset
         return self._slots[slot][2][peer][start:start + nbytes]
 
+    def _timeout_ms(self) -> int:
+        value = resolve_timeout(self.timeout_s)  # a collective_timeout() block overrides it
+        return self.timeout_ms if value == self.timeout_s else max(int(value * 1000), 1)
+
     def signal(self, dst, channel):
-        self._slots[channel // 2][1].put_signal(dst, channel % 2, self.timeout_ms)
+        self._slots[channel // 2][1].put_signal(dst, channel % 2, self._timeout_ms())
 
     def wait(self, src, channel):
-        self._slots[channel // 2][1].wait_signal(src, channel % 2, self.timeout_ms)
+        self._slots[channel // 2][1].wait_signal(src, channel % 2, self._timeout_ms())
 
 
 class TransportCache:

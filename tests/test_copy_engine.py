@@ -247,34 +247,42 @@ def test_buffers_size_themselves_and_grow(world2):
     assert caps[4] == [70 + 10, 48]  # 70 > 2 * 32 (rounded up to 16); slot 1 needs 35: 2 * 16 < 35
 
 
-def _stop_mid_step(stopper: int) -> float:
+def _stop_mid_step(stopper: int, block: bool = False) -> float:
+    # block: the backend's own timeout is 60 s, a collective_timeout(2.0) block around the step
+    # sets the one in force
+    import contextlib
+
     from dbo.backends.copy_engine import CopyEnginePrepareAndFinalize
     from dbo.errors import CollectiveTimeoutError
     from dbo.moe import MoEKernel, SwiGLUExperts, local_expert_weights, make_expert_weights, topk_route
+    from dbo.watchdog import collective_timeout
 
     rank, world = dist.get_rank(), dist.get_world_size()
     pf = CopyEnginePrepareAndFinalize(hidden_size=32, max_tokens_per_rank=16, max_topk=2,
-                                      dtype=torch.float32, device="cpu", timeout_s=2.0)
+                                      dtype=torch.float32, device="cpu", timeout_s=60.0 if block else 2.0)
+    scope = collective_timeout(2.0) if block else contextlib.nullcontext()
     kernel = MoEKernel(pf, SwiGLUExperts())
     w1, w2 = make_expert_weights(2 * world, 32, 16, dtype=torch.float32, seed=1)
     w1, w2 = local_expert_weights(w1, rank, world), local_expert_weights(w2, rank, world)
     h = torch.randn(16, 32)
     t0 = time.monotonic()
     try:
-        for layer in range(4):
-            if rank == stopper and layer == 2:
-                os._exit(3)  # this rank dies mid-step, between two layers
-            weights, ids = topk_route(torch.randn(16, 2 * world), 2)
-            h = kernel(h, w1, w2, weights, ids, global_num_experts=2 * world)
+        with scope:
+            for layer in range(4):
+                if rank == stopper and layer == 2:
+                    os._exit(3)  # this rank dies mid-step, between two layers
+                weights, ids = topk_route(torch.randn(16, 2 * world), 2)
+                h = kernel(h, w1, w2, weights, ids, global_num_experts=2 * world)
     except CollectiveTimeoutError as exc:
         assert "rank 1" in str(exc) and "died or fell out of step" in str(exc), exc
         return time.monotonic() - t0
     return -1.0
 
 
-def test_a_stopped_peer_fails_the_waiting_rank_within_the_timeout():
+@pytest.mark.parametrize("block", [False, True], ids=["backend timeout", "collective_timeout block"])
+def test_a_stopped_peer_fails_the_waiting_rank_within_the_timeout(block):
     with DistWorld(2) as world:
-        outcomes = world.run_outcomes(_stop_mid_step, 1, timeout_s=30.0)
+        outcomes = world.run_outcomes(_stop_mid_step, 1, block, timeout_s=30.0)
     assert outcomes[1].exitcode == 3 or not outcomes[1].ok
     assert outcomes[0].ok, outcomes[0].traceback
     assert 1.5 < outcomes[0].value < 10.0, outcomes[0].value
