@@ -9,22 +9,37 @@ from __future__ import annotations
 
 import contextvars
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import greenlet
 
 from dbo.errors import HookMisuseError, HookSlotOccupiedError, StreamStateError
 
-if TYPE_CHECKING:
-    from dbo._driver import Run
-
-__all__ = ["DONE", "FAILED", "RecvHook", "UBatchContext"]
+__all__ = ["DONE", "FAILED", "RecvHook", "RunView", "UBatchContext"]
 
 RecvHook = Callable[[], Any]
 
 # What a ubatch's greenlet returns to the driver: (DONE, result) or (FAILED, exception).
 DONE = object()
 FAILED = object()
+
+
+class RunView(Protocol):
+    """What a ubatch reads and calls of its run (:class:`dbo._driver.Run` is the one
+    implementation; the driver imports this module, not the other way round)."""
+
+    streams: Any
+    trace: Any
+    driver: greenlet.greenlet
+    compute_key: Any
+    comm_key: Any
+    caller_modes: Any
+    in_hook: bool
+    current: UBatchContext | None
+    contexts: list[UBatchContext]
+    yield_current: Callable[[], None]
+
+    def next_live(self, idx: int) -> UBatchContext | None: ...
 
 
 class UBatchContext:
@@ -42,7 +57,7 @@ class UBatchContext:
         "live", "result",
     )
 
-    def __init__(self, run: Run, idx: int, fn: Callable[[], Any], token_offset: int,
+    def __init__(self, run: RunView, idx: int, fn: Callable[[], Any], token_offset: int,
                  events: tuple[Any, Any]):
         streams = run.streams
         self.id = idx
