@@ -52,9 +52,12 @@ logger = logging.getLogger(__name__)
 class BufferLayout:
     """Byte offsets of one ubatch slot's regions, sized for ``max_tokens`` tokens per rank.
 
-    ``x``: ``[world * max_tokens, hidden]`` received tokens (``elem_bytes`` each);
-    ``meta``: ``[world * max_tokens, 2 * max_topk]`` int32 routing rows (ids, float32 weights);
-    ``comb``: ``[world * max_tokens, hidden]`` partial sums sent back by the experts' ranks.
+    ``x``: ``[world * max_tokens, hidden]`` received tokens (``x_elem_bytes`` each: 1 for an fp8
+    dispatch, else ``elem_bytes``);
+    ``meta``: ``[world * max_tokens, 2 * max_topk + scale_cols]`` int32 routing rows (ids,
+    float32 weights, then an fp8 dispatch's float32 block scales);
+    ``comb``: ``[world * max_tokens, hidden]`` partial sums sent back by the experts' ranks
+    (``elem_bytes`` each).
     """
 
     world_size: int
@@ -62,6 +65,8 @@ class BufferLayout:
     hidden: int
     elem_bytes: int
     max_topk: int
+    x_elem_bytes: int | None = None  #: None: ``elem_bytes``
+    scale_cols: int = 0
 
     @property
     def rows(self) -> int:
@@ -69,15 +74,19 @@ class BufferLayout:
 
     @property
     def x_bytes(self) -> int:
-        return align(self.rows * self.hidden * self.elem_bytes)
+        return align(self.rows * self.hidden * (self.x_elem_bytes or self.elem_bytes))
 
     @property
     def meta_bytes(self) -> int:
-        return align(self.rows * 2 * self.max_topk * 4)
+        return align(self.rows * (2 * self.max_topk + self.scale_cols) * 4)
+
+    @property
+    def comb_bytes(self) -> int:
+        return align(self.rows * self.hidden * self.elem_bytes)
 
     @property
     def slot_bytes(self) -> int:
-        return 2 * self.x_bytes + self.meta_bytes
+        return self.x_bytes + self.meta_bytes + self.comb_bytes
 
     def offset(self, region: str) -> int:
         return {"x": 0, "meta": self.x_bytes, "comb": self.x_bytes + self.meta_bytes}[region]

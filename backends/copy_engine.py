@@ -60,6 +60,7 @@ from dbo.moe.handles import PerUBatch
 from dbo.streams import hand_over
 
 from ._ce_transport import BufferLayout, Transport, open_transport
+from ._fp8 import FP8_BLOCK, dequantize_fp8_blocks, quantize_fp8_blocks
 from ._torchdist import DTYPE_CODES, TorchDistPrepareAndFinalize
 
 __all__ = ["CopyEnginePrepareAndFinalize", "make_prepare_finalize", "destinations", "PUT_ORDERS"]
@@ -126,6 +127,13 @@ class CopyEnginePrepareAndFinalize(TorchDistPrepareAndFinalize):
         put_order: ``"ring"`` (default: rank ``r`` puts to ``r, r + 1, ...``, so the ranks write
             into different peers at each moment) or ``"rank"`` (``0, 1, ...``: every rank into
             the same peer at once; kept to measure the difference). Results are the same bits.
+        use_fp8_dispatch: send the tokens as fp8 (e4m3) with one float32 scale per 128 elements
+            (DeepEP's block layout, ``hidden_size % 128 == 0``): 1 + 4/128 bytes an element where
+            bf16 takes 2. The combine stays in the activations' dtype. Opt-in: the tokens reach
+            the experts rounded (see docs/backends.md for the error against bf16).
+        dequantize_received: with fp8, hand the experts the activations' dtype (default), or
+            the fp8 tokens with ``a1q_scale`` ``[M_recv, hidden // 128]`` for experts that take
+            them (:class:`dbo.moe.SwiGLUExperts` does).
     """
 
     name = "copy_engine"
@@ -133,7 +141,8 @@ class CopyEnginePrepareAndFinalize(TorchDistPrepareAndFinalize):
     def __init__(self, group: Any = None, *, hidden_size: int, max_tokens_per_rank: int | None = None,
                  max_topk: int = 8, dtype: torch.dtype = torch.bfloat16, num_ubatches: int = 2,
                  device: torch.device | str | None = None, timeout_s: float = 60.0,
-                 check_inputs: bool = True, put_order: str = "ring"):
+                 check_inputs: bool = True, put_order: str = "ring", use_fp8_dispatch: bool = False,
+                 dequantize_received: bool = True):
         super().__init__(group, hidden_size=hidden_size, timeout_s=timeout_s,
                          check_inputs=check_inputs, use_async=True)
         self.order = destinations(self.rank, self.world_size, put_order)
@@ -148,11 +157,17 @@ class CopyEnginePrepareAndFinalize(TorchDistPrepareAndFinalize):
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
                 else torch.device("cpu")
         self.device = torch.device(device)
+        if use_fp8_dispatch and hidden_size % FP8_BLOCK:
+            raise ValueError(f"use_fp8_dispatch needs hidden_size % {FP8_BLOCK} == 0, got {hidden_size}")
         self.max_topk = max_topk
         self.elem_bytes = dtype.itemsize
         self.num_ubatches = num_ubatches
+        self.use_fp8_dispatch = bool(use_fp8_dispatch)
+        self.dequantize_received = bool(dequantize_received)
         self.layout = BufferLayout(self.world_size, max_tokens_per_rank or 0, hidden_size,
-                                   self.elem_bytes, max_topk)
+                                   self.elem_bytes, max_topk,
+                                   x_elem_bytes=1 if self.use_fp8_dispatch else None,
+                                   scale_cols=hidden_size // FP8_BLOCK if self.use_fp8_dispatch else 0)
         self.transport: Transport = open_transport(group, self.layout, num_ubatches,
                                                    self.timeout_s, self.device)
         self._handles: PerUBatch[_Handle] = PerUBatch("copy_engine dispatch handle")
@@ -244,8 +259,14 @@ class CopyEnginePrepareAndFinalize(TorchDistPrepareAndFinalize):
         x = self._router_on_input(a1, topk_weights, apply_router_weight_on_input).contiguous()
         m, hidden = x.shape
         topk = topk_ids.shape[1]
-        meta = torch.cat([topk_ids.to(torch.int32), topk_weights.to(torch.float32).view(torch.int32)],
-                         dim=1)
+        routing = [topk_ids.to(torch.int32), topk_weights.to(torch.float32).view(torch.int32)]
+        if self.use_fp8_dispatch:  # the tokens as fp8 bytes, their block scales behind the routing
+            q, scales = quantize_fp8_blocks(x)
+            routing.append(scales.view(torch.int32))
+            payload = q.view(torch.uint8)
+        else:
+            payload = x
+        meta = torch.cat(routing, dim=1)
         # The host is about to wait for its peers' hosts: let the other ubatch queue its compute.
         if dbo_enabled():
             dbo_yield_and_switch_from_compute_to_comm()
@@ -259,11 +280,11 @@ class CopyEnginePrepareAndFinalize(TorchDistPrepareAndFinalize):
         me = offsets[self.rank]
         chan = 2 * slot + _DISPATCH
         own_x = self._put_all(slot, [p for d in self.order
-                                     for p in ((d, "x", me, x), (d, "meta", me, meta))], chan)
+                                     for p in ((d, "x", me, payload), (d, "meta", me, meta))], chan)
         self._handles.put(_Handle(counts, offsets, seq, hidden))
         if dbo_enabled():
             if self.transport.cuda:  # the comm stream reads them after the caller moves on
-                hand_over(x, torch.cuda.current_stream())
+                hand_over(payload, torch.cuda.current_stream())
                 hand_over(meta, torch.cuda.current_stream())
             dbo_switch_to_compute()
         total = sum(counts)
@@ -272,16 +293,26 @@ class CopyEnginePrepareAndFinalize(TorchDistPrepareAndFinalize):
 
         hook, stream_wait = self._arrival(slot, chan, own_x, f"dispatch {seq} of ubatch {slot}")
 
+        fp8 = self.use_fp8_dispatch
+        meta_cols = 2 * topk + (hidden // FP8_BLOCK if fp8 else 0)
+
         def receiver() -> PrepareResult:
             stream_wait()
-            xr = self._view(self.rank, slot, "x", 0, total, hidden, dtype)
-            mr = self._view(self.rank, slot, "meta", 0, total, 2 * topk, torch.int32)
+            mr = self._view(self.rank, slot, "meta", 0, total, meta_cols, torch.int32)
             ids = mr[:, :topk].to(torch.int64)
-            weights = mr[:, topk:].contiguous().view(torch.float32)
+            weights = mr[:, topk:2 * topk].contiguous().view(torch.float32)
             mine = (ids >= lo) & (ids < lo + n_local)
             local = torch.where(mine, ids - lo, -1)
             weights = torch.where(mine, weights, 0.0)
-            return PrepareResult(xr, None, None, local, weights)
+            scales = None
+            if fp8:
+                xr = self._view(self.rank, slot, "x", 0, total, hidden, torch.uint8).view(torch.float8_e4m3fn)
+                scales = mr[:, 2 * topk:].contiguous().view(torch.float32)
+                if self.dequantize_received:
+                    xr, scales = dequantize_fp8_blocks(xr, scales, dtype), None
+            else:
+                xr = self._view(self.rank, slot, "x", 0, total, hidden, dtype)
+            return PrepareResult(xr, scales, None, local, weights)
 
         return hook, receiver
 

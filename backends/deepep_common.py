@@ -23,6 +23,7 @@ from dbo.moe.weight_and_reduce import (
 from dbo.streams import hand_over
 from dbo.watchdog import WATCHDOG, WaitSite, check_timeout, raise_peer_timeout, resolve_timeout
 
+from ._fp8 import FP8_BLOCK, FP8_MAX, dequantize_fp8_blocks, quantize_fp8_blocks
 from .deepep_buffer import BufferMode, DeepEPDtypeError, SharedDeepEPBuffer
 
 __all__ = [
@@ -42,8 +43,6 @@ __all__ = [
 ]
 
 #: DeepEP's fp8 layout: one float32 scale per 128 consecutive hidden elements of a token.
-FP8_BLOCK = 128
-FP8_MAX = 448.0
 
 
 def group_size(group: Any) -> int:
@@ -258,35 +257,6 @@ def pad_hidden(x: torch.Tensor, padded: int) -> torch.Tensor:
     if h == padded:
         return x.contiguous()
     return F.pad(x, (0, padded - h)).contiguous()
-
-
-def quantize_fp8_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token, per-128-element block fp8 quantization, the layout DeepEP dispatches.
-
-    Args:
-        x: ``[M, H]`` bf16/fp32 with ``H % 128 == 0``.
-
-    Returns:
-        ``(q, scales)``: ``q`` ``[M, H]`` ``torch.float8_e4m3fn``; ``scales`` ``[M, H // 128]``
-        float32 with ``x ~= q * scales`` block-wise.
-    """
-    m, h = x.shape
-    if h % FP8_BLOCK:
-        raise ValueError(f"fp8 block quantization needs hidden % {FP8_BLOCK} == 0, got {h}")
-    blocks = x.float().view(m, h // FP8_BLOCK, FP8_BLOCK)
-    amax = blocks.abs().amax(dim=2).clamp(min=1e-4)
-    scales = amax / FP8_MAX
-    q = (blocks / scales.unsqueeze(2)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return q.view(m, h), scales.contiguous()
-
-
-def dequantize_fp8_blocks(q: torch.Tensor, scales: torch.Tensor,
-                          dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """Inverse of :func:`quantize_fp8_blocks`: ``q`` ``[..., H]``, ``scales`` ``[..., H // 128]``
-    (any strides) -> ``[..., H]`` in ``dtype``."""
-    h = q.shape[-1]
-    blocks = q.float().reshape(*q.shape[:-1], h // FP8_BLOCK, FP8_BLOCK)
-    return (blocks * scales.float().unsqueeze(-1)).reshape(q.shape).to(dtype)
 
 
 def hand_to_current_stream(tensors: Iterable[torch.Tensor | None]) -> None:

@@ -40,6 +40,8 @@ import torch
 from dbo.moe.base import ActivationFormat, PrepareAndFinalize
 from dbo.streams import gpu_sleep
 
+from ._fp8 import FP8_DISPATCH_BYTES
+
 __all__ = ["SimulatedLink", "SimulatedLinkPrepareAndFinalize", "FORMULA", "LinkStreams", "LINK_STREAMS"]
 
 FORMULA = "arrival >= send + latency_us + remote_fraction * bytes / gbps"
@@ -87,7 +89,7 @@ class SimulatedLink:
 
     @staticmethod
     def expected_bytes(backend: str, *, tokens: int, topk: int, world_size: int, num_experts: int,
-                       hidden: int, elem_bytes: int) -> float:
+                       hidden: int, elem_bytes: float) -> float:
         """Bytes one dispatch (or combine) of ``tokens`` rows moves out of a rank under uniform
         top-``topk`` routing over ``num_experts`` experts on ``world_size`` ranks."""
         if world_size <= 1 or tokens <= 0:
@@ -191,7 +193,7 @@ class SimulatedLinkPrepareAndFinalize(PrepareAndFinalize):
 
     # ---- the delay --------------------------------------------------------------------------
 
-    def _us(self, phase: str, tokens: int, topk: int, hidden: int, elem_bytes: int) -> float:
+    def _us(self, phase: str, tokens: int, topk: int, hidden: int, elem_bytes: float) -> float:
         nbytes = SimulatedLink.expected_bytes(self.backend, tokens=tokens, topk=topk,
                                               world_size=self._world,
                                               num_experts=max(self._num_experts, self._world),
@@ -244,7 +246,8 @@ class SimulatedLinkPrepareAndFinalize(PrepareAndFinalize):
                       apply_router_weight_on_input, quant_config=None):
         self._num_experts, self._topk = num_experts, topk_ids.shape[1]
         start = self._start(a1.device)
-        us = self._us("dispatch", a1.shape[0], topk_ids.shape[1], a1.shape[1], a1.element_size())
+        elem = FP8_DISPATCH_BYTES if getattr(self.inner, "use_fp8_dispatch", False) else a1.element_size()
+        us = self._us("dispatch", a1.shape[0], topk_ids.shape[1], a1.shape[1], elem)
         if self.inner.supports_async():
             res = self.inner.prepare_async(a1, topk_weights, topk_ids, num_experts, expert_map,
                                            apply_router_weight_on_input, quant_config)

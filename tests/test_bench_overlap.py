@@ -142,6 +142,10 @@ def test_comm_bytes_per_backend():
     # on rank 1: token 0 reaches rank 0 (expert 0; 2 and 3 are local), token 1 ranks 2 and 3
     assert comm_bytes("deepep_ht", ids, **{**kw, "rank": 1}) == 2 * 3 * row
     assert comm_bytes("deepep_ll", ids, **{**kw, "rank": 1}) == 2 * 3 * row
+    # an fp8 dispatch: 1 byte and 4/128 of a scale per element out, the combine's 2 back
+    fp8 = {**kw, "hidden": 256, "dispatch_elem_bytes": 1 + 4 / 128}
+    assert comm_bytes("copy_engine", ids, **fp8) == 3 * 2 * (264 + 512 + 2 * 3 * 4)
+    assert comm_bytes("deepep_ll", ids, **fp8) == 4 * (264 + 512)
     with pytest.raises(ValueError, match="knows"):
         comm_bytes("nope", ids, **kw)
     with pytest.raises(ValueError, match="multiple"):

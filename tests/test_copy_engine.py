@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dbo.testing.conformance import check_backend, default_cases
+from dbo.testing.conformance import check_backend, default_cases, with_options
 from dbo.testing.dist import DistWorld
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(180)]
@@ -39,7 +39,8 @@ def _make(case):
     return make_prepare_finalize(dist.group.WORLD, hidden=case.hidden,
                                  max_tokens_per_rank=case.max_tokens_per_rank,
                                  num_experts=case.num_experts, topk=case.topk, dtype=case.dtype,
-                                 device="cpu", num_ubatches=case.num_ubatches, timeout_s=20.0)
+                                 device="cpu", num_ubatches=case.num_ubatches, timeout_s=20.0,
+                                 **dict(case.options))
 
 
 def test_conformance_2_ranks(world2):
@@ -50,6 +51,14 @@ def test_conformance_2_ranks(world2):
         dataclasses.replace(base, name="topk 8 of 16", topk=8, num_experts=16, seed=21),
         dataclasses.replace(base, name="hidden 2048", hidden=2048, seed=22),
         dataclasses.replace(base, name="both ranks empty", num_tokens=(0, 0), seed=23),
+        # fp8 dispatch: against the bf16 reference within fp8's rounding, overlapped == plain
+        with_options(dataclasses.replace(base, name="fp8 dispatch", hidden=256, seed=24, tol_ref=6e-2),
+                     use_fp8_dispatch=True),
+        with_options(dataclasses.replace(base, name="fp8 to the experts", hidden=256, seed=25, tol_ref=6e-2),
+                     use_fp8_dispatch=True, dequantize_received=False),
+        with_options(dataclasses.replace(base, name="fp8, fp32 activations", hidden=128, seed=26,
+                                         dtype=torch.float32, tol_ref=6e-2),
+                     use_fp8_dispatch=True),
     ]
     check_backend(world2, _make, cases)
 

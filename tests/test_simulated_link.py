@@ -85,6 +85,25 @@ def test_local_backend_same_bits_and_held_back():
         SimulatedLinkPrepareAndFinalize(LocalPrepareAndFinalize(), "50,5", "local")
 
 
+def test_an_fp8_dispatch_is_modelled_with_its_bytes():
+    # a backend that dispatches fp8 (use_fp8_dispatch) moves 1 + 4/128 bytes an element out and
+    # the combine's dtype back: the model charges each its own
+    class FourRanksFp8(LocalPrepareAndFinalize):
+        use_fp8_dispatch = True
+
+        def num_dispatchers(self) -> int:
+            return 4
+
+    x, w1, w2, weights, ids = _inputs(0, 1, dtype=torch.bfloat16)
+    link = SimulatedLink(1000, latency_us=0)
+    pf = SimulatedLinkPrepareAndFinalize(FourRanksFp8(), link, "copy_engine")
+    MoEKernel(pf, SwiGLUExperts())(x, w1, w2, weights, ids, global_num_experts=4)
+    (phase_d, us_d), (phase_c, us_c) = pf.modelled_us
+    assert (phase_d, phase_c) == ("dispatch", "combine")
+    assert us_c == pytest.approx(x.shape[0] * 3 * 64 * 2 / 1e6)  # every token to 3 peers, bf16
+    assert us_d == pytest.approx(us_c * (1 + 4 / 128) / 2)
+
+
 def _under_link(backend: str) -> tuple[float, float, float]:
     from dbo.integrations.backends import make_backend
 

@@ -146,7 +146,7 @@ def measure_link(group: Any = None, device: torch.device | str = "cpu", *, bytes
 
 
 def comm_bytes(backend: str, topk_ids: torch.Tensor, *, world_size: int, rank: int, num_experts: int,
-               hidden: int, elem_bytes: int) -> int:
+               hidden: int, elem_bytes: int, dispatch_elem_bytes: float | None = None) -> int:
     """Bytes one layer's dispatch and combine move out of this rank (see the module docstring).
 
     Args:
@@ -155,6 +155,8 @@ def comm_bytes(backend: str, topk_ids: torch.Tensor, *, world_size: int, rank: i
         world_size, rank: the expert-parallel group; experts are placed contiguously
             (``num_experts // world_size`` per rank).
         hidden, elem_bytes: activation width and bytes per element.
+        dispatch_elem_bytes: bytes per element of the dispatch where it differs (an fp8
+            dispatch: ``1 + 4 / 128`` with its block scales); the combine keeps ``elem_bytes``.
     """
     if backend not in COMM_BYTES_BACKENDS:
         raise ValueError(f"comm_bytes knows {COMM_BYTES_BACKENDS}, not {backend!r}")
@@ -164,15 +166,17 @@ def comm_bytes(backend: str, topk_ids: torch.Tensor, *, world_size: int, rank: i
         raise ValueError(f"num_experts={num_experts} is not a multiple of world_size={world_size}")
     tokens, topk = topk_ids.shape
     row = hidden * elem_bytes
+    # a row there and back: the dispatch's (maybe narrower) and the combine's
+    both = round(hidden * (elem_bytes if dispatch_elem_bytes is None else dispatch_elem_bytes)) + row
     if backend == "copy_engine":
-        return (world_size - 1) * tokens * (2 * row + 2 * topk * 4)
+        return (world_size - 1) * tokens * (both + 2 * topk * 4)
     if backend == "naive":
-        return 2 * (world_size - 1) * tokens * row
+        return (world_size - 1) * tokens * both
     ids = topk_ids.to(torch.int64)
     owner = torch.div(ids, num_experts // world_size, rounding_mode="floor")
     remote = (ids >= 0) & (owner != rank)
     if backend == "deepep_ll":
-        return 2 * int(remote.sum()) * row
+        return int(remote.sum()) * both
     hits = torch.zeros(tokens, world_size, dtype=torch.int32, device=ids.device)
     hits.scatter_add_(1, owner.clamp(0, world_size - 1), remote.to(torch.int32))
-    return 2 * int((hits > 0).sum()) * row
+    return int((hits > 0).sum()) * both

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 import dbo
+from dbo.backends._fp8 import FP8_DISPATCH_BYTES
 from dbo.bench.link import COMM_BYTES_BACKENDS, LinkLimits, comm_bytes
 from dbo.bench.model import (
     BenchModel,
@@ -266,9 +267,12 @@ class ShapeBench:
         if self.args.backend in COMM_BYTES_BACKENDS:  # for the comm column's link limit
             dims = self.model.dims
             world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+            fp8 = bool(getattr(self.pf, "use_fp8_dispatch", False))
             per_layer = [comm_bytes(self.args.backend, ids, world_size=world, rank=self.rank,
                                     num_experts=dims.num_experts, hidden=dims.hidden,
-                                    elem_bytes=self.x.element_size()) for _, _, ids in routing]
+                                    elem_bytes=self.x.element_size(),
+                                    dispatch_elem_bytes=FP8_DISPATCH_BYTES if fp8 else None)
+                         for _, _, ids in routing]
             self.rec["comm_bytes_per_layer"] = sum(per_layer) / len(per_layer)
             if self.link is not None:
                 self.rec["link_ms_per_layer"] = self.link.time_ms(self.rec["comm_bytes_per_layer"])
