@@ -31,7 +31,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from dbo.testing.conformance import ConformanceCase, format_results, run_case  # noqa: E402
+from dbo.testing.conformance import ConformanceCase, format_results, run_case, with_options  # noqa: E402
 
 NUM_EXPERTS = 32
 
@@ -46,7 +46,7 @@ def make_backend(case: ConformanceCase):
                                  max_tokens_per_rank=None if SELF_SIZED else case.max_tokens_per_rank,
                                  topk=case.topk,
                                  dtype=case.dtype, device="cuda", num_ubatches=case.num_ubatches,
-                                 timeout_s=30.0)
+                                 timeout_s=30.0, **dict(case.options))
 
 
 def build_cases(world: int, quick: bool) -> list[ConformanceCase]:
@@ -63,6 +63,10 @@ def build_cases(world: int, quick: bool) -> list[ConformanceCase]:
                                              tol_ref=3e-2, tol_dbo=1e-2))
     cases.append(ConformanceCase("ce 3 ubatches", tokens[0], 2048, 4, NUM_EXPERTS, intermediate=128,
                                  num_ubatches=3, seed=99, tol_ref=3e-2, tol_dbo=1e-2))
+    for seed, opts in ((100, {}), (101, {"dequantize_received": False})):  # fp8 dispatch
+        cases.append(with_options(ConformanceCase("ce fp8", tokens[1], 2048, 8, NUM_EXPERTS,
+                                                  intermediate=128, seed=seed, tol_ref=6e-2, tol_dbo=1e-2),
+                                  use_fp8_dispatch=True, **opts))
     return cases
 
 
