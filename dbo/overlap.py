@@ -280,8 +280,9 @@ def overlapped_forward(
     check_timeout(timeout_s)
     kwargs = dict(fn_kwargs or {})
     if plan is None:
-        plan = plan_ubatches(num_tokens, config, request_token_counts=request_token_counts,
-                             decode_only=decode_only, group=group, agree=agree)
+        with collective_timeout(timeout_s):  # the vote waits for the peers too
+            plan = plan_ubatches(num_tokens, config, request_token_counts=request_token_counts,
+                                 decode_only=decode_only, group=group, agree=agree)
     elif plan.num_tokens != num_tokens:
         raise ValueError(f"plan is for {plan.num_tokens} tokens, the inputs have {num_tokens}")
     if not plan.split:

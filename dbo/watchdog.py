@@ -39,6 +39,7 @@ from dbo.errors import CollectiveTimeoutError
 __all__ = [
     "GPU_WAIT_TIMEOUT_EXIT_CODE",
     "collective_timeout",
+    "current_timeout",
     "resolve_timeout",
     "check_timeout",
     "WaitSite",
@@ -80,6 +81,11 @@ def collective_timeout(timeout_s: float | None) -> Iterator[None]:
         yield
     finally:
         _TIMEOUT.reset(token)
+
+
+def current_timeout() -> float | None:
+    """The innermost :func:`collective_timeout`'s value, or None outside any."""
+    return _TIMEOUT.get()
 
 
 def resolve_timeout(default_s: float) -> float:

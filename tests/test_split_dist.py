@@ -236,3 +236,34 @@ def _config_mismatch_job() -> str:
 def test_config_mismatch_raises_on_every_rank(world):
     msgs = world.run(_config_mismatch_job)
     assert all("SplitConfig differs across ranks" in m for m in msgs), msgs
+
+
+def _silent_peer_job(timeout_s: float) -> str:
+    # rank 1 never votes: rank 0's decision raises once the collective_timeout passes, where it
+    # would wait for the process group's own timeout (minutes) without one
+    import time
+
+    import torch.distributed as dist
+
+    from dbo.errors import CollectiveTimeoutError
+    from dbo.watchdog import collective_timeout
+
+    if dist.get_rank() != 0:
+        time.sleep(timeout_s + 2.0)
+        return "silent"
+    t0 = time.monotonic()
+    try:
+        with collective_timeout(timeout_s):
+            plan_ubatches(600, SplitConfig(prefill_token_threshold=512))
+    except CollectiveTimeoutError as exc:
+        assert exc.phase == "split decision" and "rank 0 waited" in str(exc), exc
+        return f"raised after {time.monotonic() - t0:.1f} s"
+    return "decided"
+
+
+def test_a_silent_peer_fails_the_decision_within_the_collective_timeout():
+    # its own world: the timed-out gloo collective leaves the group unusable
+    with DistWorld(2) as w:
+        out = w.run(_silent_peer_job, 1.0, timeout_s=30.0)
+    assert out[1] == "silent" and out[0].startswith("raised after"), out
+    assert float(out[0].split()[2]) < 5.0, out

@@ -38,10 +38,12 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
 
+from dbo.errors import CollectiveTimeoutError
 from dbo.expert_schedule import ExpertSchedule
 from dbo.split.log import FALLBACK_LOG
 from dbo.split.padding import graph_padded_size
@@ -57,6 +59,7 @@ from dbo.split.policies import (
     split_tokens,
 )
 from dbo.split.types import NEVER_SPLIT, SplitConfig, SplitMode, SplitReason, UBatchPlan, Vote
+from dbo.watchdog import current_timeout
 
 __all__ = [
     "DISABLE_ENV_VAR",
@@ -252,7 +255,21 @@ def _reduce_max(vec: list[int], group: Any, device: torch.device | str | None) -
         if device == "cuda":
             device = torch.device("cuda", torch.cuda.current_device())
     t = torch.tensor(vec, dtype=torch.int64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    timeout_s = current_timeout()
+    if timeout_s is None or t.is_cuda:  # (a CUDA tensor: the GPU watchdog bounds the wait)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        return t.tolist()  # the one host sync of a decision
+    work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group, async_op=True)
+    try:
+        done = work.wait(timeout=timedelta(seconds=timeout_s))
+    except RuntimeError as exc:  # gloo raises on its timeout
+        raise CollectiveTimeoutError(
+            f"split decision: rank {dist.get_rank(group)} waited {timeout_s:.1f} s for its peers' "
+            f"votes ({exc}); a peer died or fell out of step", phase="split decision") from exc
+    if done is False:
+        raise CollectiveTimeoutError(
+            f"split decision: rank {dist.get_rank(group)} waited {timeout_s:.1f} s for its peers' "
+            "votes; a peer died or fell out of step", phase="split decision")
     return t.tolist()  # the one host sync of a decision
 
 
