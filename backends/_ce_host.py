@@ -1,66 +1,23 @@
 """Host-side pieces of the copy-engine backend: shared memory, the one-host check, the board.
 
-* :func:`open_shared`: every rank's region of POSIX shared memory (collective), unlinked once
-  mapped, so nothing is left behind;
+* :func:`open_shared`, :class:`HostBoard` (:mod:`dbo.hostboard`): the ranks' shared memory and
+  the table through which they publish the token counts of each dispatch, so a copy's size is
+  known on the host without a collective or a device sync;
 * :func:`check_one_host`: the backend copies peer to peer, so every rank must share this host
-  (and, on CUDA, reach every other GPU);
-* :class:`HostBoard`: the table through which the ranks publish the token counts of each
-  dispatch, so a copy's size is known on the host without a collective or a device sync.
+  (and, on CUDA, reach every other GPU).
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
 import socket
-import tempfile
-import time
-import uuid
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from dbo.errors import CollectiveTimeoutError
-from dbo.watchdog import resolve_timeout
+from dbo.hostboard import ALIGN, BOARD_FIELDS, HostBoard, align, open_shared
 
 __all__ = ["ALIGN", "align", "open_shared", "check_one_host", "HostBoard", "BOARD_FIELDS"]
-
-ALIGN = 256
-# board slots per ubatch: a rank is at most one dispatch ahead of the slowest reader (it waits
-# for every peer's next entry before it can write the one after), so 2 would do; 4 is margin
-_BOARD_DEPTH = 4
-BOARD_FIELDS = 6  # seq, then up to five int64 values per entry
-
-
-def align(n: int) -> int:
-    """``n`` rounded up to :data:`ALIGN` bytes."""
-    return (n + ALIGN - 1) // ALIGN * ALIGN
-
-
-def _shm_dir() -> str:
-    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-
-
-def open_shared(group: Any, nbytes: int, tag: str) -> list[torch.Tensor]:
-    """Every rank's ``nbytes`` of host shared memory as uint8 tensors, in rank order (collective).
-
-    The files are unlinked once every rank has mapped them, so nothing is left behind even if a
-    process dies later."""
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    names: list[Any] = [None] * world
-    dist.all_gather_object(names, uuid.uuid4().hex, group=group)
-    paths = [os.path.join(_shm_dir(), f"dbo-ce-{names[0]}-{tag}-{r}") for r in range(world)]
-    mine = torch.from_file(paths[rank], shared=True, size=nbytes, dtype=torch.uint8)
-    mine.zero_()
-    dist.barrier(group=group)
-    regions = [mine if r == rank else torch.from_file(paths[r], shared=True, size=nbytes,
-                                                      dtype=torch.uint8)
-               for r in range(world)]
-    dist.barrier(group=group)
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(paths[rank])
-    return regions
 
 
 def check_one_host(group: Any, cuda: bool) -> None:
@@ -80,53 +37,3 @@ def check_one_host(group: Any, cuda: bool) -> None:
             if dev != me[1] and not torch.cuda.can_device_access_peer(me[1], dev):
                 raise ValueError(f"GPU {me[1]} cannot reach GPU {dev} by peer-to-peer copies: the "
                                  "copy_engine backend needs them; use deepep_ht or deepep_ll")
-
-
-class HostBoard:
-    """Per ubatch slot, each rank's latest entries ``(seq, v0..v4)`` in host shared memory.
-
-    ``exchange(slot, seq, values)`` publishes this rank's values for dispatch number ``seq``
-    (counted from 1: the zeroed table means "nothing published") of that slot and returns every
-    rank's, waiting (on the host, at most ``timeout_s``) for the peers to publish theirs. This
-    is where the host waits for its peers: only for their hosts to reach the same dispatch,
-    never for a GPU.
-    """
-
-    def __init__(self, regions: list[torch.Tensor], rank: int, num_slots: int, timeout_s: float,
-                 what: str):
-        self.rank = rank
-        self.timeout_s = timeout_s
-        self.what = what
-        shape = (num_slots, _BOARD_DEPTH, BOARD_FIELDS)
-        n = num_slots * _BOARD_DEPTH * BOARD_FIELDS
-        self.tables = [r[: n * 8].view(torch.int64).numpy().reshape(shape) for r in regions]
-
-    @staticmethod
-    def nbytes(num_slots: int) -> int:
-        return align(num_slots * _BOARD_DEPTH * BOARD_FIELDS * 8)
-
-    def exchange(self, slot: int, seq: int, values: list[int]) -> list[list[int]]:
-        if len(values) > BOARD_FIELDS - 1:
-            raise ValueError(f"at most {BOARD_FIELDS - 1} values per entry, got {len(values)}")
-        entry = self.tables[self.rank][slot, seq % _BOARD_DEPTH]
-        entry[1:1 + len(values)] = values
-        entry[0] = seq  # last: a reader that sees the seq sees the values
-        rows: list[list[int]] = []
-        deadline = None
-        timeout_s = resolve_timeout(self.timeout_s)  # a collective_timeout() block overrides it
-        for peer, table in enumerate(self.tables):
-            e = table[slot, seq % _BOARD_DEPTH]
-            spins = 0
-            while int(e[0]) != seq:
-                spins += 1
-                if spins > 64:
-                    now = time.monotonic()
-                    deadline = deadline or now + timeout_s
-                    if now > deadline:
-                        raise CollectiveTimeoutError(
-                            f"{self.what}: rank {self.rank} waited {timeout_s:.1f} s for rank "
-                            f"{peer} to publish the token count of dispatch {seq} of ubatch {slot} "
-                            f"(it published {int(e[0])}): the peer died or fell out of step")
-                    time.sleep(0 if spins < 1024 else 1e-4)
-            rows.append([int(v) for v in e[1:1 + len(values)]])
-        return rows

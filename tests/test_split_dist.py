@@ -238,9 +238,13 @@ def test_config_mismatch_raises_on_every_rank(world):
     assert all("SplitConfig differs across ranks" in m for m in msgs), msgs
 
 
-def _silent_peer_job(timeout_s: float) -> str:
-    # rank 1 never votes: rank 0's decision raises once the collective_timeout passes, where it
-    # would wait for the process group's own timeout (minutes) without one
+
+
+def _silent_peer_job(timeout_s: float, host_vote: bool) -> str:
+    # both ranks decide once (a group's first decision opens its vote board, collectively);
+    # then rank 1 stops voting: rank 0's next decision raises once the collective_timeout
+    # passes, where it would wait for the process group's own timeout (minutes) without one
+    import os
     import time
 
     import torch.distributed as dist
@@ -248,22 +252,54 @@ def _silent_peer_job(timeout_s: float) -> str:
     from dbo.errors import CollectiveTimeoutError
     from dbo.watchdog import collective_timeout
 
+    os.environ["DBO_HOST_VOTE"] = "1" if host_vote else "0"
+    config = SplitConfig(prefill_token_threshold=512)
+    plan_ubatches(600, config)
     if dist.get_rank() != 0:
         time.sleep(timeout_s + 2.0)
         return "silent"
     t0 = time.monotonic()
     try:
         with collective_timeout(timeout_s):
-            plan_ubatches(600, SplitConfig(prefill_token_threshold=512))
+            plan_ubatches(600, config)
     except CollectiveTimeoutError as exc:
         assert exc.phase == "split decision" and "rank 0 waited" in str(exc), exc
         return f"raised after {time.monotonic() - t0:.1f} s"
     return "decided"
 
 
-def test_a_silent_peer_fails_the_decision_within_the_collective_timeout():
-    # its own world: the timed-out gloo collective leaves the group unusable
+@pytest.mark.parametrize("host_vote", [True, False], ids=["shared memory", "gloo"])
+def test_a_silent_peer_fails_the_decision_within_the_collective_timeout(host_vote):
+    # its own world: a timed-out gloo collective leaves the group unusable
     with DistWorld(2) as w:
-        out = w.run(_silent_peer_job, 1.0, timeout_s=30.0)
+        out = w.run(_silent_peer_job, 1.0, host_vote, timeout_s=30.0)
     assert out[1] == "silent" and out[0].startswith("raised after"), out
     assert float(out[0].split()[2]) < 5.0, out
+
+
+def _vote_paths_job() -> tuple:
+    # the same decisions through the shared-memory board and through gloo
+    import os
+
+    import torch.distributed as dist
+
+    from dbo.split import hostvote
+
+    rank = dist.get_rank()
+    config = SplitConfig(prefill_token_threshold=100, decode_token_threshold=8)
+    sizes = [(0, 5), (3, 300), (99, 101), (700, 20), (64, 64), (150, 300), (512, 512)]
+    out = []
+    for env in ("1", "0"):
+        os.environ["DBO_HOST_VOTE"] = env
+        plans = [plan_ubatches(pair[rank], config) for pair in sizes]
+        out.append([(p.split, tuple(map(tuple, p.slices))) for p in plans])
+    os.environ["DBO_HOST_VOTE"] = "1"
+    board = hostvote.host_vote(None, len(encode_vote(local_vote(1, config), config)))
+    return out[0] == out[1], board is not None, out[0]
+
+
+def test_the_shared_memory_vote_decides_as_gloo(world):
+    results = world.run(_vote_paths_job)
+    assert all(same and board for same, board, _ in results), results
+    splits = [split for split, _ in results[0][2]]
+    assert any(splits) and not all(splits), splits  # both outcomes among the cases

@@ -45,6 +45,7 @@ import torch
 
 from dbo.errors import CollectiveTimeoutError
 from dbo.expert_schedule import ExpertSchedule
+from dbo.split.hostvote import host_vote
 from dbo.split.log import FALLBACK_LOG
 from dbo.split.padding import graph_padded_size
 from dbo.split.policies import (
@@ -255,6 +256,10 @@ def _reduce_max(vec: list[int], group: Any, device: torch.device | str | None) -
         if device == "cuda":
             device = torch.device("cuda", torch.cuda.current_device())
     t = torch.tensor(vec, dtype=torch.int64, device=device)
+    if not t.is_cuda:
+        board = host_vote(group, len(vec))  # every rank on this host: through shared memory
+        if board is not None:
+            return board.reduce_max(vec)
     timeout_s = current_timeout()
     if timeout_s is None or t.is_cuda:  # (a CUDA tensor: the GPU watchdog bounds the wait)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
