@@ -118,6 +118,7 @@ class Transport:
 
     rank: int
     world_size: int
+    timeout_s: float  # the built-in wait limit (a collective_timeout() block overrides it per call)
     layout: BufferLayout  # the shape of every slot; its max_tokens is unused
     board: HostBoard
     cuda: bool
@@ -250,6 +251,7 @@ class CudaTransport(Transport):
         self.device = device
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self.layout = layout
+        self.timeout_s = timeout_s
         self.timeout_ms = max(int(timeout_s * 1000), 1)
         board = HostBoard.nbytes(num_slots)
         regions = open_shared(group, board, "board")

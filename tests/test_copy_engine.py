@@ -318,3 +318,21 @@ def test_bad_constructor_arguments(world2):
     assert len(msgs) == 5, msgs
     assert "hidden_size" in msgs[0] and "max_tokens_per_rank" in msgs[1]
     assert "dtype" in msgs[2] and "cuda or cpu" in msgs[3] and "put_order" in msgs[4]
+
+
+def test_gpu_signal_waits_take_the_timeout_in_force():
+    # the CUDA transport's put_signal/wait_signal limit: its own timeout_s, or the innermost
+    # collective_timeout() (checked without a GPU: the arithmetic only)
+    import inspect
+
+    from dbo.backends._ce_transport import CudaTransport
+    from dbo.watchdog import collective_timeout
+
+    assert "self.timeout_s = timeout_s" in inspect.getsource(CudaTransport.__init__)
+    t = object.__new__(CudaTransport)
+    t.timeout_s, t.timeout_ms = 60.0, 60_000
+    assert t._timeout_ms() == 60_000
+    with collective_timeout(2.5):
+        assert t._timeout_ms() == 2_500
+    with collective_timeout(0.0001):
+        assert t._timeout_ms() == 1
