@@ -26,7 +26,8 @@ import torch.distributed as dist
 from dbo.errors import CollectiveTimeoutError
 from dbo.watchdog import resolve_timeout
 
-__all__ = ["ALIGN", "align", "open_shared", "one_host", "HostBoard", "BOARD_FIELDS"]
+__all__ = ["ALIGN", "align", "open_shared", "open_shared_checked", "one_host", "HostBoard",
+           "BOARD_FIELDS"]
 
 ALIGN = 256
 # board slots per ubatch: a rank is at most one dispatch ahead of the slowest reader (it waits
@@ -63,6 +64,47 @@ def open_shared(group: Any, nbytes: int, tag: str) -> list[torch.Tensor]:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(paths[rank])
     return regions
+
+
+def open_shared_checked(group: Any, nbytes: int, tag: str) -> list[torch.Tensor] | None:
+    """:func:`open_shared` for an optional path over a gloo group: every rank checks that it
+    sees what each peer wrote into its own region (a container with a /dev/shm of its own may
+    share the hostname and not the memory), and all agree; None on every rank if any did not
+    (nothing is raised, nothing is left behind)."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    nonce = -1 - int.from_bytes(os.urandom(7), "little")  # negative: never a board's seq
+    info: list[Any] = [None] * world
+    dist.all_gather_object(info, (uuid.uuid4().hex, nonce), group=group)
+    paths = [os.path.join(_shm_dir(), f"dbo-{info[0][0]}-{tag}-{r}") for r in range(world)]
+    regions: list[torch.Tensor] | None = None
+    mine = None
+    try:
+        mine = torch.from_file(paths[rank], shared=True, size=max(nbytes, 8), dtype=torch.uint8)
+        mine.zero_()
+        mine[:8].view(torch.int64)[0] = nonce
+    except (OSError, RuntimeError):
+        mine = None
+    dist.barrier(group=group)
+    if mine is not None:
+        try:
+            regions = [mine if r == rank else torch.from_file(paths[r], shared=True, size=max(nbytes, 8),
+                                                              dtype=torch.uint8)
+                       for r in range(world)]
+            if any(int(regions[r][:8].view(torch.int64)[0]) != info[r][1] for r in range(world)):
+                regions = None
+        except (OSError, RuntimeError):
+            regions = None
+    failed = torch.tensor([0 if regions is not None else 1], dtype=torch.int64)
+    dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group)  # every rank checked its peers
+    # after the all-reduce every rank has mapped what it could: its own file goes; where the
+    # check failed, so do the peers' names this rank may have created in a private /dev/shm
+    for r in (range(world) if int(failed.item()) else (rank,)):
+        with contextlib.suppress(OSError):
+            os.unlink(paths[r])
+    if int(failed.item()) or regions is None:
+        return None
+    regions[rank][:8].zero_()
+    return [r[:nbytes] for r in regions]
 
 
 def one_host(group: Any) -> bool:

@@ -303,3 +303,30 @@ def test_the_shared_memory_vote_decides_as_gloo(world):
     assert all(same and board for same, board, _ in results), results
     splits = [split for split, _ in results[0][2]]
     assert any(splits) and not all(splits), splits  # both outcomes among the cases
+
+
+def _private_shm_job(base: str) -> tuple:
+    # ranks that share a hostname but not /dev/shm (a container each): the board's check sees
+    # no peer's region, every rank gets None (gloo then), and no file is left behind
+    import os
+
+    import torch.distributed as dist
+
+    from dbo import hostboard
+    from dbo.split.hostvote import HostVote
+
+    own = os.path.join(base, f"rank{dist.get_rank()}")
+    os.makedirs(own, exist_ok=True)
+    real = hostboard._shm_dir
+    hostboard._shm_dir = lambda: own
+    try:
+        private = HostVote.open(None, 10)
+    finally:
+        hostboard._shm_dir = real
+    shared = HostVote.open(None, 10)
+    return private is None, shared is not None, sorted(os.listdir(own))
+
+
+def test_the_board_falls_back_where_the_ranks_do_not_share_memory(world, tmp_path):
+    out = world.run(_private_shm_job, str(tmp_path))
+    assert all(private_none and shared_ok and files == [] for private_none, shared_ok, files in out), out

@@ -9,7 +9,8 @@ vote for decision number ``n`` and takes the MAX of everyone's, on the host. Mea
 13.5 us (p90 17 us).
 
 The board of a group is opened at its first decision (a collective: the hostnames, then the
-shared memory), so every rank must take the same path: the choice depends only on the group and
+shared memory, checked: ranks that share a hostname but not /dev/shm, as containers may, keep
+gloo), so every rank must take the same path: the choice depends only on the group and
 on ``DBO_HOST_VOTE`` (``0``: always gloo), which must be the same on every rank. A peer that
 does not vote makes the others raise :class:`dbo.errors.CollectiveTimeoutError` after the
 :func:`dbo.watchdog.collective_timeout` in force (default: the process group's timeout).
@@ -24,7 +25,7 @@ from typing import Any
 import torch.distributed as dist
 
 from dbo.errors import CollectiveTimeoutError
-from dbo.hostboard import HostBoard, one_host, open_shared
+from dbo.hostboard import HostBoard, one_host, open_shared_checked
 
 __all__ = ["HostVote", "host_vote", "reset_host_votes", "ENV"]
 
@@ -35,15 +36,22 @@ ENV = "DBO_HOST_VOTE"
 class HostVote:
     """One group's vote board: :meth:`reduce_max` is the vote's MAX over the group."""
 
-    def __init__(self, group: Any, width: int):
+    def __init__(self, regions: list, rank: int, width: int):
         self.width = width
-        self.rank = dist.get_rank(group)
+        self.rank = rank
         default = getattr(dist, "default_pg_timeout", timedelta(minutes=30)).total_seconds()
-        fields = 1 + width
-        self.board = HostBoard(open_shared(group, HostBoard.nbytes(1, fields), "vote"), self.rank, 1,
-                               default, "split decision", fields=fields,
+        self.board = HostBoard(regions, rank, 1, default, "split decision", fields=1 + width,
                                entry="its vote for decision {seq}")
         self.seq = 0
+
+    @classmethod
+    def open(cls, group: Any, width: int) -> HostVote | None:
+        """The group's board (collective), or None where the ranks do not share this host's
+        memory (then every rank gets None)."""
+        if not one_host(group):
+            return None
+        regions = open_shared_checked(group, HostBoard.nbytes(1, 1 + width), "vote")
+        return None if regions is None else cls(regions, dist.get_rank(group), width)
 
     def reduce_max(self, vec: list[int]) -> list[int]:
         if len(vec) != self.width:
@@ -67,7 +75,7 @@ def host_vote(group: Any, width: int) -> HostVote | None:
     pg = group if group is not None else dist.group.WORLD
     key = (pg.group_name, tuple(dist.get_process_group_ranks(pg)), dist.get_rank(), width)
     if key not in _VOTES:
-        _VOTES[key] = HostVote(group, width) if one_host(group) else None
+        _VOTES[key] = HostVote.open(group, width)
     return _VOTES[key]
 
 
