@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dbo.arrival import process_state
 from dbo.errors import CollectiveTimeoutError
 from dbo.watchdog import resolve_timeout
 
@@ -66,15 +67,16 @@ def open_shared(group: Any, nbytes: int, tag: str) -> list[torch.Tensor]:
     return regions
 
 
-def open_shared_checked(group: Any, nbytes: int, tag: str) -> list[torch.Tensor] | None:
+def open_shared_checked(group: Any, nbytes: int, tag: str
+                        ) -> tuple[list[torch.Tensor], list[int]] | None:
     """:func:`open_shared` for an optional path over a gloo group: every rank checks that it
     sees what each peer wrote into its own region (a container with a /dev/shm of its own may
     share the hostname and not the memory), and all agree; None on every rank if any did not
-    (nothing is raised, nothing is left behind)."""
+    (nothing is raised, nothing is left behind). Returns the regions and the ranks' pids."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     nonce = -1 - int.from_bytes(os.urandom(7), "little")  # negative: never a board's seq
     info: list[Any] = [None] * world
-    dist.all_gather_object(info, (uuid.uuid4().hex, nonce), group=group)
+    dist.all_gather_object(info, (uuid.uuid4().hex, nonce, os.getpid()), group=group)
     paths = [os.path.join(_shm_dir(), f"dbo-{info[0][0]}-{tag}-{r}") for r in range(world)]
     regions: list[torch.Tensor] | None = None
     mine = None
@@ -104,7 +106,7 @@ def open_shared_checked(group: Any, nbytes: int, tag: str) -> list[torch.Tensor]
     if int(failed.item()) or regions is None:
         return None
     regions[rank][:8].zero_()
-    return [r[:nbytes] for r in regions]
+    return [r[:nbytes] for r in regions], [pid for _, _, pid in info]
 
 
 def one_host(group: Any) -> bool:
@@ -128,7 +130,9 @@ class HostBoard:
 
     def __init__(self, regions: list[torch.Tensor], rank: int, num_slots: int, timeout_s: float,
                  what: str, *, fields: int = BOARD_FIELDS,
-                 entry: str = "the token count of dispatch {seq} of ubatch {slot}"):
+                 entry: str = "the token count of dispatch {seq} of ubatch {slot}",
+                 pids: list[int] | None = None):
+        self.pids = pids  # the ranks' processes: a wait for one that exited ends at once
         self.rank = rank
         self.timeout_s = timeout_s
         self.what = what
@@ -159,6 +163,12 @@ class HostBoard:
                 if spins > 64:
                     now = time.monotonic()
                     deadline = deadline or now + timeout_s
+                    if self.pids is not None and spins % 4096 == 0 \
+                            and process_state(self.pids[peer]) == "exited":
+                        raise CollectiveTimeoutError(
+                            f"{self.what}: rank {self.rank} waited for rank {peer} to publish "
+                            f"{self.entry.format(seq=seq, slot=slot)}, but its process "
+                            f"(pid {self.pids[peer]}) exited", missing_ranks=(peer,))
                     if now > deadline:
                         raise CollectiveTimeoutError(
                             f"{self.what}: rank {self.rank} waited {timeout_s:.1f} s for rank "

@@ -330,3 +330,35 @@ def _private_shm_job(base: str) -> tuple:
 def test_the_board_falls_back_where_the_ranks_do_not_share_memory(world, tmp_path):
     out = world.run(_private_shm_job, str(tmp_path))
     assert all(private_none and shared_ok and files == [] for private_none, shared_ok, files in out), out
+
+
+def _dead_peer_job() -> float:
+    # rank 1 exits after the first decision; rank 0's next one fails within about a second,
+    # with no collective_timeout in force (the board watches its peers' processes)
+    import os
+    import time
+
+    import torch.distributed as dist
+
+    from dbo.errors import CollectiveTimeoutError
+
+    os.environ["DBO_HOST_VOTE"] = "1"
+    config = SplitConfig(prefill_token_threshold=512)
+    plan_ubatches(600, config)
+    if dist.get_rank() == 1:
+        os._exit(3)
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    try:
+        plan_ubatches(600, config)
+    except CollectiveTimeoutError as exc:
+        assert "exited" in str(exc) and exc.missing_ranks == (1,), exc
+        return time.monotonic() - t0
+    return -1.0
+
+
+def test_a_peer_that_exits_fails_the_decision_at_once():
+    with DistWorld(2) as w:
+        outcomes = w.run_outcomes(_dead_peer_job, timeout_s=30.0)
+    assert outcomes[0].ok, outcomes[0].traceback
+    assert 0 <= outcomes[0].value < 5.0, outcomes[0].value

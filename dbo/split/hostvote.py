@@ -13,7 +13,8 @@ shared memory, checked: ranks that share a hostname but not /dev/shm, as contain
 gloo), so every rank must take the same path: the choice depends only on the group and
 on ``DBO_HOST_VOTE`` (``0``: always gloo), which must be the same on every rank. A peer that
 does not vote makes the others raise :class:`dbo.errors.CollectiveTimeoutError` after the
-:func:`dbo.watchdog.collective_timeout` in force (default: the process group's timeout).
+:func:`dbo.watchdog.collective_timeout` in force (default: the process group's timeout), and
+at once (within about a second) where its process has exited.
 """
 
 from __future__ import annotations
@@ -36,12 +37,12 @@ ENV = "DBO_HOST_VOTE"
 class HostVote:
     """One group's vote board: :meth:`reduce_max` is the vote's MAX over the group."""
 
-    def __init__(self, regions: list, rank: int, width: int):
+    def __init__(self, regions: list, rank: int, width: int, pids: list[int] | None = None):
         self.width = width
         self.rank = rank
         default = getattr(dist, "default_pg_timeout", timedelta(minutes=30)).total_seconds()
         self.board = HostBoard(regions, rank, 1, default, "split decision", fields=1 + width,
-                               entry="its vote for decision {seq}")
+                               entry="its vote for decision {seq}", pids=pids)
         self.seq = 0
 
     @classmethod
@@ -50,8 +51,8 @@ class HostVote:
         memory (then every rank gets None)."""
         if not one_host(group):
             return None
-        regions = open_shared_checked(group, HostBoard.nbytes(1, 1 + width), "vote")
-        return None if regions is None else cls(regions, dist.get_rank(group), width)
+        opened = open_shared_checked(group, HostBoard.nbytes(1, 1 + width), "vote")
+        return None if opened is None else cls(opened[0], dist.get_rank(group), width, opened[1])
 
     def reduce_max(self, vec: list[int]) -> list[int]:
         if len(vec) != self.width:
@@ -60,7 +61,8 @@ class HostVote:
         try:
             rows = self.board.exchange(0, self.seq, vec)
         except CollectiveTimeoutError as exc:
-            raise CollectiveTimeoutError(str(exc), phase="split decision") from exc
+            raise CollectiveTimeoutError(str(exc), phase="split decision",
+                                         missing_ranks=exc.missing_ranks) from exc
         return [max(col) for col in zip(*rows, strict=True)]
 
 
