@@ -38,8 +38,6 @@ class HostVote:
     """One group's vote board: :meth:`reduce_max` is the vote's MAX over the group."""
 
     def __init__(self, regions: list, rank: int, width: int, pids: list[int] | None = None):
-        self.width = width
-        self.rank = rank
         default = getattr(dist, "default_pg_timeout", timedelta(minutes=30)).total_seconds()
         self.board = HostBoard(regions, rank, 1, default, "split decision", fields=1 + width,
                                entry="its vote for decision {seq}", pids=pids)
@@ -55,8 +53,8 @@ class HostVote:
         return None if opened is None else cls(opened[0], dist.get_rank(group), width, opened[1])
 
     def reduce_max(self, vec: list[int]) -> list[int]:
-        if len(vec) != self.width:
-            raise ValueError(f"a vote of {len(vec)} values on a board of {self.width}")
+        if len(vec) != self.board.fields - 1:
+            raise ValueError(f"a vote of {len(vec)} values on a board of {self.board.fields - 1}")
         self.seq += 1
         try:
             rows = self.board.exchange(0, self.seq, vec)
@@ -66,7 +64,9 @@ class HostVote:
         return [max(col) for col in zip(*rows, strict=True)]
 
 
-_VOTES: dict[tuple, HostVote | None] = {}
+#: (process group, vote width) -> its board, or None where it has none; a group made again
+#: (after destroy_process_group) is another object, and opens its own board
+_VOTES: dict[tuple[Any, int], HostVote | None] = {}
 
 
 def host_vote(group: Any, width: int) -> HostVote | None:
@@ -74,8 +74,7 @@ def host_vote(group: Any, width: int) -> HostVote | None:
     (collective at a group's first call)."""
     if os.environ.get(ENV, "1") == "0":
         return None
-    pg = group if group is not None else dist.group.WORLD
-    key = (pg.group_name, tuple(dist.get_process_group_ranks(pg)), dist.get_rank(), width)
+    key = (group if group is not None else dist.group.WORLD, width)
     if key not in _VOTES:
         _VOTES[key] = HostVote.open(group, width)
     return _VOTES[key]

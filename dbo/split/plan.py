@@ -255,11 +255,11 @@ def _reduce_max(vec: list[int], group: Any, device: torch.device | str | None) -
         device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
         if device == "cuda":
             device = torch.device("cuda", torch.cuda.current_device())
-    t = torch.tensor(vec, dtype=torch.int64, device=device)
-    if not t.is_cuda:
+    if torch.device(device).type == "cpu":
         board = host_vote(group, len(vec))  # every rank on this host: through shared memory
         if board is not None:
             return board.reduce_max(vec)
+    t = torch.tensor(vec, dtype=torch.int64, device=device)
     timeout_s = current_timeout()
     if timeout_s is None or t.is_cuda:  # (a CUDA tensor: the GPU watchdog bounds the wait)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
