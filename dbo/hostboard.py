@@ -3,7 +3,8 @@ values without a collective.
 
 * :func:`open_shared`: every rank's region of POSIX shared memory (collective), unlinked once
   mapped, so nothing is left behind;
-* :func:`one_host`: whether every rank of a group runs on this host (collective);
+* :func:`open_shared_checked`: the same where it is optional: None on every rank where the
+  ranks are not on one host or do not share its memory;
 * :class:`HostBoard`: a table through which the ranks publish a few int64 per numbered round
   and read everyone's, waiting on the host (never on a GPU) for the peers to publish theirs.
   The copy-engine backend exchanges its token counts through one; the split decision's vote
@@ -27,8 +28,7 @@ from dbo.arrival import process_state
 from dbo.errors import CollectiveTimeoutError
 from dbo.watchdog import resolve_timeout
 
-__all__ = ["ALIGN", "align", "open_shared", "open_shared_checked", "one_host", "HostBoard",
-           "BOARD_FIELDS"]
+__all__ = ["ALIGN", "align", "open_shared", "open_shared_checked", "HostBoard", "BOARD_FIELDS"]
 
 ALIGN = 256
 # board slots per ubatch: a rank is at most one dispatch ahead of the slowest reader (it waits
@@ -46,6 +46,14 @@ def _shm_dir() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
+def _paths(name: str, tag: str, world: int) -> list[str]:
+    return [os.path.join(_shm_dir(), f"dbo-{name}-{tag}-{r}") for r in range(world)]
+
+
+def _region(path: str, nbytes: int) -> torch.Tensor:
+    return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+
+
 def open_shared(group: Any, nbytes: int, tag: str) -> list[torch.Tensor]:
     """Every rank's ``nbytes`` of host shared memory as uint8 tensors, in rank order (collective).
 
@@ -54,13 +62,11 @@ def open_shared(group: Any, nbytes: int, tag: str) -> list[torch.Tensor]:
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     names: list[Any] = [None] * world
     dist.all_gather_object(names, uuid.uuid4().hex, group=group)
-    paths = [os.path.join(_shm_dir(), f"dbo-{names[0]}-{tag}-{r}") for r in range(world)]
-    mine = torch.from_file(paths[rank], shared=True, size=nbytes, dtype=torch.uint8)
+    paths = _paths(names[0], tag, world)
+    mine = _region(paths[rank], nbytes)
     mine.zero_()
     dist.barrier(group=group)
-    regions = [mine if r == rank else torch.from_file(paths[r], shared=True, size=nbytes,
-                                                      dtype=torch.uint8)
-               for r in range(world)]
+    regions = [mine if r == rank else _region(paths[r], nbytes) for r in range(world)]
     dist.barrier(group=group)
     with contextlib.suppress(FileNotFoundError):
         os.unlink(paths[rank])
@@ -69,19 +75,23 @@ def open_shared(group: Any, nbytes: int, tag: str) -> list[torch.Tensor]:
 
 def open_shared_checked(group: Any, nbytes: int, tag: str
                         ) -> tuple[list[torch.Tensor], list[int]] | None:
-    """:func:`open_shared` for an optional path over a gloo group: every rank checks that it
-    sees what each peer wrote into its own region (a container with a /dev/shm of its own may
-    share the hostname and not the memory), and all agree; None on every rank if any did not
-    (nothing is raised, nothing is left behind). Returns the regions and the ranks' pids."""
+    """:func:`open_shared` for an optional path over a gloo group: None on every rank where the
+    ranks are not all on this host, or where one does not see what each peer wrote into its own
+    region (a container with a /dev/shm of its own may share the hostname and not the memory);
+    nothing is raised, nothing is left behind. Returns the regions and the ranks' pids."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     nonce = -1 - int.from_bytes(os.urandom(7), "little")  # negative: never a board's seq
     info: list[Any] = [None] * world
-    dist.all_gather_object(info, (uuid.uuid4().hex, nonce, os.getpid()), group=group)
-    paths = [os.path.join(_shm_dir(), f"dbo-{info[0][0]}-{tag}-{r}") for r in range(world)]
+    dist.all_gather_object(info, (uuid.uuid4().hex, nonce, os.getpid(), socket.gethostname()),
+                           group=group)
+    if len({host for *_, host in info}) > 1:  # the same answer on every rank
+        return None
+    paths = _paths(info[0][0], tag, world)
+    size = max(nbytes, 8)
     regions: list[torch.Tensor] | None = None
     mine = None
     try:
-        mine = torch.from_file(paths[rank], shared=True, size=max(nbytes, 8), dtype=torch.uint8)
+        mine = _region(paths[rank], size)
         mine.zero_()
         mine[:8].view(torch.int64)[0] = nonce
     except (OSError, RuntimeError):
@@ -89,9 +99,7 @@ def open_shared_checked(group: Any, nbytes: int, tag: str
     dist.barrier(group=group)
     if mine is not None:
         try:
-            regions = [mine if r == rank else torch.from_file(paths[r], shared=True, size=max(nbytes, 8),
-                                                              dtype=torch.uint8)
-                       for r in range(world)]
+            regions = [mine if r == rank else _region(paths[r], size) for r in range(world)]
             if any(int(regions[r][:8].view(torch.int64)[0]) != info[r][1] for r in range(world)):
                 regions = None
         except (OSError, RuntimeError):
@@ -106,15 +114,7 @@ def open_shared_checked(group: Any, nbytes: int, tag: str
     if int(failed.item()) or regions is None:
         return None
     regions[rank][:8].zero_()
-    return [r[:nbytes] for r in regions], [pid for _, _, pid in info]
-
-
-def one_host(group: Any) -> bool:
-    """Whether every rank of ``group`` runs on this host (collective: the same answer on every
-    rank)."""
-    names: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(names, socket.gethostname(), group=group)
-    return len(set(names)) == 1
+    return [r[:nbytes] for r in regions], [info[r][2] for r in range(world)]
 
 
 class HostBoard:

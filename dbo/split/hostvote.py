@@ -8,7 +8,7 @@ vote for decision number ``n`` and takes the MAX of everyone's, on the host. Mea
 ``tools/probes/vote_cost.py`` (2 ranks on a 2-core VM): gloo 450 us median (p90 4 ms), the board
 13.5 us (p90 17 us).
 
-The board of a group is opened at its first decision (a collective: the hostnames, then the
+The board of a group is opened at its first decision (a collective: the hostnames with the
 shared memory, checked: ranks that share a hostname but not /dev/shm, as containers may, keep
 gloo), so every rank must take the same path: the choice depends only on the group and
 on ``DBO_HOST_VOTE`` (``0``: always gloo), which must be the same on every rank. A peer that
@@ -26,7 +26,7 @@ from typing import Any
 import torch.distributed as dist
 
 from dbo.errors import CollectiveTimeoutError
-from dbo.hostboard import HostBoard, one_host, open_shared_checked
+from dbo.hostboard import HostBoard, open_shared_checked
 
 __all__ = ["HostVote", "host_vote", "reset_host_votes", "ENV"]
 
@@ -47,8 +47,6 @@ class HostVote:
     def open(cls, group: Any, width: int) -> HostVote | None:
         """The group's board (collective), or None where the ranks do not share this host's
         memory (then every rank gets None)."""
-        if not one_host(group):
-            return None
         opened = open_shared_checked(group, HostBoard.nbytes(1, 1 + width), "vote")
         return None if opened is None else cls(opened[0], dist.get_rank(group), width, opened[1])
 
