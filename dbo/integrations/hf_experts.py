@@ -115,11 +115,8 @@ class ModelExperts(MoEExperts):
             return x.new_zeros(x.shape)
         with _local_params(self.module):
             local = next(iter(self.module.parameters()), None)
-            if local is not None and local.dim() == 3 and local.shape[0] != self.num_local_experts:
-                raise UnsupportedEPError(
-                    f"the experts module holds {local.shape[0]} experts' weights on this rank, not its "
-                    f"{self.num_local_experts}: dbo's implementations need every expert whole on one "
-                    "rank (ep_size == fsdp_size * tp_size)")
+            if local is not None and local.dim() == 3:
+                _check_whole_experts(local.shape[0], self.num_local_experts)
             return self.forward(x, ids, weights).to(x.dtype)
 
     def apply(self, hidden_states: torch.Tensor, w1: torch.Tensor | None, w2: torch.Tensor | None,
@@ -215,6 +212,15 @@ def library_layout_problem(module: torch.nn.Module) -> str | None:
     return None
 
 
+def _check_whole_experts(held: int, local: int) -> None:
+    """The experts' weights on this rank must be its ``local`` experts, whole."""
+    if held != local:
+        raise UnsupportedEPError(
+            f"the experts module holds {held} experts' weights on this rank, not its {local}: "
+            "dbo's implementations need every expert whole on one rank (ep_size == fsdp_size * "
+            "tp_size)")
+
+
 def _refusal(module: torch.nn.Module, problem: str) -> str:
     return (f"dbo's library experts cannot run {type(module).__name__}: {problem}. They need "
             "SwiGLU experts with fused gate_up_proj [E, 2I, hidden] (gate rows first), down_proj "
@@ -260,11 +266,7 @@ class LibraryExperts(SwiGLUExperts):
         del w1, w2, workspace
         with _local_params(self.module):
             gate_up, down = self.module.gate_up_proj, self.module.down_proj
-            if gate_up.shape[0] != self.num_local_experts:
-                raise UnsupportedEPError(
-                    f"the experts module holds {gate_up.shape[0]} experts' weights on this rank, not "
-                    f"its {self.num_local_experts}: dbo's implementations need every expert whole "
-                    "on one rank (ep_size == fsdp_size * tp_size)")
+            _check_whole_experts(gate_up.shape[0], self.num_local_experts)
             # inference only, like the backends: no gradient reaches the weights (views, no copy)
             return super().apply(hidden_states.detach(), gate_up.detach(), down.detach(),
                                  topk_weights, topk_ids,

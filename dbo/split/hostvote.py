@@ -10,8 +10,9 @@ vote for decision number ``n`` and takes the MAX of everyone's, on the host. Mea
 
 The board of a group is opened at its first decision (collective: the ranks exchange their
 hostnames and shared-memory names, then check that they see each other's memory; ranks on
-several hosts, or sharing a hostname but not /dev/shm as containers may, keep gloo), so every rank must take the same path: the choice depends only on the group and
-on ``DBO_HOST_VOTE`` (``0``: always gloo), which must be the same on every rank. A peer that
+several hosts, or sharing a hostname but not /dev/shm as containers may, keep gloo), so every
+rank must take the same path: the choice depends only on the group and on ``DBO_HOST_VOTE``
+(``0``: always gloo), which must be the same on every rank. A peer that
 does not vote makes the others raise :class:`dbo.errors.CollectiveTimeoutError` after the
 :func:`dbo.watchdog.collective_timeout` in force (default: the process group's timeout), and
 at once (within about a second) where its process has exited.
