@@ -25,7 +25,6 @@ import argparse
 import gc
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -85,13 +84,8 @@ def timed(fn, steps: int, warmup: int, device: torch.device) -> tuple[float, tor
     times = []
     for _ in range(steps):
         dist.barrier()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        out = fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append((time.perf_counter() - t0) * 1e3)
+        seconds, out = hf_moe.synced_seconds(fn, device)
+        times.append(seconds * 1e3)
     return sorted(times)[len(times) // 2], out
 
 

@@ -47,6 +47,7 @@ import time
 import zlib
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -242,17 +243,23 @@ def load_checkpoint(args: argparse.Namespace, device: torch.device, *, expert_pa
                       device, what).eval()
 
 
+def synced_seconds(fn: Callable[[], Any], device: torch.device) -> tuple[float, Any]:
+    """``fn()``'s wall seconds on this rank, the GPU drained before and after, and its result."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    out = fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - t0, out
+
+
 def timed_load(load, device: torch.device, what: str):
     """``load()``, printing (rank 0) its seconds and the peak GPU memory of the slowest and
     fullest rank: the load table's row."""
     reset_peak(device)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    t0 = time.perf_counter()
-    model = load()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    seconds, peak = slowest([time.perf_counter() - t0, peak_gib(device)], device)
+    seconds, model = synced_seconds(load, device)
+    seconds, peak = slowest([seconds, peak_gib(device)], device)
     if dist.get_rank() == 0:
         print(f"load ({what}): from_pretrained {seconds:.1f} s, peak {peak:.2f} GiB per rank "
               "(slowest / fullest rank)", flush=True)

@@ -33,3 +33,14 @@ def _no_run_left_behind():
     assert len(BUFFER_CACHE) == 0, "a test left DeepEP buffers in the process-wide cache"
     assert len(WATCHDOG) == 0, "a test left GPU waits with the process-wide watchdog"
     FALLBACK_LOG.reset()  # each test sees each fallback reason logged afresh
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_checkpoint(tmp_path_factory):
+    """A tiny random Qwen3-MoE checkpoint (``tiny_random_model("qwen3_moe", 0)``), written once
+    for the tests that load it expert-parallel."""
+    from dbo.integrations.hf_presets import tiny_random_model
+
+    path = tmp_path_factory.mktemp("ckpt") / "qwen3_moe"
+    tiny_random_model("qwen3_moe", 0).save_pretrained(path)
+    return str(path)

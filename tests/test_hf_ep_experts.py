@@ -51,10 +51,8 @@ def world():
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    path = tmp_path_factory.mktemp("ckpt") / "qwen3_moe"
-    _tiny_model("qwen3_moe", 0).save_pretrained(path)
-    return str(path)
+def checkpoint(tiny_qwen3_checkpoint):
+    return tiny_qwen3_checkpoint
 
 
 def _inputs(rank: int):

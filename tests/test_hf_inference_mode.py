@@ -37,13 +37,8 @@ def world():
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    from dbo.integrations.hf_presets import tiny_random_model
-
-    model = tiny_random_model("qwen3_moe", 0)
-    path = tmp_path_factory.mktemp("ckpt") / "qwen3_moe"
-    model.save_pretrained(path)
-    return str(path)
+def checkpoint(tiny_qwen3_checkpoint):
+    return tiny_qwen3_checkpoint
 
 
 def _inputs(rank: int):
