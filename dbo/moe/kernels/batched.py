@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import torch
 
+from dbo.moe.kernels.fused_experts import launch_down, launch_gate_up, pick_configs
 from dbo.moe.kernels.fused_maps import block_e
+from dbo.moe.kernels.gather_reduce import use_triton_for
 from dbo.moe.kernels.triton_launch import cdiv, launch
 
 __all__ = ["batched_order", "batched_swiglu_experts", "move_rows", "MOVE_ROWS_PER_PROGRAM"]
@@ -103,8 +105,6 @@ def batched_swiglu_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, 
     (default a quarter of ``cap``); ``configs``/``persistent`` as for
     :func:`dbo.moe.kernels.fused_experts.fused_swiglu_experts` (default persistent: the grid's
     bound is the capacity, most of it empty). Returns ``out``; nothing waits for the GPU."""
-    from dbo.moe.kernels.fused_experts import launch_down, launch_gate_up, pick_configs
-
     n_local, cap, hidden = x.shape
     inter = w2.shape[2]
     if out.shape != x.shape or out.dtype != x.dtype:
@@ -132,8 +132,6 @@ def move_rows(src: torch.Tensor, dst: torch.Tensor, src_rows: torch.Tensor, dst_
     the elements past them); other rows of ``dst`` are left as they are. ``src_rows`` and
     ``dst_rows``: int ``[N]`` on the device. Triton on CUDA, one launch, no host sync; plain
     torch elsewhere (a boolean mask: it syncs). Returns ``dst``."""
-    from dbo.moe.kernels.gather_reduce import use_triton_for
-
     if src_rows.shape != dst_rows.shape or src_rows.dim() != 1:
         raise ValueError(f"src_rows and dst_rows must be equal 1-D, got {tuple(src_rows.shape)} "
                          f"and {tuple(dst_rows.shape)}")
