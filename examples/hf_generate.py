@@ -3,18 +3,20 @@ with its own ``all_to_all`` expert parallelism beside dbo's ``greedy_generate`` 
 
     torchrun --nproc-per-node 2 examples/hf_generate.py          # CPU, gloo: a tiny Qwen3-MoE checkpoint
     torchrun --nproc-per-node 4 examples/hf_generate.py --device cuda --preset qwen3-30b-a3b \\
-        --save-checkpoint /tmp/q48 --batch 64 --prompt 512 --new-tokens 64 --backend copy_engine deepep_ht
+        --save-checkpoint /tmp/q48 --batch 64 --prompt 512 --new-tokens 64 --backend copy_engine deepep_ht/deepep_ll
 
 Every rank decodes its own batch of ``--batch`` random prompts of ``--prompt`` tokens for
 ``--new-tokens`` steps (greedy), first with transformers' ``generate()`` on the checkpoint loaded
 with its own ``all_to_all`` implementation (under ``no_grad``, which it needs), then, on the
 checkpoint loaded with dbo's implementations, with :func:`dbo.integrations.generate.greedy_generate`
 per ``--backend``: plain (no split) and overlapped (two ubatches of sequences, each with its own
-KV cache). It prints tokens/s per GPU (new tokens of the batch over the whole call, prefill
+KV cache). A backend ``PREFILL/DECODE`` (``deepep_ht/deepep_ll``) moves the prompts through the
+first and the decode steps through the second (``switch_ep_backend(..., decode_backend=)``). It prints tokens/s per GPU (new tokens of the batch over the whole call, prefill
 included; slowest rank; median of ``--steps`` calls after ``--warmup``) and how far each run's
 tokens agree with ``generate()``'s: bf16 rounding differs between implementations, and a near-tie
 flips a token, after which the sequences part ways. So the agreement is the share of sequences
-identical to the end, and the mean share of new tokens before the first difference.
+identical to the end, and the mean share of new tokens before the first difference; each DBO row
+gives the same against its plain row too.
 
 ``--link GBPS[,LATENCY_US]`` runs dbo's backends under the simulated link (docs/multihost.md).
 """
@@ -43,7 +45,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--preset", default=None, help="as examples/hf_moe.py (default: tiny on CPU)")
     p.add_argument("--layers", type=int, default=None)
-    p.add_argument("--backend", nargs="+", default=None, help="default: all2all copy_engine")
+    p.add_argument("--backend", nargs="+", default=None,
+                   help="NAME or PREFILL/DECODE (default: all2all copy_engine on CPU, "
+                        "copy_engine deepep_ht/deepep_ll on CUDA)")
     p.add_argument("--batch", type=int, default=None, help="sequences per rank (CPU 4, CUDA 64)")
     p.add_argument("--prompt", type=int, default=None, help="prompt tokens (CPU 8, CUDA 512)")
     p.add_argument("--new-tokens", type=int, default=None, help="decode steps (CPU 4, CUDA 64)")
@@ -61,12 +65,22 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
     a.new_tokens = a.new_tokens or (64 if cuda else 4)
     if min(a.batch, a.prompt, a.new_tokens, a.steps) < 1 or a.warmup < 0:
         p.error("--batch, --prompt, --new-tokens and --steps must be >= 1, --warmup >= 0")
+    a.backend = a.backend or (["copy_engine", "deepep_ht/deepep_ll"] if cuda else ["all2all", "copy_engine"])
+    a.pairs = []
+    for spec in a.backend:
+        prefill, _, decode = spec.partition("/")
+        for name in (prefill, decode):
+            if name and name not in BACKENDS:
+                p.error(f"--backend {spec}: unknown backend {name!r}; choose from {sorted(BACKENDS)}")
+        if spec.endswith("/"):
+            p.error(f"--backend {spec}: give PREFILL/DECODE or one name")
+        a.pairs.append((prefill, decode or None))
     if not (a.checkpoint or a.save_checkpoint):
         if cuda:
             p.error("give --checkpoint DIR (or --save-checkpoint DIR to write one)")
         a.save_checkpoint = "hf_generate_ckpt"
     # the helpers of examples/hf_moe.py take its namespace
-    base = ["--device", a.device, "--backend", *(a.backend or ["all2all", "copy_engine"])]
+    base = ["--device", a.device, "--backend", *dict.fromkeys(p for p, _ in a.pairs)]
     for flag, val in (("--preset", a.preset), ("--layers", a.layers), ("--checkpoint", a.checkpoint),
                       ("--save-checkpoint", a.save_checkpoint), ("--link", a.link)):
         if val is not None:
@@ -103,8 +117,10 @@ def add_row(rows: list[dict], rank: int, row: dict) -> None:
     """Keep ``row`` and print it at once (rank 0): a run cut short still shows what it measured."""
     rows.append(row)
     if rank == 0:
+        vs_plain = (f"; against plain: identical {row['same_plain']:.2f}, before 1st diff "
+                    f"{row['prefix_plain']:.2f}" if "same_plain" in row else "")
         print(f"row: {row['run']}: {row['ms']:.1f} ms, {row['tok_s']:,.0f} new tokens/s per GPU, "
-              f"identical {row['same']:.2f}, before 1st diff {row['prefix']:.2f}", flush=True)
+              f"identical {row['same']:.2f}, before 1st diff {row['prefix']:.2f}{vs_plain}", flush=True)
 
 
 def run(a: argparse.Namespace, args: argparse.Namespace, rank: int, world: int,
@@ -144,23 +160,28 @@ def run(a: argparse.Namespace, args: argparse.Namespace, rank: int, world: int,
     plain_cfg = SplitConfig(enabled=False)
     dbo_cfg = SplitConfig(prefill_token_threshold=2, decode_token_threshold=2)
     with torch.inference_mode():
-        for backend in args.backend:
-            hf_moe.use_backend(model, backend, a.batch * a.prompt, args)
+        for prefill, decode in a.pairs:
+            hf_moe.use_backend(model, prefill, a.batch * a.prompt, args, decode_backend=decode,
+                               decode_max_tokens=a.batch)
+            label = prefill if decode is None else f"{prefill}/{decode}"
+            plain = None
             for name, split in (("plain", plain_cfg), ("DBO", dbo_cfg)):
                 ms, (got, plan) = timed(lambda split=split: greedy_generate(
                     model, ids, mask, max_new_tokens=a.new_tokens, config=split), a.steps, a.warmup, device)
                 same, prefix = agreement(got, want, a.prompt)
-                ms, neg_same, neg_prefix = hf_moe.slowest([ms, -same, -prefix], device)
-                add_row(rows, rank, dict(run=f"dbo greedy_generate {backend} {name}", ms=ms,
-                                         tok_s=new / ms * 1e3, same=-neg_same, prefix=-neg_prefix,
-                                         split=str(plan)))
+                vs_plain = agreement(got, plain, a.prompt) if plain is not None else (1.0, 1.0)
+                plain = got if plain is None else plain
+                ms, *neg = hf_moe.slowest([ms, -same, -prefix, -vs_plain[0], -vs_plain[1]], device)
+                add_row(rows, rank, dict(run=f"dbo greedy_generate {label} {name}", ms=ms,
+                                         tok_s=new / ms * 1e3, same=-neg[0], prefix=-neg[1],
+                                         same_plain=-neg[2], prefix_plain=-neg[3], split=str(plan)))
     return rows
 
 
 def main(argv: list[str] | None = None) -> int:
     a, args = parse_args(argv)
-    if any(BACKENDS[b].gpu_only for b in args.backend) and a.device != "cuda":
-        raise SystemExit(f"--backend {args.backend}: DeepEP backends need --device cuda")
+    if any(b and BACKENDS[b].gpu_only for pair in a.pairs for b in pair) and a.device != "cuda":
+        raise SystemExit(f"--backend {a.backend}: DeepEP backends need --device cuda")
     rank, world, device = hf_moe.init_distributed(a.device)
     try:
         rows = run(a, args, rank, world, device)
@@ -169,17 +190,17 @@ def main(argv: list[str] | None = None) -> int:
                   f"per rank, {world} ranks, {args.dtype}; ms per call (prefill included), slowest rank; "
                   "tokens/s per GPU = new tokens / time; agreement with generate(): sequences "
                   "identical to the end / mean share of new tokens before the first difference\n")
-            print("| run | ms | new tokens/s per GPU | identical | before 1st diff |")
-            print("|---|---|---|---|---|")
+            print("| run | ms | new tokens/s per GPU | identical | before 1st diff | identical to plain |")
+            print("|---|---|---|---|---|---|")
             for r in rows:
                 print(f"| {r['run']} | {r['ms']:.1f} | {r['tok_s']:,.0f} | {r['same']:.2f} "
-                      f"| {r['prefix']:.2f} |")
+                      f"| {r['prefix']:.2f} | {r.get('same_plain', 1.0):.2f} |")
             if a.json:
                 Path(a.json).write_text(json.dumps({"world": world, "batch": a.batch, "prompt": a.prompt,
                                                     "new_tokens": a.new_tokens, "rows": rows}, indent=1))
         return 0
     finally:
-        if any(b.startswith("deepep") for b in args.backend):
+        if any(b and b.startswith("deepep") for pair in a.pairs for b in pair):
             from dbo.backends.deepep_buffer import BUFFER_CACHE
             BUFFER_CACHE.reset()
         gc.collect()

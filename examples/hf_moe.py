@@ -89,9 +89,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--unconverted", action="store_true",
                    help="also time the original model (all experts on every rank)")
     p.add_argument("--sm-carveout", type=int, default=None, help="DBO's sm_carveout")
-    p.add_argument("--expert-schedule", nargs="+", choices=["split", "merged"], default=["split"],
+    p.add_argument("--expert-schedule", nargs="+", choices=["split", "merged", "auto"], default=["split"],
                    help="DBO's expert schedules to time (merged: one experts call per layer over "
-                        "both ubatches' rows); a row per schedule")
+                        "both ubatches' rows; auto: DBOPrefill.autotune at each shape picks split, "
+                        "merged or plain); a row per schedule")
     p.add_argument("--max-tokens-per-rank", type=int, default=None,
                    help="for deepep_ll (default: one ubatch of the largest shape)")
     p.add_argument("--profile", default=None,
@@ -307,20 +308,31 @@ def hf_all_to_all_rows(args: argparse.Namespace, inputs: dict, device: torch.dev
     return anchor
 
 
-def use_backend(model: torch.nn.Module, backend: str, max_tokens: int, args: argparse.Namespace) -> None:
-    kw = {}
-    if BACKENDS[backend].needs_max_tokens:
-        kw["max_tokens_per_rank"] = args.max_tokens_per_rank or max_tokens
-    if args.link:
-        from dbo.backends.simulated_link import SimulatedLink
+def use_backend(model: torch.nn.Module, backend: str, max_tokens: int, args: argparse.Namespace,
+                decode_backend: str | None = None, decode_max_tokens: int | None = None) -> None:
+    """Move the model's tokens through ``backend`` (sized for ``max_tokens`` per rank and call
+    where it needs it), and its decode steps through ``decode_backend`` (sized for
+    ``decode_max_tokens``; a model loaded from a checkpoint only)."""
+    def kwargs(name: str, tokens: int) -> dict:
+        kw = {}
+        if BACKENDS[name].needs_max_tokens:
+            kw["max_tokens_per_rank"] = args.max_tokens_per_rank or tokens
+        if args.link:
+            from dbo.backends.simulated_link import SimulatedLink
 
-        kw["link"] = SimulatedLink.parse(args.link, args.remote_fraction)
+            kw["link"] = SimulatedLink.parse(args.link, args.remote_fraction)
+        return kw
+
     if args.checkpoint:
         from dbo.integrations.hf_ep import switch_ep_backend
 
-        switch_ep_backend(model, backend, **kw)
+        decode_kw = None if decode_backend is None else kwargs(decode_backend, decode_max_tokens or max_tokens)
+        switch_ep_backend(model, backend, decode_backend=decode_backend, decode_backend_kwargs=decode_kw,
+                          **kwargs(backend, max_tokens))
+    elif decode_backend is not None:
+        raise SystemExit("a decode backend needs a model loaded from a checkpoint (--checkpoint)")
     else:
-        set_backend(model, backend, None, **kw)
+        set_backend(model, backend, None, **kwargs(backend, max_tokens))
 
 
 def reset_layers(model: torch.nn.Module) -> None:
@@ -421,9 +433,10 @@ def run(args: argparse.Namespace, rank: int, world: int, device: torch.device) -
 
                 switch_ep_experts(model, choice)
             use_backend(model, backend, max_tokens, args)
-            runners = {sched: DBOPrefill(model, prefill_split_config(2, expert_schedule=sched),
-                                         logits_to_keep=args.logits_to_keep, sm_carveout=args.sm_carveout)
-                       for sched in args.expert_schedule}
+            runners = {sched: DBOPrefill(model, prefill_split_config(
+                2, **({} if sched == "auto" else {"expert_schedule": sched})),
+                logits_to_keep=args.logits_to_keep, sm_carveout=args.sm_carveout)
+                for sched in args.expert_schedule}
             runner = runners[args.expert_schedule[0]]
             for shape, ids in inputs.items():
                 plain = prefill_logits(model, ids, logits_to_keep=args.logits_to_keep)
@@ -434,6 +447,10 @@ def run(args: argparse.Namespace, rank: int, world: int, device: torch.device) -
                                   args.steps, args.warmup, device)
                 peak_plain = peak_gib(device)
                 for sched, run_dbo in runners.items():
+                    tuned = None
+                    if sched == "auto":  # the plain, split and merged prefill timed at this shape
+                        tuned = run_dbo.autotune(ids.shape[1], [ids.shape[0]], vocab_size=config.vocab_size,
+                                                 warmup=args.warmup, steps=args.steps)
                     rel, agree = compare(run_dbo(ids), plain)
                     reset_peak(device)
                     t_dbo = time_ms(lambda ids=ids, r=run_dbo: r(ids), args.steps, args.warmup, device)
@@ -445,11 +462,16 @@ def run(args: argparse.Namespace, rank: int, world: int, device: torch.device) -
                     good = rel <= 1e-4 if fp32 else (rel <= 0.1 or -neg_agree >= 0.75)
                     ok &= good
                     label = backend if len(runners) == 1 else f"{backend}/{sched}"
+                    if tuned is not None:
+                        label += f" ({tuned.schedule.value})" if len(runners) > 1 else f"/auto ({tuned.schedule.value})"
                     if len(choices) > 1:
                         label = f"{label} ({choice} experts)"
                     rows.append(dict(backend=label, batch=shape[0], seq=shape[1], plain_ms=t_p,
                                      dbo_ms=t_dbo, rel_err=rel, top1_agree=-neg_agree, ok=good,
                                      split=str(run_dbo.last_plan), expert_schedule=sched,
+                                     autotune=None if tuned is None else {
+                                         "choice": tuned.schedule.value, "plain_ms": tuned.rows[0].serial_ms,
+                                         "split_ms": tuned.rows[0].dbo_ms, "merged_ms": tuned.rows[0].merged_ms},
                                      plain_peak_gib=p_plain, dbo_peak_gib=p_dbo,
                                      rel_vs_a2a=None if vs < 0 else vs))
                     save(args, config, world, device, rows, rank)  # a later timeout keeps these

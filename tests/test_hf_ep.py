@@ -172,6 +172,95 @@ def test_greedy_generation_equals_generate(world, checkpoints, family, backend):
         assert r["dbo_ok"], f"rank {rank}: DBO greedy tokens != generate()"
 
 
+def _autotune_job(path: str, margin: float) -> dict:
+    import torch
+
+    from dbo.integrations.transformers import DBOPrefill, prefill_logits
+
+    model = _load(path, "dbo_all2all")
+    ids = torch.randint(0, model.config.vocab_size, (4, 6), generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        prefill = DBOPrefill(model)
+        result = prefill.autotune(6, [2, 4], steps=1, warmup=0, margin=margin)
+        got, want = prefill(ids), prefill_logits(model, ids)
+    return {"threshold": result.threshold, "config": prefill.wrapper.config.prefill_token_threshold,
+            "rows": [r.tokens for r in result.rows], "split": prefill.last_plan.split,
+            "equal": torch.allclose(got, want, rtol=1e-5, atol=1e-5)}
+
+
+@pytest.mark.parametrize("margin", [0.0, 0.99])
+def test_prefill_autotune_keeps_its_choice(world, checkpoints, margin):
+    # margin 0.99: DBO would have to be 100x faster, so the prefill falls back to plain
+    for r in world.run(_autotune_job, checkpoints["qwen3_moe"], margin, timeout_s=180):
+        assert r["rows"] == [2, 4] and r["config"] == r["threshold"], r
+        assert r["split"] == (r["threshold"] <= 4), r
+        if margin > 0.5:
+            assert not r["split"], r
+        assert r["equal"], r
+
+
+class _Recorder:
+    """A kernel that records the tokens of each call and runs the kernel it wraps."""
+
+    def __init__(self, kernel, calls: list):
+        self.kernel, self.calls = kernel, calls
+
+    def __getattr__(self, name):
+        return getattr(self.kernel, name)
+
+    def __call__(self, x, *args, **kwargs):
+        self.calls.append(x.shape[0])
+        return self.kernel(x, *args, **kwargs)
+
+
+def _decode_backend_job(path: str, new_tokens: int) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from dbo.integrations.generate import greedy_generate
+    from dbo.integrations.hf_ep import expert_parallel_modules, switch_ep_backend
+    from dbo.split import SplitConfig
+
+    ids, mask = _inputs(dist.get_rank(), 5)
+    full, model = _load(path, None), _load(path, "dbo_all2all")
+    switch_ep_backend(model, "all2all", decode_backend="copy_engine")
+    out = {}
+    with torch.inference_mode():
+        want = full.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)
+        greedy_generate(model, ids, mask, max_new_tokens=2, config=SplitConfig(enabled=False))  # builds both
+        prefill_calls, decode_calls = [], []
+        for _, impl in expert_parallel_modules(model):
+            out["kinds"] = (type(impl.kernel.prepare_finalize).__name__,
+                            type(impl.decode_kernel.prepare_finalize).__name__)
+            impl.kernel = _Recorder(impl.kernel, prefill_calls)
+            impl.decode_kernel = _Recorder(impl.decode_kernel, decode_calls)
+        for name, cfg in (("plain", SplitConfig(enabled=False)), ("dbo", None)):
+            prefill_calls.clear()
+            decode_calls.clear()
+            got, plan = greedy_generate(model, ids, mask, max_new_tokens=new_tokens, config=cfg)
+            out[name] = {"ok": torch.equal(got, want), "split": plan.split,
+                         "prefill": sorted(set(prefill_calls)), "decode": sorted(set(decode_calls)),
+                         "calls": (len(prefill_calls), len(decode_calls))}
+    out["rows"] = ids.shape[0]
+    return out
+
+
+def test_generation_moves_decode_steps_through_the_decode_backend(world, checkpoints):
+    new_tokens, layers = 4, 2
+    for rank, r in enumerate(world.run(_decode_backend_job, checkpoints["qwen3_moe"], new_tokens,
+                                       timeout_s=180)):
+        assert r["kinds"] == ("AllToAllPrepareAndFinalize", "CopyEnginePrepareAndFinalize"), r
+        rows = r["rows"]
+        for name, ubatches in (("plain", 1), ("dbo", 2)):
+            g = r[name]
+            assert g["ok"], f"rank {rank} {name}: tokens != generate() with a decode backend"
+            assert g["split"] == (ubatches == 2), f"rank {rank} {name}"
+            # the prompt through the prefill backend, one token per sequence through the other
+            assert g["calls"] == (layers * ubatches, layers * ubatches * (new_tokens - 1)), (rank, name, g)
+            assert max(g["prefill"]) > rows and max(g["decode"]) <= rows, (rank, name, g)
+
+
 def _memory_job(path: str) -> dict:
     import torch
     import torch.distributed as dist
@@ -250,6 +339,9 @@ def test_dbo_names_are_registered():
     for name, (backend, _kw) in EP_IMPLEMENTATIONS.items():
         assert issubclass(names[name], DBOExpertParallel) and names[name].backend == backend
     assert names["dbo_deepep_ll"].backend_kwargs == {"max_tokens_per_rank": 256}
+    assert (names["dbo_deepep"].backend, names["dbo_deepep"].decode_backend) == ("deepep_ht", "deepep_ll")
+    assert names["dbo_deepep"].decode_backend_kwargs == {"max_tokens_per_rank": 256}
+    assert names["dbo_deepep_ht"].decode_backend is None
 
 
 def test_older_transformers_gets_the_version_it_needs(monkeypatch):
@@ -268,12 +360,22 @@ def test_older_transformers_gets_the_version_it_needs(monkeypatch):
 
 
 def test_config_and_mistakes():
-    from dbo.integrations.hf_ep import DBOExpertParallel, UnsupportedEPError, ep_distributed_config
+    from dbo.integrations.hf_ep import (
+        DBOExpertParallel,
+        UnsupportedEPError,
+        ep_distributed_config,
+        register_ep_implementation,
+    )
 
     cfg = ep_distributed_config("deepep_ht", world_size=4)
     assert (cfg.fsdp_size, cfg.ep_size, cfg.ep_implementation) == (4, 4, "dbo_deepep_ht")
     with pytest.raises(ValueError, match="unknown backend"):
         ep_distributed_config("nope", world_size=2)
+    assert ep_distributed_config("deepep", world_size=2).ep_implementation == "dbo_deepep"
+    with pytest.raises(ValueError, match="unknown decode_backend"):
+        register_ep_implementation("dbo_test_bad", "all2all", decode_backend="nope")
+    with pytest.raises(ValueError, match="without decode_backend"):
+        register_ep_implementation("dbo_test_bad", "all2all", decode_backend_kwargs={"a": 1})
 
     class Mesh:
         def size(self):

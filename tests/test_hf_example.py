@@ -24,7 +24,8 @@ def test_hf_example_on_cpu(tmp_path):
     out_json = tmp_path / "hf.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            str(EXAMPLE), "--preset", "tiny-deepseek_v3", "--shape", "3x8", "--steps", "1",
-           "--warmup", "0", "--logits-to-keep", "0", "--unconverted", "--json", str(out_json)]
+           "--warmup", "0", "--logits-to-keep", "0", "--unconverted", "--json", str(out_json),
+           "--expert-schedule", "split", "auto"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("DBO_DISABLE", None)
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=150)
@@ -32,10 +33,18 @@ def test_hf_example_on_cpu(tmp_path):
     assert proc.returncode == 0, out
     assert "| backend | batch x seq | plain ms | DBO ms |" in out, out
     rows = json.loads(out_json.read_text())["rows"]
-    assert [r["backend"] for r in rows] == ["all2all", "copy_engine", "naive", "unconverted"]
+    labels = [r["backend"] for r in rows]
+    assert labels[::2] == ["all2all/split", "copy_engine/split", "naive/split", "unconverted"], labels
+    for label, r in zip(labels[:-1], rows[:-1]):
+        if label.endswith("/split"):
+            assert r["split"].startswith("split("), r
+            continue
+        # the autotune's row: its choice among plain, split and merged, each timed at this shape
+        choice = r["autotune"]["choice"]
+        assert label == f"{label.split('/')[0]}/auto ({choice})" and choice in ("plain", "split", "merged"), r
+        assert r["autotune"]["plain_ms"] > 0 and r["split"].startswith("plain" if choice == "plain" else "split("), r
     for r in rows:
         assert r["rel_err"] <= 1e-4 and r["top1_agree"] == 1.0, r
-    assert all(r["split"].startswith("split(") for r in rows[:2]), rows
 
 
 def test_hf_example_loads_a_checkpoint(tmp_path):
@@ -71,13 +80,15 @@ def test_hf_example_loads_a_checkpoint(tmp_path):
 
 def test_hf_generate_example_agrees_with_generate(tmp_path):
     # greedy decoding: transformers' generate() with its own all_to_all EP, then dbo's
-    # greedy_generate on two backends, plain and overlapped; float32, so every run's tokens agree
+    # greedy_generate on a backend and on a prefill/decode pair, plain and overlapped; float32,
+    # so every run's tokens agree
     pytest.importorskip("transformers.distributed.expert_parallel", reason="transformers < 5.23")
     pytest.importorskip("accelerate")
     out_json = tmp_path / "gen.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            str(EXAMPLE.parent / "hf_generate.py"), "--save-checkpoint", str(tmp_path / "ckpt"),
-           "--steps", "1", "--warmup", "0", "--json", str(out_json)]
+           "--steps", "1", "--warmup", "0", "--backend", "all2all", "copy_engine/all2all",
+           "--json", str(out_json)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("DBO_DISABLE", None)
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=150)
@@ -85,6 +96,7 @@ def test_hf_generate_example_agrees_with_generate(tmp_path):
     assert proc.returncode == 0, out
     rows = json.loads(out_json.read_text())["rows"]
     assert [r["run"] for r in rows] == ["transformers generate (all_to_all)"] + [
-        f"dbo greedy_generate {b} {m}" for b in ("all2all", "copy_engine") for m in ("plain", "DBO")]
+        f"dbo greedy_generate {b} {m}" for b in ("all2all", "copy_engine/all2all") for m in ("plain", "DBO")]
     assert all(r["same"] == 1.0 and r["prefix"] == 1.0 and r["tok_s"] > 0 for r in rows), rows
+    assert all(r["same_plain"] == 1.0 and r["prefix_plain"] == 1.0 for r in rows[1:]), rows
     assert all(r["split"].startswith("split(") for r in rows[2::2]), rows  # the DBO rows split

@@ -6,6 +6,11 @@ own KV cache (a transformers ``Cache`` per ubatch, created by the model at the p
 rank of the group runs the same number of steps (the MoE layers are collective), so
 ``max_new_tokens`` must be the same everywhere and there is no early stop.
 
+The decode steps (every step after the prefill) run inside
+:func:`~dbo.integrations.hf_ep.decode_phase`: a model whose experts have a decode backend
+(``switch_ep_backend(model, "deepep_ht", decode_backend="deepep_ll")``, or the ``dbo_deepep``
+implementation) moves the prompt through the first and each new token through the second.
+
 Why not ``model.generate``: it drives one cache for the whole batch, and transformers 5.x has
 no public way to split a cache by batch rows or join ubatch caches back (``batch_split`` /
 ``from_batch_splits`` are gone), which a per-step split decision would need whenever it changes.
@@ -17,7 +22,7 @@ from typing import Any
 
 import torch
 
-from dbo.integrations.hf_ep import expert_parallel_group, prepare_for_overlap
+from dbo.integrations.hf_ep import decode_phase, expert_parallel_group, prepare_for_overlap
 from dbo.integrations.moe_block import routing_token_mask
 from dbo.overlap import current_ubatch, overlapped_forward
 from dbo.split import SplitConfig, UBatchPlan, plan_ubatches
@@ -79,8 +84,9 @@ def greedy_generate(model: torch.nn.Module, input_ids: torch.Tensor,
 
     tokens, positions = input_ids, _positions(mask)
     ids = input_ids
-    for _ in range(max_new_tokens):
-        logits = overlapped_forward(step, ids, mask, positions, plan=plan)
+    for i in range(max_new_tokens):
+        with decode_phase(i > 0):  # the decode backend, where the model has one, after the prefill
+            logits = overlapped_forward(step, ids, mask, positions, plan=plan)
         ids = logits.argmax(-1, keepdim=True)
         tokens = torch.cat([tokens, ids], dim=1)
         positions = positions[:, -1:] + 1

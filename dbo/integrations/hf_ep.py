@@ -32,7 +32,10 @@ read them when they run, whichever copy FSDP has registered then.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
+from collections.abc import Iterator
 from typing import Any, ClassVar
 
 import torch
@@ -61,6 +64,7 @@ __all__ = [
     "ModelExperts",
     "LibraryExperts",
     "DBOExpertParallel",
+    "decode_phase",
     "register_ep_implementation",
     "register_default_ep_implementations",
     "ep_distributed_config",
@@ -82,14 +86,54 @@ MIN_TRANSFORMERS = "5.23"
 #: another with ``register_ep_implementation(name, "deepep_ll", max_tokens_per_rank=N)``.
 DEEPEP_LL_MAX_TOKENS = 256
 
-#: registered name -> (backend, backend kwargs)
+#: registered name -> (backend, backend kwargs). ``dbo_deepep`` is DeepEP's usual pairing (as
+#: SGLang's ``--deepep-mode auto``): high-throughput kernels for the prefill, low-latency ones for
+#: the decode steps (:func:`decode_phase`; ``decode_backend`` / ``decode_backend_kwargs`` there).
 EP_IMPLEMENTATIONS: dict[str, tuple[str, dict[str, Any]]] = {
     "dbo_naive": ("naive", {}),
     "dbo_all2all": ("all2all", {}),
     "dbo_copy_engine": ("copy_engine", {}),
     "dbo_deepep_ht": ("deepep_ht", {}),
     "dbo_deepep_ll": ("deepep_ll", {"max_tokens_per_rank": DEEPEP_LL_MAX_TOKENS}),
+    "dbo_deepep": ("deepep_ht", {"decode_backend": "deepep_ll"}),
 }
+
+# Set by decode_phase (each ubatch runs in a copy of the caller's contextvars context).
+_DECODING: contextvars.ContextVar[bool] = contextvars.ContextVar("dbo_ep_decoding", default=False)
+
+
+@contextlib.contextmanager
+def decode_phase(active: bool = True) -> Iterator[None]:
+    """Inside the block, the experts modules that have a decode backend move their tokens through
+    it (``switch_ep_backend(model, "deepep_ht", decode_backend="deepep_ll")``, or the
+    ``dbo_deepep`` implementation); the others are unaffected.
+    :func:`~dbo.integrations.generate.greedy_generate` runs its decode steps (not the prefill)
+    inside it.
+
+    The backends are collective: every rank of the expert-parallel group must run the same
+    calls inside the block (as every rank runs the same decode steps), or the ranks wait on
+    different kernels.
+    """
+    token = _DECODING.set(bool(active))
+    try:
+        yield
+    finally:
+        _DECODING.reset(token)
+
+
+def _decode_kwargs(decode_backend: str | None, kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """Checked ``decode_backend_kwargs``: a backend sized by its tokens per call gets
+    :data:`DEEPEP_LL_MAX_TOKENS` unless told otherwise."""
+    if decode_backend is None:
+        if kwargs:
+            raise ValueError("decode_backend_kwargs given without decode_backend")
+        return {}
+    if decode_backend not in BACKENDS:
+        raise ValueError(f"unknown decode_backend {decode_backend!r}; choose from {sorted(BACKENDS)}")
+    out = dict(kwargs or {})
+    if BACKENDS[decode_backend].needs_max_tokens:
+        out.setdefault("max_tokens_per_rank", DEEPEP_LL_MAX_TOKENS)
+    return out
 
 
 class TransformersVersionError(DBOError, ImportError):
@@ -145,6 +189,9 @@ class DBOExpertParallel:
     backend: ClassVar[str] = "all2all"
     backend_kwargs: ClassVar[dict[str, Any]] = {}
     experts_choice: ClassVar[str] = "auto"
+    #: the backend of the calls made inside :func:`decode_phase` (None: :attr:`backend` there too)
+    decode_backend: ClassVar[str | None] = None
+    decode_backend_kwargs: ClassVar[dict[str, Any]] = {}
 
     def __init__(self, experts: torch.nn.Module, ep_mesh: Any, tp_mesh: Any):
         if tp_mesh.size() != 1:
@@ -160,6 +207,7 @@ class DBOExpertParallel:
         self._module, self._module_forward = experts, experts.forward
         self.experts, self.experts_kind = make_experts(experts, experts.forward, self.experts_choice)
         self.kernel: MoEKernel | None = None
+        self.decode_kernel: MoEKernel | None = None  # the decode backend's, built at its first call
         # the kernel's w1/w2: the experts read the module's weights themselves (the same placeholder
         # every call, so the merged expert schedule sees one layer's ubatches as one call)
         self._no_weights = torch.empty(0)
@@ -170,13 +218,29 @@ class DBOExpertParallel:
         # its buffers outside inference mode at the model's first forward (hf_fsdp)
         prepare_at_first_forward(experts)
 
-    def _build(self, x: torch.Tensor, topk: int) -> MoEKernel:
-        pf = make_backend(self.backend, self.group, hidden=x.shape[1], num_experts=self.num_experts,
-                          topk=topk, dtype=x.dtype, device=x.device, **self.backend_kwargs)
-        self.ids_dtype = pf.topk_indices_dtype() or torch.int64
+    def _build(self, x: torch.Tensor, topk: int, backend: str, kwargs: dict[str, Any]) -> MoEKernel:
+        pf = make_backend(backend, self.group, hidden=x.shape[1], num_experts=self.num_experts,
+                          topk=topk, dtype=x.dtype, device=x.device, **kwargs)
         logger.info("dbo: expert-parallel experts %d..%d of %d through %s", self.first_expert,
-                    self.first_expert + self.num_local_experts - 1, self.num_experts, self.backend)
+                    self.first_expert + self.num_local_experts - 1, self.num_experts, backend)
         return MoEKernel(pf, self.experts)
+
+    def _kernel(self, x: torch.Tensor, topk: int) -> MoEKernel:
+        """The kernel of this call: the decode backend's inside :func:`decode_phase` (where one is
+        set), else the backend's; built at its first call."""
+        signature = (x.shape[1], x.dtype, topk, x.device)
+        if self._signature is None:
+            self._signature = signature
+        elif signature != self._signature:
+            raise ValueError(f"dbo's {self.backend!r} expert-parallel layer was built for (hidden, dtype, "
+                             f"topk, device) = {self._signature}, called with {signature}")
+        if self.decode_backend is not None and _DECODING.get():
+            if self.decode_kernel is None:
+                self.decode_kernel = self._build(x, topk, self.decode_backend, self.decode_backend_kwargs)
+            return self.decode_kernel
+        if self.kernel is None:
+            self.kernel = self._build(x, topk, self.backend, self.backend_kwargs)
+        return self.kernel
 
     def __call__(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                  top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -184,22 +248,19 @@ class DBOExpertParallel:
         global expert ids, ``top_k_weights`` ``[M, topk]`` -> ``[M, hidden]``, the weighted sum
         of each token's experts, in ``hidden_states``'s dtype."""
         x = hidden_states.reshape(-1, hidden_states.shape[-1])
-        signature = (x.shape[1], x.dtype, top_k_index.shape[-1], x.device)
-        if self.kernel is None:
-            self.kernel, self._signature = self._build(x, top_k_index.shape[-1]), signature
-        elif signature != self._signature:
-            raise ValueError(f"dbo's {self.backend!r} expert-parallel layer was built for (hidden, dtype, "
-                             f"topk, device) = {self._signature}, called with {signature}")
-        ids, weights = mask_routing(top_k_index.reshape(x.shape[0], -1).to(self.ids_dtype),
+        kernel = self._kernel(x, top_k_index.shape[-1])
+        ids_dtype = kernel.prepare_finalize.topk_indices_dtype() or torch.int64
+        ids, weights = mask_routing(top_k_index.reshape(x.shape[0], -1).to(ids_dtype),
                                     top_k_weights.reshape(x.shape[0], -1).to(torch.float32))
-        out = self.kernel(x, self._no_weights, self._no_weights, weights, ids,
-                          global_num_experts=self.num_experts)
+        out = kernel(x, self._no_weights, self._no_weights, weights, ids,
+                     global_num_experts=self.num_experts)
         return out.view(hidden_states.shape)
 
     def reset(self) -> None:
         """Drop per-ubatch state in the kernel and backend (after a failed step)."""
-        if self.kernel is not None:
-            self.kernel.reset()
+        for kernel in (self.kernel, self.decode_kernel):
+            if kernel is not None:
+                kernel.reset()
 
     def set_experts(self, choice: str) -> str:
         """Run ``choice`` (:data:`EXPERTS_CHOICES`) from the next call on, on the same backend;
@@ -214,6 +275,8 @@ class DBOExpertParallel:
         self.experts, self.experts_kind = experts, kind
         if self.kernel is not None:
             self.kernel = MoEKernel(self.kernel.prepare_finalize, experts)
+        if self.decode_kernel is not None:
+            self.decode_kernel = MoEKernel(self.decode_kernel.prepare_finalize, experts)
         return kind
 
 
@@ -223,21 +286,27 @@ def _check_experts_choice(experts: str) -> None:
 
 
 def register_ep_implementation(name: str, backend: str, *, experts: str = "auto",
+                               decode_backend: str | None = None,
+                               decode_backend_kwargs: dict[str, Any] | None = None,
                                **backend_kwargs: Any) -> str:
     """Register dbo backend ``backend`` (built with ``backend_kwargs``) under ``name`` in
     transformers' ``EPImplementationInterface``, running ``experts`` (:data:`EXPERTS_CHOICES`);
-    returns ``name``.
+    returns ``name``. With ``decode_backend``, the calls made inside :func:`decode_phase` go
+    through that backend instead (built with ``decode_backend_kwargs``; a backend sized by its
+    tokens per call, such as ``deepep_ll``, takes :data:`DEEPEP_LL_MAX_TOKENS` by default).
 
     Raises:
-        ValueError: unknown backend or experts choice.
+        ValueError: unknown backend, decode backend or experts choice.
         TransformersVersionError: transformers < :data:`MIN_TRANSFORMERS`.
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; choose from {sorted(BACKENDS)}")
     _check_experts_choice(experts)
+    decode_kwargs = _decode_kwargs(decode_backend, decode_backend_kwargs)
     interface = ep_interface()
     cls = type(f"DBOExpertParallel_{name}", (DBOExpertParallel,),
                {"backend": backend, "backend_kwargs": dict(backend_kwargs), "experts_choice": experts,
+                "decode_backend": decode_backend, "decode_backend_kwargs": decode_kwargs,
                 "__module__": __name__})
     interface.register(name, cls)
     return name
@@ -263,7 +332,9 @@ def ep_distributed_config(backend: str = "all2all", world_size: int | None = Non
     ``torch.inference_mode()`` (:mod:`dbo.integrations.hf_fsdp`).
 
     Args:
-        backend: a backend name (``"deepep_ht"``) or a registered implementation name.
+        backend: a backend name (``"deepep_ht"``), ``"deepep"`` (high-throughput kernels for
+            the prefill, low-latency ones inside :func:`decode_phase`) or a registered
+            implementation name.
         world_size: ``W`` (default: the default process group's size).
         experts: which experts run on what arrives: ``"auto"`` (dbo's library experts on the
             model's weights where its experts' layout allows, else the model's own),
@@ -285,7 +356,7 @@ def ep_distributed_config(backend: str = "all2all", world_size: int | None = Non
     registered = interface()
     if name not in EP_IMPLEMENTATIONS and name not in registered:
         raise ValueError(f"unknown backend {backend!r}; choose from "
-                         f"{sorted(b for b, _ in EP_IMPLEMENTATIONS.values())}")
+                         f"{sorted({b for b, _ in EP_IMPLEMENTATIONS.values()} | {'deepep'})}")
     cls = registered.get(name)
     if isinstance(cls, type) and issubclass(cls, DBOExpertParallel):
         if experts is not None and cls.experts_choice != experts:
@@ -293,7 +364,10 @@ def ep_distributed_config(backend: str = "all2all", world_size: int | None = Non
             base_cls = registered.get(base)
             name = base if getattr(base_cls, "experts_choice", None) == experts else f"{base}:{experts}"
             if name not in registered:
-                register_ep_implementation(name, cls.backend, experts=experts, **cls.backend_kwargs)
+                register_ep_implementation(name, cls.backend, experts=experts,
+                                           decode_backend=cls.decode_backend,
+                                           decode_backend_kwargs=cls.decode_backend_kwargs,
+                                           **cls.backend_kwargs)
     elif experts is not None:
         raise ValueError(f"{name!r} is not one of dbo's expert-parallel implementations: no experts "
                          "choice for it")
@@ -325,21 +399,30 @@ def _require_dbo_modules(model: torch.nn.Module) -> list[tuple[str, DBOExpertPar
     return found
 
 
-def switch_ep_backend(model: torch.nn.Module, backend: str, **backend_kwargs: Any) -> torch.nn.Module:
+def switch_ep_backend(model: torch.nn.Module, backend: str, *, decode_backend: str | None = None,
+                      decode_backend_kwargs: dict[str, Any] | None = None,
+                      **backend_kwargs: Any) -> torch.nn.Module:
     """Run every experts module that goes through dbo's implementations through ``backend``
-    (built with ``backend_kwargs`` at its next call) from now on; returns ``model``. For
-    comparing backends on one loaded model (the loaded weights stay where they are).
+    (built with ``backend_kwargs`` at its next call) from now on, and the calls made inside
+    :func:`decode_phase` through ``decode_backend`` (None: ``backend`` there too); returns
+    ``model``. For comparing backends on one loaded model (the loaded weights stay where they
+    are), or for pairing a prefill backend with a decode one
+    (``switch_ep_backend(model, "deepep_ht", decode_backend="deepep_ll")``).
 
     Raises:
-        ValueError: unknown backend, or no experts module runs through dbo's implementations.
+        ValueError: unknown backend or decode backend, or no experts module runs through dbo's
+            implementations.
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; choose from {sorted(BACKENDS)}")
+    decode_kwargs = _decode_kwargs(decode_backend, decode_backend_kwargs)
     found = _require_dbo_modules(model)
     for _, impl in found:
         impl.reset()
-        impl.backend, impl.backend_kwargs = backend, dict(backend_kwargs)  # instance attributes
-        impl.kernel, impl._signature = None, None
+        # instance attributes
+        impl.backend, impl.backend_kwargs = backend, dict(backend_kwargs)
+        impl.decode_backend, impl.decode_backend_kwargs = decode_backend, dict(decode_kwargs)
+        impl.kernel, impl.decode_kernel, impl._signature = None, None, None
     return model
 
 

@@ -23,13 +23,14 @@ Needs transformers >= 5.17 (the MoE blocks with fused 3-D expert weights ``gate_
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
 import torch
 
+from dbo.autotune import AutotuneResult
 from dbo.errors import DBOError
 from dbo.integrations.backends import BACKENDS, make_backend
 from dbo.integrations.hf_ep import (
@@ -306,6 +307,43 @@ class DBOPrefill(torch.nn.Module):
     def last_plan(self) -> UBatchPlan | None:
         """The plan of the latest call (rows are sequences)."""
         return self.wrapper.last_plan
+
+    def autotune(self, seq_len: int, batch_sizes: Sequence[int], *, vocab_size: int | None = None,
+                 warmup: int = 1, steps: int = 3, rounds: int = 1, margin: float = 0.02,
+                 schedules: Sequence[str] = ("split", "merged")) -> AutotuneResult:
+        """Time the prefill plainly and overlapped at ``batch_sizes`` sequences of ``seq_len``
+        random tokens per rank, and keep the winner: from then on this prefill splits from the
+        smallest batch at which DBO won by ``margin`` (with the faster expert schedule), or never
+        (it runs plainly where DBO did not pay). Collective: every rank calls it with the same
+        arguments (:func:`dbo.autotune.autotune_split_config`).
+
+        The choice is a sequence count, for this ``seq_len``: tune one prefill per prompt length
+        that matters (a token count sets the cost, and rows here are sequences).
+
+        Returns:
+            the :class:`~dbo.autotune.AutotuneResult` (its rows are by sequences per rank).
+
+        Raises:
+            ValueError: ``seq_len < 1`` or a bad ``batch_sizes`` (and as
+                :func:`~dbo.autotune.autotune_split_config`).
+        """
+        from dbo.autotune import autotune_split_config
+
+        if seq_len < 1:
+            raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+        vocab = vocab_size or int(self.model.config.vocab_size)
+        device = next(self.model.parameters()).device
+        g = torch.Generator().manual_seed(seq_len)
+
+        def make_inputs(batch: int) -> list[torch.Tensor]:
+            return [torch.randint(0, vocab, (batch, seq_len), generator=g).to(device)]
+
+        result = autotune_split_config(self._forward, make_inputs, batch_sizes, decode_only=False,
+                                       config=self.wrapper.config, group=self.wrapper.group,
+                                       warmup=warmup, steps=steps, rounds=rounds, margin=margin,
+                                       sm_carveout=self.wrapper.sm_carveout, schedules=schedules)
+        self.wrapper.config = result.config
+        return result
 
     def _forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         return prefill_logits(self.model, input_ids, attention_mask, logits_to_keep=self.logits_to_keep,

@@ -37,17 +37,21 @@
 #                  I 256/2048, and the decode sizes: what splitting alone costs
 #   hf:N           examples/hf_moe.py: a tiny DeepSeek-V3 smoke test, then Qwen3-30B-A3B at full size
 #                  (random weights written by every rank, HF_LAYERS=48) loaded expert-parallel:
-#                  transformers' all_to_all beside HF_BACKENDS, plain vs DBOPrefill, EP_EXPERTS
-#                  ("library model" for both); needs transformers >= 5.23:
+#                  transformers' all_to_all beside HF_BACKENDS, plain vs DBOPrefill at HF_SCHEDULES
+#                  ("auto": the autotune's choice at each of HF_SHAPES; "split merged"), EP_EXPERTS
+#                  ("library model" for both), HF_ARGS (more options); needs transformers >= 5.23:
 #                  EXTRA_WHEELS="transformers==5.23.0" ../shared/gpu/fetch-wheels.sh
 #   generate:N     examples/hf_generate.py: greedy decoding of 64 new tokens after 512-token prompts,
 #                  batch 64 per rank: transformers' generate() (all_to_all) beside dbo's
-#                  greedy_generate on GEN_BACKENDS, plain and DBO, and the ids' agreement (GEN_STEPS
-#                  timed calls each, default 1: transformers' generate() alone takes minutes)
+#                  greedy_generate on GEN_BACKENDS (NAME or PREFILL/DECODE; default "copy_engine
+#                  deepep_ht/deepep_ll"), plain and DBO, and the ids' agreement (GEN_STEPS timed
+#                  calls each, default 1)
 #
-# Writes OUTDIR/run_log.txt (everything printed; default OUTDIR: $OUT, else ./out) and one
-# OUTDIR/STEP.tgz per step that writes files (JSON bundles, traces). Exits non-zero if a step
-# failed. NVLink multicast stays off (the GPU host's GPUs are shared).
+# TORCHRUN_ARGS goes to every torchrun (e.g. "--master-port 29600" for a second run.sh beside
+# the first, each on its own CUDA_VISIBLE_DEVICES). Writes OUTDIR/run_log.txt (everything
+# printed; default OUTDIR: $OUT, else ./out) and one OUTDIR/STEP.tgz per step that writes files
+# (JSON bundles, traces). Exits non-zero if a step failed. NVLink multicast stays off (the GPU
+# host's GPUs are shared).
 set -uo pipefail
 out=${OUT:-out}
 deadline_s=570
@@ -55,11 +59,11 @@ while getopts "o:d:h" opt; do
   case $opt in
     o) out=$OPTARG ;;
     d) deadline_s=$OPTARG ;;
-    *) sed -n '2,50p' "$0"; exit 2 ;;
+    *) sed -n '2,54p' "$0"; exit 2 ;;
   esac
 done
 shift $((OPTIND - 1))
-[ $# -gt 0 ] || { sed -n '2,50p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,54p' "$0"; exit 2; }
 mkdir -p "$out"
 log="$out/run_log.txt"
 deadline=$((SECONDS + deadline_s))
@@ -93,7 +97,7 @@ bundle() {  # bundle STEP: one archive per step's files (fewer files to bring ba
   fi
 }
 
-tr_="torchrun --nproc-per-node"  # then N ARGS...
+tr_="torchrun ${TORCHRUN_ARGS:-} --nproc-per-node"  # then N ARGS...
 
 ov_thin="--device cuda --layers 8 --attn-width 1024 --profile-shape none"
 
@@ -202,15 +206,15 @@ for arg in "$@"; do
         --shape 4x64 7x32 --unconverted --json "$files/smoke.json"
       run "hf-qwen-$n" "${HF_CAP_S:-420}" $tr_ "$n" $ex --preset qwen3-30b-a3b --layers "${HF_LAYERS:-48}" \
         "${save[@]}" --checkpoint "$ckpt" --hf-all-to-all --backend ${HF_BACKENDS:-copy_engine deepep_ht all2all} \
-        --ep-experts ${EP_EXPERTS:-library} --expert-schedule split merged --shape 8x2048 16x4096 \
-        --json "$files/qwen.json" ;;
+        --ep-experts ${EP_EXPERTS:-library} --expert-schedule ${HF_SCHEDULES:-auto} --shape ${HF_SHAPES:-8x2048 16x4096} \
+        ${HF_ARGS:-} --json "$files/qwen.json" ;;
     generate)
       ckpt=${HF_CKPT:-/tmp/qwen3-30b-a3b-${HF_LAYERS:-48}}
       save=(--checkpoint "$ckpt")
       [ -f "$ckpt/config.json" ] || save=(--save-checkpoint "$ckpt")
       run "generate-$n" "${GEN_CAP_S:-420}" $tr_ "$n" examples/hf_generate.py --device cuda --preset qwen3-30b-a3b \
         --layers "${HF_LAYERS:-48}" "${save[@]}" --batch 64 --prompt 512 --new-tokens 64 --steps "${GEN_STEPS:-1}" --warmup 1 \
-        --backend ${GEN_BACKENDS:-copy_engine deepep_ht} --json "$files/generate.json" ;;
+        --backend ${GEN_BACKENDS:-copy_engine deepep_ht/deepep_ll} --json "$files/generate.json" ;;
     *)
       echo "=== unknown step '$step' (see the header of $0)" | tee -a "$log"
       status=1 ;;
