@@ -3,20 +3,22 @@ with its own ``all_to_all`` expert parallelism beside dbo's ``greedy_generate`` 
 
     torchrun --nproc-per-node 2 examples/hf_generate.py          # CPU, gloo: a tiny Qwen3-MoE checkpoint
     torchrun --nproc-per-node 4 examples/hf_generate.py --device cuda --preset qwen3-30b-a3b \\
-        --save-checkpoint /tmp/q48 --batch 64 --prompt 512 --new-tokens 64 --backend copy_engine deepep_ht/deepep_ll
+        --save-checkpoint /tmp/q48 --batch 64 --prompt 512 --new-tokens 64 \\
+        --backend copy_engine deepep_ht/deepep_ll
 
 Every rank decodes its own batch of ``--batch`` random prompts of ``--prompt`` tokens for
 ``--new-tokens`` steps (greedy), first with transformers' ``generate()`` on the checkpoint loaded
 with its own ``all_to_all`` implementation (under ``no_grad``, which it needs), then, on the
 checkpoint loaded with dbo's implementations, with :func:`dbo.integrations.generate.greedy_generate`
-per ``--backend``: plain (no split) and overlapped (two ubatches of sequences, each with its own
-KV cache). A backend ``PREFILL/DECODE`` (``deepep_ht/deepep_ll``) moves the prompts through the
-first and the decode steps through the second (``switch_ep_backend(..., decode_backend=)``). It prints tokens/s per GPU (new tokens of the batch over the whole call, prefill
-included; slowest rank; median of ``--steps`` calls after ``--warmup``) and how far each run's
-tokens agree with ``generate()``'s: bf16 rounding differs between implementations, and a near-tie
-flips a token, after which the sequences part ways. So the agreement is the share of sequences
-identical to the end, and the mean share of new tokens before the first difference; each DBO row
-gives the same against its plain row too.
+per ``--backend``: plain (no split) and overlapped (two ubatches of sequences, each with its own KV
+cache). A backend ``PREFILL/DECODE`` (``deepep_ht/deepep_ll``) moves the prompts through the first
+and the decode steps through the second (``switch_ep_backend(..., decode_backend=)``). It prints
+tokens/s per GPU (new tokens of the batch over the whole call, prefill included; slowest rank;
+median of ``--steps`` calls after ``--warmup``) and how far each run's tokens agree with
+``generate()``'s: bf16 rounding differs between implementations, and a near-tie flips a token, after
+which the sequences part ways. So the agreement is the share of sequences identical to the end, and
+the mean share of new tokens before the first difference; each DBO row gives the same against its
+plain row too.
 
 ``--link GBPS[,LATENCY_US]`` runs dbo's backends under the simulated link (docs/multihost.md).
 """

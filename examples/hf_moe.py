@@ -326,7 +326,8 @@ def use_backend(model: torch.nn.Module, backend: str, max_tokens: int, args: arg
     if args.checkpoint:
         from dbo.integrations.hf_ep import switch_ep_backend
 
-        decode_kw = None if decode_backend is None else kwargs(decode_backend, decode_max_tokens or max_tokens)
+        decode_kw = None if decode_backend is None else kwargs(decode_backend,
+                                                               decode_max_tokens or max_tokens)
         switch_ep_backend(model, backend, decode_backend=decode_backend, decode_backend_kwargs=decode_kw,
                           **kwargs(backend, max_tokens))
     elif decode_backend is not None:
@@ -463,15 +464,18 @@ def run(args: argparse.Namespace, rank: int, world: int, device: torch.device) -
                     ok &= good
                     label = backend if len(runners) == 1 else f"{backend}/{sched}"
                     if tuned is not None:
-                        label += f" ({tuned.schedule.value})" if len(runners) > 1 else f"/auto ({tuned.schedule.value})"
+                        choice = tuned.schedule.value
+                        label += f" ({choice})" if len(runners) > 1 else f"/auto ({choice})"
                     if len(choices) > 1:
                         label = f"{label} ({choice} experts)"
                     rows.append(dict(backend=label, batch=shape[0], seq=shape[1], plain_ms=t_p,
                                      dbo_ms=t_dbo, rel_err=rel, top1_agree=-neg_agree, ok=good,
                                      split=str(run_dbo.last_plan), expert_schedule=sched,
                                      autotune=None if tuned is None else {
-                                         "choice": tuned.schedule.value, "plain_ms": tuned.rows[0].serial_ms,
-                                         "split_ms": tuned.rows[0].dbo_ms, "merged_ms": tuned.rows[0].merged_ms},
+                                         "choice": tuned.schedule.value,
+                                         "plain_ms": tuned.rows[0].serial_ms,
+                                         "split_ms": tuned.rows[0].dbo_ms,
+                                         "merged_ms": tuned.rows[0].merged_ms},
                                      plain_peak_gib=p_plain, dbo_peak_gib=p_dbo,
                                      rel_vs_a2a=None if vs < 0 else vs))
                     save(args, config, world, device, rows, rank)  # a later timeout keeps these

@@ -35,14 +35,15 @@ def test_hf_example_on_cpu(tmp_path):
     rows = json.loads(out_json.read_text())["rows"]
     labels = [r["backend"] for r in rows]
     assert labels[::2] == ["all2all/split", "copy_engine/split", "naive/split", "unconverted"], labels
-    for label, r in zip(labels[:-1], rows[:-1]):
+    for label, r in zip(labels[:-1], rows[:-1], strict=True):
         if label.endswith("/split"):
             assert r["split"].startswith("split("), r
             continue
         # the autotune's row: its choice among plain, split and merged, each timed at this shape
         choice = r["autotune"]["choice"]
         assert label == f"{label.split('/')[0]}/auto ({choice})" and choice in ("plain", "split", "merged"), r
-        assert r["autotune"]["plain_ms"] > 0 and r["split"].startswith("plain" if choice == "plain" else "split("), r
+        assert r["autotune"]["plain_ms"] > 0, r
+        assert r["split"].startswith("plain" if choice == "plain" else "split("), r
     for r in rows:
         assert r["rel_err"] <= 1e-4 and r["top1_agree"] == 1.0, r
 
