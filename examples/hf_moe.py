@@ -313,10 +313,10 @@ def use_backend(model: torch.nn.Module, backend: str, max_tokens: int, args: arg
     """Move the model's tokens through ``backend`` (sized for ``max_tokens`` per rank and call
     where it needs it), and its decode steps through ``decode_backend`` (sized for
     ``decode_max_tokens``; a model loaded from a checkpoint only)."""
-    def kwargs(name: str, tokens: int) -> dict:
+    def kwargs(name: str, tokens: int | None) -> dict:
         kw = {}
         if BACKENDS[name].needs_max_tokens:
-            kw["max_tokens_per_rank"] = args.max_tokens_per_rank or tokens
+            kw["max_tokens_per_rank"] = tokens or args.max_tokens_per_rank or max_tokens
         if args.link:
             from dbo.backends.simulated_link import SimulatedLink
 
@@ -326,14 +326,13 @@ def use_backend(model: torch.nn.Module, backend: str, max_tokens: int, args: arg
     if args.checkpoint:
         from dbo.integrations.hf_ep import switch_ep_backend
 
-        decode_kw = None if decode_backend is None else kwargs(decode_backend,
-                                                               decode_max_tokens or max_tokens)
+        decode_kw = None if decode_backend is None else kwargs(decode_backend, decode_max_tokens)
         switch_ep_backend(model, backend, decode_backend=decode_backend, decode_backend_kwargs=decode_kw,
-                          **kwargs(backend, max_tokens))
+                          **kwargs(backend, None))
     elif decode_backend is not None:
         raise SystemExit("a decode backend needs a model loaded from a checkpoint (--checkpoint)")
     else:
-        set_backend(model, backend, None, **kwargs(backend, max_tokens))
+        set_backend(model, backend, None, **kwargs(backend, None))
 
 
 def reset_layers(model: torch.nn.Module) -> None:
