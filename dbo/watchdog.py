@@ -47,6 +47,7 @@ __all__ = [
     "raise_peer_timeout",
     "GpuWaitWatchdog",
     "WATCHDOG",
+    "teardown_deadline",
 ]
 
 logger = logging.getLogger(__name__)
@@ -131,6 +132,31 @@ def _end_process(message: str) -> None:
         os.write(2, f"\n[dbo watchdog] {message}\n".encode())
     finally:
         os._exit(GPU_WAIT_TIMEOUT_EXIT_CODE)
+
+
+@contextlib.contextmanager
+def teardown_deadline(seconds: float, what: str = "teardown") -> Iterator[None]:
+    """End the process (exit code :data:`GPU_WAIT_TIMEOUT_EXIT_CODE`, the message on stderr)
+    if the block runs past ``seconds``. For the end of a program, once its results are written:
+    freeing DeepEP's buffers and the process group waits on every peer (a device-wide sync, a
+    barrier) and cannot be interrupted from the host, so a peer that never arrives there would
+    otherwise keep the process alive forever.
+
+    Raises:
+        ValueError: ``seconds`` not a positive number.
+    """
+    seconds = check_timeout(seconds, "seconds")
+    if seconds is None:
+        raise ValueError("teardown_deadline needs a positive number of seconds")
+    timer = threading.Timer(seconds, _end_process, args=(
+        f"{what} did not finish within {seconds:.0f} s (a peer never reached it, or a GPU "
+        "wait never ended); the results were written before it",))
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
 
 
 class GpuWaitWatchdog:

@@ -39,6 +39,7 @@ import hf_moe  # noqa: E402  (examples/ is on the path: its loading and backend 
 
 from dbo.integrations.backends import BACKENDS  # noqa: E402
 from dbo.split import SplitConfig  # noqa: E402
+from dbo.watchdog import teardown_deadline  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argparse.Namespace]:
@@ -185,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     if any(b and BACKENDS[b].gpu_only for pair in a.pairs for b in pair) and a.device != "cuda":
         raise SystemExit(f"--backend {a.backend}: DeepEP backends need --device cuda")
     rank, world, device = hf_moe.init_distributed(a.device)
+    finished = False
     try:
         rows = run(a, args, rank, world, device)
         if rank == 0:
@@ -200,14 +202,17 @@ def main(argv: list[str] | None = None) -> int:
             if a.json:
                 Path(a.json).write_text(json.dumps({"world": world, "batch": a.batch, "prompt": a.prompt,
                                                     "new_tokens": a.new_tokens, "rows": rows}, indent=1))
+        finished = True
         return 0
     finally:
-        if any(b and b.startswith("deepep") for pair in a.pairs for b in pair):
-            from dbo.backends.deepep_buffer import BUFFER_CACHE
-            BUFFER_CACHE.reset()
-        gc.collect()
-        dist.barrier()
-        dist.destroy_process_group()
+        with teardown_deadline(hf_moe.TEARDOWN_S, "freeing the backends and the process group"):
+            if any(b and b.startswith("deepep") for pair in a.pairs for b in pair):
+                from dbo.backends.deepep_buffer import BUFFER_CACHE
+                BUFFER_CACHE.reset()
+            gc.collect()
+            if finished:  # a rank that failed never reaches the barrier
+                dist.barrier()
+            dist.destroy_process_group()
 
 
 if __name__ == "__main__":

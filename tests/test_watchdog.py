@@ -179,3 +179,20 @@ def test_watchdog_ends_the_process_with_the_message():
     assert ("deepep_ht combine of ubatch 0 on rank 1: rank 0 did not arrive within 0.5 s; rank 0: "
             "gone") in p.stderr, p.stderr
     assert elapsed < 15
+
+
+def test_teardown_deadline_ends_a_stuck_teardown_and_not_a_quick_one():
+    import subprocess
+    import sys
+
+    from dbo.watchdog import GPU_WAIT_TIMEOUT_EXIT_CODE, teardown_deadline
+
+    with pytest.raises(ValueError, match="positive"), teardown_deadline(0):
+        pass
+    with teardown_deadline(5.0):  # finishes first: the timer is cancelled
+        pass
+    code = ("import time\nfrom dbo.watchdog import teardown_deadline\n"
+            "with teardown_deadline(0.3, 'freeing the buffers'):\n    time.sleep(30)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == GPU_WAIT_TIMEOUT_EXIT_CODE, proc
+    assert "freeing the buffers did not finish" in proc.stderr, proc.stderr
