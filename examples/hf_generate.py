@@ -10,15 +10,16 @@ Every rank decodes its own batch of ``--batch`` random prompts of ``--prompt`` t
 ``--new-tokens`` steps (greedy), first with transformers' ``generate()`` on the checkpoint loaded
 with its own ``all_to_all`` implementation (under ``no_grad``, which it needs), then, on the
 checkpoint loaded with dbo's implementations, with :func:`dbo.integrations.generate.greedy_generate`
-per ``--backend``: plain (no split) and overlapped (two ubatches of sequences, each with its own KV
-cache). A backend ``PREFILL/DECODE`` (``deepep_ht/deepep_ll``) moves the prompts through the first
-and the decode steps through the second (``switch_ep_backend(..., decode_backend=)``). It prints
-tokens/s per GPU (new tokens of the batch over the whole call, prefill included; slowest rank;
-median of ``--steps`` calls after ``--warmup``) and how far each run's tokens agree with
-``generate()``'s: bf16 rounding differs between implementations, and a near-tie flips a token, after
-which the sequences part ways. So the agreement is the share of sequences identical to the end, and
-the mean share of new tokens before the first difference; each DBO row gives the same against its
-plain row too.
+per ``--backend``: plain (no split), "DBO prefill" (the prompt as two overlapped ubatches of
+sequences, then their caches joined and the decode steps plain: ``greedy_generate``'s default) and
+"DBO" (every step overlapped, each ubatch with its own KV cache: ``split_decode=True``). A backend
+``PREFILL/DECODE`` (``deepep_ht/deepep_ll``) moves the prompts through the first and the decode
+steps through the second (``switch_ep_backend(..., decode_backend=)``). It prints tokens/s per GPU
+(new tokens of the batch over the whole call, prefill included; slowest rank; median of ``--steps``
+calls after ``--warmup``) and how far each run's tokens agree with ``generate()``'s: bf16 rounding
+differs between implementations, and a near-tie flips a token, after which the sequences part ways.
+So the agreement is the share of sequences identical to the end, and the mean share of new tokens
+before the first difference; each DBO row gives the same against its plain row too.
 
 ``--link GBPS[,LATENCY_US]`` runs dbo's backends under the simulated link (docs/multihost.md).
 """
@@ -168,9 +169,11 @@ def run(a: argparse.Namespace, args: argparse.Namespace, rank: int, world: int,
                                decode_max_tokens=a.batch)
             label = prefill if decode is None else f"{prefill}/{decode}"
             plain = None
-            for name, split in (("plain", plain_cfg), ("DBO", dbo_cfg)):
-                ms, (got, plan) = timed(lambda split=split: greedy_generate(
-                    model, ids, mask, max_new_tokens=a.new_tokens, config=split), a.steps, a.warmup, device)
+            for name, split, every in (("plain", plain_cfg, False), ("DBO prefill", dbo_cfg, False),
+                                       ("DBO", dbo_cfg, True)):
+                ms, (got, plan) = timed(lambda split=split, every=every: greedy_generate(
+                    model, ids, mask, max_new_tokens=a.new_tokens, config=split, split_decode=every),
+                    a.steps, a.warmup, device)
                 same, prefix = agreement(got, want, a.prompt)
                 vs_plain = agreement(got, plain, a.prompt) if plain is not None else (1.0, 1.0)
                 plain = got if plain is None else plain

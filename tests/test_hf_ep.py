@@ -159,8 +159,9 @@ def _generate_job(path: str, backend: str, new_tokens: int) -> dict:
         plain, _ = greedy_generate(model, ids, mask, max_new_tokens=new_tokens,
                                    config=SplitConfig(enabled=False))
         overlapped, plan = greedy_generate(model, ids, mask, max_new_tokens=new_tokens)
+        every_step, _ = greedy_generate(model, ids, mask, max_new_tokens=new_tokens, split_decode=True)
     return {"plain_ok": torch.equal(plain, want), "dbo_ok": torch.equal(overlapped, want),
-            "split": plan.split}
+            "every_step_ok": torch.equal(every_step, want), "split": plan.split}
 
 
 @pytest.mark.parametrize("family, backend", [("qwen3_moe", "all2all"), ("mixtral", "naive"),
@@ -170,6 +171,7 @@ def test_greedy_generation_equals_generate(world, checkpoints, family, backend):
         assert r["split"], f"rank {rank}"
         assert r["plain_ok"], f"rank {rank}: greedy tokens (no DBO) != generate()"
         assert r["dbo_ok"], f"rank {rank}: DBO greedy tokens != generate()"
+        assert r["every_step_ok"], f"rank {rank}: DBO greedy tokens (every step split) != generate()"
 
 
 def _autotune_job(path: str, margin: float) -> dict:
@@ -235,10 +237,12 @@ def _decode_backend_job(path: str, new_tokens: int) -> dict:
                             type(impl.decode_kernel.prepare_finalize).__name__)
             impl.kernel = _Recorder(impl.kernel, prefill_calls)
             impl.decode_kernel = _Recorder(impl.decode_kernel, decode_calls)
-        for name, cfg in (("plain", SplitConfig(enabled=False)), ("dbo", None)):
+        for name, cfg, every in (("plain", SplitConfig(enabled=False), False), ("dbo", None, True),
+                                 ("dbo-prefill", None, False)):
             prefill_calls.clear()
             decode_calls.clear()
-            got, plan = greedy_generate(model, ids, mask, max_new_tokens=new_tokens, config=cfg)
+            got, plan = greedy_generate(model, ids, mask, max_new_tokens=new_tokens, config=cfg,
+                                        split_decode=every)
             out[name] = {"ok": torch.equal(got, want), "split": plan.split,
                          "prefill": sorted(set(prefill_calls)), "decode": sorted(set(decode_calls)),
                          "calls": (len(prefill_calls), len(decode_calls))}
@@ -252,13 +256,17 @@ def test_generation_moves_decode_steps_through_the_decode_backend(world, checkpo
                                        timeout_s=180)):
         assert r["kinds"] == ("AllToAllPrepareAndFinalize", "CopyEnginePrepareAndFinalize"), r
         rows = r["rows"]
-        for name, ubatches in (("plain", 1), ("dbo", 2)):
+        for name, prefill_ubatches, decode_ubatches in (("plain", 1, 1), ("dbo", 2, 2),
+                                                         ("dbo-prefill", 2, 1)):
             g = r[name]
             assert g["ok"], f"rank {rank} {name}: tokens != generate() with a decode backend"
-            assert g["split"] == (ubatches == 2), f"rank {rank} {name}"
+            assert g["split"] == (prefill_ubatches == 2), f"rank {rank} {name}"
             # the prompt through the prefill backend, one token per sequence through the other
-            assert g["calls"] == (layers * ubatches, layers * ubatches * (new_tokens - 1)), (rank, name, g)
+            assert g["calls"] == (layers * prefill_ubatches, layers * decode_ubatches * (new_tokens - 1)), \
+                (rank, name, g)
             assert max(g["prefill"]) > rows and max(g["decode"]) <= rows, (rank, name, g)
+            if decode_ubatches == 1:  # the joined cache: every sequence in each decode call
+                assert g["decode"] == [rows], (rank, name, g)
 
 
 def _memory_job(path: str) -> dict:

@@ -225,22 +225,27 @@ def _generate_job(family: str, backend: str, batches: list[int], pads: list[list
         plain, _ = greedy_generate(model, ids, mask, max_new_tokens=new_tokens,
                                    config=SplitConfig(enabled=False))
         overlapped, plan = greedy_generate(model, ids, mask, max_new_tokens=new_tokens)
+        every_step, _ = greedy_generate(model, ids, mask, max_new_tokens=new_tokens, split_decode=True)
     real = mask.any(dim=1)  # an all-padding prompt generates noise
     return {"plain_ok": torch.equal(plain[real], want[real]),
             "dbo_ok": torch.equal(overlapped[real], want[real]),
+            "every_step_ok": torch.equal(every_step[real], want[real]),
             "split": plan.split, "reason": plan.reason.value}
 
 
 @pytest.mark.parametrize("family, backend", [("qwen3_moe", "all2all"), ("mixtral", "naive"),
                                              ("deepseek_v3", "all2all")])
 def test_greedy_generation_with_kv_cache(world, family, backend):
-    # the split of the prefill is kept for every decode step, one KV cache per ubatch
+    # the prefill split; the decode steps plain over the joined caches (the default), or split
+    # as the prefill with one KV cache per ubatch (split_decode=True); ranks of 3 and 5
+    # sequences, so rank 0's ubatches carry padding rows that the join drops
     results = world.run(_generate_job, family, backend, [3, 5], [[0, 4, 0], [2, 0, 0, 5, 0]], 4, 5,
                         timeout_s=120)
     for rank, r in enumerate(results):
         assert r["split"], f"rank {rank}: {r['reason']}"
         assert r["plain_ok"], f"rank {rank}: converted model's greedy tokens != original generate()"
         assert r["dbo_ok"], f"rank {rank}: DBO greedy tokens != original generate()"
+        assert r["every_step_ok"], f"rank {rank}: DBO greedy tokens (every step split) != generate()"
 
 
 # ---- single process: what is refused ------------------------------------------------------
@@ -305,3 +310,33 @@ def test_caller_mistakes_are_refused():
         prefill(torch.zeros(4, dtype=torch.long))
     with pytest.raises(ValueError, match="must match"):
         prefill(torch.zeros(2, 4, dtype=torch.long), torch.ones(2, 3, dtype=torch.long))
+
+
+def test_join_caches_keeps_real_rows_in_order_and_refuses_what_it_cannot_join():
+    import torch
+    from transformers.cache_utils import DynamicCache
+
+    from dbo.integrations.generate import join_caches
+
+    def cache(rows, seq, fill):
+        c = DynamicCache()
+        for layer in range(2):
+            k = torch.full((rows, 2, seq, 4), float(fill + layer))
+            c.update(k, -k, layer)
+        return c
+
+    # ubatch 0: 2 real rows of 3; ubatch 1: 1 real row of 3
+    joined = join_caches([cache(3, 5, 10), cache(3, 5, 20)], [2, 1])
+    assert joined is not None and len(joined.layers) == 2
+    for layer in range(2):
+        keys = joined.layers[layer].keys
+        assert keys.shape == (3, 2, 5, 4)
+        assert keys[:2].eq(10 + layer).all() and keys[2].eq(20 + layer).all()
+        assert torch.equal(joined.layers[layer].values, -keys)
+    assert joined.get_seq_length() == 5
+    # other sequence lengths, another cache class, a missing layer: not joined
+    assert join_caches([cache(3, 5, 0), cache(3, 6, 0)], [3, 3]) is None
+    assert join_caches([cache(3, 5, 0), object()], [3, 3]) is None
+    short = cache(3, 5, 0)
+    short.layers.pop()
+    assert join_caches([cache(3, 5, 0), short], [3, 3]) is None

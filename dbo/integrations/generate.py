@@ -1,10 +1,17 @@
-"""Greedy generation with a KV cache, every step (prefill and decode) as overlapped ubatches.
+"""Greedy generation with a KV cache, the prefill (and, on request, every decode step) as
+overlapped ubatches.
 
-The split is decided once, at the prefill (one vote over the group), and kept for every decode
-step: ubatch ``i`` always holds the same sequences (plus the same padding rows), so it keeps its
-own KV cache (a transformers ``Cache`` per ubatch, created by the model at the prefill). Every
-rank of the group runs the same number of steps (the MoE layers are collective), so
-``max_new_tokens`` must be the same everywhere and there is no early stop.
+The split is decided once, at the prefill (one vote over the group). Each ubatch's prefill makes
+its own KV cache (a transformers ``Cache`` per ubatch). Then, by default, the ubatches' caches
+are joined into one (their rows in batch order, padding rows dropped) and the decode steps run
+plainly over the whole batch: on one host a decode step is too short for DBO to pay (its eager
+step is host-bound, and comm is 14-19% of a decode layer), while the prefill gains. With
+``split_decode=True`` every decode step is overlapped too: ubatch ``i`` keeps the same sequences
+(plus the same padding rows) and its own cache, for links where a decode step's comm is a large
+share (docs/multihost.md). Caches that cannot be joined (anything but transformers'
+``DynamicCache`` of key/value layers) keep the split for the decode steps. Every rank of the
+group runs the same number of steps (the MoE layers are collective), so ``max_new_tokens`` must
+be the same everywhere and there is no early stop.
 
 The decode steps (every step after the prefill) run inside
 :func:`~dbo.integrations.hf_ep.decode_phase`: a model whose experts have a decode backend
@@ -18,6 +25,8 @@ no public way to split a cache by batch rows or join ubatch caches back (``batch
 
 from __future__ import annotations
 
+import copy
+import logging
 from typing import Any
 
 import torch
@@ -25,9 +34,48 @@ import torch
 from dbo.integrations.hf_ep import decode_phase, expert_parallel_group, prepare_for_overlap
 from dbo.integrations.moe_block import routing_token_mask
 from dbo.overlap import current_ubatch, overlapped_forward
-from dbo.split import SplitConfig, UBatchPlan, plan_ubatches
+from dbo.split import SplitConfig, SplitReason, UBatchPlan, plan_ubatches
 
-__all__ = ["greedy_generate"]
+__all__ = ["greedy_generate", "join_caches"]
+
+logger = logging.getLogger(__name__)
+
+# the cache layers whose state is one key and one value tensor, batch first
+_JOINABLE_LAYERS = ("DynamicLayer", "DynamicSlidingWindowLayer")
+
+
+def join_caches(caches: list[Any], rows: list[int]) -> Any | None:
+    """One transformers cache of the rows ``caches[i][:rows[i]]``, in order (the ubatches'
+    sequences in batch order, each ubatch's padding rows dropped), or None where the caches
+    cannot be joined (not a ``DynamicCache`` of key/value layers, or layers that differ in
+    anything but the batch)."""
+    from transformers.cache_utils import DynamicCache
+
+    first = caches[0]
+    if any(type(c) is not DynamicCache for c in caches):
+        return None
+    layers = [getattr(c, "layers", None) for c in caches]
+    if any(ls is None or len(ls) != len(layers[0]) for ls in layers):
+        return None
+    joined_layers = []
+    for per_ubatch in zip(*layers, strict=True):
+        head = per_ubatch[0]
+        if type(head).__name__ not in _JOINABLE_LAYERS or any(type(x) is not type(head) for x in per_ubatch):
+            return None
+        keys = [getattr(x, "keys", None) for x in per_ubatch]
+        values = [getattr(x, "values", None) for x in per_ubatch]
+        if any(not isinstance(t, torch.Tensor) or t.dim() < 2 for t in keys + values):
+            return None
+        if any(k.shape[1:] != keys[0].shape[1:] or v.shape[1:] != values[0].shape[1:]
+               for k, v in zip(keys, values, strict=True)):
+            return None
+        layer = copy.copy(head)
+        layer.keys = torch.cat([k[:n] for k, n in zip(keys, rows, strict=True)])
+        layer.values = torch.cat([v[:n] for v, n in zip(values, rows, strict=True)])
+        joined_layers.append(layer)
+    joined = copy.copy(first)
+    joined.layers = joined_layers
+    return joined
 
 
 def _positions(mask: torch.Tensor) -> torch.Tensor:
@@ -38,8 +86,10 @@ def _positions(mask: torch.Tensor) -> torch.Tensor:
 def greedy_generate(model: torch.nn.Module, input_ids: torch.Tensor,
                     attention_mask: torch.Tensor | None = None, *, max_new_tokens: int,
                     config: SplitConfig | None = None, group: Any = None,
-                    mask_padding_tokens: bool = True) -> tuple[torch.Tensor, UBatchPlan]:
-    """Greedy decoding of ``max_new_tokens`` tokens, overlapped when the group splits.
+                    mask_padding_tokens: bool = True,
+                    split_decode: bool = False) -> tuple[torch.Tensor, UBatchPlan]:
+    """Greedy decoding of ``max_new_tokens`` tokens, the prefill overlapped when the group
+    splits (and the decode steps too with ``split_decode``).
 
     Args:
         model: a (converted) transformers causal LM.
@@ -52,10 +102,14 @@ def greedy_generate(model: torch.nn.Module, input_ids: torch.Tensor,
             group). A model loaded with FSDP2 is first :func:`~dbo.integrations.hf_fsdp.prepare_for_overlap`'d
             (a no-op once it has run a forward).
         mask_padding_tokens: route prompt padding to no expert.
+        split_decode: overlap every decode step as the prefill (each ubatch keeping its own
+            cache); False (the default): join the ubatches' caches after the prefill and decode
+            plainly over the whole batch. The same on every rank of ``group``.
 
     Returns:
         ``(tokens [batch, seq + max_new_tokens] int64, plan)``: the prompts followed by the
-        generated tokens, and the split every step used.
+        generated tokens, and the prefill's split (the decode steps' too with
+        ``split_decode``).
     """
     if input_ids.dim() != 2 or input_ids.shape[0] == 0:
         raise ValueError(f"input_ids must be a non-empty [batch, seq], got {tuple(input_ids.shape)}")
@@ -84,9 +138,22 @@ def greedy_generate(model: torch.nn.Module, input_ids: torch.Tensor,
 
     tokens, positions = input_ids, _positions(mask)
     ids = input_ids
+    step_plan = plan
     for i in range(max_new_tokens):
+        if i == 1 and plan.split and not split_decode:
+            joined = join_caches([caches[u] for u in range(len(plan.slices))],
+                                 [stop - start for start, stop in plan.slices])
+            if joined is None:
+                logger.warning("greedy_generate: the ubatches' caches (%s) cannot be joined; the "
+                               "decode steps stay split", type(caches[0]).__name__)
+            else:
+                caches.clear()
+                caches[0] = joined
+                rows = input_ids.shape[0]  # no vote: every rank joins at the same step
+                step_plan = UBatchPlan(rows, ((0, rows),), rows, SplitReason.DISABLED,
+                                       "the decode steps run plainly (split_decode=False)")
         with decode_phase(i > 0):  # the decode backend, where the model has one, after the prefill
-            logits = overlapped_forward(step, ids, mask, positions, plan=plan)
+            logits = overlapped_forward(step, ids, mask, positions, plan=step_plan)
         ids = logits.argmax(-1, keepdim=True)
         tokens = torch.cat([tokens, ids], dim=1)
         positions = positions[:, -1:] + 1
