@@ -26,6 +26,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import contextvars
+import faulthandler
 import logging
 import os
 import threading
@@ -140,7 +141,8 @@ def teardown_deadline(seconds: float, what: str = "teardown") -> Iterator[None]:
     if the block runs past ``seconds``. For the end of a program, once its results are written:
     freeing DeepEP's buffers and the process group waits on every peer (a device-wide sync, a
     barrier) and cannot be interrupted from the host, so a peer that never arrives there would
-    otherwise keep the process alive forever.
+    otherwise keep the process alive forever. Before it ends the process it writes every
+    thread's Python stack to stderr, so the log says which call never returned.
 
     Raises:
         ValueError: ``seconds`` not a positive number.
@@ -148,9 +150,17 @@ def teardown_deadline(seconds: float, what: str = "teardown") -> Iterator[None]:
     seconds = check_timeout(seconds, "seconds")
     if seconds is None:
         raise ValueError("teardown_deadline needs a positive number of seconds")
-    timer = threading.Timer(seconds, _end_process, args=(
-        f"{what} did not finish within {seconds:.0f} s (a peer never reached it, or a GPU "
-        "wait never ended); the results were written before it",))
+    message = (f"{what} did not finish within {seconds:g} s (a peer never reached it, or a GPU "
+               "wait never ended); the results were written before it. Where each thread was:")
+
+    def expire() -> None:
+        try:
+            os.write(2, f"\n[dbo watchdog] {message}\n".encode())
+            faulthandler.dump_traceback(all_threads=True)  # the stuck call, for the next run
+        finally:
+            _end_process(f"{what} did not finish within {seconds:g} s")
+
+    timer = threading.Timer(seconds, expire)
     timer.daemon = True
     timer.start()
     try:

@@ -196,3 +196,4 @@ def test_teardown_deadline_ends_a_stuck_teardown_and_not_a_quick_one():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == GPU_WAIT_TIMEOUT_EXIT_CODE, proc
     assert "freeing the buffers did not finish" in proc.stderr, proc.stderr
+    assert "line 4 in <module>" in proc.stderr, proc.stderr  # the stuck call's stack
