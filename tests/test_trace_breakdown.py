@@ -42,3 +42,25 @@ def test_breakdown_of_a_known_pair(tmp_path):
     # 2 ms of idle removed, 0.8 ms of compute added: 1.2 of the 2 ms hidden
     assert out.splitlines()[-1].startswith("idle removed 2.00 ms, compute added 0.80 ms: 1.20 ms")
     assert out.rstrip().endswith("(0.60)")
+
+
+def test_the_simulated_links_waits_are_not_the_compute_stream(tmp_path):
+    # under the link model the waits (a spin kernel on a stream of their own) can outweigh the
+    # compute: the compute stream is still the one that computes
+    serial = [_k("fused_gate_up_kernel", 7, 0, 1000), _k("at::cuda::spin_kernel(long)", 30, 1000, 3000),
+              _k("fused_down_kernel", 7, 4000, 1000)]
+    dbo = [_k("fused_gate_up_kernel", 7, 0, 1000), _k("at::cuda::spin_kernel(long)", 30, 500, 3000),
+           _k("fused_down_kernel", 7, 3500, 1000)]
+    paths = []
+    for name, events in (("serial.json", serial), ("dbo.json", dbo)):
+        (tmp_path / name).write_text(json.dumps({"traceEvents": events}))
+        paths.append(str(tmp_path / name))
+    out = subprocess.run([sys.executable, "-m", "dbo.bench", "breakdown", *paths],
+                         capture_output=True, text=True, check=True).stdout
+    rows = {}
+    for line in out.splitlines()[1:-1]:
+        *label, a, b, r = line.split()
+        rows[" ".join(label)] = (float(a), float(b), float(r))
+    assert rows["compute stream busy"][:2] == (2.0, 2.0), out
+    assert rows["compute stream idle"][:2] == (3.0, 2.5), out
+    assert rows["kernels: link wait (simulated)"][:2] == (3.0, 3.0), out
