@@ -47,10 +47,10 @@ def test_breakdown_of_a_known_pair(tmp_path):
 def test_the_simulated_links_waits_are_not_the_compute_stream(tmp_path):
     # under the link model the waits (a spin kernel on a stream of their own) can outweigh the
     # compute: the compute stream is still the one that computes
-    serial = [_k("fused_gate_up_kernel", 7, 0, 1000), _k("at::cuda::spin_kernel(long)", 30, 1000, 3000),
-              _k("fused_down_kernel", 7, 4000, 1000)]
-    dbo = [_k("fused_gate_up_kernel", 7, 0, 1000), _k("at::cuda::spin_kernel(long)", 30, 500, 3000),
-           _k("fused_down_kernel", 7, 3500, 1000)]
+    serial = [_k("gate_up_ws_kernel", 7, 0, 1000), _k("at::cuda::spin_kernel(long)", 30, 1000, 3000),
+              _k("down_flat_kernel", 7, 4000, 1000)]
+    dbo = [_k("gate_up_ws_kernel", 7, 0, 1000), _k("at::cuda::spin_kernel(long)", 30, 500, 3000),
+           _k("down_flat_kernel", 7, 3500, 1000)]
     paths = []
     for name, events in (("serial.json", serial), ("dbo.json", dbo)):
         (tmp_path / name).write_text(json.dumps({"traceEvents": events}))
@@ -64,3 +64,4 @@ def test_the_simulated_links_waits_are_not_the_compute_stream(tmp_path):
     assert rows["compute stream busy"][:2] == (2.0, 2.0), out
     assert rows["compute stream idle"][:2] == (3.0, 2.5), out
     assert rows["kernels: link wait (simulated)"][:2] == (3.0, 3.0), out
+    assert rows["kernels: fused experts"][:2] == (2.0, 2.0), out  # the library's kernel names
