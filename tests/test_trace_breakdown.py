@@ -12,15 +12,11 @@ def _k(name: str, stream: int, ts: float, dur: float) -> dict:
     return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {"stream": stream}}
 
 
-def test_breakdown_of_a_known_pair(tmp_path):
-    # serial: 4 ms GEMM, then 2 ms all-to-all with the compute stream idle, then 4 ms GEMM
-    serial = [_k("cutlass_gemm", 7, 0, 4000), _k("deep_ep::dispatch", 20, 4000, 2000),
-              _k("cutlass_gemm", 7, 6000, 4000)]
-    # DBO: the GEMMs run 10% slower beside the all-to-all, which is fully inside them
-    dbo = [_k("cutlass_gemm", 7, 0, 4400), _k("deep_ep::dispatch", 20, 1000, 2000),
-           _k("cutlass_gemm", 7, 4400, 4400)]
+def _breakdown(tmp_path, serial: list[dict], dbo: list[dict], gz: bool = False) -> tuple[dict, str]:
+    """The command's rows ``{label: (serial, dbo, ratio)}`` and its output, for two traces
+    written to ``tmp_path`` (the DBO one gzipped with ``gz``)."""
     paths = []
-    for name, events in (("serial.json", serial), ("dbo.json.gz", dbo)):
+    for name, events in (("serial.json", serial), ("dbo.json.gz" if gz else "dbo.json", dbo)):
         p = tmp_path / name
         text = json.dumps({"traceEvents": events})
         if name.endswith(".gz"):
@@ -35,6 +31,17 @@ def test_breakdown_of_a_known_pair(tmp_path):
     for line in out.splitlines()[1:-1]:
         *label, a, b, r = line.split()
         rows[" ".join(label)] = (float(a), float(b), float(r))
+    return rows, out
+
+
+def test_breakdown_of_a_known_pair(tmp_path):
+    # serial: 4 ms GEMM, then 2 ms all-to-all with the compute stream idle, then 4 ms GEMM
+    serial = [_k("cutlass_gemm", 7, 0, 4000), _k("deep_ep::dispatch", 20, 4000, 2000),
+              _k("cutlass_gemm", 7, 6000, 4000)]
+    # DBO: the GEMMs run 10% slower beside the all-to-all, which is fully inside them
+    dbo = [_k("cutlass_gemm", 7, 0, 4400), _k("deep_ep::dispatch", 20, 1000, 2000),
+           _k("cutlass_gemm", 7, 4400, 4400)]
+    rows, out = _breakdown(tmp_path, serial, dbo, gz=True)
     assert rows["step span"] == (10.0, 8.8, 0.88)
     assert rows["compute stream idle"][:2] == (2.0, 0.0)
     assert rows["kernels: grouped GEMM"] == (8.0, 8.8, 1.1)
@@ -51,16 +58,7 @@ def test_the_simulated_links_waits_are_not_the_compute_stream(tmp_path):
               _k("down_flat_kernel", 7, 4000, 1000)]
     dbo = [_k("gate_up_ws_kernel", 7, 0, 1000), _k("at::cuda::spin_kernel(long)", 30, 500, 3000),
            _k("down_flat_kernel", 7, 3500, 1000)]
-    paths = []
-    for name, events in (("serial.json", serial), ("dbo.json", dbo)):
-        (tmp_path / name).write_text(json.dumps({"traceEvents": events}))
-        paths.append(str(tmp_path / name))
-    out = subprocess.run([sys.executable, "-m", "dbo.bench", "breakdown", *paths],
-                         capture_output=True, text=True, check=True).stdout
-    rows = {}
-    for line in out.splitlines()[1:-1]:
-        *label, a, b, r = line.split()
-        rows[" ".join(label)] = (float(a), float(b), float(r))
+    rows, out = _breakdown(tmp_path, serial, dbo)
     assert rows["compute stream busy"][:2] == (2.0, 2.0), out
     assert rows["compute stream idle"][:2] == (3.0, 2.5), out
     assert rows["kernels: link wait (simulated)"][:2] == (3.0, 3.0), out
