@@ -107,6 +107,11 @@ class AutotuneResult:
     rows: tuple[AutotuneRow, ...]
     margin: float
     schedule: ExpertSchedule = ExpertSchedule.SPLIT
+    #: the SM carve-out of the overlapped runs in ``rows`` (chosen among ``sm_carveouts`` when
+    #: the call gave several); give it to the wrapper (``DBOWrapper(..., sm_carveout=...)``)
+    sm_carveout: int | None = None
+    #: the carve-outs measured (one entry when the call gave ``sm_carveout`` alone)
+    carveouts_tried: tuple[int | None, ...] = (None,)
 
     def table(self) -> str:
         """The measurements as a small text table."""
@@ -123,6 +128,9 @@ class AutotuneResult:
         thr = "never" if self.threshold >= NEVER_SPLIT else f">= {self.threshold} tokens"
         how = "" if self.threshold >= NEVER_SPLIT else f", {self.schedule.value} experts"
         lines.append(f"{kind} threshold: split {thr}{how} (DBO must win by {100 * self.margin:.0f}%)")
+        if len(self.carveouts_tried) > 1:
+            tried = ", ".join("none" if k is None else str(k) for k in self.carveouts_tried)
+            lines.append(f"SM carve-out: {self.sm_carveout} (of {tried}; the rows above are its runs)")
         return "\n".join(lines)
 
 
@@ -211,6 +219,7 @@ def autotune_split_config(
     sm_carveout: int | None = None,
     compute_sms: int | None = None,
     schedules: Sequence[ExpertSchedule | str] = (ExpertSchedule.SPLIT, ExpertSchedule.MERGED),
+    sm_carveouts: Sequence[int | None] | None = None,
 ) -> AutotuneResult:
     """Time ``fn`` plainly and overlapped at each token count; return a tuned config.
 
@@ -235,6 +244,13 @@ def autotune_split_config(
             (``overlapped_forward(compute_sms=...)``).
         schedules: the DBO expert schedules to measure beside the plain forward (default
             both, ``split`` and ``merged``); the choice is :func:`pick_schedule`'s.
+        sm_carveouts: several carve-outs to measure the overlapped runs with (e.g. ``(None,
+            16)``; replaces ``sm_carveout``). Each gets its schedule and threshold as above;
+            the result keeps the one whose choice costs least over the measured sizes (the
+            first unless another costs less by ``margin``) and names it in ``sm_carveout``.
+            A carve-out keeps SMs free for the other ubatch's communication kernels
+            (DeepEP's) and costs the matmuls those SMs: whether it pays depends on the
+            backend and the shape.
 
     Returns:
         :class:`AutotuneResult`; ``.config`` is what to give the wrapper: the tuned threshold
@@ -255,6 +271,11 @@ def autotune_split_config(
     if not 0 <= margin < 1:
         raise ValueError(f"margin must be in [0, 1), got {margin!r}")
     _check_carveout(sm_carveout)
+    carveouts = [sm_carveout] if sm_carveouts is None else list(sm_carveouts)
+    for k in carveouts:
+        _check_carveout(k)
+    if not carveouts or len(set(carveouts)) != len(carveouts):
+        raise ValueError(f"sm_carveouts must be distinct and not empty, got {sm_carveouts!r}")
     check_num_sms(compute_sms)
     wanted = {parse_expert_schedule(s) for s in schedules}
     if not wanted or ExpertSchedule.PLAIN in wanted:
@@ -267,31 +288,36 @@ def autotune_split_config(
     if multi:
         # One mismatch would make the ranks issue different collectives: check first.
         mine = [len(counts), sum(counts), steps, rounds, warmup,
-                sum(1 << k for k, s in enumerate(ExpertSchedule) if s in wanted)]
+                sum(1 << k for k, s in enumerate(ExpertSchedule) if s in wanted),
+                len(carveouts), sum(-1 if k is None else k for k in carveouts)]
         seen = _reduce_max(mine + [-v for v in mine], group, None)
-        if seen[:6] != [-v for v in seen[6:]]:
+        if seen[:len(mine)] != [-v for v in seen[len(mine):]]:
             raise ValueError("autotune_split_config: ranks were given different token_counts, "
-                             "steps, rounds, warmup or schedules")
+                             "steps, rounds, warmup, schedules or sm_carveouts")
     force = dataclasses.replace(config, decode_token_threshold=1, prefill_token_threshold=1,
                                 enabled=True, expert_schedule=ExpertSchedule.SPLIT)
-    width = len(ExpertSchedule)  # plain (serial), split, merged per count, in that order
+    # per count: plain (serial), then split and merged for each carve-out, in that order
+    keys = [(s, k) for k in range(len(carveouts)) for s in (ExpertSchedule.SPLIT, ExpertSchedule.MERGED)]
+    width = 1 + len(keys)
     local: list[float] = []
     for t in counts:
         inputs = list(make_inputs(t))
         device = _device_of(inputs)
         plan = plan_ubatches(t, force, decode_only=decode_only, group=group)
-        best = {s: float("inf") for s in ExpertSchedule}
+        plain = float("inf")
+        best = dict.fromkeys(keys, float("inf"))
         for _ in range(rounds):
-            best[ExpertSchedule.PLAIN] = min(best[ExpertSchedule.PLAIN], _time_ms(
-                lambda x=inputs: fn(*x, **kwargs), warmup, steps, device))
-            for s in dbo_schedules if plan.split else ():
+            plain = min(plain, _time_ms(lambda x=inputs: fn(*x, **kwargs), warmup, steps, device))
+            for (s, k) in keys if plan.split else ():
+                if s not in dbo_schedules:
+                    continue
                 p = dataclasses.replace(plan, expert_schedule=s)
-                best[s] = min(best[s], _time_ms(
-                    lambda x=inputs, p=p: overlapped_forward(fn, *x, plan=p, fn_kwargs=kwargs,
-                                                             sm_carveout=sm_carveout,
-                                                             compute_sms=compute_sms),
+                best[(s, k)] = min(best[(s, k)], _time_ms(
+                    lambda x=inputs, p=p, k=k: overlapped_forward(fn, *x, plan=p, fn_kwargs=kwargs,
+                                                                  sm_carveout=carveouts[k],
+                                                                  compute_sms=compute_sms),
                     warmup, steps, device))
-        local += [v if v != float("inf") else -1.0 for v in best.values()]
+        local += [v if v != float("inf") else -1.0 for v in [plain, *best.values()]]
         del inputs
     if multi:
         # the slowest rank sets the pace of a step; -1 (not measured) stays -1 on every rank
@@ -301,15 +327,27 @@ def autotune_split_config(
     def ms(v: float) -> float | None:
         return None if v < 0 else v
 
-    rows = tuple(AutotuneRow(t, local[width * k], ms(local[width * k + 1]), ms(local[width * k + 2]))
-                 for k, t in enumerate(counts))
-    schedule, threshold = pick_schedule(rows, margin)
+    choices = []  # per carve-out: (cost, its index, rows, schedule, threshold)
+    for k in range(len(carveouts)):
+        col = 1 + 2 * k
+        rows = tuple(AutotuneRow(t, local[width * i], ms(local[width * i + col]),
+                                 ms(local[width * i + col + 1])) for i, t in enumerate(counts))
+        schedule, threshold = pick_schedule(rows, margin)
+        cost = sum((r.ms(schedule) if r.tokens >= threshold else r.serial_ms) / r.serial_ms
+                   for r in rows)
+        choices.append((cost, k, rows, schedule, threshold))
+    # the first carve-out unless another's choice costs less by the margin (noise stays put)
+    chosen = choices[0]
+    for c in choices[1:]:
+        if c[0] < chosen[0] * (1 - margin):
+            chosen = c
+    _, k, rows, schedule, threshold = chosen
     field = "decode_token_threshold" if decode_only else "prefill_token_threshold"
     tuned = {field: threshold}
     if schedule is not ExpertSchedule.PLAIN:
         tuned["expert_schedule"] = schedule
     result = AutotuneResult(dataclasses.replace(config, **tuned), decode_only,
-                            threshold, rows, margin, schedule)
+                            threshold, rows, margin, schedule, carveouts[k], tuple(carveouts))
     logger.info("dbo autotune:\n%s", result.table())
     return result
 

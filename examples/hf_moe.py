@@ -91,6 +91,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--unconverted", action="store_true",
                    help="also time the original model (all experts on every rank)")
     p.add_argument("--sm-carveout", type=int, default=None, help="DBO's sm_carveout")
+    p.add_argument("--tune-sm-carveout", nargs="+", default=None, metavar="N|none",
+                   help="with --expert-schedule auto: the SM carve-outs the autotune tries (e.g. "
+                        "none 16); it keeps the one that pays")
     p.add_argument("--expert-schedule", nargs="+", choices=["split", "merged", "auto"], default=["split"],
                    help="DBO's expert schedules to time (merged: one experts call per layer over "
                         "both ubatches' rows; auto: DBOPrefill.autotune at each shape picks split, "
@@ -134,6 +137,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.checkpoint = args.save_checkpoint
     if not cuda and any(BACKENDS[b].gpu_only for b in args.backend):
         p.error(f"--backend {args.backend}: on CPU only {cpu_backends()} run")
+    if args.tune_sm_carveout is not None:
+        if "auto" not in args.expert_schedule:
+            p.error("--tune-sm-carveout goes with --expert-schedule auto")
+        try:
+            args.tune_sm_carveout = [None if v == "none" else int(v) for v in args.tune_sm_carveout]
+        except ValueError:
+            p.error(f"--tune-sm-carveout {args.tune_sm_carveout}: give integers or 'none'")
     return args
 
 
@@ -452,7 +462,8 @@ def run(args: argparse.Namespace, rank: int, world: int, device: torch.device) -
                     tuned = None
                     if sched == "auto":  # the plain, split and merged prefill timed at this shape
                         tuned = run_dbo.autotune(ids.shape[1], [ids.shape[0]], vocab_size=config.vocab_size,
-                                                 warmup=args.warmup, steps=args.steps)
+                                                 warmup=args.warmup, steps=args.steps,
+                                                 sm_carveouts=args.tune_sm_carveout)
                     rel, agree = compare(run_dbo(ids), plain)
                     reset_peak(device)
                     t_dbo = time_ms(lambda ids=ids, r=run_dbo: r(ids), args.steps, args.warmup, device)
@@ -476,7 +487,8 @@ def run(args: argparse.Namespace, rank: int, world: int, device: torch.device) -
                                          "choice": tuned.schedule.value,
                                          "plain_ms": tuned.rows[0].serial_ms,
                                          "split_ms": tuned.rows[0].dbo_ms,
-                                         "merged_ms": tuned.rows[0].merged_ms},
+                                         "merged_ms": tuned.rows[0].merged_ms,
+                                         "sm_carveout": tuned.sm_carveout},
                                      plain_peak_gib=p_plain, dbo_peak_gib=p_dbo,
                                      rel_vs_a2a=None if vs < 0 else vs))
                     save(args, config, world, device, rows, rank)  # a later timeout keeps these

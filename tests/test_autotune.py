@@ -237,7 +237,37 @@ def test_overlapped_runs_get_the_carveout_and_plain_runs_do_not():
     assert torch._C._get_sm_carveout_experimental() == before
 
 
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_autotune_picks_the_carveout_whose_choice_costs_least():
+    # DBO wins only when the overlapped runs leave 16 SMs free (a stand-in for DeepEP's kernels
+    # that wait for SMs otherwise): 20 ms plain; overlapped 12 ms with 16 free, else 30 ms
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        if dbo.dbo_enabled():
+            free = torch._C._get_sm_carveout_experimental()
+            time.sleep(0.006 if free == 16 else 0.015)  # per ubatch
+            dbo_yield()
+        else:
+            time.sleep(0.020)
+        return x + 1
+
+    before = torch._C._get_sm_carveout_experimental()
+    res = autotune_split_config(fn, lambda t: [torch.zeros(t, 2)], [8, 16], decode_only=False,
+                                warmup=0, steps=2, rounds=1, schedules=["split"], sm_carveouts=(None, 16))
+    assert res.sm_carveout == 16 and res.carveouts_tried == (None, 16), res.table()
+    assert res.schedule is ExpertSchedule.SPLIT and res.threshold == 8, res.table()
+    assert all(r.ratio < 0.8 for r in res.rows), res.table()  # the rows are the 16's runs
+    assert "SM carve-out: 16 (of none, 16" in res.table()
+    # where no carve-out makes DBO win, the first is kept and the forward stays plain
+    res = autotune_split_config(fn, lambda t: [torch.zeros(t, 2)], [8], decode_only=False,
+                                warmup=0, steps=1, rounds=1, schedules=["split"], sm_carveouts=(None, 8))
+    assert res.sm_carveout is None and res.schedule is ExpertSchedule.PLAIN, res.table()
+    assert torch._C._get_sm_carveout_experimental() == before
+
+
 @pytest.mark.parametrize("kwargs, match", [
+    (dict(sm_carveouts=[]), "sm_carveouts"),
+    (dict(sm_carveouts=[8, 8]), "sm_carveouts"),
+    (dict(sm_carveouts=[None, -1]), "sm_carveout"),
     (dict(token_counts=[]), "token_counts"),
     (dict(token_counts=[0, 4]), "token_counts"),
     (dict(token_counts=[4, 4]), "token_counts"),

@@ -25,7 +25,7 @@ def test_hf_example_on_cpu(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            str(EXAMPLE), "--preset", "tiny-deepseek_v3", "--shape", "3x8", "--steps", "1",
            "--warmup", "0", "--logits-to-keep", "0", "--unconverted", "--json", str(out_json),
-           "--expert-schedule", "split", "auto"]
+           "--expert-schedule", "split", "auto", "--tune-sm-carveout", "none", "0"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("DBO_DISABLE", None)
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=150)
@@ -42,7 +42,7 @@ def test_hf_example_on_cpu(tmp_path):
         # the autotune's row: its choice among plain, split and merged, each timed at this shape
         choice = r["autotune"]["choice"]
         assert label == f"{label.split('/')[0]}/auto ({choice})" and choice in ("plain", "split", "merged"), r
-        assert r["autotune"]["plain_ms"] > 0, r
+        assert r["autotune"]["plain_ms"] > 0 and r["autotune"]["sm_carveout"] in (None, 0), r
         assert r["split"].startswith("plain" if choice == "plain" else "split("), r
     for r in rows:
         assert r["rel_err"] <= 1e-4 and r["top1_agree"] == 1.0, r

@@ -310,7 +310,8 @@ class DBOPrefill(torch.nn.Module):
 
     def autotune(self, seq_len: int, batch_sizes: Sequence[int], *, vocab_size: int | None = None,
                  warmup: int = 1, steps: int = 3, rounds: int = 1, margin: float = 0.02,
-                 schedules: Sequence[str] = ("split", "merged")) -> AutotuneResult:
+                 schedules: Sequence[str] = ("split", "merged"),
+                 sm_carveouts: Sequence[int | None] | None = None) -> AutotuneResult:
         """Time the prefill plainly and overlapped at ``batch_sizes`` sequences of ``seq_len``
         random tokens per rank, and keep the winner: from then on this prefill splits from the
         smallest batch at which DBO won by ``margin`` (with the faster expert schedule), or never
@@ -319,6 +320,10 @@ class DBOPrefill(torch.nn.Module):
 
         The choice is a sequence count, for this ``seq_len``: tune one prefill per prompt length
         that matters (a token count sets the cost, and rows here are sequences).
+
+        ``sm_carveouts`` (e.g. ``(None, 16)``) measures the overlapped runs with each SM
+        carve-out and keeps the one that pays (as the prefill's ``sm_carveout`` from then on);
+        None times them with the prefill's own ``sm_carveout``.
 
         Returns:
             the :class:`~dbo.autotune.AutotuneResult` (its rows are by sequences per rank).
@@ -341,8 +346,10 @@ class DBOPrefill(torch.nn.Module):
         result = autotune_split_config(self._forward, make_inputs, batch_sizes, decode_only=False,
                                        config=self.wrapper.config, group=self.wrapper.group,
                                        warmup=warmup, steps=steps, rounds=rounds, margin=margin,
-                                       sm_carveout=self.wrapper.sm_carveout, schedules=schedules)
+                                       sm_carveout=self.wrapper.sm_carveout, schedules=schedules,
+                                       sm_carveouts=sm_carveouts)
         self.wrapper.config = result.config
+        self.wrapper.sm_carveout = result.sm_carveout
         return result
 
     def _forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
