@@ -48,7 +48,8 @@ def join_caches(caches: list[Any], rows: list[int]) -> Any | None:
     """One transformers cache of the rows ``caches[i][:rows[i]]``, in order (the ubatches'
     sequences in batch order, each ubatch's padding rows dropped), or None where the caches
     cannot be joined (not a ``DynamicCache`` of key/value layers, or layers that differ in
-    anything but the batch)."""
+    anything but the batch). The rows are copied once: while it runs, the KV cache is held
+    twice."""
     from transformers.cache_utils import DynamicCache
 
     first = caches[0]
