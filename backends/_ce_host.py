@@ -1,11 +1,6 @@
-"""Host-side pieces of the copy-engine backend: shared memory, the one-host check, the board.
-
-* :func:`open_shared`, :class:`HostBoard` (:mod:`dbo.hostboard`): the ranks' shared memory and
-  the table through which they publish the token counts of each dispatch, so a copy's size is
-  known on the host without a collective or a device sync;
-* :func:`check_one_host`: the backend copies peer to peer, so every rank must share this host
-  (and, on CUDA, reach every other GPU).
-"""
+"""The copy-engine backend's one-host check: it copies peer to peer, so every rank must share
+this host (and, on CUDA, reach every other GPU). The ranks' shared memory and the board through
+which they publish each dispatch's token counts are :mod:`dbo.hostboard`'s."""
 
 from __future__ import annotations
 
@@ -15,9 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dbo.hostboard import ALIGN, BOARD_FIELDS, HostBoard, align, open_shared
-
-__all__ = ["ALIGN", "align", "open_shared", "check_one_host", "HostBoard", "BOARD_FIELDS"]
+__all__ = ["check_one_host"]
 
 
 def check_one_host(group: Any, cuda: bool) -> None:

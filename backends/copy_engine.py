@@ -19,7 +19,7 @@ moves about 1.5x the bytes of an exact exchange there. Rows with no local expert
 experts nothing (their ids are ``-1``) and come back as zeros.
 
 Where the host waits: in ``prepare``, for every peer's host to publish its token count of the
-same dispatch (host shared memory, :class:`~dbo.backends._ce_host.HostBoard`); under DBO
+same dispatch (host shared memory, :class:`~dbo.hostboard.HostBoard`); under DBO
 the backend yields first, so the other ubatch's compute is queued on the GPU meanwhile. Nothing
 reads anything back from the GPU. A peer that stops makes that wait raise
 :class:`dbo.errors.CollectiveTimeoutError` after ``timeout_s``; a peer that stops between its

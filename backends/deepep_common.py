@@ -23,26 +23,19 @@ from dbo.moe.weight_and_reduce import (
 from dbo.streams import hand_over
 from dbo.watchdog import WATCHDOG, WaitSite, check_timeout, raise_peer_timeout, resolve_timeout
 
-from ._fp8 import FP8_BLOCK, FP8_MAX, dequantize_fp8_blocks, quantize_fp8_blocks
 from .deepep_buffer import BufferMode, DeepEPDtypeError, SharedDeepEPBuffer
 
 __all__ = [
     "DeepEPPrepareAndFinalize",
-    "FP8_BLOCK",
-    "FP8_MAX",
     "PerUBatch",
     "check_dispatch_args",
     "pad_hidden",
-    "quantize_fp8_blocks",
-    "dequantize_fp8_blocks",
     "hand_to_current_stream",
     "expert_tokens_meta_from_list",
     "group_size",
     "group_rank",
     "check_bf16",
 ]
-
-#: DeepEP's fp8 layout: one float32 scale per 128 consecutive hidden elements of a token.
 
 
 def group_size(group: Any) -> int:

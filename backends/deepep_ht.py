@@ -39,6 +39,7 @@ from dbo.moe.weight_and_reduce import (
     TopKWeightAndReduce,
 )
 
+from ._fp8 import FP8_BLOCK, dequantize_fp8_blocks, quantize_fp8_blocks
 from .deepep_buffer import (
     BufferMode,
     DeepEPBufferCache,
@@ -47,12 +48,9 @@ from .deepep_buffer import (
     round_up_hidden,
 )
 from .deepep_common import (
-    FP8_BLOCK,
     DeepEPPrepareAndFinalize,
-    dequantize_fp8_blocks,
     expert_tokens_meta_from_list,
     hand_to_current_stream,
-    quantize_fp8_blocks,
 )
 
 __all__ = ["DeepEPHTPrepareAndFinalize", "make_prepare_finalize"]

@@ -45,6 +45,7 @@ from dbo.moe.weight_and_reduce import (
     TopKWeightAndReduceNoOp,
 )
 
+from ._fp8 import FP8_BLOCK, dequantize_fp8_blocks
 from .deepep_buffer import (
     LOW_LATENCY_HIDDEN_SIZES,
     BufferMode,
@@ -54,10 +55,8 @@ from .deepep_buffer import (
     get_deepep_buffer,
 )
 from .deepep_common import (
-    FP8_BLOCK,
     DeepEPPrepareAndFinalize,
     check_bf16,
-    dequantize_fp8_blocks,
     hand_to_current_stream,
     pad_hidden,
 )

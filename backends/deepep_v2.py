@@ -43,6 +43,7 @@ from dbo.moe.weight_and_reduce import (
     TopKWeightAndReduce,
 )
 
+from ._fp8 import dequantize_fp8_blocks, quantize_fp8_blocks
 from .deepep_buffer import (
     BufferMode,
     DeepEPBufferCache,
@@ -50,12 +51,7 @@ from .deepep_buffer import (
     get_deepep_buffer,
     round_up_hidden,
 )
-from .deepep_common import (
-    DeepEPPrepareAndFinalize,
-    dequantize_fp8_blocks,
-    hand_to_current_stream,
-    quantize_fp8_blocks,
-)
+from .deepep_common import DeepEPPrepareAndFinalize, hand_to_current_stream
 
 __all__ = ["DeepEPV2PrepareAndFinalize", "V2_MODES", "expanded_row_experts", "make_prepare_finalize"]
 

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from dbo import run_ubatches
 from dbo.backends import deepep_buffer as db
-from dbo.backends.deepep_common import dequantize_fp8_blocks, quantize_fp8_blocks
+from dbo.backends._fp8 import dequantize_fp8_blocks, quantize_fp8_blocks
 from dbo.backends.deepep_ll import (
     LowLatencyLimitError,
     LowLatencyResults,
