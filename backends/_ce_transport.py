@@ -253,7 +253,6 @@ class CudaTransport(Transport):
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self.layout = layout
         self.timeout_s = timeout_s
-        self.timeout_ms = max(int(timeout_s * 1000), 1)
         board = HostBoard.nbytes(num_slots)
         regions = open_shared(group, board, "board")
         self.board = HostBoard(regions, self.rank, num_slots, timeout_s, "copy_engine")
@@ -279,8 +278,8 @@ class CudaTransport(Transport):
         return self._slots[slot][2][peer][start:start + nbytes]
 
     def _timeout_ms(self) -> int:
-        value = resolve_timeout(self.timeout_s)  # a collective_timeout() block overrides it
-        return self.timeout_ms if value == self.timeout_s else max(int(value * 1000), 1)
+        # a collective_timeout() block overrides the built-in limit
+        return max(int(resolve_timeout(self.timeout_s) * 1000), 1)
 
     def signal(self, dst, channel):
         self._slots[channel // 2][1].put_signal(dst, channel % 2, self._timeout_ms())
