@@ -41,6 +41,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dbo.split.plan import collective_device
+
 __all__ = ["LinkLimits", "measure_link", "comm_bytes", "COMM_BYTES_BACKENDS"]
 
 COMM_BYTES_BACKENDS = ("copy_engine", "naive", "all2all", "deepep_ht", "deepep_v2", "deepep_ll")
@@ -69,9 +71,8 @@ class LinkLimits:
                 "start of this run")
 
 
-def _slowest(seconds: float, group: Any, device: torch.device) -> float:
-    t = torch.tensor([seconds], dtype=torch.float64,
-                     device=device if dist.get_backend(group) == "nccl" else "cpu")
+def _slowest(seconds: float, group: Any) -> float:
+    t = torch.tensor([seconds], dtype=torch.float64, device=collective_device(group))
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return float(t.item())
 
@@ -98,7 +99,7 @@ def _cuda_put_s(group: Any, device: torch.device, nbytes: int, reps: int) -> flo
         return start.elapsed_time(end) / 1e3
 
     once()
-    times = sorted(_slowest(once(), group, device) for _ in range(reps))
+    times = sorted(_slowest(once(), group) for _ in range(reps))
     torch.cuda.synchronize(device)
     handle.barrier()  # no rank frees its buffer while a peer may still write into it
     return times[len(times) // 2]
@@ -116,7 +117,7 @@ def _gloo_put_s(group: Any, nbytes: int, reps: int) -> float:
         return time.perf_counter() - t0
 
     once()
-    times = sorted(_slowest(once(), group, torch.device("cpu")) for _ in range(reps))
+    times = sorted(_slowest(once(), group) for _ in range(reps))
     return times[len(times) // 2]
 
 

@@ -48,6 +48,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dbo.split.plan import collective_device
+
 __all__ = ["write_random_checkpoint", "checkpoint_shards"]
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -183,7 +185,7 @@ def write_random_checkpoint(config: Any, directory: str | Path, *, dtype: torch.
             failed = exc
         if distributed:
             flag = torch.tensor([rank + 1 if failed is not None else 0], dtype=torch.int64,
-                                device=_flag_device(group))
+                                device=collective_device(group))
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
             first = int(flag.item()) - 1
         else:
@@ -231,10 +233,3 @@ def write_random_checkpoint(config: Any, directory: str | Path, *, dtype: torch.
     agree(write_index, "writing the index and config.json")
     return directory
 
-
-def _flag_device(group: Any) -> torch.device:
-    """Where a small tensor for a collective over ``group`` lives (NCCL takes CUDA tensors only)."""
-    backend = str(dist.get_backend(group)).lower()
-    if "nccl" in backend and "gloo" not in backend:
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")

@@ -248,13 +248,21 @@ def _group_size(group: Any) -> int:
     return dist.get_world_size(group)
 
 
+def collective_device(group: Any) -> torch.device:
+    """Where a small tensor for a collective over ``group`` lives: this rank's GPU on an NCCL
+    group (NCCL takes CUDA tensors only), else the CPU."""
+    import torch.distributed as dist
+
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def _reduce_max(vec: list[int], group: Any, device: torch.device | str | None) -> list[int]:
     import torch.distributed as dist
 
     if device is None:
-        device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
-        if device == "cuda":
-            device = torch.device("cuda", torch.cuda.current_device())
+        device = collective_device(group)
     if torch.device(device).type == "cpu":
         board = host_vote(group, len(vec))  # every rank on this host: through shared memory
         if board is not None:
