@@ -218,16 +218,18 @@ class DBOExpertParallel:
         # its buffers outside inference mode at the model's first forward (hf_fsdp)
         prepare_at_first_forward(experts)
 
-    def _build(self, x: torch.Tensor, topk: int, backend: str, kwargs: dict[str, Any]) -> MoEKernel:
+    def _build(self, x: torch.Tensor, topk: int, backend: str, kwargs: dict[str, Any]
+               ) -> tuple[MoEKernel, torch.dtype]:
+        """A kernel through ``backend`` and the dtype its expert ids take."""
         pf = make_backend(backend, self.group, hidden=x.shape[1], num_experts=self.num_experts,
                           topk=topk, dtype=x.dtype, device=x.device, **kwargs)
         logger.info("dbo: expert-parallel experts %d..%d of %d through %s", self.first_expert,
                     self.first_expert + self.num_local_experts - 1, self.num_experts, backend)
-        return MoEKernel(pf, self.experts)
+        return MoEKernel(pf, self.experts), pf.topk_indices_dtype() or torch.int64
 
-    def _kernel(self, x: torch.Tensor, topk: int) -> MoEKernel:
-        """The kernel of this call: the decode backend's inside :func:`decode_phase` (where one is
-        set), else the backend's; built at its first call."""
+    def _kernel(self, x: torch.Tensor, topk: int) -> tuple[MoEKernel, torch.dtype]:
+        """The kernel of this call and its ids' dtype: the decode backend's inside
+        :func:`decode_phase` (where one is set), else the backend's; built at its first call."""
         signature = (x.shape[1], x.dtype, topk, x.device)
         if self._signature is None:
             self._signature = signature
@@ -236,11 +238,12 @@ class DBOExpertParallel:
                              f"topk, device) = {self._signature}, called with {signature}")
         if self.decode_backend is not None and _DECODING.get():
             if self.decode_kernel is None:
-                self.decode_kernel = self._build(x, topk, self.decode_backend, self.decode_backend_kwargs)
-            return self.decode_kernel
+                self.decode_kernel, self._decode_ids_dtype = self._build(
+                    x, topk, self.decode_backend, self.decode_backend_kwargs)
+            return self.decode_kernel, self._decode_ids_dtype
         if self.kernel is None:
-            self.kernel = self._build(x, topk, self.backend, self.backend_kwargs)
-        return self.kernel
+            self.kernel, self._ids_dtype = self._build(x, topk, self.backend, self.backend_kwargs)
+        return self.kernel, self._ids_dtype
 
     def __call__(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                  top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -248,8 +251,7 @@ class DBOExpertParallel:
         global expert ids, ``top_k_weights`` ``[M, topk]`` -> ``[M, hidden]``, the weighted sum
         of each token's experts, in ``hidden_states``'s dtype."""
         x = hidden_states.reshape(-1, hidden_states.shape[-1])
-        kernel = self._kernel(x, top_k_index.shape[-1])
-        ids_dtype = kernel.prepare_finalize.topk_indices_dtype() or torch.int64
+        kernel, ids_dtype = self._kernel(x, top_k_index.shape[-1])
         ids, weights = mask_routing(top_k_index.reshape(x.shape[0], -1).to(ids_dtype),
                                     top_k_weights.reshape(x.shape[0], -1).to(torch.float32))
         out = kernel(x, self._no_weights, self._no_weights, weights, ids,
