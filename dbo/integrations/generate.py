@@ -34,7 +34,7 @@ import torch
 from dbo.integrations.hf_ep import decode_phase, expert_parallel_group, prepare_for_overlap
 from dbo.integrations.moe_block import routing_token_mask
 from dbo.overlap import current_ubatch, overlapped_forward
-from dbo.split import SplitConfig, SplitReason, UBatchPlan, plan_ubatches
+from dbo.split import SplitConfig, UBatchPlan, no_split_plan, plan_ubatches
 
 __all__ = ["greedy_generate", "join_caches"]
 
@@ -150,9 +150,9 @@ def greedy_generate(model: torch.nn.Module, input_ids: torch.Tensor,
             else:
                 caches.clear()
                 caches[0] = joined
-                rows = input_ids.shape[0]  # no vote: every rank joins at the same step
-                step_plan = UBatchPlan(rows, ((0, rows),), rows, SplitReason.DISABLED,
-                                       "the decode steps run plainly (split_decode=False)")
+                # no vote: every rank joins at the same step
+                step_plan = no_split_plan(input_ids.shape[0],
+                                          detail="the decode steps run plainly (split_decode=False)")
         with decode_phase(i > 0):  # the decode backend, where the model has one, after the prefill
             logits = overlapped_forward(step, ids, mask, positions, plan=step_plan)
         ids = logits.argmax(-1, keepdim=True)
