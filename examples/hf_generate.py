@@ -38,9 +38,9 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import hf_moe  # noqa: E402  (examples/ is on the path: its loading and backend helpers)
 
+from dbo.bench.backends import shutdown_distributed  # noqa: E402
 from dbo.integrations.backends import BACKENDS  # noqa: E402
 from dbo.split import SplitConfig  # noqa: E402
-from dbo.watchdog import teardown_deadline  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argparse.Namespace]:
@@ -208,14 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         finished = True
         return 0
     finally:
-        with teardown_deadline(hf_moe.TEARDOWN_S, "freeing the backends and the process group"):
-            if any(b and b.startswith("deepep") for pair in a.pairs for b in pair):
-                from dbo.backends.deepep_buffer import BUFFER_CACHE
-                BUFFER_CACHE.reset()
-            gc.collect()
-            if finished:  # a rank that failed never reaches the barrier
-                dist.barrier()
-            dist.destroy_process_group()
+        shutdown_distributed(wait_for_peers=finished)  # a rank that failed skips the barrier
 
 
 if __name__ == "__main__":

@@ -52,6 +52,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dbo.bench.backends import shutdown_distributed
 from dbo.bench.overlap_args import init_distributed as join_group
 from dbo.bench.syncs import format_sites, host_syncs
 from dbo.integrations.backends import BACKENDS, cpu_backends
@@ -65,10 +66,8 @@ from dbo.integrations.transformers import (
     prefill_split_config,
     set_backend,
 )
-from dbo.watchdog import teardown_deadline
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-TEARDOWN_S = 120  # the results are written first; a teardown that hangs ends the process
 CHOICES = sorted(PRESETS) + [f"tiny-{f}" for f in TINY_FAMILIES]
 
 
@@ -599,14 +598,7 @@ def main(argv: list[str] | None = None) -> int:
         finished = True
         return rc
     finally:
-        with teardown_deadline(TEARDOWN_S, "freeing the backends and the process group"):
-            if any(b.startswith("deepep") for b in args.backend):
-                from dbo.backends.deepep_buffer import BUFFER_CACHE
-                BUFFER_CACHE.reset()  # collective: DeepEP buffers go before the group
-            gc.collect()
-            if finished:
-                dist.barrier()
-            dist.destroy_process_group()
+        shutdown_distributed(wait_for_peers=finished)
 
 
 if __name__ == "__main__":

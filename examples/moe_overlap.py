@@ -126,9 +126,6 @@ def main(argv: list[str] | None = None) -> int:
         finished = True
         return rc
     finally:
-        if args.backend.startswith("deepep"):
-            from dbo.backends.deepep_buffer import BUFFER_CACHE
-            BUFFER_CACHE.reset()  # collective: DeepEP buffers must be destroyed before the group
         shutdown_distributed(wait_for_peers=finished)
 
 

@@ -71,7 +71,6 @@ from dbo.bench.report import format_table, summarize_shape, write_plot
 from dbo.bench.shape import Budget, ShapeBench
 from dbo.bench.timing import Progress
 from dbo.split import SplitConfig, Vote, local_vote
-from dbo.watchdog import teardown_deadline
 
 __all__ = ["run", "main"]
 
@@ -346,12 +345,7 @@ def main(argv: list[str] | None = None) -> int:
         finished = True
         return 1 if failed(bundle) else 0
     finally:
-        # the bundle is written; a teardown that never ends (a peer that never arrives) ends the process
-        with teardown_deadline(120, "freeing the backend and the process group"):
-            if args.backend.startswith("deepep"):
-                from dbo.backends.deepep_buffer import BUFFER_CACHE
-                BUFFER_CACHE.reset()
-            shutdown_distributed(wait_for_peers=finished)
+        shutdown_distributed(wait_for_peers=finished)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from dbo.autotune import AutotuneResult
+from dbo.autotune import AutotuneResult, autotune_split_config
 from dbo.errors import DBOError
 from dbo.integrations.backends import BACKENDS, make_backend
 from dbo.integrations.hf_ep import (
@@ -332,8 +332,6 @@ class DBOPrefill(torch.nn.Module):
             ValueError: ``seq_len < 1`` or a bad ``batch_sizes`` (and as
                 :func:`~dbo.autotune.autotune_split_config`).
         """
-        from dbo.autotune import autotune_split_config
-
         if seq_len < 1:
             raise ValueError(f"seq_len must be >= 1, got {seq_len}")
         vocab = vocab_size or int(self.model.config.vocab_size)
