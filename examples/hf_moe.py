@@ -474,9 +474,9 @@ def run(args: argparse.Namespace, rank: int, world: int, device: torch.device) -
                     good = rel <= 1e-4 if fp32 else (rel <= 0.1 or -neg_agree >= 0.75)
                     ok &= good
                     label = backend if len(runners) == 1 else f"{backend}/{sched}"
-                    if tuned is not None:
-                        choice = tuned.schedule.value
-                        label += f" ({choice})" if len(runners) > 1 else f"/auto ({choice})"
+                    if tuned is not None:  # (``choice`` is the experts' choice of this loop)
+                        picked = tuned.schedule.value
+                        label += f" ({picked})" if len(runners) > 1 else f"/auto ({picked})"
                     if len(choices) > 1:
                         label = f"{label} ({choice} experts)"
                     rows.append(dict(backend=label, batch=shape[0], seq=shape[1], plain_ms=t_p,
