@@ -17,8 +17,9 @@ may not read them before the modelled time has passed since the send was queued:
 * ``remote_fraction``: the share of that traffic that would leave the host (with 8 GPUs a host
   and 32 ranks, 7/8); ``latency_us``: one message's latency.
 
-On CUDA the wait costs the host nothing: after the backend has queued its transfer, a GPU sleep
-of the modelled time is queued on a link stream of its own, behind an event recorded at the
+On CUDA the wait costs the host nothing: after the backend has queued its transfer, a GPU wait
+of the modelled time (one warp reading the GPU's global timer, so that a busy GPU's lower clock
+does not stretch it) is queued on a link stream of its own, behind an event recorded at the
 send; the receiver makes its stream wait for the end of that sleep before the backend's own
 receive, so recv hooks, events and DBO's yields work as they do without the model. On the CPU
 stand-in the receiver waits on the host until the modelled time has passed. What a real network
@@ -29,6 +30,7 @@ latency, and the SMs that RDMA proxies (DeepEP's internode kernels) take from co
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections import deque
 from collections.abc import Callable
@@ -37,12 +39,14 @@ from typing import Any
 
 import torch
 
+from dbo import _wall_wait
 from dbo.moe.base import ActivationFormat, PrepareAndFinalize
 from dbo.streams import gpu_sleep
 
 from ._fp8 import FP8_DISPATCH_BYTES
 
-__all__ = ["SimulatedLink", "SimulatedLinkPrepareAndFinalize", "FORMULA", "LinkStreams", "LINK_STREAMS"]
+__all__ = ["SimulatedLink", "SimulatedLinkPrepareAndFinalize", "FORMULA", "LinkStreams", "LINK_STREAMS",
+           "link_wait", "wait_clock"]
 
 FORMULA = "arrival >= send + latency_us + remote_fraction * bytes / gbps"
 #: calls whose modelled time a wrapper keeps (SimulatedLinkPrepareAndFinalize.modelled_us)
@@ -107,12 +111,30 @@ class SimulatedLink:
         return tokens * peers * (1.0 - miss) * row
 
     def as_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "formula": FORMULA}
+        return {**asdict(self), "formula": FORMULA, "wait_clock": wait_clock()}
 
     def describe(self) -> str:
         return (f"simulated link: {self.gbps:g} GB/s, {self.latency_us:g} us latency, "
                 f"{self.remote_fraction:.3f} of the traffic remote ({FORMULA}; bytes from each call's "
-                "shape under uniform routing)")
+                f"shape under uniform routing; waits timed by the GPU's {wait_clock()})")
+
+
+def wait_clock() -> str:
+    """What times the modelled waits on CUDA here: the GPU's global timer where Triton is there,
+    else SM clock cycles (``torch.cuda._sleep``, calibrated once on an idle GPU: it runs long
+    when the clock drops under load). ``DBO_LINK_WAIT_CLOCK=cycles`` picks the cycles (to
+    reproduce figures taken with them)."""
+    if os.environ.get("DBO_LINK_WAIT_CLOCK", "") == "cycles" or not _wall_wait.AVAILABLE:
+        return "SM cycles"
+    return "global timer"
+
+
+def link_wait(us: float) -> None:
+    """Queue the modelled wait of ``us`` microseconds on the current CUDA stream."""
+    if wait_clock() == "global timer":
+        _wall_wait.wait_wall_ns(round(us * 1e3))
+    else:
+        gpu_sleep(us / 1e3)
 
 
 class LinkStreams:
@@ -215,7 +237,7 @@ class SimulatedLinkPrepareAndFinalize(PrepareAndFinalize):
             stream = LINK_STREAMS.get(device)
             stream.wait_event(start)
             with torch.cuda.stream(stream):  # no yield inside
-                gpu_sleep(us / 1e3)
+                link_wait(us)
                 done = torch.cuda.Event()
                 done.record()
 

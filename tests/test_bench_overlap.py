@@ -246,8 +246,11 @@ def test_bench_under_a_simulated_link(tmp_path):
                         "--remote-fraction", "0.875")
     _check_structure(bundle, "all2all", [])
     sim = bundle["env"]["simulated_link"]
+    from dbo.backends.simulated_link import wait_clock
+
     assert sim == {"gbps": 1000.0, "latency_us": 20000.0, "remote_fraction": 0.875,
-                   "formula": "arrival >= send + latency_us + remote_fraction * bytes / gbps"}
+                   "formula": "arrival >= send + latency_us + remote_fraction * bytes / gbps",
+                   "wait_clock": wait_clock()}
     s = bundle["shapes"][0]["summary"]
     assert s["comm_ms"] >= 2 * 20.0  # a dispatch and a combine per layer, each past its latency
 

@@ -39,6 +39,8 @@ def test_model_arithmetic():
         with pytest.raises(ValueError):
             SimulatedLink(**kw)
     assert "formula" in link.as_dict() and "50 GB/s" in link.describe()
+    assert link.as_dict()["wait_clock"] in ("global timer", "SM cycles")
+    assert link.as_dict()["wait_clock"] in link.describe()
     kw = dict(tokens=10, topk=2, world_size=4, num_experts=8, hidden=3, elem_bytes=2)
     assert SimulatedLink.expected_bytes("copy_engine", **kw) == 10 * 3 * 6
     assert SimulatedLink.expected_bytes("naive", **kw) == 10 * 3 * 6
@@ -151,3 +153,36 @@ def test_backends_under_the_link_give_the_same_bits_and_take_the_modelled_time(b
         assert same == 1.0
         assert modelled > 2 * 0.005  # dispatch and combine, each past its latency by its bytes
         assert took >= modelled
+
+
+def test_wall_wait_rounds_and_chunks(monkeypatch):
+    # one compiled kernel for every length (a multiple of 16 ns), long waits in several launches,
+    # and a clear error where Triton cannot run it
+    from dbo import _wall_wait
+    from dbo.moe.kernels import triton_launch
+
+    launched = []
+    monkeypatch.setattr(_wall_wait, "AVAILABLE", True)
+    monkeypatch.setattr(_wall_wait, "_wait_wall_kernel", "kernel", raising=False)
+    monkeypatch.setattr(triton_launch, "launch", lambda k, grid, args, kw: launched.append(args[0]))
+    _wall_wait.wait_wall_ns(1)
+    _wall_wait.wait_wall_ns(5_000)
+    _wall_wait.wait_wall_ns(2 * _wall_wait.MAX_NS + 32)
+    assert launched == [16, 5_008, _wall_wait.MAX_NS, _wall_wait.MAX_NS, 32]
+    assert all(n % 16 == 0 for n in launched)
+    monkeypatch.setattr(_wall_wait, "AVAILABLE", False)
+    with pytest.raises(RuntimeError, match="needs Triton"):
+        _wall_wait.wait_wall_ns(100)
+
+
+def test_link_wait_clock_can_be_chosen(monkeypatch):
+    from dbo import _wall_wait
+    from dbo.backends.simulated_link import wait_clock
+
+    monkeypatch.setattr(_wall_wait, "AVAILABLE", True)
+    assert wait_clock() == "global timer"
+    monkeypatch.setenv("DBO_LINK_WAIT_CLOCK", "cycles")
+    assert wait_clock() == "SM cycles"
+    monkeypatch.delenv("DBO_LINK_WAIT_CLOCK")
+    monkeypatch.setattr(_wall_wait, "AVAILABLE", False)
+    assert wait_clock() == "SM cycles"

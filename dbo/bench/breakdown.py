@@ -17,13 +17,14 @@ from collections import defaultdict
 
 __all__ = ["CATEGORIES", "breakdown", "main"]
 
-#: the simulated link's modelled wait (``dbo.streams.gpu_sleep``: torch's spin kernel, on a link
-#: stream of its own); such a stream is never the compute stream
-LINK_WAIT = "spin_kernel"
+#: the simulated link's modelled waits, on a link stream of their own (never the compute stream):
+#: the global-timer wait (``dbo._wall_wait``), or torch's cycle-counting spin kernel without Triton
+LINK_WAITS = ("_wait_wall_kernel", "spin_kernel")
 
 CATEGORIES = (  # (name, substring of the kernel name), first match wins
     ("DeepEP", "deep_ep"),
-    ("link wait (simulated)", LINK_WAIT),
+    ("link wait (simulated)", LINK_WAITS[0]),
+    ("link wait (simulated)", LINK_WAITS[1]),
     ("grouped GEMM", "cutlass"),
     ("fused experts", "gate_up_kernel"),  # dbo.moe.kernels' Triton and Gluon kernels
     ("fused experts", "gate_up_ws_kernel"),
@@ -67,7 +68,7 @@ def breakdown(path: str) -> dict:
     # the stream with the most kernel time, past the ones that only move or wait for data
     # (under the simulated link, its waits can outweigh the compute)
     not_compute = {k["args"].get("stream") for k in kernels
-                   if "deep_ep" in k["name"] or LINK_WAIT in k["name"]}
+                   if "deep_ep" in k["name"] or any(w in k["name"] for w in LINK_WAITS)}
     candidates = [s for s in per_stream if s not in not_compute] or list(per_stream)
     compute = max(candidates, key=per_stream.get)
     cats: dict[str, float] = defaultdict(float)

@@ -11,9 +11,11 @@ import time
 import pytest
 import torch
 
-from dbo.backends.simulated_link import SimulatedLink, SimulatedLinkPrepareAndFinalize
+from dbo import _wall_wait
+from dbo.backends.simulated_link import SimulatedLink, SimulatedLinkPrepareAndFinalize, link_wait
 from dbo.context import run_ubatches
 from dbo.moe import LocalPrepareAndFinalize, MoEKernel, SwiGLUExperts, make_expert_weights, topk_route
+from dbo.streams import gpu_sleep
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -55,3 +57,44 @@ def test_link_holds_arrivals_on_the_gpu_not_the_host(dbo, dtype):
     # a dispatch then its combine, each held LATENCY_US past its send (both ubatches' overlap)
     assert gpu_ms >= 2 * LATENCY_US / 1e3 * 0.98, gpu_ms
     assert host_ms < LATENCY_US / 1e3, f"the host waited: {host_ms:.2f} ms"
+
+
+def _busy_gemms(stream: torch.cuda.Stream, n: int) -> None:
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    with torch.cuda.stream(stream):
+        for _ in range(n):
+            a @ a
+
+
+@pytest.mark.skipif(not _wall_wait.AVAILABLE, reason="needs Triton")
+def test_wall_wait_keeps_its_length_beside_gemms():
+    # the link's wait reads the global timer: it lasts what it was asked for on an idle GPU and
+    # beside GEMMs that load every SM (where a cycle-counted sleep runs long as the clock drops)
+    ms = 20.0
+    side = torch.cuda.Stream()
+
+    def timed(wait) -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        wait()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+
+    def wall() -> None:
+        link_wait(ms * 1e3)
+
+    def cycles() -> None:
+        gpu_sleep(ms)
+
+    timed(wall), timed(cycles)  # compile, calibrate
+    idle = timed(wall)
+    _busy_gemms(side, 60)  # ~80 ms of GEMMs queued on another stream
+    busy = timed(wall)
+    _busy_gemms(side, 60)
+    busy_cycles = timed(cycles)
+    torch.cuda.synchronize()
+    print(f"wall wait {ms} ms: idle {idle:.2f}, beside GEMMs {busy:.2f}; cycle sleep beside GEMMs "
+          f"{busy_cycles:.2f}")
+    assert ms <= idle < ms * 1.02, idle
+    assert ms <= busy < ms * 1.02, busy
