@@ -16,8 +16,9 @@ sequences, then their caches joined and the decode steps plain: ``greedy_generat
 ``PREFILL/DECODE`` (``deepep_ht/deepep_ll``) moves the prompts through the first and the decode
 steps through the second (``switch_ep_backend(..., decode_backend=)``). It prints tokens/s per GPU
 (new tokens of the batch over the whole call, prefill included; slowest rank; median of ``--steps``
-calls after ``--warmup``) and how far each run's tokens agree with ``generate()``'s: bf16 rounding
-differs between implementations, and a near-tie flips a token, after which the sequences part ways.
+calls after ``--warmup``), the prefill's time (the same call with one new token) and how far each
+run's tokens agree with ``generate()``'s: bf16 rounding differs between implementations, and a
+near-tie flips a token, after which the sequences part ways.
 So the agreement is the share of sequences identical to the end, and the mean share of new tokens
 before the first difference; each DBO row gives the same against its plain row too.
 
@@ -107,6 +108,11 @@ def timed(fn, steps: int, warmup: int, device: torch.device) -> tuple[float, tor
     return sorted(times)[len(times) // 2], out
 
 
+def prefill_ms(fn, a: argparse.Namespace, device: torch.device) -> float:
+    """The same call with one new token: the prefill (and one sampling), median ms on this rank."""
+    return timed(fn, a.steps, 1, device)[0]
+
+
 def agreement(got: torch.Tensor, want: torch.Tensor, prompt: int) -> tuple[float, float]:
     """(share of sequences identical to the end, mean share of new tokens before the first
     difference)."""
@@ -123,7 +129,8 @@ def add_row(rows: list[dict], rank: int, row: dict) -> None:
     if rank == 0:
         vs_plain = (f"; against plain: identical {row['same_plain']:.2f}, before 1st diff "
                     f"{row['prefix_plain']:.2f}" if "same_plain" in row else "")
-        print(f"row: {row['run']}: {row['ms']:.1f} ms, {row['tok_s']:,.0f} new tokens/s per GPU, "
+        print(f"row: {row['run']}: {row['ms']:.1f} ms (prefill {row['prefill_ms']:.1f}), "
+              f"{row['tok_s']:,.0f} new tokens/s per GPU, "
               f"identical {row['same']:.2f}, before 1st diff {row['prefix']:.2f}{vs_plain}", flush=True)
 
 
@@ -152,9 +159,11 @@ def run(a: argparse.Namespace, args: argparse.Namespace, rank: int, world: int,
         ms, want = timed(lambda m=ref: m.generate(input_ids=ids, attention_mask=mask, do_sample=False,
                                                   max_new_tokens=a.new_tokens, min_new_tokens=a.new_tokens),
                          a.steps, a.warmup, device)
-    ms = hf_moe.slowest([ms], device)[0]
-    add_row(rows, rank, dict(run="transformers generate (all_to_all)", ms=ms, tok_s=new / ms * 1e3,
-                             same=1.0, prefix=1.0))
+        pre_ms = prefill_ms(lambda m=ref: m.generate(input_ids=ids, attention_mask=mask, do_sample=False,
+                                                     max_new_tokens=1, min_new_tokens=1), a, device)
+    ms, pre_ms = hf_moe.slowest([ms, pre_ms], device)
+    add_row(rows, rank, dict(run="transformers generate (all_to_all)", ms=ms, prefill_ms=pre_ms,
+                             tok_s=new / ms * 1e3, same=1.0, prefix=1.0))
     del ref
     gc.collect()
     if device.type == "cuda":
@@ -174,11 +183,14 @@ def run(a: argparse.Namespace, args: argparse.Namespace, rank: int, world: int,
                 ms, (got, plan) = timed(lambda split=split, every=every: greedy_generate(
                     model, ids, mask, max_new_tokens=a.new_tokens, config=split, split_decode=every),
                     a.steps, a.warmup, device)
+                pre_ms = prefill_ms(lambda split=split: greedy_generate(
+                    model, ids, mask, max_new_tokens=1, config=split), a, device)
                 same, prefix = agreement(got, want, a.prompt)
                 vs_plain = agreement(got, plain, a.prompt) if plain is not None else (1.0, 1.0)
                 plain = got if plain is None else plain
-                ms, *neg = hf_moe.slowest([ms, -same, -prefix, -vs_plain[0], -vs_plain[1]], device)
-                add_row(rows, rank, dict(run=f"dbo greedy_generate {label} {name}", ms=ms,
+                ms, pre_ms, *neg = hf_moe.slowest([ms, pre_ms, -same, -prefix, -vs_plain[0], -vs_plain[1]],
+                                                  device)
+                add_row(rows, rank, dict(run=f"dbo greedy_generate {label} {name}", ms=ms, prefill_ms=pre_ms,
                                          tok_s=new / ms * 1e3, same=-neg[0], prefix=-neg[1],
                                          same_plain=-neg[2], prefix_plain=-neg[3], split=str(plan)))
     return rows
@@ -195,12 +207,15 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:
             print(f"\n{args.checkpoint}: batch {a.batch} x prompt {a.prompt} + {a.new_tokens} new tokens "
                   f"per rank, {world} ranks, {args.dtype}; ms per call (prefill included), slowest rank; "
+                  "prefill ms = the same call with one new token; "
                   "tokens/s per GPU = new tokens / time; agreement with generate(): sequences "
                   "identical to the end / mean share of new tokens before the first difference\n")
-            print("| run | ms | new tokens/s per GPU | identical | before 1st diff | identical to plain |")
-            print("|---|---|---|---|---|---|")
+            print("| run | ms | prefill ms | new tokens/s per GPU | identical | before 1st diff | "
+                  "identical to plain |")
+            print("|---|---|---|---|---|---|---|")
             for r in rows:
-                print(f"| {r['run']} | {r['ms']:.1f} | {r['tok_s']:,.0f} | {r['same']:.2f} "
+                print(f"| {r['run']} | {r['ms']:.1f} | {r['prefill_ms']:.1f} | {r['tok_s']:,.0f} "
+                      f"| {r['same']:.2f} "
                       f"| {r['prefix']:.2f} | {r.get('same_plain', 1.0):.2f} |")
             if a.json:
                 Path(a.json).write_text(json.dumps({"world": world, "batch": a.batch, "prompt": a.prompt,
