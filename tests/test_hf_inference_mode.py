@@ -83,8 +83,7 @@ def _first_forward_job(path: str, backends: tuple[str, ...]) -> dict:
             "err": _rel(first, want, valid), "no_grad_after": _rel(again, first, valid),
             "inference_after": _rel(third, first, valid), "pending_after_load": pending,
             "pending_after_forward": pending_first_forward(),
-            "dense_whole": all(not isinstance(p, DTensor) for n, p in model.named_parameters()
-                               if ".experts." not in n),
+            "dense_whole": _dense_whole(model),
             "experts_sharded": all(isinstance(p, DTensor) for n, p in model.named_parameters()
                                    if ".experts." in n),
         }
@@ -99,6 +98,12 @@ def test_first_forward_under_inference_mode(world, checkpoint):
             assert b["err"] <= TOL, where
             assert b["no_grad_after"] <= SAME and b["inference_after"] <= SAME, where
             assert b["dense_whole"] and b["experts_sharded"], where
+
+
+def _dense_whole(model) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return all(not isinstance(p, DTensor) for n, p in model.named_parameters() if ".experts." not in n)
 
 
 def _calls_job(path: str, backend: str, new_tokens: int) -> dict:
@@ -134,6 +139,8 @@ def _calls_job(path: str, backend: str, new_tokens: int) -> dict:
     with torch.inference_mode():  # DBOPrefill is the model's first call
         prefill = DBOPrefill(model)
         overlapped = prefill(ids, mask)
+        # the two ubatches inside a layer left its dense weights whole (FSDP did not reshard them)
+        out["dense_whole_after_dbo"] = _dense_whole(model)
         plain = prefill_logits(model, ids, mask)
     with torch.no_grad():
         plain_no_grad = prefill_logits(model, ids, mask)
@@ -152,6 +159,7 @@ def test_generate_greedy_and_prefill_first_under_inference_mode(world, checkpoin
         assert r["generate_ok"], where
         assert r["greedy_after_generate"] == (True, True, True), where
         assert r["greedy_first"] == (True, True, True), where
+        assert r["dense_whole_after_dbo"], where
         p = r["prefill_first"]
         assert p["split"], where
         assert p["dbo_err"] <= TOL and p["plain_err"] <= TOL, where

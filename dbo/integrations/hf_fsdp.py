@@ -12,11 +12,14 @@ around every call). Left as it is, that fails dbo twice:
   later forward outside inference mode ("Inplace update to inference tensor outside
   InferenceMode").
 - Two ubatches inside one layer: the first to finish a layer would free (reshard) the dense
-  weights the second is still using.
+  weights the second is still using; and FSDP's training state, one per unit, is set back by the
+  first ubatch to leave, so that even with ``reshard_after_forward=False`` the second one's
+  post-forward reshards (the next forward then all-gathers every layer's dense weights again).
 
 :func:`prepare_for_overlap` fixes both, through FSDP's public API: it all-gathers the dense
-weights once and keeps them whole (``unshard()``, ``set_reshard_after_forward(False)``), and
-makes every unit's buffers outside inference mode. A model loaded with dbo's expert-parallel
+weights once and keeps them whole (``unshard()``, ``set_reshard_after_forward(False)``, and a
+dense unit's reshard made a no-op inside overlapped ubatches), and makes every unit's buffers
+outside inference mode. A model loaded with dbo's expert-parallel
 implementations gets it at its first forward, whatever mode that runs in:
 :func:`prepare_at_first_forward` (called for each experts module as transformers builds dbo's
 implementation) holds a forward pre-hook common to all modules (``torch.nn.modules.module.
@@ -86,6 +89,7 @@ def prepare_for_overlap(model: torch.nn.Module) -> torch.nn.Module:
                     m.reshard()
                 else:
                     m.set_reshard_after_forward(False, recurse=False)
+                    _keep_whole_in_runs(m)
                 m._dbo_prepared = True
         logger.info("dbo: %d FSDP units prepared (dense weights kept whole, buffers outside "
                     "inference mode)", len(units))
@@ -93,6 +97,35 @@ def prepare_for_overlap(model: torch.nn.Module) -> torch.nn.Module:
         for m in model.modules():
             _pending.discard(m)
     return model
+
+
+def _keep_whole_in_runs(module: torch.nn.Module) -> None:
+    """Make the unit's post-forward reshard a no-op inside overlapped ubatches.
+
+    FSDP skips the reshard after a forward only while the unit's (one, shared) training state
+    reads FORWARD. Two ubatches inside one layer both set it at their pre-forward, and the first
+    to leave sets it back to IDLE: the second's post-forward then frees the whole weights, and
+    the next forward all-gathers them again (the dense weights of every layer, once per
+    overlapped call). Reaches into FSDP2's param group (``_get_fsdp_state``); where that is not
+    there, a warning says that overlapped calls will re-gather.
+    """
+    from dbo.context import dbo_enabled
+
+    state = getattr(module, "_get_fsdp_state", lambda: None)()
+    if state is not None and getattr(state, "_fsdp_param_group", False) is None:
+        return  # a unit with no weights of its own
+    group = getattr(state, "_fsdp_param_group", None)
+    if group is None or not callable(getattr(group, "reshard", None)):
+        logger.warning("dbo: cannot reach FSDP's param group of %s: overlapped calls will free and "
+                       "re-gather its weights", type(module).__name__)
+        return
+    reshard = group.reshard
+
+    def reshard_outside_runs() -> None:
+        if not dbo_enabled():
+            reshard()
+
+    group.reshard = reshard_outside_runs
 
 
 def prepare_at_first_forward(experts: torch.nn.Module) -> None:
