@@ -101,7 +101,7 @@ def autotune_backend(
         backends: the names to try, the default first (e.g. ``["deepep_ht", "copy_engine"]``).
         use_backend: ``use_backend(name)`` makes ``fn``'s MoE layers run on that backend (for a
             transformers model loaded with dbo's implementations:
-            ``lambda b: dbo.integrations.hf_ep.switch_ep_backend(model, b)``). Collective where
+            ``lambda b: dbo.integrations.hf_ep_model.switch_ep_backend(model, b)``). Collective where
             building a backend is; called in ``backends`` order on every rank, then once more
             with the choice.
         fn, make_inputs, token_counts, decode_only, margin, kwargs: as for

@@ -84,7 +84,8 @@ def worker(args: argparse.Namespace) -> None:
     from transformers import AutoModelForCausalLM
 
     import dbo.backends._torchdist  # noqa: F401  (binds its all-gather before the spy below)
-    from dbo.integrations.hf_ep import ep_distributed_config, expert_parallel_modules
+    from dbo.integrations.hf_ep import ep_distributed_config
+    from dbo.integrations.hf_ep_model import expert_parallel_modules
     from dbo.integrations.transformers import DBOPrefill, prefill_logits
 
     torch.set_num_threads(1)

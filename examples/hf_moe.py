@@ -335,7 +335,7 @@ def use_backend(model: torch.nn.Module, backend: str, max_tokens: int, args: arg
         return kw
 
     if args.checkpoint:
-        from dbo.integrations.hf_ep import switch_ep_backend
+        from dbo.integrations.hf_ep_model import switch_ep_backend
 
         decode_kw = None if decode_backend is None else kwargs(decode_backend, decode_max_tokens)
         switch_ep_backend(model, backend, decode_backend=decode_backend, decode_backend_kwargs=decode_kw,
@@ -347,7 +347,7 @@ def use_backend(model: torch.nn.Module, backend: str, max_tokens: int, args: arg
 
 
 def reset_layers(model: torch.nn.Module) -> None:
-    from dbo.integrations.hf_ep import expert_parallel_modules
+    from dbo.integrations.hf_ep_model import expert_parallel_modules
 
     model.apply(lambda m: m.reset() if isinstance(m, ExpertParallelMoE) else None)
     for _, impl in expert_parallel_modules(model):
@@ -440,7 +440,7 @@ def run(args: argparse.Namespace, rank: int, world: int, device: torch.device) -
     with torch.inference_mode():
         for choice, backend in ((c, b) for c in choices for b in args.backend):
             if choice is not None:
-                from dbo.integrations.hf_ep import switch_ep_experts
+                from dbo.integrations.hf_ep_model import switch_ep_experts
 
                 switch_ep_experts(model, choice)
             use_backend(model, backend, max_tokens, args)

@@ -206,7 +206,8 @@ def _logits_job(directory: str) -> float:
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
-    from dbo.integrations.hf_ep import ep_distributed_config, expert_parallel_modules
+    from dbo.integrations.hf_ep import ep_distributed_config
+    from dbo.integrations.hf_ep_model import expert_parallel_modules
 
     rank = dist.get_rank()
     g = torch.Generator().manual_seed(11 + rank)

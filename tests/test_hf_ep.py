@@ -87,7 +87,7 @@ def _logits_job(path: str, backends: tuple[str, ...], seed: int) -> dict:
     import torch.distributed as dist
 
     import dbo
-    from dbo.integrations.hf_ep import expert_parallel_modules
+    from dbo.integrations.hf_ep_model import expert_parallel_modules
     from dbo.integrations.transformers import DBOPrefill, prefill_logits
 
     rank = dist.get_rank()
@@ -220,7 +220,7 @@ def _decode_backend_job(path: str, new_tokens: int) -> dict:
     import torch.distributed as dist
 
     from dbo.integrations.generate import greedy_generate
-    from dbo.integrations.hf_ep import expert_parallel_modules, switch_ep_backend
+    from dbo.integrations.hf_ep_model import expert_parallel_modules, switch_ep_backend
     from dbo.split import SplitConfig
 
     ids, mask = _inputs(dist.get_rank(), 5)

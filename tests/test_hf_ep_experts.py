@@ -73,14 +73,8 @@ def _choice_job(path: str, backend: str) -> dict:
     import torch.distributed as dist
 
     import dbo
-    from dbo.integrations.hf_ep import (
-        LibraryExperts,
-        ModelExperts,
-        UnsupportedEPError,
-        ep_experts,
-        expert_parallel_modules,
-        switch_ep_experts,
-    )
+    from dbo.integrations.hf_ep import LibraryExperts, ModelExperts, UnsupportedEPError
+    from dbo.integrations.hf_ep_model import ep_experts, expert_parallel_modules, switch_ep_experts
     from dbo.integrations.transformers import DBOPrefill, prefill_logits
 
     ids, mask = _inputs(dist.get_rank())
@@ -298,10 +292,9 @@ def test_choice_api_and_mistakes():
         EXPERTS_CHOICES,
         DBOExpertParallel,
         ep_distributed_config,
-        ep_experts,
         register_ep_implementation,
-        switch_ep_experts,
     )
+    from dbo.integrations.hf_ep_model import ep_experts, switch_ep_experts
     from dbo.integrations.hf_experts import LibraryExperts, ModelExperts, make_experts
 
     assert EXPERTS_CHOICES == ("auto", "library", "model")

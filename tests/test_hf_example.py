@@ -100,6 +100,6 @@ def test_hf_generate_example_agrees_with_generate(tmp_path):
         f"dbo greedy_generate {b} {m}" for b in ("all2all", "copy_engine/all2all")
         for m in ("plain", "DBO prefill", "DBO")]
     assert all(r["same"] == 1.0 and r["prefix"] == 1.0 and r["tok_s"] > 0 for r in rows), rows
-    assert all(0 < r["prefill_ms"] for r in rows), rows
+    assert all(r["prefill_ms"] > 0 for r in rows), rows
     assert all(r["same_plain"] == 1.0 and r["prefix_plain"] == 1.0 for r in rows[1:]), rows
     assert all(r["split"].startswith("split(") for r in rows[1:] if "DBO" in r["run"]), rows

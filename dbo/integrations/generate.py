@@ -31,7 +31,8 @@ from typing import Any
 
 import torch
 
-from dbo.integrations.hf_ep import decode_phase, expert_parallel_group, prepare_for_overlap
+from dbo.integrations.hf_ep import decode_phase, prepare_for_overlap
+from dbo.integrations.hf_ep_model import expert_parallel_group
 from dbo.integrations.moe_block import routing_token_mask
 from dbo.overlap import current_ubatch, overlapped_forward
 from dbo.split import SplitConfig, UBatchPlan, no_split_plan, plan_ubatches

@@ -17,7 +17,8 @@ switch while a dispatch or combine is in flight. The experts that run on what ar
 (:class:`~dbo.integrations.hf_experts.LibraryExperts`, which skip the slots whose expert is on
 another rank) where its layout allows, or the module's own forward
 (:class:`~dbo.integrations.hf_experts.ModelExperts`, whatever ``experts_implementation``), as
-chosen by ``ep_distributed_config(backend, experts=...)`` or :func:`switch_ep_experts`.
+chosen by ``ep_distributed_config(backend, experts=...)`` or
+:func:`~dbo.integrations.hf_ep_model.switch_ep_experts`.
 
 transformers wraps the whole model in FSDP2 for this (``fsdp_size=W``): the dense weights are
 sharded and all-gathered before every layer, the experts modules (FSDP over one rank) copied into
@@ -68,11 +69,6 @@ __all__ = [
     "register_ep_implementation",
     "register_default_ep_implementations",
     "ep_distributed_config",
-    "expert_parallel_modules",
-    "expert_parallel_group",
-    "switch_ep_backend",
-    "switch_ep_experts",
-    "ep_experts",
     "prepare_for_overlap",
 ]
 
@@ -121,7 +117,7 @@ def decode_phase(active: bool = True) -> Iterator[None]:
         _DECODING.reset(token)
 
 
-def _decode_kwargs(decode_backend: str | None, kwargs: dict[str, Any] | None) -> dict[str, Any]:
+def checked_decode_kwargs(decode_backend: str | None, kwargs: dict[str, Any] | None) -> dict[str, Any]:
     """Checked ``decode_backend_kwargs``: a backend sized by its tokens per call gets
     :data:`DEEPEP_LL_MAX_TOKENS` unless told otherwise."""
     if decode_backend is None:
@@ -282,7 +278,7 @@ class DBOExpertParallel:
         return kind
 
 
-def _check_experts_choice(experts: str) -> None:
+def check_experts_choice(experts: str) -> None:
     if experts not in EXPERTS_CHOICES:
         raise ValueError(f"experts must be one of {EXPERTS_CHOICES}, got {experts!r}")
 
@@ -303,8 +299,8 @@ def register_ep_implementation(name: str, backend: str, *, experts: str = "auto"
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; choose from {sorted(BACKENDS)}")
-    _check_experts_choice(experts)
-    decode_kwargs = _decode_kwargs(decode_backend, decode_backend_kwargs)
+    check_experts_choice(experts)
+    decode_kwargs = checked_decode_kwargs(decode_backend, decode_backend_kwargs)
     interface = ep_interface()
     cls = type(f"DBOExpertParallel_{name}", (DBOExpertParallel,),
                {"backend": backend, "backend_kwargs": dict(backend_kwargs), "experts_choice": experts,
@@ -353,7 +349,7 @@ def ep_distributed_config(backend: str = "all2all", world_size: int | None = Non
     from transformers.distributed import DistributedConfig
 
     if experts is not None:
-        _check_experts_choice(experts)
+        check_experts_choice(experts)
     name = backend if backend in EP_IMPLEMENTATIONS or backend.startswith("dbo_") else f"dbo_{backend}"
     registered = interface()
     if name not in EP_IMPLEMENTATIONS and name not in registered:
@@ -378,79 +374,6 @@ def ep_distributed_config(backend: str = "all2all", world_size: int | None = Non
             raise ValueError("ep_distributed_config needs world_size or an initialized process group")
         world_size = torch.distributed.get_world_size()
     return DistributedConfig(fsdp_size=world_size, ep_size=world_size, ep_implementation=name)
-
-
-def expert_parallel_modules(model: torch.nn.Module) -> list[tuple[str, DBOExpertParallel]]:
-    """``(name, implementation)`` of every experts module of ``model`` that runs through one of
-    dbo's implementations, in module order."""
-    return [(name, m._dbo_expert_parallel) for name, m in model.named_modules()
-            if isinstance(getattr(m, "_dbo_expert_parallel", None), DBOExpertParallel)]
-
-
-def expert_parallel_group(model: torch.nn.Module) -> Any:
-    """The expert-parallel process group of a model loaded with dbo's implementations, or None."""
-    found = expert_parallel_modules(model)
-    return found[0][1].group if found else None
-
-
-def _require_dbo_modules(model: torch.nn.Module) -> list[tuple[str, DBOExpertParallel]]:
-    found = expert_parallel_modules(model)
-    if not found:
-        raise ValueError("the model has no experts module running through dbo's expert-parallel "
-                         "implementations: load it with ep_distributed_config(...)")
-    return found
-
-
-def switch_ep_backend(model: torch.nn.Module, backend: str, *, decode_backend: str | None = None,
-                      decode_backend_kwargs: dict[str, Any] | None = None,
-                      **backend_kwargs: Any) -> torch.nn.Module:
-    """Run every experts module that goes through dbo's implementations through ``backend``
-    (built with ``backend_kwargs`` at its next call) from now on, and the calls made inside
-    :func:`decode_phase` through ``decode_backend`` (None: ``backend`` there too); returns
-    ``model``. For comparing backends on one loaded model (the loaded weights stay where they
-    are), or for pairing a prefill backend with a decode one
-    (``switch_ep_backend(model, "deepep_ht", decode_backend="deepep_ll")``).
-
-    Raises:
-        ValueError: unknown backend or decode backend, or no experts module runs through dbo's
-            implementations.
-    """
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}; choose from {sorted(BACKENDS)}")
-    decode_kwargs = _decode_kwargs(decode_backend, decode_backend_kwargs)
-    found = _require_dbo_modules(model)
-    for _, impl in found:
-        impl.reset()
-        # instance attributes
-        impl.backend, impl.backend_kwargs = backend, dict(backend_kwargs)
-        impl.decode_backend, impl.decode_backend_kwargs = decode_backend, dict(decode_kwargs)
-        impl.kernel, impl.decode_kernel, impl._signature = None, None, None
-    return model
-
-
-def switch_ep_experts(model: torch.nn.Module, experts: str) -> torch.nn.Module:
-    """Run ``experts`` (:data:`EXPERTS_CHOICES`) in every experts module that goes through dbo's
-    implementations from its next call on, on the same backend and weights; returns ``model``.
-    All modules are checked before any changes.
-
-    Raises:
-        ValueError: unknown choice, or no experts module runs through dbo's implementations.
-        UnsupportedEPError: ``"library"`` for a model whose experts the library experts cannot run.
-    """
-    _check_experts_choice(experts)
-    found = _require_dbo_modules(model)
-    if experts == "library":
-        for _, impl in found:
-            LibraryExperts(impl._module)  # raises for a layout it cannot run
-    for _, impl in found:
-        impl.set_experts(experts)
-    return model
-
-
-def ep_experts(model: torch.nn.Module) -> dict[str, str]:
-    """Experts module name -> the experts it runs (``"library"`` or ``"model"``), for every
-    experts module of ``model`` that goes through dbo's implementations."""
-    return {name: impl.experts_kind for name, impl in expert_parallel_modules(model)}
 
 
 # importing this module (or dbo.integrations.transformers) registers the names; a no-op before 5.23

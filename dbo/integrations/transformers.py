@@ -33,10 +33,8 @@ import torch
 from dbo.autotune import AutotuneResult, autotune_split_config
 from dbo.errors import DBOError
 from dbo.integrations.backends import BACKENDS, make_backend
-from dbo.integrations.hf_ep import (
-    expert_parallel_group,
-    prepare_for_overlap,
-)
+from dbo.integrations.hf_ep import prepare_for_overlap
+from dbo.integrations.hf_ep_model import expert_parallel_group
 from dbo.integrations.moe_block import ExpertParallelMoE, routing_token_mask
 from dbo.overlap import DBOWrapper
 from dbo.split import SplitConfig, UBatchPlan
