@@ -23,8 +23,7 @@ LINK_WAITS = ("_wait_wall_kernel", "spin_kernel")
 
 CATEGORIES = (  # (name, substring of the kernel name), first match wins
     ("DeepEP", "deep_ep"),
-    ("link wait (simulated)", LINK_WAITS[0]),
-    ("link wait (simulated)", LINK_WAITS[1]),
+    *(("link wait (simulated)", w) for w in LINK_WAITS),
     ("grouped GEMM", "cutlass"),
     ("fused experts", "gate_up_kernel"),  # dbo.moe.kernels' Triton and Gluon kernels
     ("fused experts", "gate_up_ws_kernel"),

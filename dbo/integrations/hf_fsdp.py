@@ -112,10 +112,10 @@ def _keep_whole_in_runs(module: torch.nn.Module) -> None:
     from dbo.context import dbo_enabled
 
     state = getattr(module, "_get_fsdp_state", lambda: None)()
-    if state is not None and getattr(state, "_fsdp_param_group", False) is None:
+    group = getattr(state, "_fsdp_param_group", False)
+    if group is None:
         return  # a unit with no weights of its own
-    group = getattr(state, "_fsdp_param_group", None)
-    if group is None or not callable(getattr(group, "reshard", None)):
+    if not callable(getattr(group, "reshard", None)):
         logger.warning("dbo: cannot reach FSDP's param group of %s: overlapped calls will free and "
                        "re-gather its weights", type(module).__name__)
         return
