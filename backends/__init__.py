@@ -1,0 +1,112 @@
+"""Prepare/finalize backends by name: one entry per all-to-all library.
+
+:data:`BACKENDS` maps a name to a :class:`BackendSpec` that says which ``dbo.backends`` module
+builds it and whether it needs GPUs. The module is imported only when its backend is built,
+so ``deep_ep`` is needed only for a DeepEP backend. A new backend is one entry here.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+import torch
+
+from dbo.moe.base import PrepareAndFinalize
+
+__all__ = ["BackendSpec", "BACKENDS", "make_backend", "cpu_backends"]
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    """How to build one backend.
+
+    Attributes:
+        name: the name users pass (``backend="all2all"``).
+        module: the module under ``dbo.backends`` that implements it.
+        class_name: for ``torch.distributed`` backends, the class built as
+            ``cls(group, hidden_size=hidden, **kwargs)``; None for modules that offer
+            ``make_prepare_finalize(group, hidden=, max_tokens_per_rank=, num_experts=, topk=,
+            dtype=, device=, **kwargs)``.
+        gpu_only: needs CUDA (and, for DeepEP, ``deep_ep``).
+        bf16_only: moves bf16 activations only.
+        needs_max_tokens: sizes its buffers by ``max_tokens_per_rank``, a hard limit per call
+            (deepep_ll: DeepEP's low-latency buffers are fixed; deepep_v2 likewise).
+    """
+
+    name: str
+    module: str
+    class_name: str | None = None
+    gpu_only: bool = False
+    bf16_only: bool = False
+    needs_max_tokens: bool = False
+
+
+BACKENDS: Mapping[str, BackendSpec] = MappingProxyType({
+    "naive": BackendSpec("naive", "naive", "NaivePrepareAndFinalize"),
+    "all2all": BackendSpec("all2all", "all2all", "AllToAllPrepareAndFinalize"),
+    "deepep_ht": BackendSpec("deepep_ht", "deepep_ht", gpu_only=True, bf16_only=True),
+    "deepep_ll": BackendSpec("deepep_ll", "deepep_ll", gpu_only=True, bf16_only=True,
+                             needs_max_tokens=True),
+    "deepep_v2": BackendSpec("deepep_v2", "deepep_v2", gpu_only=True, bf16_only=True,
+                             needs_max_tokens=True),
+    # zero-SM copy-engine puts on one host (host shared memory on CPU); its buffers size themselves
+    "copy_engine": BackendSpec("copy_engine", "copy_engine"),
+})
+
+
+def cpu_backends() -> list[str]:
+    """Names of the backends that run on CPU (gloo)."""
+    return sorted(name for name, spec in BACKENDS.items() if not spec.gpu_only)
+
+
+def make_backend(name: str, group: Any, *, hidden: int, num_experts: int, topk: int,
+                 dtype: torch.dtype, device: torch.device | str,
+                 max_tokens_per_rank: int | None = None, link: Any = None,
+                 **kwargs: Any) -> PrepareAndFinalize:
+    """Build backend ``name`` on ``group`` (None: the default group).
+
+    Args:
+        name: a key of :data:`BACKENDS`.
+        hidden: activation width; dtype: activation dtype; device: where the tokens live.
+        num_experts, topk: routing shape over the whole group.
+        max_tokens_per_rank: the most tokens any rank sends in one call (needed by the
+            backends with ``needs_max_tokens``; copy_engine allocates that much ahead and grows
+            past it; ignored by the others).
+        link: a :class:`dbo.backends.simulated_link.SimulatedLink`: the backend's arrivals held
+            back to a slower link's time (the bytes still move through the backend).
+        kwargs: backend-specific options, passed on unchanged.
+
+    Raises:
+        ValueError: unknown name, or a backend that needs ``max_tokens_per_rank`` without it.
+        TypeError: a bf16-only backend with another dtype.
+    """
+    spec = BACKENDS.get(name)
+    if spec is None:
+        raise ValueError(f"unknown backend {name!r}; choose from {sorted(BACKENDS)}")
+    if spec.bf16_only and dtype != torch.bfloat16:
+        raise TypeError(f"backend {name!r} moves bf16 activations only; the model is {dtype} "
+                        "(convert it with model.to(torch.bfloat16) first)")
+    if link is not None:
+        from dbo.backends.simulated_link import SimulatedLink, SimulatedLinkPrepareAndFinalize
+
+        if not isinstance(link, SimulatedLink):
+            raise TypeError(f"link must be a SimulatedLink, got {type(link).__name__}")
+        inner = make_backend(name, group, hidden=hidden, num_experts=num_experts, topk=topk, dtype=dtype,
+                             device=device, max_tokens_per_rank=max_tokens_per_rank, **kwargs)
+        return SimulatedLinkPrepareAndFinalize(inner, link, name)
+    module = importlib.import_module(f"dbo.backends.{spec.module}")
+    if spec.class_name is not None:
+        return getattr(module, spec.class_name)(group, hidden_size=hidden, **kwargs)
+    if spec.needs_max_tokens and max_tokens_per_rank is None:
+        raise ValueError(f"backend {name!r} needs max_tokens_per_rank (the most tokens a rank "
+                         "sends in one MoE call: batch * seq of one ubatch)")
+    if group is None:
+        group = torch.distributed.group.WORLD  # DeepEP's Buffer needs the group object itself
+    return module.make_prepare_finalize(group, hidden=hidden,
+                                        max_tokens_per_rank=max_tokens_per_rank,
+                                        num_experts=num_experts, topk=topk, dtype=dtype,
+                                        device=device, **kwargs)

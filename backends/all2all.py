@@ -25,7 +25,7 @@ from dbo.moe.base import (
 )
 from dbo.moe.handles import PerUBatch
 
-from ._torchdist import PendingWork, TorchDistPrepareAndFinalize, pack_rows, unpack_rows
+from .torchdist import PendingWork, TorchDistPrepareAndFinalize, pack_rows, unpack_rows
 
 __all__ = ["AllToAllPrepareAndFinalize"]
 

@@ -22,13 +22,6 @@ from typing import Any
 
 import torch
 
-from dbo.context import (
-    dbo_enabled,
-    dbo_get_previous_event,
-    dbo_switch_to_compute_deferred,
-    dbo_switch_to_compute_sync,
-    dbo_yield_and_switch_from_compute_to_comm,
-)
 from dbo.moe.base import (
     ActivationFormat,
     FinalizeAsyncResult,
@@ -38,20 +31,27 @@ from dbo.moe.base import (
 from dbo.moe.weight_and_reduce import (
     TopKWeightAndReduce,
 )
+from dbo.ubatch.context import (
+    dbo_enabled,
+    dbo_get_previous_event,
+    dbo_switch_to_compute_deferred,
+    dbo_switch_to_compute_sync,
+    dbo_yield_and_switch_from_compute_to_comm,
+)
 
-from ._fp8 import FP8_BLOCK, dequantize_fp8_blocks, quantize_fp8_blocks
-from .deepep_buffer import (
+from .deepep.buffer import (
     BufferMode,
     DeepEPBufferCache,
     SharedDeepEPBuffer,
     get_deepep_buffer,
     round_up_hidden,
 )
-from .deepep_common import (
+from .deepep.common import (
     DeepEPPrepareAndFinalize,
     expert_tokens_meta_from_list,
     hand_to_current_stream,
 )
+from .fp8 import FP8_BLOCK, dequantize_fp8_blocks, quantize_fp8_blocks
 
 __all__ = ["DeepEPHTPrepareAndFinalize", "make_prepare_finalize"]
 

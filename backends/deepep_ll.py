@@ -29,7 +29,6 @@ from typing import Any
 
 import torch
 
-from dbo.context import active_run, dbo_current_ubatch_id, dbo_enabled, dbo_maybe_run_recv_hook
 from dbo.errors import DBOError
 from dbo.moe.base import (
     ActivationFormat,
@@ -44,9 +43,9 @@ from dbo.moe.weight_and_reduce import (
     TopKWeightAndReduceDelegate,
     TopKWeightAndReduceNoOp,
 )
+from dbo.ubatch.context import active_run, dbo_current_ubatch_id, dbo_enabled, dbo_maybe_run_recv_hook
 
-from ._fp8 import FP8_BLOCK, dequantize_fp8_blocks
-from .deepep_buffer import (
+from .deepep.buffer import (
     LOW_LATENCY_HIDDEN_SIZES,
     BufferMode,
     DeepEPAPIError,
@@ -54,12 +53,13 @@ from .deepep_buffer import (
     SharedDeepEPBuffer,
     get_deepep_buffer,
 )
-from .deepep_common import (
+from .deepep.common import (
     DeepEPPrepareAndFinalize,
     check_bf16,
     hand_to_current_stream,
     pad_hidden,
 )
+from .fp8 import FP8_BLOCK, dequantize_fp8_blocks
 
 __all__ = [
     "DeepEPLLPrepareAndFinalize",

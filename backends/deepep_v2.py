@@ -26,12 +26,6 @@ from typing import Any
 
 import torch
 
-from dbo.context import (
-    dbo_enabled,
-    dbo_get_previous_event,
-    dbo_switch_to_compute_sync,
-    dbo_yield_and_switch_from_compute_to_comm,
-)
 from dbo.moe.base import (
     ActivationFormat,
     ExpertTokensMetadata,
@@ -42,16 +36,22 @@ from dbo.moe.base import (
 from dbo.moe.weight_and_reduce import (
     TopKWeightAndReduce,
 )
+from dbo.ubatch.context import (
+    dbo_enabled,
+    dbo_get_previous_event,
+    dbo_switch_to_compute_sync,
+    dbo_yield_and_switch_from_compute_to_comm,
+)
 
-from ._fp8 import dequantize_fp8_blocks, quantize_fp8_blocks
-from .deepep_buffer import (
+from .deepep.buffer import (
     BufferMode,
     DeepEPBufferCache,
     SharedDeepEPBuffer,
     get_deepep_buffer,
     round_up_hidden,
 )
-from .deepep_common import DeepEPPrepareAndFinalize, hand_to_current_stream
+from .deepep.common import DeepEPPrepareAndFinalize, hand_to_current_stream
+from .fp8 import dequantize_fp8_blocks, quantize_fp8_blocks
 
 __all__ = ["DeepEPV2PrepareAndFinalize", "V2_MODES", "expanded_row_experts", "make_prepare_finalize"]
 

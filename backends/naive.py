@@ -24,7 +24,7 @@ from dbo.moe.base import (
 )
 from dbo.moe.handles import PerUBatch
 
-from ._torchdist import (
+from .torchdist import (
     PendingWork,
     TorchDistPrepareAndFinalize,
     all_gather_single,

@@ -5,7 +5,20 @@ expert-parallel all-to-all runs on a comm stream while another's matmuls run on 
 stream. See README.md.
 """
 
-from dbo.context import (
+from dbo.errors import (
+    CollectiveTimeoutError,
+    DBOError,
+    HookMisuseError,
+    HookSlotOccupiedError,
+    NestedRunError,
+    StreamStateError,
+    UBatchCountError,
+    UBatchError,
+)
+from dbo.expert_schedule import ExpertSchedule
+from dbo.overlap import DBOWrapper, overlapped_forward
+from dbo.split import SplitConfig, SplitMode, UBatchPlan, plan_ubatches, split_attention_metadata
+from dbo.ubatch.context import (
     UBatchContext,
     active_run,
     dbo_current_context,
@@ -28,20 +41,7 @@ from dbo.context import (
     dbo_yield_and_switch_from_compute_to_comm,
     run_ubatches,
 )
-from dbo.errors import (
-    CollectiveTimeoutError,
-    DBOError,
-    HookMisuseError,
-    HookSlotOccupiedError,
-    NestedRunError,
-    StreamStateError,
-    UBatchCountError,
-    UBatchError,
-)
-from dbo.expert_schedule import ExpertSchedule
-from dbo.overlap import DBOWrapper, overlapped_forward
-from dbo.split import SplitConfig, SplitMode, UBatchPlan, plan_ubatches, split_attention_metadata
-from dbo.trace import Trace
+from dbo.ubatch.trace import Trace
 
 __version__ = "0.1.0"
 

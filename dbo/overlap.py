@@ -30,12 +30,12 @@ from typing import Any
 
 import torch
 
-from dbo.context import run_ubatches
 from dbo.expert_schedule import use_expert_schedule
-from dbo.partition import check_num_sms
+from dbo.peers.watchdog import check_timeout, collective_timeout
 from dbo.split import SplitConfig, UBatchPlan, mask_padding_routing, plan_ubatches
-from dbo.trace import Trace
-from dbo.watchdog import check_timeout, collective_timeout
+from dbo.ubatch.context import run_ubatches
+from dbo.ubatch.sm import check_num_sms
+from dbo.ubatch.trace import Trace
 
 __all__ = [
     "UBatchInfo",
@@ -254,10 +254,10 @@ def overlapped_forward(
             (unsplit) call runs without it.
         compute_sms: run the ubatches' compute on a CUDA green context of this many SMs,
             leaving the others to the communication kernels (see
-            :func:`dbo.partition.compute_on_sms`); None (default) uses every SM. A plain call
+            :func:`dbo.ubatch.sm.compute_on_sms`); None (default) uses every SM. A plain call
             runs without it.
         timeout_s: the longest wait for a peer rank in every backend called by ``fn``, split
-            or not (:func:`dbo.watchdog.collective_timeout`); None keeps each backend's own.
+            or not (:func:`dbo.peers.watchdog.collective_timeout`); None keeps each backend's own.
 
     The plan's ``expert_schedule`` (from ``config.expert_schedule`` when the plan is decided
     here) is set for the ubatches (:func:`dbo.expert_schedule.use_expert_schedule`): with
@@ -272,7 +272,7 @@ def overlapped_forward(
         dbo.UBatchError: a ubatch raised (``__cause__`` is its exception; a peer that did not
             arrive in time: :class:`dbo.errors.CollectiveTimeoutError`).
         dbo.errors.CollectiveTimeoutError: the same, in a plain (unsplit) call.
-        dbo.partition.SMPartitionUnsupportedError: ``compute_sms`` without green contexts.
+        dbo.ubatch.sm.SMPartitionUnsupportedError: ``compute_sms`` without green contexts.
     """
     num_tokens = _check_inputs(tensors)
     _check_carveout(sm_carveout)
@@ -331,7 +331,7 @@ class DBOWrapper(torch.nn.Module):
         comm_stream: passed to ``run_ubatches``.
         sm_carveout: SMs the matmuls leave free in overlapped calls (see :func:`sm_carveout`).
         compute_sms: SMs of the green context the overlapped calls compute on (see
-            :func:`dbo.partition.compute_on_sms`); checked here, created on first use.
+            :func:`dbo.ubatch.sm.compute_on_sms`); checked here, created on first use.
         timeout_s: the longest wait for a peer rank in the backends, as in
             :func:`overlapped_forward` (None: each backend's own).
     """

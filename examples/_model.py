@@ -20,7 +20,8 @@ import torch
 import torch.nn.functional as F
 
 import dbo
-from dbo.bench.backends import BACKENDS, make_backend, shutdown_distributed
+from dbo.backends import BACKENDS, make_backend
+from dbo.bench.dist import shutdown_distributed
 from dbo.moe import (
     MoEKernel,
     PrepareAndFinalize,

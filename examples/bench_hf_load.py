@@ -12,7 +12,7 @@ written once with ``save_pretrained`` by one process. Then, each in fresh proces
 * ``ep``: every rank ``from_pretrained(DIR, dtype=bf16, distributed_config=
   ep_distributed_config(BACKEND))``: transformers reads this rank's experts only, dbo's backend
   moves the tokens; then a first prefill under ``torch.inference_mode()`` as loaded (it gathers
-  the dense weights once and keeps them whole: ``dbo.integrations.hf_fsdp``) and one overlapped
+  the dense weights once and keeps them whole: ``dbo.integrations.transformers.fsdp``) and one overlapped
   prefill (``DBOPrefill``) of a small batch, checked against the plain model's logits when
   ``--check`` (loads the plain model too, after the measurement).
 
@@ -53,7 +53,7 @@ def write_checkpoint(path: Path, layers: int, seed: int) -> float:
     """Qwen3-30B-A3B's shape with ``layers`` layers, bf16, N(0, 0.02) weights; returns GB written."""
     import torch
 
-    from dbo.integrations.hf_presets import causal_lm_class, preset_config
+    from dbo.integrations.transformers.presets import causal_lm_class, preset_config
 
     config = preset_config("qwen3-30b-a3b", layers=layers)
     with torch.device("meta"):
@@ -83,10 +83,10 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
-    import dbo.backends._torchdist  # noqa: F401  (binds its all-gather before the spy below)
-    from dbo.integrations.hf_ep import ep_distributed_config
-    from dbo.integrations.hf_ep_model import expert_parallel_modules
+    import dbo.backends.torchdist  # noqa: F401  (binds its all-gather before the spy below)
     from dbo.integrations.transformers import DBOPrefill, prefill_logits
+    from dbo.integrations.transformers.ep import ep_distributed_config
+    from dbo.integrations.transformers.ep_model import expert_parallel_modules
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

@@ -9,7 +9,8 @@ with its own ``all_to_all`` expert parallelism beside dbo's ``greedy_generate`` 
 Every rank decodes its own batch of ``--batch`` random prompts of ``--prompt`` tokens for
 ``--new-tokens`` steps (greedy), first with transformers' ``generate()`` on the checkpoint loaded
 with its own ``all_to_all`` implementation (under ``no_grad``, which it needs), then, on the
-checkpoint loaded with dbo's implementations, with :func:`dbo.integrations.generate.greedy_generate`
+checkpoint loaded with dbo's implementations, with
+:func:`dbo.integrations.transformers.generate.greedy_generate`
 per ``--backend``: plain (no split), "DBO prefill" (the prompt as two overlapped ubatches of
 sequences, then their caches joined and the decode steps plain: ``greedy_generate``'s default) and
 "DBO" (every step overlapped, each ubatch with its own KV cache: ``split_decode=True``). A backend
@@ -39,8 +40,8 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import hf_moe  # noqa: E402  (examples/ is on the path: its loading and backend helpers)
 
-from dbo.bench.backends import shutdown_distributed  # noqa: E402
-from dbo.integrations.backends import BACKENDS  # noqa: E402
+from dbo.backends import BACKENDS  # noqa: E402
+from dbo.bench.dist import shutdown_distributed  # noqa: E402
 from dbo.split import SplitConfig  # noqa: E402
 
 
@@ -139,7 +140,7 @@ def run(a: argparse.Namespace, args: argparse.Namespace, rank: int, world: int,
     from transformers import AutoModelForCausalLM
     from transformers.distributed import DistributedConfig
 
-    from dbo.integrations.generate import greedy_generate
+    from dbo.integrations.transformers.generate import greedy_generate
 
     config = hf_moe.build_config(args)
     if args.save_checkpoint:

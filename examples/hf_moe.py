@@ -14,7 +14,7 @@ expert-parallel with transformers' own loader and dbo's backends as its EP imple
 5.23): each rank reads only its experts; ``--ep-experts library model`` times both experts choices
 on the same loaded model (dbo's library experts on the model's weights, the model's own experts
 module). ``--save-checkpoint DIR`` writes the ``--preset``'s model with random weights there first
-(every rank its share, on its device: ``dbo.integrations.hf_checkpoint``), for trying it out.
+(every rank its share, on its device: ``dbo.integrations.transformers.checkpoint``), for trying it out.
 
 Without ``--checkpoint``, every rank builds the model from its config alone on the meta device,
 converts it with ``dbo.integrations.transformers.convert_to_expert_parallel`` (each MoE layer
@@ -52,19 +52,25 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dbo.bench.backends import shutdown_distributed
-from dbo.bench.overlap_args import init_distributed as join_group
+from dbo.backends import BACKENDS, cpu_backends
+from dbo.bench.dist import init_distributed as join_group
+from dbo.bench.dist import shutdown_distributed
 from dbo.bench.syncs import format_sites, host_syncs
-from dbo.integrations.backends import BACKENDS, cpu_backends
-from dbo.integrations.hf_checkpoint import write_random_checkpoint
-from dbo.integrations.hf_presets import PRESETS, TINY_FAMILIES, causal_lm_class, preset_config, tiny_config
-from dbo.integrations.moe_block import ExpertParallelMoE
 from dbo.integrations.transformers import (
     DBOPrefill,
     convert_to_expert_parallel,
     prefill_logits,
     prefill_split_config,
     set_backend,
+)
+from dbo.integrations.transformers.checkpoint import write_random_checkpoint
+from dbo.integrations.transformers.moe_block import ExpertParallelMoE
+from dbo.integrations.transformers.presets import (
+    PRESETS,
+    TINY_FAMILIES,
+    causal_lm_class,
+    preset_config,
+    tiny_config,
 )
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -115,7 +121,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "every other row's logits are compared with it (column 'rel vs a2a')")
     p.add_argument("--save-checkpoint", default=None,
                    help="DIR: first write --preset with random weights there (every rank its share: "
-                        "dbo.integrations.hf_checkpoint) and load it as --checkpoint")
+                        "dbo.integrations.transformers.checkpoint) and load it as --checkpoint")
     p.add_argument("--ep-experts", nargs="+", default=["auto"], choices=["auto", "library", "model"],
                    help="with --checkpoint: the experts that run on what arrives (library: dbo's on the "
                         "model's weights; model: the model's own module); each is timed")
@@ -223,7 +229,7 @@ def build_model(args: argparse.Namespace, config, device: torch.device, *, conve
 
 def save_checkpoint(args: argparse.Namespace, config, rank: int) -> None:
     """Every rank writes its share of ``--preset`` with random weights to ``--save-checkpoint``,
-    drawn on its own device (``dbo.integrations.hf_checkpoint``: sharded safetensors in the
+    drawn on its own device (``dbo.integrations.transformers.checkpoint``: sharded safetensors in the
     Hub's key layout, an index and config.json; the model is never built). Rank 0 prints the time
     and the bytes written."""
     cuda = args.device == "cuda"
@@ -246,7 +252,7 @@ def load_checkpoint(args: argparse.Namespace, device: torch.device, *, expert_pa
     implementation, or (for ``--unconverted``) whole on every rank."""
     from transformers import AutoModelForCausalLM
 
-    from dbo.integrations.hf_ep import ep_distributed_config
+    from dbo.integrations.transformers.ep import ep_distributed_config
 
     kw = {"distributed_config": ep_distributed_config(args.backend[0], dist.get_world_size())} \
         if expert_parallel else {"device_map": device}
@@ -335,7 +341,7 @@ def use_backend(model: torch.nn.Module, backend: str, max_tokens: int, args: arg
         return kw
 
     if args.checkpoint:
-        from dbo.integrations.hf_ep_model import switch_ep_backend
+        from dbo.integrations.transformers.ep_model import switch_ep_backend
 
         decode_kw = None if decode_backend is None else kwargs(decode_backend, decode_max_tokens)
         switch_ep_backend(model, backend, decode_backend=decode_backend, decode_backend_kwargs=decode_kw,
@@ -347,7 +353,7 @@ def use_backend(model: torch.nn.Module, backend: str, max_tokens: int, args: arg
 
 
 def reset_layers(model: torch.nn.Module) -> None:
-    from dbo.integrations.hf_ep_model import expert_parallel_modules
+    from dbo.integrations.transformers.ep_model import expert_parallel_modules
 
     model.apply(lambda m: m.reset() if isinstance(m, ExpertParallelMoE) else None)
     for _, impl in expert_parallel_modules(model):
@@ -440,7 +446,7 @@ def run(args: argparse.Namespace, rank: int, world: int, device: torch.device) -
     with torch.inference_mode():
         for choice, backend in ((c, b) for c in choices for b in args.backend):
             if choice is not None:
-                from dbo.integrations.hf_ep_model import switch_ep_experts
+                from dbo.integrations.transformers.ep_model import switch_ep_experts
 
                 switch_ep_experts(model, choice)
             use_backend(model, backend, max_tokens, args)

@@ -42,7 +42,7 @@ from _model import (  # examples/ is on sys.path
 )
 
 import dbo
-from dbo.bench.overlap_args import init_distributed as join_group
+from dbo.bench.dist import init_distributed as join_group
 from dbo.moe import relative_error
 from dbo.overlap import DBOWrapper
 from dbo.split import SplitConfig

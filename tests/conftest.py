@@ -8,10 +8,10 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 import dbo
-from dbo.backends.deepep_buffer import BUFFER_CACHE
+from dbo.backends.deepep.buffer import BUFFER_CACHE
+from dbo.peers.watchdog import WATCHDOG
 from dbo.split import FALLBACK_LOG
-from dbo.streams import current_logical_stream
-from dbo.watchdog import WATCHDOG
+from dbo.ubatch.streams import current_logical_stream
 
 settings.register_profile("default", max_examples=100, deadline=None)
 settings.register_profile(
@@ -39,7 +39,7 @@ def _no_run_left_behind():
 def tiny_qwen3_checkpoint(tmp_path_factory):
     """A tiny random Qwen3-MoE checkpoint (``tiny_random_model("qwen3_moe", 0)``), written once
     for the tests that load it expert-parallel."""
-    from dbo.integrations.hf_presets import tiny_random_model
+    from dbo.integrations.transformers.presets import tiny_random_model
 
     path = tmp_path_factory.mktemp("ckpt") / "qwen3_moe"
     tiny_random_model("qwen3_moe", 0).save_pretrained(path)

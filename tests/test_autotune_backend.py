@@ -1,4 +1,4 @@
-"""The autotune over backends (``dbo.autotune_backend``): the pure choice, and a run over three
+"""The autotune over backends (``dbo.autotune.backend``): the pure choice, and a run over three
 CPU backends on 2 gloo ranks that leaves the model on the backend every rank chose, whose tuned
 wrapper gives the plain forward's numbers."""
 
@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from dbo import SplitConfig, overlapped_forward
 from dbo.autotune import NEVER_SPLIT, AutotuneResult, AutotuneRow
-from dbo.autotune_backend import BackendChoice, autotune_backend, pick_backend, wrapper_ms
+from dbo.autotune.backend import BackendChoice, autotune_backend, pick_backend, wrapper_ms
 from dbo.expert_schedule import ExpertSchedule
 from dbo.testing.dist import DistWorld
 
@@ -44,7 +44,7 @@ def test_pick_backend_costs_each_size_alike_and_keeps_the_default_within_margin(
 
 
 def _job() -> tuple[str, dict[str, float], str, float]:
-    from dbo.integrations.backends import make_backend
+    from dbo.backends import make_backend
     from dbo.moe import MoEKernel, SwiGLUExperts, local_expert_weights, make_expert_weights, topk_route
     from dbo.overlap import mask_current_padding
 

@@ -16,10 +16,10 @@ import torch.distributed as dist
 
 from dbo.backends.all2all import AllToAllPrepareAndFinalize
 from dbo.backends.naive import NaivePrepareAndFinalize
-from dbo.context import dbo_current_ubatch_id, run_ubatches
 from dbo.moe import MoEKernel, SwiGLUExperts
 from dbo.testing.dist import DistWorld
 from dbo.testing.moe_cases import MoECase, case_inputs
+from dbo.ubatch.context import dbo_current_ubatch_id, run_ubatches
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(60)]
 

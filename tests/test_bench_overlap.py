@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from dbo.backends import BACKENDS, make_backend
 from dbo.bench.__main__ import main as bench_main
-from dbo.bench.backends import BACKENDS, make_backend
 from dbo.bench.compare import compare_bundles, load_bundle
 
 

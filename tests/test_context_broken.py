@@ -1,6 +1,6 @@
 """The property check catches broken runtimes: proof that it can fail.
 
-Each test breaks one promise of the contract by monkeypatching ``dbo.context`` internals (wrong
+Each test breaks one promise of the contract by monkeypatching ``dbo.ubatch.context`` internals (wrong
 ring order, a hook not run when its slot's ubatch returns, a pending hook not run when its
 registrant resumes, no unwinding, the stream or grad mode not restored at a switch, ubatches
 not started in a copy of the caller's contextvars), then lets hypothesis search the same
@@ -16,11 +16,11 @@ import gc
 import pytest
 from hypothesis import Phase, find, given, settings
 
-from dbo import context
-from dbo.context import UBatchContext, _Run
 from dbo.errors import HookMisuseError
 from dbo.testing.model import Case
 from dbo.testing.programs import ContractViolation, cases, check_case
+from dbo.ubatch import context
+from dbo.ubatch.context import UBatchContext, _Run
 
 # Searching is quick; shrinking to the smallest case would take seconds per test.
 SEARCH = settings(max_examples=400, database=None, derandomize=True, deadline=None,

@@ -1,15 +1,16 @@
-"""House rule: only the context modules import greenlet (``dbo/context.py`` and the private
-modules it is split into), and the public contract stays importable from ``dbo.context``."""
+"""House rule: only the context modules import greenlet (``dbo/ubatch/context.py`` and the private
+modules it is split into), and the public contract stays importable from ``dbo.ubatch.context``."""
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
-import dbo.context
+import dbo.ubatch.context
 
 ROOT = Path(__file__).resolve().parents[1]
-CONTEXT_MODULES = {"dbo/context.py", "dbo/_driver.py", "dbo/_ubatch.py", "dbo/_modes.py"}
+CONTEXT_MODULES = {"dbo/ubatch/context.py", "dbo/ubatch/driver.py", "dbo/ubatch/state.py",
+                   "dbo/ubatch/modes.py"}
 # The switch benchmark times two bare greenlets as the floor under dbo's switch: it measures
 # greenlet itself, it does not run ubatches with it.
 MEASURES_GREENLET = {"dbo/bench/switch.py"}
@@ -37,8 +38,8 @@ def test_context_modules_exist():
 
 
 def test_contract_names_importable_from_dbo_context():
-    for name in dbo.context.__all__:
-        assert callable(getattr(dbo.context, name)), name
-    # internals that tests reach through dbo.context
+    for name in dbo.ubatch.context.__all__:
+        assert callable(getattr(dbo.ubatch.context, name)), name
+    # internals that tests reach through dbo.ubatch.context
     for name in ("_Run", "_ModeRestorer", "_capture_modes", "_DONE", "_FAILED"):
-        assert hasattr(dbo.context, name), name
+        assert hasattr(dbo.ubatch.context, name), name

@@ -36,7 +36,7 @@ from dbo import (
     dbo_yield_and_switch_from_compute_to_comm,
     run_ubatches,
 )
-from dbo.streams import STREAM_POOL
+from dbo.ubatch.streams import STREAM_POOL
 
 
 def run(*fns, **kw):
@@ -204,10 +204,10 @@ def test_an_error_while_unwinding_is_logged_not_raised(caplog):
     def failing():
         raise original
 
-    with caplog.at_level(logging.ERROR, logger="dbo.context"):
+    with caplog.at_level(logging.ERROR, logger="dbo.ubatch.context"):
         err = failing_run(victim, failing)
     assert err.ubatch_id == 1 and err.__cause__ is original
-    records = [r for r in caplog.records if r.name == "dbo.context"]
+    records = [r for r in caplog.records if r.name == "dbo.ubatch.context"]
     assert len(records) == 1 and "ubatch 0" in records[0].getMessage()
     assert "while unwinding" in caplog.text
 

@@ -18,7 +18,7 @@ from hypothesis import given, note, settings
 from hypothesis import strategies as st
 
 from dbo import UBatchError, dbo_yield, run_ubatches
-from dbo.context import _ModeRestorer
+from dbo.ubatch.context import _ModeRestorer
 
 OPS = st.sampled_from([
     ("yield",), ("yield",), ("yield",), ("pop",), ("pop",),

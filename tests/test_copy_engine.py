@@ -83,8 +83,8 @@ def test_destinations_ring_and_rank_order():
 def _orders_agree() -> float:
     """The same MoE call through a ring-order and a rank-order backend: the same bits."""
     from dbo.backends.copy_engine import CopyEnginePrepareAndFinalize
-    from dbo.context import run_ubatches
     from dbo.moe import MoEKernel, SwiGLUExperts, local_expert_weights, make_expert_weights, topk_route
+    from dbo.ubatch.context import run_ubatches
 
     rank, world = dist.get_rank(), dist.get_world_size()
     w1, w2 = make_expert_weights(4 * world, 64, 32, dtype=torch.float32, seed=4)
@@ -115,10 +115,10 @@ def test_put_orders_give_the_same_bits(world3):
 def _many_layers(layers: int, per_layer_backends: bool = False) -> float:
     """``layers`` MoE layers in a row on one backend, or on one backend per layer sharing one
     transport (buffers reused either way), DBO vs serial."""
-    from dbo.backends._ce_transport import TRANSPORTS
     from dbo.backends.copy_engine import CopyEnginePrepareAndFinalize
-    from dbo.context import run_ubatches
+    from dbo.backends.copy_engine.transport import TRANSPORTS
     from dbo.moe import MoEKernel, SwiGLUExperts, local_expert_weights, make_expert_weights, topk_route
+    from dbo.ubatch.context import run_ubatches
 
     rank, world = dist.get_rank(), dist.get_world_size()
 
@@ -191,9 +191,8 @@ def test_every_rank_raises_the_same_error(world2, field, words):
 def _self_sizing(counts: list[list[int]]) -> dict:
     """Layers whose token counts (per call, per rank) grow and shrink, on backends built without
     max_tokens_per_rank: DBO and serial equal the single-process reference; the slots grow."""
-    from dbo.backends._ce_transport import TRANSPORTS
     from dbo.backends.copy_engine import CopyEnginePrepareAndFinalize
-    from dbo.context import run_ubatches
+    from dbo.backends.copy_engine.transport import TRANSPORTS
     from dbo.moe import (
         MoEKernel,
         SwiGLUExperts,
@@ -202,6 +201,7 @@ def _self_sizing(counts: list[list[int]]) -> dict:
         reference_moe,
         topk_route,
     )
+    from dbo.ubatch.context import run_ubatches
 
     rank, world = dist.get_rank(), dist.get_world_size()
     TRANSPORTS.reset()
@@ -264,7 +264,7 @@ def _stop_mid_step(stopper: int, block: bool = False) -> float:
     from dbo.backends.copy_engine import CopyEnginePrepareAndFinalize
     from dbo.errors import CollectiveTimeoutError
     from dbo.moe import MoEKernel, SwiGLUExperts, local_expert_weights, make_expert_weights, topk_route
-    from dbo.watchdog import collective_timeout
+    from dbo.peers.watchdog import collective_timeout
 
     rank, world = dist.get_rank(), dist.get_world_size()
     pf = CopyEnginePrepareAndFinalize(hidden_size=32, max_tokens_per_rank=16, max_topk=2,
@@ -325,8 +325,8 @@ def test_gpu_signal_waits_take_the_timeout_in_force():
     # collective_timeout() (checked without a GPU: the arithmetic only)
     import inspect
 
-    from dbo.backends._ce_transport import CudaTransport
-    from dbo.watchdog import collective_timeout
+    from dbo.backends.copy_engine.transport import CudaTransport
+    from dbo.peers.watchdog import collective_timeout
 
     assert "self.timeout_s = timeout_s" in inspect.getsource(CudaTransport.__init__)
     t = object.__new__(CudaTransport)

@@ -95,8 +95,8 @@ def test_v2_backend_keywords_exist_statically():
         for line, method, nargs, kws in _calls(path, V2_METHODS):
             assert None not in kws, f"deepep_v2.py:{line}: **kwargs splat hides the keywords"
             errs += _check_call(cls, f"{tag} deepep_v2.py:{line}", method, nargs, kws)
-        for line, nargs, kws in _constructor_calls(ROOT / "backends/deepep_buffer.py", {"v2_cls"}):
-            errs += _check_call(cls, f"{tag} deepep_buffer.py:{line}", "__init__", nargs, kws)
+        for line, nargs, kws in _constructor_calls(ROOT / "backends/deepep/buffer.py", {"v2_cls"}):
+            errs += _check_call(cls, f"{tag} deepep/buffer.py:{line}", "__init__", nargs, kws)
     assert not errs, "\n".join(errs)
 
 
@@ -113,15 +113,15 @@ def test_v2_backend_reads_only_handle_attributes_that_exist():
 def test_v1_backends_keywords_exist_statically():
     cls = V1[0]["classes"]["Buffer"]
     errs = []
-    for name in ("deepep_ht.py", "deepep_ll.py", "deepep_buffer.py"):
+    for name in ("deepep_ht.py", "deepep_ll.py", "deepep/buffer.py"):
         path = ROOT / "backends" / name
         for line, method, nargs, kws in _calls(path, V1_METHODS - {"destroy"}):
-            if name == "deepep_buffer.py" and method in ("dispatch", "combine"):
+            if name == "deepep/buffer.py" and method in ("dispatch", "combine"):
                 continue
             assert None not in kws, f"{name}:{line}: **kwargs splat hides the keywords"
             errs += _check_call(cls, f"{name}:{line}", method, nargs, kws)
-    for line, nargs, kws in _constructor_calls(ROOT / "backends/deepep_buffer.py", {"buffer_cls"}):
-        errs += _check_call(cls, f"deepep_buffer.py:{line}", "__init__", nargs, kws)
+    for line, nargs, kws in _constructor_calls(ROOT / "backends/deepep/buffer.py", {"buffer_cls"}):
+        errs += _check_call(cls, f"deepep/buffer.py:{line}", "__init__", nargs, kws)
     assert not errs, "\n".join(errs)
 
 
@@ -199,7 +199,8 @@ def _record(kind: str, api: str, options: dict) -> list:
             super().__init__(*args, **kwargs)
 
     setattr(mod, cls_name, RecordingInit)
-    from dbo.backends import deepep_buffer, deepep_ht, deepep_ll, deepep_v2
+    from dbo.backends import deepep_ht, deepep_ll, deepep_v2
+    from dbo.backends.deepep import buffer as deepep_buffer
 
     deepep_buffer.BUFFER_CACHE.reset()
     try:

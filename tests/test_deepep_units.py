@@ -11,8 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from dbo import run_ubatches
-from dbo.backends import deepep_buffer as db
-from dbo.backends._fp8 import dequantize_fp8_blocks, quantize_fp8_blocks
+from dbo.backends.deepep import buffer as db
 from dbo.backends.deepep_ll import (
     LowLatencyLimitError,
     LowLatencyResults,
@@ -20,6 +19,7 @@ from dbo.backends.deepep_ll import (
     low_latency_max_tokens,
 )
 from dbo.backends.deepep_v2 import expanded_row_experts
+from dbo.backends.fp8 import dequantize_fp8_blocks, quantize_fp8_blocks
 from dbo.testing.fake_deep_ep import install_fake_deep_ep, make_fake_deep_ep
 
 

@@ -1,4 +1,4 @@
-"""Random-weight checkpoints written by ``dbo.integrations.hf_checkpoint.write_random_checkpoint``.
+"""Random-weight checkpoints written by ``dbo.integrations.transformers.checkpoint.write_random_checkpoint``.
 
 Tiny Qwen3-MoE and DeepSeek-V3 configs, written in one process and by 2 gloo ranks: the
 directory loads through ``from_pretrained`` with no missing, unexpected or mismatched keys; the
@@ -23,8 +23,8 @@ pytest.importorskip("safetensors")
 
 import torch  # noqa: E402
 
-from dbo.integrations.hf_checkpoint import checkpoint_shards, write_random_checkpoint  # noqa: E402
-from dbo.integrations.hf_presets import tiny_config  # noqa: E402
+from dbo.integrations.transformers.checkpoint import checkpoint_shards, write_random_checkpoint  # noqa: E402
+from dbo.integrations.transformers.presets import tiny_config  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -150,8 +150,8 @@ def test_seed_and_old_files(tmp_path):
     ("deepseek-v3", 2361, 73_917_414_912, 17, 19.8e9),  # 4 layers, the first dense
 ], ids=["qwen3-30b-a3b", "deepseek-v3"])
 def test_full_size_presets_are_planned_without_memory(preset, tensors, total, files, per_rank):
-    from dbo.integrations.hf_checkpoint import _assign
-    from dbo.integrations.hf_presets import preset_config
+    from dbo.integrations.transformers.checkpoint import _assign
+    from dbo.integrations.transformers.presets import preset_config
 
     shards = checkpoint_shards(preset_config(preset))  # built on the meta device
     sizes = [sum(torch.Size(s).numel() for s in shard.values()) * 2 for shard in shards]
@@ -206,8 +206,8 @@ def _logits_job(directory: str) -> float:
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
-    from dbo.integrations.hf_ep import ep_distributed_config
-    from dbo.integrations.hf_ep_model import expert_parallel_modules
+    from dbo.integrations.transformers.ep import ep_distributed_config
+    from dbo.integrations.transformers.ep_model import expert_parallel_modules
 
     rank = dist.get_rank()
     g = torch.Generator().manual_seed(11 + rank)

@@ -39,7 +39,7 @@ def world():
 
 
 def _tiny_model(family: str, seed: int):
-    from dbo.integrations.hf_presets import tiny_random_model
+    from dbo.integrations.transformers.presets import tiny_random_model
 
     return tiny_random_model(family, seed)
 
@@ -87,8 +87,8 @@ def _logits_job(path: str, backends: tuple[str, ...], seed: int) -> dict:
     import torch.distributed as dist
 
     import dbo
-    from dbo.integrations.hf_ep_model import expert_parallel_modules
     from dbo.integrations.transformers import DBOPrefill, prefill_logits
+    from dbo.integrations.transformers.ep_model import expert_parallel_modules
 
     rank = dist.get_rank()
     ids, mask = _inputs(rank, seed)
@@ -148,7 +148,7 @@ def _generate_job(path: str, backend: str, new_tokens: int) -> dict:
     import torch
     import torch.distributed as dist
 
-    from dbo.integrations.generate import greedy_generate
+    from dbo.integrations.transformers.generate import greedy_generate
     from dbo.split import SplitConfig
 
     ids, mask = _inputs(dist.get_rank(), 5)
@@ -219,8 +219,8 @@ def _decode_backend_job(path: str, new_tokens: int) -> dict:
     import torch
     import torch.distributed as dist
 
-    from dbo.integrations.generate import greedy_generate
-    from dbo.integrations.hf_ep_model import expert_parallel_modules, switch_ep_backend
+    from dbo.integrations.transformers.ep_model import expert_parallel_modules, switch_ep_backend
+    from dbo.integrations.transformers.generate import greedy_generate
     from dbo.split import SplitConfig
 
     ids, mask = _inputs(dist.get_rank(), 5)
@@ -274,8 +274,8 @@ def _memory_job(path: str) -> dict:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    from dbo.integrations.hf_ep import prepare_for_overlap
     from dbo.integrations.transformers import prefill_logits
+    from dbo.integrations.transformers.ep import prepare_for_overlap
 
     def local(p):
         return p.to_local() if isinstance(p, DTensor) else p
@@ -286,7 +286,7 @@ def _memory_job(path: str) -> dict:
 
     full = _load(path, None)
     model = _load(path, "dbo_all2all")
-    import dbo.backends._torchdist  # noqa: F401  (binds its own all-gather now: not counted below)
+    import dbo.backends.torchdist  # noqa: F401  (binds its own all-gather now: not counted below)
 
     gathers = []
     # FSDP2 all-gathers through one of these (all_gather_single in torch 2.13)
@@ -341,7 +341,7 @@ def test_each_rank_holds_half_the_experts_and_gathers_dense_weights_once(world, 
 
 def test_dbo_names_are_registered():
     from dbo.integrations import transformers as _  # noqa: F401  (registers them)
-    from dbo.integrations.hf_ep import EP_IMPLEMENTATIONS, DBOExpertParallel
+    from dbo.integrations.transformers.ep import EP_IMPLEMENTATIONS, DBOExpertParallel
 
     names = ep_module.EPImplementationInterface()
     for name, (backend, _kw) in EP_IMPLEMENTATIONS.items():
@@ -355,7 +355,7 @@ def test_dbo_names_are_registered():
 def test_older_transformers_gets_the_version_it_needs(monkeypatch):
     import sys
 
-    from dbo.integrations.hf_ep import (
+    from dbo.integrations.transformers.ep import (
         TransformersVersionError,
         ep_distributed_config,
         register_default_ep_implementations,
@@ -368,7 +368,7 @@ def test_older_transformers_gets_the_version_it_needs(monkeypatch):
 
 
 def test_config_and_mistakes():
-    from dbo.integrations.hf_ep import (
+    from dbo.integrations.transformers.ep import (
         DBOExpertParallel,
         UnsupportedEPError,
         ep_distributed_config,
@@ -410,7 +410,7 @@ def test_model_experts_masks_the_sentinel_rows_of_grouped_mm(monkeypatch):
     import torch
     import transformers.integrations.moe as hf_moe
 
-    from dbo.integrations.hf_ep import ModelExperts
+    from dbo.integrations.transformers.ep import ModelExperts
     from dbo.moe import ActivationFormat, Workspace
 
     grouped_linear = hf_moe._grouped_linear
@@ -441,7 +441,7 @@ def test_model_experts_batched_format_equals_standard():
     # deepep_ll hands the experts [experts, rows, hidden] slabs: the same rows as STANDARD
     import torch
 
-    from dbo.integrations.hf_ep import ModelExperts
+    from dbo.integrations.transformers.ep import ModelExperts
     from dbo.moe import ActivationFormat, ExpertTokensMetadata, Workspace
 
     block = _tiny_model("qwen3_moe", 3).model.layers[0].mlp

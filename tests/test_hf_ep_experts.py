@@ -31,7 +31,7 @@ SAME = 1e-6  # the same loaded model: overlapped against plain, library against 
 
 
 def _tiny_model(family: str, seed: int):
-    from dbo.integrations.hf_presets import tiny_random_model
+    from dbo.integrations.transformers.presets import tiny_random_model
 
     return tiny_random_model(family, seed)
 
@@ -62,7 +62,7 @@ def _inputs(rank: int):
 
 
 def _load(path: str, backend: str | None, **experts):
-    from dbo.integrations.hf_ep import ep_distributed_config
+    from dbo.integrations.transformers.ep import ep_distributed_config
     from dbo.testing.hf import load_float32
 
     return load_float32(path, None if backend is None else ep_distributed_config(backend, **experts))
@@ -73,9 +73,9 @@ def _choice_job(path: str, backend: str) -> dict:
     import torch.distributed as dist
 
     import dbo
-    from dbo.integrations.hf_ep import LibraryExperts, ModelExperts, UnsupportedEPError
-    from dbo.integrations.hf_ep_model import ep_experts, expert_parallel_modules, switch_ep_experts
     from dbo.integrations.transformers import DBOPrefill, prefill_logits
+    from dbo.integrations.transformers.ep import LibraryExperts, ModelExperts, UnsupportedEPError
+    from dbo.integrations.transformers.ep_model import ep_experts, expert_parallel_modules, switch_ep_experts
 
     ids, mask = _inputs(dist.get_rank())
     valid = mask.bool()
@@ -189,7 +189,7 @@ def _slot_sum(experts, x, ids, weights):
 def test_library_experts_equal_the_module_forward_on_its_weights(family, monkeypatch):
     import torch
 
-    from dbo.integrations.hf_experts import LibraryExperts, library_layout_problem
+    from dbo.integrations.transformers.experts import LibraryExperts, library_layout_problem
     from dbo.moe import ActivationFormat, ExpertTokensMetadata, SwiGLUExperts, Workspace
 
     experts = _experts_module(family, 2)
@@ -269,7 +269,7 @@ def _mutated(change: str):
     ("gpt_oss", "GptOssExperts: its weights are stored transposed"),
 ])
 def test_layouts_the_library_experts_cannot_run_are_refused(case, reason):
-    from dbo.integrations.hf_experts import (
+    from dbo.integrations.transformers.experts import (
         LibraryExperts,
         ModelExperts,
         UnsupportedEPError,
@@ -288,14 +288,14 @@ def test_layouts_the_library_experts_cannot_run_are_refused(case, reason):
 
 
 def test_choice_api_and_mistakes():
-    from dbo.integrations.hf_ep import (
+    from dbo.integrations.transformers.ep import (
         EXPERTS_CHOICES,
         DBOExpertParallel,
         ep_distributed_config,
         register_ep_implementation,
     )
-    from dbo.integrations.hf_ep_model import ep_experts, switch_ep_experts
-    from dbo.integrations.hf_experts import LibraryExperts, ModelExperts, make_experts
+    from dbo.integrations.transformers.ep_model import ep_experts, switch_ep_experts
+    from dbo.integrations.transformers.experts import LibraryExperts, ModelExperts, make_experts
 
     assert EXPERTS_CHOICES == ("auto", "library", "model")
     names = ep_module.EPImplementationInterface()

@@ -3,7 +3,7 @@ as ``from_pretrained`` returns it, on 2 gloo ranks.
 
 transformers wraps the model in FSDP2, whose buffers made under inference mode break the
 experts units at once and the dense units at the next forward outside it; dbo prepares the model
-at its first forward (``dbo.integrations.hf_fsdp``). A tiny Qwen3-MoE checkpoint; each rank its
+at its first forward (``dbo.integrations.transformers.fsdp``). A tiny Qwen3-MoE checkpoint; each rank its
 own batch with left padding; float32. For each CPU implementation (``dbo_naive``,
 ``dbo_all2all``, ``dbo_copy_engine``) on a freshly loaded model: the first forward under
 inference mode gives the unsharded model's logits, and the same model's later forwards under
@@ -48,7 +48,7 @@ def _inputs(rank: int):
 
 
 def _load(path: str, backend: str | None):
-    from dbo.integrations.hf_ep import ep_distributed_config
+    from dbo.integrations.transformers.ep import ep_distributed_config
     from dbo.testing.hf import load_float32
 
     return load_float32(path, None if backend is None else ep_distributed_config(backend))
@@ -63,7 +63,7 @@ def _first_forward_job(path: str, backends: tuple[str, ...]) -> dict:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    from dbo.integrations.hf_fsdp import pending_first_forward
+    from dbo.integrations.transformers.fsdp import pending_first_forward
 
     ids, mask = _inputs(dist.get_rank())
     valid = mask.bool()
@@ -110,8 +110,8 @@ def _calls_job(path: str, backend: str, new_tokens: int) -> dict:
     import torch
     import torch.distributed as dist
 
-    from dbo.integrations.generate import greedy_generate
     from dbo.integrations.transformers import DBOPrefill, prefill_logits
+    from dbo.integrations.transformers.generate import greedy_generate
     from dbo.split import SplitConfig
 
     ids, mask = _inputs(dist.get_rank())
@@ -176,7 +176,7 @@ def test_first_forward_hook_leaves_other_models_alone():
 
     import torch
 
-    from dbo.integrations import hf_fsdp
+    from dbo.integrations.transformers import fsdp as hf_fsdp
 
     experts = torch.nn.Linear(2, 2)
     hf_fsdp.prepare_at_first_forward(experts)

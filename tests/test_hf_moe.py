@@ -52,14 +52,14 @@ def _hf_job(family: str, backend: str, batches: list[int], seq: int, pads: list[
     import torch.distributed as dist
 
     import dbo
-    from dbo.integrations.hf_presets import causal_lm_class, tiny_config
-    from dbo.integrations.moe_block import ExpertParallelMoE
     from dbo.integrations.transformers import (
         DBOPrefill,
         convert_to_expert_parallel,
         prefill_logits,
         prefill_split_config,
     )
+    from dbo.integrations.transformers.moe_block import ExpertParallelMoE
+    from dbo.integrations.transformers.presets import causal_lm_class, tiny_config
     from dbo.split import SplitReason, UBatchPlan
 
     rank = dist.get_rank()
@@ -205,9 +205,9 @@ def _generate_job(family: str, backend: str, batches: list[int], pads: list[list
     import torch
     import torch.distributed as dist
 
-    from dbo.integrations.generate import greedy_generate
-    from dbo.integrations.hf_presets import causal_lm_class, tiny_config
     from dbo.integrations.transformers import convert_to_expert_parallel
+    from dbo.integrations.transformers.generate import greedy_generate
+    from dbo.integrations.transformers.presets import causal_lm_class, tiny_config
     from dbo.split import SplitConfig
 
     rank = dist.get_rank()
@@ -282,7 +282,7 @@ def test_dense_model_is_refused():
 def test_backend_registry_checks():
     import torch
 
-    from dbo.integrations.backends import BACKENDS, cpu_backends, make_backend
+    from dbo.backends import BACKENDS, cpu_backends, make_backend
 
     assert cpu_backends() == ["all2all", "copy_engine", "naive"]
     assert {"deepep_ht", "deepep_ll"} <= set(BACKENDS)
@@ -296,8 +296,8 @@ def test_backend_registry_checks():
 def test_caller_mistakes_are_refused():
     import torch
 
-    from dbo.integrations.hf_presets import causal_lm_class, tiny_config
     from dbo.integrations.transformers import DBOPrefill, set_backend
+    from dbo.integrations.transformers.presets import causal_lm_class, tiny_config
 
     with torch.device("meta"):
         model = causal_lm_class("mixtral")(tiny_config("mixtral"))
@@ -316,7 +316,7 @@ def test_join_caches_keeps_real_rows_in_order_and_refuses_what_it_cannot_join():
     import torch
     from transformers.cache_utils import DynamicCache
 
-    from dbo.integrations.generate import join_caches
+    from dbo.integrations.transformers.generate import join_caches
 
     def cache(rows, seq, fill):
         c = DynamicCache()

@@ -1,4 +1,4 @@
-"""dbo.partition on a machine without CUDA green contexts: argument checks and clear errors.
+"""dbo.ubatch.sm on a machine without CUDA green contexts: argument checks and clear errors.
 
 The GPU side (the compute really confined, DBO == serial with it) is tests/gpu/test_partition_gpu.py.
 """
@@ -10,14 +10,14 @@ import torch
 
 from dbo import DBOWrapper, overlapped_forward
 from dbo.errors import DBOError
-from dbo.partition import (
+from dbo.split import SplitConfig
+from dbo.ubatch.sm import (
     PARTITIONS,
     SMPartitionUnsupportedError,
     check_num_sms,
     compute_on_sms,
     green_contexts_supported,
 )
-from dbo.split import SplitConfig
 
 
 @pytest.mark.parametrize("bad", [0, -3, 2.5, True, "64"])
@@ -60,7 +60,7 @@ def test_overlapped_forward_on_cpu_refuses_compute_sms_only_when_it_splits():
 
 def test_run_ubatches_checks_compute_sms():
     from dbo import run_ubatches
-    from dbo.context import active_run
+    from dbo.ubatch.context import active_run
 
     with pytest.raises(ValueError, match="compute_sms"):
         run_ubatches([lambda: 1, lambda: 2], device="cpu", compute_sms=0)

@@ -12,7 +12,6 @@ import torch
 import torch.distributed as dist
 
 from dbo.backends.simulated_link import SimulatedLink, SimulatedLinkPrepareAndFinalize
-from dbo.context import run_ubatches
 from dbo.moe import (
     LocalPrepareAndFinalize,
     MoEKernel,
@@ -24,6 +23,7 @@ from dbo.moe import (
 from dbo.overlap import mask_current_padding, overlapped_forward
 from dbo.split import SplitConfig
 from dbo.testing.dist import DistWorld
+from dbo.ubatch.context import run_ubatches
 
 
 def test_model_arithmetic():
@@ -107,7 +107,7 @@ def test_an_fp8_dispatch_is_modelled_with_its_bytes():
 
 
 def _under_link(backend: str) -> tuple[float, float, float]:
-    from dbo.integrations.backends import make_backend
+    from dbo.backends import make_backend
 
     rank, world = dist.get_rank(), dist.get_world_size()
     x, w1, w2, weights, ids = _inputs(rank, world)
@@ -158,7 +158,7 @@ def test_backends_under_the_link_give_the_same_bits_and_take_the_modelled_time(b
 def test_wall_wait_rounds_and_chunks(monkeypatch):
     # one compiled kernel for every length (a multiple of 16 ns), long waits in several launches,
     # and a clear error where Triton cannot run it
-    from dbo import _wall_wait
+    from dbo.backends.simulated_link import wall_wait as _wall_wait
     from dbo.moe.kernels import triton_launch
 
     launched = []
@@ -176,8 +176,8 @@ def test_wall_wait_rounds_and_chunks(monkeypatch):
 
 
 def test_link_wait_clock_can_be_chosen(monkeypatch):
-    from dbo import _wall_wait
     from dbo.backends.simulated_link import wait_clock
+    from dbo.backends.simulated_link import wall_wait as _wall_wait
 
     monkeypatch.setattr(_wall_wait, "AVAILABLE", True)
     assert wait_clock() == "global timer"

@@ -250,7 +250,7 @@ def _silent_peer_job(timeout_s: float, host_vote: bool) -> str:
     import torch.distributed as dist
 
     from dbo.errors import CollectiveTimeoutError
-    from dbo.watchdog import collective_timeout
+    from dbo.peers.watchdog import collective_timeout
 
     os.environ["DBO_HOST_VOTE"] = "1" if host_vote else "0"
     config = SplitConfig(prefill_token_threshold=512)
@@ -283,7 +283,7 @@ def _vote_paths_job() -> tuple:
 
     import torch.distributed as dist
 
-    from dbo.split import hostvote
+    from dbo.peers import hostvote
 
     rank = dist.get_rank()
     config = SplitConfig(prefill_token_threshold=100, decode_token_threshold=8)
@@ -312,8 +312,8 @@ def _private_shm_job(base: str) -> tuple:
 
     import torch.distributed as dist
 
-    from dbo import hostboard
-    from dbo.split.hostvote import HostVote
+    from dbo.peers import hostboard
+    from dbo.peers.hostvote import HostVote
 
     own = os.path.join(base, f"rank{dist.get_rank()}")
     os.makedirs(own, exist_ok=True)

@@ -26,7 +26,7 @@ from dbo import (
     dbo_yield_and_switch_from_compute_to_comm,
     run_ubatches,
 )
-from dbo.streams import STREAM_POOL, LogicalEvent, LogicalStream, RaceDetector, record_access
+from dbo.ubatch.streams import STREAM_POOL, LogicalEvent, LogicalStream, RaceDetector, record_access
 
 
 def _yield_then(switch):

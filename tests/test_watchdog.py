@@ -13,11 +13,10 @@ import pytest
 import torch
 
 from dbo import run_ubatches
-from dbo.arrival import ArrivalBoard, process_state
 from dbo.errors import CollectiveTimeoutError
 from dbo.overlap import DBOWrapper, overlapped_forward
-from dbo.split import SplitConfig
-from dbo.watchdog import (
+from dbo.peers.arrival import ArrivalBoard, process_state
+from dbo.peers.watchdog import (
     GPU_WAIT_TIMEOUT_EXIT_CODE,
     GpuWaitWatchdog,
     WaitSite,
@@ -26,6 +25,7 @@ from dbo.watchdog import (
     resolve_timeout,
     timeout_message,
 )
+from dbo.split import SplitConfig
 
 
 class _Event:
@@ -163,7 +163,7 @@ def test_watchdog_thread_fires_within_the_timeout():
 def test_watchdog_ends_the_process_with_the_message():
     code = textwrap.dedent("""
         import time
-        from dbo.watchdog import WATCHDOG, WaitSite
+        from dbo.peers.watchdog import WATCHDOG, WaitSite
         class Never:
             def query(self):
                 return False
@@ -185,13 +185,13 @@ def test_teardown_deadline_ends_a_stuck_teardown_and_not_a_quick_one():
     import subprocess
     import sys
 
-    from dbo.watchdog import GPU_WAIT_TIMEOUT_EXIT_CODE, teardown_deadline
+    from dbo.peers.watchdog import GPU_WAIT_TIMEOUT_EXIT_CODE, teardown_deadline
 
     with pytest.raises(ValueError, match="positive"), teardown_deadline(0):
         pass
     with teardown_deadline(5.0):  # finishes first: the timer is cancelled
         pass
-    code = ("import time\nfrom dbo.watchdog import teardown_deadline\n"
+    code = ("import time\nfrom dbo.peers.watchdog import teardown_deadline\n"
             "with teardown_deadline(0.3, 'freeing the buffers'):\n    time.sleep(30)\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == GPU_WAIT_TIMEOUT_EXIT_CODE, proc

@@ -18,7 +18,8 @@ from collections import defaultdict
 __all__ = ["CATEGORIES", "breakdown", "main"]
 
 #: the simulated link's modelled waits, on a link stream of their own (never the compute stream):
-#: the global-timer wait (``dbo._wall_wait``), or torch's cycle-counting spin kernel without Triton
+#: the global-timer wait (``dbo.backends.simulated_link.wall_wait``), or torch's cycle-counting
+#: spin kernel without Triton
 LINK_WAITS = ("_wait_wall_kernel", "spin_kernel")
 
 CATEGORIES = (  # (name, substring of the kernel name), first match wins

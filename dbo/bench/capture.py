@@ -11,7 +11,8 @@ import torch.distributed as dist
 
 import dbo
 from dbo.bench.shape import ShapeBench, max_rel_error
-from dbo.bench.timing import measure, reduce_max
+from dbo.bench.timing import measure
+from dbo.peers.collectives import all_reduce_max
 
 __all__ = ["traces", "cuda_graph"]
 
@@ -75,7 +76,7 @@ def _capture(sb: ShapeBench, mode: str, res: dict[str, Any], graphs: list[Any]) 
     torch.cuda.synchronize()
     res[f"{mode}_replay_rel_err"] = max_rel_error(static_out, eager, sb.device)
     res[f"{mode}_replay_bitwise_equal"] = bool(
-        reduce_max([0.0 if torch.equal(static_out, eager) else 1.0], sb.device)[0] == 0.0)
+        all_reduce_max([0.0 if torch.equal(static_out, eager) else 1.0])[0] == 0.0)
     timing = measure(g.replay, warmup=2, steps=sb.args.steps, device=sb.device)
     res[f"graph_{mode}_ms"] = timing.median_ms / sb.layers
     res[f"graph_{mode}_timing"] = timing.to_json()

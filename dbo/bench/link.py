@@ -41,7 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dbo.split.plan import collective_device
+from dbo.peers.collectives import collective_device
 
 __all__ = ["LinkLimits", "measure_link", "comm_bytes", "COMM_BYTES_BACKENDS"]
 
@@ -78,8 +78,8 @@ def _slowest(seconds: float, group: Any) -> float:
 
 
 def _cuda_put_s(group: Any, device: torch.device, nbytes: int, reps: int) -> float:
-    from dbo.backends._ce_transport import _symm_mem_rendezvous
     from dbo.backends.copy_engine import destinations
+    from dbo.backends.copy_engine.transport import _symm_mem_rendezvous
 
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     _, handle = _symm_mem_rendezvous(world * nbytes, device, group)

@@ -51,8 +51,9 @@ import torch
 import torch.distributed as dist
 
 from dbo.autotune import NEVER_SPLIT, autotune_split_config
-from dbo.bench.backends import make_backend, shutdown_distributed
+from dbo.backends import make_backend
 from dbo.bench.capture import cuda_graph, traces
+from dbo.bench.dist import init_distributed, shutdown_distributed
 from dbo.bench.limits import layer_limit_ms, measure_device_limits
 from dbo.bench.link import measure_link
 from dbo.bench.model import BenchModel, LayerDims
@@ -63,7 +64,6 @@ from dbo.bench.overlap_args import (
     collect_env,
     configure_deepep,
     count_configs,
-    init_distributed,
     parse_args,
     profile_target,
 )
@@ -331,8 +331,7 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr)
             return 2
     deepep_setup = configure_deepep(args)
-    rank, world, local_rank = init_distributed(args.device)
-    device = torch.device("cuda", local_rank) if args.device == "cuda" else torch.device("cpu")
+    rank, world, device = init_distributed(args.device)
     out_dir = Path(args.out)
     finished = False
     try:

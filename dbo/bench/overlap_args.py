@@ -13,13 +13,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 import dbo
-from dbo.bench.backends import BACKENDS
+from dbo.backends import BACKENDS
 
 __all__ = ["DTYPES", "TOLERANCE", "MODES", "SCHEMA", "parse_args", "resolve_defaults",
-           "init_distributed", "collect_env", "configure_deepep", "count_configs", "profile_target"]
+           "collect_env", "configure_deepep", "count_configs", "profile_target"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
@@ -192,23 +191,6 @@ def resolve_defaults(args: argparse.Namespace) -> None:
 # ---- process group and environment ---------------------------------------------------------
 
 
-def init_distributed(device: str) -> tuple[int, int, int]:
-    """Join the torchrun group (or start a one-rank group); return rank, world, local rank."""
-    if "RANK" not in os.environ:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if device == "cuda":
-        torch.cuda.set_device(local_rank)
-        dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
-    else:
-        dist.init_process_group("gloo")
-    return dist.get_rank(), dist.get_world_size(), local_rank
-
-
 def collect_env(args: argparse.Namespace, device: torch.device, world: int) -> dict[str, Any]:
     env: dict[str, Any] = {
         "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -231,7 +213,7 @@ def collect_env(args: argparse.Namespace, device: torch.device, world: int) -> d
     else:
         env.update(device_name=f"cpu ({os.cpu_count()} cores)", sm_count=None)
     if args.backend.startswith("deepep"):
-        from dbo.backends.deepep_buffer import detect_deep_ep_api
+        from dbo.backends.deepep.buffer import detect_deep_ep_api
         env["deep_ep"] = detect_deep_ep_api().describe()
     for mod in ("matplotlib", "tqdm"):
         try:
@@ -253,7 +235,7 @@ def configure_deepep(args: argparse.Namespace) -> dict[str, Any]:
             os.environ["NVSHMEM_QP_DEPTH"] = str(1 << (need - 1).bit_length())
             found["set_NVSHMEM_QP_DEPTH"] = os.environ["NVSHMEM_QP_DEPTH"]
     if args.backend == "deepep_ht":
-        from dbo.backends.deepep_buffer import detect_deep_ep_api
+        from dbo.backends.deepep.buffer import detect_deep_ep_api
         api = detect_deep_ep_api()
         found["deep_ep_default_num_sms"] = api.buffer_cls.num_sms
         if args.num_sms:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 import dbo
-from dbo.backends._fp8 import FP8_DISPATCH_BYTES
+from dbo.backends.fp8 import FP8_DISPATCH_BYTES
 from dbo.bench.link import COMM_BYTES_BACKENDS, LinkLimits, comm_bytes
 from dbo.bench.model import (
     BenchModel,
@@ -26,10 +26,11 @@ from dbo.bench.model import (
     ReplayPrepareAndFinalize,
 )
 from dbo.bench.overlap_args import TOLERANCE
-from dbo.bench.timing import Progress, measure, reduce_max
+from dbo.bench.timing import Progress, measure
 from dbo.expert_schedule import ExpertSchedule, current_expert_schedule
 from dbo.moe import MoEKernel, SwiGLUExperts, relative_error
 from dbo.overlap import overlapped_forward
+from dbo.peers.collectives import all_reduce_max
 from dbo.split import SplitConfig, plan_ubatches
 
 __all__ = ["Budget", "compare", "max_rel_error", "SMs", "ShapeBench"]
@@ -48,7 +49,7 @@ class Budget:
         if self.seconds <= 0:
             return False
         if not self.hit:
-            self.hit = reduce_max([time.perf_counter() - self.t0], self.device)[0] > self.seconds
+            self.hit = all_reduce_max([time.perf_counter() - self.t0])[0] > self.seconds
         return self.hit
 
 
@@ -63,12 +64,12 @@ def compare(out: torch.Tensor, ref: torch.Tensor, device: torch.device) -> dict[
     med = tok.median().item() if tok.numel() else 0.0
     if not torch.isfinite(o).all():
         med = float("inf")
-    rel, med = reduce_max([relative_error(out, ref), med], device)
+    rel, med = all_reduce_max([relative_error(out, ref), med])
     return {"rel": rel, "token_median": med}
 
 
 def max_rel_error(out: torch.Tensor, ref: torch.Tensor, device: torch.device) -> float:
-    return reduce_max([relative_error(out, ref)], device)[0]
+    return all_reduce_max([relative_error(out, ref)])[0]
 
 
 def _rows_key(mode: str) -> str:
@@ -201,7 +202,7 @@ class ShapeBench:
                 key = layer if mode.startswith("merged") else (ub, layer)
                 counts[key] = counts[key] + c if key in counts else c
         seen = max((int(c.max()) for c in counts.values()), default=0)
-        return int(reduce_max([float(seen)], self.device)[0])
+        return int(all_reduce_max([float(seen)])[0])
 
     def reference(self) -> None:
         """Serial and DBO outputs; the LL row bound; their agreement."""

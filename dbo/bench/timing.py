@@ -31,9 +31,10 @@ import torch
 import torch.distributed as dist
 
 from dbo.bench.syncs import format_sites, host_syncs
-from dbo.streams import gpu_sleep  # re-exported: the benchmarks' GPU hold
+from dbo.peers.collectives import all_reduce_max
+from dbo.ubatch.streams import gpu_sleep  # re-exported: the benchmarks' GPU hold
 
-__all__ = ["Timing", "measure", "Progress", "reduce_max", "gpu_sleep"]
+__all__ = ["Timing", "measure", "Progress", "gpu_sleep"]
 
 
 @dataclass
@@ -56,19 +57,6 @@ class Timing:
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
-
-
-def _group_device(device: torch.device) -> torch.device:
-    return device if device.type == "cuda" else torch.device("cpu")
-
-
-def reduce_max(values: list[float], device: torch.device) -> list[float]:
-    """Element-wise MAX of ``values`` over the default group."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return list(values)
-    t = torch.tensor(values, dtype=torch.float64, device=_group_device(device))
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.tolist()
 
 
 def _sync(device: torch.device) -> None:
@@ -117,9 +105,9 @@ def measure(step: Callable[[], Any], *, warmup: int, steps: int, device: torch.d
             dt = (time.perf_counter() - t0) * 1e3
             local.append(dt)
             launch.append(dt)
-    per_step = reduce_max(local, device)
+    per_step = all_reduce_max(local)
     med = statistics.median(per_step)
-    launch_med = reduce_max([statistics.median(launch)], device)[0]
+    launch_med = all_reduce_max([statistics.median(launch)])[0]
     held = sleep_ms = None
     host_sync = None
     notes: list[str] = []
@@ -135,7 +123,7 @@ def measure(step: Callable[[], Any], *, warmup: int, steps: int, device: torch.d
         held_local = (time.perf_counter() - t0) * 1e3
         _sync(device)
         sleep_local = s_ev.elapsed_time(e_ev)
-        held, sleep_ms = reduce_max([held_local, sleep_local], device)
+        held, sleep_ms = all_reduce_max([held_local, sleep_local])
         host_sync = held >= 0.9 * sleep_ms
     # On the CPU stand-in a step's launch is its run: nothing to tell apart.
     if host_sync is False:
@@ -156,7 +144,7 @@ def measure(step: Callable[[], Any], *, warmup: int, steps: int, device: torch.d
         step()
         _sync(device)
         peak_local = torch.cuda.max_memory_allocated(device)
-        peak, extra = (int(v) for v in reduce_max([float(peak_local), float(peak_local - base)], device))
+        peak, extra = (int(v) for v in all_reduce_max([float(peak_local), float(peak_local - base)]))
     _barrier(device)
     return Timing(step_ms=per_step, median_ms=med, p10_ms=_percentile(per_step, 0.1),
                   p90_ms=_percentile(per_step, 0.9), cpu_launch_ms=launch_med,

@@ -10,8 +10,8 @@ from __future__ import annotations
 import logging
 from typing import Generic, TypeVar
 
-from dbo.context import dbo_current_ubatch_id
 from dbo.moe.errors import MoEProtocolError
+from dbo.ubatch.context import dbo_current_ubatch_id
 
 __all__ = ["PerUBatch"]
 

@@ -18,15 +18,6 @@ from typing import Any
 
 import torch
 
-from dbo.context import (
-    dbo_current_ubatch_id,
-    dbo_enabled,
-    dbo_maybe_run_recv_hook,
-    dbo_num_ubatches,
-    dbo_region,
-    dbo_register_recv_hook,
-    dbo_yield,
-)
 from dbo.expert_schedule import ExpertSchedule, current_expert_schedule
 from dbo.moe.base import (
     MoEExperts,
@@ -35,6 +26,15 @@ from dbo.moe.base import (
     Workspace,
 )
 from dbo.moe.merged import ExpertsInput, ExpertsRendezvous, same_call_key
+from dbo.ubatch.context import (
+    dbo_current_ubatch_id,
+    dbo_enabled,
+    dbo_maybe_run_recv_hook,
+    dbo_num_ubatches,
+    dbo_region,
+    dbo_register_recv_hook,
+    dbo_yield,
+)
 
 __all__ = ["MoEKernel"]
 

@@ -36,7 +36,10 @@ from dataclasses import dataclass
 
 import torch
 
-from dbo.context import (
+from dbo.moe.base import ActivationFormat, ExpertTokensMetadata
+from dbo.moe.errors import MergedScheduleError
+from dbo.moe.kernels.batched import move_rows
+from dbo.ubatch.context import (
     active_run,
     dbo_current_ubatch_id,
     dbo_num_live_ubatches,
@@ -44,9 +47,6 @@ from dbo.context import (
     dbo_region,
     dbo_yield,
 )
-from dbo.moe.base import ActivationFormat, ExpertTokensMetadata
-from dbo.moe.errors import MergedScheduleError
-from dbo.moe.kernels.batched import move_rows
 
 __all__ = ["ExpertsInput", "ExpertsRendezvous", "merge_inputs", "same_call_key", "MAX_IDLE_YIELDS"]
 

@@ -38,14 +38,12 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 import torch
 
-from dbo.errors import CollectiveTimeoutError
 from dbo.expert_schedule import ExpertSchedule
-from dbo.split.hostvote import host_vote
+from dbo.peers.collectives import all_reduce_max, group_size
 from dbo.split.log import FALLBACK_LOG
 from dbo.split.padding import graph_padded_size
 from dbo.split.policies import (
@@ -60,7 +58,6 @@ from dbo.split.policies import (
     split_tokens,
 )
 from dbo.split.types import NEVER_SPLIT, SplitConfig, SplitMode, SplitReason, UBatchPlan, Vote
-from dbo.watchdog import current_timeout
 
 __all__ = [
     "DISABLE_ENV_VAR",
@@ -240,52 +237,6 @@ def no_split_plan(num_tokens: int, reason: SplitReason = SplitReason.DISABLED,
 # ---- pass 3: agreement ---------------------------------------------------------------------
 
 
-def _group_size(group: Any) -> int:
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return 1
-    return dist.get_world_size(group)
-
-
-def collective_device(group: Any) -> torch.device:
-    """Where a small tensor for a collective over ``group`` lives: this rank's GPU on an NCCL
-    group (NCCL takes CUDA tensors only), else the CPU."""
-    import torch.distributed as dist
-
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _reduce_max(vec: list[int], group: Any, device: torch.device | str | None) -> list[int]:
-    import torch.distributed as dist
-
-    if device is None:
-        device = collective_device(group)
-    if torch.device(device).type == "cpu":
-        board = host_vote(group, len(vec))  # every rank on this host: through shared memory
-        if board is not None:
-            return board.reduce_max(vec)
-    t = torch.tensor(vec, dtype=torch.int64, device=device)
-    timeout_s = current_timeout()
-    if timeout_s is None or t.is_cuda:  # (a CUDA tensor: the GPU watchdog bounds the wait)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-        return t.tolist()  # the one host sync of a decision
-    work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group, async_op=True)
-    try:
-        done = work.wait(timeout=timedelta(seconds=timeout_s))
-    except RuntimeError as exc:  # gloo raises on its timeout
-        raise CollectiveTimeoutError(
-            f"split decision: rank {dist.get_rank(group)} waited {timeout_s:.1f} s for its peers' "
-            f"votes ({exc}); a peer died or fell out of step", phase="split decision") from exc
-    if done is False:
-        raise CollectiveTimeoutError(
-            f"split decision: rank {dist.get_rank(group)} waited {timeout_s:.1f} s for its peers' "
-            "votes; a peer died or fell out of step", phase="split decision")
-    return t.tolist()  # the one host sync of a decision
-
-
 def plan_ubatches(
     num_tokens: int,
     config: SplitConfig | None = None,
@@ -335,8 +286,8 @@ def plan_ubatches(
     decision = local_vote(num_tokens, config, request_token_counts=request_token_counts,
                           decode_only=decode_only, split_points=split_points)
     vec = encode_vote(decision, config)
-    if agree and not config.never_splits and _group_size(group) > 1:
-        vec = _reduce_max(vec, group, device)
+    if agree and not config.never_splits and group_size(group) > 1:
+        vec = all_reduce_max(vec, group, device=device)
     plan = resolve_plan(num_tokens, decision, config, vec)
     FALLBACK_LOG.note(plan)
     return plan

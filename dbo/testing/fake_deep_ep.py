@@ -14,7 +14,7 @@ Inject it in tests only (never in library code)::
 
 What it models, besides the data movement:
 
-* streams: DeepEP's own comm stream is a :class:`dbo.streams.LogicalStream`; a kernel waits on
+* streams: DeepEP's own comm stream is a :class:`dbo.ubatch.streams.LogicalStream`; a kernel waits on
   ``previous_event`` (else on the current stream), and without ``async_finish`` the current
   stream waits for it; ``allocate_on_comm_stream`` needs ``previous_event`` and
   ``async_finish``, as in DeepEP's C++ checks;
@@ -348,7 +348,7 @@ def ensure_fake_deep_ep(api: str = "v1") -> types.ModuleType:
     rest of the process, and drop the DeepEP buffers made with another one."""
     mod = sys.modules.get("deep_ep")
     if mod is None or getattr(mod, "FAKE_API", None) != api:
-        from dbo.backends.deepep_buffer import BUFFER_CACHE
+        from dbo.backends.deepep.buffer import BUFFER_CACHE
 
         mod = make_fake_deep_ep(api)
         mod.FAKE_API = api

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dbo.streams import LogicalEvent, LogicalStream, current_logical_stream
+from dbo.ubatch.streams import LogicalEvent, LogicalStream, current_logical_stream
 
 __all__ = [
     "FakeDeepEPError",

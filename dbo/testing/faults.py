@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dbo.context import run_ubatches
+from dbo.ubatch.context import run_ubatches
 
 __all__ = ["FAULTS", "FAULT_EXIT_CODE", "Fault", "faulty_step", "error_chain",
            "make_deepep_backend"]

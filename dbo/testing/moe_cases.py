@@ -18,14 +18,14 @@ from dataclasses import dataclass
 
 import torch
 
-from dbo.context import dbo_region, run_ubatches
 from dbo.expert_schedule import use_expert_schedule
 from dbo.moe.base import PrepareAndFinalize
 from dbo.moe.experts import SwiGLUExperts
 from dbo.moe.kernel import MoEKernel
 from dbo.moe.reference import local_expert_weights, make_expert_weights, reference_moe, relative_error
 from dbo.moe.router import topk_route
-from dbo.trace import Trace
+from dbo.ubatch.context import dbo_region, run_ubatches
+from dbo.ubatch.trace import Trace
 
 __all__ = ["MoECase", "CaseInputs", "CaseReport", "case_inputs", "run_case", "reference_case",
            "check_case", "standard_cases", "TOLERANCE"]

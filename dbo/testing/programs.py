@@ -24,7 +24,11 @@ from typing import Any
 import torch
 from hypothesis.control import currently_in_test_context, note
 
-from dbo.context import (
+from dbo.errors import UBatchError
+from dbo.testing.model import predict
+from dbo.testing.ops import Case, Event, Op, Outcome, Prediction, describe_raise, op_name
+from dbo.testing.strategies import FAULT_OPS, FINAL_OPS, SAFE_OPS, cases
+from dbo.ubatch.context import (
     active_run,
     dbo_current_context,
     dbo_current_ubatch_id,
@@ -41,12 +45,8 @@ from dbo.context import (
     dbo_yield_and_switch_from_compute_to_comm,
     run_ubatches,
 )
-from dbo.errors import UBatchError
-from dbo.streams import STREAM_POOL
-from dbo.testing.model import predict
-from dbo.testing.ops import Case, Event, Op, Outcome, Prediction, describe_raise, op_name
-from dbo.testing.strategies import FAULT_OPS, FINAL_OPS, SAFE_OPS, cases
-from dbo.trace import Trace
+from dbo.ubatch.streams import STREAM_POOL
+from dbo.ubatch.trace import Trace
 
 __all__ = [
     "VAR",
@@ -279,7 +279,7 @@ def run_programs(n: int, finals: Sequence[tuple[Op, ...]], source: Callable[[int
         interp.seen = observed
     seen = interp.seen
     handler = _UnwindLog()
-    logger = logging.getLogger("dbo.context")
+    logger = logging.getLogger("dbo.ubatch.context")
     grad_before, autocast_before = torch.is_grad_enabled(), torch.is_autocast_enabled("cpu")
     token = VAR.set(case.caller_var)
     torch.set_grad_enabled(case.caller_grad)

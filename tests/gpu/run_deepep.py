@@ -110,7 +110,7 @@ def main() -> int:
     try:
         import deep_ep  # noqa: F401
     except ImportError as exc:
-        from dbo.backends.deepep_buffer import INSTALL_HINT
+        from dbo.backends.deepep.buffer import INSTALL_HINT
         print(f"SKIP: deep_ep is not importable ({exc}). {INSTALL_HINT}", flush=True)
         return 3
     if shared:
@@ -171,7 +171,7 @@ def main() -> int:
                 json.dump([r.__dict__ for r in rows], f, indent=1)
     flag = torch.tensor([1 if ok else 0], device="cuda")
     dist.broadcast(flag, 0)
-    from dbo.backends.deepep_buffer import BUFFER_CACHE
+    from dbo.backends.deepep.buffer import BUFFER_CACHE
     BUFFER_CACHE.reset()
     dist.destroy_process_group()
     return 0 if flag.item() else 1

@@ -69,10 +69,10 @@ def _bench(timeout_s: float, iters: int) -> dict:
     import torch
     import torch.distributed as dist
 
-    from dbo.context import run_ubatches
     from dbo.moe.experts import SwiGLUExperts
     from dbo.moe.kernel import MoEKernel
     from dbo.testing.faults import _inputs, make_deepep_backend
+    from dbo.ubatch.context import run_ubatches
 
     tokens, layers = 128, 8
     out = {}
@@ -119,8 +119,8 @@ def _per_launch_cost(n: int = 20000) -> dict:
 
     import torch
 
-    from dbo.arrival import ArrivalBoard
-    from dbo.watchdog import WATCHDOG
+    from dbo.peers.arrival import ArrivalBoard
+    from dbo.peers.watchdog import WATCHDOG
 
     maps = [mmap.mmap(-1, 64) for _ in range(8)]
     views = {r: memoryview(m).cast("q") for r, m in enumerate(maps)}

@@ -11,11 +11,11 @@ import time
 import pytest
 import torch
 
-from dbo import _wall_wait
 from dbo.backends.simulated_link import SimulatedLink, SimulatedLinkPrepareAndFinalize, link_wait
-from dbo.context import run_ubatches
+from dbo.backends.simulated_link import wall_wait as _wall_wait
 from dbo.moe import LocalPrepareAndFinalize, MoEKernel, SwiGLUExperts, make_expert_weights, topk_route
-from dbo.streams import gpu_sleep
+from dbo.ubatch.context import run_ubatches
+from dbo.ubatch.streams import gpu_sleep
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

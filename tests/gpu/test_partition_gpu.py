@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from dbo import overlapped_forward, run_ubatches
-from dbo.context import dbo_yield
-from dbo.partition import PARTITIONS, compute_on_sms, green_contexts_supported
 from dbo.split import SplitConfig
+from dbo.ubatch.context import dbo_yield
+from dbo.ubatch.sm import PARTITIONS, compute_on_sms, green_contexts_supported
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not green_contexts_supported(),
                                                   reason="needs CUDA green contexts")]

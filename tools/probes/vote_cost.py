@@ -19,7 +19,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from dbo.hostboard import HostBoard, open_shared
+from dbo.peers.hostboard import HostBoard, open_shared
 from dbo.split import SplitConfig
 from dbo.split.plan import encode_vote, local_vote
 

@@ -1,6 +1,6 @@
 """The copy-engine backend's one-host check: it copies peer to peer, so every rank must share
 this host (and, on CUDA, reach every other GPU). The ranks' shared memory and the board through
-which they publish each dispatch's token counts are :mod:`dbo.hostboard`'s."""
+which they publish each dispatch's token counts are :mod:`dbo.peers.hostboard`'s."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 :func:`dbo.split.plan_ubatches` agrees on a split with a MAX over every rank's vote (a few
 int64). Over gloo that is one ``all_reduce`` per decision; where a step is host-bound (eager
 decode), its latency and its tail are on every step. Where every rank of the group runs on this
-host, the vote goes through a :class:`dbo.hostboard.HostBoard` instead: each rank publishes its
+host, the vote goes through a :class:`dbo.peers.hostboard.HostBoard` instead: each rank publishes its
 vote for decision number ``n`` and takes the MAX of everyone's, on the host. Measured with
 ``tools/probes/vote_cost.py`` (2 ranks on a 2-core VM): gloo 450 us median (p90 4 ms), the board
 13.5 us (p90 17 us).
@@ -14,7 +14,7 @@ several hosts, or sharing a hostname but not /dev/shm as containers may, keep gl
 rank must take the same path: the choice depends only on the group and on ``DBO_HOST_VOTE``
 (``0``: always gloo), which must be the same on every rank. A peer that
 does not vote makes the others raise :class:`dbo.errors.CollectiveTimeoutError` after the
-:func:`dbo.watchdog.collective_timeout` in force (default: the process group's timeout), and
+:func:`dbo.peers.watchdog.collective_timeout` in force (default: the process group's timeout), and
 at once (within about a second) where its process has exited.
 """
 
@@ -27,7 +27,7 @@ from typing import Any
 import torch.distributed as dist
 
 from dbo.errors import CollectiveTimeoutError
-from dbo.hostboard import HostBoard, open_shared_checked
+from dbo.peers.hostboard import HostBoard, open_shared_checked
 
 __all__ = ["HostVote", "host_vote", "reset_host_votes", "ENV"]
 

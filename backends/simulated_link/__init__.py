@@ -39,11 +39,11 @@ from typing import Any
 
 import torch
 
-from dbo import _wall_wait
 from dbo.moe.base import ActivationFormat, PrepareAndFinalize
-from dbo.streams import gpu_sleep
+from dbo.ubatch.streams import gpu_sleep
 
-from ._fp8 import FP8_DISPATCH_BYTES
+from ..fp8 import FP8_DISPATCH_BYTES
+from . import wall_wait as _wall_wait
 
 __all__ = ["SimulatedLink", "SimulatedLinkPrepareAndFinalize", "FORMULA", "LinkStreams", "LINK_STREAMS",
            "link_wait", "wait_clock"]

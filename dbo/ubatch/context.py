@@ -6,9 +6,9 @@ stream, and hands recv hooks to the next ubatch. On a thread with no run every `
 function is a cheap no-op, so backend code runs unchanged without DBO. Semantics: ``DESIGN.md``,
 "The ubatch context".
 
-The machinery lives behind this module: :mod:`dbo._driver` (the greenlet driver loop, the
-thread-local slot that finds the active run), :mod:`dbo._ubatch` (:class:`UBatchContext`, one
-ubatch's streams, events and hook slot) and :mod:`dbo._modes` (grad, inference and autocast
+The machinery lives behind this module: :mod:`dbo.ubatch.driver` (the greenlet driver loop, the
+thread-local slot that finds the active run), :mod:`dbo.ubatch.state` (:class:`UBatchContext`, one
+ubatch's streams, events and hook slot) and :mod:`dbo.ubatch.modes` (grad, inference and autocast
 state saved and restored at every switch). Only those modules import greenlet.
 """
 
@@ -20,21 +20,22 @@ from typing import Any, TypeVar
 
 import torch
 
+from dbo.errors import NestedRunError, UBatchCountError
+
 # The private names re-exported here are internals that tests reach through this module
 # (they monkeypatch the classes in place).
-from dbo._driver import Run as _Run  # noqa: F401
-from dbo._driver import noop as _noop
-from dbo._driver import run_to_completion as _run_to_completion
-from dbo._driver import tls as _driver_tls
-from dbo._modes import ModeRestorer as _ModeRestorer  # noqa: F401
-from dbo._modes import capture_modes as _capture_modes  # noqa: F401
-from dbo._ubatch import DONE as _DONE  # noqa: F401
-from dbo._ubatch import FAILED as _FAILED  # noqa: F401
-from dbo._ubatch import RecvHook, UBatchContext
-from dbo.errors import NestedRunError, UBatchCountError
-from dbo.partition import check_num_sms, compute_on_sms
-from dbo.streams import STREAM_POOL
-from dbo.trace import Trace
+from dbo.ubatch.driver import Run as _Run  # noqa: F401
+from dbo.ubatch.driver import noop as _noop
+from dbo.ubatch.driver import run_to_completion as _run_to_completion
+from dbo.ubatch.driver import tls as _driver_tls
+from dbo.ubatch.modes import ModeRestorer as _ModeRestorer  # noqa: F401
+from dbo.ubatch.modes import capture_modes as _capture_modes  # noqa: F401
+from dbo.ubatch.sm import check_num_sms, compute_on_sms
+from dbo.ubatch.state import DONE as _DONE  # noqa: F401
+from dbo.ubatch.state import FAILED as _FAILED  # noqa: F401
+from dbo.ubatch.state import RecvHook, UBatchContext
+from dbo.ubatch.streams import STREAM_POOL
+from dbo.ubatch.trace import Trace
 
 __all__ = [
     "UBatchContext",
@@ -86,20 +87,20 @@ def run_ubatches(
         fns: the ubatch bodies.
         comm_stream: the stream for communication (default: one high-priority stream per
             device, created once and reused). A ``torch.cuda.Stream`` on CUDA, a
-            :class:`dbo.streams.LogicalStream` on the CPU stand-in.
+            :class:`dbo.ubatch.streams.LogicalStream` on the CPU stand-in.
         token_offsets: each ubatch's first row in the parent batch (default all 0).
-        trace: a :class:`dbo.trace.Trace` to record into.
+        trace: a :class:`dbo.ubatch.trace.Trace` to record into.
         device: ``"cuda"`` (the current CUDA device) or ``"cpu"`` (the stand-in). Default:
             the device of ``comm_stream`` if given, else CUDA when available, else CPU.
         compute_sms: run the compute stream on a CUDA green context of this many SMs, so the
             others stay free for the communication kernels on the comm stream (see
-            :func:`dbo.partition.compute_on_sms`); None (default): the caller's stream.
+            :func:`dbo.ubatch.sm.compute_on_sms`); None (default): the caller's stream.
 
     Raises:
         UBatchCountError: fewer than two ubatches, or ``token_offsets`` of another length.
         NestedRunError: a run is already active on this thread.
         ValueError: ``comm_stream`` is the caller's current stream, or a bad ``compute_sms``.
-        dbo.partition.SMPartitionUnsupportedError: ``compute_sms`` without CUDA green contexts.
+        dbo.ubatch.sm.SMPartitionUnsupportedError: ``compute_sms`` without CUDA green contexts.
         UBatchError: a ubatch raised; ``__cause__`` is its exception. ``KeyboardInterrupt`` and
             ``SystemExit`` propagate as they are. Either way every other started ubatch was
             unwound first and no state is left behind.

@@ -3,7 +3,7 @@
 A rank waits for its peers in two places, and a dead or stalled peer is caught in each:
 
 * **on the host**, before it launches anything that waits for the peers (the backends'
-  arrival check, :mod:`dbo.arrival`, and the torch.distributed work waits): past the timeout
+  arrival check, :mod:`dbo.peers.arrival`, and the torch.distributed work waits): past the timeout
   the backend raises :class:`dbo.errors.CollectiveTimeoutError` naming the backend, the phase,
   the ubatch and the ranks that did not arrive. Nothing was launched, so the GPU stays usable;
 * **inside a GPU kernel** that spins until the peers' data lands (DeepEP's receive loops):

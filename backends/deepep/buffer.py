@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from dbo.arrival import ArrivalBoard
 from dbo.errors import DBOError
+from dbo.peers.arrival import ArrivalBoard
 
 __all__ = [
     "INSTALL_HINT",
@@ -260,7 +260,7 @@ class DeepEPBufferCache:
             buffer = _create(api, group, want)
             if entry is None:
                 entry = SharedDeepEPBuffer(group, api, want, buffer)
-                # collective too: which peers reached each launch (see dbo.arrival)
+                # collective too: which peers reached each launch (see dbo.peers.arrival)
                 entry.arrival = _arrival_board(group)
                 self._entries[key] = entry
                 logger.info("created DeepEP %s buffer for %s", request.mode.value, want)

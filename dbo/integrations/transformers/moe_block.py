@@ -20,10 +20,10 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from dbo.context import dbo_region
 from dbo.moe import MoEKernel, PrepareAndFinalize, SwiGLUExperts
 from dbo.overlap import current_ubatch
 from dbo.split import mask_padding_routing
+from dbo.ubatch.context import dbo_region
 
 __all__ = ["ExpertParallelMoE", "routing_token_mask", "current_routing_token_mask", "mask_routing"]
 

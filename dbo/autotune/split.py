@@ -31,9 +31,9 @@ import torch
 
 from dbo.expert_schedule import ExpertSchedule, parse_expert_schedule
 from dbo.overlap import _check_carveout, overlapped_forward
-from dbo.partition import check_num_sms
+from dbo.peers.collectives import all_reduce_max, group_size
 from dbo.split import NEVER_SPLIT, SplitConfig, plan_ubatches
-from dbo.split.plan import _group_size, _reduce_max
+from dbo.ubatch.sm import check_num_sms
 
 __all__ = [
     "NEVER_SPLIT",
@@ -283,14 +283,14 @@ def autotune_split_config(
                          f"always measured), got {list(schedules)!r}")
     dbo_schedules = [s for s in (ExpertSchedule.SPLIT, ExpertSchedule.MERGED) if s in wanted]
     kwargs = dict(fn_kwargs or {})
-    multi = _group_size(group) > 1
+    multi = group_size(group) > 1
     counts.sort()
     if multi:
         # One mismatch would make the ranks issue different collectives: check first.
         mine = [len(counts), sum(counts), steps, rounds, warmup,
                 sum(1 << k for k, s in enumerate(ExpertSchedule) if s in wanted),
                 len(carveouts), sum(-1 if k is None else k for k in carveouts)]
-        seen = _reduce_max(mine + [-v for v in mine], group, None)
+        seen = all_reduce_max(mine + [-v for v in mine], group)
         if seen[:len(mine)] != [-v for v in seen[len(mine):]]:
             raise ValueError("autotune_split_config: ranks were given different token_counts, "
                              "steps, rounds, warmup, schedules or sm_carveouts")
@@ -321,7 +321,7 @@ def autotune_split_config(
         del inputs
     if multi:
         # the slowest rank sets the pace of a step; -1 (not measured) stays -1 on every rank
-        ns = _reduce_max([int(v * 1e6) if v >= 0 else -1 for v in local], group, None)
+        ns = all_reduce_max([int(v * 1e6) if v >= 0 else -1 for v in local], group)
         local = [v / 1e6 if v >= 0 else -1.0 for v in ns]
 
     def ms(v: float) -> float | None:

@@ -109,7 +109,7 @@ def _keep_whole_in_runs(module: torch.nn.Module) -> None:
     overlapped call). Reaches into FSDP2's param group (``_get_fsdp_state``); where that is not
     there, a warning says that overlapped calls will re-gather.
     """
-    from dbo.context import dbo_enabled
+    from dbo.ubatch.context import dbo_enabled
 
     state = getattr(module, "_get_fsdp_state", lambda: None)()
     group = getattr(state, "_fsdp_param_group", False)

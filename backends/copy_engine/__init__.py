@@ -19,7 +19,7 @@ moves about 1.5x the bytes of an exact exchange there. Rows with no local expert
 experts nothing (their ids are ``-1``) and come back as zeros.
 
 Where the host waits: in ``prepare``, for every peer's host to publish its token count of the
-same dispatch (host shared memory, :class:`~dbo.hostboard.HostBoard`); under DBO
+same dispatch (host shared memory, :class:`~dbo.peers.hostboard.HostBoard`); under DBO
 the backend yields first, so the other ubatch's compute is queued on the GPU meanwhile. Nothing
 reads anything back from the GPU. A peer that stops makes that wait raise
 :class:`dbo.errors.CollectiveTimeoutError` after ``timeout_s``; a peer that stops between its
@@ -47,21 +47,21 @@ from typing import Any
 
 import torch
 
-from dbo.context import (
+from dbo.errors import CollectiveTimeoutError
+from dbo.moe.base import PrepareResult, TopKWeightAndReduce
+from dbo.moe.handles import PerUBatch
+from dbo.ubatch.context import (
     dbo_current_ubatch_id,
     dbo_enabled,
     dbo_switch_to_comm_sync,
     dbo_switch_to_compute,
     dbo_yield_and_switch_from_compute_to_comm,
 )
-from dbo.errors import CollectiveTimeoutError
-from dbo.moe.base import PrepareResult, TopKWeightAndReduce
-from dbo.moe.handles import PerUBatch
-from dbo.streams import hand_over
+from dbo.ubatch.streams import hand_over
 
-from ._ce_transport import BufferLayout, Transport, open_transport
-from ._fp8 import FP8_BLOCK, dequantize_fp8_blocks, quantize_fp8_blocks
-from ._torchdist import DTYPE_CODES, TorchDistPrepareAndFinalize
+from ..fp8 import FP8_BLOCK, dequantize_fp8_blocks, quantize_fp8_blocks
+from ..torchdist import DTYPE_CODES, TorchDistPrepareAndFinalize
+from .transport import BufferLayout, Transport, open_transport
 
 __all__ = ["CopyEnginePrepareAndFinalize", "make_prepare_finalize", "destinations", "PUT_ORDERS"]
 

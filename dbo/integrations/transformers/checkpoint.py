@@ -48,7 +48,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dbo.split.plan import collective_device
+from dbo.peers.collectives import collective_device
 
 __all__ = ["write_random_checkpoint", "checkpoint_shards"]
 

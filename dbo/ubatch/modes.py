@@ -1,7 +1,7 @@
 """Grad, inference and autocast state per ubatch: capture it cheaply, put it back exactly.
 
 PyTorch keeps these modes per OS thread, and the ubatches of a run share one thread, so the
-driver (:mod:`dbo._driver`) captures the yielding ubatch's modes at every switch and sets the
+driver (:mod:`dbo.ubatch.driver`) captures the yielding ubatch's modes at every switch and sets the
 next one's. :class:`ModeRestorer` owns the one inference-mode guard that makes the caller's
 state come back at the end of the run, whatever the ubatches did.
 """

@@ -25,14 +25,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dbo.context import (
-    dbo_current_context,
-    dbo_current_ubatch_id,
-    dbo_enabled,
-    dbo_switch_to_comm_sync,
-    dbo_switch_to_compute,
-    dbo_yield_and_switch_from_compute_to_comm,
-)
 from dbo.errors import CollectiveTimeoutError
 from dbo.moe.base import (
     ActivationFormat,
@@ -47,8 +39,16 @@ from dbo.moe.validate import (
     contiguous_expert_map,
     num_local_experts_for,
 )
-from dbo.streams import hand_over
-from dbo.watchdog import resolve_timeout
+from dbo.peers.watchdog import resolve_timeout
+from dbo.ubatch.context import (
+    dbo_current_context,
+    dbo_current_ubatch_id,
+    dbo_enabled,
+    dbo_switch_to_comm_sync,
+    dbo_switch_to_compute,
+    dbo_yield_and_switch_from_compute_to_comm,
+)
+from dbo.ubatch.streams import hand_over
 
 __all__ = [
     "TorchDistPrepareAndFinalize",

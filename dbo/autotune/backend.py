@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from dbo.autotune import NEVER_SPLIT, AutotuneResult, autotune_split_config
+from dbo.autotune.split import NEVER_SPLIT, AutotuneResult, autotune_split_config
 from dbo.expert_schedule import ExpertSchedule
 
 __all__ = ["BackendChoice", "wrapper_ms", "pick_backend", "autotune_backend"]
@@ -101,7 +101,8 @@ def autotune_backend(
         backends: the names to try, the default first (e.g. ``["deepep_ht", "copy_engine"]``).
         use_backend: ``use_backend(name)`` makes ``fn``'s MoE layers run on that backend (for a
             transformers model loaded with dbo's implementations:
-            ``lambda b: dbo.integrations.hf_ep_model.switch_ep_backend(model, b)``). Collective where
+            ``lambda b: dbo.integrations.transformers.ep_model.switch_ep_backend(model, b)``).
+            Collective where
             building a backend is; called in ``backends`` order on every rank, then once more
             with the choice.
         fn, make_inputs, token_counts, decode_only, margin, kwargs: as for

@@ -11,7 +11,7 @@ order (the ubatch schedule is the same everywhere), so equal counts mean the sam
 The board is one small file per rank in ``/dev/shm`` (mapped by the peers of the same host,
 then unlinked, so nothing is left behind even after a crash). Ranks on other hosts are not
 on it: :attr:`ArrivalBoard.remote_ranks` lists them, and the GPU watchdog
-(:mod:`dbo.watchdog`) is what bounds a wait for them.
+(:mod:`dbo.peers.watchdog`) is what bounds a wait for them.
 """
 
 from __future__ import annotations

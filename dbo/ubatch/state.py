@@ -2,7 +2,7 @@
 
 :class:`UBatchContext` does what a ``dbo_*`` function asks of the running ubatch (switch
 streams with their event record/wait pairs, register and run recv hooks); yielding goes
-through the run's driver (:mod:`dbo._driver`), the only code that resumes a ubatch.
+through the run's driver (:mod:`dbo.ubatch.driver`), the only code that resumes a ubatch.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ FAILED = object()
 
 
 class RunView(Protocol):
-    """What a ubatch reads and calls of its run (:class:`dbo._driver.Run` is the one
+    """What a ubatch reads and calls of its run (:class:`dbo.ubatch.driver.Run` is the one
     implementation; the driver imports this module, not the other way round)."""
 
     streams: Any

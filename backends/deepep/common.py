@@ -1,7 +1,7 @@
 """Pieces the DeepEP backends share: their base class, argument checks, hidden padding, fp8 block
 quantization, per-ubatch state, and handing received tensors to the compute stream.
 
-No ``deep_ep`` import here: the buffer objects come from :mod:`dbo.backends.deepep_buffer`.
+No ``deep_ep`` import here: the buffer objects come from :mod:`dbo.backends.deepep.buffer`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from dbo.context import dbo_current_ubatch_id, dbo_enabled
 from dbo.moe.base import ExpertTokensMetadata, PrepareAndFinalize
 from dbo.moe.errors import MoEProtocolError
 from dbo.moe.weight_and_reduce import (
@@ -20,10 +19,11 @@ from dbo.moe.weight_and_reduce import (
     TopKWeightAndReduceContiguous,
     TopKWeightAndReduceDelegate,
 )
-from dbo.streams import hand_over
-from dbo.watchdog import WATCHDOG, WaitSite, check_timeout, raise_peer_timeout, resolve_timeout
+from dbo.peers.watchdog import WATCHDOG, WaitSite, check_timeout, raise_peer_timeout, resolve_timeout
+from dbo.ubatch.context import dbo_current_ubatch_id, dbo_enabled
+from dbo.ubatch.streams import hand_over
 
-from .deepep_buffer import BufferMode, DeepEPDtypeError, SharedDeepEPBuffer
+from .buffer import BufferMode, DeepEPDtypeError, SharedDeepEPBuffer
 
 __all__ = [
     "DeepEPPrepareAndFinalize",
@@ -129,7 +129,7 @@ class DeepEPPrepareAndFinalize(PrepareAndFinalize):
     def _watch(self, phase: str, seq: int, device: torch.device) -> None:
         """After a launch whose kernels wait for the peers: an event on the current stream for
         the GPU watchdog (CUDA only), which ends the process if it is still pending after the
-        timeout (see :mod:`dbo.watchdog`)."""
+        timeout (see :mod:`dbo.peers.watchdog`)."""
         if device.type != "cuda" or not self.peer_checks or torch.cuda.is_current_stream_capturing():
             return  # (a graph's replays run no Python: nothing to watch then)
         board = self._shared.arrival

@@ -14,7 +14,7 @@ group runs the same number of steps (the MoE layers are collective), so ``max_ne
 be the same everywhere and there is no early stop.
 
 The decode steps (every step after the prefill) run inside
-:func:`~dbo.integrations.hf_ep.decode_phase`: a model whose experts have a decode backend
+:func:`~dbo.integrations.transformers.ep.decode_phase`: a model whose experts have a decode backend
 (``switch_ep_backend(model, "deepep_ht", decode_backend="deepep_ll")``, or the ``dbo_deepep``
 implementation) moves the prompt through the first and each new token through the second.
 
@@ -31,9 +31,9 @@ from typing import Any
 
 import torch
 
-from dbo.integrations.hf_ep import decode_phase, prepare_for_overlap
-from dbo.integrations.hf_ep_model import expert_parallel_group
-from dbo.integrations.moe_block import routing_token_mask
+from dbo.integrations.transformers.ep import decode_phase, prepare_for_overlap
+from dbo.integrations.transformers.ep_model import expert_parallel_group
+from dbo.integrations.transformers.moe_block import routing_token_mask
 from dbo.overlap import current_ubatch, overlapped_forward
 from dbo.split import SplitConfig, UBatchPlan, no_split_plan, plan_ubatches
 
@@ -101,7 +101,8 @@ def greedy_generate(model: torch.nn.Module, input_ids: torch.Tensor,
         config: the split (rows are sequences; default: split from 2 sequences).
         group: the expert-parallel group (agrees on the split once, at the prefill; default: the
             group of a model loaded with dbo's expert-parallel implementations, else the default
-            group). A model loaded with FSDP2 is first :func:`~dbo.integrations.hf_fsdp.prepare_for_overlap`'d
+            group). A model loaded with FSDP2 is first
+            :func:`~dbo.integrations.transformers.fsdp.prepare_for_overlap`'d
             (a no-op once it has run a forward).
         mask_padding_tokens: route prompt padding to no expert.
         split_decode: overlap every decode step as the prefill (each ubatch keeping its own

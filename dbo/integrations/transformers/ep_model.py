@@ -1,4 +1,4 @@
-"""A model loaded with dbo's expert-parallel implementations (:mod:`dbo.integrations.hf_ep`):
+"""A model loaded with dbo's expert-parallel implementations (:mod:`dbo.integrations.transformers.ep`):
 find its dbo experts modules and their process group, and switch their backend (a prefill and a
 decode one) or their experts on the loaded weights, without loading again.
 """
@@ -9,9 +9,9 @@ from typing import Any
 
 import torch
 
-from dbo.integrations.backends import BACKENDS
-from dbo.integrations.hf_ep import DBOExpertParallel, check_experts_choice, checked_decode_kwargs
-from dbo.integrations.hf_experts import LibraryExperts
+from dbo.backends import BACKENDS
+from dbo.integrations.transformers.ep import DBOExpertParallel, check_experts_choice, checked_decode_kwargs
+from dbo.integrations.transformers.experts import LibraryExperts
 
 __all__ = ["expert_parallel_modules", "expert_parallel_group", "switch_ep_backend", "switch_ep_experts",
            "ep_experts"]
@@ -43,7 +43,7 @@ def switch_ep_backend(model: torch.nn.Module, backend: str, *, decode_backend: s
                       **backend_kwargs: Any) -> torch.nn.Module:
     """Run every experts module that goes through dbo's implementations through ``backend``
     (built with ``backend_kwargs`` at its next call) from now on, and the calls made inside
-    :func:`~dbo.integrations.hf_ep.decode_phase` through ``decode_backend`` (None: ``backend``
+    :func:`~dbo.integrations.transformers.ep.decode_phase` through ``decode_backend`` (None: ``backend``
     there too); returns ``model``. For comparing backends on one loaded model (the loaded
     weights stay where they are), or for pairing a prefill backend with a decode one
     (``switch_ep_backend(model, "deepep_ht", decode_backend="deepep_ll")``).

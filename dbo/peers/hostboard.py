@@ -8,7 +8,7 @@ values without a collective.
 * :class:`HostBoard`: a table through which the ranks publish a few int64 per numbered round
   and read everyone's, waiting on the host (never on a GPU) for the peers to publish theirs.
   The copy-engine backend exchanges its token counts through one; the split decision's vote
-  goes through one where the group is on one host (:mod:`dbo.split.hostvote`).
+  goes through one where the group is on one host (:mod:`dbo.peers.hostvote`).
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dbo.arrival import process_state
 from dbo.errors import CollectiveTimeoutError
-from dbo.watchdog import resolve_timeout
+from dbo.peers.arrival import process_state
+from dbo.peers.watchdog import resolve_timeout
 
 __all__ = ["ALIGN", "align", "open_shared", "open_shared_checked", "HostBoard", "BOARD_FIELDS"]
 

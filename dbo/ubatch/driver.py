@@ -1,4 +1,4 @@
-"""The greenlet driver behind :func:`dbo.context.run_ubatches`: one loop that starts, resumes,
+"""The greenlet driver behind :func:`dbo.ubatch.context.run_ubatches`: one loop that starts, resumes,
 finishes and unwinds the ubatches of a run on the calling thread.
 
 Two rules, after SQLAlchemy's greenlet bridge and gevent's hub:
@@ -26,22 +26,22 @@ from typing import Any
 
 import greenlet
 
-from dbo._modes import (
+from dbo.errors import HookMisuseError, UBatchError
+from dbo.ubatch.modes import (
     ModeRestorer,
     capture_modes,
     is_any_autocast_enabled,
     is_grad_enabled,
     is_inference_mode_enabled,
 )
-from dbo._ubatch import FAILED, UBatchContext
-from dbo.errors import HookMisuseError, UBatchError
-from dbo.streams import StreamSet
-from dbo.trace import Trace
+from dbo.ubatch.state import FAILED, UBatchContext
+from dbo.ubatch.streams import StreamSet
+from dbo.ubatch.trace import Trace
 
 __all__ = ["Run", "noop", "run_to_completion", "tls"]
 
-# Named after the public module: users and tests configure the "dbo.context" logger.
-logger = logging.getLogger("dbo.context")
+# Named after the public module: users and tests configure the "dbo.ubatch.context" logger.
+logger = logging.getLogger("dbo.ubatch.context")
 
 
 def noop() -> None:

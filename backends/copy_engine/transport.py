@@ -10,7 +10,7 @@ receive buffers and needs three things from a transport, all per rank of one hos
 * **signals**: ``signal(dst, channel)`` after this rank's puts to ``dst``, ``wait(src,
   channel)`` before the data from ``src`` is read. Signals are flags that go 0 -> 1 (signal)
   and 1 -> 0 (wait), so a second signal on a channel waits until the first was consumed;
-* **the board** (:mod:`dbo.hostboard`): a host-memory table through which the ranks
+* **the board** (:mod:`dbo.peers.hostboard`): a host-memory table through which the ranks
   publish the token counts of each dispatch. A copy needs its size on the host when it is
   issued, and the counts are on the host already (the number of rows of each rank's input), so
   the ranks exchange them through POSIX shared memory: no collective and no device sync.
@@ -37,10 +37,10 @@ import torch
 import torch.distributed as dist
 
 from dbo.errors import CollectiveTimeoutError
-from dbo.hostboard import HostBoard, align, open_shared
-from dbo.watchdog import resolve_timeout
+from dbo.peers.hostboard import HostBoard, align, open_shared
+from dbo.peers.watchdog import resolve_timeout
 
-from ._ce_host import check_one_host
+from .host import check_one_host
 
 __all__ = ["BufferLayout", "CAPACITY_STEP", "grown_capacity", "Transport", "CpuTransport",
            "CudaTransport", "TransportCache", "TRANSPORTS", "open_transport"]

@@ -11,21 +11,21 @@ experts, with ``(hidden_states [M, hidden], top_k_index [M, topk], top_k_weights
 :class:`DBOExpertParallel` is such an implementation, one registered name per dbo backend
 (:data:`EP_IMPLEMENTATIONS`, registered when :mod:`dbo.integrations.transformers` is imported):
 its dispatch and combine run through a :class:`dbo.moe.MoEKernel` with the backend, the same
-kernel :class:`~dbo.integrations.moe_block.ExpertParallelMoE` drives, so under DBO the ubatches
+kernel :class:`~dbo.integrations.transformers.moe_block.ExpertParallelMoE` drives, so under DBO the ubatches
 switch while a dispatch or combine is in flight. The experts that run on what arrived
-(:mod:`dbo.integrations.hf_experts`) are dbo's library experts on the module's own weights
-(:class:`~dbo.integrations.hf_experts.LibraryExperts`, which skip the slots whose expert is on
+(:mod:`dbo.integrations.transformers.experts`) are dbo's library experts on the module's own weights
+(:class:`~dbo.integrations.transformers.experts.LibraryExperts`, which skip the slots whose expert is on
 another rank) where its layout allows, or the module's own forward
-(:class:`~dbo.integrations.hf_experts.ModelExperts`, whatever ``experts_implementation``), as
+(:class:`~dbo.integrations.transformers.experts.ModelExperts`, whatever ``experts_implementation``), as
 chosen by ``ep_distributed_config(backend, experts=...)`` or
-:func:`~dbo.integrations.hf_ep_model.switch_ep_experts`.
+:func:`~dbo.integrations.transformers.ep_model.switch_ep_experts`.
 
 transformers wraps the whole model in FSDP2 for this (``fsdp_size=W``): the dense weights are
 sharded and all-gathered before every layer, the experts modules (FSDP over one rank) copied into
 a fresh buffer before every call, and FSDP's buffers made at the first forward fail under
 ``torch.inference_mode()``. Each implementation therefore has its model
-:func:`~dbo.integrations.hf_fsdp.prepare_for_overlap`'d at its first forward
-(:mod:`dbo.integrations.hf_fsdp`): the dense weights gathered once and kept whole, FSDP's buffers
+:func:`~dbo.integrations.transformers.fsdp.prepare_for_overlap`'d at its first forward
+(:mod:`dbo.integrations.transformers.fsdp`): the dense weights gathered once and kept whole, FSDP's buffers
 made outside inference mode, so the model as ``from_pretrained`` returns it runs plain, under
 inference mode and as overlapped ubatches. The experts stay sharded, and both kinds of experts
 read them when they run, whichever copy FSDP has registered then.
@@ -41,17 +41,17 @@ from typing import Any, ClassVar
 
 import torch
 
+from dbo.backends import BACKENDS, make_backend
 from dbo.errors import DBOError
-from dbo.integrations.backends import BACKENDS, make_backend
-from dbo.integrations.hf_experts import (
+from dbo.integrations.transformers.experts import (
     EXPERTS_CHOICES,
     LibraryExperts,
     ModelExperts,
     UnsupportedEPError,
     make_experts,
 )
-from dbo.integrations.hf_fsdp import prepare_at_first_forward, prepare_for_overlap
-from dbo.integrations.moe_block import mask_routing
+from dbo.integrations.transformers.fsdp import prepare_at_first_forward, prepare_for_overlap
+from dbo.integrations.transformers.moe_block import mask_routing
 from dbo.moe import MoEKernel
 
 __all__ = [
@@ -103,7 +103,7 @@ def decode_phase(active: bool = True) -> Iterator[None]:
     """Inside the block, the experts modules that have a decode backend move their tokens through
     it (``switch_ep_backend(model, "deepep_ht", decode_backend="deepep_ll")``, or the
     ``dbo_deepep`` implementation); the others are unaffected.
-    :func:`~dbo.integrations.generate.greedy_generate` runs its decode steps (not the prefill)
+    :func:`~dbo.integrations.transformers.generate.greedy_generate` runs its decode steps (not the prefill)
     inside it.
 
     The backends are collective: every rank of the expert-parallel group must run the same
@@ -327,7 +327,7 @@ def ep_distributed_config(backend: str = "all2all", world_size: int | None = Non
     """``DistributedConfig(fsdp_size=W, ep_size=W, ep_implementation="dbo_<backend>")`` for
     ``from_pretrained``: every rank holds ``E / W`` whole experts and its own batch. The model it
     loads keeps its dense weights whole from its first forward on, which may run under
-    ``torch.inference_mode()`` (:mod:`dbo.integrations.hf_fsdp`).
+    ``torch.inference_mode()`` (:mod:`dbo.integrations.transformers.fsdp`).
 
     Args:
         backend: a backend name (``"deepep_ht"``), ``"deepep"`` (high-throughput kernels for

@@ -2,13 +2,13 @@
 
 :func:`convert_to_expert_parallel` turns a loaded transformers MoE model (Qwen3-MoE, Mixtral,
 DeepSeek-V3) into an expert-parallel one on a process group: each sparse MoE block becomes an
-:class:`~dbo.integrations.moe_block.ExpertParallelMoE` that keeps the block's own router and
+:class:`~dbo.integrations.transformers.moe_block.ExpertParallelMoE` that keeps the block's own router and
 shared experts and holds only this rank's contiguous slice of the routed experts (the rest are
 freed), behind an all-to-all backend chosen by name. Attention, norms and embeddings stay
 replicated (data-parallel attention): every rank runs its own batch of sequences.
 
 With transformers >= 5.23 a checkpoint can instead be loaded expert-parallel by transformers
-itself, with dbo's backends as its EP implementations (:mod:`dbo.integrations.hf_ep`, registered
+itself, with dbo's backends as its EP implementations (:mod:`dbo.integrations.transformers.ep`, registered
 when this module is imported); :class:`DBOPrefill` and ``greedy_generate`` run either model.
 
 :class:`DBOPrefill` runs the converted model's prefill as overlapped ubatches
@@ -31,11 +31,11 @@ from typing import Any
 import torch
 
 from dbo.autotune import AutotuneResult, autotune_split_config
+from dbo.backends import BACKENDS, make_backend
 from dbo.errors import DBOError
-from dbo.integrations.backends import BACKENDS, make_backend
-from dbo.integrations.hf_ep import prepare_for_overlap
-from dbo.integrations.hf_ep_model import expert_parallel_group
-from dbo.integrations.moe_block import ExpertParallelMoE, routing_token_mask
+from dbo.integrations.transformers.ep import prepare_for_overlap
+from dbo.integrations.transformers.ep_model import expert_parallel_group
+from dbo.integrations.transformers.moe_block import ExpertParallelMoE, routing_token_mask
 from dbo.overlap import DBOWrapper
 from dbo.split import SplitConfig, UBatchPlan
 
@@ -164,7 +164,7 @@ def convert_to_expert_parallel(model: torch.nn.Module, group: Any = None, backen
         model: a transformers MoE model (``...ForCausalLM`` or its base model) whose MoE blocks
             are in :data:`FAMILIES`.
         group: the expert-parallel process group (None: the default group).
-        backend: a name in :data:`dbo.integrations.backends.BACKENDS`.
+        backend: a name in :data:`dbo.backends.BACKENDS`.
         max_tokens_per_rank: most tokens a rank sends through one MoE call (one ubatch's
             ``batch * seq``); needed by the low-latency backends.
         backend_kwargs: passed to the backend's constructor; ``timeout_s=`` (every backend
@@ -172,7 +172,7 @@ def convert_to_expert_parallel(model: torch.nn.Module, group: Any = None, backen
 
     Returns:
         ``model``, with each MoE block replaced by an
-        :class:`~dbo.integrations.moe_block.ExpertParallelMoE`.
+        :class:`~dbo.integrations.transformers.moe_block.ExpertParallelMoE`.
 
     Raises:
         UnsupportedModelError: the model's MoE blocks are of an unsupported class (the message
@@ -269,7 +269,7 @@ def prefill_logits(model: torch.nn.Module, input_ids: torch.Tensor,
 class DBOPrefill(torch.nn.Module):
     """Overlapped prefill of a (converted, or loaded with dbo's expert-parallel implementations)
     transformers causal LM. A model loaded with FSDP2 is first
-    :func:`~dbo.integrations.hf_fsdp.prepare_for_overlap`'d (collective: build it on every rank; a
+    :func:`~dbo.integrations.transformers.fsdp.prepare_for_overlap`'d (collective: build it on every rank; a
     no-op once the model has run a forward).
 
     ``DBOPrefill(model, group=ep_group)(input_ids, attention_mask)`` splits the batch at

@@ -1,0 +1,66 @@
+"""Process-group set-up and teardown for the benchmarks and examples: :func:`init_distributed`
+joins the torchrun group (or starts a one-rank one), :func:`shutdown_distributed` frees the
+backends and leaves it without hanging."""
+
+from __future__ import annotations
+
+import gc
+import os
+import socket
+import sys
+
+import torch
+import torch.distributed as dist
+
+from dbo.peers.watchdog import teardown_deadline
+
+__all__ = ["init_distributed", "shutdown_distributed"]
+
+
+def init_distributed(device: str) -> tuple[int, int, torch.device]:
+    """Join the torchrun group (or start a one-rank group when run without torchrun): NCCL on
+    ``device="cuda"`` (this rank's GPU is ``LOCAL_RANK``), gloo otherwise. On CPU the ranks of
+    this host share its cores, unless ``OMP_NUM_THREADS`` says otherwise. Returns the rank, the
+    world size and this rank's device."""
+    if "RANK" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device == "cuda":
+        torch.cuda.set_device(local_rank)
+        dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+    else:
+        dist.init_process_group("gloo")
+        if "OMP_NUM_THREADS" not in os.environ:
+            local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    dev = torch.device("cuda", local_rank) if device == "cuda" else torch.device("cpu")
+    return dist.get_rank(), dist.get_world_size(), dev
+
+
+def shutdown_distributed(*, wait_for_peers: bool, deadline_s: float = 120.0) -> None:
+    """Free DeepEP's buffers, then destroy the default process group once nothing on this rank
+    still uses it.
+
+    DeepEP's buffers (where this process made any) go first, while the group they were made on is
+    alive (collective). Then it collects garbage, so that backends and the async collective work
+    they hold die before the group does, then (``wait_for_peers``, on the success path only: a
+    failed peer would make it wait for the group's timeout) a barrier, so that no rank tears its
+    gloo pairs down while another is still using them. Without both, about one CPU run in ten died
+    at exit with ``terminate called without an active exception`` (SIGABRT) after printing its
+    results. The whole teardown waits on the peers and cannot be interrupted, so it runs under
+    :func:`dbo.peers.watchdog.teardown_deadline` (``deadline_s``): call it once the results are written.
+    """
+    if not dist.is_initialized():
+        return
+    with teardown_deadline(deadline_s, "freeing the backends and the process group"):
+        deepep = sys.modules.get("dbo.backends.deepep.buffer")  # imported where DeepEP ran
+        if deepep is not None:
+            deepep.BUFFER_CACHE.reset()
+        gc.collect()
+        if wait_for_peers:
+            dist.barrier()
+        dist.destroy_process_group()
