@@ -85,6 +85,12 @@ class SplitConfig:
             its tokens: one read of the weights) or ``"plain"`` (never split: like both
             thresholds at :data:`NEVER_SPLIT`, it issues no collective, so every rank of the
             group must use it). Part of the agreement: ranks that split must run the same one.
+        adaptive: a :class:`dbo.DBOWrapper` with this config measures its first split calls
+            at each size bucket plainly and with each expert schedule, and keeps the fastest
+            (:mod:`dbo.split.online`): a wrapper that nobody tuned does not lose to the plain
+            forward. Default True; :func:`dbo.autotune.autotune_split_config` returns False
+            (its thresholds and schedule were measured), and so does a config that asks for
+            exactly what it wants. Part of the agreement.
     """
 
     num_ubatches: int = 2
@@ -98,6 +104,7 @@ class SplitConfig:
     cudagraph_sizes: tuple[int, ...] = ()
     allow_mixed_kinds: bool = False
     expert_schedule: ExpertSchedule = ExpertSchedule.SPLIT
+    adaptive: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.num_ubatches, bool) or not isinstance(self.num_ubatches, int) \
@@ -121,6 +128,8 @@ class SplitConfig:
             raise ValueError(f"cudagraph_sizes must be ints >= 1, got {self.cudagraph_sizes!r}")
         object.__setattr__(self, "cudagraph_sizes", sizes)
         object.__setattr__(self, "expert_schedule", parse_expert_schedule(self.expert_schedule))
+        if not isinstance(self.adaptive, bool):
+            raise ValueError(f"adaptive must be a bool, got {self.adaptive!r}")
 
     @property
     def never_splits(self) -> bool:
@@ -136,7 +145,8 @@ class SplitConfig:
     def agreement_key(self) -> int:
         """A 31-bit digest of the fields every rank must share (compared in the vote)."""
         shared = (self.mode.value, self.num_ubatches, self.pad_to_multiple, self.cudagraph_sizes,
-                  self.allow_mixed_kinds, self.num_speculative_tokens, self.expert_schedule.value)
+                  self.allow_mixed_kinds, self.num_speculative_tokens, self.expert_schedule.value,
+                  self.adaptive)
         return zlib.crc32(repr(shared).encode()) & 0x7FFFFFFF
 
 

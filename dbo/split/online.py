@@ -1,0 +1,198 @@
+"""Plain or overlapped, decided by measuring: the choice a wrapper that nobody tuned makes.
+
+Whether two overlapped ubatches beat one plain forward depends on the model, the batch size,
+the backend and the machine (``docs/performance.md``): an untuned wrapper that always splits
+above the thresholds can lose 10-25%. :class:`OnlineChoice` measures instead. For each size
+bucket (the split plan's whole padded batch, rounded up to a power of two: the same on every
+rank, since the plan is agreed), the first calls take turns over the candidates (the plain
+forward and each expert schedule), one warm-up call and then ``trials`` timed calls each. Then
+the ranks agree on the timings (each candidate's median, the slowest rank's) with one small
+all-reduce, and the bucket keeps the fastest candidate; an overlapped one only when it beats the
+plain forward by ``margin``. Every ``recheck_calls`` calls the bucket measures again, so a choice
+that stops paying (another backend, a warmer GPU) does not stay.
+
+Every rank must make the same calls in the same order, which the split vote already demands
+(the ranks run the same collectives): each call's candidate follows from the bucket's call
+count alone, and the agreement happens at the same call everywhere.
+
+Timing adds no host sync to a call: on CUDA each timed call records two events on the current
+stream, read once at the decision (by then they have completed, or the read waits for the
+last); on CPU the calls are synchronous and a clock is read around them.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from dbo.expert_schedule import ExpertSchedule, parse_expert_schedule
+from dbo.peers.collectives import all_reduce_max
+from dbo.split.types import UBatchPlan
+
+__all__ = ["OnlineChoice", "BucketChoice", "size_bucket"]
+
+logger = logging.getLogger(__name__)
+
+#: the candidates measured by default: the plain forward and both expert schedules
+DEFAULT_CANDIDATES = (ExpertSchedule.PLAIN, ExpertSchedule.SPLIT, ExpertSchedule.MERGED)
+
+
+def size_bucket(plan: UBatchPlan) -> int:
+    """The bucket of a split plan: its whole padded batch (``num_ubatches * padded_size``,
+    the same on every rank of the group) rounded up to a power of two."""
+    rows = plan.num_ubatches * plan.padded_size
+    return 1 << max(0, rows - 1).bit_length()
+
+
+class _Timer:
+    """One call's time: CUDA events on the current stream, or a host clock."""
+
+    __slots__ = ("start", "end", "t0", "t1", "clock")
+
+    def __init__(self, device: torch.device | None, clock: Callable[[], float] | None):
+        self.clock = clock
+        self.start = self.end = None
+        if clock is None and device is not None and device.type == "cuda":
+            self.start = torch.cuda.Event(enable_timing=True)
+            self.end = torch.cuda.Event(enable_timing=True)
+            self.start.record()
+        else:
+            self.t0 = (clock or time.perf_counter)()
+
+    def stop(self) -> None:
+        if self.end is not None:
+            self.end.record()
+        else:
+            self.t1 = (self.clock or time.perf_counter)()
+
+    def ms(self) -> float:
+        if self.end is not None:
+            self.end.synchronize()
+            return float(self.start.elapsed_time(self.end))
+        return (self.t1 - self.t0) * 1e3
+
+
+@dataclass
+class BucketChoice:
+    """One size bucket's state: the calls it has seen, the timings of the current round of
+    measurement, and the choice (None while measuring).
+
+    Attributes:
+        bucket: the bucket's whole padded batch (a power of two).
+        calls: calls seen since the bucket last started measuring.
+        chosen: the candidate kept, or None while measuring.
+        medians_ms: each candidate's median at the last decision (the slowest rank's).
+        decisions: how many times the bucket has decided.
+    """
+
+    bucket: int
+    calls: int = 0
+    chosen: ExpertSchedule | None = None
+    medians_ms: dict[ExpertSchedule, float] = field(default_factory=dict)
+    decisions: int = 0
+    timers: dict[ExpertSchedule, list[_Timer]] = field(default_factory=dict, repr=False)
+
+    def describe(self) -> str:
+        times = ", ".join(f"{c.value} {ms:.3f} ms" for c, ms in self.medians_ms.items())
+        return f"~{self.bucket} tokens: {times} -> {self.chosen.value if self.chosen else '?'}"
+
+
+class OnlineChoice:
+    """Chooses, per size bucket, between the plain forward and the overlapped schedules by
+    timing the first calls (see the module docstring).
+
+    Args:
+        candidates: what to measure; must hold ``plain`` and at least one overlapped schedule
+            (default plain, split, merged).
+        trials: timed calls per candidate and round (after one warm-up call each); >= 1.
+        margin: an overlapped candidate is kept only if its median is below the plain
+            forward's by this fraction (0.02: 2%), so noise keeps the plain forward.
+        recheck_calls: after this many calls on its choice a bucket measures again (None:
+            never).
+        group: the process group whose ranks agree on the timings (None: the default group;
+            no collective without torch.distributed or in a group of one).
+        clock: a host clock in seconds to time calls with instead of CUDA events (tests inject
+            one; default: CUDA events on CUDA, ``time.perf_counter`` elsewhere).
+    """
+
+    def __init__(self, candidates: Sequence[ExpertSchedule | str] = DEFAULT_CANDIDATES, *,
+                 trials: int = 3, margin: float = 0.02, recheck_calls: int | None = 1000,
+                 group: Any = None, clock: Callable[[], float] | None = None):
+        cands = tuple(dict.fromkeys(parse_expert_schedule(c) for c in candidates))
+        if ExpertSchedule.PLAIN not in cands or len(cands) < 2:
+            raise ValueError(f"candidates must hold 'plain' and at least one overlapped schedule, "
+                             f"got {[str(c) for c in candidates]!r}")
+        if isinstance(trials, bool) or not isinstance(trials, int) or trials < 1:
+            raise ValueError(f"trials must be an int >= 1, got {trials!r}")
+        if not 0 <= margin < 1:
+            raise ValueError(f"margin must be in [0, 1), got {margin!r}")
+        if recheck_calls is not None and (not isinstance(recheck_calls, int) or recheck_calls < 1):
+            raise ValueError(f"recheck_calls must be an int >= 1 or None, got {recheck_calls!r}")
+        self.candidates = cands
+        self.trials = trials
+        self.margin = margin
+        self.recheck_calls = recheck_calls
+        self.group = group
+        self.clock = clock
+        self.buckets: dict[int, BucketChoice] = {}
+
+    @property
+    def calls_to_decide(self) -> int:
+        """Calls a bucket measures before it decides."""
+        return len(self.candidates) * (1 + self.trials)
+
+    def choice(self, plan: UBatchPlan) -> ExpertSchedule | None:
+        """The bucket's current choice for a split ``plan`` (None while it measures)."""
+        b = self.buckets.get(size_bucket(plan))
+        return None if b is None else b.chosen
+
+    def run(self, plan: UBatchPlan, call: Callable[[ExpertSchedule], Any],
+            device: torch.device | None = None) -> Any:
+        """Run one call of a split ``plan``: ``call(schedule)`` runs the forward plainly
+        (``ExpertSchedule.PLAIN``) or overlapped with that schedule. Returns its result.
+        Collective at a bucket's decision (every rank reaches it at the same call)."""
+        key = size_bucket(plan)
+        b = self.buckets.setdefault(key, BucketChoice(key))
+        if b.chosen is not None:
+            if self.recheck_calls is None or b.calls < self.recheck_calls:
+                b.calls += 1
+                return call(b.chosen)
+            b.chosen, b.calls = None, 0  # measure again, from a warm-up round
+        return self._measure(b, call, device)
+
+    def _measure(self, b: BucketChoice, call: Callable[[ExpertSchedule], Any],
+                 device: torch.device | None) -> Any:
+        n = len(self.candidates)
+        i = b.calls
+        b.calls += 1
+        cand = self.candidates[i % n]
+        if i < n:  # the warm-up round: caches, kernels' first launch, allocator
+            return call(cand)
+        timer = _Timer(device, self.clock)
+        out = call(cand)
+        timer.stop()
+        b.timers.setdefault(cand, []).append(timer)
+        if b.calls == self.calls_to_decide:
+            self._decide(b)
+        return out
+
+    def _decide(self, b: BucketChoice) -> None:
+        local = [statistics.median(t.ms() for t in b.timers[c]) for c in self.candidates]
+        agreed = all_reduce_max(local, self.group, phase="dbo online choice")
+        medians = dict(zip(self.candidates, agreed, strict=True))
+        plain = medians[ExpertSchedule.PLAIN]
+        best = min((c for c in self.candidates if c is not ExpertSchedule.PLAIN), key=medians.get)
+        b.chosen = best if medians[best] < plain * (1 - self.margin) else ExpertSchedule.PLAIN
+        b.medians_ms, b.calls, b.timers = medians, 0, {}
+        b.decisions += 1
+        logger.info("dbo chose %s", b.describe())
+
+    def table(self) -> str:
+        """One line per decided bucket: the medians and the choice."""
+        return "\n".join(b.describe() for _, b in sorted(self.buckets.items()) if b.decisions)
