@@ -343,7 +343,7 @@ def autotune_split_config(
             chosen = c
     _, k, rows, schedule, threshold = chosen
     field = "decode_token_threshold" if decode_only else "prefill_token_threshold"
-    tuned = {field: threshold}
+    tuned = {field: threshold, "adaptive": False}  # measured here: the wrapper need not
     if schedule is not ExpertSchedule.PLAIN:
         tuned["expert_schedule"] = schedule
     result = AutotuneResult(dataclasses.replace(config, **tuned), decode_only,
