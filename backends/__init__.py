@@ -1,14 +1,18 @@
 """Prepare/finalize backends by name: one entry per all-to-all library.
 
 :data:`BACKENDS` maps a name to a :class:`BackendSpec` that says which ``dbo.backends`` module
-builds it and whether it needs GPUs. The module is imported only when its backend is built,
-so ``deep_ep`` is needed only for a DeepEP backend. A new backend is one entry here.
+builds it and whether it needs GPUs. Every backend is built one way: its module's
+``make_prepare_finalize(group, *, hidden, max_tokens_per_rank, num_experts, topk, dtype,
+device, **options)``, called by :func:`make_backend`. The module is imported only when its
+backend is built, so ``deep_ep`` is needed only for a DeepEP backend. A new backend is a module
+with that function and one entry here.
 """
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Mapping
+import inspect
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
@@ -17,7 +21,11 @@ import torch
 
 from dbo.moe.base import PrepareAndFinalize
 
-__all__ = ["BackendSpec", "BACKENDS", "make_backend", "cpu_backends"]
+__all__ = ["BackendSpec", "BACKENDS", "FACTORY_ARGS", "backend_spec", "backend_options",
+           "make_backend", "cpu_backends"]
+
+#: the keyword arguments every ``make_prepare_finalize`` takes, besides ``group`` and options
+FACTORY_ARGS = ("hidden", "max_tokens_per_rank", "num_experts", "topk", "dtype", "device")
 
 
 @dataclass(frozen=True)
@@ -26,11 +34,9 @@ class BackendSpec:
 
     Attributes:
         name: the name users pass (``backend="all2all"``).
-        module: the module under ``dbo.backends`` that implements it.
-        class_name: for ``torch.distributed`` backends, the class built as
-            ``cls(group, hidden_size=hidden, **kwargs)``; None for modules that offer
-            ``make_prepare_finalize(group, hidden=, max_tokens_per_rank=, num_experts=, topk=,
-            dtype=, device=, **kwargs)``.
+        module: the module under ``dbo.backends`` that implements it; it offers
+            ``make_prepare_finalize(group, *, hidden, max_tokens_per_rank, num_experts, topk,
+            dtype, device, **options)`` (:data:`FACTORY_ARGS`).
         gpu_only: needs CUDA (and, for DeepEP, ``deep_ep``).
         bf16_only: moves bf16 activations only.
         needs_max_tokens: sizes its buffers by ``max_tokens_per_rank``, a hard limit per call
@@ -39,15 +45,14 @@ class BackendSpec:
 
     name: str
     module: str
-    class_name: str | None = None
     gpu_only: bool = False
     bf16_only: bool = False
     needs_max_tokens: bool = False
 
 
 BACKENDS: Mapping[str, BackendSpec] = MappingProxyType({
-    "naive": BackendSpec("naive", "naive", "NaivePrepareAndFinalize"),
-    "all2all": BackendSpec("all2all", "all2all", "AllToAllPrepareAndFinalize"),
+    "naive": BackendSpec("naive", "naive"),
+    "all2all": BackendSpec("all2all", "all2all"),
     "deepep_ht": BackendSpec("deepep_ht", "deepep_ht", gpu_only=True, bf16_only=True),
     "deepep_ll": BackendSpec("deepep_ll", "deepep_ll", gpu_only=True, bf16_only=True,
                              needs_max_tokens=True),
@@ -58,9 +63,41 @@ BACKENDS: Mapping[str, BackendSpec] = MappingProxyType({
 })
 
 
+def backend_spec(name: str, *, what: str = "backend") -> BackendSpec:
+    """The :class:`BackendSpec` of ``name``: the one check of a backend name (``what`` names the
+    argument in the message, e.g. ``"decode_backend"``).
+
+    Raises:
+        ValueError: ``name`` is not a key of :data:`BACKENDS` (the message lists them).
+    """
+    spec = BACKENDS.get(name) if isinstance(name, str) else None
+    if spec is None:
+        raise ValueError(f"unknown {what} {name!r}; choose from {sorted(BACKENDS)}")
+    return spec
+
+
 def cpu_backends() -> list[str]:
     """Names of the backends that run on CPU (gloo)."""
     return sorted(name for name, spec in BACKENDS.items() if not spec.gpu_only)
+
+
+def _factory(name: str) -> Callable[..., PrepareAndFinalize]:
+    spec = backend_spec(name)
+    return importlib.import_module(f"dbo.backends.{spec.module}").make_prepare_finalize
+
+
+def backend_options(name: str) -> list[str] | None:
+    """The options backend ``name`` takes beyond :data:`FACTORY_ARGS` (keyword arguments of its
+    ``make_prepare_finalize``), or None where it passes unnamed options on (``**kwargs``).
+
+    Raises:
+        ValueError: unknown name.
+    """
+    params = inspect.signature(_factory(name)).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return None
+    return sorted(p.name for p in params
+                  if p.kind is inspect.Parameter.KEYWORD_ONLY and p.name not in FACTORY_ARGS)
 
 
 def make_backend(name: str, group: Any, *, hidden: int, num_experts: int, topk: int,
@@ -78,15 +115,14 @@ def make_backend(name: str, group: Any, *, hidden: int, num_experts: int, topk: 
             past it; ignored by the others).
         link: a :class:`dbo.backends.simulated_link.SimulatedLink`: the backend's arrivals held
             back to a slower link's time (the bytes still move through the backend).
-        kwargs: backend-specific options, passed on unchanged.
+        kwargs: backend-specific options (:func:`backend_options`), passed on unchanged.
 
     Raises:
-        ValueError: unknown name, or a backend that needs ``max_tokens_per_rank`` without it.
+        ValueError: unknown name or option, or a backend that needs ``max_tokens_per_rank``
+            without it.
         TypeError: a bf16-only backend with another dtype.
     """
-    spec = BACKENDS.get(name)
-    if spec is None:
-        raise ValueError(f"unknown backend {name!r}; choose from {sorted(BACKENDS)}")
+    spec = backend_spec(name)
     if spec.bf16_only and dtype != torch.bfloat16:
         raise TypeError(f"backend {name!r} moves bf16 activations only; the model is {dtype} "
                         "(convert it with model.to(torch.bfloat16) first)")
@@ -98,15 +134,15 @@ def make_backend(name: str, group: Any, *, hidden: int, num_experts: int, topk: 
         inner = make_backend(name, group, hidden=hidden, num_experts=num_experts, topk=topk, dtype=dtype,
                              device=device, max_tokens_per_rank=max_tokens_per_rank, **kwargs)
         return SimulatedLinkPrepareAndFinalize(inner, link, name)
-    module = importlib.import_module(f"dbo.backends.{spec.module}")
-    if spec.class_name is not None:
-        return getattr(module, spec.class_name)(group, hidden_size=hidden, **kwargs)
+    options = backend_options(name)
+    unknown = sorted(set(kwargs) - set(options)) if options is not None else []
+    if unknown:
+        raise ValueError(f"backend {name!r} has no option {unknown[0]!r}; its options: "
+                         f"{', '.join(options) or 'none'}")
     if spec.needs_max_tokens and max_tokens_per_rank is None:
         raise ValueError(f"backend {name!r} needs max_tokens_per_rank (the most tokens a rank "
                          "sends in one MoE call: batch * seq of one ubatch)")
     if group is None:
         group = torch.distributed.group.WORLD  # DeepEP's Buffer needs the group object itself
-    return module.make_prepare_finalize(group, hidden=hidden,
-                                        max_tokens_per_rank=max_tokens_per_rank,
-                                        num_experts=num_experts, topk=topk, dtype=dtype,
-                                        device=device, **kwargs)
+    return _factory(name)(group, hidden=hidden, max_tokens_per_rank=max_tokens_per_rank,
+                          num_experts=num_experts, topk=topk, dtype=dtype, device=device, **kwargs)

@@ -25,9 +25,15 @@ from dbo.moe.base import (
 )
 from dbo.moe.handles import PerUBatch
 
-from .torchdist import PendingWork, TorchDistPrepareAndFinalize, pack_rows, unpack_rows
+from .torchdist import (
+    PendingWork,
+    TorchDistPrepareAndFinalize,
+    check_factory_dtype,
+    pack_rows,
+    unpack_rows,
+)
 
-__all__ = ["AllToAllPrepareAndFinalize"]
+__all__ = ["AllToAllPrepareAndFinalize", "make_prepare_finalize"]
 
 logger = logging.getLogger(__name__)
 
@@ -130,3 +136,20 @@ class AllToAllPrepareAndFinalize(TorchDistPrepareAndFinalize):
             output.copy_(acc)
 
         return self._async_result(pending, receiver)
+
+
+def make_prepare_finalize(group: Any = None, *, hidden: int, max_tokens_per_rank: int | None = None,
+                          num_experts: int, topk: int, dtype: torch.dtype = torch.float32,
+                          device: torch.device | str | None = None, timeout_s: float = 60.0,
+                          check_inputs: bool = True, use_async: bool = True,
+                          check_ids_every_call: bool = False) -> AllToAllPrepareAndFinalize:
+    """Build a :class:`AllToAllPrepareAndFinalize` on ``group`` whose calls must have ``hidden``
+    columns in ``dtype`` (bfloat16, float16 or float32); the options are the constructor's
+    (:class:`TorchDistPrepareAndFinalize`). ``max_tokens_per_rank``, ``num_experts``, ``topk``
+    and ``device`` are the registry's uniform signature: nothing is sized ahead, and each call
+    checks that the ranks agree on its shapes."""
+    del max_tokens_per_rank, num_experts, topk, device
+    check_factory_dtype("all2all", dtype)
+    return AllToAllPrepareAndFinalize(group, hidden_size=hidden, timeout_s=timeout_s,
+                                      check_inputs=check_inputs, use_async=use_async,
+                                      check_ids_every_call=check_ids_every_call)

@@ -58,6 +58,7 @@ __all__ = [
     "all_gather_single",
     "reduce_scatter_single",
     "DTYPE_CODES",
+    "check_factory_dtype",
 ]
 
 logger = logging.getLogger(__name__)
@@ -90,6 +91,14 @@ def reduce_scatter_single(output: torch.Tensor, inp: torch.Tensor, group: Any,
     ``inp``."""
     return _reduce_scatter_single(output, inp, op=dist.ReduceOp.SUM, group=group,
                                   async_op=async_op)
+
+
+def check_factory_dtype(name: str, dtype: torch.dtype) -> None:
+    """``TypeError`` unless backend ``name`` can move activations of ``dtype``
+    (:data:`DTYPE_CODES`: bfloat16, float16, float32)."""
+    if dtype not in DTYPE_CODES:
+        raise TypeError(f"backend {name!r} moves bfloat16, float16 or float32 activations, "
+                        f"got dtype={dtype}")
 
 
 def pack_rows(*parts: torch.Tensor) -> torch.Tensor:
