@@ -1,16 +1,15 @@
-"""dbo.autotune: the threshold rule (pure, property-tested) and real measurements on the CPU.
+"""dbo.autotune: the threshold rule (pure, property-tested) and measurements of forwards whose
+costs are known.
 
 The measured forward is built so that the answer is known: a fixed per-call cost (a stand-in
 for kernel launches and weight reads, paid once per ubatch), then a "communication" that runs
-on a worker thread while the ubatch yields, then "compute". Small batches lose under DBO (the
-fixed cost is paid twice), large ones win (one ubatch's communication runs during the other's
-compute); the margins are wide (>= 20%) so that timer noise cannot flip them.
+on the link while the ubatch yields, then "compute". Small batches lose under DBO (the fixed
+cost is paid twice), large ones win (one ubatch's communication runs during the other's
+compute). The costs are spent on a :class:`~dbo.testing.clock.VirtualClock` given to the
+autotune, not slept: every timing is exact and the same on any machine, however loaded.
 """
 
 from __future__ import annotations
-
-import time
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -28,23 +27,42 @@ from dbo.autotune import (
 )
 from dbo.expert_schedule import ExpertSchedule, current_expert_schedule
 from dbo.split import plan_ubatches
+from dbo.testing.clock import VirtualClock
 from dbo.testing.dist import DistJobError, DistWorld
 
 FIXED_S = 0.002
 PER_TOKEN_S = 1e-5  # communication and compute each
 
 
-def sleepy_forward(pool: ThreadPoolExecutor, scale: float = 1.0):
+def costed_forward(clock: VirtualClock):
+    """``x * 2`` that costs FIXED_S, then sends PER_TOKEN_S a token while it yields, then
+    computes PER_TOKEN_S a token, on ``clock``."""
     def fn(x: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
-        time.sleep(FIXED_S * scale)
-        comm = pool.submit(time.sleep, PER_TOKEN_S * t * scale)
+        clock.spend(FIXED_S)
+        comm = clock.send(PER_TOKEN_S * t)
         dbo_yield()
-        comm.result()
-        time.sleep(PER_TOKEN_S * t * scale)
+        clock.wait(comm)
+        clock.spend(PER_TOKEN_S * t)
         return x * 2
 
     return fn
+
+
+def test_virtual_clock_queues_transfers_and_overlaps_them_with_work():
+    clock = VirtualClock()
+    a = clock.send(2.0)           # the link: 0 -> 2
+    b = clock.send(1.0)           # queued behind it: 2 -> 3
+    clock.spend(2.5)              # work meanwhile: 0 -> 2.5
+    clock.wait(a)                 # ended already
+    assert clock() == 2.5
+    clock.wait(b)
+    assert clock() == 3.0 and clock.send(0.5) == 3.5
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="seconds"):
+            clock.spend(bad)
+        with pytest.raises(ValueError, match="seconds"):
+            clock.send(bad)
 
 
 rows_strategy = st.lists(
@@ -85,35 +103,40 @@ def test_threshold_examples_and_errors():
 
 
 def test_autotune_finds_the_crossover_and_the_wrapper_follows_it():
-    # best of 3 alternating rounds per mode: a busy machine only ever makes a loop slower
-    with ThreadPoolExecutor(1) as pool:
-        fn = sleepy_forward(pool)
-        res = autotune_split_config(fn, lambda t: [torch.ones(t, 4)], [2000, 25, 50, 4000],
-                                    decode_only=True, warmup=1, steps=3, rounds=3)
-        assert [r.tokens for r in res.rows] == [25, 50, 2000, 4000]
-        # expected ratios: about 1.5 at 25-50 tokens, 0.8 at 2000, 0.75 at 4000
-        assert res.rows[0].ratio > 1.1 and res.rows[1].ratio > 1.1, res.table()
-        assert res.rows[3].ratio < 0.9, res.table()
-        assert res.threshold in (2000, 4000), res.table()
-        assert res.config.decode_token_threshold == res.threshold
-        assert res.config.prefill_token_threshold == SplitConfig().prefill_token_threshold
-        # the wrapper with the tuned config splits where DBO won, and gives the plain numbers
-        assert not plan_ubatches(50, res.config, decode_only=True).split
-        assert plan_ubatches(4000, res.config, decode_only=True).split
-        x = torch.randn(4000, 4)
-        torch.testing.assert_close(overlapped_forward(fn, x, config=res.config, decode_only=True), x * 2,
-                                   rtol=0, atol=0)
-        assert f"threshold: split >= {res.threshold} tokens" in res.table()
+    clock = VirtualClock()
+    fn = costed_forward(clock)
+    res = autotune_split_config(fn, lambda t: [torch.ones(t, 4)], [2000, 25, 50, 4000],
+                                decode_only=True, warmup=1, steps=3, rounds=3, clock=clock)
+    assert [r.tokens for r in res.rows] == [25, 50, 2000, 4000]
+    # expected ratios: about 1.7 at 25-50 tokens (the fixed cost twice), 0.76 at 2000 and 4000
+    assert res.rows[0].ratio > 1.1 and res.rows[1].ratio > 1.1, res.table()
+    assert res.rows[3].ratio < 0.9, res.table()
+    # plain 2 + 0.02 t ms; overlapped: the second ubatch's fixed cost, both transfers back to
+    # back, the last ubatch's compute: 2 + 2 + 0.01 t + 0.005 t ms (from 2000 tokens on)
+    assert res.rows[2].serial_ms == pytest.approx(42.0) and res.rows[2].dbo_ms == pytest.approx(32.0)
+    assert res.threshold == 2000, res.table()
+    assert res.config.decode_token_threshold == res.threshold
+    assert res.config.prefill_token_threshold == SplitConfig().prefill_token_threshold
+    # the wrapper with the tuned config splits where DBO won, and gives the plain numbers
+    assert not plan_ubatches(50, res.config, decode_only=True).split
+    assert plan_ubatches(4000, res.config, decode_only=True).split
+    x = torch.randn(4000, 4)
+    torch.testing.assert_close(overlapped_forward(fn, x, config=res.config, decode_only=True), x * 2,
+                               rtol=0, atol=0)
+    assert f"threshold: split >= {res.threshold} tokens" in res.table()
 
 
 def test_autotune_never_splits_when_dbo_never_wins():
+    clock = VirtualClock()
+
     def fn(x: torch.Tensor) -> torch.Tensor:  # no communication to hide: DBO only adds cost
-        time.sleep(FIXED_S)
+        clock.spend(FIXED_S)
         dbo_yield()
         return x + 1
 
     res = autotune_split_config(fn, lambda t: [torch.zeros(t, 2)], [64, 512], decode_only=False,
-                                warmup=0, steps=2, rounds=1)
+                                warmup=0, steps=2, rounds=1, clock=clock)
+    assert [r.ratio for r in res.rows] == pytest.approx([2.0, 2.0]), res.table()
     assert res.threshold == NEVER_SPLIT and res.schedule is ExpertSchedule.PLAIN
     assert res.config.prefill_token_threshold == NEVER_SPLIT
     assert res.config.expert_schedule is SplitConfig().expert_schedule  # the input's
@@ -171,18 +194,18 @@ def test_schedule_choice_examples():
 FIXED_EXPERTS_S = 0.010
 
 
-def weights_bound_forward(pool: ThreadPoolExecutor):
+def weights_bound_forward(clock: VirtualClock):
     """An MoE-like forward whose "experts" pay a fixed weight read after the dispatch: once per
     ubatch with the split schedule, once per step with the merged one (ubatch 0 pays it)."""
     def fn(x: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
-        comm = pool.submit(time.sleep, PER_TOKEN_S * t)
+        comm = clock.send(PER_TOKEN_S * t)
         dbo_yield()
-        comm.result()
+        clock.wait(comm)
         merged = dbo.dbo_enabled() and current_expert_schedule() is ExpertSchedule.MERGED
         if not merged or dbo.dbo_current_ubatch_id() == 0:
-            time.sleep(FIXED_EXPERTS_S)
-        time.sleep(PER_TOKEN_S * t)
+            clock.spend(FIXED_EXPERTS_S)
+        clock.spend(PER_TOKEN_S * t)
         return x * 2
 
     return fn
@@ -191,14 +214,16 @@ def weights_bound_forward(pool: ThreadPoolExecutor):
 def test_autotune_measures_three_schedules_and_picks_merged_where_weights_dominate():
     # expected per call (ms): 1000 tokens: serial 30, split 35, merged 25; 6000 tokens: serial
     # 130, split 110, merged 100. Merged wins at both sizes, split only at the larger one.
-    with ThreadPoolExecutor(1) as pool:
-        fn = weights_bound_forward(pool)
-        res = autotune_split_config(fn, lambda t: [torch.ones(t, 4)], [1000, 6000],
-                                    decode_only=False, warmup=1, steps=3, rounds=2)
+    clock = VirtualClock()
+    res = autotune_split_config(weights_bound_forward(clock), lambda t: [torch.ones(t, 4)],
+                                [1000, 6000], decode_only=False, warmup=1, steps=3, rounds=2,
+                                clock=clock)
     table = res.table()
     small, large = res.rows
     assert small.ratio > 1.05 and small.merged_ratio < 0.93, table
     assert large.ratio < 0.9 and large.merged_ms < large.dbo_ms, table
+    assert [(r.serial_ms, r.dbo_ms, r.merged_ms) for r in res.rows] == [
+        pytest.approx((30.0, 35.0, 25.0)), pytest.approx((130.0, 110.0, 100.0))], table
     assert small.best is ExpertSchedule.MERGED, table
     assert res.schedule is ExpertSchedule.MERGED and res.threshold == 1000, table
     assert res.config.expert_schedule is ExpertSchedule.MERGED
@@ -207,15 +232,14 @@ def test_autotune_measures_three_schedules_and_picks_merged_where_weights_domina
     # the wrapper with the tuned config runs the merged schedule, with the plain numbers
     x = torch.randn(2000, 4)
     trace = dbo.Trace()
-    with ThreadPoolExecutor(1) as pool:
-        out = overlapped_forward(weights_bound_forward(pool), x, config=res.config, trace=trace)
+    out = overlapped_forward(weights_bound_forward(VirtualClock()), x, config=res.config, trace=trace)
     torch.testing.assert_close(out, x * 2, rtol=0, atol=0)
     assert trace.meta["expert_schedule"] == "merged"
     # measuring the split schedule only gives the old, split-only answer
-    with ThreadPoolExecutor(1) as pool:
-        only = autotune_split_config(weights_bound_forward(pool), lambda t: [torch.ones(t, 4)],
-                                     [1000, 6000], decode_only=False, warmup=1, steps=3, rounds=2,
-                                     schedules=["split"])
+    clock = VirtualClock()
+    only = autotune_split_config(weights_bound_forward(clock), lambda t: [torch.ones(t, 4)],
+                                 [1000, 6000], decode_only=False, warmup=1, steps=3, rounds=2,
+                                 schedules=["split"], clock=clock)
     assert only.schedule is ExpertSchedule.SPLIT and only.threshold == 6000, only.table()
     assert all(r.merged_ms is None for r in only.rows)
     assert only.config.expert_schedule is ExpertSchedule.SPLIT
@@ -241,25 +265,29 @@ def test_overlapped_runs_get_the_carveout_and_plain_runs_do_not():
 def test_autotune_picks_the_carveout_whose_choice_costs_least():
     # DBO wins only when the overlapped runs leave 16 SMs free (a stand-in for DeepEP's kernels
     # that wait for SMs otherwise): 20 ms plain; overlapped 12 ms with 16 free, else 30 ms
+    clock = VirtualClock()
+
     def fn(x: torch.Tensor) -> torch.Tensor:
         if dbo.dbo_enabled():
             free = torch._C._get_sm_carveout_experimental()
-            time.sleep(0.006 if free == 16 else 0.015)  # per ubatch
+            clock.spend(0.006 if free == 16 else 0.015)  # per ubatch
             dbo_yield()
         else:
-            time.sleep(0.020)
+            clock.spend(0.020)
         return x + 1
 
     before = torch._C._get_sm_carveout_experimental()
     res = autotune_split_config(fn, lambda t: [torch.zeros(t, 2)], [8, 16], decode_only=False,
-                                warmup=0, steps=2, rounds=1, schedules=["split"], sm_carveouts=(None, 16))
+                                warmup=0, steps=2, rounds=1, schedules=["split"], sm_carveouts=(None, 16),
+                                clock=clock)
     assert res.sm_carveout == 16 and res.carveouts_tried == (None, 16), res.table()
     assert res.schedule is ExpertSchedule.SPLIT and res.threshold == 8, res.table()
     assert all(r.ratio < 0.8 for r in res.rows), res.table()  # the rows are the 16's runs
     assert "SM carve-out: 16 (of none, 16" in res.table()
     # where no carve-out makes DBO win, the first is kept and the forward stays plain
     res = autotune_split_config(fn, lambda t: [torch.zeros(t, 2)], [8], decode_only=False,
-                                warmup=0, steps=1, rounds=1, schedules=["split"], sm_carveouts=(None, 8))
+                                warmup=0, steps=1, rounds=1, schedules=["split"], sm_carveouts=(None, 8),
+                                clock=clock)
     assert res.sm_carveout is None and res.schedule is ExpertSchedule.PLAIN, res.table()
     assert torch._C._get_sm_carveout_experimental() == before
 
@@ -285,6 +313,12 @@ def test_bad_arguments(kwargs, match):
         autotune_split_config(lambda x: x, lambda t: [torch.zeros(t)], decode_only=True, **args)
 
 
+def test_a_clock_that_is_not_callable_is_a_type_error():
+    with pytest.raises(TypeError, match="clock must be callable"):
+        autotune_split_config(lambda x: x, lambda t: [torch.zeros(t)], [4], decode_only=True,
+                              clock=0.0)
+
+
 # ---- two ranks over gloo: the same answer everywhere, and mismatches fail on every rank -------
 
 
@@ -298,17 +332,18 @@ def _tune_job(counts_by_rank: list[list[int]]) -> tuple:
     import torch.distributed as dist
 
     rank = dist.get_rank()
+    clock = VirtualClock()
 
     def fn(x: torch.Tensor) -> torch.Tensor:
         # a collective per call, as an MoE forward has; rank 1 is slower, so it sets the pace
-        time.sleep(0.001 * (1 + rank))
+        clock.spend(0.001 * (1 + rank))
         y = x.clone()
         dist.all_reduce(y)
         dbo_yield()
         return y
 
     res = autotune_split_config(fn, lambda t: [torch.ones(t, 3)], counts_by_rank[rank],
-                                decode_only=False, warmup=1, steps=2, rounds=1)
+                                decode_only=False, warmup=1, steps=2, rounds=1, clock=clock)
     return res.threshold, res.rows
 
 
@@ -317,8 +352,8 @@ def _tune_job(counts_by_rank: list[list[int]]) -> tuple:
 def test_ranks_get_the_same_answer(world):
     (thr0, rows0), (thr1, rows1) = world.run(_tune_job, [[8, 64], [8, 64]])
     assert thr0 == thr1 and rows0 == rows1
-    # the slowest rank's time: rank 1 sleeps 2 ms per call
-    assert all(r.serial_ms >= 2.0 for r in rows0)
+    # the slowest rank's time: rank 1 spends 2 ms per call (rank 0 1 ms)
+    assert all(r.serial_ms == pytest.approx(2.0, abs=1e-5) for r in rows0), rows0
 
 
 @pytest.mark.multiproc

@@ -3,7 +3,9 @@ hidden padding, fp8 blocks, the v2 expanded layout, the low-latency bookkeeping.
 
 from __future__ import annotations
 
+import subprocess
 import sys
+import textwrap
 
 import pytest
 import torch
@@ -55,11 +57,40 @@ def test_missing_deep_ep_names_the_install_step(monkeypatch):
                              topk=2, cache=db.DeepEPBufferCache())
 
 
-def test_backends_import_without_deep_ep(monkeypatch):
-    monkeypatch.setitem(sys.modules, "deep_ep", None)
-    import dbo.backends.deepep_ht  # noqa: F401
-    import dbo.backends.deepep_ll  # noqa: F401
-    import dbo.backends.deepep_v2  # noqa: F401
+#: run in a fresh interpreter: this module imported the backends already, so importing them
+#: here again would be a cached no-op. A finder first on the meta path refuses deep_ep and
+#: records every attempt, so a guarded (try/except) import at import time is caught too.
+_IMPORT_WITHOUT_DEEP_EP = textwrap.dedent("""
+    import sys
+
+    attempts = []
+
+    class NoDeepEP:
+        def find_spec(self, name, path=None, target=None):
+            if name == "deep_ep" or name.startswith("deep_ep."):
+                attempts.append(name)
+                raise ModuleNotFoundError(f"no module named {name!r} (refused by the test)")
+            return None
+
+    sys.modules.pop("deep_ep", None)
+    sys.meta_path.insert(0, NoDeepEP())
+    import dbo.backends.deepep_ht
+    import dbo.backends.deepep_ll
+    import dbo.backends.deepep_v2
+    from dbo.backends import BACKENDS
+
+    assert {"deepep_ht", "deepep_ll", "deepep_v2"} <= set(BACKENDS), sorted(BACKENDS)
+    assert not attempts, f"importing the DeepEP backends imported {attempts}"
+    assert "deep_ep" not in sys.modules
+    print("imported without deep_ep")
+""")
+
+
+def test_backends_import_without_deep_ep():
+    proc = subprocess.run([sys.executable, "-c", _IMPORT_WITHOUT_DEEP_EP], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "imported without deep_ep", proc.stdout
 
 
 @pytest.mark.parametrize("api, v1, v2", [("v1", True, None), ("v2-elastic", True, "ElasticBuffer"),

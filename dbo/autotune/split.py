@@ -185,15 +185,16 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _time_ms(step: Callable[[], Any], warmup: int, steps: int, device: torch.device) -> float:
+def _time_ms(step: Callable[[], Any], warmup: int, steps: int, device: torch.device,
+             clock: Callable[[], float] = time.perf_counter) -> float:
     for _ in range(warmup):
         step()
     _sync(device)
-    t0 = time.perf_counter()
+    t0 = clock()
     for _ in range(steps):
         step()
     _sync(device)
-    return (time.perf_counter() - t0) * 1e3 / steps
+    return (clock() - t0) * 1e3 / steps
 
 
 def _device_of(tensors: Sequence[torch.Tensor]) -> torch.device:
@@ -220,6 +221,7 @@ def autotune_split_config(
     compute_sms: int | None = None,
     schedules: Sequence[ExpertSchedule | str] = (ExpertSchedule.SPLIT, ExpertSchedule.MERGED),
     sm_carveouts: Sequence[int | None] | None = None,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> AutotuneResult:
     """Time ``fn`` plainly and overlapped at each token count; return a tuned config.
 
@@ -251,6 +253,10 @@ def autotune_split_config(
             A carve-out keeps SMs free for the other ubatch's communication kernels
             (DeepEP's) and costs the matmuls those SMs: whether it pays depends on the
             backend and the shape.
+        clock: what the timed loops read, in seconds (default :func:`time.perf_counter`; CUDA
+            work is synchronized before each reading). Tests pass a deterministic one
+            (:class:`dbo.testing.clock.VirtualClock`) whose time moves only when the forward
+            says it spends time.
 
     Returns:
         :class:`AutotuneResult`; ``.config`` is what to give the wrapper: the tuned threshold
@@ -261,6 +267,7 @@ def autotune_split_config(
         ValueError: an empty or non-positive ``token_counts``, bad ``steps``/``rounds``, or
             ``schedules``, or ranks that were given different ``token_counts``/``steps``/
             ``rounds``/``schedules``.
+        TypeError: a ``clock`` that is not callable.
     """
     config = SplitConfig() if config is None else config
     counts = [int(t) for t in token_counts]
@@ -268,6 +275,8 @@ def autotune_split_config(
         raise ValueError(f"token_counts must be distinct positive ints, got {list(token_counts)!r}")
     if warmup < 0 or steps < 1 or rounds < 1:
         raise ValueError(f"need warmup >= 0, steps >= 1, rounds >= 1; got {warmup}, {steps}, {rounds}")
+    if not callable(clock):
+        raise TypeError(f"clock must be callable (returns seconds, like time.perf_counter), got {clock!r}")
     if not 0 <= margin < 1:
         raise ValueError(f"margin must be in [0, 1), got {margin!r}")
     _check_carveout(sm_carveout)
@@ -307,7 +316,8 @@ def autotune_split_config(
         plain = float("inf")
         best = dict.fromkeys(keys, float("inf"))
         for _ in range(rounds):
-            plain = min(plain, _time_ms(lambda x=inputs: fn(*x, **kwargs), warmup, steps, device))
+            plain = min(plain, _time_ms(lambda x=inputs: fn(*x, **kwargs), warmup, steps, device,
+                                        clock))
             for (s, k) in keys if plan.split else ():
                 if s not in dbo_schedules:
                     continue
@@ -316,7 +326,7 @@ def autotune_split_config(
                     lambda x=inputs, p=p, k=k: overlapped_forward(fn, *x, plan=p, fn_kwargs=kwargs,
                                                                   sm_carveout=carveouts[k],
                                                                   compute_sms=compute_sms),
-                    warmup, steps, device))
+                    warmup, steps, device, clock))
         local += [v if v != float("inf") else -1.0 for v in [plain, *best.values()]]
         del inputs
     if multi:
