@@ -1,6 +1,7 @@
 """The README's main command: ``torchrun --nproc-per-node 2 examples/moe_overlap.py``, run as a
 subprocess (small sizes, one step) for each torch.distributed backend. It must report that the
-DBO output equals the serial one, exit 0, and write a loadable Chrome trace."""
+DBO output equals the serial one in its last line (a PASS verdict naming the trace), exit 0, and
+write a loadable Chrome trace."""
 
 from __future__ import annotations
 
@@ -33,8 +34,10 @@ def test_demo_torchrun_two_ranks(tmp_path, backend, extra):
     assert proc.returncode == 0, out
     assert f"backend={backend} world=2" in out, out
     assert "plan (rank 0): split(" in out, out
-    assert "OK: DBO output == serial output" in out, out
     assert "serial:" in out and "dbo:" in out, out
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last.startswith("moe_overlap.py: PASS: DBO output matches serial output"), out
+    assert last.endswith(f"trace of one overlapped step in {trace}"), out
     events = json.loads(trace.read_text())["traceEvents"]
     names = {e.get("name") for e in events}
     assert {"ub0 running", "ub1 running", "dispatch", "combine"} <= names

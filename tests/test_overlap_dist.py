@@ -1,20 +1,15 @@
-"""The overlapped forward of the demo MoE model (examples/_model.py) over a 2-rank gloo group,
+"""The overlapped forward of the demo's MoE model (dbo.bench.model) over a 2-rank gloo group,
 with the naive and all2all backends: DBO output == plain output, for even and uneven token
 counts, an empty rank, and the fallback when a rank is below its threshold; and the trace shows
 the other ubatch running while a ubatch's dispatch is in flight."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from dbo.testing.dist import DistWorld
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(150)]
-
-EXAMPLES = str(Path(__file__).resolve().parent.parent / "examples")
-
 
 @pytest.fixture(scope="module")
 def world():
@@ -23,30 +18,25 @@ def world():
 
 
 def _overlap_job(backend: str, tokens: list[int], dtype_name: str, threshold: int) -> dict:
-    import sys
-
     import torch
     import torch.distributed as dist
 
-    if EXAMPLES not in sys.path:
-        sys.path.insert(0, EXAMPLES)
-    from _model import DemoMoEModel, ModelConfig, make_backend
-
     import dbo
-    from dbo.moe import relative_error
+    from dbo.backends import make_backend
+    from dbo.bench.model import BenchModel, LayerDims
+    from dbo.moe import SwiGLUExperts, relative_error
     from dbo.overlap import DBOWrapper
     from dbo.split import FALLBACK_LOG, SplitConfig
 
     rank, world = dist.get_rank(), dist.get_world_size()
     dtype = getattr(torch, dtype_name)
-    cfg = ModelConfig(hidden=32, intermediate=32, shared_intermediate=32, num_experts=4, topk=2,
-                      num_layers=2, dtype=dtype, seed=3)
-    backends = [make_backend(backend, None, hidden=cfg.hidden, num_experts=cfg.num_experts,
-                             topk=cfg.topk, max_tokens_per_rank=max(tokens), dtype=dtype,
-                             device=torch.device("cpu")) for _ in range(cfg.num_layers)]
-    model = DemoMoEModel(cfg, backends, rank, world)
+    dims = LayerDims(hidden=32, intermediate=32, shared_intermediate=32, num_experts=4, topk=2,
+                     attn_width=64, layers=2, dtype=dtype, attn_yield=True)
+    pf = make_backend(backend, None, hidden=dims.hidden, num_experts=dims.num_experts,
+                      topk=dims.topk, max_tokens_per_rank=max(tokens), dtype=dtype, device="cpu")
+    model = BenchModel(dims, rank, world, torch.device("cpu"), seed=3).use(pf, SwiGLUExperts())
     g = torch.Generator().manual_seed(100 + rank)
-    x = torch.randn(tokens[rank], cfg.hidden, generator=g).to(dtype)
+    x = torch.randn(tokens[rank], dims.hidden, generator=g).to(dtype)
     FALLBACK_LOG.reset()
     wrapper = DBOWrapper(model, SplitConfig(prefill_token_threshold=threshold))
     trace = dbo.Trace()

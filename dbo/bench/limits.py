@@ -26,10 +26,11 @@ the parts run one after another.
 
 from __future__ import annotations
 
-import statistics
 from dataclasses import asdict, dataclass
 
 import torch
+
+from dbo.bench.timing import median_ms
 
 __all__ = ["DeviceLimits", "measure_device_limits", "experts_cost", "active_experts",
            "layer_limit_ms"]
@@ -68,32 +69,10 @@ class DeviceLimits:
                 f"{'' if self.instance is None else f' ({self.instance})'}{held}")
 
 
-def _median_ms(fn, device: torch.device, reps: int) -> float:
-    fn()
-    if device.type != "cuda":
-        import time
-
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(times)
-    torch.cuda.synchronize(device)
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-              for _ in range(reps)]
-    for a, b in events:
-        a.record()
-        fn()
-        b.record()
-    torch.cuda.synchronize(device)
-    return statistics.median(a.elapsed_time(b) for a, b in events)
-
-
 def _copy_ms(copy_bytes: int, device: torch.device, reps: int) -> float:
     src = torch.empty(copy_bytes // 2, dtype=torch.bfloat16, device=device).uniform_()
     dst = torch.empty_like(src)
-    return _median_ms(lambda: dst.copy_(src), device, reps)
+    return median_ms(lambda: dst.copy_(src), steps=reps, device=device)
 
 
 def _gemm_operands(n: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,13 +82,13 @@ def _gemm_operands(n: int, dtype: torch.dtype, device: torch.device) -> tuple[to
 
 def _gemm_ms(n: int, dtype: torch.dtype, device: torch.device, reps: int) -> float:
     a, b = _gemm_operands(n, dtype, device)
-    return _median_ms(lambda: a @ b, device, reps)
+    return median_ms(lambda: a @ b, steps=reps, device=device)
 
 
 def _held_gemm_ms(n: int, dtype: torch.dtype, device: torch.device, seconds: float) -> float:
     # the GEMM back to back for `seconds`; the mean of its second half (the clock has settled)
     a, b = _gemm_operands(n, dtype, device)
-    ms = _median_ms(lambda: a @ b, device, 3)
+    ms = median_ms(lambda: a @ b, steps=3, device=device)
     half = max(1, int(seconds / 2 / (ms * 1e-3)))
     for _ in range(half):
         a @ b

@@ -1,5 +1,6 @@
-"""Timing for the overlap benchmark: per-step GPU times over the group, CPU launch time, peak
-memory, and a progress bar.
+"""Timing for the benchmarks: :func:`median_ms` (one rank, one callable), :func:`measure` (the
+overlap benchmark's per-step GPU times over the group, CPU launch time, peak memory) and a
+progress bar.
 
 :func:`measure` runs warm-up steps, then ``steps`` timed steps back to back. On CUDA each step
 sits between two CUDA events on the current stream, so its time is what the GPU took from the
@@ -34,7 +35,7 @@ from dbo.bench.syncs import format_sites, host_syncs
 from dbo.peers.collectives import all_reduce_max
 from dbo.ubatch.streams import gpu_sleep  # re-exported: the benchmarks' GPU hold
 
-__all__ = ["Timing", "measure", "Progress", "gpu_sleep"]
+__all__ = ["Timing", "median_ms", "measure", "Progress", "gpu_sleep"]
 
 
 @dataclass
@@ -76,6 +77,38 @@ def _percentile(xs: list[float], q: float) -> float:
         return float("nan")
     k = min(len(s) - 1, max(0, round(q * (len(s) - 1))))
     return s[k]
+
+
+def median_ms(fn: Callable[[], Any], *, steps: int, warmup: int = 1,
+              device: torch.device | str = "cpu") -> float:
+    """Median milliseconds of one call of ``fn`` on this rank (no collective of its own).
+
+    ``warmup`` untimed calls, then ``steps`` timed ones: on CUDA each between two CUDA events on
+    the current stream (the GPU's time, read after one sync at the end), elsewhere the wall time
+    of the call.
+    """
+    if steps < 1 or warmup < 0:
+        raise ValueError(f"median_ms needs steps >= 1 and warmup >= 0, got steps={steps}, "
+                         f"warmup={warmup}")
+    device = torch.device(device)
+    for _ in range(warmup):
+        fn()
+    if device.type != "cuda":
+        times = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
+    _sync(device)
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(steps)]
+    for start, end in events:
+        start.record()
+        fn()
+        end.record()
+    _sync(device)
+    return statistics.median(start.elapsed_time(end) for start, end in events)
 
 
 def measure(step: Callable[[], Any], *, warmup: int, steps: int, device: torch.device,

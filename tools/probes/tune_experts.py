@@ -22,6 +22,7 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from dbo.bench import timing  # noqa: E402
 from dbo.bench.experts import make_case  # noqa: E402
 from dbo.bench.limits import measure_device_limits  # noqa: E402
 from dbo.bench.timing import gpu_sleep  # noqa: E402
@@ -101,13 +102,7 @@ def median_ms(fn, reps: int) -> float:
     except triton.runtime.errors.OutOfResources as e:  # a tile too large for shared memory
         print(f"  skipped: {e}", flush=True)
         return float("inf")
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-    for a, b in ev:
-        a.record()
-        fn()
-        b.record()
-    torch.cuda.synchronize()
-    return statistics.median(a.elapsed_time(b) for a, b in ev)
+    return timing.median_ms(fn, steps=reps, warmup=0, device="cuda")
 
 
 def alternating_ms(fns: dict, reps: int, rotate: bool = False, sleep_each_ms: float = 0.0) -> dict:
