@@ -96,7 +96,7 @@ def test_peer_failure_is_a_bounded_clear_error(world2, backend, mode, use_dbo, f
         assert names[0] == "UBatchError", res["chain"]
     msg = dict(res["chain"])["CollectiveTimeoutError"]
     assert f"{backend} " in msg and "peer rank failed or stopped" in msg, msg
-    assert res["elapsed_s"] < TIMEOUT_S + 8, res
+    assert res["elapsed_s"] < 10 * TIMEOUT_S, res  # about TIMEOUT_S; 10x for a loaded machine
     failed = outcomes[fail_rank]
     if mode == "exit":
         assert failed.exitcode == 3, failed

@@ -294,7 +294,8 @@ def test_a_stopped_peer_fails_the_waiting_rank_within_the_timeout(block):
         outcomes = world.run_outcomes(_stop_mid_step, 1, block, timeout_s=30.0)
     assert outcomes[1].exitcode == 3 or not outcomes[1].ok
     assert outcomes[0].ok, outcomes[0].traceback
-    assert 1.5 < outcomes[0].value < 10.0, outcomes[0].value
+    # the 2 s timeout (not the backend's 60 s in the block case), with 10x slack above
+    assert 1.5 < outcomes[0].value < 20.0, outcomes[0].value
 
 
 def _bad_args() -> list[str]:

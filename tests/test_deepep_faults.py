@@ -69,7 +69,7 @@ def test_dead_or_stalled_peer_is_a_named_bounded_error(world2, kind, fault, use_
     ubatch = "0" if not use_dbo else "[01]"
     assert re.match(f"deepep_{kind} {phase} of ubatch {ubatch} on rank {1 - fail_rank}: "
                     f"rank {fail_rank} did not arrive within {TIMEOUT_S:.1f} s", msg), msg
-    assert res["elapsed_s"] < TIMEOUT_S + 5, res
+    assert res["elapsed_s"] < 10 * TIMEOUT_S, res  # about TIMEOUT_S; 10x for a loaded machine
     failed = outcomes[fail_rank]
     if fault == "stall":
         # the stalled rank comes back, finds the survivor gone, and fails the same way
@@ -79,7 +79,7 @@ def test_dead_or_stalled_peer_is_a_named_bounded_error(world2, kind, fault, use_
     else:
         assert failed.exitcode == FAULT_EXIT_CODE, failed
         assert "process exited" in msg, msg
-    assert time.monotonic() - t0 < 45
+    assert time.monotonic() - t0 < 60  # about 2-6 s with the restart
 
 
 @pytest.mark.parametrize("kind, use_dbo", [("ht", True), ("ll", False)])

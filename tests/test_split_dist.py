@@ -274,7 +274,7 @@ def test_a_silent_peer_fails_the_decision_within_the_collective_timeout(host_vot
     with DistWorld(2) as w:
         out = w.run(_silent_peer_job, 1.0, host_vote, timeout_s=30.0)
     assert out[1] == "silent" and out[0].startswith("raised after"), out
-    assert float(out[0].split()[2]) < 5.0, out
+    assert float(out[0].split()[2]) < 10.0, out  # the 1 s timeout, with 10x slack
 
 
 def _vote_paths_job() -> tuple:
@@ -361,4 +361,4 @@ def test_a_peer_that_exits_fails_the_decision_at_once():
     with DistWorld(2) as w:
         outcomes = w.run_outcomes(_dead_peer_job, timeout_s=30.0)
     assert outcomes[0].ok, outcomes[0].traceback
-    assert 0 <= outcomes[0].value < 5.0, outcomes[0].value
+    assert 0 <= outcomes[0].value < 10.0, outcomes[0].value  # about 1 s; the group's timeout is 30 s

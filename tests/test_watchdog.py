@@ -154,10 +154,11 @@ def test_watchdog_thread_fires_within_the_timeout():
     wd = GpuWaitWatchdog(poll_s=0.02, on_expire=fired.append)
     t0 = time.monotonic()
     wd.watch(_Event(), 0.3, SITE)
-    while not fired and time.monotonic() - t0 < 5:
+    while not fired and time.monotonic() - t0 < 10:
         time.sleep(0.01)
     wd.stop()
-    assert fired and 0.3 <= time.monotonic() - t0 < 1.5
+    # never before the timeout; after it within 10x (a loaded machine delays the poll thread)
+    assert fired and 0.3 <= time.monotonic() - t0 < 10 * 0.3
 
 
 def test_watchdog_ends_the_process_with_the_message():
@@ -168,17 +169,17 @@ def test_watchdog_ends_the_process_with_the_message():
             def query(self):
                 return False
         WATCHDOG.watch(Never(), 0.5, WaitSite("deepep_ht", "combine", 0, 1), lambda: ([0], "rank 0: gone"))
-        time.sleep(20)
+        time.sleep(600)
         print("not reached")
     """)
     t0 = time.monotonic()
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     elapsed = time.monotonic() - t0
     assert p.returncode == GPU_WAIT_TIMEOUT_EXIT_CODE, (p.returncode, p.stderr)
     assert "not reached" not in p.stdout
     assert ("deepep_ht combine of ubatch 0 on rank 1: rank 0 did not arrive within 0.5 s; rank 0: "
             "gone") in p.stderr, p.stderr
-    assert elapsed < 15
+    assert elapsed < 30  # about 2 s: the interpreter, torch's import, the 0.5 s timeout
 
 
 def test_teardown_deadline_ends_a_stuck_teardown_and_not_a_quick_one():
