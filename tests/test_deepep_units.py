@@ -51,7 +51,7 @@ def test_missing_deep_ep_names_the_install_step(monkeypatch):
         db.import_deep_ep()
     msg = str(info.value)
     assert isinstance(info.value, ImportError)
-    assert "fetch-wheels.sh" in msg and "tokenspeed-deepep==1.2.1.post20251110" in msg
+    assert "offline_wheels.sh" in msg and "tokenspeed-deepep==1.2.1.post20251110" in msg
     with pytest.raises(db.DeepEPNotInstalledError):
         db.get_deepep_buffer(_Group(), mode="ht", hidden=256, max_tokens_per_rank=8, num_experts=8,
                              topk=2, cache=db.DeepEPBufferCache())

@@ -47,10 +47,12 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 INSTALL_HINT = (
-    "On the GPU host: run `bash ../shared/gpu/fetch-wheels.sh` from the project root, then start "
-    "the command with `source .whl/prelude.sh &&`. Elsewhere: `pip install "
-    "tokenspeed-deepep==1.2.1.post20251110` (DeepEP's Buffer API, built for CUDA 13), or build "
-    "DeepEP from source (https://github.com/deepseek-ai/DeepEP; DeepEP >= 2.0 for the v2 backend)."
+    "Install it with the project's extra, `pip install -e \".[deepep]\"` (the prebuilt wheel "
+    "tokenspeed-deepep==1.2.1.post20251110: DeepEP's Buffer API, built for CUDA 13), or build "
+    "DeepEP from source (https://github.com/deepseek-ai/DeepEP; DeepEP >= 2.0 for the v2 backend). "
+    "On a host without access to the package index: run `bash tools/offline_wheels.sh` where pip "
+    "can reach it, copy `.whl/` with the project, then `pip install --no-index --find-links .whl "
+    "-e \".[deepep]\"` (docs/backends.md, \"Installing DeepEP\")."
 )
 
 #: DeepEP moves rows in 512-byte atoms (32 lanes x 16 bytes); hidden sizes are padded to it.
