@@ -1,6 +1,6 @@
 """Overlap benchmark: how much of the all-to-all dual-batch overlap hides, per MoE layer.
 
-    # GPUs (2 x H200, NCCL); DeepEP wheels installed (source .whl/prelude.sh)
+    # GPUs (2 x H200, NCCL); DeepEP installed (pip install -e ".[deepep]")
     torchrun --nproc-per-node 2 -m dbo.bench overlap --device cuda --backend deepep_ht --out DIR
     torchrun --nproc-per-node 2 -m dbo.bench overlap --device cuda --backend deepep_ll \\
         --cuda-graph --out DIR

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU tests and measurements, by what each checks or measures. From the project root on a
-# host with NVIDIA GPUs (on the GPU host, after `bash ../shared/gpu/fetch-wheels.sh` once):
+# host with NVIDIA GPUs, after `pip install -e ".[deepep,hf]"` (README.md, "On GPUs"):
 #
-#   source .whl/prelude.sh && bash tests/gpu/run.sh [-o OUTDIR] [-d DEADLINE_S] STEP[:N] ...
+#   bash tests/gpu/run.sh [-o OUTDIR] [-d DEADLINE_S] STEP[:N] ...
 #
 # N is the number of ranks for the steps that take one (default 2). With fewer GPUs than ranks,
 # the ranks share GPU 0 where the step allows it (copy_engine, deepep): correctness only, the
@@ -39,8 +39,8 @@
 #                  (random weights written by every rank, HF_LAYERS=48) loaded expert-parallel:
 #                  transformers' all_to_all beside HF_BACKENDS, plain vs DBOPrefill at HF_SCHEDULES
 #                  ("auto": the autotune's choice at each of HF_SHAPES; "split merged"), EP_EXPERTS
-#                  ("library model" for both), HF_ARGS (more options); needs transformers >= 5.23:
-#                  EXTRA_WHEELS="transformers==5.23.0" ../shared/gpu/fetch-wheels.sh
+#                  ("library model" for both), HF_ARGS (more options); needs transformers >= 5.23
+#                  (the hf extra)
 #   generate:N     examples/hf_generate.py: greedy decoding of 64 new tokens after 512-token prompts,
 #                  batch 64 per rank: transformers' generate() (all_to_all) beside dbo's
 #                  greedy_generate on GEN_BACKENDS (NAME or PREFILL/DECODE; default "copy_engine

@@ -1,6 +1,6 @@
 """GPU conformance of the copy-engine backend: DBO == serial == single-process reference.
 
-From the project root on a host with GPUs (``source .whl/prelude.sh`` first on the GPU host)::
+From the project root on a host with GPUs (set-up: README.md, "On GPUs")::
 
     torchrun --nproc-per-node 2 tests/gpu/run_copy_engine.py [--json PATH] [--quick]
     torchrun --nproc-per-node 2 tests/gpu/run_copy_engine.py --stop-test

@@ -2,8 +2,8 @@
 
 Run on a host with 2 (or N: 4, 8) GPUs and DeepEP's ``Buffer`` wheel, from the project root::
 
-    bash ../shared/gpu/fetch-wheels.sh            # once, where pip can reach PyPI
-    source .whl/prelude.sh && torchrun --nproc-per-node 2 tests/gpu/run_deepep.py
+    pip install -e ".[deepep]"                    # once (no index access: README.md, "On GPUs")
+    torchrun --nproc-per-node 2 tests/gpu/run_deepep.py
 
 Options: ``--backends ht ll``, ``--hidden 2048 7168``, ``--topk 1 2 ... 8``, ``--quick`` (fewer
 cases), ``--fp8`` (fp8-dispatch cases for every backend), ``--json PATH`` (write every rank's

@@ -2,7 +2,7 @@
 
 Run from the project root (one invocation, a few minutes)::
 
-    source .whl/prelude.sh && python3 tests/gpu/run_deepep_faults.py --json out/faults.json
+    python3 tests/gpu/run_deepep_faults.py --json out/faults.json
 
 For each case the driver starts a fresh pair of ranks on ``cuda:0`` (a rank that exits leaves
 its group out of step), runs :func:`dbo.testing.faults.faulty_step` on both (a fault-free

@@ -2,7 +2,7 @@
 
 Skipped where there are fewer than 2 CUDA devices or no ``deep_ep``. The full matrix (both
 backends, hidden 2048 and 7168, top-k 1..8) runs with ``DBO_GPU_FULL=1``; otherwise
-``--quick``. On the GPU host: ``source .whl/prelude.sh && pytest tests/gpu -m gpu``, or run the
+``--quick``. On the GPU host: ``pytest tests/gpu -m gpu``, or run the
 script directly (see its docstring).
 """
 
