@@ -1,6 +1,7 @@
 """The property check catches broken runtimes: proof that it can fail.
 
-Each test breaks one promise of the contract by monkeypatching ``dbo.ubatch.context`` internals (wrong
+Each test breaks one promise of the contract by replacing one of the names that
+:mod:`dbo.ubatch.driver` documents as its seam for these tests (wrong
 ring order, a hook not run when its slot's ubatch returns, a pending hook not run when its
 registrant resumes, no unwinding, the stream or grad mode not restored at a switch, ubatches
 not started in a copy of the caller's contextvars), then lets hypothesis search the same
@@ -19,8 +20,9 @@ from hypothesis import Phase, find, given, settings
 from dbo.errors import HookMisuseError
 from dbo.testing.model import Case
 from dbo.testing.programs import ContractViolation, cases, check_case
-from dbo.ubatch import context
-from dbo.ubatch.context import UBatchContext, _Run
+from dbo.ubatch.driver import Run
+from dbo.ubatch.modes import capture_modes
+from dbo.ubatch.state import DONE, FAILED, UBatchContext
 
 # Searching is quick; shrinking to the smallest case would take seconds per test.
 SEARCH = settings(max_examples=400, database=None, derandomize=True, deadline=None,
@@ -42,9 +44,9 @@ def find_violation(strategy=None) -> Case:
 
 def make_yield_variant(*, ring_step: int = 1, restore_stream: bool = True, restore_modes: bool = True,
                        run_pending_hook: bool = True):
-    """A stand-in for ``_Run._make_yield`` with one piece optionally removed."""
+    """A stand-in for ``Run.make_yield`` with one piece optionally removed."""
 
-    def make_yield(run: _Run):
+    def make_yield(run: Run):
         def yield_current() -> None:
             if run.in_hook:
                 raise HookMisuseError("a recv hook may not yield")
@@ -52,7 +54,7 @@ def make_yield_variant(*, ring_step: int = 1, restore_stream: bool = True, resto
                 return
             ctx = run.current
             stream = ctx._stream_key = run.current_stream()
-            modes = ctx._modes = context._capture_modes()
+            modes = ctx._modes = capture_modes()
             n, i = len(run.contexts), ctx.id
             while True:
                 i = (i + ring_step) % n
@@ -77,12 +79,12 @@ def make_yield_variant(*, ring_step: int = 1, restore_stream: bool = True, resto
 @given(cases())
 def test_faithful_reimplementation_passes(case):
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(_Run, "_make_yield", make_yield_variant())
+        mp.setattr(Run, "make_yield", make_yield_variant())
         check_case(case)
 
 
 def test_wrong_ring_order_is_caught(monkeypatch):
-    monkeypatch.setattr(_Run, "_make_yield", make_yield_variant(ring_step=-1))
+    monkeypatch.setattr(Run, "make_yield", make_yield_variant(ring_step=-1))
     case = find_violation()
     assert len(case.programs) >= 3  # with two ubatches both directions agree
     with pytest.raises(ContractViolation, match="log differs from the model"):
@@ -90,21 +92,21 @@ def test_wrong_ring_order_is_caught(monkeypatch):
 
 
 def test_stream_not_restored_is_caught(monkeypatch):
-    monkeypatch.setattr(_Run, "_make_yield", make_yield_variant(restore_stream=False))
+    monkeypatch.setattr(Run, "make_yield", make_yield_variant(restore_stream=False))
     case = find_violation(cases(faults=False))
     with pytest.raises(ContractViolation, match="not restored after a switch"):
         check_case(case)
 
 
 def test_grad_mode_not_restored_is_caught(monkeypatch):
-    monkeypatch.setattr(_Run, "_make_yield", make_yield_variant(restore_modes=False))
+    monkeypatch.setattr(Run, "make_yield", make_yield_variant(restore_modes=False))
     case = find_violation(cases(faults=False))
     with pytest.raises(ContractViolation, match="not restored after a switch"):
         check_case(case)
 
 
 def test_pending_hook_not_run_at_registrant_resume_is_caught(monkeypatch):
-    monkeypatch.setattr(_Run, "_make_yield", make_yield_variant(run_pending_hook=False))
+    monkeypatch.setattr(Run, "make_yield", make_yield_variant(run_pending_hook=False))
     case = find_violation(cases(faults=False))
     with pytest.raises(ContractViolation, match="continued before its hooks"):
         check_case(case)
@@ -117,21 +119,21 @@ def test_hook_not_run_when_its_slots_ubatch_returns_is_caught(monkeypatch):
             try:
                 result = fn()
             except BaseException as exc:  # noqa: BLE001 - as the real body
-                return (context._FAILED, exc)
-            return (context._DONE, result)
+                return (FAILED, exc)
+            return (DONE, result)
 
         return body
 
-    monkeypatch.setattr(UBatchContext, "_body", body_without_final_hook)
+    monkeypatch.setattr(UBatchContext, "body", body_without_final_hook)
     case = find_violation(cases(faults=False))
     with pytest.raises(ContractViolation, match="log differs from the model"):
         check_case(case)
 
 
 def test_no_unwinding_is_caught(monkeypatch):
-    leaked: list[_Run] = []  # keep the never-unwound greenlets alive until the search is over
+    leaked: list[Run] = []  # keep the never-unwound greenlets alive until the search is over
 
-    monkeypatch.setattr(_Run, "unwind", lambda self, failed: leaked.append(self))
+    monkeypatch.setattr(Run, "unwind", lambda self, failed: leaked.append(self))
     try:
         case = find_violation(cases(faults=True))
         with pytest.raises(ContractViolation, match="log differs from the model"):

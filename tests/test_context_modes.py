@@ -18,7 +18,7 @@ from hypothesis import given, note, settings
 from hypothesis import strategies as st
 
 from dbo import UBatchError, dbo_yield, run_ubatches
-from dbo.ubatch.context import _ModeRestorer
+from dbo.ubatch.modes import ModeRestorer
 
 OPS = st.sampled_from([
     ("yield",), ("yield",), ("yield",), ("pop",), ("pop",),
@@ -139,13 +139,13 @@ def test_no_mode_guard_outlives_its_run(inference):
     # piles up one per step.
     programs = [[("inference", not inference), ("yield",), ("set_grad", False), ("yield",)],
                 [("no_grad",), ("yield",), ("pop",), ("inference", inference), ("yield",)]]
-    held = _ModeRestorer.live_guards
+    held = ModeRestorer.live_guards
     with torch.inference_mode(inference):
         before = observe()
         for _ in range(20):
             run_ubatches([interpret(p, []) for p in programs], device="cpu")
             assert observe() == before
-            assert _ModeRestorer.live_guards == held, "a mode guard outlived its run"
+            assert ModeRestorer.live_guards == held, "a mode guard outlived its run"
 
 
 def _autocast_dtype_seen_by_peer(peer_block) -> torch.dtype:

@@ -21,18 +21,10 @@ from typing import Any, TypeVar
 import torch
 
 from dbo.errors import NestedRunError, UBatchCountError
-
-# The private names re-exported here are internals that tests reach through this module
-# (they monkeypatch the classes in place).
-from dbo.ubatch.driver import Run as _Run  # noqa: F401
 from dbo.ubatch.driver import noop as _noop
 from dbo.ubatch.driver import run_to_completion as _run_to_completion
 from dbo.ubatch.driver import tls as _driver_tls
-from dbo.ubatch.modes import ModeRestorer as _ModeRestorer  # noqa: F401
-from dbo.ubatch.modes import capture_modes as _capture_modes  # noqa: F401
 from dbo.ubatch.sm import check_num_sms, compute_on_sms
-from dbo.ubatch.state import DONE as _DONE  # noqa: F401
-from dbo.ubatch.state import FAILED as _FAILED  # noqa: F401
 from dbo.ubatch.state import RecvHook, UBatchContext
 from dbo.ubatch.streams import STREAM_POOL
 from dbo.ubatch.trace import Trace

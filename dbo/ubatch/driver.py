@@ -4,7 +4,7 @@ finishes and unwinds the ubatches of a run on the calling thread.
 Two rules, after SQLAlchemy's greenlet bridge and gevent's hub:
 
 * Only this module resumes a ubatch, through :meth:`Run._enter` (the loop in
-  :meth:`Run.drive`) or the run's ``yield_current`` (built by :meth:`Run._make_yield`), and both
+  :meth:`Run.drive`) or the run's ``yield_current`` (built by :meth:`Run.make_yield`), and both
   save the thread state the last ubatch left (current stream, grad, inference and autocast
   modes) and restore the next one's before the switch. A yield switches straight from the
   yielding ubatch to the next one instead of bouncing through the driver greenlet: that would
@@ -15,6 +15,16 @@ Two rules, after SQLAlchemy's greenlet bridge and gevent's hub:
   (:meth:`Run.unwind`), so that their ``finally`` blocks run before ``run_ubatches`` raises.
 
 The ``dbo_*`` functions find the active run through one thread-local slot, :data:`tls`.
+
+A seam for the contract tests: ``tests/test_context_broken.py`` proves that the contract check
+(:mod:`dbo.testing.programs`) can fail, by running it against deliberately broken drivers. To
+build one it may replace (with ``monkeypatch``, undone after the test) these names and no others:
+:meth:`Run.make_yield` (a stand-in yield with one step left out), :meth:`Run.unwind` (no
+unwinding), and :meth:`dbo.ubatch.state.UBatchContext.body` and ``UBatchContext.__init__`` (a
+ubatch that skips its last hook, or starts outside a copy of the caller's ``contextvars``). A
+stand-in reads and writes the same run and context attributes as the code it replaces, and
+returns :data:`dbo.ubatch.state.DONE` / :data:`~dbo.ubatch.state.FAILED` pairs as the real body
+does; it may call :func:`dbo.ubatch.modes.capture_modes`.
 """
 
 from __future__ import annotations
@@ -86,7 +96,7 @@ class Run:
                          for i, fn in enumerate(fns)]
         # Last: it holds an inference-mode guard that only close() releases.
         self.modes = ModeRestorer(self.caller_modes)
-        self.yield_current = self._make_yield()
+        self.yield_current = self.make_yield()
 
     def next_live(self, idx: int) -> UBatchContext | None:
         """The next live ubatch after ``idx`` in ring order, not ``idx`` itself."""
@@ -113,7 +123,7 @@ class Run:
             self.trace.record("resume", ctx.id)
         return ctx._greenlet.switch()
 
-    def _make_yield(self) -> Callable[[], None]:
+    def make_yield(self) -> Callable[[], None]:
         """Build this run's ``yield_current``: suspend the running ubatch and resume the next
         live one in ring order.
 

@@ -69,7 +69,7 @@ class UBatchContext:
         self.compute_stream = streams.stream(run.compute_key)
         self.comm_stream = streams.stream(run.comm_key)
         self.compute_done_event, self.comm_done_event = events
-        self._greenlet = greenlet.greenlet(self._body(fn), parent=run.driver)
+        self._greenlet = greenlet.greenlet(self.body(fn), parent=run.driver)
         self._greenlet.gr_context = contextvars.copy_context()
         self._modes = run.caller_modes
         self._stream_key = run.compute_key
@@ -80,7 +80,11 @@ class UBatchContext:
         self.live = True
         self.result: Any = None
 
-    def _body(self, fn: Callable[[], Any]) -> Callable[[], tuple]:
+    def body(self, fn: Callable[[], Any]) -> Callable[[], tuple]:
+        """The function this ubatch's greenlet runs: ``fn()``, then the hook left in this
+        ubatch's slot; returns ``(DONE, result)`` or ``(FAILED, exception)`` to the driver
+        (replaceable in tests: see :mod:`dbo.ubatch.driver`)."""
+
         def body() -> tuple:
             self.started = True
             try:
