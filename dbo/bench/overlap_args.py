@@ -6,7 +6,6 @@ import argparse
 import datetime
 import os
 import platform
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -192,9 +191,21 @@ def resolve_defaults(args: argparse.Namespace) -> None:
 
 
 def collect_env(args: argparse.Namespace, device: torch.device, world: int) -> dict[str, Any]:
+    # bundles are shared (docs/results/): no hostname, and argv's absolute paths are written
+    # relative to the working directory or the output folder, else by their last part
+    bases = (Path.cwd(), Path(args.out).resolve())
+
+    def portable(arg: str) -> str:
+        flag, eq, value = arg.partition("=") if arg.startswith("-") else ("", "", arg)
+        path = Path(value)
+        if not path.is_absolute():
+            return arg
+        base = next((b for b in bases if path.is_relative_to(b)), None)
+        return flag + eq + (str(path.relative_to(base)) if base else path.name)
+
     env: dict[str, Any] = {
         "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "argv": sys.argv, "python": platform.python_version(), "hostname": socket.gethostname(),
+        "argv": [portable(a) for a in sys.argv], "python": platform.python_version(),
         "torch": torch.__version__, "torch_cuda": torch.version.cuda, "world_size": world,
         "dbo": getattr(dbo, "__version__", None),
         "env_vars": {k: v for k, v in sorted(os.environ.items())
