@@ -13,10 +13,10 @@
 #   requirements.txt  what was asked for (the host's pip resolves it against what it has)
 #   install.sh        `bash .whl/install.sh`: installs the wheels and the project, editable, with
 #                     `pip install --no-index --find-links .whl -e ".[EXTRAS]"`
-#   prelude.sh        `source .whl/prelude.sh && COMMAND`: for a host whose Python environment
-#                     must stay as it is; installs the wheels that the host lacks into /tmp/site
-#                     (on PYTHONPATH), the project editable without dependencies, and prints the
-#                     torch, deep_ep and greenlet versions
+#   prelude.sh        `source .whl/prelude.sh && COMMAND`: for a host whose installed packages
+#                     must stay as they are; installs the wheels that the host lacks into
+#                     /tmp/site (DBO_SITE; put on PYTHONPATH), the project editable without
+#                     dependencies, and prints the torch, deep_ep and greenlet versions
 # Copy DIR with the source tree to the GPU host and run one of the two from the project root.
 #
 # torch and the CUDA libraries it pulls in (nvidia-*, triton) are left out: a GPU host keeps
@@ -151,7 +151,7 @@ EOF
 cat > "$out/prelude.sh" <<EOF
 # Written by tools/offline_wheels.sh for CPython $pyver. Sourced from the project root on the GPU
 # host, before a command:   source .whl/prelude.sh && bash tests/gpu/run.sh core
-# Leaves the host's Python environment as it is: the wheels of this folder that the host lacks
+# The host's installed packages stay as they are: the wheels of this folder that the host lacks
 # (as its pip resolves requirements.txt) go into \${DBO_SITE:-/tmp/site}, put first on
 # PYTHONPATH; the project is installed editable without its dependencies.
 _dbo_whl=\$(cd "\$(dirname "\${BASH_SOURCE[0]}")" && pwd)
