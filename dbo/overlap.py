@@ -13,6 +13,12 @@ Padding rows must route to no expert. Code inside the forward finds its ubatch w
 :func:`mask_current_padding`; each ubatch has its own value because every ubatch runs in its
 own copy of the caller's ``contextvars`` context.
 
+SMs for the communication: ``sm_carveout=N`` leaves ``N`` SMs free in the overlapped runs' matmuls:
+torch's carve-out for cuBLAS (:func:`dbo.ubatch.sm.sm_carveout`) and the ``sm_carveout`` of every
+:class:`dbo.moe.SwiGLUExperts` that :func:`dbo.moe.experts.find_swiglu_experts` finds in the
+forward (its persistent grids), both set for the run and restored after it. ``compute_sms=N``
+runs the compute on a green context of ``N`` SMs (:func:`dbo.ubatch.sm.compute_on_sms`).
+
 CUDA graphs: given a precomputed ``plan=``, nothing on this path syncs with the host. Slicing
 and padding use Python ints from the plan, the merge is one ``torch.cat`` per output, and the
 ubatch context reuses its comm stream and events across runs. Without ``plan=`` the decision's
@@ -31,10 +37,12 @@ from typing import Any
 import torch
 
 from dbo.expert_schedule import use_expert_schedule
+from dbo.moe.experts import find_swiglu_experts
 from dbo.peers.watchdog import check_timeout, collective_timeout
 from dbo.split import SplitConfig, UBatchPlan, mask_padding_routing, plan_ubatches
 from dbo.ubatch.context import run_ubatches
-from dbo.ubatch.sm import check_num_sms
+from dbo.ubatch.sm import check_compute_sms, check_sm_carveout
+from dbo.ubatch.sm import sm_carveout as torch_sm_carveout
 from dbo.ubatch.trace import Trace
 
 __all__ = [
@@ -46,7 +54,6 @@ __all__ = [
     "merge_outputs",
     "overlapped_forward",
     "DBOWrapper",
-    "sm_carveout",
 ]
 
 
@@ -176,45 +183,24 @@ def _run_device(t: torch.Tensor) -> torch.device | str:
     return t.device if t.device.type == "cuda" else "cpu"
 
 
-def _check_carveout(num_sms: Any) -> int | None:
-    if num_sms is not None and (isinstance(num_sms, bool) or not isinstance(num_sms, int)
-                                or num_sms < 0):
-        raise ValueError(f"sm_carveout must be a non-negative int or None, got {num_sms!r}")
-    return num_sms
-
-
 @contextlib.contextmanager
-def sm_carveout(num_sms: int | None) -> Iterator[None]:
-    """Leave ``num_sms`` SMs to other kernels in the matmuls launched inside the block.
-
-    Sets torch's experimental SM carve-out (``torch._C._set_sm_carveout_experimental``): cuBLASLt
-    matmuls target that many fewer SMs, and the persistent CUTLASS kernels of
-    ``torch._grouped_mm`` size their grid to the rest. Under DBO this keeps SMs free for the
-    other ubatch's communication kernels (DeepEP's normal mode runs on ``Buffer.num_sms`` SMs),
-    which otherwise wait for a persistent GEMM to finish. The previous value is restored on exit.
-    ``None`` does nothing.
-
-    Raises:
-        ValueError: ``num_sms`` is negative or not an int.
-        RuntimeError: this torch has no SM carve-out.
-    """
-    if _check_carveout(num_sms) is None:
+def _leave_sms_free(fn: Callable[..., Any], num_sms: int | None) -> Iterator[None]:
+    """For the block: torch's carve-out of ``num_sms`` (cuBLAS) and the same ``sm_carveout`` on
+    every SwiGLUExperts of ``fn`` (their persistent grids); both put back on exit. ``num_sms``
+    was checked where it came in; None does nothing."""
+    if num_sms is None:
         yield
         return
-    setter = getattr(torch._C, "_set_sm_carveout_experimental", None)
-    getter = getattr(torch._C, "_get_sm_carveout_experimental", None)
-    if setter is None or getter is None:
-        raise RuntimeError(f"sm_carveout={num_sms}: torch {torch.__version__} has no "
-                           "_set_sm_carveout_experimental")
-    previous = getter()
-    setter(num_sms)
-    try:
-        yield
-    finally:
-        setter(previous)
-
-
-_carveout_block = sm_carveout  # overlapped_forward's argument of the same name hides it
+    experts = find_swiglu_experts(fn)
+    saved = [e.sm_carveout for e in experts]
+    with torch_sm_carveout(num_sms):
+        for e in experts:
+            e.sm_carveout = num_sms
+        try:
+            yield
+        finally:
+            for e, k in zip(experts, saved, strict=True):
+                e.sm_carveout = k
 
 
 def overlapped_forward(
@@ -249,9 +235,10 @@ def overlapped_forward(
         trace: a :class:`dbo.Trace` that records the overlapped run.
         comm_stream: the comm stream for ``run_ubatches`` (default: its own).
         fn_kwargs: keyword arguments given unchanged to every call of ``fn``.
-        sm_carveout: SMs the matmuls leave free while the ubatches run (see
-            :func:`sm_carveout`); None (default) leaves torch's setting alone. A plain
-            (unsplit) call runs without it.
+        sm_carveout: SMs the matmuls leave free while the ubatches run: torch's carve-out
+            (:func:`dbo.ubatch.sm.sm_carveout`) and that of ``fn``'s experts
+            (:func:`dbo.moe.experts.find_swiglu_experts`); None (default) leaves both alone. A
+            plain (unsplit) call runs without it.
         compute_sms: run the ubatches' compute on a CUDA green context of this many SMs,
             leaving the others to the communication kernels (see
             :func:`dbo.ubatch.sm.compute_on_sms`); None (default) uses every SM. A plain call
@@ -268,22 +255,31 @@ def overlapped_forward(
         ``fn``'s output for all ``num_tokens`` rows, in input order (same structure).
 
     Raises:
-        ValueError/TypeError: inputs that are not token-major, or a plan for another size.
+        ValueError/TypeError: inputs that are not token-major, a plan for another size, a bad
+            ``sm_carveout``, ``compute_sms`` or ``timeout_s``.
         dbo.UBatchError: a ubatch raised (``__cause__`` is its exception; a peer that did not
             arrive in time: :class:`dbo.errors.CollectiveTimeoutError`).
         dbo.errors.CollectiveTimeoutError: the same, in a plain (unsplit) call.
         dbo.ubatch.sm.SMPartitionUnsupportedError: ``compute_sms`` without green contexts.
     """
     num_tokens = _check_inputs(tensors)
-    _check_carveout(sm_carveout)
-    check_num_sms(compute_sms)
+    check_sm_carveout(sm_carveout)
+    check_compute_sms(compute_sms)
     check_timeout(timeout_s)
-    kwargs = dict(fn_kwargs or {})
     if plan is None:
         with collective_timeout(timeout_s):  # the vote waits for the peers too
             plan = plan_ubatches(num_tokens, config, request_token_counts=request_token_counts,
                                  decode_only=decode_only, group=group, agree=agree)
-    elif plan.num_tokens != num_tokens:
+    return _run_plan(fn, tensors, num_tokens, plan, dict(fn_kwargs or {}), trace=trace,
+                     comm_stream=comm_stream, sm_carveout=sm_carveout, compute_sms=compute_sms,
+                     timeout_s=timeout_s)
+
+
+def _run_plan(fn: Callable[..., Any], tensors: Sequence[torch.Tensor], num_tokens: int,
+              plan: UBatchPlan, kwargs: dict[str, Any], *, trace: Trace | None, comm_stream: Any,
+              sm_carveout: int | None, compute_sms: int | None, timeout_s: float | None) -> Any:
+    """:func:`overlapped_forward` once the plan is known, with arguments its callers checked."""
+    if plan.num_tokens != num_tokens:
         raise ValueError(f"plan is for {plan.num_tokens} tokens, the inputs have {num_tokens}")
     if not plan.split:
         with collective_timeout(timeout_s):
@@ -306,7 +302,7 @@ def overlapped_forward(
     device = _run_device(tensors[0])
     if trace is not None:
         trace.meta["expert_schedule"] = plan.expert_schedule.value
-    with _carveout_block(sm_carveout), use_expert_schedule(plan.expert_schedule), \
+    with _leave_sms_free(fn, sm_carveout), use_expert_schedule(plan.expert_schedule), \
             collective_timeout(timeout_s):
         outputs = run_ubatches([body(i) for i in range(n)], comm_stream=comm_stream,
                                token_offsets=plan.token_offsets, trace=trace,
@@ -329,9 +325,11 @@ class DBOWrapper(torch.nn.Module):
         agree: False skips the agreement all-reduce.
         trace: a default :class:`dbo.Trace` for every overlapped call.
         comm_stream: passed to ``run_ubatches``.
-        sm_carveout: SMs the matmuls leave free in overlapped calls (see :func:`sm_carveout`).
+        sm_carveout: SMs the matmuls (torch's and the wrapped module's experts') leave free in
+            overlapped calls, as in :func:`overlapped_forward`; an attribute, checked when set.
         compute_sms: SMs of the green context the overlapped calls compute on (see
-            :func:`dbo.ubatch.sm.compute_on_sms`); checked here, created on first use.
+            :func:`dbo.ubatch.sm.compute_on_sms`); an attribute, checked when set, the green
+            context created on first use.
         timeout_s: the longest wait for a peer rank in the backends, as in
             :func:`overlapped_forward` (None: each backend's own).
     """
@@ -353,14 +351,32 @@ class DBOWrapper(torch.nn.Module):
         self.agree = agree
         self.trace = trace
         self.comm_stream = comm_stream
-        self.sm_carveout = _check_carveout(sm_carveout)
-        self.compute_sms = check_num_sms(compute_sms)
+        self.sm_carveout = sm_carveout
+        self.compute_sms = compute_sms
         self.timeout_s = check_timeout(timeout_s)
         self.last_plan: UBatchPlan | None = None
 
     @property
     def fn(self) -> Callable[..., Any]:
         return self.module if "module" in self._modules else self._fn
+
+    @property
+    def sm_carveout(self) -> int | None:
+        """SMs left free in the overlapped calls (None: torch's and the experts' own setting)."""
+        return self._sm_carveout
+
+    @sm_carveout.setter
+    def sm_carveout(self, value: int | None) -> None:
+        self._sm_carveout = check_sm_carveout(value)
+
+    @property
+    def compute_sms(self) -> int | None:
+        """SMs of the overlapped calls' green context (None: every SM)."""
+        return self._compute_sms
+
+    @compute_sms.setter
+    def compute_sms(self, value: int | None) -> None:
+        self._compute_sms = check_compute_sms(value)
 
     def plan(self, num_tokens: int, *, request_token_counts: Sequence[int] | None = None,
              decode_only: bool | None = None) -> UBatchPlan:
@@ -378,8 +394,7 @@ class DBOWrapper(torch.nn.Module):
             plan = self.plan(num_tokens, request_token_counts=request_token_counts,
                              decode_only=decode_only)
         self.last_plan = plan
-        return overlapped_forward(self.fn, *tensors, plan=plan,
-                                  trace=self.trace if trace is None else trace,
-                                  comm_stream=self.comm_stream, fn_kwargs=kwargs,
-                                  sm_carveout=self.sm_carveout, compute_sms=self.compute_sms,
-                                  timeout_s=self.timeout_s)
+        return _run_plan(self.fn, tensors, num_tokens, plan, kwargs,
+                         trace=self.trace if trace is None else trace, comm_stream=self.comm_stream,
+                         sm_carveout=self._sm_carveout, compute_sms=self._compute_sms,
+                         timeout_s=self.timeout_s)

@@ -376,22 +376,6 @@ def test_maps_reject_bad_requests_before_launching():
         route_order_with_maps(ids, 2, (torch.zeros(7, dtype=torch.int32),), (16,), 64, groups=(8, 8))
 
 
-def test_persistent_grids_leave_the_sm_carveout_free(monkeypatch):
-    # a persistent grid over every SM would keep them all until its last tile; with torch's
-    # carve-out set (dbo.overlap.sm_carveout) it spreads over the others
-    from types import SimpleNamespace
-
-    from dbo.moe.kernels import fused_experts
-
-    props = SimpleNamespace(multi_processor_count=132)
-    monkeypatch.setattr(fused_experts, "_CARVEOUT", lambda: None)
-    assert fused_experts.resident_sms(props) == 132
-    monkeypatch.setattr(fused_experts, "_CARVEOUT", lambda: 8)
-    assert fused_experts.resident_sms(props) == 124
-    monkeypatch.setattr(fused_experts, "_CARVEOUT", lambda: 500)
-    assert fused_experts.resident_sms(props) == 1
-
-
 def test_tma_tiles_fall_back_below_sm90(monkeypatch):
     # the TMA tiles (and the flat down kernel, which loads through TMA only) need sm_90: on an
     # older GPU the pointer-load tiles run instead

@@ -14,7 +14,7 @@ from dbo.split import SplitConfig
 from dbo.ubatch.sm import (
     PARTITIONS,
     SMPartitionUnsupportedError,
-    check_num_sms,
+    check_compute_sms,
     compute_on_sms,
     green_contexts_supported,
 )
@@ -23,7 +23,7 @@ from dbo.ubatch.sm import (
 @pytest.mark.parametrize("bad", [0, -3, 2.5, True, "64"])
 def test_bad_sm_counts_are_value_errors(bad):
     with pytest.raises(ValueError, match="compute_sms must be a positive int"):
-        check_num_sms(bad)
+        check_compute_sms(bad)
     with pytest.raises(ValueError):
         DBOWrapper(lambda x: x, compute_sms=bad)
 
@@ -31,7 +31,7 @@ def test_bad_sm_counts_are_value_errors(bad):
 def test_none_is_a_no_op():
     with compute_on_sms(None) as stream:
         assert stream is None
-    assert check_num_sms(None) is None
+    assert check_compute_sms(None) is None
 
 
 @pytest.mark.skipif(green_contexts_supported(), reason="this machine has green contexts")

@@ -30,10 +30,10 @@ from typing import Any
 import torch
 
 from dbo.expert_schedule import ExpertSchedule, parse_expert_schedule
-from dbo.overlap import _check_carveout, overlapped_forward
+from dbo.overlap import overlapped_forward
 from dbo.peers.collectives import all_reduce_max, group_size
 from dbo.split import NEVER_SPLIT, SplitConfig, plan_ubatches
-from dbo.ubatch.sm import check_num_sms
+from dbo.ubatch.sm import check_compute_sms, check_sm_carveout
 
 __all__ = [
     "NEVER_SPLIT",
@@ -279,13 +279,11 @@ def autotune_split_config(
         raise TypeError(f"clock must be callable (returns seconds, like time.perf_counter), got {clock!r}")
     if not 0 <= margin < 1:
         raise ValueError(f"margin must be in [0, 1), got {margin!r}")
-    _check_carveout(sm_carveout)
-    carveouts = [sm_carveout] if sm_carveouts is None else list(sm_carveouts)
-    for k in carveouts:
-        _check_carveout(k)
+    check_sm_carveout(sm_carveout)
+    carveouts = [sm_carveout] if sm_carveouts is None else [check_sm_carveout(k) for k in sm_carveouts]
     if not carveouts or len(set(carveouts)) != len(carveouts):
         raise ValueError(f"sm_carveouts must be distinct and not empty, got {sm_carveouts!r}")
-    check_num_sms(compute_sms)
+    check_compute_sms(compute_sms)
     wanted = {parse_expert_schedule(s) for s in schedules}
     if not wanted or ExpertSchedule.PLAIN in wanted:
         raise ValueError(f"schedules must name 'split' and/or 'merged' (the plain forward is "

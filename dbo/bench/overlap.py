@@ -117,6 +117,8 @@ def tune_and_time_wrapper(args: argparse.Namespace, benches: list[ShapeBench], b
         sb.rec["summary"]["wrapper_config"] = "autotuned"
     if args.dbo_sm_carveout != [None]:  # the adaptive forward set it per call
         torch._C._set_sm_carveout_experimental(args.sm_carveout)
+        for sb in ready:
+            sb.experts.sm_carveout = args.sm_carveout
     return res
 
 

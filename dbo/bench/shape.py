@@ -122,8 +122,9 @@ class ShapeBench:
                                                       prefill_token_threshold=1))
         #: the same cut with the merged expert schedule (one experts call per layer)
         self.plan_merged = dataclasses.replace(self.plan, expert_schedule=ExpertSchedule.MERGED)
-        #: the library's experts; on deepep_ll with the row bound of each mode (see reference())
-        self.experts = SwiGLUExperts()
+        #: the library's experts; on deepep_ll with the row bound of each mode (see reference());
+        #: their persistent grids leave --sm-carveout SMs free, as cuBLAS does
+        self.experts = SwiGLUExperts(sm_carveout=args.sm_carveout)
         self.rows: dict[str, int | None] = {"serial": None, "dbo": None, "merged": None}
         self.carveout: int | None = None  #: the DBO runs' sm_carveout
         self.batched = backend.activation_format.name == "BATCHED_EXPERTS"
@@ -345,8 +346,9 @@ class ShapeBench:
         def fn(x: torch.Tensor) -> torch.Tensor:
             in_dbo = dbo.dbo_enabled()
             sms.set(s_dbo if in_dbo else s_ser)  # a no-op unless it changes
-            if carve is not None:
+            if carve is not None:  # cuBLAS's, and the experts' persistent grids'
                 carve(cv_dbo if in_dbo else cv_ser)
+                experts.sm_carveout = cv_dbo if in_dbo else cv_ser
             model.kernels = k_dbo if in_dbo else k_ser
             merged = in_dbo and current_expert_schedule() is ExpertSchedule.MERGED
             experts.batched_rows = rows_merged if merged else rows_dbo if in_dbo else rows_ser

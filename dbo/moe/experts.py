@@ -19,12 +19,20 @@ read on the device (:mod:`dbo.moe.kernels.batched`; without Triton, or with ``ba
 two batched matmuls over each expert's slab); a loop over the experts that received tokens on
 the CPU.
 
+Persistent grids and the SM carve-out: the fused kernels' persistent GEMMs size their grid to
+the device's SMs less ``SwiGLUExperts.sm_carveout``, passed down to the launch as an argument.
+The overlapped forward sets it for its runs on every SwiGLUExperts of the model it runs
+(:func:`find_swiglu_experts`), with torch's carve-out for cuBLAS (:func:`dbo.ubatch.sm.sm_carveout`).
+
 fp8 inputs: a backend that hands over fp8 activations with DeepEP's block scales (one float32
 scale per 128 hidden elements, ``a1q_scale``) gets them dequantized to the weights' dtype before
 the first GEMM; the GEMMs themselves run in the weights' dtype.
 """
 
 from __future__ import annotations
+
+import logging
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -45,8 +53,12 @@ from dbo.moe.kernels.fused_experts import fused_swiglu_experts, prefer_fused
 from dbo.moe.kernels.gather_reduce import gather_reduce, gather_rows, silu_and_mul, use_triton_for
 from dbo.moe.kernels.grouped_gemm import grouped_mm
 from dbo.moe.validate import check_expert_weights
+from dbo.ubatch.sm import check_sm_carveout
 
-__all__ = ["SwiGLUExperts", "swiglu_expert", "dequantize_blocks", "FP8_SCALE_BLOCK"]
+__all__ = ["SwiGLUExperts", "swiglu_expert", "dequantize_blocks", "FP8_SCALE_BLOCK",
+           "find_swiglu_experts"]
+
+logger = logging.getLogger(__name__)
 
 #: hidden elements per fp8 scale (DeepEP's layout)
 FP8_SCALE_BLOCK = 128
@@ -101,13 +113,19 @@ class SwiGLUExperts(MoEExperts):
         num_global_experts: experts over all ranks, for that estimate without host counts
             (``M * topk * local / global`` pairs); :class:`MoEKernel` sets it on every call.
             Unknown: every slot is counted as local (an overestimate).
+        sm_carveout: SMs the fused kernels' persistent grids leave free for kernels on other
+            streams (the other ubatch's communication); None (default): they use every SM. The
+            overlapped forward (:func:`dbo.overlapped_forward` and the wrappers built on it)
+            sets the attribute to its own ``sm_carveout`` for its runs and puts this value back.
     """
 
     def __init__(self, *, reduce_in_experts: bool = True, use_grouped_mm: bool | None = None,
                  use_triton: bool | None = None, batched_rows: int | None = None,
-                 fused: bool | None = None, num_global_experts: int | None = None):
+                 fused: bool | None = None, num_global_experts: int | None = None,
+                 sm_carveout: int | None = None):
         if batched_rows is not None and batched_rows < 1:
             raise ValueError(f"batched_rows must be >= 1 or None, got {batched_rows}")
+        self.sm_carveout = check_sm_carveout(sm_carveout)
         self.reduce_in_experts = reduce_in_experts
         self.use_grouped_mm = use_grouped_mm
         self.use_triton = use_triton
@@ -168,7 +186,7 @@ class SwiGLUExperts(MoEExperts):
             return fused_swiglu_experts(
                 x, w1, w2, weights, topk_ids, out=out, reduce=self.reduce_in_experts,
                 max_local_pairs=None if host is None else pairs, rows_per_expert=pairs / n_local,
-                bounds=self._bounds_for(n_local, x.device))
+                bounds=self._bounds_for(n_local, x.device), sm_carveout=self.sm_carveout)
         groups = group_by_expert(topk_ids, n_local, host) if m else None
         if groups is None or groups.num_rows == 0:
             return out.zero_()
@@ -223,7 +241,7 @@ class SwiGLUExperts(MoEExperts):
             # left unwritten, which finalize ignores
             est = None if topk_ids is None else topk_ids.numel() / n_local
             return batched_swiglu_experts(x, w1, w2, meta.expert_num_tokens, out=out,
-                                          rows_per_expert=est)
+                                          rows_per_expert=est, sm_carveout=self.sm_carveout)
         if x.is_cuda:
             # padded rows compute garbage, which finalize ignores; two launches beat a loop
             rows = max_tokens if self.batched_rows is None else min(self.batched_rows, max_tokens)
@@ -245,3 +263,31 @@ class SwiGLUExperts(MoEExperts):
             if c:
                 out[e, :c] = swiglu_expert(x[e, :c], w1[e], w2[e])
         return out
+
+
+def find_swiglu_experts(model: Any) -> list[SwiGLUExperts]:
+    """The distinct :class:`SwiGLUExperts` that ``model`` runs, where dbo's MoE layers keep them.
+
+    ``model``: an ``nn.Module`` (each of its modules is searched), a bound method of one (its
+    module), or any other object (searched itself). An object's attributes are searched one
+    level deep: a :class:`SwiGLUExperts`, or an object holding one as its ``experts`` attribute
+    (a :class:`dbo.moe.MoEKernel`, the transformers integration's expert-parallel layer), alone
+    or in a list or tuple. A plain function's experts are not found (nothing names them).
+
+    Returns:
+        the experts in the order found, each once.
+    """
+    owner = getattr(model, "__self__", model)
+    holders = list(owner.modules()) if isinstance(owner, torch.nn.Module) else [owner]
+    found: dict[int, SwiGLUExperts] = {}
+    for holder in holders:
+        for value in getattr(holder, "__dict__", {}).values():
+            for item in value if isinstance(value, (list, tuple)) else (value,):
+                if not isinstance(item, SwiGLUExperts):
+                    # the instance's own attribute: no property or __getattr__ runs
+                    item = getattr(item, "__dict__", {}).get("experts")
+                if isinstance(item, SwiGLUExperts):
+                    found.setdefault(id(item), item)
+    if not found:
+        logger.debug("dbo: no SwiGLUExperts found in %s", type(owner).__name__)
+    return list(found.values())

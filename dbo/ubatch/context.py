@@ -24,7 +24,7 @@ from dbo.errors import NestedRunError, UBatchCountError
 from dbo.ubatch.driver import noop as _noop
 from dbo.ubatch.driver import run_to_completion as _run_to_completion
 from dbo.ubatch.driver import tls as _driver_tls
-from dbo.ubatch.sm import check_num_sms, compute_on_sms
+from dbo.ubatch.sm import compute_on_sms
 from dbo.ubatch.state import RecvHook, UBatchContext
 from dbo.ubatch.streams import STREAM_POOL
 from dbo.ubatch.trace import Trace
@@ -120,9 +120,9 @@ def run_ubatches(
             device = "cuda"
         else:
             device = "cpu"
-    if check_num_sms(compute_sms) is None:
+    if compute_sms is None:
         return _run_to_completion(fns, STREAM_POOL.get(device), comm_stream, offsets, trace)
-    with compute_on_sms(compute_sms, torch.device(device)):
+    with compute_on_sms(compute_sms, torch.device(device)):  # which checks compute_sms
         return _run_to_completion(fns, STREAM_POOL.get(device), comm_stream, offsets, trace)
 
 

@@ -1,10 +1,19 @@
-"""SM partitioning: run a DBO run's compute on a CUDA green context of N SMs.
+"""How many SMs a DBO run's compute may use: the SM carve-out and SM partitioning.
 
 On Hopper a large GEMM holds every SM until it finishes, so a communication kernel launched
 behind it (DeepEP's normal mode takes 24-48 SMs) waits for it, and the overlap is lost
 (docs/performance.md). A green context is a CUDA context confined to a set of SMs: kernels
 launched on its stream never run elsewhere, so the SMs outside it stay free for the
 communication kernels of the other ubatch, launched on the (ordinary) comm stream.
+
+Two ways to leave SMs to the communication kernels, both checked and applied here:
+
+* ``sm_carveout=N`` (:func:`sm_carveout`): the matmuls leave ``N`` SMs free. cuBLASLt and
+  ``torch._grouped_mm`` read torch's experimental carve-out, which the block sets; dbo's
+  persistent expert kernels take the same number as an argument
+  (``SwiGLUExperts.sm_carveout``, which the overlapped forward sets on the model's experts for
+  its run: :func:`dbo.moe.experts.experts_sm_carveout`).
+* ``compute_sms=N`` (:func:`compute_on_sms`): the compute runs on a green context of ``N`` SMs.
 
 :func:`compute_on_sms` makes the caller's work inside the block run on a green-context stream
 of ``num_sms`` SMs, ordered after the caller's stream on entry and before it on exit, so the
@@ -32,7 +41,9 @@ __all__ = [
     "PartitionPool",
     "PARTITIONS",
     "green_contexts_supported",
-    "check_num_sms",
+    "check_sm_carveout",
+    "check_compute_sms",
+    "sm_carveout",
     "compute_on_sms",
 ]
 
@@ -54,13 +65,60 @@ def green_contexts_supported() -> bool:
     return bool(getattr(green_contexts, "SUPPORTED", False))
 
 
-def check_num_sms(num_sms: Any, name: str = "compute_sms") -> int | None:
-    """``num_sms`` as an int, or None; ``ValueError`` unless None or a positive int."""
-    if num_sms is None:
-        return None
-    if isinstance(num_sms, bool) or not isinstance(num_sms, int) or num_sms < 1:
-        raise ValueError(f"{name} must be a positive int or None, got {num_sms!r}")
+def check_sm_carveout(num_sms: Any) -> int | None:
+    """``num_sms`` unchanged when it is a valid ``sm_carveout`` (None or an int >= 0).
+
+    Raises:
+        ValueError: anything else (a bool, a float, a negative int).
+    """
+    if num_sms is not None and (isinstance(num_sms, bool) or not isinstance(num_sms, int)
+                                or num_sms < 0):
+        raise ValueError(f"sm_carveout must be a non-negative int or None, got {num_sms!r}")
     return num_sms
+
+
+def check_compute_sms(num_sms: Any) -> int | None:
+    """``num_sms`` unchanged when it is a valid ``compute_sms`` (None or an int >= 1).
+
+    Raises:
+        ValueError: anything else (a bool, a float, zero or less).
+    """
+    if num_sms is not None and (isinstance(num_sms, bool) or not isinstance(num_sms, int)
+                                or num_sms < 1):
+        raise ValueError(f"compute_sms must be a positive int or None, got {num_sms!r}")
+    return num_sms
+
+
+@contextlib.contextmanager
+def sm_carveout(num_sms: int | None) -> Iterator[None]:
+    """Leave ``num_sms`` SMs to other kernels in the matmuls launched inside the block.
+
+    Sets torch's experimental SM carve-out (``torch._C._set_sm_carveout_experimental``): cuBLASLt
+    matmuls target that many fewer SMs, and the persistent CUTLASS kernels of
+    ``torch._grouped_mm`` size their grid to the rest. Under DBO this keeps SMs free for the
+    other ubatch's communication kernels (DeepEP's normal mode runs on ``Buffer.num_sms`` SMs),
+    which otherwise wait for a persistent GEMM to finish. The previous value is restored on exit.
+    ``None`` does nothing. dbo's own persistent expert kernels do not read this setting: they
+    take the carve-out as an argument (``SwiGLUExperts(sm_carveout=...)``).
+
+    Raises:
+        ValueError: ``num_sms`` is negative or not an int.
+        RuntimeError: this torch has no SM carve-out.
+    """
+    if check_sm_carveout(num_sms) is None:
+        yield
+        return
+    setter = getattr(torch._C, "_set_sm_carveout_experimental", None)
+    getter = getattr(torch._C, "_get_sm_carveout_experimental", None)
+    if setter is None or getter is None:
+        raise RuntimeError(f"sm_carveout={num_sms}: torch {torch.__version__} has no "
+                           "_set_sm_carveout_experimental")
+    previous = getter()
+    setter(num_sms)
+    try:
+        yield
+    finally:
+        setter(previous)
 
 
 class PartitionPool:
@@ -126,7 +184,7 @@ def compute_on_sms(num_sms: int | None, device: torch.device | int | None = None
         SMPartitionUnsupportedError: ``num_sms`` given without CUDA green contexts (a CPU
             device included).
     """
-    if check_num_sms(num_sms) is None:
+    if check_compute_sms(num_sms) is None:
         yield None
         return
     dev = torch.device("cuda", device) if isinstance(device, int) else \

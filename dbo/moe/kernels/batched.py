@@ -97,12 +97,13 @@ def batched_order(counts: torch.Tensor, cap: int) -> tuple[torch.Tensor, torch.T
 
 def batched_swiglu_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, counts: torch.Tensor, *,
                            out: torch.Tensor, rows_per_expert: float | None = None,
-                           configs=None, persistent: bool | None = None) -> torch.Tensor:
+                           configs=None, persistent: bool | None = None,
+                           sm_carveout: int | None = None) -> torch.Tensor:
     """SwiGLU experts on ``x`` ``[L, cap, hidden]`` (expert ``e``'s rows the first ``counts[e]``
     of ``x[e]``) into ``out`` (same shape; rows past the counts left unwritten). CUDA, Triton.
 
     ``rows_per_expert``: the caller's estimate of the rows that arrive per expert, for the tiles
-    (default a quarter of ``cap``); ``configs``/``persistent`` as for
+    (default a quarter of ``cap``); ``configs``/``persistent``/``sm_carveout`` as for
     :func:`dbo.moe.kernels.fused_experts.fused_swiglu_experts` (default persistent: the grid's
     bound is the capacity, most of it empty). Returns ``out``; nothing waits for the GPU."""
     n_local, cap, hidden = x.shape
@@ -120,8 +121,10 @@ def batched_swiglu_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, 
     order, offsets = batched_order(counts, cap)
     pairs = n_local * cap
     act = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
-    launch_gate_up(x.view(pairs, hidden), order, offsets, w1, act, up_cfg, pairs, 1, persistent)
-    launch_down(act, order, offsets, w2, out.view(pairs, hidden), down_cfg, pairs, persistent)
+    launch_gate_up(x.view(pairs, hidden), order, offsets, w1, act, up_cfg, pairs, 1, persistent,
+                   sm_carveout=sm_carveout)
+    launch_down(act, order, offsets, w2, out.view(pairs, hidden), down_cfg, pairs, persistent,
+                sm_carveout=sm_carveout)
     return out
 
 

@@ -61,13 +61,13 @@ from dbo.moe.kernels.fused_tiles import (
     prefer_persistent,
     prefer_sole,
 )
-from dbo.moe.kernels.gather_reduce import _block
+from dbo.moe.kernels.gather_reduce import row_block
 from dbo.moe.kernels.triton_launch import Desc, cdiv, launch, next_pow2
 
 __all__ = ["GemmConfig", "CONFIGS", "FP32_CONFIG", "FUSED_MAX_ROWS_PER_EXPERT", "prefer_fused",
            "pick_configs", "fused_swiglu_experts", "route_order", "launch_gate_up", "launch_down",
            "launch_topk_sum", "tile_map", "tile_maps", "route_with_maps", "ws_programs", "runs_ws",
-           "runs_flat"]
+           "runs_flat", "resident_sms", "persistent_grid"]
 
 try:
     import triton
@@ -111,12 +111,13 @@ def _per_sm(compiled, props) -> int:
         return 1
 
 
-def _launch(kernel, bound: int, device: torch.device, args: tuple, kwargs: dict, persistent: bool) -> None:
+def _launch(kernel, bound: int, device: torch.device, args: tuple, kwargs: dict, persistent: bool,
+            sm_carveout: int | None) -> None:
     """Launch a grouped GEMM kernel: one program per tile of the host's ``bound`` (those past
-    the device's tiles do nothing), or ``persistent``: ``min(bound, SMs x resident programs)``
-    programs, each walking every num_programs-th tile, so that none is spent on the tiles past
-    the local pairs that the bound counts. ``kwargs`` carry the kernel's ``PERSISTENT`` where it
-    has one (the flat down kernel is persistent always)."""
+    the device's tiles do nothing), or ``persistent``: :func:`persistent_grid` programs, each
+    walking every num_programs-th tile, so that none is spent on the tiles past the local pairs
+    that the bound counts, and ``sm_carveout`` SMs stay free. ``kwargs`` carry the kernel's
+    ``PERSISTENT`` where it has one (the flat down kernel is persistent always)."""
     if not persistent:
         launch(kernel, (bound,), args, kwargs)
     elif device.type != "cuda":  # Triton's interpreter
@@ -129,7 +130,7 @@ def _launch(kernel, bound: int, device: torch.device, args: tuple, kwargs: dict,
         key = (id(kernel), tuple(kwargs.items()), dtype, device)
         props = _props(device)
         per_sm = _PER_SM.get(key)
-        compiled = launch(kernel, (max(1, min(bound, resident_sms(props) * (per_sm or 1))),), args,
+        compiled = launch(kernel, (persistent_grid(bound, props, per_sm or 1, sm_carveout),), args,
                           kwargs)
         if per_sm is None:
             _PER_SM[key] = _per_sm(compiled, props)
@@ -137,18 +138,23 @@ def _launch(kernel, bound: int, device: torch.device, args: tuple, kwargs: dict,
 
 _PROPS: dict[torch.device, object] = {}
 
-_CARVEOUT = getattr(torch._C, "_get_sm_carveout_experimental", None)
 
-
-def resident_sms(props) -> int:
-    """The SMs a persistent kernel's programs spread over: the device's, less torch's SM
-    carve-out where one is set (:func:`dbo.overlap.sm_carveout`, as cuBLAS leaves them). A
-    persistent grid that fills every SM keeps each SM until its last tile is done, so a kernel
-    queued meanwhile on another stream (a DeepEP kernel of the other ubatch) cannot start
-    before it ends; the carve-out leaves it room."""
+def resident_sms(props, sm_carveout: int | None) -> int:
+    """The SMs a persistent kernel's programs spread over: the device's
+    (``props.multi_processor_count``) less ``sm_carveout`` (None or 0: all of them; at least
+    one). A persistent grid that fills every SM keeps each SM until its last tile is done, so a
+    kernel queued meanwhile on another stream (a DeepEP kernel of the other ubatch) cannot start
+    before it ends; the carve-out leaves it room, as torch's carve-out does for cuBLAS
+    (:func:`dbo.ubatch.sm.sm_carveout`). The caller passes the number: ``SwiGLUExperts``'s
+    ``sm_carveout``, which the overlapped forward sets for its runs."""
     total = props.multi_processor_count
-    carve = _CARVEOUT() if _CARVEOUT is not None else None
-    return max(1, total - carve) if carve else total
+    return max(1, total - sm_carveout) if sm_carveout else total
+
+
+def persistent_grid(bound: int, props, per_sm: int, sm_carveout: int | None) -> int:
+    """Programs of a persistent launch: ``per_sm`` resident programs on each of
+    :func:`resident_sms` SMs, no more than the ``bound`` tiles, at least one."""
+    return max(1, min(bound, resident_sms(props, sm_carveout) * per_sm))
 
 
 def _props(device: torch.device):
@@ -178,28 +184,32 @@ def runs_ws(cfg: GemmConfig, x: torch.Tensor, w1: torch.Tensor) -> bool:
     return cfg.ws and gluon_gate_up.available(x, w1, cfg.block_n) and _props(x.device).major == 9
 
 
-def ws_programs(cfg: GemmConfig, pairs: int, w1: torch.Tensor) -> int:
-    """The programs of the warp-specialized gate/up kernel for tile ``cfg`` (one per SM at most);
-    a split tile's kernel takes as many int32 counters (:func:`launch_gate_up`'s ``counts``)."""
+def ws_programs(cfg: GemmConfig, pairs: int, w1: torch.Tensor, sm_carveout: int | None = None) -> int:
+    """The programs of the warp-specialized gate/up kernel for tile ``cfg`` (one per SM at most,
+    ``sm_carveout`` SMs left free); a split tile's kernel takes as many int32 counters
+    (:func:`launch_gate_up`'s ``counts``, sized with the same ``sm_carveout``)."""
     n_experts, two_inter, _ = w1.shape
-    return min(_bound(cfg, pairs, n_experts, two_inter // 2), resident_sms(_props(w1.device)))
+    return min(_bound(cfg, pairs, n_experts, two_inter // 2),
+               resident_sms(_props(w1.device), sm_carveout))
 
 
 def launch_gate_up(x: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, w1: torch.Tensor,
                    act: torch.Tensor, cfg: GemmConfig, pairs: int, topk: int,
                    persistent: bool = False, tiles: torch.Tensor | None = None,
-                   counts: torch.Tensor | None = None) -> None:
+                   counts: torch.Tensor | None = None, sm_carveout: int | None = None) -> None:
     """``act[r] = silu(x[t] @ g_e.T) * (x[t] @ u_e.T)`` for each sorted row ``r`` of expert
     ``e`` (``t = order[r] // topk``); ``pairs``: an upper bound of the local pairs (the grid).
     ``tiles``: the row-tile map of a warp-specialized tile (:func:`tile_map` with its
     ``block_m``), where the caller built it already; ``counts``: a split tile's zeroed counters
-    (:func:`ws_programs` of them, e.g. zeroed by :func:`tile_maps`), else allocated here."""
+    (:func:`ws_programs` of them, e.g. zeroed by :func:`tile_maps`), else allocated here.
+    ``sm_carveout``: SMs a persistent grid leaves free (:func:`resident_sms`)."""
     n_experts, two_inter, hidden = w1.shape
     inter = two_inter // 2
     if runs_ws(cfg, x, w1):
         if tiles is None:
             tiles, _ = tile_map(offsets, cfg.block_m, pairs, group_m=cfg.group_m)
-        gluon_gate_up.launch_gate_up_ws(x, order, tiles, w1, act, topk, ws_programs(cfg, pairs, w1),
+        gluon_gate_up.launch_gate_up_ws(x, order, tiles, w1, act, topk,
+                                        ws_programs(cfg, pairs, w1, sm_carveout),
                                         block_m=cfg.block_m, block_n=cfg.block_n, block_k=cfg.block_k,
                                         stages=cfg.num_stages, split=cfg.split, counts=counts)
         return
@@ -213,7 +223,7 @@ def launch_gate_up(x: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, 
         TOPK=topk, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         BLOCK_E=block_e(n_experts), GROUP_M=cfg.group_m, TAIL_M=cfg.tail_m,
         EVEN_K=hidden % cfg.block_k == 0, PRECISION=_precision(x), TMA=tma, PERSISTENT=persistent,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages), persistent)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages), persistent, sm_carveout)
 
 
 def runs_flat(cfg: GemmConfig, act: torch.Tensor, w2: torch.Tensor) -> bool:
@@ -225,7 +235,8 @@ def runs_flat(cfg: GemmConfig, act: torch.Tensor, w2: torch.Tensor) -> bool:
 def launch_down(act: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, w2: torch.Tensor,
                 y: torch.Tensor, cfg: GemmConfig, pairs: int, persistent: bool = False,
                 sole: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                tile_maps: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> bool:
+                tile_maps: tuple[torch.Tensor, torch.Tensor | None] | None = None,
+                sm_carveout: int | None = None) -> bool:
     """``y[order[r]] = act[r] @ d_e.T`` for each sorted row ``r`` of expert ``e``.
 
     ``sole``: ``(topk_ids, topk_weights, out)``: where the tile is the flat one, a row whose
@@ -233,7 +244,8 @@ def launch_down(act: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, w
     leaves that token alone: :func:`launch_topk_sum` with ``sole=True``). Returns whether it
     was (other tiles write every row to ``y``). ``tile_maps``: the flat tile's map and marks,
     where the caller built them already (:func:`tile_map` with this tile's ``block_m``, and
-    ``sole=(order, topk_ids)`` exactly when ``sole`` is given)."""
+    ``sole=(order, topk_ids)`` exactly when ``sole`` is given). ``sm_carveout``: SMs a
+    persistent grid leaves free (:func:`resident_sms`)."""
     n_experts, hidden, inter = w2.shape
     cfg = FP32_CONFIG if act.element_size() > 2 else cfg
     persistent = cfg.runs_persistent(persistent)
@@ -246,7 +258,8 @@ def launch_down(act: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, w
                            dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                                 N_PER_PROGRAM=cfg.n_per_program, BLOCK_E=block_e(n_experts),
                                 GROUP_M=cfg.group_m, PRECISION=_precision(act), PERSISTENT=persistent,
-                                num_warps=cfg.num_warps, num_stages=cfg.num_stages), persistent)
+                                num_warps=cfg.num_warps, num_stages=cfg.num_stages), persistent,
+                           sm_carveout)
         return False
     flat = runs_flat(cfg, act, w2)
     if cfg.flat and not flat:
@@ -268,14 +281,15 @@ def launch_down(act: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, w
         _launch(down_flat_kernel, _bound(cfg, pairs, n_experts, hidden), act.device, (
             a_desc, order if dest is None else dest, tiles, w, y, tw, out, hidden, inter), dict(
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-            TOPK=topk, SOLE=sole is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages), True)
+            TOPK=topk, SOLE=sole is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages), True,
+            sm_carveout)
         return sole is not None
     _launch(down_kernel, _bound(cfg, pairs, n_experts, hidden), act.device, (
         act, a_desc, order, offsets, w, y, n_experts, hidden, inter, w2.stride(0)), dict(
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_E=block_e(n_experts),
         GROUP_M=cfg.group_m, TAIL_M=cfg.tail_m, EVEN_K=inter % cfg.block_k == 0,
         PRECISION=_precision(act), TMA=tma, PERSISTENT=persistent, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages), persistent)
+        num_stages=cfg.num_stages), persistent, sm_carveout)
     return False
 
 
@@ -285,7 +299,8 @@ def fused_swiglu_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
                          configs: tuple[GemmConfig, GemmConfig] | None = None,
                          bounds: torch.Tensor | None = None,
                          rows_per_expert: float | None = None,
-                         persistent: bool | None = None, sole_pairs: bool | None = None) -> torch.Tensor:
+                         persistent: bool | None = None, sole_pairs: bool | None = None,
+                         sm_carveout: int | None = None) -> torch.Tensor:
     """Routed SwiGLU experts, fused (see the module docstring). CUDA tensors, Triton.
 
     Args:
@@ -306,6 +321,9 @@ def fused_swiglu_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
         sole_pairs: ``reduce`` with the flat down tile: a token's row with no other local slot
             goes weighted from the down GEMM to ``out``, skipping ``y`` and the top-k sum (the
             same numbers). Default :func:`prefer_sole`, from the local share of the slots.
+        sm_carveout: SMs the persistent grids leave free for kernels on other streams (the
+            other ubatch's communication); None or 0: they spread over every SM. The caller
+            checked it (``SwiGLUExperts(sm_carveout=...)``).
 
     Returns:
         ``out``. Nothing waits for the GPU.
@@ -329,7 +347,8 @@ def fused_swiglu_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
     if runs_ws(up_cfg, x, w1) and runs_flat(down_cfg, act, w2):
         # both GEMMs' maps, the sole rows' marks and the split's counters with the routing
         if up_cfg.split > 1:
-            counts = torch.empty(ws_programs(up_cfg, pairs, w1), dtype=torch.int32, device=x.device)
+            counts = torch.empty(ws_programs(up_cfg, pairs, w1, sm_carveout), dtype=torch.int32,
+                                 device=x.device)
         # one map where both tiles' rows and groups are equal
         shapes = tuple(dict.fromkeys(((up_cfg.block_m, up_cfg.group_m),
                                       (down_cfg.block_m, down_cfg.group_m))))
@@ -339,10 +358,12 @@ def fused_swiglu_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
         up_map, down_maps = maps[0], (maps[-1], dest)
     else:
         order, offsets = route_order(ids, n_experts, bounds)
-    launch_gate_up(x, order, offsets, w1, act, up_cfg, pairs, topk, persistent, up_map, counts)
+    launch_gate_up(x, order, offsets, w1, act, up_cfg, pairs, topk, persistent, up_map, counts,
+                   sm_carveout=sm_carveout)
     y = out.view(m * topk, hidden) if not reduce else \
         torch.empty(m * topk, hidden, dtype=x.dtype, device=x.device)
-    sole = launch_down(act, order, offsets, w2, y, down_cfg, pairs, persistent, sole_args, down_maps)
+    sole = launch_down(act, order, offsets, w2, y, down_cfg, pairs, persistent, sole_args, down_maps,
+                       sm_carveout=sm_carveout)
     if not reduce:
         local = (topk_ids >= 0) & (topk_ids < n_experts)
         return out.masked_fill_(~local.unsqueeze(-1), 0)
@@ -367,7 +388,7 @@ def launch_topk_sum(y: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
     two where it is narrower) with ``num_warps`` warps."""
     m, topk = topk_ids.shape
     hidden = y.shape[1]
-    block = _block(hidden, TOPK_SUM_BLOCK) if block is None else block
+    block = row_block(hidden, TOPK_SUM_BLOCK) if block is None else block
     if block < 16 or block & (block - 1):
         raise ValueError(f"block must be a power of two >= 16, got {block}")
     launch(topk_sum_kernel, (m, cdiv(hidden, block)), (

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["HAVE_TRITON", "use_triton_for", "silu_and_mul", "gather_rows", "gather_reduce"]
+__all__ = ["HAVE_TRITON", "use_triton_for", "silu_and_mul", "gather_rows", "gather_reduce", "row_block"]
 
 try:
     import triton
@@ -90,14 +90,16 @@ if HAVE_TRITON:
         tl.store(out_ptr + m * hidden + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _block(n: int, cap: int = 1024) -> int:
-    """Columns of one program's row: the row's power of two (at least 16), at most ``cap``."""
+def row_block(n: int, cap: int = 1024) -> int:
+    """Columns of one program's share of a row of ``n`` elements: the row's power of two (at
+    least 16), at most ``cap`` (the row-wise kernels here and the top-k sum of
+    :mod:`dbo.moe.kernels.fused_experts`)."""
     return cap if n >= cap else max(16, triton.next_power_of_2(n))
 
 
 def _tile(n: int) -> tuple[int, int]:
     """Columns and rows of one program's tile: about 4096 elements."""
-    block = _block(n)
+    block = row_block(n)
     return block, max(1, 4096 // block)
 
 
@@ -174,7 +176,7 @@ def gather_reduce(y: torch.Tensor, slot_rows: torch.Tensor, weights: torch.Tenso
         return out
     w = torch.where(local, weights.to(torch.float32), 0.0)
     if use_triton_for(y, use_triton):
-        block = _block(hidden)
+        block = row_block(hidden)
         _gather_reduce_kernel[(m, triton.cdiv(hidden, block))](
             y.contiguous(), slot_rows.contiguous(), w.contiguous(), out, hidden, TOPK=topk, BLOCK=block)
         return out
