@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from dbo.bench.experts import (
-    _apply,
     add_limits,
+    apply_experts,
     format_rows,
     limit_summary,
     make_case,
@@ -41,7 +41,7 @@ def test_grid_times_every_implementation_and_outputs_agree():
     table = format_rows(rows, "host").splitlines()
     assert len(table) == 1 + len(rows) and "device/host" in table[0]
     case = make_case(40, 32, 16, 2, num_experts=8, topk=3, dtype=torch.float32, device="cpu", seed=40)
-    out = _apply(SwiGLUExperts(use_triton=False), case, False, Workspace())
+    out = apply_experts(SwiGLUExperts(use_triton=False), case, False, Workspace())
     assert relative_error(out, reference_moe(case.x, case.w1, case.w2, case.weights, case.ids)) < 1e-5
 
 

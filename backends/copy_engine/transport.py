@@ -43,7 +43,7 @@ from dbo.peers.watchdog import resolve_timeout
 from .host import check_one_host
 
 __all__ = ["BufferLayout", "CAPACITY_STEP", "grown_capacity", "Transport", "CpuTransport",
-           "CudaTransport", "TransportCache", "TRANSPORTS", "open_transport"]
+           "CudaTransport", "TransportCache", "TRANSPORTS", "open_transport", "symm_mem_rendezvous"]
 
 logger = logging.getLogger(__name__)
 
@@ -226,7 +226,15 @@ class CpuTransport(Transport):
         flag[channel, src] = 0
 
 
-def _symm_mem_rendezvous(nbytes: int, device: torch.device, group: Any) -> tuple[torch.Tensor, Any]:
+def symm_mem_rendezvous(nbytes: int, device: torch.device, group: Any) -> tuple[torch.Tensor, Any]:
+    """A symmetric-memory buffer of ``nbytes`` on CUDA ``device`` for every rank of ``group``
+    (None: the default group), and its handle. Collective: every rank of the group calls it.
+
+    Returns:
+        ``(buffer, handle)``: this rank's ``[nbytes]`` uint8 buffer and torch's
+        ``_SymmetricMemory`` handle (``handle.get_buffer(rank, shape, dtype, offset)`` maps a
+        peer's buffer, ``handle.barrier()`` waits for every rank, and a signal pad).
+    """
     import torch.distributed._symmetric_memory as symm_mem
 
     enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
@@ -264,7 +272,7 @@ class CudaTransport(Transport):
             # this rank's queued puts into the old buffers and waits on the old signal pad must
             # finish before they go; the rendezvous below then orders every rank after its own
             torch.cuda.synchronize(self.device)
-        buf, handle = _symm_mem_rendezvous(layout.slot_bytes, self.device, self.group)
+        buf, handle = symm_mem_rendezvous(layout.slot_bytes, self.device, self.group)
         pad = handle.get_signal_pad(self.rank).numel() * 4
         if 2 * self.world_size * 4 > pad:
             raise ValueError(f"the symmetric memory signal pad ({pad} bytes) is too small for two "

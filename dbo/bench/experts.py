@@ -34,8 +34,8 @@ from dbo.bench.limits import DeviceLimits, experts_cost, measure_device_limits
 from dbo.bench.timing import gpu_sleep
 from dbo.moe import ActivationFormat, ExpertTokensMetadata, MoEExperts, SwiGLUExperts, Workspace
 
-__all__ = ["ExpertsCase", "make_case", "experts_call", "time_experts", "run_grid", "add_limits",
-           "format_rows", "limit_summary", "main"]
+__all__ = ["ExpertsCase", "make_case", "apply_experts", "experts_call", "time_experts", "run_grid",
+           "add_limits", "format_rows", "limit_summary", "main"]
 
 
 @dataclass
@@ -108,7 +108,10 @@ class _Stopwatch:
 IDLE_SUFFIX = ", from idle"
 
 
-def _apply(experts: MoEExperts, case: ExpertsCase, host_counts: bool, ws: Workspace) -> torch.Tensor:
+def apply_experts(experts: MoEExperts, case: ExpertsCase, host_counts: bool, ws: Workspace) -> torch.Tensor:
+    """One STANDARD-format call of ``experts`` on ``case``'s tokens ``[M, hidden]`` and routing
+    (the backend's host-side counts when ``host_counts``, else device offsets only), scratch
+    from ``ws``. Returns the experts' output ``[M, hidden]`` in the case's dtype."""
     return experts.apply(case.x, case.w1, case.w2, case.weights, case.ids,
                          activation_format=ActivationFormat.STANDARD,
                          expert_tokens_meta=case.meta(host_counts),
@@ -123,7 +126,7 @@ def experts_call(case: ExpertsCase, experts: MoEExperts | None = None, *, num_ex
     experts = SwiGLUExperts() if experts is None else experts
     experts.note_global_num_experts(num_experts)
     ws = Workspace()
-    return lambda: _apply(experts, case, host_counts, ws)
+    return lambda: apply_experts(experts, case, host_counts, ws)
 
 
 def time_experts(impls: dict[str, tuple[MoEExperts, bool]], case: ExpertsCase, *, steps: int = 30,
@@ -150,7 +153,7 @@ def time_experts(impls: dict[str, tuple[MoEExperts, bool]], case: ExpertsCase, *
     calls: dict[str, Callable[[], torch.Tensor]] = {}
     for name, (experts, host) in impls.items():
         ws = Workspace()
-        calls[name] = lambda e=experts, h=host, w=ws: _apply(e, case, h, w)
+        calls[name] = lambda e=experts, h=host, w=ws: apply_experts(e, case, h, w)
     outs = {name: fn().float().clone() for name, fn in calls.items()}
     for _ in range(warmup):
         for fn in calls.values():

@@ -79,10 +79,10 @@ def _slowest(seconds: float, group: Any) -> float:
 
 def _cuda_put_s(group: Any, device: torch.device, nbytes: int, reps: int) -> float:
     from dbo.backends.copy_engine import destinations
-    from dbo.backends.copy_engine.transport import _symm_mem_rendezvous
+    from dbo.backends.copy_engine.transport import symm_mem_rendezvous
 
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    _, handle = _symm_mem_rendezvous(world * nbytes, device, group)
+    _, handle = symm_mem_rendezvous(world * nbytes, device, group)
     peers = [handle.get_buffer(r, (world * nbytes,), torch.uint8, 0) for r in range(world)]
     src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=device)
     order = [d for d in destinations(rank, world) if d != rank]

@@ -20,7 +20,7 @@ from collections import defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from dbo.bench.experts import _apply, make_case
+from dbo.bench.experts import apply_experts, make_case
 from dbo.bench.limits import experts_cost, measure_device_limits
 from dbo.bench.timing import gpu_sleep
 from dbo.moe import SwiGLUExperts, Workspace
@@ -99,7 +99,7 @@ def main() -> int:
         for name, experts in impls.items():
             ws = Workspace()
             with torch.inference_mode():
-                r = profile_calls(lambda e=experts, w=ws, c=case: _apply(e, c, False, w), args.steps,
+                r = profile_calls(lambda e=experts, w=ws, c=case: apply_experts(e, c, False, w), args.steps,
                                   lead_ms=max(0.3, 3 * limit_us / 1e3))
             row["results"][name] = r
             ks = ", ".join(f"{n} {v:.1f}" for n, v in sorted(r["kernels_us"].items(), key=lambda kv: -kv[1]))

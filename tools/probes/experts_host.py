@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from dbo.bench.experts import _apply, make_case
+from dbo.bench.experts import apply_experts, make_case
 from dbo.bench.limits import experts_cost, measure_device_limits
 from dbo.moe import SwiGLUExperts, Workspace
 from dbo.moe.kernels import fused_experts as fe
@@ -110,7 +110,7 @@ def main() -> None:
             case = make_case(tokens, 7168, inter, local)
             ex = SwiGLUExperts(num_global_experts=256)
             ws = Workspace()
-            fn = partial(_apply, ex, case, False, ws)
+            fn = partial(apply_experts, ex, case, False, ws)
             for _ in range(5):
                 fn()
             torch.cuda.synchronize()

@@ -85,7 +85,7 @@ def experts_steps(tokens: int = 1024, inter: int = 256, local: int = 32) -> None
     behind queued GEMMs), with the launcher called directly and through ``kernel[grid]``."""
     from experts_host import fused_steps
 
-    from dbo.bench.experts import _apply, make_case
+    from dbo.bench.experts import apply_experts, make_case
     from dbo.moe import SwiGLUExperts, Workspace
     from dbo.moe.kernels import fused_experts as fe
     from dbo.moe.kernels import triton_launch
@@ -98,7 +98,7 @@ def experts_steps(tokens: int = 1024, inter: int = 256, local: int = 32) -> None
     steps.update({
         "fused_swiglu_experts": lambda: fe.fused_swiglu_experts(
             case.x, case.w1, case.w2, case.weights, case.ids, out=out, rows_per_expert=est),
-        "SwiGLUExperts.apply": lambda: _apply(experts, case, False, ws),
+        "SwiGLUExperts.apply": lambda: apply_experts(experts, case, False, ws),
     })
     print(f"I={inter} L={local} T={tokens}: host us per call (direct launcher / kernel[grid])")
     for name, fn in steps.items():
