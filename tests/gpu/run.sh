@@ -50,8 +50,8 @@
 # TORCHRUN_ARGS goes to every torchrun (e.g. "--master-port 29600" for a second run.sh beside
 # the first, each on its own CUDA_VISIBLE_DEVICES). Writes OUTDIR/run_log.txt (everything
 # printed; default OUTDIR: $OUT, else ./out) and one OUTDIR/STEP.tgz per step that writes files
-# (JSON bundles, traces). Exits non-zero if a step failed. NVLink multicast stays off (the GPU
-# host's GPUs are shared).
+# (JSON bundles, traces). Exits non-zero if a step failed. NVLink multicast stays off (NCCL's
+# NVLS, symmetric memory's and NVSHMEM's), as in every figure of docs/.
 set -uo pipefail
 out=${OUT:-out}
 deadline_s=570
