@@ -17,6 +17,7 @@
 #                     must stay as they are; installs the wheels that the host lacks into
 #                     /tmp/site (DBO_SITE; put on PYTHONPATH), the project editable without
 #                     dependencies, and prints the torch, deep_ep and greenlet versions
+#   versions.py       the versions check both end with
 # Copy DIR with the source tree to the GPU host and run one of the two from the project root.
 #
 # torch and the CUDA libraries it pulls in (nvidia-*, triton) are left out: a GPU host keeps
@@ -46,6 +47,9 @@ read -r -a packages <<< "${EXTRA_WHEELS:-}"
 read -r -a pip <<< "${PIP:-python3 -m pip}"
 user_platforms=()
 while (($#)); do
+  if [[ $1 =~ ^-[opte]$ ]] && (($# < 2)); then
+    echo "offline_wheels.sh: $1 needs a value (-h lists the options)" >&2; exit 2
+  fi
   case $1 in
     -o) out=$2; shift 2 ;;
     -p) pyver=$2; shift 2 ;;
