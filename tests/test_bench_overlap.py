@@ -4,6 +4,7 @@ host), and the command-line entry."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -27,9 +28,8 @@ def test_command_line_entry_lists_commands_and_rejects_unknown(capsys):
 
 
 def test_backend_registry_names_every_backend_module():
-    root = Path(__file__).resolve().parent.parent / "backends"
     for name, spec in BACKENDS.items():
-        assert (root / f"{spec.module}.py").exists(), name
+        assert importlib.util.find_spec(f"dbo.backends.{spec.module}") is not None, name
     with pytest.raises(ValueError, match="unknown backend"):
         make_backend("nope", None, hidden=8, num_experts=2, topk=1, max_tokens_per_rank=4,
                      dtype=torch.float32, device=torch.device("cpu"))
@@ -45,6 +45,10 @@ def _run_bench(tmp_path: Path, *args: str) -> dict:
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log
     assert "dbo bench_overlap: backend=" in proc.stdout, log
+    # the last line: the verdict, naming the folder written
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last.startswith("python -m dbo.bench overlap: PASS: "), log
+    assert last.endswith(f"bundle in {out}/"), log
     bundle = json.loads((out / "bench_overlap.json").read_text())
     assert bundle["files"]["json"] == "bench_overlap.json"
     trace = json.loads((out / bundle["files"]["trace"]).read_text())["traceEvents"]

@@ -1,4 +1,5 @@
-"""``python -m dbo.bench switch`` on the CPU: it runs, prints its table and writes the figures."""
+"""``python -m dbo.bench switch`` on the CPU: it runs, prints its table and a verdict on its
+targets, and writes the figures."""
 
 from __future__ import annotations
 
@@ -12,7 +13,11 @@ def test_switch_bench_command(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "dbo.bench", "switch", "--switches", "2000",
                            "--thread-switches", "200", "--repeats", "2", "--json", str(out)],
                           capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    # the verdict holds the targets (a loaded machine may miss them): its exit code says which
+    last = proc.stdout.strip().splitlines()[-1]
+    verdict = last.split(": ")[1]
+    assert (verdict, proc.returncode) in (("PASS", 0), ("FAIL", 1)), proc.stdout + proc.stderr
+    assert last.startswith("python -m dbo.bench switch: ") and "targets: <= 1.5 us, >= 5x" in last
     assert "dbo greenlet (dbo_yield)" in proc.stdout and "cheaper per switch" in proc.stdout
     res = json.loads(out.read_text())
     assert res["device"] == "cpu"

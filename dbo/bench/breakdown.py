@@ -5,7 +5,7 @@
 step, the GPU time of each kernel category, the busy and idle time of the compute stream (the stream
 with the most kernel time, past DeepEP's and the simulated link's) and the step's span, then the
 overlap arithmetic: idle time removed, compute time added, and the share of the serial step's idle
-(its communication) that was hidden.
+(its communication) that was hidden. The verdict: PASS when the DBO step hid some of it.
 """
 
 from __future__ import annotations
@@ -13,9 +13,15 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import os
+import zlib
 from collections import defaultdict
 
+from dbo.bench.cli import ArgumentParser, verdict
+
 __all__ = ["CATEGORIES", "breakdown", "main"]
+
+PROG = "python -m dbo.bench breakdown"
 
 #: the simulated link's modelled waits, on a link stream of their own (never the compute stream):
 #: the global-timer wait (``dbo.backends.simulated_link.wall_wait``), or torch's cycle-counting
@@ -44,9 +50,14 @@ CATEGORIES = (  # (name, substring of the kernel name), first match wins
 
 def _load(path: str) -> list[dict]:
     opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt") as f:
-        trace = json.load(f)
-    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    try:
+        with opener(path, "rt") as f:
+            trace = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError, EOFError, gzip.BadGzipFile, zlib.error) as exc:
+        raise ValueError(f"{path} is not a JSON profiler trace ({exc})") from None
+    events = trace.get("traceEvents") if isinstance(trace, dict) else trace
+    if not isinstance(events, list):
+        raise ValueError(f"{path} is not a profiler trace (no traceEvents list)")
     gpu = ("kernel", "gpu_memcpy", "gpu_memset")
     return [e for e in events if e.get("ph") == "X" and e.get("cat") in gpu]
 
@@ -59,9 +70,16 @@ def _category(name: str) -> str:
 
 
 def breakdown(path: str) -> dict:
+    """One trace's step: ``span``, ``compute_busy``, ``compute_idle`` (ms) and ``categories``
+    (ms of kernel time per :data:`CATEGORIES` name).
+
+    Raises:
+        FileNotFoundError: no file at ``path``.
+        ValueError: not a JSON (or gzipped JSON) profiler trace, or one without GPU kernels.
+    """
     kernels = _load(path)
     if not kernels:
-        raise SystemExit(f"{path}: no GPU kernels in this trace")
+        raise ValueError(f"{path}: no GPU kernels in this trace")
     per_stream: dict[int, float] = defaultdict(float)
     for k in kernels:
         per_stream[k["args"].get("stream")] += k["dur"]
@@ -87,13 +105,25 @@ def breakdown(path: str) -> dict:
             "categories": dict(cats)}
 
 
+def _trace_file(path: str) -> str:
+    if not os.path.isfile(path):
+        what = "not a file" if os.path.exists(path) else "no such file"
+        raise argparse.ArgumentTypeError(
+            f"{what}: {path!r} (want two torch.profiler traces, e.g. a dbo.bench overlap "
+            "bundle's gpu_trace_serial.json and gpu_trace_dbo.json)")
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m dbo.bench breakdown", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("serial")
-    p.add_argument("dbo")
+    p = ArgumentParser(prog=PROG, description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("serial", type=_trace_file)
+    p.add_argument("dbo", type=_trace_file)
     a = p.parse_args(argv)
-    s, d = breakdown(a.serial), breakdown(a.dbo)
+    try:
+        s, d = breakdown(a.serial), breakdown(a.dbo)
+    except (OSError, ValueError) as exc:
+        p.error(str(exc))
     print(f"{'':32} {'serial ms':>10} {'DBO ms':>10} {'DBO/serial':>10}")
     rows = [("step span", s["span"], d["span"]),
             ("compute stream busy", s["compute_busy"], d["compute_busy"]),
@@ -105,10 +135,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:32} {x:10.2f} {y:10.2f} {ratio}")
     removed = s["compute_idle"] - d["compute_idle"]
     added = d["compute_busy"] - s["compute_busy"]
+    hidden = removed - added
+    if not s["compute_idle"]:
+        return verdict(PROG, False, "the serial step's compute stream is never idle: no "
+                                    "communication to hide in these traces")
     print(f"idle removed {removed:.2f} ms, compute added {added:.2f} ms: "
-          f"{removed - added:.2f} ms of the serial step's {s['compute_idle']:.2f} ms idle hidden "
-          f"({(removed - added) / s['compute_idle']:.2f})" if s["compute_idle"] else "")
-    return 0
+          f"{hidden:.2f} ms of the serial step's {s['compute_idle']:.2f} ms idle hidden "
+          f"({hidden / s['compute_idle']:.2f})")
+    share = f"{hidden / s['compute_idle']:.2f} of the serial step's idle time"
+    if hidden > 0:
+        return verdict(PROG, True, f"the DBO step hid {hidden:.2f} ms ({share})")
+    return verdict(PROG, False, f"the DBO step hid nothing ({share}): its added compute outweighs "
+                                "the idle time it removed")
 
 
 if __name__ == "__main__":

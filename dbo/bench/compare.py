@@ -6,20 +6,23 @@ bundles of one run (``python -m dbo.bench overlap --out DIR`` per backend)::
 Per shape (tokens, intermediate): the fastest serial step over the bundles (and its backend),
 the fastest DBO step over the bundles and schedules (split or merged; backend/schedule), and
 their ratio (best serial / best DBO: above 1 means overlap pays over the best plain choice), with
-each backend's comm time. Compare only bundles of one run on one machine.
+each backend's comm time. Compare only bundles of one run on one machine. A path that holds no
+bundle is skipped with a line that says so; the verdict is FAIL when no bundle was left.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 from pathlib import Path
 from typing import Any
 
+from dbo.bench.cli import ArgumentParser, verdict
+
 __all__ = ["load_bundle", "label", "compare_bundles", "format_comparison", "main"]
 
 _DBO_SCHEDULES = (("split", "dbo_ms"), ("merged", "merged_ms"))
+PROG = "python -m dbo.bench compare"
 
 
 def load_bundle(path: str | Path) -> dict:
@@ -93,7 +96,7 @@ def format_comparison(rows: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m dbo.bench compare", description=__doc__.split("\n\n")[0])
+    ap = ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     ap.add_argument("bundles", nargs="+", help="overlap bundles (bench_overlap.json or its directory)")
     ap.add_argument("--json", default=None, help="also write the rows here")
     args = ap.parse_args(argv)
@@ -101,11 +104,10 @@ def main(argv: list[str] | None = None) -> int:
     for path in args.bundles:
         try:
             bundles.append(load_bundle(path))
-        except (FileNotFoundError, ValueError) as exc:
+        except (OSError, ValueError) as exc:  # (json.JSONDecodeError is a ValueError)
             print(f"skipped: {exc}")
     if not bundles:
-        print("no bundle to compare")
-        return 1
+        return verdict(PROG, False, f"no overlap bundle in {', '.join(args.bundles)}")
     for b in bundles:
         for inter, tuned in (b.get("autotune") or {}).items():
             print(f"{label(b)} I={inter}: autotune chose {tuned.get('schedule')}")
@@ -114,4 +116,12 @@ def main(argv: list[str] | None = None) -> int:
     print(format_comparison(rows))
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": rows}, indent=1))
-    return 0
+    both = [r for r in rows if r["speedup"] is not None]
+    if not both:
+        return verdict(PROG, False, f"{len(bundles)} bundle(s), but no shape has both a serial and "
+                                    "a DBO time")
+    best = max(both, key=lambda r: r["speedup"])
+    wins = sum(r["speedup"] > 1 for r in both)
+    return verdict(PROG, True, f"{len(bundles)} bundle(s), {len(both)} shape(s) compared: the best "
+                               f"DBO beats the best serial at {wins} of them (best {best['speedup']:.3f}x "
+                               f"at T={best['tokens']} I={best['intermediate']}, {best['dbo_choice']})")

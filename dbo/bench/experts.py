@@ -20,7 +20,6 @@ library's signature to time it against the library's in the same run).
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -30,12 +29,16 @@ from dataclasses import dataclass
 
 import torch
 
+from dbo.bench.cli import ArgumentParser, verdict
 from dbo.bench.limits import DeviceLimits, experts_cost, measure_device_limits
 from dbo.bench.timing import gpu_sleep
 from dbo.moe import ActivationFormat, ExpertTokensMetadata, MoEExperts, SwiGLUExperts, Workspace
 
 __all__ = ["ExpertsCase", "make_case", "apply_experts", "experts_call", "time_experts", "run_grid",
            "add_limits", "format_rows", "limit_summary", "main"]
+
+PROG = "python -m dbo.bench experts"
+EXPERTS_TOLERANCE = 2e-2  #: bf16: the largest relative error between implementations' outputs
 
 
 @dataclass
@@ -296,7 +299,7 @@ def format_rows(rows: list[dict], baseline: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m dbo.bench experts", description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     p.add_argument("--hidden", type=int, nargs="+", default=[7168])
     p.add_argument("--intermediate", type=int, nargs="+", default=[256, 768, 2048])
     p.add_argument("--tokens", type=int, nargs="+", default=[1024 << i for i in range(7)],
@@ -316,8 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None, help="also write the rows here")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
-        sys.stderr.write("python -m dbo.bench experts needs a CUDA GPU\n")
-        return 2
+        p.error("needs a CUDA GPU; none here")
     limits = measure_device_limits(held_s=a.held_s)
     print(limits.describe(), flush=True)
     # what MoEKernel tells the experts: 256 experts over all ranks (a local share for the
@@ -338,7 +340,13 @@ def main(argv: list[str] | None = None) -> int:
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"limits": limits.as_dict(), "rows": rows, "summary": limit_summary(rows)}, f, indent=1)
-    return 0
+    worst = max((res["rel_err"] for r in rows for res in r["results"].values()), default=0.0)
+    first = next(iter(impls))
+    speed = (f"{first} at {limit_summary(rows)[first]['geomean_x_limit']:.2f}x the limit "
+             "(geometric mean)") if rows else "no shape timed"
+    return verdict(PROG, bool(rows) and worst <= EXPERTS_TOLERANCE,
+                   f"{len(rows)} shape(s), {speed}; every implementation within {worst:.1e} of "
+                   f"{first}'s output (limit {EXPERTS_TOLERANCE:g})")
 
 
 if __name__ == "__main__":

@@ -14,15 +14,25 @@ from typing import Any
 import torch
 
 import dbo
-from dbo.backends import BACKENDS
+from dbo.backends import BACKENDS, backend_options
+from dbo.bench.cli import (
+    ArgumentParser,
+    check_at_least,
+    check_backend_fits,
+    check_experts_split,
+    env_world_size,
+)
 
-__all__ = ["DTYPES", "TOLERANCE", "MODES", "SCHEMA", "parse_args", "resolve_defaults",
-           "collect_env", "configure_deepep", "count_configs", "profile_target"]
+__all__ = ["DTYPES", "TOLERANCE", "MODES", "SCHEMA", "PROG", "DEFAULT_BACKEND", "parse_args",
+           "resolve_defaults", "collect_env", "configure_deepep", "count_configs", "profile_target"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 MODES = ("compute", "dbo_compute", "merged_compute", "comm", "serial", "dbo", "merged")
 SCHEMA = "dbo.bench_overlap/2"  # 2: one expert implementation (no expert_chunks)
+PROG = "python -m dbo.bench overlap"
+#: the backend when --backend is not given, per device (the CPU one must be in cpu_backends())
+DEFAULT_BACKEND = {"cuda": "deepep_ht", "cpu": "all2all"}
 
 
 # ---- arguments ------------------------------------------------------------------------------
@@ -38,11 +48,12 @@ def _opt_int(v: str) -> int | None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m dbo.bench overlap",
-                                description="How much of the all-to-all dual-batch overlap hides, per "
-                                            "MoE layer (run under torchrun)",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--backend", choices=sorted(BACKENDS), default="deepep_ht")
+    p = ArgumentParser(prog=PROG,
+                       description="How much of the all-to-all dual-batch overlap hides, per MoE "
+                                   "layer (run under torchrun)",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--backend", choices=sorted(BACKENDS), default=None,
+                   help=f"default {DEFAULT_BACKEND['cuda']} on cuda, {DEFAULT_BACKEND['cpu']} on cpu")
     p.add_argument("--link", default=None, metavar="GBPS[,LATENCY_US]",
                    help="hold every dispatch and combine back to a simulated link of GBPS GB/s per GPU "
                         "and LATENCY_US (dbo.backends.simulated_link); the bytes still move")
@@ -69,7 +80,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--attn-width", type=int, default=None,
                    help="attention stand-in width: 4 * tokens * hidden * width flops (4096)")
     p.add_argument("--attn-yield", action="store_true",
-                   help="yield inside the attention stand-in too (as examples/_model.py does)")
+                   help="yield inside the attention stand-in too (as examples/moe_overlap.py does)")
     p.add_argument("--layers", type=int, default=None,
                    help="MoE layers per step (deepep_ll 4, else 2); times are reported per layer")
     p.add_argument("--num-sms", type=int, nargs="+", default=None,
@@ -117,20 +128,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             from dbo.backends.simulated_link import SimulatedLink
 
             args.link_model = SimulatedLink.parse(args.link, args.remote_fraction)
+        world = env_world_size()
     except ValueError as exc:
         p.error(str(exc))
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device here (use --device cpu)")
     resolve_defaults(args)
-    for name in ("hidden", "experts", "topk", "attn_width", "layers", "steps"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be positive")
-    if min(args.tokens) < 2 or min(args.intermediate) < 1:
-        p.error("--tokens must be >= 2 (two ubatches), --intermediate >= 1")
-    if any(s % 2 for s in args.num_sms):
-        p.error("--num-sms values must be even (DeepEP)")
+    check_backend_fits(p, args.backend, device=args.device, dtype=args.dtype,
+                       fake_deep_ep=args.fake_deep_ep)
+    options = backend_options(args.backend)
+    unknown = [k for k in args.backend_kwargs if options is not None and k not in options]
+    if unknown:
+        p.error(f"--backend-opt {unknown[0]}: {args.backend} has no such option (its options: "
+                f"{', '.join(options) or 'none'})")
+    check_at_least(p, args, 1, "hidden", "experts", "topk", "attn_width", "layers", "steps",
+                   "intermediate")
+    check_at_least(p, args, 0, "warmup")
+    check_at_least(p, args, 2, "tokens")  # two ubatches
+    odd = [s for s in args.num_sms if s % 2]
+    if odd:
+        p.error(f"--num-sms {odd[0]}: must be even (DeepEP)")
     if args.topk > args.experts:
-        p.error("--topk must be <= --experts")
+        p.error(f"--topk {args.topk}: must be <= --experts ({args.experts})")
+    check_experts_split(p, args.experts, world)
     if args.ll_rows not in ("masked", "auto", "full") and not args.ll_rows.isdigit():
-        p.error("--ll-rows must be masked, auto, full or a number")
+        p.error(f"--ll-rows {args.ll_rows!r}: must be masked, auto, full or a number")
+    if args.profile_shape not in ("auto", "none"):
+        t, sep, i = args.profile_shape.partition(":")
+        if not (sep and t.isdigit() and i.isdigit()):
+            p.error(f"--profile-shape {args.profile_shape!r}: must be TOKENS:INTERMEDIATE, auto "
+                    "or none")
     return args
 
 
@@ -159,6 +186,8 @@ def resolve_defaults(args: argparse.Namespace) -> None:
     """Fill the arguments left at None: tiny shapes on the CPU, DeepSeek-V3 sizes on GPUs."""
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.backend is None:
+        args.backend = DEFAULT_BACKEND[args.device]
     cpu, quick = args.device == "cpu", args.quick
     ll, ht = args.backend == "deepep_ll", args.backend == "deepep_ht"
     if cpu:

@@ -230,6 +230,10 @@ def format_table(bundle: dict) -> str:
         lines.extend("  " + ln for ln in tuned["table"].splitlines())
     for w in bundle.get("warnings", []):
         lines.append(f"WARNING: {w}")
+    notes = bundle.get("notes") or []
+    if notes:  # a CPU run's missed speed targets, under the line that says why they are expected
+        lines.append(f"note: {notes[0]}:")
+        lines.extend(f"  {n}" for n in notes[1:])
     files = bundle.get("files", {})
     lines.append("bundle: " + ", ".join(f"{k}={v}" for k, v in files.items() if v))
     return "\n".join(lines)

@@ -7,12 +7,12 @@ dbo: two ubatches each call ``dbo_yield`` N times inside one ``run_ubatches`` (t
 cost = time / 2N. Threads: two threads hand control back and forth with ``threading.Event``
 (the scheme vLLM's ubatching uses), N round trips; cost = time / 2N. Both are measured in the
 same process, alternating, R times; the table gives the minimum and the median of the R runs
-and the ratio of medians. Targets on the CPU machine: dbo <= 1.5 us and >= 5x cheaper.
+and the ratio of medians. The verdict checks the targets: a dbo switch <= 1.5 us (median) and
+>= 5x cheaper than the thread hand-off.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -22,8 +22,13 @@ import time
 import torch
 
 from dbo import dbo_yield, run_ubatches
+from dbo.bench.cli import ArgumentParser, verdict
 
-__all__ = ["bench_dbo", "bench_threads", "bench_greenlet_floor", "main"]
+__all__ = ["bench_dbo", "bench_threads", "bench_greenlet_floor", "main", "TARGET_US", "TARGET_RATIO"]
+
+PROG = "python -m dbo.bench switch"
+TARGET_US = 1.5     #: the most a dbo switch may cost (median, microseconds of CPU)
+TARGET_RATIO = 5.0  #: how many times cheaper than a thread hand-off it must be
 
 
 def bench_dbo(n: int, device: str) -> float:
@@ -82,16 +87,18 @@ def bench_threads(n: int, device: str) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m dbo.bench switch", description=__doc__.split("\n\n")[0])
+    ap = ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--switches", type=int, default=100_000, help="yields per ubatch per run")
     ap.add_argument("--thread-switches", type=int, default=10_000)
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--json", default=None, help="also write the figures here")
     args = ap.parse_args(argv)
+    for name in ("switches", "thread_switches", "repeats"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
     if args.device == "cuda" and not torch.cuda.is_available():
-        print("no CUDA device", file=sys.stderr)
-        return 2
+        ap.error("--device cuda: no CUDA device here (use --device cpu)")
     bench_dbo(1000, args.device)  # warm-up: streams, events, code paths
     bench_threads(1000, args.device)
     dbo_us, thr_us, floor_us = [], [], []
@@ -122,7 +129,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=2)
-    return 0
+    ok = res["dbo_us_median"] <= TARGET_US and res["ratio_median"] >= TARGET_RATIO
+    return verdict(PROG, ok, f"a dbo switch costs {res['dbo_us_median']:.2f} us, "
+                             f"{res['ratio_median']:.1f}x cheaper than a thread hand-off (targets: "
+                             f"<= {TARGET_US} us, >= {TARGET_RATIO:g}x)")
 
 
 if __name__ == "__main__":

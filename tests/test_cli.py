@@ -1,0 +1,99 @@
+"""The entry points' front door: bad input ends in one line on stderr that names the bad value and
+what is allowed, exit code 2, no traceback; under torchrun on every rank, before any collective,
+so none hangs. Each case runs the entry point as a subprocess."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dbo.backends import BACKENDS, cpu_backends
+from dbo.bench.__main__ import COMMANDS
+from dbo.bench.overlap_args import DEFAULT_BACKEND, parse_args
+
+pytestmark = pytest.mark.timeout(120)
+
+DEMO = str(Path(__file__).resolve().parent.parent / "examples" / "moe_overlap.py")
+BENCH = ["-m", "dbo.bench"]
+
+
+def _run(args: list[str], tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **env}
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        if var not in env:
+            full_env.pop(var, None)
+    return subprocess.run([sys.executable, *args], cwd=tmp_path, env=full_env,
+                          capture_output=True, text=True, timeout=90)
+
+
+def _one_line(proc: subprocess.CompletedProcess, *wanted: str) -> str:
+    """The run exited 2 with one stderr line holding every ``wanted`` piece, and nothing else."""
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out
+    assert proc.stdout == "" and "Traceback" not in out, out
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1, out
+    for piece in wanted:
+        assert piece in lines[0], (piece, out)
+    return lines[0]
+
+
+@pytest.mark.parametrize("entry, args, wanted", [
+    # the demo, one rank: fewer than two ubatches is nothing to overlap
+    ([DEMO], ["--ubatches", "1"], ["moe_overlap.py: --ubatches 1: must be >= 2"]),
+    # a backend the device cannot run, named with the ones it can
+    (BENCH, ["overlap", "--device", "cpu", "--backend", "deepep_ht"],
+     ["--backend deepep_ht needs --device cuda", *cpu_backends()]),
+    ([DEMO], ["--device", "cuda", "--backend", "deepep_ll"], ["--backend deepep_ll moves bfloat16 only"]),
+    (BENCH, ["overlap", "--device", "cpu", "--backend-opt", "put_order=rank", "--backend", "naive"],
+     ["--backend-opt put_order: naive has no such option", "timeout_s"]),
+    (BENCH, ["breakdown", "missing.json"], ["no such file: 'missing.json'", "gpu_trace_serial.json"]),
+    (BENCH, ["switch", "--repeats", "0"], ["--repeats 0: must be >= 1"]),
+    (BENCH, ["compare"], ["the following arguments are required: bundles"]),
+])
+def test_bad_input_is_one_line_and_exit_code_2(tmp_path, entry, args, wanted):
+    _one_line(_run(entry + args, tmp_path), *wanted)
+
+
+def test_experts_that_do_not_split_over_the_world_are_refused_before_the_group(tmp_path):
+    # torchrun's WORLD_SIZE is read before any process group exists: one process, no peers
+    line = _one_line(_run([*BENCH, "overlap", "--device", "cpu", "--experts", "7"], tmp_path,
+                          WORLD_SIZE="2"), "--experts 7 is not a multiple of the world size 2")
+    assert "e.g. --experts 6" in line
+
+
+def test_unknown_command_is_named_with_the_commands(tmp_path):
+    line = _one_line(_run([*BENCH, "foo"], tmp_path), "dbo.bench: unknown command 'foo'")
+    assert line.endswith(f"(commands: {', '.join(COMMANDS)})")
+    no_command = _run(BENCH, tmp_path)
+    assert no_command.returncode == 2 and "usage: python -m dbo.bench" in no_command.stderr
+    asked = _run([*BENCH, "--help"], tmp_path)
+    assert asked.returncode == 0 and "overlap" in asked.stdout
+
+
+@pytest.mark.multiproc
+def test_every_rank_under_torchrun_exits_2_with_the_line(tmp_path):
+    # the agent stops the other ranks once one fails: a long monitor interval lets each rank
+    # reach its own check first
+    proc = _run(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                 "--monitor-interval", "5", DEMO, "--experts", "7"], tmp_path)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out
+    line = "moe_overlap.py: --experts 7 is not a multiple of the world size 2"
+    assert out.count(line) == 2, out  # each rank's own check
+    # torchrun's summary, a code per rank: 2, or its SIGTERM (-15) to a rank that had printed
+    # its line but not yet exited when the other's exit was seen
+    codes = re.findall(r"exitcode\s+:\s*(-?\d+)", out)
+    assert len(codes) == 2 and "2" in codes and set(codes) <= {"2", "-15"}, out
+    assert 'moe_overlap.py", line' not in out, out  # no traceback of the demo's own
+
+
+def test_overlap_defaults_to_a_backend_that_runs_on_the_device():
+    assert DEFAULT_BACKEND["cpu"] in cpu_backends()
+    assert parse_args(["--device", "cpu"]).backend == DEFAULT_BACKEND["cpu"]
+    assert BACKENDS[DEFAULT_BACKEND["cuda"]].gpu_only
