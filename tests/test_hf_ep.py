@@ -219,13 +219,14 @@ def _decode_backend_job(path: str, new_tokens: int) -> dict:
     import torch
     import torch.distributed as dist
 
-    from dbo.integrations.transformers.ep_model import expert_parallel_modules, switch_ep_backend
+    from dbo.integrations.transformers import use_backend
+    from dbo.integrations.transformers.ep_model import expert_parallel_modules
     from dbo.integrations.transformers.generate import greedy_generate
     from dbo.split import SplitConfig
 
     ids, mask = _inputs(dist.get_rank(), 5)
     full, model = _load(path, None), _load(path, "dbo_all2all")
-    switch_ep_backend(model, "all2all", decode_backend="copy_engine")
+    use_backend(model, "all2all", decode_backend="copy_engine")
     out = {}
     with torch.inference_mode():
         want = full.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
@@ -267,6 +268,42 @@ def test_generation_moves_decode_steps_through_the_decode_backend(world, checkpo
             assert max(g["prefill"]) > rows and max(g["decode"]) <= rows, (rank, name, g)
             if decode_ubatches == 1:  # the joined cache: every sequence in each decode call
                 assert g["decode"] == [rows], (rank, name, g)
+
+
+def _use_backend_job(path: str) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from dbo.integrations.transformers import DBOPrefill, prefill_logits, use_backend
+    from dbo.integrations.transformers.ep_model import expert_parallel_modules
+
+    ids, mask = _inputs(dist.get_rank(), 6)
+    model = _load(path, "dbo_naive")
+    out = {"refused": ""}
+    try:
+        use_backend(model, "copy_engine", group=object())
+    except ValueError as exc:  # a loaded model keeps the group it was loaded on
+        out["refused"] = str(exc)
+    use_backend(model, "copy_engine")
+    with torch.inference_mode():
+        plain = prefill_logits(model, ids, mask)
+        prefill = DBOPrefill(model)
+        overlapped = prefill(ids, mask)
+    valid = mask.bool()
+    out["err"] = ((overlapped - plain)[valid].abs().max() / plain[valid].abs().max()).item()
+    out["split"] = prefill.last_plan.split
+    out["kinds"] = sorted({type(impl.kernel.prepare_finalize).__name__
+                           for _, impl in expert_parallel_modules(model)})
+    return out
+
+
+def test_use_backend_switches_a_loaded_model(world, checkpoints):
+    # loaded with dbo_naive, switched with use_backend (the benchmarks' route): every experts
+    # module on copy_engine from its next call, DBO's logits equal the plain forward's
+    for r in world.run(_use_backend_job, checkpoints["mixtral"], timeout_s=120):
+        assert r["kinds"] == ["CopyEnginePrepareAndFinalize"], r
+        assert r["split"] and r["err"] <= 1e-5, r
+        assert r["refused"].startswith("group: a model loaded with ep_distributed_config"), r
 
 
 def _memory_job(path: str) -> dict:

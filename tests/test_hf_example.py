@@ -1,7 +1,8 @@
-"""The README's transformers command: ``torchrun --nproc-per-node 2 examples/hf_moe.py`` (CPU,
-gloo, tiny config) as a subprocess: it exits 0 (DBO logits == plain logits), prints the table
-and writes JSON whose rows say the same, for the naive and all2all backends and the
-unconverted model."""
+"""The transformers entry points as a user runs them, in subprocesses on CPU (gloo):
+``examples/hf_expert_parallel.py`` and ``python -m dbo.bench hf-prefill|hf-generate|hf-load``
+under torchrun. Each run that completes ends in one verdict line and writes JSON whose rows say
+that DBO's logits (or tokens) equal the plain run's; each bad input ends in one line on stderr
+naming the bad value and what is allowed, exit code 2, no traceback."""
 
 from __future__ import annotations
 
@@ -17,25 +18,50 @@ pytest.importorskip("transformers")
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(180)]
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "hf_moe.py"
+ROOT = Path(__file__).resolve().parent.parent
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+BENCH = ["-m", "dbo.bench"]
 
 
-def test_hf_example_on_cpu(tmp_path):
-    out_json = tmp_path / "hf.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(EXAMPLE), "--preset", "tiny-deepseek_v3", "--shape", "3x8", "--steps", "1",
-           "--warmup", "0", "--logits-to-keep", "0", "--unconverted", "--json", str(out_json),
-           "--expert-schedule", "split", "auto", "--tune-sm-carveout", "none", "0"]
+def _run(cmd: list[str], cwd: Path, timeout: float = 150) -> tuple[int, str, str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("DBO_DISABLE", None)
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=150)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def _needs_ep_loading() -> None:
+    pytest.importorskip("transformers.distributed.expert_parallel", reason="transformers < 5.23")
+    pytest.importorskip("accelerate")
+
+
+def test_example_checks_dbo_against_plain(tmp_path):
+    rc, out, err = _run([*TORCHRUN, str(ROOT / "examples" / "hf_expert_parallel.py"), "--family",
+                         "deepseek_v3"], tmp_path)
+    assert rc == 0, out + err
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("hf_expert_parallel.py: PASS: DBOPrefill's logits equal"), out
+
+
+def test_hf_prefill_on_cpu(tmp_path):
+    out_json = tmp_path / "hf.json"
+    rc, out, err = _run([*TORCHRUN, *BENCH, "hf-prefill", "--preset", "tiny-deepseek_v3", "--shape", "3x8",
+                         "--steps", "1", "--warmup", "0", "--logits-to-keep", "0", "--unconverted",
+                         "--json", str(out_json), "--expert-schedule", "split", "auto",
+                         "--tune-sm-carveout", "none", "0"], tmp_path)
+    assert rc == 0, out + err
     assert "| backend | batch x seq | plain ms | DBO ms |" in out, out
+    # on CPU: per rank, no peak-memory column; the footnote because --unconverted ran
+    assert "per GPU" not in out and "peak GiB" not in out, out
+    assert "(unconverted: the original model" in out, out
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("hf-prefill: PASS: DBO matches plain on every row (max rel err "), out
+    assert "; the unconverted model matches the converted one" in last and last.endswith(f"wrote {out_json}")
     rows = json.loads(out_json.read_text())["rows"]
     labels = [r["backend"] for r in rows]
     assert labels[::2] == ["all2all/split", "copy_engine/split", "naive/split", "unconverted"], labels
     for label, r in zip(labels[:-1], rows[:-1], strict=True):
+        assert r["plain_peak_gib"] is None and r["dbo_peak_gib"] is None, r
         if label.endswith("/split"):
             assert r["split"].startswith("split("), r
             continue
@@ -45,27 +71,32 @@ def test_hf_example_on_cpu(tmp_path):
         assert r["autotune"]["plain_ms"] > 0 and r["autotune"]["sm_carveout"] in (None, 0), r
         assert r["split"].startswith("plain" if choice == "plain" else "split("), r
     for r in rows:
-        assert r["rel_err"] <= 1e-4 and r["top1_agree"] == 1.0, r
+        assert r["rel_err"] <= 1e-4 and r["top1_agree"] == 1.0 and r["ok"] is True, r
 
 
-def test_hf_example_loads_a_checkpoint(tmp_path):
-    # --save-checkpoint writes a tiny Mixtral (every rank its share); --checkpoint loads it
+def test_hf_prefill_without_unconverted_has_no_footnote(tmp_path):
+    rc, out, err = _run([*TORCHRUN, *BENCH, "hf-prefill", "--backend", "naive", "--shape", "2x4",
+                         "--steps", "1", "--warmup", "0"], tmp_path)
+    assert rc == 0, out + err
+    assert "unconverted" not in out, out
+    assert out.strip().splitlines()[-1].startswith("hf-prefill: PASS: DBO matches plain on every row"), out
+
+
+def test_hf_prefill_loads_a_checkpoint(tmp_path):
+    # --save-checkpoint writes a tiny Mixtral (every rank its share); it is then loaded
     # expert-parallel through from_pretrained with dbo's backends as transformers' EP
     # implementations, both experts choices, under a simulated link
-    pytest.importorskip("transformers.distributed.expert_parallel", reason="transformers < 5.23")
-    pytest.importorskip("accelerate")
+    _needs_ep_loading()
     out_json = tmp_path / "ckpt.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(EXAMPLE), "--preset", "tiny-mixtral", "--save-checkpoint", str(tmp_path / "ckpt"),
-           "--backend", "all2all", "copy_engine", "--shape", "3x8", "--steps", "1", "--warmup", "0",
-           "--logits-to-keep", "0", "--unconverted", "--json", str(out_json),
-           "--ep-experts", "library", "model", "--link", "1000,2000", "--remote-fraction", "0.875"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("DBO_DISABLE", None)
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=150)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out
+    rc, out, err = _run([*TORCHRUN, *BENCH, "hf-prefill", "--preset", "tiny-mixtral", "--save-checkpoint",
+                         str(tmp_path / "ckpt"), "--backend", "all2all", "copy_engine", "--shape", "3x8",
+                         "--steps", "1", "--warmup", "0", "--logits-to-keep", "0", "--unconverted",
+                         "--json", str(out_json), "--ep-experts", "library", "model",
+                         "--link", "1000,2000", "--remote-fraction", "0.875"], tmp_path)
+    assert rc == 0, out + err
     assert "(loaded expert-parallel)" in out, out
+    assert "GiB" not in out, out  # no GPU memory on the CPU, in the load lines either
+    assert out.strip().splitlines()[-1].startswith("hf-prefill: PASS: "), out
     result = json.loads(out_json.read_text())
     assert result["checkpoint"] == str(tmp_path / "ckpt")
     rows = result["rows"]
@@ -79,22 +110,19 @@ def test_hf_example_loads_a_checkpoint(tmp_path):
     assert all(r["plain_ms"] >= 2 * 2.0 * layers for r in rows[:-1]), rows
 
 
-def test_hf_generate_example_agrees_with_generate(tmp_path):
+def test_hf_generate_agrees_with_generate(tmp_path):
     # greedy decoding: transformers' generate() with its own all_to_all EP, then dbo's
     # greedy_generate on a backend and on a prefill/decode pair, plain and overlapped; float32,
     # so every run's tokens agree
-    pytest.importorskip("transformers.distributed.expert_parallel", reason="transformers < 5.23")
-    pytest.importorskip("accelerate")
+    _needs_ep_loading()
     out_json = tmp_path / "gen.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(EXAMPLE.parent / "hf_generate.py"), "--save-checkpoint", str(tmp_path / "ckpt"),
-           "--steps", "1", "--warmup", "0", "--backend", "all2all", "copy_engine/all2all",
-           "--json", str(out_json)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("DBO_DISABLE", None)
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=150)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out
+    rc, out, err = _run([*TORCHRUN, *BENCH, "hf-generate", "--save-checkpoint", str(tmp_path / "ckpt"),
+                         "--steps", "1", "--warmup", "0", "--backend", "all2all", "copy_engine/all2all",
+                         "--json", str(out_json)], tmp_path)
+    assert rc == 0, out + err
+    assert "per GPU" not in out, out
+    assert out.strip().splitlines()[-1] == (f"hf-generate: PASS: every DBO run's tokens equal its plain "
+                                            f"run's (4 runs); wrote {out_json}"), out
     rows = json.loads(out_json.read_text())["rows"]
     assert [r["run"] for r in rows] == ["transformers generate (all_to_all)"] + [
         f"dbo greedy_generate {b} {m}" for b in ("all2all", "copy_engine/all2all")
@@ -103,3 +131,61 @@ def test_hf_generate_example_agrees_with_generate(tmp_path):
     assert all(r["prefill_ms"] > 0 for r in rows), rows
     assert all(r["same_plain"] == 1.0 and r["prefix_plain"] == 1.0 for r in rows[1:]), rows
     assert all(r["split"].startswith("split(") for r in rows[1:] if "DBO" in r["run"]), rows
+
+
+def test_hf_load_smoke(tmp_path):
+    # a tiny checkpoint written by one process, loaded whole and expert-parallel on 2 ranks each
+    _needs_ep_loading()
+    out_json = tmp_path / "load.json"
+    rc, out, err = _run([sys.executable, *BENCH, "hf-load", "--dir", str(tmp_path / "ckpt"), "--preset",
+                         "tiny-qwen3_moe", "--check", "--json", str(out_json)], tmp_path)
+    assert rc == 0, out + err
+    assert out.strip().splitlines()[-1].startswith(
+        "hf-load: PASS: every ep rank holds 1/2 of the routed experts and its DBOPrefill gathered nothing; "
+        "DBO logits match the plain model's"), out
+    rows = json.loads(out_json.read_text())["rows"]
+    assert sorted((r["mode"], r["rank"]) for r in rows) == [("ep", 0), ("ep", 1), ("plain", 0), ("plain", 1)]
+    assert all(r["logits_match"] for r in rows if r["mode"] == "ep"), rows
+
+
+# ---- the front door: one line, exit code 2, no traceback ------------------------------------
+
+BAD = [
+    (["hf-prefill", "--checkpoint", "/nonexistent"], "--checkpoint /nonexistent: no such directory"),
+    (["hf-prefill", "--layers", "-1"], "--layers -1: must be >= 1"),
+    (["hf-prefill", "--backend", "nope"], "unknown backend 'nope'; choose from ['all2all', "),
+    (["hf-prefill", "--shape", "4y3"], "--shape: '4y3': want BATCHxSEQ"),
+    (["hf-prefill", "--backend", "deepep_ht"], "--backend deepep_ht needs --device cuda"),
+    (["hf-generate", "--backend", "all2all/nope"], "unknown backend 'nope'; choose from"),
+    (["hf-generate", "--new-tokens", "0"], "--new-tokens 0: must be >= 1"),
+    (["hf-load", "--dir", "/nonexistent", "--ranks", "3"], "--ranks 3: the checkpoint's 128 routed experts"),
+    (["hf-load", "--dir", "/nonexistent", "--backend", "deepep_ll"],
+     "--backend deepep_ll: hf-load runs on CPU"),
+]
+
+
+@pytest.mark.parametrize("argv, message", BAD, ids=[" ".join(a) for a, _ in BAD])
+def test_bad_input_is_one_line(tmp_path, argv, message):
+    rc, out, err = _run([sys.executable, *BENCH, *argv], tmp_path, timeout=60)
+    assert rc == 2, out + err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], err
+    assert lines[0].startswith(f"python -m dbo.bench {argv[0]}: "), err
+
+
+def test_bad_input_under_torchrun_every_rank_exits_2(tmp_path):
+    rc, out, err = _run([*TORCHRUN, *BENCH, "hf-prefill", "--checkpoint", "/nonexistent"], tmp_path,
+                        timeout=60)
+    assert rc != 0, out + err
+    line = "python -m dbo.bench hf-prefill: --checkpoint /nonexistent: no such directory"
+    assert err.count(line) == 2, err  # both ranks answered, neither waited for the other
+    assert err.count("exitcode  : 2") == 2, err  # torchrun's summary of each rank
+    assert "dbo/" not in err.replace("-m dbo.bench", ""), err  # no traceback through dbo's code
+
+
+def test_hf_prefill_help_names_the_real_defaults():
+    from dbo.backends import cpu_backends
+
+    rc, out, err = _run([sys.executable, *BENCH, "hf-prefill", "--help"], ROOT, timeout=60)
+    assert rc == 0, err
+    assert f"default: {' '.join(cpu_backends())} on CPU" in " ".join(out.split()), out

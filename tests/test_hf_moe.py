@@ -45,7 +45,7 @@ def _inputs(rank: int, batches: list[int], seq: int, pads: list[list[int]], seed
 
 def _hf_job(family: str, backend: str, batches: list[int], seq: int, pads: list[list[int]],
             min_sequences: int, seed: int, plan_slices: list | None = None,
-            expert_schedule: str = "split") -> dict:
+            expert_schedule: str = "split", switch_to: str | None = None) -> dict:
     import copy
 
     import torch
@@ -57,6 +57,7 @@ def _hf_job(family: str, backend: str, batches: list[int], seq: int, pads: list[
         convert_to_expert_parallel,
         prefill_logits,
         prefill_split_config,
+        use_backend,
     )
     from dbo.integrations.transformers.moe_block import ExpertParallelMoE
     from dbo.integrations.transformers.presets import causal_lm_class, tiny_config
@@ -70,6 +71,13 @@ def _hf_job(family: str, backend: str, batches: list[int], seq: int, pads: list[
             p.normal_(0.0, 0.3)  # large enough that routing differs token to token
     original = copy.deepcopy(model)
     convert_to_expert_parallel(model, None, backend=backend)
+    refused = ""
+    if switch_to is not None:  # the benchmarks' route: one call, whichever way the model was made
+        use_backend(model, switch_to)
+        try:
+            use_backend(model, switch_to, decode_backend="naive")
+        except ValueError as exc:
+            refused = str(exc)
     blocks = [m for m in model.modules() if isinstance(m, ExpertParallelMoE)]
     ids, mask = _inputs(rank, batches, seq, pads, seed)
     routed = []  # per MoE call of the first converted block: tokens routed to any expert
@@ -115,6 +123,8 @@ def _hf_job(family: str, backend: str, batches: list[int], seq: int, pads: list[
         "schedule": runner.last_plan.expert_schedule.value,
         "regions": [d for k, _, d in events if k == "region_begin"],
         "moe_layers": len(blocks),
+        "backends": sorted({type(b.kernel.prepare_finalize).__name__ for b in blocks}),
+        "refused": refused,
     }
 
 
@@ -154,6 +164,19 @@ def test_merged_expert_schedule(world, family, backend):
         assert r["schedule"] == "merged"
         assert r["regions"].count("experts_merged") == r["moe_layers"] > 0
         assert "experts" not in r["regions"]
+
+
+@pytest.mark.parametrize("switch_to, cls", [("all2all", "AllToAllPrepareAndFinalize"),
+                                             ("copy_engine", "CopyEnginePrepareAndFinalize")])
+def test_use_backend_switches_a_converted_model(world, switch_to, cls):
+    # converted with naive, switched with use_backend: every block on the new backend, the
+    # same logits as the original model plain and overlapped; a decode backend is refused
+    results = world.run(_hf_job, "mixtral", "naive", [3, 5], 7, [[0, 3, 0], [2, 0, 0, 6, 1]], 2, 0,
+                        None, "split", switch_to, timeout_s=120)
+    _check(results)
+    for r in results:
+        assert r["backends"] == [cls], r
+        assert "decode_backend='naive': a converted model runs one backend" in r["refused"], r
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -291,6 +314,22 @@ def test_backend_registry_checks():
     with pytest.raises(TypeError, match="bf16"):
         make_backend("deepep_ht", None, hidden=8, num_experts=4, topk=2, dtype=torch.float32,
                      device="cpu")
+
+
+def test_use_backend_refuses_a_bad_name_first_and_a_model_that_is_not_expert_parallel():
+    import torch
+
+    from dbo.backends import BACKENDS
+    from dbo.integrations.transformers import use_backend
+    from dbo.integrations.transformers.presets import causal_lm_class, tiny_config
+
+    with torch.device("meta"):
+        model = causal_lm_class("qwen3_moe")(tiny_config("qwen3_moe"))
+    with pytest.raises(ValueError) as bad:
+        use_backend(model, "nope")
+    assert str(bad.value) == f"unknown backend 'nope'; choose from {sorted(BACKENDS)}"
+    with pytest.raises(ValueError, match="Qwen3MoeForCausalLM is not expert-parallel with dbo"):
+        use_backend(model, "naive")
 
 
 def test_caller_mistakes_are_refused():

@@ -11,6 +11,9 @@ COMMANDS = {
     "breakdown": "dbo.bench.breakdown",
     "experts": "dbo.bench.experts",
     "compare": "dbo.bench.compare",
+    "hf-prefill": "dbo.bench.hf_prefill",
+    "hf-generate": "dbo.bench.hf_generate",
+    "hf-load": "dbo.bench.hf_load",
 }
 
 

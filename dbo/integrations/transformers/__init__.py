@@ -1,16 +1,19 @@
 """Hugging Face transformers MoE models with dbo: expert parallelism and dual-batch overlap.
 
-:mod:`~dbo.integrations.transformers.convert` (find a model's MoE blocks, convert them to
-expert-parallel ones, :class:`DBOPrefill`), :mod:`~dbo.integrations.transformers.ep` (dbo's
-backends as transformers' own expert-parallel implementations, ``from_pretrained(...,
-distributed_config=...)``), :mod:`~dbo.integrations.transformers.ep_model` (the dbo layers of
-such a loaded model), :mod:`~dbo.integrations.transformers.experts`,
-:mod:`~dbo.integrations.transformers.fsdp`, :mod:`~dbo.integrations.transformers.checkpoint`,
-:mod:`~dbo.integrations.transformers.generate` (greedy generation with overlapped prefill),
-:mod:`~dbo.integrations.transformers.moe_block` and
-:mod:`~dbo.integrations.transformers.presets`.
+A model becomes expert-parallel in one of two ways: :func:`convert_to_expert_parallel` on a model
+in memory (:mod:`~dbo.integrations.transformers.convert`), or ``from_pretrained(...,
+distributed_config=ep_distributed_config(backend))`` with dbo's backends as transformers' own
+expert-parallel implementations (:mod:`~dbo.integrations.transformers.ep`; the operations on such a
+loaded model in :mod:`~dbo.integrations.transformers.ep_model`). Either way :func:`use_backend`
+switches its backend (:mod:`~dbo.integrations.transformers.backend`), :class:`DBOPrefill` runs
+its prefill as overlapped ubatches and
+:func:`~dbo.integrations.transformers.generate.greedy_generate` decodes. The rest:
+:mod:`~dbo.integrations.transformers.experts`, :mod:`~dbo.integrations.transformers.fsdp`,
+:mod:`~dbo.integrations.transformers.checkpoint`, :mod:`~dbo.integrations.transformers.moe_block`
+and :mod:`~dbo.integrations.transformers.presets`.
 """
 
+from dbo.integrations.transformers.backend import use_backend
 from dbo.integrations.transformers.convert import (
     FAMILIES,
     DBOPrefill,
@@ -24,5 +27,5 @@ from dbo.integrations.transformers.convert import (
 )
 
 __all__ = ["MoEFamily", "FAMILIES", "UnsupportedModelError", "find_moe_blocks",
-           "convert_to_expert_parallel", "set_backend", "prefill_split_config", "prefill_logits",
-           "DBOPrefill"]
+           "convert_to_expert_parallel", "use_backend", "set_backend", "prefill_split_config",
+           "prefill_logits", "DBOPrefill"]

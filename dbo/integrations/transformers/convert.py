@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from dbo.autotune import AutotuneResult, autotune_split_config
-from dbo.backends import BACKENDS, make_backend
+from dbo.backends import backend_spec, make_backend
 from dbo.errors import DBOError
 from dbo.integrations.transformers.ep import prepare_for_overlap
 from dbo.integrations.transformers.ep_model import expert_parallel_group
@@ -158,7 +158,7 @@ def convert_to_expert_parallel(model: torch.nn.Module, group: Any = None, backen
     Every rank of ``group`` calls this on the same model (same config and weights: experts are
     sliced from the model's own). Rank ``r`` of ``W`` keeps experts ``[r * E / W, (r + 1) * E / W)``
     of every MoE layer; the other experts' weights are released (a model built on the meta
-    device stays there: materialise it after conversion, see ``examples/hf_moe.py``).
+    device stays there: materialise it after conversion, see :mod:`dbo.bench.hf_model`).
 
     Args:
         model: a transformers MoE model (``...ForCausalLM`` or its base model) whose MoE blocks
@@ -180,8 +180,7 @@ def convert_to_expert_parallel(model: torch.nn.Module, group: Any = None, backen
         ValueError: the expert count is not a multiple of the group size; unknown backend.
         RuntimeError: torch.distributed is not initialised.
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}; choose from {sorted(BACKENDS)}")
+    backend_spec(backend)
     blocks = find_moe_blocks(model)
     rank, world = _group_rank_size(group)
     config = getattr(model, "config", None)
@@ -223,8 +222,9 @@ def set_backend(model: torch.nn.Module, backend: str, group: Any = None, *,
     meta device, or to compare backends on one model.
 
     Raises:
-        ValueError: ``model`` has no converted block; unknown backend.
+        ValueError: unknown backend (checked first); ``model`` has no converted block.
     """
+    backend_spec(backend)
     blocks = [m for m in model.modules() if isinstance(m, ExpertParallelMoE)]
     if not blocks:
         raise ValueError("the model has no converted MoE block: call convert_to_expert_parallel first")

@@ -41,7 +41,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from dbo.backends import BACKENDS, make_backend
+from dbo.backends import backend_spec, make_backend
 from dbo.errors import DBOError
 from dbo.integrations.transformers.experts import (
     EXPERTS_CHOICES,
@@ -124,10 +124,9 @@ def checked_decode_kwargs(decode_backend: str | None, kwargs: dict[str, Any] | N
         if kwargs:
             raise ValueError("decode_backend_kwargs given without decode_backend")
         return {}
-    if decode_backend not in BACKENDS:
-        raise ValueError(f"unknown decode_backend {decode_backend!r}; choose from {sorted(BACKENDS)}")
+    spec = backend_spec(decode_backend, what="decode_backend")
     out = dict(kwargs or {})
-    if BACKENDS[decode_backend].needs_max_tokens:
+    if spec.needs_max_tokens:
         out.setdefault("max_tokens_per_rank", DEEPEP_LL_MAX_TOKENS)
     return out
 
@@ -297,8 +296,7 @@ def register_ep_implementation(name: str, backend: str, *, experts: str = "auto"
         ValueError: unknown backend, decode backend or experts choice.
         TransformersVersionError: transformers < :data:`MIN_TRANSFORMERS`.
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}; choose from {sorted(BACKENDS)}")
+    backend_spec(backend)
     check_experts_choice(experts)
     decode_kwargs = checked_decode_kwargs(decode_backend, decode_backend_kwargs)
     interface = ep_interface()

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from dbo.backends import BACKENDS
+from dbo.backends import backend_spec
 from dbo.integrations.transformers.ep import DBOExpertParallel, check_experts_choice, checked_decode_kwargs
 from dbo.integrations.transformers.experts import LibraryExperts
 
@@ -52,8 +52,7 @@ def switch_ep_backend(model: torch.nn.Module, backend: str, *, decode_backend: s
         ValueError: unknown backend or decode backend, or no experts module runs through dbo's
             implementations.
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}; choose from {sorted(BACKENDS)}")
+    backend_spec(backend)
     decode_kwargs = checked_decode_kwargs(decode_backend, decode_backend_kwargs)
     found = _require_dbo_modules(model)
     for _, impl in found:

@@ -1,0 +1,160 @@
+"""The options the transformers benchmarks (``hf-prefill``, ``hf-generate``) share, and the checks
+that answer a bad value in one line before any process group exists.
+
+Every check here runs on every rank with the same inputs (the arguments, torchrun's
+``WORLD_SIZE``, the checkpoint's ``config.json``), so under torchrun either every rank passes or
+every rank exits 2 with the same line (:class:`dbo.bench.cli.ArgumentParser`), and none waits for
+a peer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dbo.backends import backend_spec
+from dbo.bench.cli import check_at_least, check_backend_fits, env_world_size
+from dbo.integrations.transformers.presets import PRESETS, TINY_FAMILIES, preset_config, tiny_config
+
+__all__ = ["DTYPES", "PRESET_CHOICES", "backend_name", "add_model_arguments", "check_model_arguments",
+           "check_backends", "num_routed_experts", "model_config"]
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+PRESET_CHOICES = sorted(PRESETS) + [f"tiny-{f}" for f in TINY_FAMILIES]
+
+
+def backend_name(text: str) -> str:
+    """argparse type: a key of :data:`dbo.backends.BACKENDS` (checked by
+    :func:`dbo.backends.backend_spec`, whose message lists them)."""
+    try:
+        backend_spec(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """The model and where it runs: ``--device --preset --layers --dtype --checkpoint
+    --save-checkpoint --link --remote-fraction --seed --json``."""
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="(default: cpu)")
+    p.add_argument("--preset", choices=PRESET_CHOICES, default=None,
+                   help="the model to build (default: tiny-qwen3_moe on CPU, qwen3-30b-a3b on CUDA)")
+    p.add_argument("--layers", type=int, default=None,
+                   help="decoder layers (default: the preset's; 2 for the tiny ones)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                   help="(default: float32 on CPU, bfloat16 on CUDA)")
+    p.add_argument("--checkpoint", default=None,
+                   help="DIR (or a Hub model id): load this checkpoint expert-parallel with "
+                        "from_pretrained (transformers >= 5.23) instead of building --preset")
+    p.add_argument("--save-checkpoint", default=None,
+                   help="DIR: first write --preset with random weights there (every rank its share: "
+                        "dbo.integrations.transformers.checkpoint) and load it as --checkpoint")
+    p.add_argument("--link", default=None, metavar="GBPS[,LATENCY_US]",
+                   help="run dbo's backends under a simulated link (dbo.backends.simulated_link): the "
+                        "bytes still move, their arrival is held back to GBPS GB/s and LATENCY_US")
+    p.add_argument("--remote-fraction", type=float, default=1.0,
+                   help="with --link: the share of the traffic that crosses it (7/8 for 8 GPUs a host; "
+                        "default 1)")
+    p.add_argument("--seed", type=int, default=0, help="(default: 0)")
+    p.add_argument("--json", default=None, help="write the results here (rank 0)")
+
+
+def num_routed_experts(config: Any) -> int | None:
+    """The routed experts of every MoE layer of a transformers MoE ``config`` (None: not found)."""
+    for attr in ("num_experts", "num_local_experts", "n_routed_experts"):
+        value = getattr(config, attr, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def _checkpoint_config(p: argparse.ArgumentParser, where: str) -> Any:
+    """``--checkpoint``'s config, or ``p.error`` naming it and what is wanted."""
+    path = Path(where).expanduser()
+    if path.exists() or where.startswith((".", "/", "~")) or where.count("/") > 1:
+        if not path.is_dir():
+            p.error(f"--checkpoint {where}: no such directory; give a directory written by "
+                    "save_pretrained (or --save-checkpoint DIR to write one)")
+        if not (path / "config.json").is_file():
+            p.error(f"--checkpoint {where}: no config.json there; give a directory written by "
+                    "save_pretrained (or --save-checkpoint DIR to write one)")
+    from transformers import AutoConfig
+
+    quiet = [logging.getLogger(name) for name in ("huggingface_hub", "transformers")]
+    levels = [log.level for log in quiet]
+    try:
+        for log in quiet:  # the reason goes into our one line; their retries' warnings would not
+            log.setLevel(logging.ERROR)
+        return AutoConfig.from_pretrained(str(path) if path.exists() else where)
+    except (OSError, ValueError) as exc:  # not on the Hub, offline, or not a transformers config
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        p.error(f"--checkpoint {where}: cannot read its config ({reason}); give a directory written "
+                "by save_pretrained or a Hub model id")
+    finally:
+        for log, level in zip(quiet, levels, strict=True):
+            log.setLevel(level)
+
+
+def check_model_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Fill the device-dependent defaults of :func:`add_model_arguments`'s options and check them
+    (``p.error`` on the first bad one). Sets ``args.dtype`` (a torch dtype), ``args.config``
+    (the model's config), ``args.link`` (a ``SimulatedLink`` or None; ``args.link_text`` keeps
+    the option's text) and ``args.checkpoint`` (``--save-checkpoint``'s directory where given)."""
+    cuda = args.device == "cuda"
+    if args.layers is not None:
+        check_at_least(p, args, 1, "layers")
+    if cuda and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device here; use --device cpu")
+    args.preset = args.preset or ("qwen3-30b-a3b" if cuda else "tiny-qwen3_moe")
+    args.dtype = DTYPES[args.dtype or ("bfloat16" if cuda else "float32")]
+    if not 0.0 < args.remote_fraction <= 1.0:
+        p.error(f"--remote-fraction {args.remote_fraction}: want a share in (0, 1]")
+    args.link_text, link = args.link, None
+    if args.link is not None:
+        from dbo.backends.simulated_link import SimulatedLink
+
+        try:
+            link = SimulatedLink.parse(args.link, args.remote_fraction)
+        except ValueError as exc:
+            p.error(f"--link {args.link}: {exc}")
+    args.link = link
+    if args.save_checkpoint and args.checkpoint and args.checkpoint != args.save_checkpoint:
+        p.error(f"--checkpoint {args.checkpoint} and --save-checkpoint {args.save_checkpoint}: give one "
+                "(--save-checkpoint writes the checkpoint it then loads)")
+    if args.save_checkpoint:
+        target = Path(args.save_checkpoint)
+        if target.exists() and not target.is_dir():
+            p.error(f"--save-checkpoint {args.save_checkpoint}: exists and is not a directory")
+        args.checkpoint = args.save_checkpoint
+        args.config = model_config(args.preset, args.layers)
+    elif args.checkpoint:
+        args.config = _checkpoint_config(p, args.checkpoint)
+    else:
+        args.config = model_config(args.preset, args.layers)
+    experts = num_routed_experts(args.config)
+    if experts is None:
+        p.error(f"{args.checkpoint or args.preset}: {type(args.config).__name__} names no routed "
+                "experts; dbo runs Qwen3-MoE, Mixtral and DeepSeek-V3 models")
+    world = env_world_size()
+    if experts % world:
+        p.error(f"{args.checkpoint or args.preset}: its {experts} routed experts do not split evenly "
+                f"over {world} ranks; run a number of ranks that divides {experts}")
+
+
+def check_backends(p: argparse.ArgumentParser, names: list[str], args: argparse.Namespace) -> None:
+    """``p.error`` for a backend of ``names`` that cannot run on ``args.device`` with ``args.dtype``
+    (a torch dtype)."""
+    for name in names:
+        check_backend_fits(p, name, device=args.device, dtype=str(args.dtype).removeprefix("torch."))
+
+
+def model_config(preset: str, layers: int | None) -> Any:
+    """The config of ``preset`` (a :data:`PRESET_CHOICES` name) with ``layers`` decoder layers
+    (None: the preset's; 2 for the tiny ones)."""
+    if preset.startswith("tiny-"):
+        return tiny_config(preset.removeprefix("tiny-"), layers=layers or 2)
+    return preset_config(preset, layers=layers)

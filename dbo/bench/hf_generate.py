@@ -1,0 +1,234 @@
+"""Greedy decoding of a transformers MoE model loaded expert-parallel: transformers' ``generate()``
+with its own ``all_to_all`` expert parallelism beside dbo's ``greedy_generate`` on dbo's backends.
+
+    torchrun --nproc-per-node 2 -m dbo.bench hf-generate         # CPU, gloo: a tiny Qwen3-MoE checkpoint
+    torchrun --nproc-per-node 4 -m dbo.bench hf-generate --device cuda --preset qwen3-30b-a3b \\
+        --save-checkpoint /tmp/q48 --batch 64 --prompt 512 --new-tokens 64 \\
+        --backend copy_engine deepep_ht/deepep_ll
+
+Every rank decodes its own batch of ``--batch`` random prompts of ``--prompt`` tokens for
+``--new-tokens`` steps (greedy), first with transformers' ``generate()`` on the checkpoint loaded
+with its own ``all_to_all`` implementation (under ``no_grad``, which it needs), then, on the
+checkpoint loaded with dbo's implementations, with
+:func:`dbo.integrations.transformers.generate.greedy_generate` per ``--backend``: plain (no
+split), "DBO prefill" (the prompt as two overlapped ubatches of sequences, then their caches
+joined and the decode steps plain: ``greedy_generate``'s default) and "DBO" (every step
+overlapped, each ubatch with its own KV cache: ``split_decode=True``). A backend
+``PREFILL/DECODE`` (``deepep_ht/deepep_ll``) moves the prompts through the first and the decode
+steps through the second (:func:`dbo.integrations.transformers.use_backend`'s
+``decode_backend``). It prints tokens/s per GPU (per rank on CPU: new tokens of the batch over the
+whole call, prefill included; slowest rank; median of ``--steps`` calls after ``--warmup``), the
+prefill's time (the same call with one new token) and how far each run's tokens agree with
+``generate()``'s: bf16 rounding differs between implementations, and a near-tie flips a token,
+after which the sequences part ways. So the agreement is the share of sequences identical to the
+end, and the mean share of new tokens before the first difference; each DBO row gives the same
+against its plain row too. The verdict: every DBO run's tokens equal its plain run's (float32),
+or its first new token agrees for at least 75% of the sequences (bfloat16).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from dbo.bench.cli import ArgumentParser, check_at_least, verdict
+from dbo.bench.dist import init_distributed, shutdown_distributed
+from dbo.bench.hf_args import (
+    add_model_arguments,
+    backend_name,
+    check_backends,
+    check_model_arguments,
+)
+from dbo.bench.hf_model import backend_kwargs, load_checkpoint, load_hf_all_to_all, save_checkpoint
+from dbo.bench.timing import median_ms
+from dbo.integrations.transformers import use_backend
+from dbo.peers.collectives import all_reduce_max
+from dbo.split import SplitConfig
+
+PROG = "hf-generate"
+
+
+def _backend_pair(text: str) -> tuple[str, str | None]:
+    prefill, slash, decode = text.partition("/")
+    if slash and not decode:
+        raise argparse.ArgumentTypeError(f"{text!r}: give NAME or PREFILL/DECODE")
+    return backend_name(prefill), backend_name(decode) if decode else None
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = ArgumentParser(prog=f"python -m dbo.bench {PROG}", description=__doc__.split("\n\n")[0])
+    add_model_arguments(p)
+    p.add_argument("--backend", nargs="+", type=_backend_pair, default=None, metavar="NAME|PREFILL/DECODE",
+                   help="(default: all2all copy_engine on CPU, copy_engine deepep_ht/deepep_ll on CUDA)")
+    p.add_argument("--batch", type=int, default=None, help="sequences per rank (CPU 4, CUDA 64)")
+    p.add_argument("--prompt", type=int, default=None, help="prompt tokens (CPU 8, CUDA 512)")
+    p.add_argument("--new-tokens", type=int, default=None, help="decode steps (CPU 4, CUDA 64)")
+    p.add_argument("--steps", type=int, default=3, help="timed calls (default: 3)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed calls first (default: 1)")
+    a = p.parse_args(argv)
+    cuda = a.device == "cuda"
+    given = [n for n in ("batch", "prompt", "new_tokens") if getattr(a, n) is not None]
+    check_at_least(p, a, 1, *given, "steps")
+    check_at_least(p, a, 0, "warmup")
+    if not (a.checkpoint or a.save_checkpoint):
+        if cuda:
+            p.error("--device cuda: give --checkpoint DIR (or --save-checkpoint DIR to write one)")
+        a.save_checkpoint = "hf_generate_ckpt"
+    check_model_arguments(p, a)
+    a.batch = a.batch or (64 if cuda else 4)
+    a.prompt = a.prompt or (512 if cuda else 8)
+    a.new_tokens = a.new_tokens or (64 if cuda else 4)
+    a.pairs = a.backend or ([("copy_engine", None), ("deepep_ht", "deepep_ll")] if cuda
+                            else [("all2all", None), ("copy_engine", None)])
+    check_backends(p, [name for pair in a.pairs for name in pair if name], a)
+    return a
+
+
+def _agreement(got: torch.Tensor, want: torch.Tensor, prompt: int) -> tuple[float, float, float]:
+    """(share of sequences identical to the end, mean share of new tokens before the first
+    difference, share whose first new token agrees)."""
+    g, w = got[:, prompt:], want[:, prompt:]
+    same = g == w
+    first = torch.where(same.all(1), torch.full_like(same[:, 0], g.shape[1], dtype=torch.long),
+                        (~same).long().argmax(1))
+    return (same.all(1).float().mean().item(), (first.float() / g.shape[1]).mean().item(),
+            same[:, 0].float().mean().item())
+
+
+def _timed(fn: Callable[[], object], steps: int, warmup: int, device: torch.device) -> tuple[float, object]:
+    """(median ms of ``fn`` on this rank, its last result)."""
+    last: list[object] = [None]
+
+    def call() -> None:
+        last[0] = fn()
+
+    return median_ms(call, steps=steps, warmup=warmup, device=device), last[0]
+
+
+def _add_row(rows: list[dict], rank: int, row: dict) -> None:
+    """Keep ``row`` and print it at once (rank 0): a run cut short still shows what it measured."""
+    rows.append(row)
+    if rank == 0:
+        vs_plain = (f"; against plain: identical {row['same_plain']:.2f}, before 1st diff "
+                    f"{row['prefix_plain']:.2f}" if "same_plain" in row else "")
+        print(f"row: {row['run']}: {row['ms']:.1f} ms (prefill {row['prefill_ms']:.1f}), {row['tok_s']:,.0f} "
+              f"new tokens/s, identical {row['same']:.2f}, before 1st diff {row['prefix']:.2f}{vs_plain}",
+              flush=True)
+
+
+def run(a: argparse.Namespace, rank: int, world: int, device: torch.device) -> list[dict]:
+    from dbo.integrations.transformers.generate import greedy_generate
+
+    if a.save_checkpoint:
+        save_checkpoint(a.config, a.save_checkpoint, a.dtype, device, a.seed, rank)
+    g = torch.Generator().manual_seed(1234 + rank)
+    ids = torch.randint(0, a.config.vocab_size, (a.batch, a.prompt), generator=g).to(device)
+    mask = torch.ones_like(ids)
+    new = a.batch * a.new_tokens
+    rows: list[dict] = []
+
+    ref = load_hf_all_to_all(a.checkpoint, a.dtype, device)
+    with torch.no_grad():  # transformers' own EP fails under inference_mode
+        def hf_generate(tokens: int, m: torch.nn.Module = ref):
+            return m.generate(input_ids=ids, attention_mask=mask, do_sample=False,
+                                max_new_tokens=tokens, min_new_tokens=tokens)
+
+        ms, want = _timed(lambda: hf_generate(a.new_tokens), a.steps, a.warmup, device)
+        pre_ms = median_ms(lambda: hf_generate(1), steps=a.steps, warmup=1, device=device)
+    ms, pre_ms = all_reduce_max([ms, pre_ms], phase=PROG)
+    _add_row(rows, rank, dict(run="transformers generate (all_to_all)", ms=ms, prefill_ms=pre_ms,
+                              tok_s=new / ms * 1e3, same=1.0, prefix=1.0))
+    del ref
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+    model = load_checkpoint(a.checkpoint, a.dtype, device, backend=a.pairs[0][0])
+    plain_cfg = SplitConfig(enabled=False)
+    dbo_cfg = SplitConfig(prefill_token_threshold=2, decode_token_threshold=2)
+    with torch.inference_mode():
+        for prefill, decode in a.pairs:
+            decode_kw = None if decode is None else backend_kwargs(decode, max_tokens_per_rank=a.batch,
+                                                                    link=a.link)
+            use_backend(model, prefill, decode_backend=decode, decode_backend_kwargs=decode_kw,
+                        **backend_kwargs(prefill, max_tokens_per_rank=a.batch * a.prompt, link=a.link))
+            label = prefill if decode is None else f"{prefill}/{decode}"
+            plain = None
+            for name, split, every in (("plain", plain_cfg, False), ("DBO prefill", dbo_cfg, False),
+                                       ("DBO", dbo_cfg, True)):
+                ms, (got, plan) = _timed(lambda split=split, every=every: greedy_generate(
+                    model, ids, mask, max_new_tokens=a.new_tokens, config=split, split_decode=every),
+                    a.steps, a.warmup, device)
+                pre_ms = median_ms(lambda split=split: greedy_generate(
+                    model, ids, mask, max_new_tokens=1, config=split), steps=a.steps, warmup=1, device=device)
+                same, prefix, _ = _agreement(got, want, a.prompt)
+                vs_plain = _agreement(got, plain, a.prompt) if plain is not None else (1.0, 1.0, 1.0)
+                plain = got if plain is None else plain
+                ms, pre_ms, *neg = all_reduce_max([ms, pre_ms, -same, -prefix, *(-v for v in vs_plain)],
+                                                  phase=PROG)
+                _add_row(rows, rank, dict(run=f"dbo greedy_generate {label} {name}", mode=name, ms=ms,
+                                          prefill_ms=pre_ms,
+                                          tok_s=new / ms * 1e3, same=-neg[0], prefix=-neg[1],
+                                          same_plain=-neg[2], prefix_plain=-neg[3], first_plain=-neg[4],
+                                          split=str(plan)))
+    return rows
+
+
+def _verdict(a: argparse.Namespace, rows: list[dict]) -> tuple[bool, str]:
+    dbo_rows = [r for r in rows if r.get("mode") in ("DBO prefill", "DBO")]
+    fp32 = a.dtype == torch.float32
+    bad = [r for r in dbo_rows if (r["same_plain"] < 1.0 if fp32 else r["first_plain"] < 0.75)]
+    wrote = f"; wrote {a.json}" if a.json else ""
+    if bad:
+        return False, ("DBO's tokens differ from plain's in " + ", ".join(
+            f"{r['run']} (identical {r['same_plain']:.2f}, first token {r['first_plain']:.2f})" for r in bad)
+            + wrote)
+    if fp32:
+        return True, f"every DBO run's tokens equal its plain run's ({len(dbo_rows)} runs){wrote}"
+    low = min(r["first_plain"] for r in dbo_rows)
+    return True, (f"every DBO run's first new token agrees with plain's for >= 75% of sequences "
+                  f"(lowest {low:.2f}; {len(dbo_rows)} runs){wrote}")
+
+
+def _print_table(a: argparse.Namespace, rows: list[dict], world: int, device: torch.device) -> None:
+    per = "GPU" if device.type == "cuda" else "rank"
+    print(f"\n{a.checkpoint}: batch {a.batch} x prompt {a.prompt} + {a.new_tokens} new tokens per rank, "
+          f"{world} ranks, {str(a.dtype).removeprefix('torch.')}; ms per call (prefill included), slowest "
+          f"rank; prefill ms = the same call with one new token; new tokens/s per {per} = new tokens / "
+          "time; agreement with generate(): sequences identical to the end / mean share of new tokens "
+          "before the first difference\n")
+    print(f"| run | ms | prefill ms | new tokens/s per {per} | identical | before 1st diff "
+          "| identical to plain |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['run']} | {r['ms']:.1f} | {r['prefill_ms']:.1f} | {r['tok_s']:,.0f} | {r['same']:.2f} "
+              f"| {r['prefix']:.2f} | {r.get('same_plain', 1.0):.2f} |")
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    rank, world, device = init_distributed(a.device)
+    finished = False
+    try:
+        rows = run(a, rank, world, device)
+        ok, why = _verdict(a, rows)
+        if rank == 0:
+            _print_table(a, rows, world, device)
+            if a.json:
+                Path(a.json).write_text(json.dumps({"world": world, "batch": a.batch, "prompt": a.prompt,
+                                                    "new_tokens": a.new_tokens, "rows": rows}, indent=1))
+            verdict(PROG, ok, why)
+        finished = True
+        return 0 if ok else 1
+    finally:
+        shutdown_distributed(wait_for_peers=finished)  # a rank that failed skips the barrier
+
+
+if __name__ == "__main__":
+    sys.exit(main())

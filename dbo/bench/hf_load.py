@@ -1,0 +1,250 @@
+"""Loading a real-sized checkpoint expert-parallel on CPU: peak RSS and load time per rank.
+
+    python -m dbo.bench hf-load --dir /tmp/qwen3-30b-a3b-2l            # writes it if absent
+    python -m dbo.bench hf-load --dir DIR --ranks 2 --backend all2all --check --json load.json
+
+The checkpoint is ``--preset``'s shape (default Qwen3-30B-A3B's: hidden 2048, 128 experts of
+intermediate 768, top-8, vocabulary 151936) cut to ``--layers`` decoder layers (2: about 3.6 GB in
+bf16; ``--preset tiny-qwen3_moe`` for a smoke run), random weights, written once by one process
+(:func:`~dbo.integrations.transformers.checkpoint.write_random_checkpoint`). Then, each in fresh
+processes under ``torchrun --nproc-per-node RANKS`` (peak RSS is a per-process high-water mark):
+
+* ``plain``: every rank ``from_pretrained(DIR, dtype=bf16)``: the whole model on every rank;
+* ``ep``: every rank ``from_pretrained(DIR, dtype=bf16, distributed_config=
+  ep_distributed_config(BACKEND))``: transformers reads this rank's experts only, dbo's backend
+  moves the tokens; then a first prefill under ``torch.inference_mode()`` as loaded (it gathers
+  the dense weights once and keeps them whole: ``dbo.integrations.transformers.fsdp``) and one
+  overlapped prefill (``DBOPrefill``) of a small batch, checked against the plain model's logits
+  when ``--check`` (loads the plain model too, after the measurement).
+
+Each rank reports: RSS after imports, peak RSS (``ru_maxrss``) after loading and after the first
+prefill, the load's wall time, and the bytes of routed experts it holds; in ``ep`` mode also the
+bytes FSDP2 all-gathers in the first prefill (the dense weights, once) and in the overlapped
+prefill after it (none). Safetensors are memory-mapped: pages of the file a process touched count
+in its RSS (and are shared with the page cache), so RSS is what the process touched, not only what
+it allocated. The verdict: every ``ep`` rank holds 1/RANKS of the routed experts, its overlapped
+prefill gathered nothing, and (``--check``) its logits match the plain model's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from dbo.backends import cpu_backends
+from dbo.bench.cli import ArgumentParser, check_at_least, verdict
+from dbo.bench.hf_args import PRESET_CHOICES, backend_name, model_config, num_routed_experts
+
+PROG = "hf-load"
+
+
+def rss_mib() -> float:
+    """This process's resident set now (MiB)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident set so far (MiB; ``ru_maxrss`` is KiB on Linux)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One rank of one mode (under torchrun): load, prefill, write every rank's numbers (rank 0)."""
+    import torch
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    import dbo.backends.torchdist  # noqa: F401  (binds its all-gather before the spy below)
+    from dbo.bench.dist import init_distributed, shutdown_distributed
+    from dbo.bench.hf_prefill_table import logits_match
+    from dbo.integrations.transformers import DBOPrefill, prefill_logits
+    from dbo.integrations.transformers.ep import ep_distributed_config
+    from dbo.integrations.transformers.ep_model import expert_parallel_modules
+    from dbo.moe import relative_error
+
+    rank, world, _ = init_distributed("cpu")
+    out = {"mode": args.mode, "rank": rank, "rss_after_imports_mib": rss_mib()}
+    kw = {"distributed_config": ep_distributed_config(args.backend, world)} if args.mode == "ep" else {}
+    dist.barrier()
+    t0 = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(args.dir, dtype=torch.bfloat16, **kw).eval()
+    dist.barrier()
+    out["load_s"] = time.perf_counter() - t0
+    out["peak_rss_after_load_mib"] = peak_rss_mib()
+    out["rss_after_load_mib"] = rss_mib()
+
+    def local_bytes(p):
+        t = p.to_local() if hasattr(p, "to_local") else p
+        return t.numel() * t.element_size()
+
+    out["expert_bytes"] = sum(local_bytes(p) for n, p in model.named_parameters() if ".experts." in n)
+    g = torch.Generator().manual_seed(rank)
+    ids = torch.randint(0, model.config.vocab_size, (args.batch, args.seq), generator=g)
+    with torch.inference_mode():
+        if args.mode == "ep":
+            # as transformers loaded it: the first forward gathers the dense weights once
+            gathered = []
+            real = dist.all_gather_single
+
+            def spy(output, inp, *a, **k):
+                gathered.append(output.numel() * output.element_size())
+                return real(output, inp, *a, **k)
+
+            dist.all_gather_single = spy
+            t0 = time.perf_counter()
+            prefill_logits(model, ids, logits_to_keep=1)
+            out["first_forward_s"] = time.perf_counter() - t0
+            out["first_forward_gathered_bytes"] = sum(gathered)
+            gathered.clear()
+            out["layers_through_dbo"] = len(expert_parallel_modules(model))
+            t0 = time.perf_counter()
+            logits = DBOPrefill(model, logits_to_keep=1)(ids)
+            out["dbo_gathered_bytes"] = sum(gathered)
+            dist.all_gather_single = real
+        else:
+            t0 = time.perf_counter()
+            logits = prefill_logits(model, ids, logits_to_keep=1)
+        out["prefill_s"] = time.perf_counter() - t0
+    out["peak_rss_after_prefill_mib"] = peak_rss_mib()
+    if args.check and args.mode == "ep":
+        del model
+        full = AutoModelForCausalLM.from_pretrained(args.dir, dtype=torch.bfloat16).eval()
+        with torch.inference_mode():
+            want = prefill_logits(full, ids, logits_to_keep=1)
+        out["rel_err_vs_plain"] = relative_error(logits, want)
+        out["top1_agree"] = (logits[:, -1].argmax(-1) == want[:, -1].argmax(-1)).float().mean().item()
+        out["logits_match"] = logits_match(out["rel_err_vs_plain"], out["top1_agree"], torch.bfloat16)
+    rows: list = [None] * world
+    dist.all_gather_object(rows, out)
+    if rank == 0:
+        Path(args.out).write_text(json.dumps(rows))
+    shutdown_distributed(wait_for_peers=True)
+
+
+def launch(args: argparse.Namespace, mode: str, out: Path) -> list[dict]:
+    """Run ``mode`` on ``--ranks`` fresh processes; their rows."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.ranks),
+           "-m", "dbo.bench", PROG, "--worker", "--mode", mode, "--dir", args.dir, "--out", str(out),
+           "--backend", args.backend, "--batch", str(args.batch), "--seq", str(args.seq)]
+    if args.check:
+        cmd.append("--check")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-8000:])
+        raise SystemExit(f"{PROG}: {mode} failed (exit {proc.returncode}); its output is above")
+    return json.loads(out.read_text())
+
+
+def report(rows: list[dict], size_gb: float, args: argparse.Namespace) -> None:
+    print(f"\n{args.dir}: {size_gb:.2f} GB of bf16 safetensors, {args.ranks} gloo ranks on CPU, "
+          f"backend {args.backend}; prefill of {args.batch}x{args.seq} tokens per rank\n")
+    print("| mode | rank | load s | RSS after imports MiB | peak RSS after load MiB | peak RSS after "
+          "prefill MiB | routed-expert bytes held GB | prefill s |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['mode']} | {r['rank']} | {r['load_s']:.1f} | {r['rss_after_imports_mib']:.0f} | "
+              f"{r['peak_rss_after_load_mib']:.0f} | {r['peak_rss_after_prefill_mib']:.0f} | "
+              f"{r['expert_bytes'] / 1e9:.2f} | {r['prefill_s']:.2f} |")
+    for r in rows:
+        if "first_forward_gathered_bytes" in r:
+            print(f"rank {r['rank']}: the first prefill as loaded all-gathered "
+                  f"{r['first_forward_gathered_bytes'] / 1e9:.2f} GB (the dense weights, kept whole) and "
+                  f"took {r['first_forward_s']:.2f} s; then DBOPrefill {r['prefill_s']:.2f} s, "
+                  f"{r['dbo_gathered_bytes'] / 1e9:.2f} GB gathered")
+        if "rel_err_vs_plain" in r:
+            print(f"rank {r['rank']}: DBO logits vs plain model rel err {r['rel_err_vs_plain']:.1e}, "
+                  f"top-1 agreement {r['top1_agree']:.2f}")
+
+
+def check_rows(rows: list[dict], args: argparse.Namespace) -> tuple[bool, str]:
+    """(passed, why): every ep rank holds 1/ranks of the routed experts, its overlapped prefill
+    gathered nothing and (``--check``) its logits match the plain model's."""
+    plain = [r for r in rows if r["mode"] == "plain"]
+    ep = [r for r in rows if r["mode"] == "ep"]
+    share = plain[0]["expert_bytes"] // args.ranks
+    problems = [f"ep rank {r['rank']} holds {r['expert_bytes']:,} bytes of experts, not {share:,}"
+                for r in ep if r["expert_bytes"] != share]
+    problems += [f"ep rank {r['rank']}'s DBOPrefill all-gathered {r['dbo_gathered_bytes']:,} bytes"
+                 for r in ep if r["dbo_gathered_bytes"]]
+    problems += [f"ep rank {r['rank']}'s logits differ from the plain model's (rel err "
+                 f"{r['rel_err_vs_plain']:.1e}, top-1 agree {r['top1_agree']:.2f})"
+                 for r in ep if r.get("logits_match") is False]
+    wrote = f"; wrote {args.json}" if args.json else ""
+    if problems:
+        return False, "; ".join(problems) + wrote
+    checked = "; DBO logits match the plain model's" if args.check else ""
+    return True, (f"every ep rank holds 1/{args.ranks} of the routed experts and its DBOPrefill "
+                  f"gathered nothing{checked}{wrote}")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = ArgumentParser(prog=f"python -m dbo.bench {PROG}", description=__doc__.split("\n\n")[0])
+    p.add_argument("--dir", required=True, help="the checkpoint (written here if it has none)")
+    p.add_argument("--preset", choices=PRESET_CHOICES, default="qwen3-30b-a3b",
+                   help="the model written where --dir has none (default: qwen3-30b-a3b)")
+    p.add_argument("--layers", type=int, default=2, help="decoder layers (default: 2)")
+    p.add_argument("--ranks", type=int, default=2, help="processes per mode (default: 2)")
+    p.add_argument("--backend", type=backend_name, default="all2all", help="dbo backend of the ep mode "
+                   f"(default: all2all; on CPU: {' '.join(cpu_backends())})")
+    p.add_argument("--batch", type=int, default=2, help="sequences per rank (default: 2)")
+    p.add_argument("--seq", type=int, default=16, help="tokens per sequence (default: 16)")
+    p.add_argument("--check", action="store_true", help="compare the DBO logits with the plain model's")
+    p.add_argument("--seed", type=int, default=0, help="(default: 0)")
+    p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--mode", choices=["plain", "ep"], default=None, help=argparse.SUPPRESS)
+    p.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    check_at_least(p, args, 1, "layers", "ranks", "batch", "seq")
+    if args.backend not in cpu_backends():
+        p.error(f"--backend {args.backend}: hf-load runs on CPU, where these run: {' '.join(cpu_backends())}")
+    path = Path(args.dir)
+    if path.exists() and not path.is_dir():
+        p.error(f"--dir {args.dir}: exists and is not a directory")
+    if (path / "config.json").is_file():
+        from transformers import AutoConfig
+
+        args.config = AutoConfig.from_pretrained(path)
+    else:
+        args.config = model_config(args.preset, args.layers)
+    experts = num_routed_experts(args.config)
+    if experts is None or experts % args.ranks:
+        p.error(f"--ranks {args.ranks}: the checkpoint's {experts} routed experts do not split evenly; "
+                "give a number of ranks that divides it")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        worker(args)
+        return 0
+    path = Path(args.dir)
+    if not (path / "config.json").is_file():
+        from dbo.integrations.transformers.checkpoint import write_random_checkpoint
+
+        t0 = time.perf_counter()
+        write_random_checkpoint(args.config, path, seed=args.seed)
+        print(f"wrote {path} in {time.perf_counter() - t0:.0f} s")
+    size = sum(f.stat().st_size for f in path.glob("*.safetensors")) / 1e9
+    rows = []
+    for mode in ("plain", "ep"):
+        rows += launch(args, mode, path.parent / f".{path.name}.{mode}.json")
+    report(rows, size, args)
+    ok, why = check_rows(rows, args)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"size_gb": size, "ranks": args.ranks, "backend": args.backend,
+                                               "rows": rows}, indent=1))
+    return verdict(PROG, ok, why)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
