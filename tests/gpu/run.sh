@@ -35,13 +35,13 @@
 #                  (e.g. "--dbo-sm-carveout none 8 16"); ~9 min for one link at 4 ranks
 #   onerank        the one-rank overlap benchmark (naive: nothing to hide) at T 4096/16384 x
 #                  I 256/2048, and the decode sizes: what splitting alone costs
-#   hf:N           examples/hf_moe.py: a tiny DeepSeek-V3 smoke test, then Qwen3-30B-A3B at full size
+#   hf:N           `dbo.bench hf-prefill`: a tiny DeepSeek-V3 smoke test, then Qwen3-30B-A3B at full size
 #                  (random weights written by every rank, HF_LAYERS=48) loaded expert-parallel:
 #                  transformers' all_to_all beside HF_BACKENDS, plain vs DBOPrefill at HF_SCHEDULES
 #                  ("auto": the autotune's choice at each of HF_SHAPES; "split merged"), EP_EXPERTS
 #                  ("library model" for both), HF_ARGS (more options); needs transformers >= 5.23
 #                  (the hf extra)
-#   generate:N     examples/hf_generate.py: greedy decoding of 64 new tokens after 512-token prompts,
+#   generate:N     `dbo.bench hf-generate`: greedy decoding of 64 new tokens after 512-token prompts,
 #                  batch 64 per rank: transformers' generate() (all_to_all) beside dbo's
 #                  greedy_generate on GEN_BACKENDS (NAME or PREFILL/DECODE; default "copy_engine
 #                  deepep_ht/deepep_ll"), plain and DBO, and the ids' agreement (GEN_STEPS timed
@@ -198,7 +198,7 @@ for arg in "$@"; do
         --profile-shape none --layers 4 --tokens 64 256 512 --intermediate 2048 --no-autotune \
         --modes compute dbo_compute merged_compute serial dbo merged --time-budget-s 120 --out "$files/decode" ;;
     hf)
-      ex="examples/hf_moe.py --device cuda --steps 3 --warmup 1"
+      ex="-m dbo.bench hf-prefill --device cuda --steps 3 --warmup 1"
       ckpt=${HF_CKPT:-/tmp/qwen3-30b-a3b-${HF_LAYERS:-48}}
       save=()
       [ -f "$ckpt/config.json" ] || save=(--save-checkpoint "$ckpt")  # every rank writes its share
@@ -212,7 +212,7 @@ for arg in "$@"; do
       ckpt=${HF_CKPT:-/tmp/qwen3-30b-a3b-${HF_LAYERS:-48}}
       save=(--checkpoint "$ckpt")
       [ -f "$ckpt/config.json" ] || save=(--save-checkpoint "$ckpt")
-      run "generate-$n" "${GEN_CAP_S:-420}" $tr_ "$n" examples/hf_generate.py --device cuda --preset qwen3-30b-a3b \
+      run "generate-$n" "${GEN_CAP_S:-420}" $tr_ "$n" -m dbo.bench hf-generate --device cuda --preset qwen3-30b-a3b \
         --layers "${HF_LAYERS:-48}" "${save[@]}" --batch 64 --prompt 512 --new-tokens 64 --steps "${GEN_STEPS:-1}" --warmup 1 \
         --backend ${GEN_BACKENDS:-copy_engine deepep_ht/deepep_ll} --json "$files/generate.json" ;;
     *)
