@@ -7,7 +7,11 @@
   (:mod:`dbo.bench.breakdown`);
 * ``experts``: the library's experts alone at the benchmark's shapes (:mod:`dbo.bench.experts`);
 * ``compare``: the best DBO step against the best serial step of any backend, from the overlap
-  bundles of one run (:mod:`dbo.bench.compare`).
+  bundles of one run (:mod:`dbo.bench.compare`);
+* ``hf-prefill``, ``hf-generate`` (under torchrun), ``hf-load``: a transformers MoE model made
+  expert-parallel by dbo, plain against DBO (:mod:`dbo.bench.hf_prefill`,
+  :mod:`dbo.bench.hf_generate`), and loading a real-sized checkpoint on CPU
+  (:mod:`dbo.bench.hf_load`).
 
 The parts are reusable: :mod:`dbo.bench.timing` (per-step GPU times over a group, launch time,
 host-sync detection), :mod:`dbo.bench.report` (summaries, table, plot), :mod:`dbo.bench.backends`
