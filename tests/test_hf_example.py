@@ -189,3 +189,22 @@ def test_hf_prefill_help_names_the_real_defaults():
     rc, out, err = _run([sys.executable, *BENCH, "hf-prefill", "--help"], ROOT, timeout=60)
     assert rc == 0, err
     assert f"default: {' '.join(cpu_backends())} on CPU" in " ".join(out.split()), out
+
+
+def test_prefill_verdict_names_the_rows_that_differ():
+    import torch
+
+    from dbo.bench.hf_prefill_table import logits_match, verdict_reason
+
+    assert logits_match(1e-4, 0.0, torch.float32) and not logits_match(2e-4, 1.0, torch.float32)
+    # bf16: a broken split gives rel err ~1 and no agreement; rounding gives one or the other
+    assert logits_match(0.5, 0.8, torch.bfloat16) and logits_match(0.05, 0.1, torch.bfloat16)
+    assert not logits_match(0.9, 0.1, torch.bfloat16)
+    good = dict(backend="naive", batch=4, seq=8, plain_ms=1.0, dbo_ms=1.0, rel_err=1e-7, top1_agree=1.0,
+                ok=True, split="split(2)")
+    bad = dict(good, backend="all2all", rel_err=0.9, top1_agree=0.1, ok=False)
+    ok, why = verdict_reason([good, bad], "out.json")
+    assert not ok and why == ("logits differ on 1 of 2 rows: all2all 4x8 (rel err 9.0e-01, top-1 agree "
+                              "0.10); wrote out.json"), why
+    ok, why = verdict_reason([good], None)
+    assert ok and why == "DBO matches plain on every row (max rel err 1.0e-07)", why
