@@ -4,6 +4,7 @@ so none hangs. Each case runs the entry point as a subprocess."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -97,3 +98,19 @@ def test_overlap_defaults_to_a_backend_that_runs_on_the_device():
     assert DEFAULT_BACKEND["cpu"] in cpu_backends()
     assert parse_args(["--device", "cpu"]).backend == DEFAULT_BACKEND["cpu"]
     assert BACKENDS[DEFAULT_BACKEND["cuda"]].gpu_only
+
+
+def test_breakdown_that_hid_nothing_ends_in_fail(tmp_path):
+    def kernel(stream: int, ts: float, dur: float) -> dict:
+        return {"ph": "X", "cat": "kernel", "name": "gemm", "ts": ts, "dur": dur,
+                "args": {"stream": stream}}
+
+    # serial: 1 ms of the compute stream idle; DBO: the same idle, and 1 ms more compute
+    serial = [kernel(7, 0, 1000), kernel(9, 1000, 1000), kernel(7, 2000, 1000)]
+    dbo = [kernel(7, 0, 1500), kernel(9, 1500, 1000), kernel(7, 2500, 1500)]
+    for name, events in (("s.json", serial), ("d.json", dbo)):
+        (tmp_path / name).write_text(json.dumps({"traceEvents": events}))
+    proc = _run([*BENCH, "breakdown", "s.json", "d.json"], tmp_path)
+    last = proc.stdout.strip().splitlines()[-1]
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert last.startswith("python -m dbo.bench breakdown: FAIL: the DBO step hid nothing")

@@ -145,8 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     share = f"{hidden / s['compute_idle']:.2f} of the serial step's idle time"
     if hidden > 0:
         return verdict(PROG, True, f"the DBO step hid {hidden:.2f} ms ({share})")
-    return verdict(PROG, False, f"the DBO step hid nothing ({share}): its added compute outweighs "
-                                "the idle time it removed")
+    return verdict(PROG, False, f"the DBO step hid nothing ({share}): {removed:.2f} ms of idle "
+                                f"removed, {added:.2f} ms of compute added")
 
 
 if __name__ == "__main__":
