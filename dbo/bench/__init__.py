@@ -13,9 +13,10 @@
   :mod:`dbo.bench.hf_generate`), and loading a real-sized checkpoint on CPU
   (:mod:`dbo.bench.hf_load`).
 
-The parts are reusable: :mod:`dbo.bench.timing` (per-step GPU times over a group, launch time,
-host-sync detection), :mod:`dbo.bench.report` (summaries, table, plot), :mod:`dbo.bench.backends`
-(the backend registry), :mod:`dbo.bench.model` (the benchmark's model and its stand-ins).
+The parts are reusable: :mod:`dbo.bench.timing` (a median timer, per-step GPU times over a
+group, launch time, host-sync detection), :mod:`dbo.bench.report` (summaries, table, plot),
+:mod:`dbo.bench.model` (the benchmark's model and its stand-ins), :mod:`dbo.bench.dist` (process
+group set-up and teardown), :mod:`dbo.bench.cli` (one-line errors for bad input, the verdict line).
 """
 
 __all__: list[str] = []
