@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -178,8 +179,12 @@ def test_bad_input_under_torchrun_every_rank_exits_2(tmp_path):
                         timeout=60)
     assert rc != 0, out + err
     line = "python -m dbo.bench hf-prefill: --checkpoint /nonexistent: no such directory"
-    assert err.count(line) == 2, err  # both ranks answered, neither waited for the other
-    assert err.count("exitcode  : 2") == 2, err  # torchrun's summary of each rank
+    assert line in err, err
+    # each rank exits 2 on its own, before any process group; torchrun stops a rank still
+    # running once the first has exited (SIGTERM), and none waits for a peer
+    codes = re.findall(r"exitcode  : (-?\d+)", err)
+    assert len(codes) == 2 and "2" in codes and set(codes) <= {"2", "-15"}, err
+    assert err.count(line) + codes.count("-15") >= 2, err
     assert "dbo/" not in err.replace("-m dbo.bench", ""), err  # no traceback through dbo's code
 
 
