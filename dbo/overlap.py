@@ -30,16 +30,18 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from dbo.expert_schedule import use_expert_schedule
+from dbo.expert_schedule import ExpertSchedule, use_expert_schedule
 from dbo.moe.experts import find_swiglu_experts
 from dbo.peers.watchdog import check_timeout, collective_timeout
-from dbo.split import SplitConfig, UBatchPlan, mask_padding_routing, plan_ubatches
+from dbo.split import SplitConfig, SplitReason, UBatchPlan, mask_padding_routing, no_split_plan, plan_ubatches
+from dbo.split.online import OnlineChoice
 from dbo.ubatch.context import run_ubatches
 from dbo.ubatch.sm import check_compute_sms, check_sm_carveout
 from dbo.ubatch.sm import sm_carveout as torch_sm_carveout
@@ -318,6 +320,13 @@ class DBOWrapper(torch.nn.Module):
     go to the model unchanged. A wrapped ``nn.Module`` is a submodule (``.to()``,
     ``state_dict()`` reach it). ``last_plan`` is the plan of the latest call.
 
+    With ``config.adaptive`` (the default :class:`SplitConfig`'s; an autotuned config's is
+    False) a batch the plan splits is not simply overlapped: at each size bucket the first calls
+    run plainly and with each expert schedule in turn, timed, and the bucket keeps the fastest
+    (an overlapped schedule only if it beats the plain forward by 2%), measured again every
+    thousand calls (:class:`dbo.split.online.OnlineChoice`, in :attr:`online`; the choices are
+    logged, and ``online.table()`` lists them). A call given ``plan=`` runs that plan as it is.
+
     Args:
         module_or_fn: the forward (an ``nn.Module`` or a callable).
         config: the default :class:`SplitConfig`.
@@ -355,6 +364,8 @@ class DBOWrapper(torch.nn.Module):
         self.compute_sms = compute_sms
         self.timeout_s = check_timeout(timeout_s)
         self.last_plan: UBatchPlan | None = None
+        #: the measured choice between plain and overlapped per size bucket (``config.adaptive``)
+        self.online: OnlineChoice | None = None
 
     @property
     def fn(self) -> Callable[..., Any]:
@@ -390,11 +401,32 @@ class DBOWrapper(torch.nn.Module):
                 **kwargs: Any) -> Any:
         """Run the wrapped forward on token-major ``tensors``; see :func:`overlapped_forward`."""
         num_tokens = _check_inputs(tensors)
+        trace = self.trace if trace is None else trace
         if plan is None:
             plan = self.plan(num_tokens, request_token_counts=request_token_counts,
                              decode_only=decode_only)
+            if plan.split and self.config.adaptive:
+                return self._measured(plan, tensors, num_tokens, kwargs, trace)
         self.last_plan = plan
-        return _run_plan(self.fn, tensors, num_tokens, plan, kwargs,
-                         trace=self.trace if trace is None else trace, comm_stream=self.comm_stream,
-                         sm_carveout=self._sm_carveout, compute_sms=self._compute_sms,
-                         timeout_s=self.timeout_s)
+        return _run_plan(self.fn, tensors, num_tokens, plan, kwargs, trace=trace,
+                         comm_stream=self.comm_stream, sm_carveout=self._sm_carveout,
+                         compute_sms=self._compute_sms, timeout_s=self.timeout_s)
+
+    def _measured(self, plan: UBatchPlan, tensors: Sequence[torch.Tensor], num_tokens: int,
+                  kwargs: dict[str, Any], trace: Trace | None) -> Any:
+        """A split call under ``config.adaptive``: :attr:`online` picks plain or a schedule."""
+        if self.online is None:
+            self.online = OnlineChoice(group=self.group, agree=self.agree)
+
+        def call(schedule: ExpertSchedule) -> Any:
+            if schedule is ExpertSchedule.PLAIN:
+                p = no_split_plan(num_tokens, SplitReason.MEASURED,
+                                  "the plain forward measured faster at this size")
+            else:
+                p = dataclasses.replace(plan, expert_schedule=schedule)
+            self.last_plan = p
+            return _run_plan(self.fn, tensors, num_tokens, p, kwargs, trace=trace,
+                             comm_stream=self.comm_stream, sm_carveout=self._sm_carveout,
+                             compute_sms=self._compute_sms, timeout_s=self.timeout_s)
+
+        return self.online.run(plan, call, device=tensors[0].device)

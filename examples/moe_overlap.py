@@ -86,8 +86,10 @@ def run(args: argparse.Namespace, rank: int, world: int, device: torch.device) -
                            device=device)
     model = BenchModel(dims, rank, world, device).use(backend, SwiGLUExperts())
     x = torch.randn(tokens, args.hidden, generator=torch.Generator().manual_seed(rank + 1)).to(device, dtype)
+    # adaptive=False: overlap every call, to compare it with the serial step (left on, the
+    # default, the wrapper times both on its first calls and keeps the faster)
     split = SplitConfig(num_ubatches=args.ubatches, decode_token_threshold=32,
-                        prefill_token_threshold=32)
+                        prefill_token_threshold=32, adaptive=False)
     overlapped = dbo.DBOWrapper(model, split)
     trace = dbo.Trace()
     with torch.inference_mode():

@@ -87,7 +87,7 @@ def _logits_job(path: str, backends: tuple[str, ...], seed: int) -> dict:
     import torch.distributed as dist
 
     import dbo
-    from dbo.integrations.transformers import DBOPrefill, prefill_logits
+    from dbo.integrations.transformers import DBOPrefill, prefill_logits, prefill_split_config
     from dbo.integrations.transformers.ep_model import expert_parallel_modules
 
     rank = dist.get_rank()
@@ -108,7 +108,7 @@ def _logits_job(path: str, backends: tuple[str, ...], seed: int) -> dict:
         layers = expert_parallel_modules(model)
         trace = dbo.Trace()
         with torch.inference_mode():
-            prefill = DBOPrefill(model, trace=trace)
+            prefill = DBOPrefill(model, prefill_split_config(adaptive=False), trace=trace)
             overlapped = prefill(ids, mask)
             plain = prefill_logits(model, ids, mask)
         events = [(e.kind, e.ubatch, e.detail) for e in trace.events]
@@ -274,7 +274,7 @@ def _use_backend_job(path: str) -> dict:
     import torch
     import torch.distributed as dist
 
-    from dbo.integrations.transformers import DBOPrefill, prefill_logits, use_backend
+    from dbo.integrations.transformers import DBOPrefill, prefill_logits, prefill_split_config, use_backend
     from dbo.integrations.transformers.ep_model import expert_parallel_modules
 
     ids, mask = _inputs(dist.get_rank(), 6)
@@ -287,7 +287,7 @@ def _use_backend_job(path: str) -> dict:
     use_backend(model, "copy_engine")
     with torch.inference_mode():
         plain = prefill_logits(model, ids, mask)
-        prefill = DBOPrefill(model)
+        prefill = DBOPrefill(model, prefill_split_config(adaptive=False))
         overlapped = prefill(ids, mask)
     valid = mask.bool()
     out["err"] = ((overlapped - plain)[valid].abs().max() / plain[valid].abs().max()).item()

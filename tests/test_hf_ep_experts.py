@@ -73,7 +73,7 @@ def _choice_job(path: str, backend: str) -> dict:
     import torch.distributed as dist
 
     import dbo
-    from dbo.integrations.transformers import DBOPrefill, prefill_logits
+    from dbo.integrations.transformers import DBOPrefill, prefill_logits, prefill_split_config
     from dbo.integrations.transformers.ep import LibraryExperts, ModelExperts, UnsupportedEPError
     from dbo.integrations.transformers.ep_model import ep_experts, expert_parallel_modules, switch_ep_experts
 
@@ -101,7 +101,7 @@ def _choice_job(path: str, backend: str) -> dict:
             cls.apply = counted(cls)
         try:
             with torch.inference_mode():
-                prefill = DBOPrefill(model, trace=trace)
+                prefill = DBOPrefill(model, prefill_split_config(adaptive=False), trace=trace)
                 overlapped = prefill(ids, mask)
                 plain = prefill_logits(model, ids, mask)
         finally:

@@ -110,7 +110,7 @@ def _calls_job(path: str, backend: str, new_tokens: int) -> dict:
     import torch
     import torch.distributed as dist
 
-    from dbo.integrations.transformers import DBOPrefill, prefill_logits
+    from dbo.integrations.transformers import DBOPrefill, prefill_logits, prefill_split_config
     from dbo.integrations.transformers.generate import greedy_generate
     from dbo.split import SplitConfig
 
@@ -137,7 +137,7 @@ def _calls_job(path: str, backend: str, new_tokens: int) -> dict:
     out["greedy_first"] = (torch.equal(overlapped, want_tokens), torch.equal(plain, want_tokens), plan.split)
     model = _load(path, backend)
     with torch.inference_mode():  # DBOPrefill is the model's first call
-        prefill = DBOPrefill(model)
+        prefill = DBOPrefill(model, prefill_split_config(adaptive=False))
         overlapped = prefill(ids, mask)
         # the two ubatches inside a layer left its dense weights whole (FSDP did not reshard them)
         out["dense_whole_after_dbo"] = _dense_whole(model)

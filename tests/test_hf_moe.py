@@ -90,8 +90,8 @@ def _hf_job(family: str, backend: str, batches: list[int], seq: int, pads: list[
 
     pf.prepare_async = spy
     trace = dbo.Trace()
-    runner = DBOPrefill(model, prefill_split_config(min_sequences, expert_schedule=expert_schedule),
-                        trace=trace)
+    config = prefill_split_config(min_sequences, expert_schedule=expert_schedule, adaptive=False)
+    runner = DBOPrefill(model, config, trace=trace)
     with torch.inference_mode():
         want = prefill_logits(original, ids, mask, mask_padding_tokens=False)
         plain = prefill_logits(model, ids, mask)

@@ -35,7 +35,8 @@ from dbo.split import (
     plan_ubatches,
 )
 
-ALWAYS = SplitConfig(decode_token_threshold=0, prefill_token_threshold=0)
+# adaptive=False: every split call overlaps (the measured choice has tests of its own)
+ALWAYS = SplitConfig(decode_token_threshold=0, prefill_token_threshold=0, adaptive=False)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -248,7 +249,7 @@ def test_below_threshold_runs_plain_and_logs_once(caplog):
     caplog.set_level(logging.INFO, logger="dbo.split")
     fn = CountingFn()
     x = torch.randn(20, 4)
-    wrapper = DBOWrapper(fn, SplitConfig(prefill_token_threshold=64))
+    wrapper = DBOWrapper(fn, SplitConfig(prefill_token_threshold=64, adaptive=False))
     for _ in range(3):
         assert torch.equal(wrapper(x), x * 3)
     assert fn.calls == [(20, False)] * 3
@@ -394,3 +395,49 @@ def test_sm_carveout_rejects_bad_values(bad):
         overlapped_forward(lambda x: x, torch.zeros(8, 2), config=ALWAYS, sm_carveout=bad)
     with pytest.raises(ValueError, match="sm_carveout"):
         DBOWrapper(lambda x: x, ALWAYS, sm_carveout=bad)
+
+
+class _CostClock:
+    """A clock the forward below advances: `plain_ms` for a plain call, `ubatch_ms` per ubatch."""
+
+    def __init__(self, plain_ms: float, ubatch_ms: float):
+        self.now, self.plain_ms, self.ubatch_ms = 0.0, plain_ms, ubatch_ms
+
+    def __call__(self) -> float:
+        return self.now
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.now += (self.plain_ms if current_ubatch() is None else self.ubatch_ms) / 1e3
+        return x * 3.0
+
+
+@pytest.mark.parametrize("ubatch_ms, kept", [(3.0, "split"), (6.0, "plain")])
+def test_an_untuned_wrapper_keeps_what_it_measured_faster(ubatch_ms, kept):
+    from dbo.split.online import OnlineChoice
+
+    clock = _CostClock(plain_ms=10.0, ubatch_ms=ubatch_ms)  # two ubatches: 6 or 12 ms a call
+    wrapper = DBOWrapper(clock.forward, SplitConfig(prefill_token_threshold=8), agree=False)
+    assert wrapper.config.adaptive
+    wrapper.online = OnlineChoice(("plain", "split"), trials=2, clock=clock, agree=False)
+    x = torch.randn(16, 4)
+    seen = []
+    for _ in range(wrapper.online.calls_to_decide + 3):
+        assert torch.equal(wrapper(x), x * 3.0)  # every call, whichever way it ran
+        seen.append(wrapper.last_plan.split)
+    assert seen[:4] == [False, True, False, True]  # the warm-up round, then the trials alternate
+    plan = wrapper.plan(16)
+    assert wrapper.online.choice(plan).value == kept
+    assert seen[-3:] == [kept == "split"] * 3
+    if kept == "plain":
+        assert wrapper.last_plan.reason is SplitReason.MEASURED
+
+
+def test_an_adaptive_wrapper_given_a_plan_runs_it_as_it_is():
+    wrapper = DBOWrapper(lambda x: x + 1, SplitConfig(prefill_token_threshold=8), agree=False)
+    x = torch.randn(16, 4)
+    plan = wrapper.plan(16)
+    assert plan.split
+    for _ in range(3):
+        assert torch.equal(wrapper(x, plan=plan), x + 1)
+        assert wrapper.last_plan is plan
+    assert wrapper.online is None

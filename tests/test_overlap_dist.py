@@ -38,7 +38,7 @@ def _overlap_job(backend: str, tokens: list[int], dtype_name: str, threshold: in
     g = torch.Generator().manual_seed(100 + rank)
     x = torch.randn(tokens[rank], dims.hidden, generator=g).to(dtype)
     FALLBACK_LOG.reset()
-    wrapper = DBOWrapper(model, SplitConfig(prefill_token_threshold=threshold))
+    wrapper = DBOWrapper(model, SplitConfig(prefill_token_threshold=threshold, adaptive=False))
     trace = dbo.Trace()
     with torch.inference_mode():
         ref = model(x)

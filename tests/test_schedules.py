@@ -186,7 +186,8 @@ def test_wrapper_and_a_kernel_called_twice_per_forward():
     model.kernels = model.kernels * 3  # one layer object used three times
     x = _inputs(17)
     plain = model(x)
-    wrapped = dbo.DBOWrapper(model, SplitConfig(expert_schedule="merged", **ALWAYS), agree=False)
+    wrapped = dbo.DBOWrapper(model, SplitConfig(expert_schedule="merged", adaptive=False, **ALWAYS),
+                             agree=False)
     trace = dbo.Trace()
     out = wrapped(x, trace=trace)
     assert wrapped.last_plan.expert_schedule is ExpertSchedule.MERGED

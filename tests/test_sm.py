@@ -31,7 +31,7 @@ from dbo.overlap import mask_current_padding
 from dbo.split import SplitConfig
 from dbo.ubatch.sm import check_compute_sms, check_sm_carveout, sm_carveout
 
-ALWAYS = SplitConfig(decode_token_threshold=0, prefill_token_threshold=0)
+ALWAYS = SplitConfig(decode_token_threshold=0, prefill_token_threshold=0, adaptive=False)
 H100 = SimpleNamespace(multi_processor_count=132)
 
 

@@ -64,7 +64,7 @@ def test_scope_reaches_every_ubatch():
 
 
 def _cfg() -> SplitConfig:
-    return SplitConfig(decode_token_threshold=4, prefill_token_threshold=4)
+    return SplitConfig(decode_token_threshold=4, prefill_token_threshold=4, adaptive=False)
 
 
 @pytest.mark.parametrize("rows", [2, 8])  # below the threshold (plain call) and split

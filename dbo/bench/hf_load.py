@@ -64,7 +64,7 @@ def worker(args: argparse.Namespace) -> None:
     import dbo.backends.torchdist  # noqa: F401  (binds its all-gather before the spy below)
     from dbo.bench.dist import init_distributed, shutdown_distributed
     from dbo.bench.hf_prefill_table import logits_match
-    from dbo.integrations.transformers import DBOPrefill, prefill_logits
+    from dbo.integrations.transformers import DBOPrefill, prefill_logits, prefill_split_config
     from dbo.integrations.transformers.ep import ep_distributed_config
     from dbo.integrations.transformers.ep_model import expert_parallel_modules
     from dbo.moe import relative_error
@@ -105,7 +105,7 @@ def worker(args: argparse.Namespace) -> None:
             gathered.clear()
             out["layers_through_dbo"] = len(expert_parallel_modules(model))
             t0 = time.perf_counter()
-            logits = DBOPrefill(model, logits_to_keep=1)(ids)
+            logits = DBOPrefill(model, prefill_split_config(adaptive=False), logits_to_keep=1)(ids)
             out["dbo_gathered_bytes"] = sum(gathered)
             dist.all_gather_single = real
         else:

@@ -206,8 +206,9 @@ def _backend_rows(args, model, backend: str, choice: str | None, inputs: dict, a
     keep, cuda, multi = args.logits_to_keep, device.type == "cuda", len(args.expert_schedule) > 1
     max_tokens = args.max_tokens_per_rank or max(b * s for b, s in args.shape)
     use_backend(model, backend, **backend_kwargs(backend, max_tokens_per_rank=max_tokens, link=args.link))
+    # adaptive=False: each row times the schedule it names ("auto" is the autotune's choice)
     runners = {sched: DBOPrefill(model, prefill_split_config(
-        2, **({} if sched == "auto" else {"expert_schedule": sched})),
+        2, adaptive=False, **({} if sched == "auto" else {"expert_schedule": sched})),
         logits_to_keep=keep, sm_carveout=args.sm_carveout) for sched in args.expert_schedule}
     for shape, ids in inputs.items():
         plain = prefill_logits(model, ids, logits_to_keep=keep)

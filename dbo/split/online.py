@@ -117,13 +117,15 @@ class OnlineChoice:
             never).
         group: the process group whose ranks agree on the timings (None: the default group;
             no collective without torch.distributed or in a group of one).
+        agree: False decides on this rank's timings alone, with no collective (ranks may
+            then choose differently: only where nothing in the forward needs them to agree).
         clock: a host clock in seconds to time calls with instead of CUDA events (tests inject
             one; default: CUDA events on CUDA, ``time.perf_counter`` elsewhere).
     """
 
     def __init__(self, candidates: Sequence[ExpertSchedule | str] = DEFAULT_CANDIDATES, *,
                  trials: int = 3, margin: float = 0.02, recheck_calls: int | None = 1000,
-                 group: Any = None, clock: Callable[[], float] | None = None):
+                 group: Any = None, agree: bool = True, clock: Callable[[], float] | None = None):
         cands = tuple(dict.fromkeys(parse_expert_schedule(c) for c in candidates))
         if ExpertSchedule.PLAIN not in cands or len(cands) < 2:
             raise ValueError(f"candidates must hold 'plain' and at least one overlapped schedule, "
@@ -139,6 +141,7 @@ class OnlineChoice:
         self.margin = margin
         self.recheck_calls = recheck_calls
         self.group = group
+        self.agree = agree
         self.clock = clock
         self.buckets: dict[int, BucketChoice] = {}
 
@@ -184,7 +187,7 @@ class OnlineChoice:
 
     def _decide(self, b: BucketChoice) -> None:
         local = [statistics.median(t.ms() for t in b.timers[c]) for c in self.candidates]
-        agreed = all_reduce_max(local, self.group, phase="dbo online choice")
+        agreed = all_reduce_max(local, self.group, phase="dbo online choice") if self.agree else local
         medians = dict(zip(self.candidates, agreed, strict=True))
         plain = medians[ExpertSchedule.PLAIN]
         best = min((c for c in self.candidates if c is not ExpertSchedule.PLAIN), key=medians.get)

@@ -37,6 +37,7 @@ class SplitReason(str, enum.Enum):
     MIXED_KINDS = "mixed_kinds"  #: decode on some ranks, prefill on others
     EMPTY = "empty"  #: no rank of the group has a token
     DISAGREEMENT = "disagreement"  #: this rank wanted to split, another rank did not
+    MEASURED = "measured"  #: the wrapper measured the plain forward faster at this size
 
 
 class Vote(enum.IntEnum):
