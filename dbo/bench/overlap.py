@@ -79,6 +79,15 @@ from dbo.split import SplitConfig, Vote, local_vote
 __all__ = ["run", "main"]
 
 
+def restore_carveout(args: argparse.Namespace, benches: list[ShapeBench]) -> None:
+    """Put the run's SM carve-out back (torch's and the experts'): the adaptive forward sets
+    each call's own."""
+    if args.dbo_sm_carveout != [None]:
+        torch._C._set_sm_carveout_experimental(args.sm_carveout)
+        for sb in benches:
+            sb.experts.sm_carveout = args.sm_carveout
+
+
 def tune_and_time_wrapper(args: argparse.Namespace, benches: list[ShapeBench], budget: Budget,
                           progress: Progress, group: Any) -> dict:
     """dbo.autotune over the measured token counts of one model, then the wrapper with the
@@ -119,10 +128,7 @@ def tune_and_time_wrapper(args: argparse.Namespace, benches: list[ShapeBench], b
         splits = local_vote(sb.T, result.config, decode_only=decode).vote is Vote.YES
         sb.rec["summary"] = summarize_shape(sb.rec, splits)
         sb.rec["summary"]["wrapper_config"] = "autotuned"
-    if args.dbo_sm_carveout != [None]:  # the adaptive forward set it per call
-        torch._C._set_sm_carveout_experimental(args.sm_carveout)
-        for sb in ready:
-            sb.experts.sm_carveout = args.sm_carveout
+    restore_carveout(args, ready)
     return res
 
 
@@ -197,6 +203,9 @@ def run(args: argparse.Namespace, rank: int, world: int, device: torch.device, o
                     trace = traces(sb, target == (tokens, inter), out_dir)
                     if trace is not None:
                         chrome.append((f"{args.backend} T={tokens} I={inter}", trace))
+                    if args.autotune:  # the untuned wrapper: the default config, adaptive
+                        sb.wrapper(SplitConfig(), decision_group, mode="wrapper_untuned")
+                        restore_carveout(args, [sb])
                     if args.cuda_graph:
                         if device.type == "cuda" and args.backend == "deepep_ll":
                             cuda_graph(sb)
@@ -288,6 +297,9 @@ def finish(bundle: dict, chrome: list[tuple[str, dict]], out_dir: Path, rank: in
                      "includes those waits; see cpu_launch_* in the JSON)")
         if s.get("peak_ratio") is not None and s["peak_ratio"] > 1.1:
             perf.append(f"{label}: DBO peak memory is {s['peak_ratio']:.2f}x the serial peak (target <= 1.1)")
+        if s.get("untuned_wrapper_vs_serial") is not None and s["untuned_wrapper_vs_serial"] > 1.02:
+            perf.append(f"{label}: the untuned (adaptive) wrapper is "
+                        f"{100 * (s['untuned_wrapper_vs_serial'] - 1):.0f}% slower than serial (limit 2%)")
         if s.get("wrapper_vs_serial") is not None and s["wrapper_vs_serial"] > 1.02:
             who = ("the wrapper with the autotuned config" if s.get("wrapper_measured")
                    else "the default SplitConfig")

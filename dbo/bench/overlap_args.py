@@ -292,7 +292,8 @@ def count_configs(args: argparse.Namespace) -> int:
     if args.cuda_graph:
         n += 1
     if args.autotune:
-        n += 1  # the wrapper with the tuned config (the tuning itself: one more per size)
+        # the untuned wrapper, and the wrapper with the tuned config (the tuning: one more per size)
+        n += 2
     return n * len(args.tokens) * len(args.intermediate) + (len(args.intermediate) if args.autotune else 0)
 
 

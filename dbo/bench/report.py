@@ -13,6 +13,10 @@ Definitions (per shape; every time is per MoE layer: a step's time over its laye
   per layer over both ubatches' rows); ``merged_speedup = serial / merged``; ``merged_compute``:
   its compute alone (the same replayed communication as ``dbo_compute``); ``best_schedule``:
   the fastest of ``plain`` (serial), ``split`` (dbo) and ``merged``.
+* ``untuned_wrapper_vs_serial`` (``untun``): the wrapper with the default, adaptive
+  :class:`dbo.split.SplitConfig` (nobody tuned it: it times plain and overlapped on its first
+  calls and keeps the faster; ``online_choice``), timed after that choice alternately with
+  the best serial configuration (``serial_paired_untuned``) and divided by it.
 * ``peak_ratio``: peak memory of the best DBO configuration over that of the best serial one
   (``torch.cuda.max_memory_allocated``, weights included); ``peak_extra_ratio``: the same for
   the memory allocated during the step only.
@@ -113,6 +117,12 @@ def summarize_shape(shape: dict, default_splits: bool) -> dict:
     # against the serial forward timed alternately with it when there is one (same minutes)
     out["wrapper_vs_serial"] = _ratio(wrapper, paired if measured is not None and paired else t_serial)
     out["wrapper_vs_serial_unpaired"] = _ratio(wrapper, t_serial)
+    # the untuned wrapper: the default SplitConfig, adaptive (it measured plain against overlapped)
+    untuned = _ms(_best(meas, "wrapper_untuned"), layers)
+    paired_u = _ms(_best(meas, "serial_paired_untuned"), layers)
+    out["untuned_wrapper_ms"] = untuned
+    out["untuned_wrapper_vs_serial"] = _ratio(untuned, paired_u) if untuned is not None else None
+    out["online_choice"] = (shape.get("online_choice") or {}).get("chose")
     sms = sorted({m["num_sms"] for m in meas if m.get("num_sms") is not None})
     out["per_num_sms"] = [{
         "num_sms": s,
@@ -149,7 +159,7 @@ def format_table(bundle: dict) -> str:
     head = (f"{'tokens':>6} {'I':>5} {'compute':>8} {'comm':>7} {'x link':>6} {'comm%':>5} {'serial':>7} "
             f"{'[cfg]':>8} "
             f"{'dbo':>7} {'[cfg]':>8} {'speedup':>7} {'eff':>5} {'dbo-cmp':>7} {'peak':>5} {'peak+':>5} "
-            f"{'wrap':>5} {'merged':>7} {'m-cmp':>7} {'best':>6}")
+            f"{'wrap':>5} {'untun':>5} {'merged':>7} {'m-cmp':>7} {'best':>6}")
     lines.append(head)
     for sh in bundle["shapes"]:
         s = sh.get("summary") or {}
@@ -162,7 +172,8 @@ def format_table(bundle: dict) -> str:
             f"{s.get('dbo_config', '-'):>8} {_f(s.get('speedup'), '.3f'):>7} "
             f"{_f(s.get('efficiency')):>5} {_f(s.get('dbo_compute_ms')):>7} "
             f"{_f(s.get('peak_ratio')):>5} {_f(s.get('peak_extra_ratio')):>5} "
-            f"{_f(s.get('wrapper_vs_serial'), '.3f'):>5} {_f(s.get('merged_ms')):>7} "
+            f"{_f(s.get('wrapper_vs_serial'), '.3f'):>5} {_f(s.get('untuned_wrapper_vs_serial'), '.3f'):>5} "
+            f"{_f(s.get('merged_ms')):>7} "
             f"{_f(s.get('merged_compute_ms')):>7} {s.get('best_schedule') or '-':>6}")
     if any((sh.get("summary") or {}).get("per_num_sms") for sh in bundle["shapes"]):
         lines.append("DeepEP SM count (Buffer.set_num_sms): comm alone, best serial/DBO at that count, "

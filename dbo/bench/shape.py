@@ -29,7 +29,7 @@ from dbo.bench.overlap_args import TOLERANCE
 from dbo.bench.timing import Progress, measure
 from dbo.expert_schedule import ExpertSchedule, current_expert_schedule
 from dbo.moe import MoEKernel, SwiGLUExperts, relative_error
-from dbo.overlap import overlapped_forward
+from dbo.overlap import DBOWrapper, overlapped_forward
 from dbo.peers.collectives import all_reduce_max
 from dbo.split import SplitConfig, plan_ubatches
 
@@ -356,28 +356,43 @@ class ShapeBench:
 
         return fn
 
-    def wrapper(self, config: SplitConfig, group: Any, rounds: int = 3) -> None:
+    def wrapper(self, config: SplitConfig, group: Any, rounds: int = 3, mode: str = "wrapper") -> None:
         """Time the overlapped forward with ``config`` deciding (one all-reduce per step over
         ``group``, a gloo group on GPUs so that the decision does not wait for the GPU).
 
         Paired with the plain forward of the best serial configuration: the two alternate for
-        ``rounds`` rounds and each keeps its best median ("wrapper", "serial_paired"), so their
-        ratio is not a drift between two moments of the run (the GPU's clocks move by a few
-        percent over minutes); the order alternates too."""
+        ``rounds`` rounds and each keeps its best median (``mode``, and "serial_paired" after
+        it: "serial_paired" for "wrapper"), so their ratio is not a drift between two moments
+        of the run (the GPU's clocks move by a few percent over minutes); the order alternates
+        too. An adaptive ``config`` (the untuned default) runs through a :class:`dbo.DBOWrapper`
+        that first makes its measured choice (``online_choice`` in the record), then is timed."""
+        paired_mode = "serial_paired" + mode[len("wrapper"):]
         if self.budget.expired():
-            self.rec["measurements"].append({"mode": "wrapper", "skipped": "time budget"})
-            self.progress.update(self._label("wrapper") + " (skipped)")
+            self.rec["measurements"].append({"mode": mode, "skipped": "time budget"})
+            self.progress.update(self._label(mode) + " (skipped)")
             return
         fn = self.adaptive_forward()
         decode = self.args.backend == "deepep_ll"
+        if config.adaptive:
+            w = DBOWrapper(fn, config, group=group, compute_sms=self.args.dbo_compute_sms)
 
-        def wrapped() -> torch.Tensor:
-            return overlapped_forward(fn, self.x, config=config, decode_only=decode, group=group,
-                                      compute_sms=self.args.dbo_compute_sms)
+            def wrapped() -> torch.Tensor:
+                return w(self.x, decode_only=decode)
 
-        self._check_against(self.ref, "wrapper")(wrapped())
+            self._check_against(self.ref, mode)(wrapped())
+            plan = w.plan(self.T, decode_only=decode)
+            while plan.split and (w.online is None or w.online.choice(plan) is None):
+                wrapped()  # the wrapper's measuring calls, before it is timed
+            self.rec["online_choice"] = (None if not plan.split else
+                                         {"chose": w.online.choice(plan).value, "table": w.online.table()})
+        else:
+            def wrapped() -> torch.Tensor:
+                return overlapped_forward(fn, self.x, config=config, decode_only=decode, group=group,
+                                          compute_sms=self.args.dbo_compute_sms)
+
+            self._check_against(self.ref, mode)(wrapped())
         best: dict[str, Any] = {}
-        pair = [("serial_paired", lambda: fn(self.x)), ("wrapper", wrapped)]
+        pair = [(paired_mode, lambda: fn(self.x)), (mode, wrapped)]
         for r in range(rounds):
             for mode, step in (pair if r % 2 == 0 else pair[::-1]):  # neither always goes first
                 t = measure(step, warmup=self.args.warmup, steps=self.args.steps, device=self.device)
@@ -386,4 +401,4 @@ class ShapeBench:
         for mode, t in best.items():
             self.rec["measurements"].append({"mode": mode, "num_sms": None, "sm_carveout": None,
                                              "rounds": rounds, "timing": t.to_json()})
-        self.progress.update(self._label("wrapper"))
+        self.progress.update(self._label(mode))
