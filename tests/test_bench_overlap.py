@@ -69,7 +69,7 @@ def _check_structure(bundle: dict, backend: str, sms: list[int]) -> None:
         got = {(m["mode"], m["num_sms"]) for m in sh["measurements"]}
         s_or_none = sms or [None]
         want = ({("compute", None), ("dbo_compute", None), ("merged_compute", None), ("wrapper", None),
-                 ("serial_paired", None)}
+                 ("serial_paired", None), ("wrapper_untuned", None), ("serial_paired_untuned", None)}
                 | {(mode, s) for mode in ("comm", "serial", "dbo", "merged") for s in s_or_none})
         assert got == want
         for m in sh["measurements"]:
