@@ -40,7 +40,17 @@ import torch
 from dbo.expert_schedule import ExpertSchedule, use_expert_schedule
 from dbo.moe.experts import find_swiglu_experts
 from dbo.peers.watchdog import check_timeout, collective_timeout
-from dbo.split import SplitConfig, SplitReason, UBatchPlan, mask_padding_routing, no_split_plan, plan_ubatches
+from dbo.split import (
+    SplitConfig,
+    SplitReason,
+    UBatchPlan,
+    check_token_major,
+    mask_padding_routing,
+    merge_outputs,
+    no_split_plan,
+    plan_ubatches,
+    split_inputs,
+)
 from dbo.split.online import OnlineChoice
 from dbo.ubatch.context import run_ubatches
 from dbo.ubatch.sm import check_compute_sms, check_sm_carveout
@@ -52,8 +62,6 @@ __all__ = [
     "current_ubatch",
     "current_num_valid_tokens",
     "mask_current_padding",
-    "split_inputs",
-    "merge_outputs",
     "overlapped_forward",
     "DBOWrapper",
 ]
@@ -105,76 +113,6 @@ def mask_current_padding(topk_ids: torch.Tensor,
         ``(topk_ids, topk_weights)``, new tensors when any row is padding. No host sync.
     """
     return mask_padding_routing(topk_ids, topk_weights, current_num_valid_tokens(topk_ids.shape[0]))
-
-
-# ---- split and merge (pure) ----------------------------------------------------------------
-
-
-def _check_inputs(tensors: Sequence[torch.Tensor]) -> int:
-    if not tensors:
-        raise ValueError("overlapped_forward needs at least one token-major tensor")
-    for i, t in enumerate(tensors):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"tensors[{i}] must be a torch.Tensor, got {type(t).__name__} "
-                            "(pass other arguments through fn_kwargs)")
-        if t.dim() == 0:
-            raise ValueError(f"tensors[{i}] is a scalar; inputs must be token-major [num_tokens, ...]")
-    num_tokens = tensors[0].shape[0]
-    for i, t in enumerate(tensors):
-        if t.shape[0] != num_tokens:
-            raise ValueError(f"tensors[{i}] has {t.shape[0]} rows, tensors[0] has {num_tokens}: "
-                             "inputs must be token-major with the same number of tokens")
-    return num_tokens
-
-
-def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
-    if rows == 0:
-        return x
-    return torch.cat([x, x.new_zeros((rows, *x.shape[1:]))])
-
-
-def split_inputs(plan: UBatchPlan, tensors: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, ...]]:
-    """Each ubatch's inputs: rows ``plan.slices[i]`` of every tensor, padded with zero rows to
-    ``plan.padded_size``. An unpadded ubatch gets views of the inputs."""
-    out = []
-    for i, (start, stop) in enumerate(plan.slices):
-        pad = plan.num_padding(i)
-        out.append(tuple(_pad_rows(t[start:stop], pad) for t in tensors))
-    return out
-
-
-def merge_outputs(plan: UBatchPlan, outputs: Sequence[Any]) -> Any:
-    """Concatenate the ubatches' outputs in order, dropping padding rows.
-
-    Every output must have the same structure: a tensor ``[padded_size, ...]``, or a
-    tuple/list/dict of them (nested), or None.
-    """
-    first = outputs[0]
-    if first is None:
-        if any(o is not None for o in outputs):
-            raise TypeError("ubatch outputs differ in structure: some are None")
-        return None
-    if isinstance(first, torch.Tensor):
-        parts = []
-        for i, o in enumerate(outputs):
-            if not isinstance(o, torch.Tensor) or o.dim() == 0 or o.shape[0] != plan.padded_size:
-                shape = tuple(o.shape) if isinstance(o, torch.Tensor) else type(o).__name__
-                raise TypeError(f"ubatch {i} output {shape} is not token-major with "
-                                f"{plan.padded_size} rows")
-            parts.append(o[: plan.num_valid(i)])
-        return torch.cat(parts)
-    if isinstance(first, (tuple, list)):
-        if any(not isinstance(o, type(first)) or len(o) != len(first) for o in outputs):
-            raise TypeError("ubatch outputs differ in structure")
-        merged = [merge_outputs(plan, [o[k] for o in outputs]) for k in range(len(first))]
-        return type(first)(merged) if isinstance(first, list) or not hasattr(first, "_fields") \
-            else type(first)(*merged)
-    if isinstance(first, Mapping):
-        if any(not isinstance(o, Mapping) or o.keys() != first.keys() for o in outputs):
-            raise TypeError("ubatch outputs differ in structure")
-        return {k: merge_outputs(plan, [o[k] for o in outputs]) for k in first}
-    raise TypeError(f"cannot merge ubatch outputs of type {type(first).__name__}: return "
-                    "token-major tensors (or tuples/lists/dicts of them)")
 
 
 # ---- the overlapped forward ----------------------------------------------------------------
@@ -264,7 +202,7 @@ def overlapped_forward(
         dbo.errors.CollectiveTimeoutError: the same, in a plain (unsplit) call.
         dbo.ubatch.sm.SMPartitionUnsupportedError: ``compute_sms`` without green contexts.
     """
-    num_tokens = _check_inputs(tensors)
+    num_tokens = check_token_major(tensors)
     check_sm_carveout(sm_carveout)
     check_compute_sms(compute_sms)
     check_timeout(timeout_s)
@@ -400,7 +338,7 @@ class DBOWrapper(torch.nn.Module):
                 decode_only: bool | None = None, trace: Trace | None = None,
                 **kwargs: Any) -> Any:
         """Run the wrapped forward on token-major ``tensors``; see :func:`overlapped_forward`."""
-        num_tokens = _check_inputs(tensors)
+        num_tokens = check_token_major(tensors)
         trace = self.trace if trace is None else trace
         if plan is None:
             plan = self.plan(num_tokens, request_token_counts=request_token_counts,

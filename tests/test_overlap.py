@@ -21,9 +21,7 @@ from dbo.overlap import (
     current_num_valid_tokens,
     current_ubatch,
     mask_current_padding,
-    merge_outputs,
     overlapped_forward,
-    split_inputs,
 )
 from dbo.split import (
     DISABLE_ENV_VAR,
@@ -31,8 +29,10 @@ from dbo.split import (
     SplitConfig,
     SplitReason,
     UBatchPlan,
+    merge_outputs,
     no_split_plan,
     plan_ubatches,
+    split_inputs,
 )
 
 # adaptive=False: every split call overlaps (the measured choice has tests of its own)

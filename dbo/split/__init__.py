@@ -30,6 +30,7 @@ from dbo.split.policies import (
     split_requests_two_chunk,
     split_tokens,
 )
+from dbo.split.rows import check_token_major, merge_outputs, split_inputs
 from dbo.split.types import NEVER_SPLIT, SplitConfig, SplitMode, SplitReason, UBatchPlan, Vote
 
 __all__ = [
@@ -60,4 +61,7 @@ __all__ = [
     "RequestPart",
     "UBatchAttention",
     "split_attention_metadata",
+    "check_token_major",
+    "split_inputs",
+    "merge_outputs",
 ]
