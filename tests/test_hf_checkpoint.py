@@ -150,14 +150,14 @@ def test_seed_and_old_files(tmp_path):
     ("deepseek-v3", 2361, 73_917_414_912, 17, 19.8e9),  # 4 layers, the first dense
 ], ids=["qwen3-30b-a3b", "deepseek-v3"])
 def test_full_size_presets_are_planned_without_memory(preset, tensors, total, files, per_rank):
-    from dbo.integrations.transformers.checkpoint import _assign
+    from dbo.integrations.transformers.checkpoint import assign_shards
     from dbo.integrations.transformers.presets import preset_config
 
     shards = checkpoint_shards(preset_config(preset))  # built on the meta device
     sizes = [sum(torch.Size(s).numel() for s in shard.values()) * 2 for shard in shards]
     assert (sum(len(s) for s in shards), sum(sizes), len(shards)) == (tensors, total, files)
     assert max(sizes) <= 5 * 2**30
-    owner = _assign(sizes, 4)
+    owner = assign_shards(sizes, 4)
     assert max(sum(s for s, o in zip(sizes, owner, strict=True) if o == r) for r in range(4)) <= per_rank
 
 

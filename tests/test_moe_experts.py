@@ -33,7 +33,7 @@ from dbo.moe.kernels.gather_reduce import gather_reduce
 pytestmark = pytest.mark.timeout(120)
 
 
-def _case(seed: int, m: int, n_local: int, topk: int, ranks: int = 2, hidden: int = 24, inter: int = 16):
+def make_case(seed: int, m: int, n_local: int, topk: int, ranks: int = 2, hidden: int = 24, inter: int = 16):
     """Tokens routed over ``ranks * n_local`` experts; local ids, -1 for the other ranks'."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(m, hidden, generator=g)
@@ -47,7 +47,7 @@ def _host_counts(ids: torch.Tensor, n_local: int) -> torch.Tensor:
     return torch.bincount(ids[ids >= 0].flatten(), minlength=n_local).to(torch.int32)
 
 
-def _apply(experts, x, w1, w2, weights, ids, host: bool, *, router_on_input=False, **kw):
+def run_case(experts, x, w1, w2, weights, ids, host: bool, *, router_on_input=False, **kw):
     meta = None
     if host:
         c = _host_counts(ids, w1.shape[0])
@@ -64,7 +64,7 @@ def _apply(experts, x, w1, w2, weights, ids, host: bool, *, router_on_input=Fals
        topk=st.integers(1, 8), host=st.booleans())
 def test_grouping_matches_a_python_model(seed, m, n_local, topk, host):
     topk = min(topk, 2 * n_local)
-    _, _, ids, _, _ = _case(seed, m, n_local, topk)
+    _, _, ids, _, _ = make_case(seed, m, n_local, topk)
     g = group_by_expert(ids, n_local, _host_counts(ids, n_local) if host else None)
     pairs = sorted((int(e), t * topk + s) for t, row in enumerate(ids.tolist())
                    for s, e in enumerate(row) if e >= 0)
@@ -96,24 +96,24 @@ def test_grouping_argument_errors():
 @settings(deadline=None)
 def test_torch_fallback_matches_reference(seed, m, n_local, topk, host, reduce_in_experts, dtype):
     topk = min(topk, 2 * n_local)
-    x, weights, ids, w1, w2 = _case(seed, m, n_local, topk)
+    x, weights, ids, w1, w2 = make_case(seed, m, n_local, topk)
     x, w1, w2 = x.to(dtype), w1.to(dtype), w2.to(dtype)
     ref = reference_moe(x.double(), w1.double(), w2.double(), weights, ids, out_dtype=torch.float64)
     ex = SwiGLUExperts(use_triton=False, reduce_in_experts=reduce_in_experts)
-    out = _apply(ex, x, w1, w2, weights, ids, host)
+    out = run_case(ex, x, w1, w2, weights, ids, host)
     assert out.shape == x.shape and out.dtype == dtype
     assert relative_error(out, ref) <= (1e-5 if dtype == torch.float32 else 2e-2)
 
 
 def test_router_weight_on_input_and_no_local_pairs():
-    x, weights, ids, w1, w2 = _case(1, 12, 4, 1)
+    x, weights, ids, w1, w2 = make_case(1, 12, 4, 1)
     xw = x * weights  # what prepare hands over with apply_router_weight_on_input
     ref = reference_moe(x, w1, w2, weights, ids, apply_router_weight_on_input=True)
     for host in (False, True):
-        out = _apply(SwiGLUExperts(use_triton=False), xw, w1, w2, weights, ids, host,
+        out = run_case(SwiGLUExperts(use_triton=False), xw, w1, w2, weights, ids, host,
                      router_on_input=True)
         assert relative_error(out, ref) < 1e-5
-        none = _apply(SwiGLUExperts(use_triton=False), x, w1, w2, weights, torch.full_like(ids, -1), host)
+        none = run_case(SwiGLUExperts(use_triton=False), x, w1, w2, weights, torch.full_like(ids, -1), host)
         assert none.shape == x.shape and not none.any()
 
 
@@ -149,7 +149,7 @@ class _Fp8Local(LocalPrepareAndFinalize):
 
 
 def test_fp8_inputs_are_dequantized_with_their_scales():
-    x, weights, ids, w1, w2 = _case(2, 10, 4, 2, ranks=1, hidden=256)
+    x, weights, ids, w1, w2 = make_case(2, 10, 4, 2, ranks=1, hidden=256)
     q, scale = _quantize(x)
     deq = (q.float().view(10, 2, 128) * scale[..., None]).view(10, 256)
     ref = reference_moe(deq, w1, w2, weights, ids)
@@ -157,24 +157,24 @@ def test_fp8_inputs_are_dequantized_with_their_scales():
     out = kernel(x, w1, w2, weights, ids, global_num_experts=4)
     assert relative_error(out, ref) < 1e-5
     with pytest.raises(TypeError, match="a1q_scale"):
-        _apply(SwiGLUExperts(use_triton=False), q, w1, w2, weights, ids, False)
+        run_case(SwiGLUExperts(use_triton=False), q, w1, w2, weights, ids, False)
     with pytest.raises(ValueError, match="a1q_scale"):
-        _apply(SwiGLUExperts(use_triton=False), q, w1, w2, weights, ids, False, a1q_scale=scale[:, :1])
+        run_case(SwiGLUExperts(use_triton=False), q, w1, w2, weights, ids, False, a1q_scale=scale[:, :1])
 
 
 _TRITON_SCRIPT = """
 import torch
 from dbo.testing.triton_interpreter import fast_xor_reduce
 fast_xor_reduce()  # tl.sort's xor reductions in one numpy call each, not element by element
-from tests.test_moe_experts import _apply, _case
+from tests.test_moe_experts import run_case, make_case
 from dbo.moe import SwiGLUExperts, reference_moe, relative_error
 for seed, m, n_local, topk, host, red in [(0, 37, 5, 3, False, True), (1, 37, 5, 3, True, False),
                                           (2, 1, 3, 1, False, True), (3, 64, 16, 8, False, True),
                                           (4, 0, 2, 2, False, True), (5, 9, 2, 4, True, True),
                                           (6, 200, 2, 2, False, True), (7, 150, 3, 2, True, True)]:
-    x, weights, ids, w1, w2 = _case(seed, m, n_local, topk, hidden=40, inter=24)
+    x, weights, ids, w1, w2 = make_case(seed, m, n_local, topk, hidden=40, inter=24)
     ref = reference_moe(x, w1, w2, weights, ids)
-    out = _apply(SwiGLUExperts(use_triton=True, reduce_in_experts=red), x, w1, w2, weights, ids, host)
+    out = run_case(SwiGLUExperts(use_triton=True, reduce_in_experts=red), x, w1, w2, weights, ids, host)
     err = relative_error(out, ref)
     assert err < 1e-5, (seed, err)
 from dbo.moe.kernels.fused_experts import route_order
@@ -272,7 +272,7 @@ for seed, m, n_local, topk, tail, red, down_kind, persistent in [
     # down kernel (short); the flat persistent down kernel (flat); a program per tile or a few
     # walking the tiles (persistent); weights that TMA cannot take (a misaligned view) fall back
     # to pointer loads
-    x, weights, ids, w1, w2 = _case(seed, m, n_local, topk, hidden=64, inter=32)
+    x, weights, ids, w1, w2 = make_case(seed, m, n_local, topk, hidden=64, inter=32)
     x, w1, w2 = x.half(), w1.half(), w2.half()
     if down_kind == "flat-misaligned":
         w1 = torch.empty(w1.numel() + 1, dtype=w1.dtype)[1:].view_as(w1).copy_(w1)
@@ -298,7 +298,7 @@ for seed, m, n_local, topk, tail, red, down_kind, persistent in [
         assert bool((per_token == 0).any()), seed  # (their zero rows: the down kernel's too)
         assert torch.equal(sole, out), (seed, (sole - out).abs().max())
 # a warp-specialized gate/up tile (Gluon, Hopper only) runs here as the Triton kernel with its blocks
-x, weights, ids, w1, w2 = _case(9, 90, 4, 3, hidden=64, inter=32)
+x, weights, ids, w1, w2 = make_case(9, 90, 4, 3, hidden=64, inter=32)
 x, w1, w2 = x.half(), w1.half(), w2.half()
 down = GemmConfig(32, 16, 16, 2, 4, 2, flat=True)
 outs = []

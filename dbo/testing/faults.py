@@ -138,7 +138,9 @@ def error_chain(exc: BaseException | None) -> list[tuple[str, str]]:
     return chain
 
 
-def _inputs(rank: int, tokens: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+def fault_inputs(rank: int, tokens: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """This rank's seeded tokens and routing, and its local experts' weights, for a fault case:
+    ``(x, topk_weights, topk_ids, w1, w2)`` on ``device``."""
     from dbo.moe.reference import local_expert_weights, make_expert_weights
     from dbo.moe.router import topk_route
 
@@ -176,7 +178,7 @@ def faulty_step(kind: str, fault: str, use_dbo: bool, fail_rank: int, timeout_s:
         raise ValueError(f"fault must be one of {FAULTS}, got {fault!r}")
     rank = dist.get_rank()
     dev = torch.device(device)
-    x, weights, ids, w1, w2 = _inputs(rank, tokens, dev)
+    x, weights, ids, w1, w2 = fault_inputs(rank, tokens, dev)
     pf = make_deepep_backend(kind, tokens, timeout_s, dev)
     kernel = MoEKernel(pf, SwiGLUExperts())
 

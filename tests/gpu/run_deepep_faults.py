@@ -71,12 +71,12 @@ def _bench(timeout_s: float, iters: int) -> dict:
 
     from dbo.moe.experts import SwiGLUExperts
     from dbo.moe.kernel import MoEKernel
-    from dbo.testing.faults import _inputs, make_deepep_backend
+    from dbo.testing.faults import fault_inputs, make_deepep_backend
     from dbo.ubatch.context import run_ubatches
 
     tokens, layers = 128, 8
     out = {}
-    x, weights, ids, w1, w2 = _inputs(dist.get_rank(), tokens, torch.device("cuda"))
+    x, weights, ids, w1, w2 = fault_inputs(dist.get_rank(), tokens, torch.device("cuda"))
     for kind in ("ht", "ll"):
         pf = make_deepep_backend(kind, tokens, timeout_s, torch.device("cuda"))
         kernel = MoEKernel(pf, SwiGLUExperts())

@@ -115,7 +115,7 @@ def _check(config: Any, dtype: Any, layout: str, max_shard_bytes: Any) -> None:
         raise ValueError(f"max_shard_bytes must be a positive int, got {max_shard_bytes!r}")
 
 
-def _assign(sizes: list[int], world: int) -> list[int]:
+def assign_shards(sizes: list[int], world: int) -> list[int]:
     """Owner rank of each shard: largest first, to the rank with the fewest bytes so far."""
     load = [0] * world
     owner = [0] * len(sizes)
@@ -198,7 +198,7 @@ def write_random_checkpoint(config: Any, directory: str | Path, *, dtype: torch.
 
     shards = checkpoint_shards(config, dtype=dtype, layout=layout, max_shard_bytes=max_shard_bytes)
     sizes = [sum(math.prod(s) for s in shard.values()) * dtype.itemsize for shard in shards]
-    owner = _assign(sizes, world)
+    owner = assign_shards(sizes, world)
 
     def clear() -> None:
         if rank == 0:
