@@ -1,10 +1,13 @@
-"""Shared test set-up: hypothesis profiles and the no-state-left-behind check."""
+"""Shared test set-up: hypothesis profiles, the no-state-left-behind check, and how many
+pytest-xdist workers ``-n auto`` (pyproject's addopts) starts."""
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
+import torch
 from hypothesis import HealthCheck, settings
 
 import dbo
@@ -20,6 +23,27 @@ settings.register_profile(
 )
 settings.register_profile("nightly", max_examples=2000, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+
+#: most workers for the whole suite: each imports torch and transformers and runs 2-rank jobs
+MAX_WORKERS = 4
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
+    """``-n auto``: a worker per core (at most MAX_WORKERS) for the whole suite or whole folders,
+    whose time goes on spawned processes, timeouts and torch imports that overlap well (on 2
+    cores about three quarters of the time in one process); none (one process, no start-up
+    cost) where files or tests are named, or where a GPU is visible (the GPU tests time kernels
+    and share the GPUs). ``-n N`` and ``PYTEST_XDIST_AUTO_NUM_WORKERS`` (pytest-xdist's own,
+    read by its default, which None leaves to) still decide."""
+    if "PYTEST_XDIST_AUTO_NUM_WORKERS" in os.environ:
+        return None
+    here = config.invocation_params.dir
+    if not all((here / Path(arg.split("::")[0])).is_dir() for arg in config.args):
+        return 0
+    if torch.cuda.is_available():
+        return 0
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return min(cores, MAX_WORKERS) if cores > 1 else 0
 
 
 @pytest.fixture(autouse=True)
