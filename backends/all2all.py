@@ -28,7 +28,7 @@ from dbo.moe.handles import PerUBatch
 from .torchdist import (
     PendingWork,
     TorchDistPrepareAndFinalize,
-    check_factory_dtype,
+    factory_for,
     pack_rows,
     unpack_rows,
 )
@@ -138,18 +138,5 @@ class AllToAllPrepareAndFinalize(TorchDistPrepareAndFinalize):
         return self._async_result(pending, receiver)
 
 
-def make_prepare_finalize(group: Any = None, *, hidden: int, max_tokens_per_rank: int | None = None,
-                          num_experts: int, topk: int, dtype: torch.dtype = torch.float32,
-                          device: torch.device | str | None = None, timeout_s: float = 60.0,
-                          check_inputs: bool = True, use_async: bool = True,
-                          check_ids_every_call: bool = False) -> AllToAllPrepareAndFinalize:
-    """Build a :class:`AllToAllPrepareAndFinalize` on ``group`` whose calls must have ``hidden``
-    columns in ``dtype`` (bfloat16, float16 or float32); the options are the constructor's
-    (:class:`TorchDistPrepareAndFinalize`). ``max_tokens_per_rank``, ``num_experts``, ``topk``
-    and ``device`` are the registry's uniform signature: nothing is sized ahead, and each call
-    checks that the ranks agree on its shapes."""
-    del max_tokens_per_rank, num_experts, topk, device
-    check_factory_dtype("all2all", dtype)
-    return AllToAllPrepareAndFinalize(group, hidden_size=hidden, timeout_s=timeout_s,
-                                      check_inputs=check_inputs, use_async=use_async,
-                                      check_ids_every_call=check_ids_every_call)
+#: the registry's builder (:func:`dbo.backends.torchdist.factory_for`)
+make_prepare_finalize = factory_for(AllToAllPrepareAndFinalize, "all2all")

@@ -28,7 +28,7 @@ from .torchdist import (
     PendingWork,
     TorchDistPrepareAndFinalize,
     all_gather_single,
-    check_factory_dtype,
+    factory_for,
     pack_rows,
     reduce_scatter_single,
     unpack_rows,
@@ -137,18 +137,5 @@ class NaivePrepareAndFinalize(TorchDistPrepareAndFinalize):
         return self._async_result(pending, receiver)
 
 
-def make_prepare_finalize(group: Any = None, *, hidden: int, max_tokens_per_rank: int | None = None,
-                          num_experts: int, topk: int, dtype: torch.dtype = torch.float32,
-                          device: torch.device | str | None = None, timeout_s: float = 60.0,
-                          check_inputs: bool = True, use_async: bool = True,
-                          check_ids_every_call: bool = False) -> NaivePrepareAndFinalize:
-    """Build a :class:`NaivePrepareAndFinalize` on ``group`` whose calls must have ``hidden``
-    columns in ``dtype`` (bfloat16, float16 or float32); the options are the constructor's
-    (:class:`TorchDistPrepareAndFinalize`). ``max_tokens_per_rank``, ``num_experts``, ``topk``
-    and ``device`` are the registry's uniform signature: nothing is sized ahead, and each call
-    checks that the ranks agree on its shapes."""
-    del max_tokens_per_rank, num_experts, topk, device
-    check_factory_dtype("naive", dtype)
-    return NaivePrepareAndFinalize(group, hidden_size=hidden, timeout_s=timeout_s,
-                                   check_inputs=check_inputs, use_async=use_async,
-                                   check_ids_every_call=check_ids_every_call)
+#: the registry's builder (:func:`dbo.backends.torchdist.factory_for`)
+make_prepare_finalize = factory_for(NaivePrepareAndFinalize, "naive")

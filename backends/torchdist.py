@@ -59,6 +59,7 @@ __all__ = [
     "reduce_scatter_single",
     "DTYPE_CODES",
     "check_factory_dtype",
+    "factory_for",
 ]
 
 logger = logging.getLogger(__name__)
@@ -99,6 +100,28 @@ def check_factory_dtype(name: str, dtype: torch.dtype) -> None:
     if dtype not in DTYPE_CODES:
         raise TypeError(f"backend {name!r} moves bfloat16, float16 or float32 activations, "
                         f"got dtype={dtype}")
+
+
+def factory_for(cls: type, name: str):
+    """The registry's ``make_prepare_finalize`` for a :class:`TorchDistPrepareAndFinalize`
+    subclass ``cls`` registered as ``name``: builds ``cls`` on ``group`` for calls with
+    ``hidden`` columns in ``dtype`` (bfloat16, float16 or float32); the options are the
+    constructor's. ``max_tokens_per_rank``, ``num_experts``, ``topk`` and ``device`` are the
+    registry's uniform signature: nothing is sized ahead, and each call checks that the ranks
+    agree on its shapes."""
+
+    def make_prepare_finalize(group: Any = None, *, hidden: int, max_tokens_per_rank: int | None = None,
+                              num_experts: int, topk: int, dtype: torch.dtype = torch.float32,
+                              device: torch.device | str | None = None, timeout_s: float = 60.0,
+                              check_inputs: bool = True, use_async: bool = True,
+                              check_ids_every_call: bool = False) -> TorchDistPrepareAndFinalize:
+        del max_tokens_per_rank, num_experts, topk, device
+        check_factory_dtype(name, dtype)
+        return cls(group, hidden_size=hidden, timeout_s=timeout_s, check_inputs=check_inputs,
+                   use_async=use_async, check_ids_every_call=check_ids_every_call)
+
+    make_prepare_finalize.__doc__ = f"Build a :class:`{cls.__name__}`: see :func:`factory_for`."
+    return make_prepare_finalize
 
 
 def pack_rows(*parts: torch.Tensor) -> torch.Tensor:
