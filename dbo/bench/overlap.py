@@ -69,6 +69,7 @@ from dbo.bench.overlap_args import (
     configure_deepep,
     count_configs,
     parse_args,
+    portable,
     profile_target,
 )
 from dbo.bench.report import format_table, summarize_shape, write_plot
@@ -245,7 +246,8 @@ def run(args: argparse.Namespace, rank: int, world: int, device: torch.device, o
 
 def _jsonable(d: dict) -> dict:
     d = {k: v for k, v in d.items() if k != "link_model"}  # in env["simulated_link"]
-    return {k: (v if isinstance(v, (int, float, str, bool, list, dict, type(None))) else str(v))
+    return {k: (portable(v, d["out"]) if isinstance(v, str) else
+                v if isinstance(v, (int, float, bool, list, dict, type(None))) else str(v))
             for k, v in d.items()}
 
 

@@ -24,7 +24,8 @@ from dbo.bench.cli import (
 )
 
 __all__ = ["DTYPES", "TOLERANCE", "MODES", "SCHEMA", "PROG", "DEFAULT_BACKEND", "parse_args",
-           "resolve_defaults", "collect_env", "configure_deepep", "count_configs", "profile_target"]
+           "resolve_defaults", "portable", "collect_env", "configure_deepep", "count_configs",
+           "profile_target"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
@@ -219,22 +220,24 @@ def resolve_defaults(args: argparse.Namespace) -> None:
 # ---- process group and environment ---------------------------------------------------------
 
 
+def portable(arg: str, out: str) -> str:
+    """``arg`` (a value, or ``--flag=value``) with an absolute path written relative to the
+    working directory or the output folder ``out``, else by its last part: bundles are shared
+    (docs/results/) and name no machine's paths."""
+    flag, eq, value = arg.partition("=") if arg.startswith("-") else ("", "", arg)
+    path = Path(value)
+    if not path.is_absolute():
+        return arg
+    bases = (Path.cwd(), Path(out).resolve())
+    base = next((b for b in bases if path.is_relative_to(b)), None)
+    return flag + eq + (str(path.relative_to(base)) if base else path.name)
+
+
 def collect_env(args: argparse.Namespace, device: torch.device, world: int) -> dict[str, Any]:
-    # bundles are shared (docs/results/): no hostname, and argv's absolute paths are written
-    # relative to the working directory or the output folder, else by their last part
-    bases = (Path.cwd(), Path(args.out).resolve())
-
-    def portable(arg: str) -> str:
-        flag, eq, value = arg.partition("=") if arg.startswith("-") else ("", "", arg)
-        path = Path(value)
-        if not path.is_absolute():
-            return arg
-        base = next((b for b in bases if path.is_relative_to(b)), None)
-        return flag + eq + (str(path.relative_to(base)) if base else path.name)
-
+    # no hostname, and argv's paths made portable: bundles are shared (docs/results/)
     env: dict[str, Any] = {
         "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "argv": [portable(a) for a in sys.argv], "python": platform.python_version(),
+        "argv": [portable(a, args.out) for a in sys.argv], "python": platform.python_version(),
         "torch": torch.__version__, "torch_cuda": torch.version.cuda, "world_size": world,
         "dbo": getattr(dbo, "__version__", None),
         "env_vars": {k: v for k, v in sorted(os.environ.items())
