@@ -24,6 +24,14 @@ after which the sequences part ways. So the agreement is the share of sequences 
 end, and the mean share of new tokens before the first difference; each DBO row gives the same
 against its plain row too. The verdict: every DBO run's tokens equal its plain run's (float32),
 or its first new token agrees for at least 75% of the sequences (bfloat16).
+
+The three dbo rows of a backend are measured together so that they compare like with like: after
+``--warmup`` untimed calls of each, every round times one call of each, in an order that rotates
+from round to round (plain first, then DBO prefill first, ...) and runs backwards every other
+round, for ``--steps`` rounds; each row gives its median and its spread (fastest and slowest
+call), and the same for the prefill calls. A fixed order (plain, then DBO prefill, then DBO, each
+over all its calls) charges whatever drifts over the minutes of a run (the allocator's cache
+growing, the GPU's clocks) to the rows in turn.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -101,6 +110,28 @@ def _agreement(got: torch.Tensor, want: torch.Tensor, prompt: int) -> tuple[floa
             same[:, 0].float().mean().item())
 
 
+def interleaved_ms(calls: dict[str, Callable[[], object]], rounds: int, warmup: int,
+                   device: torch.device) -> tuple[dict[str, list[float]], dict[str, object]]:
+    """Time each of ``calls`` once a round for ``rounds`` rounds, after ``warmup`` untimed calls
+    of each: the order rotates by one every round and runs backwards every other round, so no
+    call always goes first or after the same one. Returns each call's ms per round (this rank)
+    and its last result."""
+    names = list(calls)
+    last: dict[str, object] = {}
+    for _ in range(warmup):
+        for n in names:
+            last[n] = calls[n]()
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds):
+        order = names[r % len(names):] + names[:r % len(names)]
+        for n in (order if r % 2 == 0 else order[::-1]):
+            def call(n: str = n) -> None:
+                last[n] = calls[n]()
+
+            times[n].append(median_ms(call, steps=1, warmup=0, device=device))
+    return times, last
+
+
 def _timed(fn: Callable[[], object], steps: int, warmup: int, device: torch.device) -> tuple[float, object]:
     """(median ms of ``fn`` on this rank, its last result)."""
     last: list[object] = [None]
@@ -117,8 +148,10 @@ def _add_row(rows: list[dict], rank: int, row: dict) -> None:
     if rank == 0:
         vs_plain = (f"; against plain: identical {row['same_plain']:.2f}, before 1st diff "
                     f"{row['prefix_plain']:.2f}" if "same_plain" in row else "")
-        print(f"row: {row['run']}: {row['ms']:.1f} ms (prefill {row['prefill_ms']:.1f}), {row['tok_s']:,.0f} "
-              f"new tokens/s, identical {row['same']:.2f}, before 1st diff {row['prefix']:.2f}{vs_plain}",
+        spread = f" [{row['ms_min']:.1f}-{row['ms_max']:.1f}]" if "ms_min" in row else ""
+        print(f"row: {row['run']}: {row['ms']:.1f} ms{spread} (prefill {row['prefill_ms']:.1f}), "
+              f"{row['tok_s']:,.0f} new tokens/s, identical {row['same']:.2f}, "
+              f"before 1st diff {row['prefix']:.2f}{vs_plain}",
               flush=True)
 
 
@@ -159,21 +192,25 @@ def run(a: argparse.Namespace, rank: int, world: int, device: torch.device) -> l
             use_backend(model, prefill, decode_backend=decode, decode_backend_kwargs=decode_kw,
                         **backend_kwargs(prefill, max_tokens_per_rank=a.batch * a.prompt, link=a.link))
             label = prefill if decode is None else f"{prefill}/{decode}"
-            plain = None
-            for name, split, every in (("plain", plain_cfg, False), ("DBO prefill", dbo_cfg, False),
-                                       ("DBO", dbo_cfg, True)):
-                ms, (got, plan) = _timed(lambda split=split, every=every: greedy_generate(
-                    model, ids, mask, max_new_tokens=a.new_tokens, config=split, split_decode=every),
-                    a.steps, a.warmup, device)
-                pre_ms = median_ms(lambda split=split: greedy_generate(
-                    model, ids, mask, max_new_tokens=1, config=split), steps=a.steps, warmup=1, device=device)
+            modes = (("plain", plain_cfg, False), ("DBO prefill", dbo_cfg, False), ("DBO", dbo_cfg, True))
+            times, last = interleaved_ms({name: (lambda split=split, every=every: greedy_generate(
+                model, ids, mask, max_new_tokens=a.new_tokens, config=split, split_decode=every))
+                for name, split, every in modes}, a.steps, a.warmup, device)
+            pre_times, _ = interleaved_ms({name: (lambda split=split: greedy_generate(
+                model, ids, mask, max_new_tokens=1, config=split)) for name, split, _ in modes},
+                a.steps, 1, device)
+            plain = last["plain"][0]
+            for name, _, _ in modes:
+                got, plan = last[name]
                 same, prefix, _ = _agreement(got, want, a.prompt)
-                vs_plain = _agreement(got, plain, a.prompt) if plain is not None else (1.0, 1.0, 1.0)
-                plain = got if plain is None else plain
-                ms, pre_ms, *neg = all_reduce_max([ms, pre_ms, -same, -prefix, *(-v for v in vs_plain)],
-                                                  phase=PROG)
+                vs_plain = _agreement(got, plain, a.prompt)
+                t, pt = times[name], pre_times[name]
+                # the slowest rank's median, fastest and slowest call
+                ms, lo, hi, pre_ms, *neg = all_reduce_max(
+                    [statistics.median(t), min(t), max(t), statistics.median(pt), -same, -prefix,
+                     *(-v for v in vs_plain)], phase=PROG)
                 _add_row(rows, rank, dict(run=f"dbo greedy_generate {label} {name}", mode=name, ms=ms,
-                                          prefill_ms=pre_ms,
+                                          ms_min=lo, ms_max=hi, rounds=len(t), prefill_ms=pre_ms,
                                           tok_s=new / ms * 1e3, same=-neg[0], prefix=-neg[1],
                                           same_plain=-neg[2], prefix_plain=-neg[3], first_plain=-neg[4],
                                           split=str(plan)))
@@ -203,12 +240,13 @@ def _print_table(a: argparse.Namespace, rows: list[dict], world: int, device: to
           f"rank; prefill ms = the same call with one new token; new tokens/s per {per} = new tokens / "
           "time; agreement with generate(): sequences identical to the end / mean share of new tokens "
           "before the first difference\n")
-    print(f"| run | ms | prefill ms | new tokens/s per {per} | identical | before 1st diff "
-          "| identical to plain |")
-    print("|---|---|---|---|---|---|---|")
+    print(f"| run | ms | fastest-slowest call | prefill ms | new tokens/s per {per} | identical "
+          "| before 1st diff | identical to plain |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['run']} | {r['ms']:.1f} | {r['prefill_ms']:.1f} | {r['tok_s']:,.0f} | {r['same']:.2f} "
-              f"| {r['prefix']:.2f} | {r.get('same_plain', 1.0):.2f} |")
+        spread = f"{r['ms_min']:.1f}-{r['ms_max']:.1f}" if "ms_min" in r else "-"
+        print(f"| {r['run']} | {r['ms']:.1f} | {spread} | {r['prefill_ms']:.1f} | {r['tok_s']:,.0f} "
+              f"| {r['same']:.2f} | {r['prefix']:.2f} | {r.get('same_plain', 1.0):.2f} |")
 
 
 def main(argv: list[str] | None = None) -> int:

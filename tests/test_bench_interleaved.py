@@ -1,0 +1,30 @@
+"""dbo.bench.hf_generate.interleaved_ms: the rows of one backend are timed call by call in an
+order that rotates and turns round, so no row always runs first or after the same one."""
+
+from __future__ import annotations
+
+import torch
+
+from dbo.bench.hf_generate import interleaved_ms
+
+
+def test_rounds_rotate_and_alternate_direction():
+    seen: list[str] = []
+    calls = {n: (lambda n=n: seen.append(n) or n.upper()) for n in ("a", "b", "c")}
+    times, last = interleaved_ms(calls, rounds=4, warmup=1, device=torch.device("cpu"))
+    assert seen[:3] == ["a", "b", "c"]  # the warm-up round
+    rounds = [seen[3 + 3 * r: 6 + 3 * r] for r in range(4)]
+    assert rounds == [["a", "b", "c"], ["a", "c", "b"], ["c", "a", "b"], ["c", "b", "a"]]
+    assert {r[0] for r in rounds} == {"a", "c"} and {r[-1] for r in rounds} == {"a", "b", "c"}
+    assert {n: len(t) for n, t in times.items()} == {"a": 4, "b": 4, "c": 4}
+    assert all(v >= 0 for t in times.values() for v in t)
+    assert last == {"a": "A", "b": "B", "c": "C"}
+
+
+def test_every_call_goes_first_within_as_many_rounds_as_calls_times_two():
+    seen: list[str] = []
+    names = ["p", "q", "r"]
+    interleaved_ms({n: (lambda n=n: seen.append(n)) for n in names}, rounds=6, warmup=0,
+                   device=torch.device("cpu"))
+    firsts = [seen[3 * r] for r in range(6)]
+    assert set(firsts) == set(names)
