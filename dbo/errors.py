@@ -16,6 +16,7 @@ __all__ = [
     "HookSlotOccupiedError",
     "StreamStateError",
     "CollectiveTimeoutError",
+    "CheckpointError",
 ]
 
 
@@ -72,3 +73,9 @@ class CollectiveTimeoutError(DBOError, TimeoutError):
 
     def __reduce__(self) -> tuple:  # keep the attributes across processes (pickle)
         return (type(self), (str(self),), dict(self.__dict__))
+
+
+class CheckpointError(DBOError, ValueError):
+    """A checkpoint cannot be loaded as it is: a shard file listed in its index is absent or
+    truncated, or a layer lacks an expert's weights or holds one of another shape. The message
+    names the file or the key and what was expected."""

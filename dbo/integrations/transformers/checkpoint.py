@@ -32,6 +32,12 @@ Collective: every rank of ``group`` calls it with the same arguments, and all mu
 every rank. The files of a checkpoint already in ``directory`` (``model*.safetensors``, the
 index, ``config.json``) are removed first, and ``config.json`` is written last: a directory with
 one holds a complete checkpoint.
+
+``check_checkpoint(directory, num_experts, group)`` is the reading side: before an
+expert-parallel load, every rank reads the safetensors headers (not the tensors) and all agree
+that the files are whole and every MoE layer holds all its experts' weights, in one shape. Each
+rank reads only its own experts' tensors afterwards, so without it a broken expert would stop
+the rank that holds it and let the others load a model that then waits for that rank.
 """
 
 from __future__ import annotations
@@ -48,13 +54,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dbo.peers.collectives import collective_device
+from dbo.errors import CheckpointError
+from dbo.peers.collectives import all_reduce_max, collective_device, group_size
 
-__all__ = ["write_random_checkpoint", "checkpoint_shards"]
+__all__ = ["write_random_checkpoint", "checkpoint_shards", "check_checkpoint", "CheckpointError"]
 
 INDEX_NAME = "model.safetensors.index.json"
 LAYOUTS = ("checkpoint", "model")
 _LAYER = re.compile(r"^(.*?\.layers\.(\d+))\.")
+# an expert's own tensor (the Hub's layout: ...experts.{i}.gate_proj.weight, Mixtral's .w1.weight)
+# and a layer's fused experts (the in-memory layout: ...experts.gate_up_proj [E, 2I, hidden])
+_EXPERT_KEY = re.compile(r"^(.*\.experts)\.(\d+)\.(.+)$")
+_FUSED_KEY = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj)$")
 
 
 def _meta_model(config: Any) -> torch.nn.Module:
@@ -233,3 +244,110 @@ def write_random_checkpoint(config: Any, directory: str | Path, *, dtype: torch.
     agree(write_index, "writing the index and config.json")
     return directory
 
+
+
+def _header_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """``{name: shape}`` from a safetensors file's header, after checking that the file is as
+    long as its header says (a truncated file is not)."""
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        head = f.read(8)
+        length = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if length < 0 or 8 + length > size:
+            raise CheckpointError(f"{path}: {size} bytes, shorter than its safetensors header "
+                                  "(truncated?)")
+        try:
+            header = json.loads(f.read(length))
+            entries = {k: v for k, v in header.items() if k != "__metadata__"}
+            shapes = {k: tuple(int(d) for d in v["shape"]) for k, v in entries.items()}
+            end = max((int(v["data_offsets"][1]) for v in entries.values()), default=0)
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError) as exc:
+            raise CheckpointError(f"{path}: unreadable safetensors header ({exc})") from None
+    if 8 + length + end != size:
+        raise CheckpointError(f"{path}: {size} bytes, its header describes {8 + length + end} "
+                              "(truncated?)")
+    return shapes
+
+
+def _checkpoint_files(directory: Path) -> list[Path]:
+    index = directory / INDEX_NAME
+    if not index.is_file():
+        single = directory / "model.safetensors"
+        return [single] if single.is_file() else []
+    try:
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+        raise CheckpointError(f"{index}: unreadable index ({exc})") from None
+    absent = [n for n in names if not (directory / n).is_file()]
+    if absent:
+        more = f" (and {len(absent) - 1} more)" if len(absent) > 1 else ""
+        raise CheckpointError(f"{directory}: {absent[0]}{more} is listed in {INDEX_NAME} but absent")
+    return [directory / n for n in names]
+
+
+def _check_experts(directory: Path, shapes: dict[str, tuple[tuple[int, ...], str]],
+                   num_experts: int) -> None:
+    per_expert: dict[tuple[str, str], dict[int, tuple[tuple[int, ...], str]]] = {}
+    for key, (shape, file) in shapes.items():
+        fused = _FUSED_KEY.match(key)
+        if fused and (not shape or shape[0] != num_experts):
+            raise CheckpointError(f"{file}: {key} has shape {shape}; the model has {num_experts} "
+                                  "experts in its first dimension")
+        m = _EXPERT_KEY.match(key)
+        if m:
+            per_expert.setdefault((m.group(1), m.group(3)), {})[int(m.group(2))] = (shape, file)
+    for (prefix, rest), found in sorted(per_expert.items()):
+        absent = [e for e in range(num_experts) if e not in found]
+        if absent:
+            raise CheckpointError(
+                f"{directory}: {prefix}.{absent[0]}.{rest} is missing: the checkpoint holds "
+                f"{len(found)} of the layer's {num_experts} experts' {rest} (absent: {absent})")
+        extra = sorted(e for e in found if e >= num_experts)
+        if extra:
+            raise CheckpointError(f"{found[extra[0]][1]}: {prefix}.{extra[0]}.{rest}: expert {extra[0]}, "
+                                  f"the model has {num_experts} experts (0..{num_experts - 1})")
+        counts: dict[tuple[int, ...], int] = {}
+        for shape, _ in found.values():
+            counts[shape] = counts.get(shape, 0) + 1
+        usual = max(counts, key=lambda s: counts[s])
+        for e, (shape, file) in sorted(found.items()):
+            if shape != usual:
+                raise CheckpointError(f"{file}: {prefix}.{e}.{rest} has shape {shape}, expected "
+                                      f"{usual} (the layer's other experts' shape)")
+
+
+def check_checkpoint(directory: str | Path, num_experts: int, group: Any = None) -> None:
+    """Check, before loading it expert-parallel, that the safetensors checkpoint in ``directory``
+    can be loaded by every rank: each file its index lists is present and as long as its header
+    says, and every layer holds each of its ``num_experts`` experts' tensors, all of one shape
+    (or fused ``[num_experts, ...]`` tensors). Reads the headers only.
+
+    Collective over ``group`` (default: the default group, if any): every rank checks, then all
+    agree, so that all raise or none does (a rank that found nothing wrong raises naming the
+    rank that did). A directory with no safetensors files passes (nothing to check).
+
+    Raises:
+        CheckpointError: the first problem found, naming the file or key and what was expected.
+    """
+    directory = Path(directory)
+    failed: CheckpointError | None = None
+    try:
+        shapes: dict[str, tuple[tuple[int, ...], str]] = {}
+        for file in _checkpoint_files(directory):
+            shapes.update({k: (s, str(file)) for k, s in _header_shapes(file).items()})
+        _check_experts(directory, shapes, num_experts)
+    except CheckpointError as exc:
+        failed = exc
+    except OSError as exc:  # a file that vanished or cannot be read
+        failed = CheckpointError(f"{directory}: {exc}")
+    if group_size(group) > 1:
+        rank = dist.get_rank(group)
+        first = all_reduce_max([rank + 1 if failed is not None else 0], group,
+                               phase="checkpoint check")[0] - 1
+    else:
+        first = -1
+    if failed is not None:
+        raise failed
+    if first >= 0:
+        raise CheckpointError(f"{directory}: rank {first} cannot load this checkpoint (its error "
+                              "names the file or key); no rank loads it")
