@@ -374,7 +374,8 @@ def ep_distributed_config(backend: str = "all2all", world_size: int | None = Non
 
     Raises:
         TransformersVersionError: transformers < :data:`MIN_TRANSFORMERS`.
-        ValueError: unknown backend or experts choice; no process group and no ``world_size``.
+        ValueError: unknown backend or experts choice; no process group and no ``world_size``;
+            a ``world_size`` other than the initialized process group's size.
     """
     interface = ep_interface()
     from transformers.distributed import DistributedConfig
