@@ -1,170 +1,127 @@
-"""What two overlapped ubatches can reach when compute and one link take turns: a model of the
-per-layer period of DBO's schedule, to set beside a measured step.
+"""What overlap schedules can reach on one MoE layer: the period per layer of each candidate
+schedule (tools/probes/period_model.py), from measured part times, or the table of the
+candidates at the project's measured shapes (docs/schedules.md, "Candidates, modelled").
 
-    python tools/probes/dbo_period.py --experts-ms 27.3 --attn-ms 0.7 --link-ms 23.05
-    python tools/probes/dbo_period.py ... --orders dbo attn-stream chunked2
+    python tools/probes/dbo_period.py --experts-ms 22.2 --attn-ms 5.7 --link-ms 23.05
+    python tools/probes/dbo_period.py ... --shared-ms 0.3 --split 1.05 --latency-ms 0.005 \\
+        --groups 2 --combine-bytes 1.81 --schedules dbo sbo
+    python tools/probes/dbo_period.py --table
 
-Each ubatch runs, per layer: attention (compute stream), dispatch (the link), experts (compute
-stream), combine (the link); the numbers are per layer for the whole batch (both ubatches), as
-`dbo.bench overlap` prints them (`compute` = attention + experts, `comm`). The compute stream
-and the link each run their work in the order it was queued (one CUDA stream; one NIC, shared
-by both ubatches' transfers), and an op starts when its resource is free and the op it needs
-has ended. The host queues in dbo's order: A's attention and dispatch, B's attention and
-dispatch, A's experts and combine, B's experts and combine, then the next layer.
-
-Orders:
-
-* ``dbo``: as above (what ``overlapped_forward`` queues, yielding at each dispatch and combine);
-* ``attn-stream``: the attention on a stream of its own (it no longer waits behind the other
-  ubatch's experts; it shares nothing in the model, so this is its best case);
-* ``chunked2``: each ubatch's experts queued in two halves, the other ubatch's next attention
-  queued between them.
-
-And for the link, ``--link-orders``: ``fifo`` serves the transfers in the order they were queued
-(what one CUDA stream does, the simulated link's stream or a comm stream shared by both
-ubatches: a transfer whose data is not ready yet holds back one queued after it that is),
-``ready`` in the order their data becomes ready (a NIC with a queue pair per flow).
-
-Prints, per order, the steady-state period per layer, the serial layer (everything in turn), the
-bound max(compute, link) and the speedup over serial. With the attention on its own stream the
-model lets it run beside the experts for free, so the period can fall below that bound: read
-that row as the best case. No GPU: arithmetic only.
+The part times are per layer for the whole batch of one rank, as `dbo.bench overlap` prints them
+(`compute` = attention and the rest + experts + shared expert, `comm` = dispatch + combine, taken
+as half each unless --dispatch-ms says otherwise). Prints, per schedule, the period per layer and
+its speedup over serial (compute + comm) and against the bound max(compute, comm). The attention
+on its own stream is modelled as free, so those rows can fall below the bound: read them as the
+best case. No GPU: arithmetic only.
 """
 
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, field
+import sys
+from pathlib import Path
 
-ORDERS = ("dbo", "attn-stream", "chunked2")
-LINK_ORDERS = ("fifo", "ready")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from period_model import SCHEDULES, Parts, partial_sum_bytes_factor, simulate  # noqa: E402
 
-
-@dataclass
-class Op:
-    name: str
-    resource: str
-    ms: float
-    after: list[Op] = field(default_factory=list)
-    end: float | None = None
+TABLE_SCHEDULES = ("dbo", "dbo-2comm", "dbo-attn", "dbo-attn-2comm", "sbo", "sbo+dbo",
+                   "sbo+dbo-2comm")
+TABLE_GROUPS = 2
 
 
-def _ops(order: str, layers: int, attn: float, experts: float, link: float) -> list[Op]:
-    """The ops of ``layers`` layers, two ubatches, in the order the host queues them."""
-    a, e, lk = attn / 2, experts / 2, link / 4  # per ubatch; a dispatch or a combine each
-    attn_res = "attn" if order == "attn-stream" else "compute"
-    queue: list[Op] = []
-    last_combine: dict[str, Op | None] = {"A": None, "B": None}
-    pending: dict[str, Op] = {}  # each ubatch's next dispatch, queued by the previous layer
-
-    def attention(u: str, layer: int) -> tuple[Op, Op]:
-        prev = last_combine[u]
-        at = Op(f"attn{u}{layer}", attn_res, a, [prev] if prev else [])
-        dispatch = Op(f"disp{u}{layer}", "link", lk, [at])
-        return at, dispatch
-
-    for layer in range(layers):
-        if layer == 0:
-            at_a, d_a = attention("A", 0)
-            at_b, d_b = attention("B", 0)
-            queue += [at_a, d_a, at_b, d_b]
-        else:
-            d_a, d_b = pending["A"], pending["B"]
-        if order == "chunked2":
-            x_a1 = Op(f"expA{layer}.1", "compute", e / 2, [d_a])
-            x_a2 = Op(f"expA{layer}.2", "compute", e / 2, [x_a1])
-            c_a = Op(f"combA{layer}", "link", lk, [x_a2])
-            x_b1 = Op(f"expB{layer}.1", "compute", e / 2, [d_b, x_a2])
-            x_b2 = Op(f"expB{layer}.2", "compute", e / 2, [x_b1])
-            c_b = Op(f"combB{layer}", "link", lk, [x_b2])
-            last_combine.update(A=c_a, B=c_b)
-            queue += [x_a1, x_a2, c_a, x_b1]
-            if layer + 1 < layers:  # A's next attention between B's halves
-                at_a, na = attention("A", layer + 1)
-                queue += [at_a, na]
-            queue += [x_b2, c_b]
-            if layer + 1 < layers:
-                at_b, nb = attention("B", layer + 1)
-                queue += [at_b, nb]
-                pending.update(A=na, B=nb)
-            continue
-        x_a = Op(f"expA{layer}", "compute", e, [d_a])
-        c_a = Op(f"combA{layer}", "link", lk, [x_a])
-        x_b = Op(f"expB{layer}", "compute", e, [d_b])
-        c_b = Op(f"combB{layer}", "link", lk, [x_b])
-        last_combine.update(A=c_a, B=c_b)
-        queue += [x_a, c_a, x_b, c_b]
-        if layer + 1 < layers:
-            at_a, na = attention("A", layer + 1)
-            at_b, nb = attention("B", layer + 1)
-            queue += [at_a, na, at_b, nb]
-            pending.update(A=na, B=nb)
-    return queue
+def _prefill(comm: float, latency: float = 0.0) -> Parts:
+    # 2 ranks, T=16384 per rank, I=256, attention width 1024, 256 experts (128 local), top-8:
+    # compute 5.94 ms (2 H200s); routed experts ~2.9 ms of it (the 4-H100 trace's gate/up, 1.35 ms
+    # a layer, scaled by the one-H200 breakdown's gate/up : down : top-k sum, 208 : 147 : 85),
+    # the shared expert (I=256) ~0.3 ms, the rest attention and dense parts; split 6.24 / 5.94
+    return Parts(attn=2.74, experts=2.9, shared=0.3, dispatch=comm / 2, combine=comm / 2,
+                 latency=latency, split=6.24 / 5.94,
+                 combine_bytes=partial_sum_bytes_factor(TABLE_GROUPS, 128, 256, 8))
 
 
-def simulate(order: str, layers: int, attn: float, experts: float, link: float,
-             link_order: str = "fifo") -> float:
-    """The steady-state period per layer (ms): the time between the ends of the last layers.
+def _decode(serial: float, comm_share: float, experts_share: float, split: float,
+            latency: float = 0.0) -> Parts:
+    # deepep_ll: a row per (token, expert) both ways, so grouped combines cost no extra bytes
+    comm = serial * comm_share
+    compute = serial - comm
+    return Parts(attn=compute * (1 - experts_share), experts=compute * experts_share,
+                 dispatch=comm / 2, combine=comm / 2, latency=latency, split=split)
 
-    ``link_order``: ``fifo`` serves the link's transfers in the order they were queued (one CUDA
-    stream for both ubatches' transfers); ``ready``, in the order they become ready (a transfer
-    that is ready does not wait behind one queued before it that is not).
-    """
-    if order not in ORDERS:
-        raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
-    if link_order not in LINK_ORDERS:
-        raise ValueError(f"link_order must be one of {LINK_ORDERS}, got {link_order!r}")
-    queues: dict[str, list[Op]] = {}
-    for op in _ops(order, layers, attn, experts, link):
-        queues.setdefault(op.resource, []).append(op)
-    free = dict.fromkeys(queues, 0.0)
-    ends = []
-    while any(queues.values()):
-        best = None
-        for res, q in queues.items():
-            heads = q if (res == "link" and link_order == "ready") else q[:1]
-            for pos, op in enumerate(heads):
-                if any(d.end is None for d in op.after):
-                    continue
-                ready = max([d.end for d in op.after], default=0.0)
-                key = (max(free[res], ready), ready, pos)
-                if best is None or key < best[0]:
-                    best = (key, res, op)
-        if best is None:
-            raise RuntimeError("the queues wait on each other")  # an inconsistent queue order
-        (start, _, _), res, op = best
-        op.end = start + op.ms
-        free[res] = op.end
-        queues[res].remove(op)
-        if op.name.startswith("combB"):
-            ends.append(op.end)
-    ends.sort()
-    tail = ends[len(ends) // 2:-2]  # past the ramp, before the last layers (nothing queued after them)
-    return (tail[-1] - tail[0]) / (len(tail) - 1)
+
+# (row label, parts): the inputs of docs/schedules.md's "Candidates, modelled"
+CASES: tuple[tuple[str, Parts], ...] = (
+    ("prefill NVLink copy_engine T=16384", _prefill(2.12)),
+    ("prefill NVLink deepep_ht T=16384", _prefill(2.02)),
+    # 50 GB/s + 5 us, 7/8 remote: comm from the measured bound, (5.94 + comm) / comm = 1.57
+    ("prefill 50 GB/s link T=16384", _prefill(5.94 / 0.57, latency=0.005)),
+    # 2 H200s, deepep_ll, 128 local experts, I=2048, CUDA graphs: comm ~10% of the layer, the
+    # experts' weight read ~90% of the compute, split compute 1.70-1.89x plain (1.8 here)
+    ("decode NVLink T=64", _decode(2.46, 0.10, 0.9, 1.8)),
+    ("decode NVLink T=256", _decode(3.00, 0.10, 0.9, 1.8)),
+    ("decode NVLink T=512", _decode(3.33, 0.10, 0.9, 1.8)),
+    # 2 H100s, 25 GB/s + 10 us, 8 local experts, graph serial, the eager comm share (docs/
+    # multihost.md); the experts ~70% of the compute; split compute 2.1-2.3x plain (2.2 here)
+    ("decode 25 GB/s link T=64", _decode(0.68, 0.30, 0.7, 2.2, latency=0.010)),
+    ("decode 25 GB/s link T=256", _decode(1.60, 0.65, 0.7, 2.2, latency=0.010)),
+    ("decode 25 GB/s link T=512", _decode(2.94, 0.71, 0.7, 2.2, latency=0.010)),
+)
+
+
+def table(layers: int = 40) -> str:
+    """The candidates' speedups over serial (compute + comm) at the project's measured shapes."""
+    head = ["case", "compute", "comm", "bound"] + list(TABLE_SCHEDULES)
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for label, p in CASES:
+        serial = p.compute + p.comm
+        cells = [label, f"{p.compute:.2f}", f"{p.comm:.2f}",
+                 f"{serial / max(p.compute, p.comm):.2f}x"]
+        cells += [f"{serial / simulate(s, p, layers, TABLE_GROUPS):.2f}x" for s in TABLE_SCHEDULES]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--experts-ms", type=float, required=True, help="experts per layer, whole batch")
-    p.add_argument("--attn-ms", type=float, required=True,
-                   help="everything else on the compute stream per layer (attention, router)")
-    p.add_argument("--link-ms", type=float, required=True, help="dispatch + combine per layer (comm)")
+    p.add_argument("--table", action="store_true", help="print the candidates at the measured shapes")
+    p.add_argument("--experts-ms", type=float, help="routed experts per layer, whole batch")
+    p.add_argument("--attn-ms", type=float,
+                   help="the rest of the compute per layer (attention, router, dense parts)")
+    p.add_argument("--link-ms", type=float, help="dispatch + combine per layer (comm)")
+    p.add_argument("--dispatch-ms", type=float, help="the dispatch's share of --link-ms (default half)")
+    p.add_argument("--shared-ms", type=float, default=0.0, help="shared expert per layer")
+    p.add_argument("--latency-ms", type=float, default=0.0, help="latency included in each transfer")
+    p.add_argument("--split", type=float, default=1.0,
+                   help="factor on a ubatch's compute when the batch is split in two")
+    p.add_argument("--groups", type=int, default=2, help="expert groups of the sbo schedules")
+    p.add_argument("--combine-bytes", type=float, default=1.0,
+                   help="combine bytes with grouped experts over one combine (partial sums)")
     p.add_argument("--layers", type=int, default=40)
-    p.add_argument("--orders", nargs="+", choices=ORDERS, default=list(ORDERS))
-    p.add_argument("--link-orders", nargs="+", choices=LINK_ORDERS, default=list(LINK_ORDERS))
+    p.add_argument("--schedules", nargs="+", choices=tuple(SCHEDULES), default=list(SCHEDULES))
     a = p.parse_args(argv)
-    if min(a.experts_ms, a.attn_ms, a.link_ms) < 0 or a.layers < 12:
-        p.error("times must be >= 0 and --layers >= 12")
-    compute = a.experts_ms + a.attn_ms
-    serial = compute + a.link_ms
-    bound = max(compute, a.link_ms)
-    print(f"per layer: compute {compute:.2f} ms, link {a.link_ms:.2f} ms, serial {serial:.2f} ms, "
-          f"bound max(compute, link) {bound:.2f} ms ({serial / bound:.3f}x serial)")
-    for link_order in a.link_orders:
-        for order in a.orders:
-            period = simulate(order, a.layers, a.attn_ms, a.experts_ms, a.link_ms, link_order)
-            print(f"{order:>12}, link {link_order:>5}: {period:7.2f} ms per layer, "
-                  f"{serial / period:.3f}x serial, {period / bound:.3f}x the bound")
+    if a.layers < 12:
+        p.error(f"--layers must be >= 12, got {a.layers}")
+    if a.table:
+        print(table(a.layers))
+        return 0
+    if None in (a.experts_ms, a.attn_ms, a.link_ms):
+        p.error("give --experts-ms, --attn-ms and --link-ms, or --table")
+    dispatch = a.link_ms / 2 if a.dispatch_ms is None else a.dispatch_ms
+    try:
+        parts = Parts(attn=a.attn_ms, experts=a.experts_ms, shared=a.shared_ms, dispatch=dispatch,
+                      combine=a.link_ms - dispatch, latency=a.latency_ms, split=a.split,
+                      combine_bytes=a.combine_bytes)
+    except ValueError as e:
+        p.error(str(e))
+    if a.groups < 1:
+        p.error(f"--groups must be >= 1, got {a.groups}")
+    serial = parts.compute + parts.comm
+    bound = max(parts.compute, parts.comm)
+    print(f"per layer: compute {parts.compute:.2f} ms, link {parts.comm:.2f} ms, serial "
+          f"{serial:.2f} ms, bound max(compute, link) {bound:.2f} ms ({serial / bound:.3f}x serial)")
+    for name in a.schedules:
+        period = simulate(name, parts, a.layers, a.groups)
+        print(f"{name:>14}: {period:7.2f} ms per layer, {serial / period:.3f}x serial, "
+              f"{period / bound:.3f}x the bound")
     return 0
 
 
