@@ -47,6 +47,7 @@ import hashlib
 import json
 import math
 import re
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -57,7 +58,8 @@ import torch.distributed as dist
 from dbo.errors import CheckpointError
 from dbo.peers.collectives import all_reduce_max, collective_device, group_size
 
-__all__ = ["write_random_checkpoint", "checkpoint_shards", "check_checkpoint", "CheckpointError"]
+__all__ = ["write_random_checkpoint", "checkpoint_shards", "check_checkpoint",
+           "check_checkpoint_being_loaded"]
 
 INDEX_NAME = "model.safetensors.index.json"
 LAYOUTS = ("checkpoint", "model")
@@ -351,3 +353,35 @@ def check_checkpoint(directory: str | Path, num_experts: int, group: Any = None)
     if first >= 0:
         raise CheckpointError(f"{directory}: rank {first} cannot load this checkpoint (its error "
                               "names the file or key); no rank loads it")
+
+
+def _model_being_distributed() -> torch.nn.Module | None:
+    # transformers builds an EP implementation with the experts module alone; the model (and on
+    # its config the checkpoint path) is a local of its caller, apply_expert_parallelism(model, ...)
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "apply_expert_parallelism":
+            model = frame.f_locals.get("model")
+            return model if isinstance(model, torch.nn.Module) else None
+        frame = frame.f_back
+    return None
+
+
+def check_checkpoint_being_loaded(num_experts: int, group: Any = None) -> None:
+    """:func:`check_checkpoint` on the directory that ``from_pretrained(path,
+    distributed_config=...)`` is loading, called while transformers builds the model's
+    expert-parallel implementations (before any weight is read): once per model, at its first
+    experts module. Collective over ``group``, as every rank builds the same modules in order.
+    Does nothing outside such a load, for a checkpoint that is not a local directory (a Hub id),
+    or on a transformers version that builds the implementations elsewhere.
+
+    Raises:
+        CheckpointError: as :func:`check_checkpoint`.
+    """
+    model = _model_being_distributed()
+    if model is None or getattr(model, "_dbo_checkpoint_checked", False):
+        return
+    model._dbo_checkpoint_checked = True
+    path = getattr(getattr(model, "config", None), "name_or_path", None)
+    if path and Path(path).is_dir():
+        check_checkpoint(path, num_experts, group)

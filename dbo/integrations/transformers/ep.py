@@ -36,16 +36,14 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import logging
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
 
 from dbo.backends import backend_spec, make_backend
 from dbo.errors import DBOError
-from dbo.integrations.transformers.checkpoint import check_checkpoint
+from dbo.integrations.transformers.checkpoint import check_checkpoint_being_loaded
 from dbo.integrations.transformers.experts import (
     EXPERTS_CHOICES,
     LibraryExperts,
@@ -212,23 +210,11 @@ class DBOExpertParallel:
         self._signature: tuple[Any, ...] | None = None
         # lets model-level helpers (prepare_for_overlap, expert_parallel_modules) find it
         experts._dbo_expert_parallel = self
-        self._check_checkpoint_once()
+        # before any rank reads its experts: a broken file or expert stops every rank here
+        check_checkpoint_being_loaded(self.num_experts, self.group)
         # transformers wraps the model in FSDP2 after this: keep its dense weights whole and make
         # its buffers outside inference mode at the model's first forward (hf_fsdp)
         prepare_at_first_forward(experts)
-
-    def _check_checkpoint_once(self) -> None:
-        """Before any rank reads its weights: :func:`~dbo.integrations.transformers.checkpoint.
-        check_checkpoint` on the checkpoint directory being loaded, once per model (the first
-        experts module), so that a broken file or expert stops every rank here, each with the same
-        error, instead of only the rank that reads it (its peers would load, then wait for it)."""
-        model = _model_being_distributed()
-        if model is None or getattr(model, "_dbo_checkpoint_checked", False):
-            return
-        model._dbo_checkpoint_checked = True
-        path = getattr(getattr(model, "config", None), "name_or_path", None)
-        if path and Path(path).is_dir():
-            check_checkpoint(path, self.num_experts, self.group)
 
     def _build(self, x: torch.Tensor, topk: int, backend: str, kwargs: dict[str, Any]
                ) -> tuple[MoEKernel, torch.dtype]:
@@ -292,22 +278,6 @@ class DBOExpertParallel:
         if self.decode_kernel is not None:
             self.decode_kernel = MoEKernel(self.decode_kernel.prepare_finalize, experts)
         return kind
-
-
-def _model_being_distributed() -> torch.nn.Module | None:
-    """The model whose experts transformers is handing to an EP implementation now, or None.
-
-    transformers builds the implementation with the experts module alone; the model (and on its
-    config the checkpoint path, ``name_or_path``) is a local of the caller,
-    ``transformers.distributed.expert_parallel.apply_expert_parallelism(model, ...)``. Found on
-    the stack; None where a transformers version builds it elsewhere (no check then)."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code.co_name == "apply_expert_parallelism":
-            model = frame.f_locals.get("model")
-            return model if isinstance(model, torch.nn.Module) else None
-        frame = frame.f_back
-    return None
 
 
 def check_experts_choice(experts: str) -> None:
