@@ -48,6 +48,13 @@ def test_serial_is_compute_plus_comm():
     assert simulate("serial", parts) == pytest.approx(11.0)
 
 
+def test_plain_hides_the_shared_expert_behind_the_combine():
+    # attention 1, dispatch 2, experts 4, then the shared expert (1) beside the combine (2)
+    parts = Parts(attn=1.0, experts=4.0, shared=1.0, dispatch=2.0, combine=2.0)
+    assert simulate("plain", parts) == pytest.approx(9.0)
+    assert simulate("serial", parts) == pytest.approx(10.0)
+
+
 def test_dbo_order_exposes_half_the_link_when_experts_dominate_the_compute():
     # worked by hand: per layer the experts (27 ms) and two of the four transfers (2 x 23.05 / 4)
     # run in turn, because A's next dispatch waits behind B's experts (its attention) and
@@ -165,7 +172,8 @@ def test_cli(capsys):
     assert dbo_period.main(["--table"]) == 0
     out = capsys.readouterr().out
     assert out.count("\n") == 2 + len(dbo_period.CASES), out
-    assert "| prefill 50 GB/s link T=16384 | 5.94 | 10.42 | 1.57x | 1.57x |" in out, out
+    # the comm-bound prefill: dbo at the bound, the plain forward hides only its shared expert
+    assert "| prefill 50 GB/s T=16384 I=256 | 5.94 | 10.42 | 1.57x | 1.02x | 1.57x |" in out, out
     with pytest.raises(SystemExit) as exit_info:
         dbo_period.main(["--experts-ms", "1"])
     assert exit_info.value.code == 2

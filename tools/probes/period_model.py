@@ -6,6 +6,8 @@ batch of one rank) and simulated over many layers; :func:`simulate` returns the 
 period per layer. The schedules (:data:`SCHEDULES`):
 
 * ``serial``: one batch, every op in turn on one resource (compute + comm);
+* ``plain``: one batch with its shared expert beside the combine (the plain forward of
+  ``dbo.bench overlap`` and ``dbo.moe.MoEKernel``);
 * ``dbo``: two ubatches in dbo's queue order (A's attention and dispatch, B's, A's experts,
   shared expert and combine, B's, then the next layer), one comm stream served in queue order;
 * ``dbo-2comm``: a comm stream per ubatch: the one link serves transfers as their data becomes
@@ -88,6 +90,7 @@ class Schedule:
 
 SCHEDULES: dict[str, Schedule] = {
     "serial": Schedule(1, serial=True),
+    "plain": Schedule(1),
     "dbo": Schedule(2),
     "dbo-2comm": Schedule(2, link_order="ready"),
     "dbo-attn": Schedule(2, attn_stream=True),
