@@ -208,6 +208,7 @@ def _step(s: Schedule, parts: Parts, layers: int, groups: int) -> tuple[float, f
     for op in all_ops:
         queues.setdefault(op.resource, []).append(op)
     free = dict.fromkeys(queues, 0.0)
+    last_compute: _Op | None = None  # the compute op that ends at free["compute"]
     while any(queues.values()):
         best = None
         for res, q in queues.items():
@@ -227,10 +228,11 @@ def _step(s: Schedule, parts: Parts, layers: int, groups: int) -> tuple[float, f
         op.end = start + op.ms
         free[res] = op.end
         queues[res].remove(op)
-        if res == "attn" and free.get("compute", 0.0) > start:
-            running = next(o for o in all_ops if o.resource == "compute" and o.end == free["compute"])
-            running.end += op.ms  # paused while the attention runs
-            free["compute"] = running.end
+        if res == "compute":
+            last_compute = op
+        elif res == "attn" and last_compute is not None and last_compute.end > start:
+            last_compute.end += op.ms  # paused while the attention runs
+            free["compute"] = last_compute.end
     busy: dict[str, float] = {}
     for op in all_ops:
         res = "compute" if op.resource == "attn" else op.resource
