@@ -10,9 +10,8 @@ candidates at the project's measured shapes (docs/schedules.md, "Candidates, mod
 The part times are per layer for the whole batch of one rank, as `dbo.bench overlap` prints them
 (`compute` = attention and the rest + experts + shared expert, `comm` = dispatch + combine, taken
 as half each unless --dispatch-ms says otherwise). Prints, per schedule, the period per layer and
-its speedup over serial (compute + comm) and against the bound max(compute, comm). The attention
-on its own stream is modelled as free, so those rows can fall below the bound: read them as the
-best case. No GPU: arithmetic only.
+its speedup over serial (compute + comm) and against the bound max(compute, comm). No GPU:
+arithmetic only.
 """
 
 from __future__ import annotations
