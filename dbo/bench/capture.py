@@ -51,7 +51,7 @@ def traces(sb: ShapeBench, profile: bool, out_dir: Path) -> dict | None:
                 except Exception as exc:  # noqa: BLE001
                     sb.rec["warnings"].append(f"torch.profiler failed: {type(exc).__name__}: {exc}")
     sb.rec["trace_files"] = files
-    sb.progress.update(sb._label("traces"))
+    sb.progress.update(sb.label("traces"))
     return trace.to_chrome() if sb.rank == 0 else None
 
 def _capture(sb: ShapeBench, mode: str, res: dict[str, Any], graphs: list[Any]) -> torch.Tensor:
@@ -107,7 +107,7 @@ def cuda_graph(sb: ShapeBench) -> None:
     sb.rec["cuda_graph"] = res
     if sb.budget.expired():
         res["error"] = "skipped: time budget"
-        sb.progress.update(sb._label("cuda graph") + " (skipped)")
+        sb.progress.update(sb.label("cuda graph") + " (skipped)")
         return
     graphs: list[Any] = []
     try:
@@ -135,4 +135,4 @@ def cuda_graph(sb: ShapeBench) -> None:
         graphs.clear()
         sb.pf.reset()
         sb.pf_dbo.reset()
-    sb.progress.update(sb._label("cuda graph"))
+    sb.progress.update(sb.label("cuda graph"))

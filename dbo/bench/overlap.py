@@ -42,17 +42,14 @@ the CPU they are notes (gloo runs on the cores that compute, so there is nothing
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from dbo.autotune import NEVER_SPLIT, autotune_split_config
 from dbo.backends import make_backend
 from dbo.bench.capture import cuda_graph, traces
 from dbo.bench.cli import verdict
@@ -75,62 +72,10 @@ from dbo.bench.overlap_args import (
 from dbo.bench.report import format_table, summarize_shape, write_plot
 from dbo.bench.shape import Budget, ShapeBench
 from dbo.bench.timing import Progress
+from dbo.bench.wrapper import restore_carveout, time_wrapper, tune_and_time_wrapper
 from dbo.split import SplitConfig, Vote, local_vote
 
 __all__ = ["run", "main"]
-
-
-def restore_carveout(args: argparse.Namespace, benches: list[ShapeBench]) -> None:
-    """Put the run's SM carve-out back (torch's and the experts'): the adaptive forward sets
-    each call's own."""
-    if args.dbo_sm_carveout != [None]:
-        torch._C._set_sm_carveout_experimental(args.sm_carveout)
-        for sb in benches:
-            sb.experts.sm_carveout = args.sm_carveout
-
-
-def tune_and_time_wrapper(args: argparse.Namespace, benches: list[ShapeBench], budget: Budget,
-                          progress: Progress, group: Any) -> dict:
-    """dbo.autotune over the measured token counts of one model, then the wrapper with the
-    tuned config at every shape; each shape's summary is recomputed with that wrapper time."""
-    ready = [sb for sb in benches if "skipped" not in sb.rec and hasattr(sb, "ref")]
-    res: dict[str, Any] = {"ok": False}
-    if budget.expired() or not ready:
-        res["error"] = "skipped: time budget" if ready else "no measured shape"
-        progress.update("autotune (skipped)")
-        return res
-    by_tokens = {sb.T: sb for sb in ready}
-
-    forwards = {t: sb.adaptive_forward() for t, sb in by_tokens.items()}
-    current: list[Callable[[torch.Tensor], torch.Tensor]] = []
-
-    def make_inputs(t: int) -> list[torch.Tensor]:
-        current[:] = [forwards[t]]
-        return [by_tokens[t].x]
-
-    def fn(x: torch.Tensor) -> torch.Tensor:
-        return current[0](x)
-
-    decode = args.backend == "deepep_ll"
-    result = autotune_split_config(fn, make_inputs, sorted(by_tokens), decode_only=decode,
-                                   group=group, warmup=args.warmup, steps=max(5, args.steps // 2),
-                                   compute_sms=args.dbo_compute_sms)
-    for sb in ready:
-        sb.pf.reset()
-        sb.pf_dbo.reset()
-    progress.update(f"I={ready[0].model.dims.intermediate} autotune")
-    res.update(ok=True, decode_only=decode, threshold=result.threshold, schedule=result.schedule.value,
-               never_split=result.threshold >= NEVER_SPLIT, margin=result.margin,
-               rows=[dataclasses.asdict(r) for r in result.rows], table=result.table())
-    for sb in ready:
-        sb.wrapper(result.config, group)
-        sb.pf.reset()
-        sb.pf_dbo.reset()
-        splits = local_vote(sb.T, result.config, decode_only=decode).vote is Vote.YES
-        sb.rec["summary"] = summarize_shape(sb.rec, splits)
-        sb.rec["summary"]["wrapper_config"] = "autotuned"
-    restore_carveout(args, ready)
-    return res
 
 
 def build_backend(args: argparse.Namespace, tokens: int, device: torch.device, dtype: torch.dtype) -> Any:
@@ -205,7 +150,7 @@ def run(args: argparse.Namespace, rank: int, world: int, device: torch.device, o
                     if trace is not None:
                         chrome.append((f"{args.backend} T={tokens} I={inter}", trace))
                     if args.autotune:  # the untuned wrapper: the default config, adaptive
-                        sb.wrapper(SplitConfig(), decision_group, mode="wrapper_untuned")
+                        time_wrapper(sb, SplitConfig(), decision_group, mode="wrapper_untuned")
                         restore_carveout(args, [sb])
                     if args.cuda_graph:
                         if device.type == "cuda" and args.backend == "deepep_ll":

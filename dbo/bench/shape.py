@@ -29,7 +29,7 @@ from dbo.bench.overlap_args import TOLERANCE
 from dbo.bench.timing import Progress, measure
 from dbo.expert_schedule import ExpertSchedule, current_expert_schedule
 from dbo.moe import MoEKernel, SwiGLUExperts, relative_error
-from dbo.overlap import DBOWrapper, overlapped_forward
+from dbo.overlap import overlapped_forward
 from dbo.peers.collectives import all_reduce_max
 from dbo.split import SplitConfig, plan_ubatches
 
@@ -150,7 +150,7 @@ class ShapeBench:
         self.model.use(backend, self.experts)
         self.experts.batched_rows = self.rows[_rows_key(mode)]
 
-    def _label(self, mode: str, sms: int | None = None, carveout: int | None = None) -> str:
+    def label(self, mode: str, sms: int | None = None, carveout: int | None = None) -> str:
         s = f"T={self.T} I={self.model.dims.intermediate} {mode}"
         if sms is not None:
             s += f" s{sms}"
@@ -165,17 +165,17 @@ class ShapeBench:
         if self.budget.expired():
             entry["skipped"] = "time budget"
             self.rec["measurements"].append(entry)
-            self.progress.update(self._label(mode, sms, carveout) + " (skipped)")
+            self.progress.update(self.label(mode, sms, carveout) + " (skipped)")
             return None
         if check is not None:
             check(step())
         timing = measure(step, warmup=self.args.warmup, steps=self.args.steps, device=self.device)
         entry["timing"] = timing.to_json()
         self.rec["measurements"].append(entry)
-        self.progress.update(self._label(mode, sms, carveout))
+        self.progress.update(self.label(mode, sms, carveout))
         return entry
 
-    def _check_against(self, ref: torch.Tensor, name: str) -> Callable[[torch.Tensor], None]:
+    def check_against(self, ref: torch.Tensor, name: str) -> Callable[[torch.Tensor], None]:
         def check(out: torch.Tensor) -> None:
             err = compare(out, ref, self.device)
             self.rec["checks"][name] = err
@@ -229,10 +229,10 @@ class ShapeBench:
         self.ref = self.serial()
         self.use(self.pf, "dbo")
         self.ref_dbo = self.dbo()
-        self._check_against(self.ref, "dbo_vs_serial")(self.ref_dbo)
+        self.check_against(self.ref, "dbo_vs_serial")(self.ref_dbo)
         if "merged" in self.args.modes or "merged_compute" in self.args.modes:
             self.use(self.pf, "merged")
-            self._check_against(self.ref, "merged_vs_serial")(self.merged())
+            self.check_against(self.ref, "merged_vs_serial")(self.merged())
         self.rec["plan"] = str(self.plan)
 
     def compute_alone(self) -> None:
@@ -290,20 +290,20 @@ class ShapeBench:
             self.sms.set(s)
             if "serial" in self.args.modes:
                 self.use(self.pf, "serial")
-                self.run_config("serial", s, self.serial, self._check_against(self.ref, f"serial_s{s}"))
+                self.run_config("serial", s, self.serial, self.check_against(self.ref, f"serial_s{s}"))
             if "dbo" in self.args.modes:
                 for k in self.args.dbo_sm_carveout:
                     self.use(self.pf_dbo, "dbo")
                     self.carveout = k
                     name = f"dbo_s{s}" + ("" if k is None else f"_k{k}")
-                    self.run_config("dbo", s, self.dbo, self._check_against(self.ref, name), carveout=k)
+                    self.run_config("dbo", s, self.dbo, self.check_against(self.ref, name), carveout=k)
                 self.carveout = None
             if "merged" in self.args.modes:
                 for k in self.args.dbo_sm_carveout:
                     self.use(self.pf_dbo, "merged")
                     self.carveout = k
                     name = f"merged_s{s}" + ("" if k is None else f"_k{k}")
-                    self.run_config("merged", s, self.merged, self._check_against(self.ref, name),
+                    self.run_config("merged", s, self.merged, self.check_against(self.ref, name),
                                     carveout=k)
                 self.carveout = None
 
@@ -355,50 +355,3 @@ class ShapeBench:
             return model(x)
 
         return fn
-
-    def wrapper(self, config: SplitConfig, group: Any, rounds: int = 3, mode: str = "wrapper") -> None:
-        """Time the overlapped forward with ``config`` deciding (one all-reduce per step over
-        ``group``, a gloo group on GPUs so that the decision does not wait for the GPU).
-
-        Paired with the plain forward of the best serial configuration: the two alternate for
-        ``rounds`` rounds and each keeps its best median (``mode``, and "serial_paired" after
-        it: "serial_paired" for "wrapper"), so their ratio is not a drift between two moments
-        of the run (the GPU's clocks move by a few percent over minutes); the order alternates
-        too. An adaptive ``config`` (the untuned default) runs through a :class:`dbo.DBOWrapper`
-        that first makes its measured choice (``online_choice`` in the record), then is timed."""
-        paired_mode = "serial_paired" + mode[len("wrapper"):]
-        if self.budget.expired():
-            self.rec["measurements"].append({"mode": mode, "skipped": "time budget"})
-            self.progress.update(self._label(mode) + " (skipped)")
-            return
-        fn = self.adaptive_forward()
-        decode = self.args.backend == "deepep_ll"
-        if config.adaptive:
-            w = DBOWrapper(fn, config, group=group, compute_sms=self.args.dbo_compute_sms)
-
-            def wrapped() -> torch.Tensor:
-                return w(self.x, decode_only=decode)
-
-            self._check_against(self.ref, mode)(wrapped())
-            plan = w.plan(self.T, decode_only=decode)
-            while plan.split and (w.online is None or w.online.choice(plan) is None):
-                wrapped()  # the wrapper's measuring calls, before it is timed
-            self.rec["online_choice"] = (None if not plan.split else
-                                         {"chose": w.online.choice(plan).value, "table": w.online.table()})
-        else:
-            def wrapped() -> torch.Tensor:
-                return overlapped_forward(fn, self.x, config=config, decode_only=decode, group=group,
-                                          compute_sms=self.args.dbo_compute_sms)
-
-            self._check_against(self.ref, mode)(wrapped())
-        best: dict[str, Any] = {}
-        pair = [(paired_mode, lambda: fn(self.x)), (mode, wrapped)]
-        for r in range(rounds):
-            for mode, step in (pair if r % 2 == 0 else pair[::-1]):  # neither always goes first
-                t = measure(step, warmup=self.args.warmup, steps=self.args.steps, device=self.device)
-                if mode not in best or t.median_ms < best[mode].median_ms:
-                    best[mode] = t
-        for mode, t in best.items():
-            self.rec["measurements"].append({"mode": mode, "num_sms": None, "sm_carveout": None,
-                                             "rounds": rounds, "timing": t.to_json()})
-        self.progress.update(self._label(mode))
