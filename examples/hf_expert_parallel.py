@@ -25,7 +25,7 @@ import torch
 
 from dbo.backends import cpu_backends
 from dbo.bench import cli
-from dbo.bench.dist import init_distributed, shutdown_distributed
+from dbo.bench.dist import distributed
 from dbo.integrations.transformers import (
     DBOPrefill,
     convert_to_expert_parallel,
@@ -78,14 +78,8 @@ def run(args: argparse.Namespace, rank: int) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    rank, _, _ = init_distributed("cpu")
-    finished = False
-    try:
-        rc = run(args, rank)
-        finished = True
-        return rc
-    finally:
-        shutdown_distributed(wait_for_peers=finished)
+    with distributed("cpu") as (rank, _, _):  # torchrun's gloo group, torn down after
+        return run(args, rank)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ import torch
 import dbo
 from dbo.backends import BACKENDS, make_backend
 from dbo.bench import cli
-from dbo.bench.dist import init_distributed, shutdown_distributed
+from dbo.bench.dist import distributed
 from dbo.bench.model import BenchModel, LayerDims
 from dbo.bench.timing import median_ms
 from dbo.moe import SwiGLUExperts, relative_error
@@ -64,14 +64,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    rank, world, device = init_distributed(args.device)
-    finished = False
-    try:
-        rc = run(args, rank, world, device)
-        finished = True
-        return rc
-    finally:
-        shutdown_distributed(wait_for_peers=finished)
+    with distributed(args.device) as (rank, world, device):  # torchrun's group, torn down after
+        return run(args, rank, world, device)
 
 
 def run(args: argparse.Namespace, rank: int, world: int, device: torch.device) -> int:

@@ -4,17 +4,19 @@ backends and leaves it without hanging."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import socket
 import sys
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 
 from dbo.peers.watchdog import teardown_deadline
 
-__all__ = ["init_distributed", "shutdown_distributed"]
+__all__ = ["init_distributed", "shutdown_distributed", "distributed"]
 
 
 def init_distributed(device: str) -> tuple[int, int, torch.device]:
@@ -64,3 +66,17 @@ def shutdown_distributed(*, wait_for_peers: bool, deadline_s: float = 120.0) -> 
         if wait_for_peers:
             dist.barrier()
         dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def distributed(device: str) -> Iterator[tuple[int, int, torch.device]]:
+    """:func:`init_distributed` for the block (``with distributed("cuda") as (rank, world,
+    device):``), then :func:`shutdown_distributed`: waiting for the peers when the block ended,
+    not when it raised (a failed peer would make it wait for the group's timeout)."""
+    joined = init_distributed(device)
+    ended = False
+    try:
+        yield joined
+        ended = True
+    finally:
+        shutdown_distributed(wait_for_peers=ended)

@@ -47,7 +47,7 @@ from pathlib import Path
 import torch
 
 from dbo.bench.cli import ArgumentParser, check_at_least, verdict
-from dbo.bench.dist import init_distributed, shutdown_distributed
+from dbo.bench.dist import distributed
 from dbo.bench.hf_args import (
     add_model_arguments,
     backend_name,
@@ -251,9 +251,7 @@ def _print_table(a: argparse.Namespace, rows: list[dict], world: int, device: to
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
-    rank, world, device = init_distributed(a.device)
-    finished = False
-    try:
+    with distributed(a.device) as (rank, world, device):
         rows = run(a, rank, world, device)
         ok, why = _verdict(a, rows)
         if rank == 0:
@@ -262,10 +260,7 @@ def main(argv: list[str] | None = None) -> int:
                 Path(a.json).write_text(json.dumps({"world": world, "batch": a.batch, "prompt": a.prompt,
                                                     "new_tokens": a.new_tokens, "rows": rows}, indent=1))
             verdict(PROG, ok, why)
-        finished = True
-        return 0 if ok else 1
-    finally:
-        shutdown_distributed(wait_for_peers=finished)  # a rank that failed skips the barrier
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

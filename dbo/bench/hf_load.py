@@ -62,70 +62,69 @@ def worker(args: argparse.Namespace) -> None:
     from transformers import AutoModelForCausalLM
 
     import dbo.backends.torchdist  # noqa: F401  (binds its all-gather before the spy below)
-    from dbo.bench.dist import init_distributed, shutdown_distributed
+    from dbo.bench.dist import distributed
     from dbo.bench.hf_prefill_table import logits_match
     from dbo.integrations.transformers import DBOPrefill, prefill_logits, prefill_split_config
     from dbo.integrations.transformers.ep import ep_distributed_config
     from dbo.integrations.transformers.ep_model import expert_parallel_modules
     from dbo.moe import relative_error
 
-    rank, world, _ = init_distributed("cpu")
-    out = {"mode": args.mode, "rank": rank, "rss_after_imports_mib": rss_mib()}
-    kw = {"distributed_config": ep_distributed_config(args.backend, world)} if args.mode == "ep" else {}
-    dist.barrier()
-    t0 = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(args.dir, dtype=torch.bfloat16, **kw).eval()
-    dist.barrier()
-    out["load_s"] = time.perf_counter() - t0
-    out["peak_rss_after_load_mib"] = peak_rss_mib()
-    out["rss_after_load_mib"] = rss_mib()
+    with distributed("cpu") as (rank, world, _):
+        out = {"mode": args.mode, "rank": rank, "rss_after_imports_mib": rss_mib()}
+        kw = {"distributed_config": ep_distributed_config(args.backend, world)} if args.mode == "ep" else {}
+        dist.barrier()
+        t0 = time.perf_counter()
+        model = AutoModelForCausalLM.from_pretrained(args.dir, dtype=torch.bfloat16, **kw).eval()
+        dist.barrier()
+        out["load_s"] = time.perf_counter() - t0
+        out["peak_rss_after_load_mib"] = peak_rss_mib()
+        out["rss_after_load_mib"] = rss_mib()
 
-    def local_bytes(p):
-        t = p.to_local() if hasattr(p, "to_local") else p
-        return t.numel() * t.element_size()
+        def local_bytes(p):
+            t = p.to_local() if hasattr(p, "to_local") else p
+            return t.numel() * t.element_size()
 
-    out["expert_bytes"] = sum(local_bytes(p) for n, p in model.named_parameters() if ".experts." in n)
-    g = torch.Generator().manual_seed(rank)
-    ids = torch.randint(0, model.config.vocab_size, (args.batch, args.seq), generator=g)
-    with torch.inference_mode():
-        if args.mode == "ep":
-            # as transformers loaded it: the first forward gathers the dense weights once
-            gathered = []
-            real = dist.all_gather_single
-
-            def spy(output, inp, *a, **k):
-                gathered.append(output.numel() * output.element_size())
-                return real(output, inp, *a, **k)
-
-            dist.all_gather_single = spy
-            t0 = time.perf_counter()
-            prefill_logits(model, ids, logits_to_keep=1)
-            out["first_forward_s"] = time.perf_counter() - t0
-            out["first_forward_gathered_bytes"] = sum(gathered)
-            gathered.clear()
-            out["layers_through_dbo"] = len(expert_parallel_modules(model))
-            t0 = time.perf_counter()
-            logits = DBOPrefill(model, prefill_split_config(adaptive=False), logits_to_keep=1)(ids)
-            out["dbo_gathered_bytes"] = sum(gathered)
-            dist.all_gather_single = real
-        else:
-            t0 = time.perf_counter()
-            logits = prefill_logits(model, ids, logits_to_keep=1)
-        out["prefill_s"] = time.perf_counter() - t0
-    out["peak_rss_after_prefill_mib"] = peak_rss_mib()
-    if args.check and args.mode == "ep":
-        del model
-        full = AutoModelForCausalLM.from_pretrained(args.dir, dtype=torch.bfloat16).eval()
+        out["expert_bytes"] = sum(local_bytes(p) for n, p in model.named_parameters() if ".experts." in n)
+        g = torch.Generator().manual_seed(rank)
+        ids = torch.randint(0, model.config.vocab_size, (args.batch, args.seq), generator=g)
         with torch.inference_mode():
-            want = prefill_logits(full, ids, logits_to_keep=1)
-        out["rel_err_vs_plain"] = relative_error(logits, want)
-        out["top1_agree"] = (logits[:, -1].argmax(-1) == want[:, -1].argmax(-1)).float().mean().item()
-        out["logits_match"] = logits_match(out["rel_err_vs_plain"], out["top1_agree"], torch.bfloat16)
-    rows: list = [None] * world
-    dist.all_gather_object(rows, out)
-    if rank == 0:
-        Path(args.out).write_text(json.dumps(rows))
-    shutdown_distributed(wait_for_peers=True)
+            if args.mode == "ep":
+                # as transformers loaded it: the first forward gathers the dense weights once
+                gathered = []
+                real = dist.all_gather_single
+
+                def spy(output, inp, *a, **k):
+                    gathered.append(output.numel() * output.element_size())
+                    return real(output, inp, *a, **k)
+
+                dist.all_gather_single = spy
+                t0 = time.perf_counter()
+                prefill_logits(model, ids, logits_to_keep=1)
+                out["first_forward_s"] = time.perf_counter() - t0
+                out["first_forward_gathered_bytes"] = sum(gathered)
+                gathered.clear()
+                out["layers_through_dbo"] = len(expert_parallel_modules(model))
+                t0 = time.perf_counter()
+                logits = DBOPrefill(model, prefill_split_config(adaptive=False), logits_to_keep=1)(ids)
+                out["dbo_gathered_bytes"] = sum(gathered)
+                dist.all_gather_single = real
+            else:
+                t0 = time.perf_counter()
+                logits = prefill_logits(model, ids, logits_to_keep=1)
+            out["prefill_s"] = time.perf_counter() - t0
+        out["peak_rss_after_prefill_mib"] = peak_rss_mib()
+        if args.check and args.mode == "ep":
+            del model
+            full = AutoModelForCausalLM.from_pretrained(args.dir, dtype=torch.bfloat16).eval()
+            with torch.inference_mode():
+                want = prefill_logits(full, ids, logits_to_keep=1)
+            out["rel_err_vs_plain"] = relative_error(logits, want)
+            out["top1_agree"] = (logits[:, -1].argmax(-1) == want[:, -1].argmax(-1)).float().mean().item()
+            out["logits_match"] = logits_match(out["rel_err_vs_plain"], out["top1_agree"], torch.bfloat16)
+        rows: list = [None] * world
+        dist.all_gather_object(rows, out)
+        if rank == 0:
+            Path(args.out).write_text(json.dumps(rows))
 
 
 def launch(args: argparse.Namespace, mode: str, out: Path) -> list[dict]:

@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from dbo.backends import cpu_backends
 from dbo.bench.cli import ArgumentParser, check_at_least, verdict
-from dbo.bench.dist import init_distributed, shutdown_distributed
+from dbo.bench.dist import distributed
 from dbo.bench.hf_args import (
     add_model_arguments,
     backend_name,
@@ -336,14 +336,8 @@ def run(args: argparse.Namespace, rank: int, world: int, device: torch.device) -
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    rank, world, device = init_distributed(args.device)
-    finished = False
-    try:
-        rc = run(args, rank, world, device)
-        finished = True
-        return rc
-    finally:
-        shutdown_distributed(wait_for_peers=finished)
+    with distributed(args.device) as (rank, world, device):
+        return run(args, rank, world, device)
 
 
 if __name__ == "__main__":

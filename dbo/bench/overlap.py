@@ -53,7 +53,7 @@ import torch.distributed as dist
 from dbo.backends import make_backend
 from dbo.bench.capture import cuda_graph, traces
 from dbo.bench.cli import verdict
-from dbo.bench.dist import init_distributed, shutdown_distributed
+from dbo.bench.dist import distributed
 from dbo.bench.limits import layer_limit_ms, measure_device_limits
 from dbo.bench.link import measure_link
 from dbo.bench.model import BenchModel, LayerDims
@@ -332,10 +332,8 @@ def main(argv: list[str] | None = None) -> int:
             sys.stderr.write(f"{PROG}: --backend {args.backend}: {exc}\n")
             return 2
     deepep_setup = configure_deepep(args)
-    rank, world, device = init_distributed(args.device)
     out_dir = Path(args.out)
-    finished = False
-    try:
+    with distributed(args.device) as (rank, world, device):
         env = collect_env(args, device, world)
         env["deepep_setup"] = deepep_setup
         with torch.inference_mode():
@@ -344,10 +342,7 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:
             print(format_table(bundle), flush=True)
             verdict(PROG, ok, why)
-        finished = True
-        return 0 if ok else 1
-    finally:
-        shutdown_distributed(wait_for_peers=finished)
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
