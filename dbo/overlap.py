@@ -124,14 +124,14 @@ def _run_device(t: torch.Tensor) -> torch.device | str:
 
 
 @contextlib.contextmanager
-def _leave_sms_free(fn: Callable[..., Any], num_sms: int | None) -> Iterator[None]:
+def _leave_sms_free(find_experts: Callable[[], list], num_sms: int | None) -> Iterator[None]:
     """For the block: torch's carve-out of ``num_sms`` (cuBLAS) and the same ``sm_carveout`` on
-    every SwiGLUExperts of ``fn`` (their persistent grids); both put back on exit. ``num_sms``
-    was checked where it came in; None does nothing."""
+    the SwiGLUExperts ``find_experts()`` gives (their persistent grids); both put back on exit.
+    ``num_sms`` was checked where it came in; None does nothing (and finds nothing)."""
     if num_sms is None:
         yield
         return
-    experts = find_swiglu_experts(fn)
+    experts = find_experts()
     saved = [e.sm_carveout for e in experts]
     with torch_sm_carveout(num_sms):
         for e in experts:
@@ -211,13 +211,15 @@ def overlapped_forward(
             plan = plan_ubatches(num_tokens, config, request_token_counts=request_token_counts,
                                  decode_only=decode_only, group=group, agree=agree)
     return _run_plan(fn, tensors, num_tokens, plan, dict(fn_kwargs or {}), trace=trace,
-                     comm_stream=comm_stream, sm_carveout=sm_carveout, compute_sms=compute_sms,
+                     comm_stream=comm_stream, sm_carveout=sm_carveout,
+                     find_experts=lambda: find_swiglu_experts(fn), compute_sms=compute_sms,
                      timeout_s=timeout_s)
 
 
 def _run_plan(fn: Callable[..., Any], tensors: Sequence[torch.Tensor], num_tokens: int,
               plan: UBatchPlan, kwargs: dict[str, Any], *, trace: Trace | None, comm_stream: Any,
-              sm_carveout: int | None, compute_sms: int | None, timeout_s: float | None) -> Any:
+              sm_carveout: int | None, find_experts: Callable[[], list], compute_sms: int | None,
+              timeout_s: float | None) -> Any:
     """:func:`overlapped_forward` once the plan is known, with arguments its callers checked."""
     if plan.num_tokens != num_tokens:
         raise ValueError(f"plan is for {plan.num_tokens} tokens, the inputs have {num_tokens}")
@@ -242,7 +244,7 @@ def _run_plan(fn: Callable[..., Any], tensors: Sequence[torch.Tensor], num_token
     device = _run_device(tensors[0])
     if trace is not None:
         trace.meta["expert_schedule"] = plan.expert_schedule.value
-    with _leave_sms_free(fn, sm_carveout), use_expert_schedule(plan.expert_schedule), \
+    with _leave_sms_free(find_experts, sm_carveout), use_expert_schedule(plan.expert_schedule), \
             collective_timeout(timeout_s):
         outputs = run_ubatches([body(i) for i in range(n)], comm_stream=comm_stream,
                                token_offsets=plan.token_offsets, trace=trace,
@@ -274,6 +276,8 @@ class DBOWrapper(torch.nn.Module):
         comm_stream: passed to ``run_ubatches``.
         sm_carveout: SMs the matmuls (torch's and the wrapped module's experts') leave free in
             overlapped calls, as in :func:`overlapped_forward`; an attribute, checked when set.
+            The experts are found once, at the first overlapped call, and again after the
+            attribute is set (set it again after replacing the model's experts).
         compute_sms: SMs of the green context the overlapped calls compute on (see
             :func:`dbo.ubatch.sm.compute_on_sms`); an attribute, checked when set, the green
             context created on first use.
@@ -317,6 +321,15 @@ class DBOWrapper(torch.nn.Module):
     @sm_carveout.setter
     def sm_carveout(self, value: int | None) -> None:
         self._sm_carveout = check_sm_carveout(value)
+        self._found_experts: list | None = None  # found again at the next overlapped call
+
+    def _experts(self) -> list:
+        """The wrapped forward's SwiGLUExperts, found at the first overlapped call with a
+        carve-out (a walk over the model's modules: milliseconds for a large model) and kept
+        until ``sm_carveout`` is set again."""
+        if self._found_experts is None:
+            self._found_experts = find_swiglu_experts(self.fn)
+        return self._found_experts
 
     @property
     def compute_sms(self) -> int | None:
@@ -348,7 +361,8 @@ class DBOWrapper(torch.nn.Module):
         self.last_plan = plan
         return _run_plan(self.fn, tensors, num_tokens, plan, kwargs, trace=trace,
                          comm_stream=self.comm_stream, sm_carveout=self._sm_carveout,
-                         compute_sms=self._compute_sms, timeout_s=self.timeout_s)
+                         find_experts=self._experts, compute_sms=self._compute_sms,
+                         timeout_s=self.timeout_s)
 
     def _measured(self, plan: UBatchPlan, tensors: Sequence[torch.Tensor], num_tokens: int,
                   kwargs: dict[str, Any], trace: Trace | None) -> Any:
@@ -365,6 +379,7 @@ class DBOWrapper(torch.nn.Module):
             self.last_plan = p
             return _run_plan(self.fn, tensors, num_tokens, p, kwargs, trace=trace,
                              comm_stream=self.comm_stream, sm_carveout=self._sm_carveout,
-                             compute_sms=self._compute_sms, timeout_s=self.timeout_s)
+                             find_experts=self._experts, compute_sms=self._compute_sms,
+                             timeout_s=self.timeout_s)
 
         return self.online.run(plan, call, device=tensors[0].device)
