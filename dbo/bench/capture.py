@@ -14,7 +14,11 @@ from dbo.bench.shape import ShapeBench, max_rel_error
 from dbo.bench.timing import measure
 from dbo.peers.collectives import all_reduce_max
 
-__all__ = ["traces", "cuda_graph"]
+__all__ = ["traces", "cuda_graph", "GRAPH_BACKENDS"]
+
+#: the backends whose whole step a CUDA graph can hold: no host wait on the GPU inside a step
+#: (deepep_ht's dispatch reads its receive counts on the host)
+GRAPH_BACKENDS = ("deepep_ll", "copy_engine")
 
 
 def traces(sb: ShapeBench, profile: bool, out_dir: Path) -> dict | None:
@@ -92,9 +96,10 @@ def _clean_after_failed_capture(sb: ShapeBench, res: dict[str, Any], key: str) -
         # an aborted capture advanced DeepEP's host-side buffer index without running the
         # kernels: clean both low-latency buffers (collective; the failure is symmetric)
         pf = sb.pf
-        pf.buffer.clean_low_latency_buffer(pf.max_tokens_per_rank, pf.padded_hidden,
-                                           pf.num_experts)
-        torch.cuda.synchronize()
+        if hasattr(pf, "buffer") and hasattr(pf.buffer, "clean_low_latency_buffer"):
+            pf.buffer.clean_low_latency_buffer(pf.max_tokens_per_rank, pf.padded_hidden,
+                                               pf.num_experts)
+            torch.cuda.synchronize()
     except Exception as exc2:  # noqa: BLE001 - a sticky CUDA error: nothing more can run
         res[key] += f"; then {type(exc2).__name__}: {exc2}"
         raise

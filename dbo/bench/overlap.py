@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 
 from dbo.backends import make_backend
-from dbo.bench.capture import cuda_graph, traces
+from dbo.bench.capture import GRAPH_BACKENDS, cuda_graph, traces
 from dbo.bench.cli import verdict
 from dbo.bench.dist import distributed
 from dbo.bench.limits import layer_limit_ms, measure_device_limits
@@ -153,11 +153,11 @@ def run(args: argparse.Namespace, rank: int, world: int, device: torch.device, o
                         time_wrapper(sb, SplitConfig(), decision_group, mode="wrapper_untuned")
                         restore_carveout(args, [sb])
                     if args.cuda_graph:
-                        if device.type == "cuda" and args.backend == "deepep_ll":
+                        if device.type == "cuda" and args.backend in GRAPH_BACKENDS:
                             cuda_graph(sb)
                         else:
                             sb.rec["cuda_graph"] = {"ok": False, "error": "--cuda-graph needs "
-                                                    "--device cuda and --backend deepep_ll"}
+                                                    f"--device cuda and a backend of {GRAPH_BACKENDS}"}
                             progress.update("cuda graph (n/a)")
                 else:
                     sb.rec["skipped"] = "time budget"

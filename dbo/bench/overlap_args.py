@@ -95,7 +95,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=None, help="timed steps per configuration (20)")
     p.add_argument("--warmup", type=int, default=None, help="warm-up steps per configuration (3)")
     p.add_argument("--cuda-graph", action="store_true",
-                   help="deepep_ll: capture a whole serial and DBO step into CUDA graphs and replay")
+                   help="deepep_ll, copy_engine: capture a whole serial and DBO step into CUDA graphs "
+                        "and replay")
     p.add_argument("--profile-shape", default="auto",
                    help="TOKENS:INTERMEDIATE whose best serial and DBO steps are profiled with "
                         "torch.profiler, 'auto' or 'none'")

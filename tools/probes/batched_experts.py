@@ -1,0 +1,212 @@
+"""The routed experts on DeepEP low-latency's slabs (``[L, cap, hidden]``, counts on the device)
+at decode sizes, against the hardware limit measured in the same run.
+
+For each shape (local experts ``L`` of ``L * ranks``, top-8, ``T`` tokens per rank, every rank
+sending as many; hidden 7168, I 2048 unless told) it times, alternating call by call behind a
+GPU sleep (CUDA events, median):
+
+* ``one``: the library's call on the whole batch's slabs (``cap = T * ranks``), as the plain
+  forward runs it;
+* ``split``: two calls, each on one ubatch's slabs (half the tokens), as the split schedule runs
+  them; its floor is the limit with every weight read twice;
+* ``merged``: the merged schedule's experts: the two ubatches' rows moved into one slab
+  (:func:`dbo.moe.kernels.batched.move_rows`), one call, the rows moved back;
+* with ``--sweep``, each gate/up and down tile of a short list alone, to find the best tile of
+  each GEMM at each shape (the library's own first).
+
+The limit is ``max(bytes / copy rate, flops / GEMM rate)`` with the bytes of the weights of the
+experts that got rows and the rows in and out (:func:`dbo.bench.limits.experts_cost`).
+
+    python tools/probes/batched_experts.py --json $OUT/batched.json [--sweep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from tune_experts import alternating_ms  # noqa: E402
+
+from dbo.bench.limits import experts_cost, measure_device_limits  # noqa: E402
+from dbo.moe import relative_error  # noqa: E402
+from dbo.moe.kernels.batched import batched_order, batched_swiglu_experts, move_rows  # noqa: E402
+from dbo.moe.kernels.fused_experts import launch_down, launch_gate_up, pick_configs  # noqa: E402
+from dbo.moe.kernels.fused_tiles import GemmConfig as C  # noqa: E402
+
+UP = [C(64, 128, 64, 8, 4, 5, tma=True), C(64, 64, 64, 8, 4, 5, tma=True),
+      C(64, 256, 64, 8, 8, 3, tma=True), C(128, 128, 64, 8, 8, 4, tma=True, tail_m=32),
+      C(128, 64, 64, 8, 4, 4, tma=True, tail_m=32), C(64, 128, 64, 8, 4, 5, ws=True),
+      C(128, 128, 64, 8, 8, 4, ws=True), C(64, 128, 64, 8, 4, 5, ws=True, split=4),
+      C(64, 32, 128, 8, 4, 4, tma=True)]
+DOWN = [C(64, 128, 64, 8, 4, 4, tma=True), C(64, 64, 64, 8, 4, 6, tma=True),
+        C(128, 256, 64, 8, 8, 4, tma=True, tail_m=32), C(128, 128, 64, 8, 4, 3, flat=True),
+        C(64, 128, 64, 8, 4, 3, flat=True), C(128, 256, 64, 8, 8, 3, flat=True),
+        C(64, 256, 64, 8, 4, 4, flat=True), C(64, 64, 128, 8, 4, 4, tma=True)]
+
+
+def slabs(counts: torch.Tensor, cap: int, hidden: int, gen: torch.Generator) -> torch.Tensor:
+    x = torch.zeros(counts.numel(), cap, hidden, dtype=torch.bfloat16, device="cuda")
+    for e, c in enumerate(counts.tolist()):
+        x[e, :c] = torch.randn(c, hidden, generator=gen, device="cuda", dtype=torch.bfloat16)
+    return x
+
+
+def route_counts(tokens: int, n_global: int, n_local: int, topk: int, gen: torch.Generator) -> torch.Tensor:
+    """Rows each of the first ``n_local`` experts gets from ``tokens`` tokens routed uniformly."""
+    scores = torch.rand(tokens, n_global, generator=gen, device="cuda")
+    ids = scores.topk(topk, dim=1).indices
+    return torch.bincount(ids.flatten(), minlength=n_global)[:n_local].to(torch.int32)
+
+
+def one_shape(lim, inter: int, n_local: int, t: int, ranks: int, reps: int, sweep: bool,
+              hidden: int = 7168, topk: int = 8) -> dict:
+    gen = torch.Generator(device="cuda").manual_seed(t * 131 + n_local)
+    n_global = n_local * ranks
+    half = [route_counts(t * ranks // 2, n_global, n_local, topk, gen) for _ in range(2)]
+    counts = half[0] + half[1]
+    cap, cap_u = t * ranks, t * ranks // 2
+    x = slabs(counts, cap, hidden, gen)
+    xu = [slabs(c, cap_u, hidden, gen) for c in half]
+    kw = dict(device="cuda", dtype=torch.bfloat16, generator=gen)
+    w1 = torch.randn(n_local, 2 * inter, hidden, **kw) / hidden ** 0.5
+    w2 = torch.randn(n_local, hidden, inter, **kw) / inter ** 0.5
+    est = t * topk / n_local  # as SwiGLUExperts estimates from the rank's own top-k ids
+    out = torch.empty_like(x)
+    outs = [torch.empty_like(v) for v in xu]
+    merged_x = torch.empty_like(x)
+    merged_out = torch.empty_like(x)
+
+    # the merged schedule's moves: ubatch u's row j of expert e goes after the other ubatch's rows
+    def places(u: int) -> tuple[torch.Tensor, torch.Tensor]:
+        src, dst = [], []
+        for e in range(n_local):
+            c = int(half[u][e])
+            base = int(half[0][e]) if u == 1 else 0
+            src += [e * cap_u + j for j in range(c)]
+            dst += [e * cap + base + j for j in range(c)]
+        return (torch.tensor(src, dtype=torch.int32, device="cuda"),
+                torch.tensor(dst, dtype=torch.int32, device="cuda"))
+    moves = [places(u) for u in range(2)]
+
+    def one():
+        batched_swiglu_experts(x, w1, w2, counts, out=out, rows_per_expert=est)
+
+    def split():
+        for u in range(2):
+            batched_swiglu_experts(xu[u], w1, w2, half[u], out=outs[u], rows_per_expert=est / 2)
+
+    def merged():
+        for u in range(2):
+            move_rows(xu[u], merged_x, moves[u][0], moves[u][1], row_dims=2)
+        batched_swiglu_experts(merged_x, w1, w2, counts, out=merged_out, rows_per_expert=est)
+        for u in range(2):
+            move_rows(merged_out, outs[u], moves[u][1], moves[u][0], row_dims=2)
+
+    def merged_call():
+        batched_swiglu_experts(merged_x, w1, w2, counts, out=merged_out, rows_per_expert=est)
+
+    times = alternating_ms({"one": one, "split": split, "merged": merged, "merged_call": merged_call},
+                           reps, rotate=True)
+    pairs, active = int(counts.sum()), int((counts > 0).sum())
+    limit = lim.time_ms(*experts_cost(hidden=hidden, intermediate=inter, local_pairs=pairs,
+                                      experts_with_rows=active))
+    floor = sum(lim.time_ms(*experts_cost(hidden=hidden, intermediate=inter, local_pairs=int(c.sum()),
+                                          experts_with_rows=int((c > 0).sum()))) for c in half)
+    # the merged call's output against the split's, row by row (the same rows, one weight read)
+    split()
+    merged()
+    check = max(relative_error(merged_out[e, :int(counts[e])],
+                               torch.cat([outs[0][e, :int(half[0][e])], outs[1][e, :int(half[1][e])]]))
+                for e in range(n_local) if int(counts[e]))
+    up_cfg, down_cfg = pick_configs(est, inter, n_local)
+    row = {"I": inter, "L": n_local, "T": t, "ranks": ranks, "rows_per_expert": pairs / n_local,
+           "limit_ms": limit, "split_floor_ms": floor, **{f"{k}_ms": v for k, v in times.items()},
+           "one_x_limit": times["one"] / limit, "split_x_floor": times["split"] / floor,
+           "split_x_one": times["split"] / times["one"], "merged_x_one": times["merged"] / times["one"],
+           "merged_call_x_one": times["merged_call"] / times["one"], "merged_vs_split_rel_err": check,
+           "up": repr(up_cfg), "down": repr(down_cfg)}
+    if sweep:
+        row["sweep"] = sweep_tiles(x, w1, w2, counts, up_cfg, down_cfg, inter, hidden, reps)
+    return row
+
+
+def sweep_tiles(x, w1, w2, counts, up_lib, down_lib, inter, hidden, reps) -> dict:
+    n_local, cap, _ = x.shape
+    pairs = n_local * cap
+    order, offsets = batched_order(counts, cap)
+    act = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
+    y = torch.empty(pairs, hidden, dtype=x.dtype, device=x.device)
+    flat = x.view(pairs, hidden)
+    ups = {"lib " + repr(up_lib): up_lib, **{repr(c): c for c in UP if c != up_lib}}
+    downs = {"lib " + repr(down_lib): down_lib, **{repr(c): c for c in DOWN if c != down_lib}}
+    res = {"up": {}, "down": {}}
+    fns = {}
+    for name, cfg in ups.items():
+        fns[name] = (lambda c=cfg: launch_gate_up(flat, order, offsets, w1, act, c, pairs, 1, True))
+    res["up"] = _safe_alternating(fns, reps)
+    launch_gate_up(flat, order, offsets, w1, act, up_lib, pairs, 1, True)
+    fns = {}
+    for name, cfg in downs.items():
+        fns[name] = (lambda c=cfg: launch_down(act, order, offsets, w2, y, c, pairs, True))
+    res["down"] = _safe_alternating(fns, reps)
+    return res
+
+
+def _safe_alternating(fns: dict, reps: int) -> dict:
+    ok = {}
+    for k, f in fns.items():
+        try:
+            f()
+            torch.cuda.synchronize()
+            ok[k] = f
+        except Exception as exc:  # noqa: BLE001 - a tile that does not compile here is reported
+            print(f"  {k}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
+    return alternating_ms(ok, reps, rotate=True) if ok else {}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--intermediate", type=int, nargs="+", default=[2048])
+    p.add_argument("--local-experts", type=int, nargs="+", default=[8, 32, 128])
+    p.add_argument("--tokens", type=int, nargs="+", default=[64, 256, 512], help="per rank")
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--reps", type=int, default=15)
+    p.add_argument("--sweep", action="store_true")
+    p.add_argument("--json", default=None)
+    a = p.parse_args()
+    lim = measure_device_limits()
+    print(lim.describe(), flush=True)
+    rows = []
+    with torch.inference_mode():
+        for inter in a.intermediate:
+            for n_local in a.local_experts:
+                for t in a.tokens:
+                    r = one_shape(lim, inter, n_local, t, a.ranks, a.reps, a.sweep)
+                    rows.append(r)
+                    print(f"I={inter} L={n_local} T={t}: {r['rows_per_expert']:.0f} rows/expert, "
+                          f"one {r['one_ms']:.3f} ms = {r['one_x_limit']:.2f}x limit; split "
+                          f"{r['split_ms']:.3f} = {r['split_x_floor']:.2f}x its floor, "
+                          f"{r['split_x_one']:.2f}x one; merged {r['merged_ms']:.3f} = "
+                          f"{r['merged_x_one']:.2f}x one (call alone {r['merged_call_x_one']:.2f}x); "
+                          f"rel err {r['merged_vs_split_rel_err']:.1e}", flush=True)
+                    for g in ("up", "down"):
+                        s = r.get("sweep", {}).get(g)
+                        if s:
+                            best = min(s, key=s.get)
+                            lib = next(k for k in s if k.startswith("lib"))
+                            print(f"   {g}: lib {s[lib]:.3f} ms, best {s[best]:.3f} {best}", flush=True)
+                    torch.cuda.empty_cache()
+    if a.json:
+        Path(a.json).write_text(json.dumps({"limits": lim.as_dict(), "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
