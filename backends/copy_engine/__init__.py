@@ -193,7 +193,10 @@ class CopyEnginePrepareAndFinalize(TorchDistPrepareAndFinalize):
         return raw.view(dtype).view(rows, cols)
 
     def _raise_device_timeout(self, slot: int) -> None:
-        """A GPU wait of this slot that trapped (a peer's data never came) surfaces here."""
+        """A GPU wait of this slot that trapped (a peer's data never came) surfaces here. Not
+        while a CUDA graph captures: querying an event would end the capture."""
+        if torch.cuda.is_current_stream_capturing():
+            return
         last = self.transport.last_wait.pop(slot, None)
         if last is None:
             return
@@ -232,9 +235,10 @@ class CopyEnginePrepareAndFinalize(TorchDistPrepareAndFinalize):
                 self.transport.wait(src, channel)
         if own is not None:
             torch.cuda.current_stream().wait_event(own)
-            done = torch.cuda.Event()
-            done.record()
-            self.transport.last_wait[slot] = (done, what)
+            if not torch.cuda.is_current_stream_capturing():  # a captured event never runs eagerly
+                done = torch.cuda.Event()
+                done.record()
+                self.transport.last_wait[slot] = (done, what)
 
     def _arrival(self, slot: int, channel: int, own: Any, what: str
                  ) -> tuple[Callable[[], None], Callable[[], None]]:
