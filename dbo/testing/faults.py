@@ -13,17 +13,34 @@ step again, serially or as two ubatches, with rank ``fail_rank``'s backend made 
 * ``stall``: the host sleeps ``timeout_s + 2`` s before the dispatch, then goes on;
 * ``slow``: the host sleeps ``0.4 * timeout_s`` before the dispatch (no error may follow);
 * ``gpu_stall``: the GPU (not the host) is kept busy ``timeout_s + 3`` s before the dispatch
-  (CUDA only; ``torch.cuda._sleep``): the host arrives, the GPU does not.
+  (CUDA only; ``torch.cuda._sleep``): the host arrives, the GPU does not;
+* ``stall_before_combine`` / ``gpu_stall_before_combine``: the same stalls as
+  ``finalize_async`` is called (between the dispatch and the combine);
+* ``exit_after_combine`` / ``stall_after_combine`` / ``gpu_stall_after_combine``: the same
+  once the combine is complete on this rank (its receiver returned).
+
+:class:`Fault` wraps any object's dispatch and combine methods (``prepare_async`` /
+``finalize_async`` by default; transformers' own ``AllToAllEP`` has ``_dispatch_tokens`` /
+``_combine_tokens``): a combine that returns neither a receiver nor a ``(hook, receiver)`` pair
+is complete when it returns.
 
 An exiting rank first waits for its GPU (``synchronize``), as a process that dies a moment
 after its last launch would. Before the fault it writes the wall-clock time to
 ``stamp_path``, so the survivor's (or the driver's) time to the error can be measured.
+
+A fault leaves its group out of step, so the GPU fault runners start a fresh set of rank
+processes per case (:func:`spawn_ranks`) and read back each one's result, exit status, exit
+time and stderr (:func:`collect_ranks`).
 """
 
 from __future__ import annotations
 
+import json
 import os
+import socket
+import subprocess
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -32,10 +49,11 @@ import torch.distributed as dist
 from dbo.ubatch.context import run_ubatches
 
 __all__ = ["FAULTS", "FAULT_EXIT_CODE", "Fault", "faulty_step", "error_chain",
-           "make_deepep_backend"]
+           "make_deepep_backend", "free_port", "spawn_ranks", "collect_ranks"]
 
 FAULTS = ("none", "slow", "stall", "exit_before_dispatch", "exit_after_send",
-          "exit_before_combine", "gpu_stall")
+          "exit_before_combine", "gpu_stall", "stall_before_combine", "gpu_stall_before_combine",
+          "exit_after_combine", "stall_after_combine", "gpu_stall_after_combine")
 FAULT_EXIT_CODE = 3
 
 E, H, K = 8, 2048, 2
@@ -47,41 +65,64 @@ def _stamp(path: str | None) -> None:
             f.write(repr(time.time()))
 
 
+#: fault -> (where it strikes, what the rank does there)
+_WHERE_WHAT = {
+    "none": ("", ""), "exit_after_send": ("send", "exit"),
+    "exit_before_dispatch": ("dispatch", "exit"), "stall": ("dispatch", "stall"),
+    "slow": ("dispatch", "slow"), "gpu_stall": ("dispatch", "gpu_stall"),
+    "exit_before_combine": ("combine", "exit"), "stall_before_combine": ("combine", "stall"),
+    "gpu_stall_before_combine": ("combine", "gpu_stall"), "exit_after_combine": ("after", "exit"),
+    "stall_after_combine": ("after", "stall"), "gpu_stall_after_combine": ("after", "gpu_stall"),
+}
+
+
 class Fault:
     """Rank ``fail_rank``'s misbehaviour at its ``at``-th ``prepare_async`` (and the
     ``finalize_async`` of that number): install with :meth:`install`, undo with
     :meth:`remove`."""
 
     def __init__(self, fault: str, at: int, timeout_s: float, stamp_path: str | None):
+        if fault not in FAULTS:
+            raise ValueError(f"fault must be one of {FAULTS}, got {fault!r}")
         self.fault, self.at, self.timeout_s, self.stamp_path = fault, at, timeout_s, stamp_path
+        self.where, self.what = _WHERE_WHAT[fault]
         self._prepares = self._finalizes = 0
-        self._saved: tuple[Any, Any] | None = None
+        self._saved: tuple[Any, Any, tuple[str, str]] | None = None
 
-    def install(self, pf: Any) -> None:
-        prepare, finalize = pf.prepare_async, pf.finalize_async
-        self._saved = (pf, pf._shared.buffer)
-        if self.fault == "exit_after_send":
-            pf._shared.buffer = _SendThenExit(pf._shared.buffer, self)
+    def install(self, pf: Any, dispatch: str = "prepare_async", combine: str = "finalize_async") -> None:
+        """Wrap ``pf``'s methods ``dispatch`` and ``combine`` (as instance attributes)."""
+        prepare, finalize = getattr(pf, dispatch), getattr(pf, combine)
+        buffer = None
+        if self.fault == "exit_after_send":  # a DeepEP backend: its shared buffer's dispatch
+            buffer = pf._shared.buffer
+            pf._shared.buffer = _SendThenExit(buffer, self)
+        self._saved = (pf, buffer, (dispatch, combine))
 
         def prepare_async(*args: Any, **kwargs: Any) -> Any:
             self._prepares += 1
-            if self._prepares == self.at:
-                self._before_dispatch()
+            if self._prepares == self.at and self.where == "dispatch":
+                self._misbehave()
             return prepare(*args, **kwargs)
 
         def finalize_async(*args: Any, **kwargs: Any) -> Any:
             self._finalizes += 1
-            if self._finalizes == self.at and self.fault == "exit_before_combine":
-                self.exit()
-            return finalize(*args, **kwargs)
+            if self._finalizes != self.at or self.where not in ("combine", "after"):
+                return finalize(*args, **kwargs)
+            if self.where == "combine":
+                self._misbehave()
+                return finalize(*args, **kwargs)
+            return self._after(finalize(*args, **kwargs))
 
-        pf.prepare_async, pf.finalize_async = prepare_async, finalize_async
+        setattr(pf, dispatch, prepare_async)
+        setattr(pf, combine, finalize_async)
 
     def remove(self) -> None:
         if self._saved is not None:
-            pf, buffer = self._saved
-            del pf.prepare_async, pf.finalize_async
-            pf._shared.buffer = buffer
+            pf, buffer, names = self._saved
+            for name in names:
+                delattr(pf, name)
+            if buffer is not None:
+                pf._shared.buffer = buffer
             self._saved = None
 
     def exit(self) -> None:
@@ -90,13 +131,30 @@ class Fault:
         _stamp(self.stamp_path)
         os._exit(FAULT_EXIT_CODE)
 
-    def _before_dispatch(self) -> None:
-        if self.fault == "exit_before_dispatch":
+    def _after(self, out: Any) -> Any:
+        """Misbehave once the combine ``out`` (a receiver, a ``(hook, receiver)`` pair or, from a
+        synchronous combine, its result) is complete."""
+        def receive(receiver: Any) -> Any:
+            def after_receiver() -> Any:
+                result = receiver()
+                self._misbehave()
+                return result
+            return after_receiver
+
+        if isinstance(out, tuple) and len(out) == 2 and callable(out[1]):
+            return out[0], receive(out[1])
+        if callable(out):
+            return receive(out)
+        self._misbehave()
+        return out
+
+    def _misbehave(self) -> None:
+        if self.what == "exit":
             self.exit()
-        elif self.fault in ("stall", "slow"):
+        elif self.what in ("stall", "slow"):
             _stamp(self.stamp_path)
-            time.sleep(self.timeout_s + 2.0 if self.fault == "stall" else 0.4 * self.timeout_s)
-        elif self.fault == "gpu_stall":
+            time.sleep(self.timeout_s + 2.0 if self.what == "stall" else 0.4 * self.timeout_s)
+        elif self.what == "gpu_stall":
             _stamp(self.stamp_path)
             cycles_per_s = torch.cuda.get_device_properties(torch.cuda.current_device()).clock_rate * 1000
             torch.cuda._sleep(int((self.timeout_s + 3.0) * cycles_per_s))
@@ -127,6 +185,57 @@ class _SendThenExit:
 
     def low_latency_dispatch(self, *args: Any, **kwargs: Any) -> Any:
         return self._dispatch("low_latency_dispatch", *args, **kwargs)
+
+
+def free_port() -> int:
+    """A TCP port of 127.0.0.1 that is free now (a case's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn_ranks(argv: Callable[[int, dict[str, str]], list[str]], tmp: str, tag: str, *,
+                world_size: int = 2) -> list[dict]:
+    """Start one process per rank of a fault case: ``argv(rank, files)`` is its command line,
+    ``files["result"]`` the path of the JSON it writes, ``files["err"]`` where its stdout and
+    stderr go (both under ``tmp``, named after ``tag``). Returns a record per rank for
+    :func:`collect_ranks` (``rank``, ``p``: the ``Popen``)."""
+    procs = []
+    for rank in range(world_size):
+        files = {k: os.path.join(tmp, f"{tag}.{rank}.{k}") for k in ("result", "err")}
+        err = open(files["err"], "w")  # noqa: SIM115 - closed in collect_ranks
+        procs.append({"rank": rank, "p": subprocess.Popen(argv(rank, files), stdout=err, stderr=err),
+                      "files": files, "errf": err, "exit_time": None})
+    return procs
+
+
+def collect_ranks(procs: list[dict], deadline: float) -> None:
+    """Wait for the processes of :func:`spawn_ranks`, killing those still running at
+    ``deadline`` (wall clock; their record gets ``killed``). Adds to each record ``exit_time``
+    (wall clock, polled every 20 ms), ``code`` (exit status; negative: the signal),
+    ``result`` (its JSON, None if it wrote none) and ``stderr`` (the last 3000 characters)."""
+    while any(p["exit_time"] is None for p in procs):
+        for p in procs:
+            if p["exit_time"] is None and p["p"].poll() is not None:
+                p["exit_time"] = time.time()
+        if time.time() > deadline:
+            for p in procs:
+                if p["exit_time"] is None:
+                    p["p"].kill()
+                    p["p"].wait()
+                    p["exit_time"] = time.time()
+                    p["killed"] = True
+        time.sleep(0.02)
+    for p in procs:
+        p["errf"].close()
+        p["code"] = p["p"].returncode
+        try:
+            with open(p["files"]["result"]) as f:
+                p["result"] = json.load(f)
+        except (OSError, ValueError):
+            p["result"] = None
+        with open(p["files"]["err"]) as f:
+            p["stderr"] = f.read()[-3000:]
 
 
 def error_chain(exc: BaseException | None) -> list[tuple[str, str]]:

@@ -28,9 +28,7 @@ import argparse
 import datetime
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -39,12 +37,6 @@ CASES = [(kind, fault, dbo) for kind in ("ht", "ll") for dbo in (False, True)
          for fault in ("exit_before_dispatch", "exit_after_send", "exit_before_combine", "stall", "slow")]
 CASES += [("ht", "gpu_stall", True), ("ll", "gpu_stall", True)]
 FAIL_RANK = 1
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---- worker ------------------------------------------------------------------------------------
@@ -182,42 +174,16 @@ def worker(args: argparse.Namespace) -> int:
 
 
 def _spawn(tmp: str, tag: str, extra: list[str], timeout_s: float, fake: bool = False) -> list[dict]:
-    port = _free_port()
-    procs = []
-    for rank in (0, 1):
-        files = {k: os.path.join(tmp, f"{tag}.{rank}.{k}") for k in ("result", "err")}
-        cmd = [sys.executable, __file__, "--worker", "--rank", str(rank), "--port", str(port),
-               "--timeout", str(timeout_s), "--result", files["result"],
-               "--stamp", os.path.join(tmp, f"{tag}.stamp"), *extra, *(["--fake"] if fake else [])]
-        err = open(files["err"], "w")  # noqa: SIM115 - closed in _collect
-        procs.append({"rank": rank, "p": subprocess.Popen(cmd, stdout=err, stderr=err), "files": files,
-                      "errf": err, "exit_time": None})
-    return procs
+    from dbo.testing.faults import free_port, spawn_ranks
 
+    port = free_port()
 
-def _collect(procs: list[dict], deadline: float) -> None:
-    while any(p["exit_time"] is None for p in procs):
-        for p in procs:
-            if p["exit_time"] is None and p["p"].poll() is not None:
-                p["exit_time"] = time.time()
-        if time.time() > deadline:
-            for p in procs:
-                if p["exit_time"] is None:
-                    p["p"].kill()
-                    p["p"].wait()
-                    p["exit_time"] = time.time()
-                    p["killed"] = True
-        time.sleep(0.02)
-    for p in procs:
-        p["errf"].close()
-        p["code"] = p["p"].returncode
-        try:
-            with open(p["files"]["result"]) as f:
-                p["result"] = json.load(f)
-        except (OSError, ValueError):
-            p["result"] = None
-        with open(p["files"]["err"]) as f:
-            p["stderr"] = f.read()[-3000:]
+    def argv(rank: int, files: dict[str, str]) -> list[str]:
+        return [sys.executable, __file__, "--worker", "--rank", str(rank), "--port", str(port),
+                "--timeout", str(timeout_s), "--result", files["result"],
+                "--stamp", os.path.join(tmp, f"{tag}.stamp"), *extra, *(["--fake"] if fake else [])]
+
+    return spawn_ranks(argv, tmp, tag)
 
 
 def _judge(case: tuple, procs: list[dict], stamp_path: str, timeout_s: float) -> dict:
@@ -268,6 +234,8 @@ def _judge(case: tuple, procs: list[dict], stamp_path: str, timeout_s: float) ->
 def driver(args: argparse.Namespace) -> int:
     import torch
 
+    from dbo.testing.faults import collect_ranks
+
     if not args.fake and not torch.cuda.is_available():
         print("SKIP: no GPU", flush=True)
         return 4
@@ -297,7 +265,7 @@ def driver(args: argparse.Namespace) -> int:
                 i, case, procs, stamp, t0 = item
                 if all(p["p"].poll() is not None for p in procs) or time.time() - t0 > args.case_limit:
                     running.remove(item)
-                    _collect(procs, t0 + args.case_limit)
+                    collect_ranks(procs, t0 + args.case_limit)
                     row = _judge(case, procs, stamp, args.timeout)
                     row["case_wall_s"] = round(time.time() - t0, 1)
                     rows.append(row)
@@ -317,7 +285,7 @@ def driver(args: argparse.Namespace) -> int:
         bench = None
         if args.bench:
             procs = _spawn(tmp, "bench", ["--bench", "--bench-iters", str(args.bench_iters)], args.timeout)
-            _collect(procs, time.time() + 240)
+            collect_ranks(procs, time.time() + 240)
             bench = procs[0]["result"]
             print("step time with / without the peer checks (ms, median):", json.dumps(bench), flush=True)
             if not bench or "bench" not in bench:
