@@ -21,15 +21,12 @@ DeepEP keeps two low-latency receive buffers and each launch cleans the other on
 
 from __future__ import annotations
 
-import itertools
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from dbo.errors import DBOError
 from dbo.moe.base import (
     ActivationFormat,
     ExpertTokensMetadata,
@@ -59,6 +56,7 @@ from .deepep.common import (
     hand_to_current_stream,
     pad_hidden,
 )
+from .deepep.ll_results import LowLatencyLimitError, LowLatencyResults, same_run
 from .fp8 import FP8_BLOCK, dequantize_fp8_blocks
 
 __all__ = [
@@ -78,10 +76,6 @@ _NAME = "deepep_ll"
 _DEFAULT_QP_DEPTH = 1024
 
 
-class LowLatencyLimitError(DBOError, RuntimeError):
-    """A third low-latency result would be alive, or a launch would clobber a pending receive."""
-
-
 def low_latency_hidden(hidden: int) -> int:
     """The smallest hidden size the low-latency kernels support that is >= ``hidden``."""
     for h in LOW_LATENCY_HIDDEN_SIZES:
@@ -97,83 +91,6 @@ def low_latency_max_tokens(max_tokens_per_rank: int, num_ranks: int) -> int:
     while (m * num_ranks) % 4:
         m += 1
     return m
-
-
-@dataclass
-class _Result:
-    kind: str  # "dispatch" or "combine"
-    ubatch: int
-    run: Any  # the run it was launched in, or None outside a run
-    received: bool = False
-
-    def __str__(self) -> str:
-        state = "received" if self.received else "receive pending"
-        return f"ubatch {self.ubatch}'s {self.kind} ({state})"
-
-
-class LowLatencyResults:
-    """Bookkeeping of the low-latency results alive on one buffer (see the module docstring).
-
-    Results left by an earlier run (one that failed, or whose step was abandoned) are dropped,
-    with a warning, at the first launch of a new run; ``reset()`` drops everything.
-    """
-
-    LIMIT = 2
-
-    def __init__(self) -> None:
-        self._alive: dict[int, _Result] = {}
-        self._ids = itertools.count()
-
-    def __len__(self) -> int:
-        return len(self._alive)
-
-    def acquire(self, kind: str) -> int:
-        run = active_run()
-        self._drop_stale(run)
-        pending = [r for r in self._alive.values() if not r.received]
-        if pending:
-            raise LowLatencyLimitError(
-                f"{_NAME}: {kind} launched in ubatch {dbo_current_ubatch_id()} while the receive of "
-                f"{pending[0]} has not run; DeepEP's next launch would clean that receive's buffer. "
-                "Run the pending recv hook first (dbo_maybe_run_recv_hook).")
-        if len(self._alive) >= self.LIMIT:
-            alive = ", ".join(str(r) for r in self._alive.values())
-            raise LowLatencyLimitError(
-                f"{_NAME}: a {kind} in ubatch {dbo_current_ubatch_id()} would be the third low-latency "
-                f"result alive (alive: {alive}). DeepEP keeps two low-latency buffers, so at most two "
-                "results may be alive at once: use at most 2 ubatches with deepep_ll, and finish "
-                "each combine before dispatching again.")
-        token = next(self._ids)
-        self._alive[token] = _Result(kind, dbo_current_ubatch_id(), _run_ref(run))
-        return token
-
-    def received(self, token: int) -> None:
-        r = self._alive.get(token)
-        if r is not None:
-            r.received = True
-
-    def release(self, token: int) -> None:
-        self._alive.pop(token, None)
-
-    def reset(self) -> None:
-        self._alive.clear()
-
-    def _drop_stale(self, run: Any) -> None:
-        stale = [t for t, r in self._alive.items() if not _same_run(r.run, run)]
-        for t in stale:
-            logger.warning("%s: dropping %s left by an earlier step", _NAME, self._alive.pop(t))
-
-
-def _same_run(ref: Any, run: Any) -> bool:
-    """True if ``ref`` (the run a result was launched in, None outside a run) is ``run``.
-
-    The run object itself is kept (runs are not weak-referenceable), so its identity cannot be
-    reused while a result refers to it."""
-    return ref is run
-
-
-def _run_ref(run: Any) -> Any:
-    return run
 
 
 class DeepEPLLPrepareAndFinalize(DeepEPPrepareAndFinalize):
@@ -222,6 +139,8 @@ class DeepEPLLPrepareAndFinalize(DeepEPPrepareAndFinalize):
         # every backend on this buffer shares the bookkeeping
         self.results: LowLatencyResults = shared.extra.setdefault("low_latency_results",
                                                                   LowLatencyResults())
+        #: [handle, dispatch token, next expert] between the group combines of one prepare
+        self._group_state: list | None = None
 
     # ---- properties of the contract --------------------------------------------------------
 
@@ -232,6 +151,7 @@ class DeepEPLLPrepareAndFinalize(DeepEPPrepareAndFinalize):
     def reset(self) -> None:
         super().reset()
         self.results.reset()
+        self._group_state = None
 
     def _launch_guard(self, kind: str) -> int:
         # A hook another ubatch left in our slot must complete before we launch (DeepEP's next
@@ -279,7 +199,7 @@ class DeepEPLLPrepareAndFinalize(DeepEPPrepareAndFinalize):
         x, topk_weights, topk_ids = self._padded_input(a1, topk_weights, topk_ids, num_experts,
                                                        expert_map, apply_router_weight_on_input)
         left = self._handles.peek()
-        if left is not None and _same_run(left[2], active_run()):
+        if left is not None and same_run(left[2], active_run()):
             raise MoEProtocolError(f"{_NAME}: prepare called twice in ubatch {dbo_current_ubatch_id()} "
                                "without finalize (call reset() after a failed step)")
         token, use_hook, (recv_x, counts, handle, event, _), recv_hook, watch = self._launch(
@@ -287,7 +207,7 @@ class DeepEPLLPrepareAndFinalize(DeepEPPrepareAndFinalize):
                 x, topk_ids, self.max_tokens_per_rank, self.num_experts,
                 use_fp8=self.use_fp8_dispatch, async_finish=not use_hook,
                 return_recv_hook=use_hook), a1.device)
-        self._handles.put((handle, token, _run_ref(active_run())))
+        self._handles.put((handle, token, active_run()))
         results = self.results
 
         def receiver() -> PrepareResult:
@@ -313,6 +233,62 @@ class DeepEPLLPrepareAndFinalize(DeepEPPrepareAndFinalize):
                        apply_router_weight_on_input: bool,
                        weight_and_reduce: TopKWeightAndReduce) -> FinalizeAsyncResult:
         handle, dispatch_token, _ = self._handles.take("finalize")
+        return self._combine(output, fused_expert_output, topk_weights, topk_ids,
+                             apply_router_weight_on_input, weight_and_reduce, handle,
+                             dispatch_token, release_dispatch=True)
+
+    def supports_expert_groups(self) -> bool:
+        return True
+
+    def finalize_group_async(self, output: torch.Tensor, fused_expert_output: torch.Tensor,
+                             topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                             apply_router_weight_on_input: bool,
+                             weight_and_reduce: TopKWeightAndReduce, *, experts: tuple[int, int],
+                             last: bool) -> FinalizeAsyncResult:
+        """One group's combine: DeepEP's combine with the handle's counts of the other local
+        experts at zero (their rows are not sent) and the tokens' top-k ids outside the group at
+        ``-1`` (not summed), so ``output`` gets the group's share. The dispatch's result stays
+        alive until the last group's combine is launched; with two groups that is the two
+        results DeepEP allows. Outside a ubatch run only (see the module docstring)."""
+        if dbo_enabled():
+            raise MoEProtocolError(f"{_NAME}: per-group combines run outside a ubatch run (the sbo "
+                                   "schedule runs the batch unsplit)")
+        g0, g1 = experts
+        n_local = self.num_local_experts
+        if not 0 <= g0 < g1 <= n_local:
+            raise ValueError(f"{_NAME}: experts must be a range (start, stop) within 0..{n_local}, "
+                             f"got {experts}")
+        state = self._group_state
+        if state is None:
+            if g0 != 0:
+                raise MoEProtocolError(f"{_NAME}: the first group's combine must start at expert 0, "
+                                       f"got {experts}")
+            handle, dispatch_token, _ = self._handles.take("finalize")
+            state = self._group_state = [handle, dispatch_token, 0]
+        handle, dispatch_token, start = state
+        if g0 != start or (last and g1 != n_local):
+            self._group_state = None
+            raise MoEProtocolError(f"{_NAME}: group combines must cover the local experts in order "
+                                   f"without gaps; expected one from expert {start}"
+                                   f"{' to ' + str(n_local) if last else ''}, got {experts}")
+        state[2] = g1
+        if last:
+            self._group_state = None
+        src_info, layout_range, max_tokens, hidden, num_experts = handle
+        rows = torch.arange(n_local, device=layout_range.device).view(-1, 1)
+        counts = torch.where((rows >= g0) & (rows < g1), layout_range, 0)
+        ids = topk_ids.to(torch.int64)
+        local = torch.remainder(ids, n_local)
+        ids = torch.where((ids >= 0) & (local >= g0) & (local < g1), ids, -1)
+        return self._combine(output, fused_expert_output, topk_weights, ids,
+                             apply_router_weight_on_input, weight_and_reduce,
+                             (src_info, counts, max_tokens, hidden, num_experts), dispatch_token,
+                             release_dispatch=last)
+
+    def _combine(self, output: torch.Tensor, fused_expert_output: torch.Tensor,
+                 topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                 apply_router_weight_on_input: bool, weight_and_reduce: TopKWeightAndReduce,
+                 handle: tuple, dispatch_token: int, release_dispatch: bool) -> FinalizeAsyncResult:
         if not isinstance(weight_and_reduce, (TopKWeightAndReduceDelegate, TopKWeightAndReduceNoOp)):
             raise ValueError(f"{_NAME}: DeepEP's low-latency combine weights and reduces itself; the "
                              f"experts must leave it to finalize (Delegate or NoOp), not "
@@ -329,8 +305,9 @@ class DeepEPLLPrepareAndFinalize(DeepEPPrepareAndFinalize):
             weights = torch.ones_like(weights)
         direct = (self.padded_hidden == self.hidden and output.is_contiguous()
                   and output.dtype == torch.bfloat16)
-        # the dispatch result is consumed once its combine is launched
-        self.results.release(dispatch_token)
+        # the dispatch result is consumed once its (last) combine is launched
+        if release_dispatch:
+            self.results.release(dispatch_token)
         token, use_hook, (combined, event, _), recv_hook, watch = self._launch(
             "combine", lambda use_hook: self.buffer.low_latency_combine(
                 x, topk_ids, weights, handle, async_finish=not use_hook,

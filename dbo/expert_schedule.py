@@ -1,4 +1,4 @@
-"""Which expert schedule an overlapped forward runs: plain, split or merged.
+"""Which expert schedule an overlapped forward runs: plain, split, merged or sbo.
 
 A schedule is data: one value of :class:`ExpertSchedule`, chosen by
 :class:`dbo.split.SplitConfig` (``expert_schedule=``) or by :mod:`dbo.autotune`, carried by the
@@ -16,6 +16,11 @@ A schedule is data: one value of :class:`ExpertSchedule`, chosen by
   overlaps the dispatch and the next layer's attention still overlaps the combine; the experts
   overlap no communication. It pays where the weights dominate (few rows per expert: decode and
   small prefill batches, or many local experts).
+* ``sbo``: single-batch overlap, no split: in each MoE layer the shared experts run while the
+  dispatch is in flight, and the routed experts run in groups of local experts whose combines
+  leave as each group ends, so a group's combine overlaps the next group's experts (where the
+  backend combines per group: :meth:`dbo.moe.PrepareAndFinalize.supports_expert_groups`;
+  elsewhere one combine). The weights are read once, and nothing is split.
 
 The setting is a ``contextvars.ContextVar``: every ubatch starts with a copy of the caller's
 context, so a value set around ``run_ubatches`` reaches every ubatch of that run and nothing
@@ -39,6 +44,12 @@ class ExpertSchedule(str, enum.Enum):
     PLAIN = "plain"    #: no split
     SPLIT = "split"    #: each ubatch runs its own experts
     MERGED = "merged"  #: one grouped call over every ubatch's received rows
+    SBO = "sbo"        #: no split; shared experts beside the dispatch, combines per expert group
+
+    @property
+    def splits(self) -> bool:
+        """True for the schedules that run the forward as ubatches (``split``, ``merged``)."""
+        return self in (ExpertSchedule.SPLIT, ExpertSchedule.MERGED)
 
     def __str__(self) -> str:
         return self.value
@@ -63,7 +74,8 @@ _SCHEDULE: contextvars.ContextVar[ExpertSchedule] = contextvars.ContextVar(
 
 def current_expert_schedule() -> ExpertSchedule:
     """The schedule set for this context (``split`` unless :func:`use_expert_schedule` set
-    another). The MoE kernel merges only inside a run of two or more ubatches."""
+    another). The MoE kernel merges only inside a run of two or more ubatches, and runs ``sbo``
+    only outside a run."""
     return _SCHEDULE.get()
 
 

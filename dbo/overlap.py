@@ -223,8 +223,8 @@ def _run_plan(fn: Callable[..., Any], tensors: Sequence[torch.Tensor], num_token
     """:func:`overlapped_forward` once the plan is known, with arguments its callers checked."""
     if plan.num_tokens != num_tokens:
         raise ValueError(f"plan is for {plan.num_tokens} tokens, the inputs have {num_tokens}")
-    if not plan.split:
-        with collective_timeout(timeout_s):
+    if not plan.split:  # plain, or sbo: the MoE kernels overlap within the one batch
+        with collective_timeout(timeout_s), use_expert_schedule(plan.expert_schedule):
             return fn(*tensors, **kwargs)
 
     inputs = split_inputs(plan, tensors)
@@ -371,9 +371,10 @@ class DBOWrapper(torch.nn.Module):
             self.online = OnlineChoice(group=self.group, agree=self.agree)
 
         def call(schedule: ExpertSchedule) -> Any:
-            if schedule is ExpertSchedule.PLAIN:
+            if not schedule.splits:
                 p = no_split_plan(num_tokens, SplitReason.MEASURED,
-                                  "the plain forward measured faster at this size")
+                                  f"the unsplit {schedule} forward measured fastest at this size",
+                                  expert_schedule=schedule)
             else:
                 p = dataclasses.replace(plan, expert_schedule=schedule)
             self.last_plan = p

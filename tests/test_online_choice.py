@@ -10,7 +10,8 @@ from dbo.split import SplitConfig, SplitReason, UBatchPlan
 from dbo.split.online import OnlineChoice, size_bucket
 from dbo.testing.dist import DistWorld
 
-PLAIN, SPLIT, MERGED = ExpertSchedule.PLAIN, ExpertSchedule.SPLIT, ExpertSchedule.MERGED
+PLAIN, SPLIT, MERGED, SBO = (ExpertSchedule.PLAIN, ExpertSchedule.SPLIT, ExpertSchedule.MERGED,
+                             ExpertSchedule.SBO)
 
 
 def _plan(tokens: int) -> UBatchPlan:
@@ -40,24 +41,25 @@ def _drive(choice: OnlineChoice, run: FakeRun, plan: UBatchPlan, calls: int) -> 
 
 
 def test_it_keeps_the_fastest_candidate_after_measuring_each():
-    run = FakeRun({PLAIN: 10.0, SPLIT: 8.0, MERGED: 9.0})
+    run = FakeRun({PLAIN: 10.0, SPLIT: 8.0, MERGED: 9.0, SBO: 9.5})
     choice = OnlineChoice(trials=3, clock=run.clock)
     plan = _plan(4096)
     outs = _drive(choice, run, plan, choice.calls_to_decide)
-    # the measuring calls take turns: a warm-up round, then `trials` rounds
-    assert run.ran == [PLAIN, SPLIT, MERGED] * 4
+    # the measuring calls take turns (every schedule by default): a warm-up round, then
+    # `trials` rounds
+    assert run.ran == [PLAIN, SPLIT, MERGED, SBO] * 4
     assert outs == [c.value for c in run.ran]
     assert choice.choice(plan) is SPLIT
     run.ran.clear()
     _drive(choice, run, plan, 5)
     assert run.ran == [SPLIT] * 5
     bucket = choice.buckets[size_bucket(plan)]
-    assert bucket.medians_ms == pytest.approx({PLAIN: 10.0, SPLIT: 8.0, MERGED: 9.0})
+    assert bucket.medians_ms == pytest.approx({PLAIN: 10.0, SPLIT: 8.0, MERGED: 9.0, SBO: 9.5})
     assert "split" in choice.table()
 
 
 def test_an_overlapped_schedule_within_the_margin_loses_to_plain():
-    run = FakeRun({PLAIN: 10.0, SPLIT: 9.9, MERGED: 12.0})  # 1% faster: noise, not a win
+    run = FakeRun({PLAIN: 10.0, SPLIT: 9.9, MERGED: 12.0, SBO: 10.1})  # 1%: noise, not a win
     choice = OnlineChoice(margin=0.02, clock=run.clock)
     plan = _plan(1024)
     _drive(choice, run, plan, choice.calls_to_decide)

@@ -60,6 +60,8 @@ class AutotuneRow:
     serial_ms: float
     dbo_ms: float | None
     merged_ms: float | None = None
+    #: the unsplit forward under the ``sbo`` schedule (None: not measured)
+    sbo_ms: float | None = None
 
     @property
     def ratio(self) -> float | None:
@@ -75,7 +77,7 @@ class AutotuneRow:
         """The time of ``schedule`` at this size (None: not measured)."""
         s = parse_expert_schedule(schedule)
         return {ExpertSchedule.PLAIN: self.serial_ms, ExpertSchedule.SPLIT: self.dbo_ms,
-                ExpertSchedule.MERGED: self.merged_ms}[s]
+                ExpertSchedule.MERGED: self.merged_ms, ExpertSchedule.SBO: self.sbo_ms}[s]
 
     @property
     def best(self) -> ExpertSchedule:

@@ -37,6 +37,7 @@ from dbo.moe.weight_and_reduce import (
 __all__ = [
     "ActivationFormat",
     "ExpertTokensMetadata",
+    "BatchedSegments",
     "PrepareResult",
     "Receiver",
     "PrepareAsyncResult",
@@ -63,16 +64,51 @@ class ActivationFormat(enum.Enum):
     BATCHED_EXPERTS = "batched_experts"
 
 
+@dataclass(frozen=True)
+class BatchedSegments:
+    """Several ubatches' BATCHED_EXPERTS slabs laid end to end in one flat buffer (the merged
+    expert schedule, :mod:`dbo.moe.merged`, for experts whose
+    :meth:`MoEExperts.accepts_batched_segments` says so).
+
+    The buffer is ``[L * sum(caps), hidden]``; region ``u`` starts at row ``bases[u] = L *
+    sum(caps[:u])`` and is ubatch ``u``'s ``[L, caps[u], hidden]`` slab, expert ``e``'s rows the
+    first ``counts[e, u]`` of its part (the rows past them unspecified). ``counts``: ``[L, U]``
+    int on the activations' device; ``caps``: the ``U`` slabs' rows per expert.
+    """
+
+    counts: torch.Tensor
+    caps: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if self.counts.dim() != 2 or self.counts.shape[1] != len(self.caps):
+            raise ValueError(f"counts must be [L, U] with U = {len(self.caps)} caps, got "
+                             f"{tuple(self.counts.shape)}")
+        if any(int(c) < 0 for c in self.caps):
+            raise ValueError(f"caps must be >= 0, got {self.caps}")
+
+    @property
+    def bases(self) -> tuple[int, ...]:
+        """Each region's first row, and the buffer's rows last (``U + 1`` ints)."""
+        n_local, bases = self.counts.shape[0], [0]
+        for cap in self.caps:
+            bases.append(bases[-1] + n_local * int(cap))
+        return tuple(bases)
+
+
 @dataclass
 class ExpertTokensMetadata:
     """How many tokens each local expert received.
 
     ``expert_num_tokens``: ``[num_local_experts]`` int32 on the activations' device.
     ``expert_num_tokens_cpu``: the same on the CPU, if the backend has it without a sync.
+    ``segments``: BATCHED_EXPERTS only, set by the merged expert schedule for experts that take
+    segments: the activations are the flat buffer of :class:`BatchedSegments`, the counts above
+    the sums over its regions. None otherwise.
     """
 
     expert_num_tokens: torch.Tensor
     expert_num_tokens_cpu: torch.Tensor | None = None
+    segments: BatchedSegments | None = None
 
 
 class PrepareResult(NamedTuple):
@@ -222,6 +258,32 @@ class PrepareAndFinalize(ABC):
         only after the receiver returned."""
         raise NotImplementedError(f"{type(self).__name__} has no async finalize")
 
+    def supports_expert_groups(self) -> bool:
+        """True if :meth:`finalize_group_async` is implemented: the combine can leave in parts,
+        one per group of local experts, each as the group's experts end (the ``sbo`` expert
+        schedule, :mod:`dbo.expert_schedule`)."""
+        return False
+
+    def finalize_group_async(
+        self,
+        output: torch.Tensor,
+        fused_expert_output: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        apply_router_weight_on_input: bool,
+        weight_and_reduce: TopKWeightAndReduce,
+        *,
+        experts: tuple[int, int],
+        last: bool,
+    ) -> FinalizeAsyncResult:
+        """Start the combine of the local experts ``experts[0]:experts[1]`` only: ``output``
+        receives their share of each token's weighted sum (the groups' outputs add up to what
+        :meth:`finalize` gives). ``fused_expert_output`` is the whole layer's tensor, valid at
+        least in those experts' rows. The groups of one prepare are combined in order, without
+        overlapping ranges, covering every local expert; ``last`` marks the last (after it the
+        prepare's state is gone). Outside a ubatch run only."""
+        raise NotImplementedError(f"{type(self).__name__} combines all experts at once")
+
     def reset(self) -> None:  # noqa: B027 - optional hook, default does nothing
         """Drop per-ubatch state left by a failed step (called between steps)."""
 
@@ -235,10 +297,15 @@ class Workspace:
 
     def __init__(self) -> None:
         self._bufs: dict[str, torch.Tensor] = {}
+        self._bound: dict[str, torch.Tensor] = {}
 
     def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype,
             device: torch.device) -> torch.Tensor:
         """An uninitialised tensor of ``shape``/``dtype`` on ``device`` named ``name``."""
+        bound = self._bound.get(name)
+        if (bound is not None and tuple(bound.shape) == tuple(shape) and bound.dtype == dtype
+                and bound.device == torch.device(device)):
+            return bound
         numel = 1
         for s in shape:
             numel *= s
@@ -248,8 +315,14 @@ class Workspace:
             self._bufs[name] = buf
         return buf[:numel].view(shape)
 
+    def bind(self, name: str, tensor: torch.Tensor) -> None:
+        """Make :meth:`get` of ``name`` return ``tensor`` (a caller's buffer, e.g. a view into a
+        larger one) whenever the shape, dtype and device asked for are its own."""
+        self._bound[name] = tensor
+
     def clear(self) -> None:
         self._bufs.clear()
+        self._bound.clear()
 
 
 class MoEExperts(ABC):
@@ -293,6 +366,15 @@ class MoEExperts(ABC):
     @abstractmethod
     def finalize_weight_and_reduce_impl(self) -> TopKWeightAndReduce:
         """How ``finalize`` must weight and reduce :meth:`apply`'s output."""
+
+    def accepts_batched_segments(self, hidden_states: torch.Tensor) -> bool:
+        """Whether :meth:`apply` takes the merged expert schedule's BATCHED_EXPERTS input as
+        segments, for ubatch slabs like ``hidden_states`` (``[L, cap, hidden]``, its device and
+        dtype): ``hidden_states`` the flat ``[L * sum(caps), hidden]`` buffer of
+        :class:`BatchedSegments` (``expert_tokens_meta.segments``), the output the same shape
+        with each row's output at the row's place. Default False: the schedule packs the rows
+        into one ``[L, sum(caps), hidden]`` slab for :meth:`apply` and moves them back."""
+        return False
 
     def note_global_num_experts(self, num_experts: int) -> None:  # noqa: B027 (optional hook)
         """Told by :class:`MoEKernel` before each :meth:`apply`: the experts over all ranks.

@@ -8,6 +8,15 @@ in flight. Without DBO the same code runs the hook in place.
 With the ``merged`` expert schedule (:func:`dbo.expert_schedule.current_expert_schedule`, set
 by the overlapped forward for its run) the routed experts of all ubatches run as one call after
 every ubatch's dispatch (:mod:`dbo.moe.merged`); prepare and finalize stay per ubatch.
+
+With the ``sbo`` schedule (single-batch overlap: outside a run, the batch unsplit) the shared
+experts run while the dispatch is in flight, and, where the backend combines per expert group
+(:meth:`~dbo.moe.PrepareAndFinalize.supports_expert_groups`) and the activations are
+BATCHED_EXPERTS slabs, the routed experts run in :attr:`MoEKernel.sbo_groups` groups of local
+experts: group ``g``'s combine is launched as soon as its experts are queued, so it runs (on the
+backend's stream) beside group ``g + 1``'s experts. Each group's combine brings that group's
+share of every token's weighted sum; the shares are added. Elsewhere the routed experts run
+once and one combine follows.
 """
 
 from __future__ import annotations
@@ -20,11 +29,14 @@ import torch
 
 from dbo.expert_schedule import ExpertSchedule, current_expert_schedule
 from dbo.moe.base import (
+    ActivationFormat,
+    ExpertTokensMetadata,
     MoEExperts,
     PrepareAndFinalize,
     PrepareResult,
     Workspace,
 )
+from dbo.moe.errors import MoEProtocolError
 from dbo.moe.merged import ExpertsInput, ExpertsRendezvous, same_call_key
 from dbo.ubatch.context import (
     dbo_current_ubatch_id,
@@ -36,7 +48,21 @@ from dbo.ubatch.context import (
     dbo_yield,
 )
 
-__all__ = ["MoEKernel"]
+__all__ = ["MoEKernel", "SBO_GROUPS", "expert_groups"]
+
+#: groups of local experts under the ``sbo`` schedule, by default: with two, DeepEP's
+#: low-latency mode holds at most two results at once (the dispatch's and the first combine's)
+SBO_GROUPS = 2
+
+
+def expert_groups(num_local: int, groups: int) -> list[tuple[int, int]]:
+    """``groups`` ranges ``(start, stop)`` of local experts as equal as can be, covering
+    ``0..num_local`` in order (fewer when there are fewer experts than groups)."""
+    if groups < 1:
+        raise ValueError(f"groups must be >= 1, got {groups}")
+    g = max(1, min(groups, num_local))
+    bounds = [i * num_local // g for i in range(g + 1)]
+    return [(bounds[i], bounds[i + 1]) for i in range(g)]
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +80,19 @@ def _complete(res: Any, recv_region: str) -> Any:
         receiver = res
     with dbo_region(recv_region):
         return receiver()
+
+
+def _receive_group(pending: tuple[Any, torch.Tensor], total: torch.Tensor | None) -> torch.Tensor:
+    """Complete one group's combine (hook and receiver, outside a run) and add its output."""
+    res, out = pending
+    if isinstance(res, tuple):
+        hook, receiver = res
+        hook()
+    else:
+        receiver = res
+    with dbo_region("combine_recv"):
+        receiver()
+    return out if total is None else total.add_(out)
 
 
 class MoEKernel:
@@ -91,7 +130,10 @@ class MoEKernel:
         self.shared_experts = shared_experts
         self._workspaces: list[Workspace] = []
         self._merged_workspace = Workspace()
+        self._group_workspaces: list[Workspace] = []
         self._rendezvous = ExpertsRendezvous()
+        #: groups of local experts under the ``sbo`` schedule (see the module docstring)
+        self.sbo_groups = SBO_GROUPS
 
     def workspace(self) -> Workspace:
         """The running ubatch's scratch buffers (ubatch 0's outside a run)."""
@@ -101,7 +143,10 @@ class MoEKernel:
         return self._workspaces[ub]
 
     def _prepare(self, a1: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                 num_experts: int, expert_map: torch.Tensor | None, router_on_input: bool) -> PrepareResult:
+                 num_experts: int, expert_map: torch.Tensor | None, router_on_input: bool,
+                 beside: Callable[[], Any] | None = None) -> tuple[PrepareResult, Any]:
+        """The dispatch's result, and ``beside()``'s, called while the dispatch is in flight
+        (after an async backend's launch, before its receive; after a sync ``prepare``)."""
         pf = self.prepare_finalize
         # a hook another ubatch left for us must complete before we issue our own collectives
         dbo_maybe_run_recv_hook()
@@ -109,10 +154,16 @@ class MoEKernel:
             with dbo_region("dispatch"):
                 res = pf.prepare_async(a1, topk_weights, topk_ids, num_experts, expert_map,
                                        router_on_input, None)
-            return _complete(res, "dispatch_recv")
+            side = None if beside is None else beside()
+            return _complete(res, "dispatch_recv"), side
         with dbo_region("dispatch"):
-            return pf.prepare(a1, topk_weights, topk_ids, num_experts, expert_map,
+            prep = pf.prepare(a1, topk_weights, topk_ids, num_experts, expert_map,
                               router_on_input, None)
+        return prep, None if beside is None else beside()
+
+    def _shared(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        with dbo_region("shared_experts"):
+            return self.shared_experts(hidden_states)
 
     def forward(
         self,
@@ -143,15 +194,21 @@ class MoEKernel:
             ``[M, hidden]`` in ``hidden_states``'s dtype, a fresh tensor.
         """
         pf = self.prepare_finalize
-        prep = self._prepare(hidden_states, topk_weights, topk_ids, global_num_experts,
-                             expert_map, apply_router_weight_on_input)
+        sbo = current_expert_schedule() is ExpertSchedule.SBO
+        if sbo and dbo_enabled():
+            raise MoEProtocolError("the sbo expert schedule runs the batch unsplit, outside a ubatch "
+                                   "run (it is a plan's schedule, not a ubatch's)")
+        beside = (lambda: self._shared(hidden_states)) if sbo and self.shared_experts else None
+        prep, shared_out = self._prepare(hidden_states, topk_weights, topk_ids, global_num_experts,
+                                         expert_map, apply_router_weight_on_input, beside)
         ids = topk_ids if prep.topk_ids is None else prep.topk_ids
         weights = topk_weights if prep.topk_weights is None else prep.topk_weights
         inp = ExpertsInput(prep.a1q, prep.a1q_scale, prep.expert_tokens_meta, ids, weights)
         fmt = pf.activation_format
         self.experts.note_global_num_experts(global_num_experts)
 
-        def apply(x: ExpertsInput, workspace: Workspace) -> torch.Tensor:
+        def apply(x: ExpertsInput, workspace: Workspace, w1: torch.Tensor = w1,
+                  w2: torch.Tensor = w2) -> torch.Tensor:
             # quantized activations come with their scales; experts that take none never see any
             scale = {} if x.a1q_scale is None else {"a1q_scale": x.a1q_scale}
             return self.experts.apply(
@@ -163,18 +220,29 @@ class MoEKernel:
                 **scale,
             )
 
+        if (sbo and fmt is ActivationFormat.BATCHED_EXPERTS and pf.supports_expert_groups()
+                and len(expert_groups(prep.a1q.shape[0], self.sbo_groups)) > 1):
+            output = self._grouped_combines(inp, apply, hidden_states, w1, w2, weights, ids,
+                                            apply_router_weight_on_input)
+            if shared_out is not None:
+                output += shared_out
+            return output
         if (current_expert_schedule() is ExpertSchedule.MERGED and dbo_enabled()
                 and dbo_num_ubatches() > 1):
             fused = self._rendezvous.run(
                 inp, fmt, same_call_key(w1, w2, apply_router_weight_on_input),
-                lambda merged: apply(merged, self._merged_workspace))
+                lambda merged: apply(merged, self._merged_workspace),
+                segmented=self.experts.accepts_batched_segments(inp.a1q))
         else:
             with dbo_region("experts"):
                 fused = apply(inp, self.workspace())
         weight_and_reduce = self.experts.finalize_weight_and_reduce_impl()
         output = torch.empty_like(hidden_states)
-        shared_out = None
-        if pf.supports_async():
+        if sbo:  # the shared experts ran beside the dispatch
+            with dbo_region("combine"):
+                pf.finalize(output, fused, weights, ids, apply_router_weight_on_input,
+                            weight_and_reduce)
+        elif pf.supports_async():
             # As before prepare: a receive the other ubatch left for us must complete before
             # our launch (DeepEP's next low-latency launch reuses the buffer it reads from).
             dbo_maybe_run_recv_hook()
@@ -182,21 +250,59 @@ class MoEKernel:
                 res = pf.finalize_async(output, fused, weights, ids, apply_router_weight_on_input,
                                         weight_and_reduce)
             if self.shared_experts is not None:
-                with dbo_region("shared_experts"):
-                    shared_out = self.shared_experts(hidden_states)
+                shared_out = self._shared(hidden_states)
             _complete(res, "combine_recv")
         else:
             with dbo_region("combine"):
                 pf.finalize(output, fused, weights, ids, apply_router_weight_on_input,
                             weight_and_reduce)
             if self.shared_experts is not None:
-                with dbo_region("shared_experts"):
-                    shared_out = self.shared_experts(hidden_states)
+                shared_out = self._shared(hidden_states)
         if shared_out is not None:
             output += shared_out
         return output
 
     __call__ = forward
+
+    def _grouped_combines(self, inp: ExpertsInput, apply: Callable[..., torch.Tensor],
+                          hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                          weights: torch.Tensor, ids: torch.Tensor, router_on_input: bool) -> torch.Tensor:
+        """The ``sbo`` schedule's routed experts on BATCHED_EXPERTS slabs, group by group, each
+        group's combine launched once its experts are queued; returns the sum of the groups'
+        outputs. Group ``g``'s receive is queued after group ``g + 1``'s experts, so the combine
+        runs beside them, and before group ``g + 1``'s combine is launched."""
+        pf = self.prepare_finalize
+        weight_and_reduce = self.experts.finalize_weight_and_reduce_impl()
+        x, meta = inp.a1q, inp.expert_tokens_meta
+        groups = expert_groups(x.shape[0], self.sbo_groups)
+        while len(self._group_workspaces) < len(groups):
+            self._group_workspaces.append(Workspace())
+        # every group's experts write into their rows of one layer-sized tensor, which each
+        # group's combine reads (the rows of the other groups it does not send)
+        full = self._merged_workspace.get("sbo_out", tuple(x.shape), hidden_states.dtype, x.device)
+        pending, total = None, None
+        for gi, (g0, g1) in enumerate(groups):
+            part = ExpertsInput(
+                x[g0:g1], None if inp.a1q_scale is None else inp.a1q_scale[g0:g1],
+                None if meta is None else ExpertTokensMetadata(
+                    meta.expert_num_tokens[g0:g1],
+                    None if meta.expert_num_tokens_cpu is None else meta.expert_num_tokens_cpu[g0:g1]),
+                inp.topk_ids, inp.topk_weights)
+            ws = self._group_workspaces[gi]
+            ws.bind("fused_out", full[g0:g1])
+            with dbo_region(f"experts_group{gi}"):
+                y = apply(part, ws, w1[g0:g1], w2[g0:g1])
+                if y.data_ptr() != full[g0:g1].data_ptr():  # experts that keep their own buffer
+                    full[g0:g1].copy_(y)
+            if pending is not None:  # before the next launch (DeepEP low-latency needs it)
+                total = _receive_group(pending, total)
+            out_g = torch.empty_like(hidden_states)
+            with dbo_region(f"combine_group{gi}"):
+                res = pf.finalize_group_async(out_g, full, weights, ids, router_on_input,
+                                              weight_and_reduce, experts=(g0, g1),
+                                              last=gi == len(groups) - 1)
+            pending = (res, out_g)
+        return _receive_group(pending, total)
 
     def reset(self) -> None:
         """Free the per-ubatch scratch buffers, any merged-schedule rendezvous in progress and

@@ -39,8 +39,9 @@ __all__ = ["OnlineChoice", "BucketChoice", "size_bucket"]
 
 logger = logging.getLogger(__name__)
 
-#: the candidates measured by default: the plain forward and both expert schedules
-DEFAULT_CANDIDATES = (ExpertSchedule.PLAIN, ExpertSchedule.SPLIT, ExpertSchedule.MERGED)
+#: the candidates measured by default: the plain forward and every other expert schedule
+DEFAULT_CANDIDATES = (ExpertSchedule.PLAIN, ExpertSchedule.SPLIT, ExpertSchedule.MERGED,
+                      ExpertSchedule.SBO)
 
 
 def size_bucket(plan: UBatchPlan) -> int:
@@ -158,7 +159,7 @@ class OnlineChoice:
     def run(self, plan: UBatchPlan, call: Callable[[ExpertSchedule], Any],
             device: torch.device | None = None) -> Any:
         """Run one call of a split ``plan``: ``call(schedule)`` runs the forward plainly
-        (``ExpertSchedule.PLAIN``) or overlapped with that schedule. Returns its result.
+        (``ExpertSchedule.PLAIN``), unsplit with ``sbo``, or split with that schedule. Returns its result.
         Collective at a bucket's decision (every rank reaches it at the same call)."""
         key = size_bucket(plan)
         b = self.buckets.setdefault(key, BucketChoice(key))

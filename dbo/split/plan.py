@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from dbo.expert_schedule import ExpertSchedule
+from dbo.expert_schedule import ExpertSchedule, parse_expert_schedule
 from dbo.peers.collectives import all_reduce_max, group_size
 from dbo.split.log import FALLBACK_LOG
 from dbo.split.padding import graph_padded_size
@@ -130,8 +130,8 @@ def local_vote(
     if not config.enabled or dbo_disabled_by_env():
         return _no(SplitReason.DISABLED,
                    "SplitConfig(enabled=False)" if not config.enabled else f"{DISABLE_ENV_VAR} is set")
-    if config.expert_schedule is ExpertSchedule.PLAIN:
-        return _no(SplitReason.DISABLED, "SplitConfig(expert_schedule='plain')")
+    if not config.expert_schedule.splits:
+        return _no(SplitReason.DISABLED, f"SplitConfig(expert_schedule='{config.expert_schedule}')")
     if num_tokens == 0:
         return LocalDecision(Vote.ABSTAIN, ((0, 0),) * n, SplitReason.EMPTY, "no tokens on any rank")
     if decode_only is None:
@@ -223,15 +223,24 @@ def resolve_plan(num_tokens: int, decision: LocalDecision, config: SplitConfig,
         detail = decision.detail if not any_no else "this rank is empty and another did not split"
     else:
         reason, detail = decision.reason, decision.detail
-    return no_split_plan(num_tokens, reason, detail)
+    # an unsplit schedule (sbo) is the config's own choice: it holds unless DBO is off
+    sbo = (config.expert_schedule is ExpertSchedule.SBO and config.enabled
+           and not dbo_disabled_by_env())
+    return no_split_plan(num_tokens, reason, detail,
+                         expert_schedule=ExpertSchedule.SBO if sbo else ExpertSchedule.PLAIN)
 
 
 def no_split_plan(num_tokens: int, reason: SplitReason = SplitReason.DISABLED,
-                  detail: str = "") -> UBatchPlan:
-    """A plan that runs the plain forward."""
+                  detail: str = "", expert_schedule: ExpertSchedule | str = ExpertSchedule.PLAIN
+                  ) -> UBatchPlan:
+    """A plan that runs the forward unsplit: plainly, or with the ``sbo`` expert schedule."""
     if reason is SplitReason.SPLIT:
         raise ValueError("no_split_plan needs a fallback reason")
-    return UBatchPlan(num_tokens, ((0, num_tokens),), num_tokens, reason, detail)
+    schedule = parse_expert_schedule(expert_schedule)
+    if schedule.splits:
+        raise ValueError(f"an unsplit plan's expert_schedule is 'plain' or 'sbo', not '{schedule}'")
+    return UBatchPlan(num_tokens, ((0, num_tokens),), num_tokens, reason, detail,
+                      expert_schedule=schedule)
 
 
 # ---- pass 3: agreement ---------------------------------------------------------------------

@@ -136,7 +136,7 @@ class SplitConfig:
     def never_splits(self) -> bool:
         """True when no batch splits on any rank under this config (both thresholds
         :data:`NEVER_SPLIT`, or the ``plain`` schedule): the decision needs no collective."""
-        return (self.expert_schedule is ExpertSchedule.PLAIN
+        return (not self.expert_schedule.splits
                 or min(self.decode_token_threshold, self.prefill_token_threshold) >= NEVER_SPLIT)
 
     def threshold(self, decode_only: bool) -> int:
@@ -170,7 +170,7 @@ class UBatchPlan:
             enough, or not split).
         two_chunk: True when the cuts split a request in two by the two-chunk rule.
         expert_schedule: how the routed experts run: ``split`` or ``merged`` in a split plan
-            (default ``split``), always ``plain`` in a plan that does not split.
+            (default ``split``); ``plain`` (default) or ``sbo`` in a plan that does not split.
     """
 
     num_tokens: int
@@ -183,14 +183,13 @@ class UBatchPlan:
     expert_schedule: ExpertSchedule | None = None
 
     def __post_init__(self) -> None:
+        schedule = None if self.expert_schedule is None else parse_expert_schedule(self.expert_schedule)
         if not self.split:
-            schedule = ExpertSchedule.PLAIN
-        elif self.expert_schedule is None:
+            schedule = ExpertSchedule.SBO if schedule is ExpertSchedule.SBO else ExpertSchedule.PLAIN
+        elif schedule is None:
             schedule = ExpertSchedule.SPLIT
-        else:
-            schedule = parse_expert_schedule(self.expert_schedule)
-            if schedule is ExpertSchedule.PLAIN:
-                raise ValueError("a split plan's expert_schedule is 'split' or 'merged', not 'plain'")
+        elif not schedule.splits:
+            raise ValueError(f"a split plan's expert_schedule is 'split' or 'merged', not '{schedule}'")
         object.__setattr__(self, "expert_schedule", schedule)
 
     @property

@@ -69,7 +69,9 @@ class ConformanceCase:
 
     ``ubatch_sizes``: the DBO split of each rank's tokens (fractions of ``num_tokens[r]``,
     rounded; default an uneven 2-way split). ``expert_schedule``: how the DBO runs' routed
-    experts run (``"split"``, or ``"merged"``: one call over every ubatch's rows).
+    experts run (``"split"``; ``"merged"``: one call over every ubatch's rows; ``"sbo"``: the
+    batch unsplit, the shared experts beside the dispatch and, where the backend combines per
+    expert group, a combine per group).
     ``tol_ref``/``tol_dbo``: relative-error bounds of serial vs reference and DBO vs serial.
     ``options``: free-form settings for the factory.
     """
@@ -134,6 +136,7 @@ class InterleavingBackend(PrepareAndFinalize):
 
     def __init__(self, inner: PrepareAndFinalize):
         self.inner = inner
+        self.group_combines = 0  #: per-group combines passed through (the sbo schedule)
 
     @property
     def activation_format(self):
@@ -171,6 +174,13 @@ class InterleavingBackend(PrepareAndFinalize):
         if not isinstance(res, tuple) and dbo_enabled():
             dbo_yield()
         return res
+
+    def supports_expert_groups(self):
+        return self.inner.supports_expert_groups()
+
+    def finalize_group_async(self, *args, **kwargs):
+        self.group_combines += 1
+        return self.inner.finalize_group_async(*args, **kwargs)
 
     def reset(self) -> None:
         self.inner.reset()
@@ -231,7 +241,8 @@ def run_case(factory: BackendFactory, case: ConformanceCase, *, device: str | to
     world = dist.get_world_size(group)
     x, weights, ids, w1, w2, w1_local, w2_local = _inputs(case, rank, world, device)
     backend = factory(case)
-    pf = InterleavingBackend(backend) if case.force_interleave else backend
+    sbo = case.expert_schedule == "sbo"
+    pf = InterleavingBackend(backend) if case.force_interleave or sbo else backend
     kernel = MoEKernel(pf, SwiGLUExperts(reduce_in_experts=case.reduce_in_experts))
     kw = dict(global_num_experts=case.num_experts,
               apply_router_weight_on_input=case.apply_router_weight_on_input)
@@ -241,6 +252,9 @@ def run_case(factory: BackendFactory, case: ConformanceCase, *, device: str | to
         return kernel(x[rows], w1_local, w2_local, weights[rows], ids[rows], **kw)
 
     def dbo_run(trace: Trace | None) -> torch.Tensor:
+        if sbo:  # single-batch overlap: the batch unsplit, no run
+            with use_expert_schedule("sbo"):
+                return layer(slice(None))
         sizes = _split(x.shape[0], case.num_ubatches)
         bounds = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
         fns = [(lambda s=slice(bounds[i], bounds[i + 1]): layer(s)) for i in range(len(sizes))]
@@ -278,6 +292,9 @@ def run_case(factory: BackendFactory, case: ConformanceCase, *, device: str | to
     if registered != ran:
         problems.append(f"{registered} hooks registered, {ran} ran")
     regions = [e.detail for e in trace.events if e.kind == "region_begin"]
+    if sbo and backend.supports_expert_groups() and x.shape[0] and pf.group_combines < 2:
+        problems.append(f"sbo schedule: {pf.group_combines} per-group combines (want at least 2 "
+                        "per call on a backend that combines per group)")
     if case.expert_schedule == "merged" and regions.count("experts_merged") != 1:
         problems.append(f"merged schedule: {regions.count('experts_merged')} merged experts calls "
                         f"(want 1), {regions.count('experts')} per-ubatch ones")

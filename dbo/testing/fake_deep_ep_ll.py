@@ -190,7 +190,9 @@ def ll_combine(buf: Any, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: 
         check(out.dim() == 2 and out.is_contiguous() and tuple(out.shape) == (t, hidden)
               and out.dtype == x.dtype, "out must be [num_combined_tokens, hidden] contiguous bf16")
     kernel = Kernel(buf.comm_stream, None, async_finish, False, on_current_stream=return_recv_hook)
-    blocks = torch.zeros((r, max_tokens, n_local, hidden), dtype=torch.bfloat16)
+    # a slot no row is sent to holds what the real receive buffer would: stale data (NaN here),
+    # so reading a (token, expert) slot that was not sent shows up
+    blocks = fill_garbage(torch.empty((r, max_tokens, n_local, hidden), dtype=torch.bfloat16))
     for e in range(n_local):
         for s in range(r):
             packed = int(layout_range[e, s])

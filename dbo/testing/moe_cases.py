@@ -137,7 +137,8 @@ def run_case(case: MoECase, inp: CaseInputs, backend: PrepareAndFinalize, *, use
              device: str = "cpu", expert_schedule: str = "split") -> torch.Tensor:
     """This rank's output ``[M, hidden]``: plainly, or split into ``num_ubatches`` contiguous
     ubatches run with :func:`dbo.run_ubatches` (each rank runs the same number of ubatches,
-    some possibly empty) under ``expert_schedule`` (``"split"`` or ``"merged"``)."""
+    some possibly empty) under ``expert_schedule`` (``"split"`` or ``"merged"``; ``"sbo"``
+    runs the batch unsplit under that schedule instead)."""
     kernel = MoEKernel(backend, SwiGLUExperts(reduce_in_experts=case.reduce_in_experts))
 
     def moe(a: torch.Tensor, w: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
@@ -146,6 +147,9 @@ def run_case(case: MoECase, inp: CaseInputs, backend: PrepareAndFinalize, *, use
 
     if not use_dbo:
         return _layers(case, inp, inp.x, inp.topk_weights, inp.topk_ids, moe)
+    if expert_schedule == "sbo":  # single-batch overlap: the batch unsplit, no run
+        with use_expert_schedule(expert_schedule):
+            return _layers(case, inp, inp.x, inp.topk_weights, inp.topk_ids, moe)
     parts = list(zip(torch.tensor_split(inp.x, num_ubatches),
                      torch.tensor_split(inp.topk_weights, num_ubatches),
                      torch.tensor_split(inp.topk_ids, num_ubatches), strict=True))

@@ -1,0 +1,230 @@
+"""The ``sbo`` expert schedule (single-batch overlap): the batch unsplit, the shared experts
+beside the dispatch, and on a backend that combines per expert group (DeepEP low-latency, here
+its fake on 2 gloo ranks) one combine per group of local experts. Every result is compared with
+the plain sequential forward."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dbo import DBOWrapper, SplitConfig, UBatchError, run_ubatches
+from dbo.expert_schedule import ExpertSchedule, use_expert_schedule
+from dbo.moe import MoEKernel, PrepareAndFinalize, SwiGLUExperts, topk_route
+from dbo.moe.errors import MoEProtocolError
+from dbo.moe.kernel import expert_groups
+from dbo.moe.reference import make_expert_weights, relative_error
+from dbo.split import SplitReason, UBatchPlan, no_split_plan, plan_ubatches
+from dbo.testing.conformance import check_backend, default_cases
+from dbo.testing.dist import DistWorld
+from dbo.testing.fake_deep_ep import ensure_fake_deep_ep
+from dbo.testing.moe_cases import check_case, standard_cases
+
+
+def test_expert_groups_cover_the_experts_in_order():
+    assert expert_groups(8, 2) == [(0, 4), (4, 8)]
+    assert expert_groups(5, 2) == [(0, 2), (2, 5)]
+    assert expert_groups(3, 4) == [(0, 1), (1, 2), (2, 3)]
+    assert expert_groups(1, 2) == [(0, 1)]
+    for n in range(1, 20):
+        for g in range(1, 6):
+            groups = expert_groups(n, g)
+            assert groups[0][0] == 0 and groups[-1][1] == n
+            assert all(a[1] == b[0] and a[0] < a[1] for a, b in zip(groups, groups[1:], strict=False))
+    with pytest.raises(ValueError, match="groups"):
+        expert_groups(4, 0)
+
+
+def test_sbo_plans_never_split():
+    cfg = SplitConfig(expert_schedule="sbo", decode_token_threshold=1, prefill_token_threshold=1)
+    assert cfg.never_splits
+    plan = plan_ubatches(64, cfg)
+    assert not plan.split and plan.expert_schedule is ExpertSchedule.SBO
+    off = plan_ubatches(64, dataclasses.replace(cfg, enabled=False))
+    assert off.expert_schedule is ExpertSchedule.PLAIN
+    assert no_split_plan(8, expert_schedule="sbo").expert_schedule is ExpertSchedule.SBO
+    with pytest.raises(ValueError, match="unsplit plan"):
+        no_split_plan(8, expert_schedule="merged")
+    with pytest.raises(ValueError, match="split plan"):
+        UBatchPlan(8, ((0, 4), (4, 8)), 4, SplitReason.SPLIT, expert_schedule="sbo")
+    assert not ExpertSchedule.SBO.splits and ExpertSchedule.MERGED.splits
+
+
+class _Recorder(PrepareAndFinalize):
+    """A one-rank async STANDARD backend that records the order of its launches and receives."""
+
+    def __init__(self, log: list[str]):
+        self.log = log
+
+    @property
+    def activation_format(self):
+        from dbo.moe import ActivationFormat
+        return ActivationFormat.STANDARD
+
+    def num_dispatchers(self):
+        return 1
+
+    def output_is_reduced(self):
+        return True
+
+    def prepare_async(self, a1, topk_weights, topk_ids, num_experts, expert_map,
+                      apply_router_weight_on_input, quant_config=None):
+        from dbo.moe.base import PrepareResult
+        self.log.append("dispatch")
+
+        def receiver():
+            self.log.append("dispatch_recv")
+            return PrepareResult(a1, None, None, None, None)
+        return receiver
+
+    def finalize_async(self, output, fused, topk_weights, topk_ids, router_on_input, weight_and_reduce):
+        self.log.append("combine")
+
+        def receiver():
+            self.log.append("combine_recv")
+            weight_and_reduce.apply(output, fused, topk_weights, topk_ids, router_on_input)
+        return receiver
+
+
+def _one_rank_inputs(m=12, hidden=32, inter=16, experts=4, topk=2):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(m, hidden, generator=g)
+    weights, ids = topk_route(torch.randn(m, experts, generator=g), topk, ids_dtype=torch.int64)
+    w1, w2 = make_expert_weights(experts, hidden, inter, dtype=torch.float32, seed=1)
+    return x, weights, ids, w1, w2
+
+
+@pytest.mark.parametrize("schedule", ["plain", "sbo"])
+def test_shared_experts_run_beside_the_dispatch_under_sbo(schedule):
+    log: list[str] = []
+    shared_w = torch.randn(32, 32) / 32 ** 0.5
+
+    def shared(h):
+        log.append("shared")
+        return h @ shared_w
+
+    kernel = MoEKernel(_Recorder(log), SwiGLUExperts(), shared_experts=shared)
+    x, weights, ids, w1, w2 = _one_rank_inputs()
+    plain = kernel(x, w1, w2, weights, ids, global_num_experts=4)
+    log.clear()
+    with use_expert_schedule(schedule):
+        out = kernel(x, w1, w2, weights, ids, global_num_experts=4)
+    assert relative_error(out, plain) < 1e-6
+    if schedule == "sbo":
+        assert log == ["dispatch", "shared", "dispatch_recv", "combine", "combine_recv"]
+    else:
+        assert log == ["dispatch", "dispatch_recv", "combine", "shared", "combine_recv"]
+
+
+def test_sbo_inside_a_run_is_refused():
+    kernel = MoEKernel(_Recorder([]), SwiGLUExperts())
+    x, weights, ids, w1, w2 = _one_rank_inputs()
+
+    def body():
+        return kernel(x, w1, w2, weights, ids, global_num_experts=4)
+
+    with use_expert_schedule("sbo"), pytest.raises(UBatchError) as info:
+        run_ubatches([body, body])
+    assert isinstance(info.value.__cause__, MoEProtocolError)
+    assert "unsplit" in str(info.value.__cause__)
+
+
+def test_wrapper_runs_sbo_unsplit_and_matches_plain():
+    kernel = MoEKernel(_Recorder([]), SwiGLUExperts())
+    x, weights, ids, w1, w2 = _one_rank_inputs(m=64)
+
+    def model(h, w, i):
+        return kernel(h, w1, w2, w, i, global_num_experts=4)
+
+    plain = model(x, weights, ids)
+    wrapped = DBOWrapper(model, SplitConfig(expert_schedule="sbo", decode_token_threshold=1,
+                                            prefill_token_threshold=1), agree=False)
+    out = wrapped(x, weights, ids)
+    assert relative_error(out, plain) < 1e-6
+    assert wrapped.last_plan.expert_schedule is ExpertSchedule.SBO and not wrapped.last_plan.split
+
+
+# ---- multi-rank: the fake DeepEP low-latency backend (per-group combines) and gloo -------------
+
+
+@pytest.fixture(scope="module")
+def world2():
+    w = DistWorld(2)
+    w.start()
+    yield w
+    w.close()
+
+
+def _make_ll(case):
+    opts = dict(case.options)
+    ensure_fake_deep_ep("v1")
+    from dbo.backends import deepep_ll as mod
+    return mod.make_prepare_finalize(dist.group.WORLD, hidden=case.hidden,
+                                     max_tokens_per_rank=case.max_tokens_per_rank,
+                                     num_experts=case.num_experts, topk=case.topk, dtype=case.dtype,
+                                     device="cpu", **opts)
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(180)
+def test_sbo_on_fake_deepep_ll_matches_plain(world2):
+    cases = [dataclasses.replace(c, name=f"{c.name} sbo", expert_schedule="sbo")
+             for c in default_cases(2) if c.reduce_in_experts]
+    cases += [dataclasses.replace(cases[1], name="sbo 16 experts", num_experts=16, topk=4)]
+    results = check_backend(world2, _make_ll, cases)
+    assert results and all(r.ok for r in results), [r.problems for r in results if not r.ok]
+
+
+def _group_misuse() -> str:
+    ensure_fake_deep_ep("v1")
+    from dbo.backends import deepep_ll as mod
+    from dbo.backends.deepep.buffer import BUFFER_CACHE
+    from dbo.moe.weight_and_reduce import TopKWeightAndReduceDelegate
+    BUFFER_CACHE.reset()  # the worker's earlier cases sized the shared buffer otherwise
+    pf = mod.make_prepare_finalize(dist.group.WORLD, hidden=128, max_tokens_per_rank=4,
+                                   num_experts=8, topk=2, dtype=torch.bfloat16, device="cpu")
+    x = torch.randn(4, 128).to(torch.bfloat16)
+    weights, ids = topk_route(torch.randn(4, 8), 2, ids_dtype=torch.int64)
+    prep = pf.prepare(x, weights, ids, 8, None, False)
+    out = torch.empty_like(x)
+    try:
+        pf.finalize_group_async(out, torch.zeros_like(prep.a1q), weights, ids, False,
+                                TopKWeightAndReduceDelegate(), experts=(2, 4), last=False)
+    except MoEProtocolError as exc:
+        return str(exc)
+    finally:
+        pf.reset()
+    return "no error"
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(120)
+def test_group_combines_must_start_at_expert_zero(world2):
+    out = world2.run(_group_misuse, timeout_s=60)
+    assert all("expert 0" in o for o in out), out
+
+
+def _check_gloo(backend: str) -> list[tuple]:
+    from dbo.backends.all2all import AllToAllPrepareAndFinalize
+    from dbo.backends.naive import NaivePrepareAndFinalize
+    make = {"naive": NaivePrepareAndFinalize, "all2all": AllToAllPrepareAndFinalize}[backend]
+    rows = []
+    for case in standard_cases(2):
+        rep = check_case(case, dist.get_rank(), lambda: make(timeout_s=20.0),
+                         expert_schedule="sbo")
+        rows.append((rep.err_seq, rep.err_dbo, rep.err_dbo_vs_seq, rep.tol))
+    return rows
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("backend", ["naive", "all2all"])
+def test_sbo_on_gloo_matches_plain(world2, backend):
+    per_rank = world2.run(_check_gloo, backend, timeout_s=120)
+    for rows in per_rank:
+        for e_seq, e_dbo, e_vs, tol in rows:
+            assert max(e_seq, e_dbo, e_vs) <= tol and not math.isnan(e_vs)
