@@ -17,7 +17,11 @@ back, so under DBO the CPU queues the other ubatch's work while these kernels ru
 BATCHED_EXPERTS format: on CUDA the fused kernels over the rows that arrived, with the counts
 read on the device (:mod:`dbo.moe.kernels.batched`; without Triton, or with ``batched_rows``,
 two batched matmuls over each expert's slab); a loop over the experts that received tokens on
-the CPU.
+the CPU. Under the merged expert schedule the fused kernels (on CUDA, or on the CPU with
+``use_triton=True``: Triton's interpreter) take every ubatch's slab at once as segments of one
+flat buffer (:class:`dbo.moe.base.BatchedSegments`, :meth:`SwiGLUExperts.accepts_batched_segments`)
+and write each row's output to its place there, so that no row is moved back; elsewhere
+segments are run one slab at a time.
 
 Persistent grids and the SM carve-out: the fused kernels' persistent GEMMs size their grid to
 the device's SMs less ``SwiGLUExperts.sm_carveout``, passed down to the launch as an argument.
@@ -39,6 +43,7 @@ import torch.nn.functional as F
 
 from dbo.moe.base import (
     ActivationFormat,
+    BatchedSegments,
     ExpertTokensMetadata,
     MoEExperts,
     TopKWeightAndReduce,
@@ -48,7 +53,7 @@ from dbo.moe.base import (
     Workspace,
 )
 from dbo.moe.grouping import group_by_expert
-from dbo.moe.kernels.batched import batched_swiglu_experts
+from dbo.moe.kernels.batched import batched_swiglu_experts, segmented_swiglu_experts
 from dbo.moe.kernels.fused_experts import fused_swiglu_experts, prefer_fused
 from dbo.moe.kernels.gather_reduce import gather_reduce, gather_rows, silu_and_mul, use_triton_for
 from dbo.moe.kernels.grouped_gemm import grouped_mm
@@ -225,23 +230,63 @@ class SwiGLUExperts(MoEExperts):
 
     # ---- BATCHED_EXPERTS ------------------------------------------------------------------
 
+    def accepts_batched_segments(self, hidden_states: torch.Tensor) -> bool:
+        """True where the fused kernels run on slabs like ``hidden_states`` (Triton on CUDA, or
+        on the CPU with ``use_triton=True``, and no ``batched_rows``): they take the merged
+        schedule's slabs as segments (see :meth:`MoEExperts.accepts_batched_segments`)."""
+        return self._fused_slabs(hidden_states)
+
+    def _fused_slabs(self, x: torch.Tensor) -> bool:
+        # the fused kernels over the rows that arrived (on the CPU: Triton's interpreter)
+        return self.batched_rows is None and use_triton_for(x, self.use_triton)
+
     def _apply_batched(self, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
                        meta: ExpertTokensMetadata | None, workspace: Workspace,
                        topk_ids: torch.Tensor | None = None) -> torch.Tensor:
+        if meta is None:
+            raise ValueError("BATCHED_EXPERTS format needs expert_tokens_meta")
+        if meta.segments is not None:
+            return self._apply_segments(x, w1, w2, meta.segments, workspace, topk_ids)
         if x.dim() != 3:
             raise ValueError(f"BATCHED_EXPERTS activations must be [num_local_experts, max_tokens, "
                              f"hidden], got shape {tuple(x.shape)}")
-        if meta is None:
-            raise ValueError("BATCHED_EXPERTS format needs expert_tokens_meta")
         n_local, max_tokens, hidden = x.shape
         check_expert_weights(w1, w2, hidden, x.dtype, n_local)
         out = workspace.get("fused_out", (n_local, max_tokens, hidden), x.dtype, x.device)
-        if x.is_cuda and self.batched_rows is None and use_triton_for(x, self.use_triton):
+        est = None if topk_ids is None else topk_ids.numel() / n_local
+        return self._slabs(x, w1, w2, meta.expert_num_tokens, meta.expert_num_tokens_cpu, out, est)
+
+    def _apply_segments(self, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                        seg: BatchedSegments, workspace: Workspace,
+                        topk_ids: torch.Tensor | None) -> torch.Tensor:
+        n_local = seg.counts.shape[0]
+        bases = seg.bases
+        if x.dim() != 2 or x.shape[0] != bases[-1]:
+            raise ValueError(f"segmented BATCHED_EXPERTS activations must be [L * sum(caps), hidden] "
+                             f"= [{bases[-1]}, hidden] for L={n_local}, caps={seg.caps}; got "
+                             f"{tuple(x.shape)}")
+        hidden = x.shape[1]
+        check_expert_weights(w1, w2, hidden, x.dtype, n_local)
+        out = workspace.get("fused_out", tuple(x.shape), x.dtype, x.device)
+        est = None if topk_ids is None else topk_ids.numel() / n_local
+        if self._fused_slabs(x):
+            return segmented_swiglu_experts(x, w1, w2, seg.counts, seg.caps, out=out,
+                                            rows_per_expert=est, sm_carveout=self.sm_carveout)
+        for u, cap in enumerate(seg.caps):  # one slab at a time, each into its region of out
+            rows = slice(bases[u], bases[u + 1])
+            self._slabs(x[rows].view(n_local, cap, hidden), w1, w2, seg.counts[:, u], None,
+                        out[rows].view(n_local, cap, hidden), est)
+        return out
+
+    def _slabs(self, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, counts: torch.Tensor,
+               counts_cpu: torch.Tensor | None, out: torch.Tensor, est: float | None) -> torch.Tensor:
+        # the experts on x [L, cap, hidden] (expert e's rows the first counts[e]) into out
+        n_local, max_tokens, _ = x.shape
+        if x.is_cuda and self._fused_slabs(x):
             # the rows that arrived only (the counts stay on the device); rows past them are
             # left unwritten, which finalize ignores
-            est = None if topk_ids is None else topk_ids.numel() / n_local
-            return batched_swiglu_experts(x, w1, w2, meta.expert_num_tokens, out=out,
-                                          rows_per_expert=est, sm_carveout=self.sm_carveout)
+            return batched_swiglu_experts(x, w1, w2, counts, out=out, rows_per_expert=est,
+                                          sm_carveout=self.sm_carveout)
         if x.is_cuda:
             # padded rows compute garbage, which finalize ignores; two launches beat a loop
             rows = max_tokens if self.batched_rows is None else min(self.batched_rows, max_tokens)
@@ -253,10 +298,9 @@ class SwiGLUExperts(MoEExperts):
             else:
                 out[:, :rows] = torch.bmm(y, w2.transpose(1, 2))
             return out
-        counts = meta.expert_num_tokens_cpu
-        if counts is None:
-            counts = meta.expert_num_tokens.cpu()
-        for e, c in enumerate(counts.tolist()):
+        if counts_cpu is None:
+            counts_cpu = counts.cpu()
+        for e, c in enumerate(counts_cpu.tolist()):
             if c > max_tokens:
                 raise ValueError(f"expert_tokens_meta says expert {e} has {c} tokens, more than "
                                  f"max_tokens={max_tokens}")

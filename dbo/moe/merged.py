@@ -14,13 +14,24 @@ Formats:
 * STANDARD: the received tokens, their local top-k ids and weights and any per-token scales
   are concatenated along the token dim; the per-expert counts (device and, when every ubatch
   has them, host) are summed. Each ubatch's output is a row slice (a view) of the merged one.
-* BATCHED_EXPERTS: each ubatch's ``[L, cap_u, hidden]`` slab holds expert ``e``'s rows at its
-  front (``n_u[e]`` of them); the merged slab ``[L, sum cap_u, hidden]`` holds ubatch 0's rows
-  of expert ``e``, then ubatch 1's, and so on, packed at the front with ``sum_u n_u[e]`` as the
-  count. Only the rows that arrived are copied, to places computed on the device (no host
-  sync: :func:`dbo.moe.kernels.batched.move_rows`, one launch per ubatch); the slab's other rows
-  are unspecified. Each ubatch gets back ``[L, cap_u, hidden]`` with its rows at the front again
-  (rows past its count unspecified, as the format allows), copied the same way.
+* BATCHED_EXPERTS, for experts that take segments
+  (:meth:`dbo.moe.MoEExperts.accepts_batched_segments`: :class:`dbo.moe.SwiGLUExperts` on its
+  fused Triton kernels): each ubatch's ``[L, cap_u, hidden]`` slab holds expert ``e``'s rows at
+  its front (``n_u[e]`` of them, counted on the device only). The merged input is one flat
+  buffer ``[sum_u L * cap_u, hidden]`` whose region ``u`` (from row ``base_u = L * sum(cap_v,
+  v < u)``) holds ubatch ``u``'s slab rows at the same places; only the rows that arrived are
+  copied there, once (:func:`dbo.moe.kernels.batched.copy_arrived_rows`, one launch per ubatch,
+  no host sync; the per-row scales the same way), and ``expert_tokens_meta.segments``
+  (:class:`dbo.moe.base.BatchedSegments`) carries the ``[L, U]`` counts and the caps. The
+  experts write each row's output to its place in a flat output, so ubatch ``u``'s output is
+  its region viewed as ``[L, cap_u, hidden]``: nothing is copied back.
+* BATCHED_EXPERTS for any other experts (or more than
+  :data:`dbo.moe.kernels.batched.MAX_SEGMENTS` ubatches): the merged slab ``[L, sum cap_u,
+  hidden]`` holds ubatch 0's rows of expert ``e``, then ubatch 1's, and so on, packed at the
+  front with ``sum_u n_u[e]`` as the count; the rows that arrived are moved there
+  (:func:`dbo.moe.kernels.batched.move_rows`, one launch per ubatch) and each ubatch's rows of
+  the output are moved back into a ``[L, cap_u, hidden]`` slab of its own (rows past its count
+  unspecified, as the format allows).
 
 Failure: a ubatch that raises anywhere makes the driver unwind the others, which throws
 ``GreenletExit`` into a waiting ubatch; its rendezvous is dropped on the way out, so the next
@@ -32,13 +43,13 @@ rendezvous (or that keeps being resumed without any peer arriving) raises
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from dbo.moe.base import ActivationFormat, ExpertTokensMetadata
+from dbo.moe.base import ActivationFormat, BatchedSegments, ExpertTokensMetadata
 from dbo.moe.errors import MergedScheduleError
-from dbo.moe.kernels.batched import move_rows
+from dbo.moe.kernels.batched import MAX_SEGMENTS, copy_arrived_rows, move_rows
 from dbo.ubatch.context import (
     active_run,
     dbo_current_ubatch_id,
@@ -48,7 +59,8 @@ from dbo.ubatch.context import (
     dbo_yield,
 )
 
-__all__ = ["ExpertsInput", "ExpertsRendezvous", "merge_inputs", "same_call_key", "MAX_IDLE_YIELDS"]
+__all__ = ["ExpertsInput", "ExpertsRendezvous", "merge_inputs", "run_merged", "same_call_key",
+           "MAX_IDLE_YIELDS"]
 
 #: a waiting ubatch raises after this many resumptions with no new ubatch arriving: the peers
 #: are stuck elsewhere (a rendezvous of another layer), and yielding on would never end
@@ -87,15 +99,22 @@ def _cat(parts: Sequence[torch.Tensor | None], dim: int, what: str) -> torch.Ten
     return torch.cat(list(parts), dim=dim)
 
 
-def _merge_meta(metas: Sequence[ExpertTokensMetadata | None]) -> ExpertTokensMetadata | None:
+def _merge_meta(metas: Sequence[ExpertTokensMetadata | None],
+                caps: Sequence[int] | None = None) -> ExpertTokensMetadata | None:
+    # the summed counts; with caps, the [L, U] counts of the segments too
     if any(m is None for m in metas):
         return None  # the experts count on the device from the ids
-    dev = torch.stack([m.expert_num_tokens.to(torch.int64) for m in metas]).sum(0)
+    dtype = metas[0].expert_num_tokens.dtype
+    parts = [m.expert_num_tokens for m in metas]
+    if len({p.dtype for p in parts}) > 1:
+        parts = [p.to(torch.int64) for p in parts]
+    counts = torch.stack(parts, dim=1)  # [L, U]
     host = None
     if all(m.expert_num_tokens_cpu is not None for m in metas):
         host = torch.stack([m.expert_num_tokens_cpu.to(torch.int64) for m in metas]).sum(0)
         host = host.to(metas[0].expert_num_tokens_cpu.dtype)
-    return ExpertTokensMetadata(dev.to(metas[0].expert_num_tokens.dtype), host)
+    segments = None if caps is None else BatchedSegments(counts, tuple(caps))
+    return ExpertTokensMetadata(counts.sum(1, dtype=dtype), host, segments)
 
 
 def _merge_standard(inputs: Sequence[ExpertsInput]) -> tuple[ExpertsInput, Splitter]:
@@ -117,15 +136,56 @@ def _merge_standard(inputs: Sequence[ExpertsInput]) -> tuple[ExpertsInput, Split
     return merged, split
 
 
-def _merge_batched(inputs: Sequence[ExpertsInput]) -> tuple[ExpertsInput, Splitter]:
+def _batched_metas(inputs: Sequence[ExpertsInput]) -> list[ExpertTokensMetadata]:
     metas = [i.expert_tokens_meta for i in inputs]
     if any(m is None for m in metas):
         raise MergedScheduleError("merged experts: BATCHED_EXPERTS activations need "
                                   "expert_tokens_meta in every ubatch")
+    scales = [i.a1q_scale for i in inputs]
+    if any(t is not None for t in scales) and not all(t is not None for t in scales):
+        raise MergedScheduleError("merged experts: some ubatches received scales and others not")
+    return metas
+
+
+def _merge_segments(inputs: Sequence[ExpertsInput]) -> tuple[ExpertsInput, Splitter]:
+    metas = _batched_metas(inputs)
+    caps = [int(i.a1q.shape[1]) for i in inputs]
+    n_local = int(inputs[0].a1q.shape[0])
+    meta = _merge_meta(metas, caps)
+    bases = meta.segments.bases
+
+    def gather(parts: list[torch.Tensor]) -> torch.Tensor:
+        # region u of the flat buffer is ubatch u's slab, its arrived rows copied
+        flat = parts[0].new_empty(bases[-1], *parts[0].shape[2:])
+        for u, (part, m) in enumerate(zip(parts, metas, strict=True)):
+            region = flat[bases[u]:bases[u + 1]].view(n_local, caps[u], *part.shape[2:])
+            copy_arrived_rows(part, region, m.expert_num_tokens)
+        return flat
+
+    scales = [i.a1q_scale for i in inputs]
+    merged = ExpertsInput(
+        gather([i.a1q for i in inputs]),
+        None if scales[0] is None else gather(scales),
+        meta,
+        _cat([i.topk_ids for i in inputs], 0, "top-k ids"),
+        _cat([i.topk_weights for i in inputs], 0, "top-k weights"),
+    )
+
+    def split(out: torch.Tensor) -> list[torch.Tensor]:
+        return [out[bases[u]:bases[u + 1]].view(n_local, cap, *out.shape[1:])
+                for u, cap in enumerate(caps)]
+
+    return merged, split
+
+
+def _merge_batched(inputs: Sequence[ExpertsInput]) -> tuple[ExpertsInput, Splitter]:
+    metas = _batched_metas(inputs)
     caps = [int(i.a1q.shape[1]) for i in inputs]
     n_local, device = int(inputs[0].a1q.shape[0]), inputs[0].a1q.device
     total = sum(caps)
-    counts = torch.stack([m.expert_num_tokens.to(torch.int64) for m in metas], dim=1)  # [L, U]
+    meta = _merge_meta(metas, caps)
+    counts = meta.segments.counts.to(torch.int64)  # [L, U]
+    meta = replace(meta, segments=None)  # the experts see one packed slab
     starts = counts.cumsum(1) - counts
     expert = torch.arange(n_local, dtype=torch.int64, device=device).view(-1, 1)
 
@@ -144,12 +204,10 @@ def _merge_batched(inputs: Sequence[ExpertsInput]) -> tuple[ExpertsInput, Splitt
         return out
 
     scales = [i.a1q_scale for i in inputs]
-    if any(t is not None for t in scales) and not all(t is not None for t in scales):
-        raise MergedScheduleError("merged experts: some ubatches received scales and others not")
     merged = ExpertsInput(
         pack([i.a1q for i in inputs]),
         None if scales[0] is None else pack(scales),
-        _merge_meta(metas),
+        meta,
         _cat([i.topk_ids for i in inputs], 0, "top-k ids"),
         _cat([i.topk_weights for i in inputs], 0, "top-k weights"),
     )
@@ -164,18 +222,34 @@ def _merge_batched(inputs: Sequence[ExpertsInput]) -> tuple[ExpertsInput, Splitt
     return merged, split
 
 
-def merge_inputs(fmt: ActivationFormat,
-                 inputs: Sequence[ExpertsInput]) -> tuple[ExpertsInput, Splitter]:
+def merge_inputs(fmt: ActivationFormat, inputs: Sequence[ExpertsInput], *,
+                 segmented: bool = False) -> tuple[ExpertsInput, Splitter]:
     """One :class:`ExpertsInput` for the rows of all ``inputs`` (in order), and the function
     that cuts the experts' output on it back into one output per input (see the module
-    docstring for the layouts). No host sync.
+    docstring for the layouts). ``segmented``: BATCHED_EXPERTS for experts that take segments
+    (:meth:`dbo.moe.MoEExperts.accepts_batched_segments`): the slabs laid end to end in one flat
+    buffer, with ``expert_tokens_meta.segments`` (up to
+    :data:`dbo.moe.kernels.batched.MAX_SEGMENTS` inputs; more are packed as for other experts).
+    No host sync.
 
     Raises:
         MergedScheduleError: the inputs cannot be merged (scales or counts in some only).
     """
     if fmt is ActivationFormat.BATCHED_EXPERTS:
+        if segmented and len(inputs) <= MAX_SEGMENTS:
+            return _merge_segments(inputs)
         return _merge_batched(inputs)
     return _merge_standard(inputs)
+
+
+def run_merged(fmt: ActivationFormat, inputs: Sequence[ExpertsInput],
+               compute: Callable[[ExpertsInput], torch.Tensor], *,
+               segmented: bool = False) -> list[torch.Tensor]:
+    """Each input's experts output, from one ``compute`` call on their merge
+    (:func:`merge_inputs` with ``segmented``, the call, the split): what the last ubatch to
+    reach an :class:`ExpertsRendezvous` runs."""
+    merged, split = merge_inputs(fmt, inputs, segmented=segmented)
+    return split(compute(merged))
 
 
 # ---- the rendezvous -----------------------------------------------------------------------
@@ -255,11 +329,12 @@ class ExpertsRendezvous:
                         "waiting at another layer?")
 
     def run(self, inp: ExpertsInput, fmt: ActivationFormat, key: tuple,
-            compute: Callable[[ExpertsInput], torch.Tensor]) -> torch.Tensor:
+            compute: Callable[[ExpertsInput], torch.Tensor], *, segmented: bool = False) -> torch.Tensor:
         """This ubatch's experts output, computed in one ``compute`` call over every ubatch's
-        ``inp`` (by the last ubatch to arrive). ``key`` identifies the call's weights and
-        arguments; every ubatch must bring the same one. Outside a run (or a run of one
-        ubatch) it is ``compute(inp)``.
+        ``inp`` (by the last ubatch to arrive, :func:`run_merged`; its ``segmented`` decides,
+        see :func:`merge_inputs`). ``key`` identifies the call's weights and arguments; every
+        ubatch must bring the same one. Outside a run (or a run of one ubatch) it is
+        ``compute(inp)``.
 
         Raises:
             MergedScheduleError: a peer can never arrive, or ``key`` differs from the peers'.
@@ -274,8 +349,9 @@ class ExpertsRendezvous:
         try:
             if len(g.deposits) == n:
                 with dbo_region("experts_merged"):
-                    merged, split = merge_inputs(fmt, [g.deposits[u] for u in range(n)])
-                    g.results = dict(enumerate(split(compute(merged))))
+                    outs = run_merged(fmt, [g.deposits[u] for u in range(n)], compute,
+                                      segmented=segmented)
+                    g.results = dict(enumerate(outs))
                     g.deposits.clear()  # the inputs are no longer needed
             else:
                 with dbo_region("experts_wait"):

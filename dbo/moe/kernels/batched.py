@@ -12,21 +12,32 @@ slab and each expert's end row, the ``(order, offsets)`` pair of
 programs past the last expert's rows return at once, and the down GEMM writes each row back to
 its slab place (rows past an expert's count are left unwritten, as the layout allows).
 
-:func:`move_rows` is the copy the merged schedule needs for this layout (:mod:`dbo.moe.merged`):
+Segments (the merged schedule, :mod:`dbo.moe.merged`): several ubatches' slabs laid end to end
+in one flat buffer ``[sum_u L * cap_u, hidden]``, region ``u`` at row ``base_u = L * sum(cap_v,
+v < u)`` holding ubatch ``u``'s slab rows at the same places (:func:`copy_arrived_rows` copies
+only the rows that arrived there). :func:`batched_order` over the segments sorts expert ``e``'s
+rows as ubatch 0's, then ubatch 1's, ..., and :func:`segmented_swiglu_experts` runs the experts
+once over them: the down GEMM writes each row to its place in the flat output, whose region
+``u`` is ubatch ``u``'s output slab as it is (a view, nothing copied back).
+
+:func:`move_rows` is the row copy of the merged schedule for experts that take one slab:
 ``dst[dst_rows[i]] = src[src_rows[i]]`` for the pairs whose indices are both ``>= 0``, so that
 only the rows that arrived are copied, not the slabs.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from dbo.moe.kernels.fused_experts import launch_down, launch_gate_up, pick_configs
 from dbo.moe.kernels.fused_maps import block_e
 from dbo.moe.kernels.gather_reduce import use_triton_for
-from dbo.moe.kernels.triton_launch import cdiv, launch
+from dbo.moe.kernels.triton_launch import cdiv, launch, next_pow2
 
-__all__ = ["batched_order", "batched_swiglu_experts", "move_rows", "MOVE_ROWS_PER_PROGRAM"]
+__all__ = ["batched_order", "batched_swiglu_experts", "segmented_swiglu_experts", "copy_arrived_rows",
+           "segment_bases", "move_rows", "MAX_SEGMENTS", "MOVE_ROWS_PER_PROGRAM"]
 
 try:
     import triton
@@ -37,26 +48,67 @@ except ImportError:  # the module is only used where Triton is importable
 #: rows copied per program of :func:`move_rows` (the rows are short: a decode layer's slabs
 #: hold a few thousand)
 MOVE_ROWS_PER_PROGRAM = 4
+#: the most slabs :func:`batched_order` sorts in one launch (their capacities are scalar
+#: arguments of the kernel: a device tensor of them would be a host-to-device copy per call,
+#: which a CUDA graph cannot capture)
+MAX_SEGMENTS = 4
+#: rows of one program of :func:`copy_arrived_rows` (an expert's rows per ubatch at decode are
+#: a few dozen: a program past an expert's count returns at once)
+COPY_ROWS = 8
 
 if triton is not None:
 
     @triton.jit
-    def _batched_order_kernel(counts_ptr, order_ptr, offsets_ptr, n_experts, cap, n_rows,
+    def _batched_order_kernel(counts_ptr, stride_e, stride_u, order_ptr, offsets_ptr, n_experts,
+                              n_rows, cap0, cap1, cap2, cap3, SEGMENTS: tl.constexpr,
                               BLOCK_E: tl.constexpr, BLOCK_R: tl.constexpr):
-        # sorted row r of expert e (ends[e - 1] <= r < ends[e]) is slab row e * cap + r - start_e
+        # expert e's sorted rows are segment 0's counts[e, 0], then segment 1's, ...; row j of
+        # expert e in segment u is flat row base_u + e * cap_u + j, base_u = L * sum(cap_v, v < u)
         pid = tl.program_id(0)
+        us = tl.arange(0, 4)  # MAX_SEGMENTS
+        caps = tl.where(us == 0, cap0, tl.where(us == 1, cap1, tl.where(us == 2, cap2, cap3)))
+        caps = tl.where(us < SEGMENTS, caps, 0)
+        bases = (tl.cumsum(caps, 0) - caps) * n_experts
         ex = tl.arange(0, BLOCK_E)
         live = ex < n_experts
-        counts = tl.minimum(tl.load(counts_ptr + ex, mask=live, other=0).to(tl.int32), cap)
-        ends = tl.cumsum(counts, 0)
+        totals = tl.zeros([BLOCK_E], dtype=tl.int32)
+        for u in tl.static_range(SEGMENTS):
+            cap = tl.sum(tl.where(us == u, caps, 0), 0)
+            c = tl.load(counts_ptr + ex * stride_e + u * stride_u, mask=live, other=0).to(tl.int32)
+            totals += tl.minimum(tl.maximum(c, 0), cap)
+        ends = tl.cumsum(totals, 0)
         if pid == 0:
             tl.store(offsets_ptr + ex, ends, mask=live)
         r = pid * BLOCK_R + tl.arange(0, BLOCK_R)
         past = tl.where(live[None, :], ends[None, :] <= r[:, None], False)
         e = tl.minimum(tl.sum(past.to(tl.int32), 1), n_experts - 1)
         own = ex[None, :] == e[:, None]
-        start = tl.sum(tl.where(own, (ends - counts)[None, :], 0), 1)
-        tl.store(order_ptr + r, e * cap + r - start, mask=r < n_rows)
+        k = r - tl.sum(tl.where(own, (ends - totals)[None, :], 0), 1)  # row k of expert e's
+        dest = tl.zeros([BLOCK_R], dtype=tl.int32)
+        for u in tl.static_range(SEGMENTS):
+            cap = tl.sum(tl.where(us == u, caps, 0), 0)
+            c = tl.load(counts_ptr + ex * stride_e + u * stride_u, mask=live, other=0).to(tl.int32)
+            n = tl.sum(tl.where(own, tl.minimum(tl.maximum(c, 0), cap)[None, :], 0), 1)
+            base = tl.sum(tl.where(us == u, bases, 0), 0)
+            dest = tl.where((k >= 0) & (k < n), base + e * cap + k, dest)
+            k -= n
+        tl.store(order_ptr + r, dest, mask=r < n_rows)
+
+    @triton.jit
+    def _copy_arrived_kernel(src_ptr, dst_ptr, counts_ptr, cap, width, stride_e, stride_j, stride_c,
+                             row_blocks, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+        pid = tl.program_id(0)
+        e = pid // row_blocks
+        j0 = (pid % row_blocks) * BLOCK_R
+        count = tl.minimum(tl.load(counts_ptr + e).to(tl.int32), cap)
+        if j0 < count:  # the slab rows past the count did not arrive: nothing to read
+            j = j0 + tl.arange(0, BLOCK_R)
+            c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+            keep = (j < count)[:, None] & (c < width)[None, :]
+            e64 = e.to(tl.int64)
+            src = src_ptr + e64 * stride_e + j[:, None].to(tl.int64) * stride_j + c[None, :] * stride_c
+            dst = dst_ptr + (e64 * cap + j[:, None]) * width + c[None, :]
+            tl.store(dst, tl.load(src, mask=keep), mask=keep)
 
     @triton.jit
     def _move_rows_kernel(src_ptr, dst_ptr, src_rows_ptr, dst_rows_ptr, n, width,
@@ -75,24 +127,72 @@ if triton is not None:
                         tl.store(dst_ptr + d * width + c, v, mask=keep)
 
 
-def batched_order(counts: torch.Tensor, cap: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(order, offsets)`` for slabs of ``cap`` rows whose expert ``e`` holds ``counts[e]``
-    (``[L]`` int, on the device; clamped to ``cap``): ``order`` int32 ``[L * cap]``, sorted row
-    ``r`` of expert ``e`` -> its slab row ``e * cap + j`` (past ``offsets[-1]`` unspecified);
-    ``offsets`` int32 ``[L]``, each expert's end row. One launch, no host sync."""
-    n_experts = counts.numel()
-    if n_experts == 0 or cap < 1:
-        raise ValueError(f"need at least one expert and cap >= 1, got {n_experts} and {cap}")
-    if n_experts * cap >= 2**31:
-        raise ValueError(f"{n_experts} slabs of {cap} rows overflow int32 row indices")
-    n_rows = n_experts * cap
+def segment_bases(n_experts: int, caps: Sequence[int]) -> list[int]:
+    """Each segment's first row in the flat buffer of slabs of ``caps`` rows per expert laid end
+    to end: ``base_u = n_experts * sum(caps[:u])``, and the buffer's rows last (``U + 1`` ints)."""
+    bases = [0]
+    for cap in caps:
+        bases.append(bases[-1] + n_experts * int(cap))
+    return bases
+
+
+def batched_order(counts: torch.Tensor, cap: int | Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(order, offsets)`` of the rows that arrived in slabs whose expert ``e`` holds
+    ``counts[e]`` rows (each count clamped to its slab's capacity). One launch, no host sync.
+
+    One slab: ``counts`` ``[L]`` int on the device, ``cap`` an int; sorted row ``r`` of expert
+    ``e`` -> its slab row ``e * cap + j``. Segments (several ubatches' slabs laid end to end,
+    ``U <=`` :data:`MAX_SEGMENTS`): ``counts`` ``[L, U]``, ``cap`` the ``U`` capacities; expert
+    ``e``'s sorted rows are segment 0's first ``counts[e, 0]``, then segment 1's, ..., each
+    mapped to ``base_u + e * cap_u + j`` (:func:`segment_bases`).
+
+    Returns:
+        ``order`` int32 ``[L * sum(caps)]`` (past ``offsets[-1]`` unspecified) and ``offsets``
+        int32 ``[L]``, each expert's end row.
+    """
+    caps = (cap,) if isinstance(cap, int) else tuple(int(c) for c in cap)
+    if isinstance(cap, int) != (counts.dim() == 1) or counts.dim() not in (1, 2):
+        raise ValueError(f"counts must be [L] with an int cap, or [L, U] with U caps; got "
+                         f"{tuple(counts.shape)} and {cap!r}")
+    n_experts = counts.shape[0] if counts.numel() else 0
+    segs = counts.view(-1, 1) if counts.dim() == 1 else counts
+    if segs.shape[1] != len(caps) or not 1 <= len(caps) <= MAX_SEGMENTS:
+        raise ValueError(f"need 1 to {MAX_SEGMENTS} segments with a cap each, got counts "
+                         f"{tuple(counts.shape)} and caps {caps}")
+    n_rows = segment_bases(n_experts, caps)[-1]
+    if n_experts == 0 or min(caps) < 0 or n_rows < 1:
+        raise ValueError(f"need at least one expert and caps >= 0 with a row in all, got "
+                         f"{n_experts} experts and caps {caps}")
+    if n_rows >= 2**31:
+        raise ValueError(f"{n_experts} experts' slabs of {caps} rows overflow int32 row indices")
     order = torch.empty(n_rows, dtype=torch.int32, device=counts.device)
     offsets = torch.empty(n_experts, dtype=torch.int32, device=counts.device)
     block_r = 128
+    padded = caps + (0,) * (MAX_SEGMENTS - len(caps))
     launch(_batched_order_kernel, (cdiv(n_rows, block_r),), (
-        counts.contiguous(), order, offsets, n_experts, cap, n_rows), dict(
-        BLOCK_E=block_e(n_experts), BLOCK_R=block_r, num_warps=4))
+        segs, segs.stride(0), segs.stride(1), order, offsets, n_experts, n_rows, *padded), dict(
+        SEGMENTS=len(caps), BLOCK_E=block_e(n_experts), BLOCK_R=block_r, num_warps=4))
     return order, offsets
+
+
+def _experts(x: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, w1: torch.Tensor,
+             w2: torch.Tensor, out: torch.Tensor, est: float, configs, persistent: bool | None,
+             sm_carveout: int | None) -> None:
+    # the fused GEMMs over x [R, hidden]: gather through order, scatter to out [R, hidden]
+    pairs, _ = x.shape
+    inter = w2.shape[2]
+    up_cfg, down_cfg = pick_configs(est, inter, w1.shape[0]) if configs is None else configs
+    persistent = True if persistent is None else persistent
+    act = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
+    launch_gate_up(x, order, offsets, w1, act, up_cfg, pairs, 1, persistent, sm_carveout=sm_carveout)
+    launch_down(act, order, offsets, w2, out, down_cfg, pairs, persistent, sm_carveout=sm_carveout)
+
+
+def _check_out(x: torch.Tensor, out: torch.Tensor) -> None:
+    if out.shape != x.shape or out.dtype != x.dtype:
+        raise ValueError(f"out must be {tuple(x.shape)} {x.dtype}, got {tuple(out.shape)} {out.dtype}")
+    if not out.is_contiguous():
+        raise ValueError("out must be contiguous")
 
 
 def batched_swiglu_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, counts: torch.Tensor, *,
@@ -107,25 +207,79 @@ def batched_swiglu_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, 
     :func:`dbo.moe.kernels.fused_experts.fused_swiglu_experts` (default persistent: the grid's
     bound is the capacity, most of it empty). Returns ``out``; nothing waits for the GPU."""
     n_local, cap, hidden = x.shape
-    inter = w2.shape[2]
-    if out.shape != x.shape or out.dtype != x.dtype:
-        raise ValueError(f"out must be {tuple(x.shape)} {x.dtype}, got {tuple(out.shape)} {out.dtype}")
+    _check_out(x, out)
     if counts.numel() != n_local:
         raise ValueError(f"{counts.numel()} counts for {n_local} experts' slabs")
     x, w1, w2 = x.contiguous(), w1.contiguous(), w2.contiguous()
-    if not out.is_contiguous():
-        raise ValueError("out must be contiguous")
     est = max(1.0, cap / 4 if rows_per_expert is None else min(float(rows_per_expert), cap))
-    up_cfg, down_cfg = pick_configs(est, inter, n_local) if configs is None else configs
-    persistent = True if persistent is None else persistent
     order, offsets = batched_order(counts, cap)
-    pairs = n_local * cap
-    act = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
-    launch_gate_up(x.view(pairs, hidden), order, offsets, w1, act, up_cfg, pairs, 1, persistent,
-                   sm_carveout=sm_carveout)
-    launch_down(act, order, offsets, w2, out.view(pairs, hidden), down_cfg, pairs, persistent,
-                sm_carveout=sm_carveout)
+    _experts(x.view(n_local * cap, hidden), order, offsets, w1, w2, out.view(n_local * cap, hidden),
+             est, configs, persistent, sm_carveout)
     return out
+
+
+def segmented_swiglu_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, counts: torch.Tensor,
+                             caps: Sequence[int], *, out: torch.Tensor,
+                             rows_per_expert: float | None = None, configs=None,
+                             persistent: bool | None = None, sm_carveout: int | None = None) -> torch.Tensor:
+    """SwiGLU experts once over several ubatches' slabs laid end to end in ``x`` ``[R, hidden]``,
+    ``R = L * sum(caps)``: region ``u`` (rows ``base_u .. base_u + L * caps[u]``,
+    :func:`segment_bases`) is ubatch ``u``'s ``[L, caps[u], hidden]`` slab, expert ``e``'s rows
+    the first ``counts[e, u]`` (``counts`` ``[L, U]`` int on the device) of its part. Writes
+    each of those rows' output to the same row of ``out`` ``[R, hidden]`` (other rows left
+    unwritten), so ``out``'s region ``u`` viewed as ``[L, caps[u], hidden]`` is ubatch ``u``'s
+    output slab. CUDA, Triton; the other arguments as for :func:`batched_swiglu_experts`
+    (``rows_per_expert`` over all segments, default a quarter of ``sum(caps)``). Returns
+    ``out``; nothing waits for the GPU."""
+    n_local, hidden = w2.shape[0], w2.shape[1]
+    caps = tuple(int(c) for c in caps)
+    n_rows = segment_bases(n_local, caps)[-1]
+    if x.dim() != 2 or x.shape != (n_rows, hidden):
+        raise ValueError(f"x must be [L * sum(caps), hidden] = {(n_rows, hidden)}, got {tuple(x.shape)}")
+    _check_out(x, out)
+    if counts.shape != (n_local, len(caps)):
+        raise ValueError(f"counts must be [L, U] = {(n_local, len(caps))}, got {tuple(counts.shape)}")
+    if n_rows == 0:
+        return out
+    x, w1, w2 = x.contiguous(), w1.contiguous(), w2.contiguous()
+    total = sum(caps)
+    est = max(1.0, total / 4 if rows_per_expert is None else min(float(rows_per_expert), total))
+    order, offsets = batched_order(counts, caps)
+    _experts(x, order, offsets, w1, w2, out, est, configs, persistent, sm_carveout)
+    return out
+
+
+def copy_arrived_rows(src: torch.Tensor, dst: torch.Tensor, counts: torch.Tensor, *,
+                      use_triton: bool | None = None) -> torch.Tensor:
+    """``dst[e, :counts[e]] = src[e, :counts[e]]`` (each count clamped to the capacity) for the
+    slabs ``src`` ``[L, cap, ...]`` (any strides) and ``dst`` of the same shape and dtype
+    (contiguous); ``counts`` ``[L]`` int on the device. The rest of ``dst`` is left as it is,
+    or on the plain torch path (``use_triton`` False; default: Triton on CUDA) overwritten with
+    ``src`` (a whole-slab copy: no host sync either way). Triton: one launch, a program per
+    expert, block of rows and block of columns, returning at once past the count. Returns ``dst``."""
+    if src.shape != dst.shape or src.dtype != dst.dtype or src.dim() < 2:
+        raise ValueError(f"src and dst must be [L, cap, ...] of one shape and dtype, got "
+                         f"{tuple(src.shape)} {src.dtype} and {tuple(dst.shape)} {dst.dtype}")
+    if counts.numel() != src.shape[0]:
+        raise ValueError(f"{counts.numel()} counts for {src.shape[0]} experts' slabs")
+    if not dst.is_contiguous():
+        raise ValueError("dst must be contiguous")
+    if src.numel() == 0:
+        return dst
+    if not use_triton_for(src, use_triton):
+        return dst.copy_(src)
+    n_local, cap = src.shape[:2]
+    rows = src.view(n_local, cap, 1) if src.dim() == 2 else src.flatten(2)
+    flat_dst = dst.view(n_local, cap, -1)
+    if rows.element_size() == 1 and rows.is_floating_point():  # fp8: move bytes
+        rows, flat_dst = rows.view(torch.uint8), flat_dst.view(torch.uint8)
+    width = rows.shape[2]
+    block_c = min(next_pow2(width), max(16, 2048 // rows.element_size()))
+    row_blocks = cdiv(cap, COPY_ROWS)
+    launch(_copy_arrived_kernel, (n_local * row_blocks, cdiv(width, block_c)), (
+        rows, flat_dst, counts, cap, width, rows.stride(0), rows.stride(1), rows.stride(2),
+        row_blocks), dict(BLOCK_R=COPY_ROWS, BLOCK_C=block_c, num_warps=4))
+    return dst
 
 
 def move_rows(src: torch.Tensor, dst: torch.Tensor, src_rows: torch.Tensor, dst_rows: torch.Tensor,
