@@ -119,7 +119,8 @@ for arg in "$@"; do
       run core 240 $pytest_gpu tests/gpu/test_streams_gpu.py tests/gpu/test_partition_gpu.py tests/gpu/test_link_gpu.py \
         tests/gpu/test_schedules_gpu.py ;;
     experts)
-      run experts 330 $pytest_gpu tests/gpu/test_experts_gpu.py tests/gpu/test_bench_kernels_gpu.py ;;
+      run experts 330 $pytest_gpu tests/gpu/test_experts_gpu.py tests/gpu/test_bench_kernels_gpu.py \
+        tests/gpu/test_segments_gpu.py ;;
     grid)
       if [ "${SMI:-0}" = 1 ]; then
         nvidia-smi --query-gpu=uuid,name,vbios_version,power.limit,clocks.max.sm,temperature.gpu --format=csv \
