@@ -260,7 +260,7 @@ def test_bench_under_a_simulated_link(tmp_path):
 
 
 def test_cuda_graph_rows_in_the_table(tmp_path):
-    # the CUDA-graph table (filled on GPUs only) renders the merged capture where there is one,
+    # the CUDA-graph table (filled on GPUs only) renders the merged and sbo captures where there are,
     # a dash where it failed, and a failed capture's error
     from dbo.bench.report import format_table
 
@@ -268,11 +268,22 @@ def test_cuda_graph_rows_in_the_table(tmp_path):
     shape = bundle["shapes"][0]
     graph = {"ok": True, "eager_serial_ms": 2.0, "eager_dbo_ms": 3.0, "graph_serial_ms": 1.0,
              "graph_dbo_ms": 0.9, "graph_dbo_over_serial": 0.9, "dbo_replay_equals_eager": True}
-    shapes = [dict(shape, cuda_graph=dict(graph, graph_merged_ms=0.8, graph_merged_over_serial=0.8)),
+    shapes = [dict(shape, cuda_graph=dict(graph, graph_merged_ms=0.8, graph_merged_over_serial=0.8,
+                                          graph_sbo_ms=0.95, graph_sbo_over_serial=0.95)),
               dict(shape, tokens=128, cuda_graph=dict(graph, merged_error="RuntimeError: x")),
               dict(shape, tokens=256, cuda_graph={"ok": False, "error": "RuntimeError: capture"})]
     lines = format_table(dict(bundle, shapes=shapes)).splitlines()
     head = next(i for i, ln in enumerate(lines) if ln.startswith("CUDA graph"))
     rows = [ln.split() for ln in lines[head + 2:head + 5]]
-    assert rows[0][-2:] == ["0.80", "0.800"] and rows[1][-2:] == ["-", "-"]
+    assert rows[0][-4:] == ["0.80", "0.800", "0.95", "0.950"] and rows[1][-4:] == ["-"] * 4
     assert rows[2][:3] == ["256", str(shape["intermediate"]), "FAILED:"]
+
+
+def test_sbo_mode_is_measured_and_checked(tmp_path):
+    # the unsplit sbo step: timed beside serial and checked against the same reference
+    bundle = _run_bench(tmp_path, "--backend", "all2all", "--modes", "serial", "dbo", "sbo")
+    shape = bundle["shapes"][0]
+    assert any(m["mode"] == "sbo" and m.get("timing") for m in shape["measurements"])
+    assert any(k.startswith("sbo_s") for k in shape["checks"]), shape["checks"]
+    assert all(c["token_median"] <= 2e-2 for k, c in shape["checks"].items() if k.startswith("sbo"))
+    assert shape["summary"]["sbo_ms"] > 0

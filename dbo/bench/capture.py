@@ -60,8 +60,8 @@ def traces(sb: ShapeBench, profile: bool, out_dir: Path) -> dict | None:
 
 def _capture(sb: ShapeBench, mode: str, res: dict[str, Any], graphs: list[Any]) -> torch.Tensor:
     """Time ``mode``'s eager step, capture it whole, replay it: its figures into ``res``."""
-    sb.use_best(mode)
-    fn = {"serial": sb.serial, "dbo": sb.dbo, "merged": sb.merged}[mode]
+    sb.use_best("serial" if mode == "sbo" else mode)  # sbo runs the serial step's kernels
+    fn = {"serial": sb.serial, "dbo": sb.dbo, "merged": sb.merged, "sbo": sb.sbo}[mode]
     eager = fn()
     res[f"eager_{mode}_ms"] = measure(fn, warmup=1, steps=sb.args.steps, device=sb.device,
                                       memory=False).median_ms / sb.layers
@@ -106,8 +106,9 @@ def _clean_after_failed_capture(sb: ShapeBench, res: dict[str, Any], key: str) -
 
 
 def cuda_graph(sb: ShapeBench) -> None:
-    """Capture a whole serial, DBO (split) and merged-schedule step; replay; compare with eager.
-    The merged capture is optional: where it fails, the serial and DBO figures stand."""
+    """Capture a whole serial, DBO (split), merged-schedule and sbo step; replay; compare with
+    eager. The merged and sbo captures are optional (``--modes``): where one fails, the serial
+    and DBO figures stand."""
     res: dict[str, Any] = {"ok": False}
     sb.rec["cuda_graph"] = res
     if sb.budget.expired():
@@ -128,14 +129,18 @@ def cuda_graph(sb: ShapeBench) -> None:
             res["error"] = f"{type(exc).__name__}: {exc}"
             sb.rec["warnings"].append(f"T={sb.T}: CUDA graph capture/replay failed: {res['error']}")
             _clean_after_failed_capture(sb, res, "error")
-        if res["ok"] and "merged" in sb.args.modes and not sb.budget.expired():
+        for extra in ("merged", "sbo"):  # the other schedules, where asked for and time allows
+            if not res["ok"] or extra not in sb.args.modes or sb.budget.expired():
+                continue
             try:
-                _capture(sb, "merged", res, graphs)
-                res["graph_merged_over_serial"] = res["graph_merged_ms"] / res["graph_serial_ms"]
-            except Exception as exc:  # noqa: BLE001 - the merged figures are extra
-                res["merged_error"] = f"{type(exc).__name__}: {exc}"
-                sb.rec["warnings"].append(f"T={sb.T}: merged CUDA graph failed: {res['merged_error']}")
-                _clean_after_failed_capture(sb, res, "merged_error")
+                out = _capture(sb, extra, res, graphs)
+                res[f"graph_{extra}_over_serial"] = res[f"graph_{extra}_ms"] / res["graph_serial_ms"]
+                if extra == "sbo":
+                    res["sbo_vs_serial_rel_err"] = max_rel_error(out, outs["serial"], sb.device)
+            except Exception as exc:  # noqa: BLE001 - these figures are extra
+                res[f"{extra}_error"] = f"{type(exc).__name__}: {exc}"
+                sb.rec["warnings"].append(f"T={sb.T}: {extra} CUDA graph failed: {res[extra + '_error']}")
+                _clean_after_failed_capture(sb, res, f"{extra}_error")
     finally:
         graphs.clear()
         sb.pf.reset()

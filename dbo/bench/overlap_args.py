@@ -29,7 +29,9 @@ __all__ = ["DTYPES", "TOLERANCE", "MODES", "SCHEMA", "PROG", "DEFAULT_BACKEND", 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
-MODES = ("compute", "dbo_compute", "merged_compute", "comm", "serial", "dbo", "merged")
+MODES = ("compute", "dbo_compute", "merged_compute", "comm", "serial", "dbo", "merged", "sbo")
+#: what runs unless --modes says otherwise (sbo pays in decode only: the decode steps ask for it)
+DEFAULT_MODES = MODES[:-1]
 SCHEMA = "dbo.bench_overlap/2"  # 2: one expert implementation (no expert_chunks)
 PROG = "python -m dbo.bench overlap"
 #: the backend when --backend is not given, per device (the CPU one must be in cpu_backends())
@@ -91,7 +93,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "counted on the device), or two batched matmuls over auto (the most "
                         "tokens any expert received, rounded up to 16), full (the whole "
                         "capacity) or a number of rows per expert")
-    p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    p.add_argument("--modes", nargs="+", choices=MODES, default=list(DEFAULT_MODES),
+                   help=f"what to measure (default: {' '.join(DEFAULT_MODES)})")
     p.add_argument("--steps", type=int, default=None, help="timed steps per configuration (20)")
     p.add_argument("--warmup", type=int, default=None, help="warm-up steps per configuration (3)")
     p.add_argument("--cuda-graph", action="store_true",
@@ -291,7 +294,7 @@ def configure_deepep(args: argparse.Namespace) -> dict[str, Any]:
 def count_configs(args: argparse.Namespace) -> int:
     s = max(1, len(args.num_sms))
     per = {"compute": 1, "dbo_compute": 1, "merged_compute": 1, "comm": s, "serial": s,
-           "dbo": s * len(args.dbo_sm_carveout), "merged": s * len(args.dbo_sm_carveout)}
+           "dbo": s * len(args.dbo_sm_carveout), "merged": s * len(args.dbo_sm_carveout), "sbo": s}
     n = sum(per[m] for m in args.modes) + 1  # +1: traces
     if args.cuda_graph:
         n += 1

@@ -97,8 +97,11 @@ def summarize_shape(shape: dict, default_splits: bool) -> dict:
     out.update(merged_ms=t_merged, merged_config=_cfg(merged),
                merged_compute_ms=_ms(_best(meas, "merged_compute"), layers),
                merged_speedup=_ratio(t_serial, t_merged), merged_efficiency=eff(t_merged))
+    t_sbo = _ms(_best(meas, "sbo"), layers)
+    out.update(sbo_ms=t_sbo, sbo_speedup=_ratio(t_serial, t_sbo))
     timed = [(t, k, name) for k, (name, t) in enumerate((("plain", t_serial), ("split", t_dbo),
-                                                          ("merged", t_merged))) if t is not None]
+                                                          ("merged", t_merged), ("sbo", t_sbo)))
+             if t is not None]
     out["best_schedule"] = min(timed)[2] if timed else None
     out["comm_bytes"] = shape.get("comm_bytes_per_layer")
     out["link_ms"] = shape.get("link_ms_per_layer")
@@ -155,11 +158,12 @@ def format_table(bundle: dict) -> str:
              f"experts={args['experts']} top-{args['topk']} attn_width={args['attn_width']}{_link(env)}",
              f"times per layer in ms: median of {args['steps']} steps (step time = slowest rank); "
              "cfg sN = DeepEP SMs, kN = DBO SM carve-out; dbo = split schedule, merged = one "
-             "experts call per layer (m-cmp: its compute alone)"]
+             "experts call per layer (m-cmp: its compute alone), sbo = unsplit, shared experts "
+             "beside the dispatch, a combine per expert group"]
     head = (f"{'tokens':>6} {'I':>5} {'compute':>8} {'comm':>7} {'x link':>6} {'comm%':>5} {'serial':>7} "
             f"{'[cfg]':>8} "
             f"{'dbo':>7} {'[cfg]':>8} {'speedup':>7} {'eff':>5} {'dbo-cmp':>7} {'peak':>5} {'peak+':>5} "
-            f"{'wrap':>5} {'untun':>5} {'merged':>7} {'m-cmp':>7} {'best':>6}")
+            f"{'wrap':>5} {'untun':>5} {'merged':>7} {'m-cmp':>7} {'sbo':>7} {'best':>6}")
     lines.append(head)
     for sh in bundle["shapes"]:
         s = sh.get("summary") or {}
@@ -174,7 +178,8 @@ def format_table(bundle: dict) -> str:
             f"{_f(s.get('peak_ratio')):>5} {_f(s.get('peak_extra_ratio')):>5} "
             f"{_f(s.get('wrapper_vs_serial'), '.3f'):>5} {_f(s.get('untuned_wrapper_vs_serial'), '.3f'):>5} "
             f"{_f(s.get('merged_ms')):>7} "
-            f"{_f(s.get('merged_compute_ms')):>7} {s.get('best_schedule') or '-':>6}")
+            f"{_f(s.get('merged_compute_ms')):>7} {_f(s.get('sbo_ms')):>7} "
+            f"{s.get('best_schedule') or '-':>6}")
     if any((sh.get("summary") or {}).get("per_num_sms") for sh in bundle["shapes"]):
         lines.append("DeepEP SM count (Buffer.set_num_sms): comm alone, best serial/DBO at that count, "
                      "speedup and efficiency against the best serial overall")
@@ -188,9 +193,10 @@ def format_table(bundle: dict) -> str:
     graphs = [sh for sh in bundle["shapes"] if sh.get("cuda_graph")]
     if graphs:
         lines.append("CUDA graph (whole step captured; per layer ms): eager serial/DBO, replayed "
-                     "serial/DBO, DBO replay == eager DBO, replayed merged schedule and its ratio to serial")
+                     "serial/DBO, DBO replay == eager DBO, replayed merged and sbo schedules and "
+                     "their ratios to serial")
         lines.append(f"{'tokens':>6} {'I':>5} {'eager-s':>7} {'eager-d':>7} {'graph-s':>7} {'graph-d':>7} "
-                     f"{'d/s':>6} {'equal':>6} {'graph-m':>7} {'m/s':>6}")
+                     f"{'d/s':>6} {'equal':>6} {'graph-m':>7} {'m/s':>6} {'graph-b':>7} {'b/s':>6}")
         for sh in graphs:
             g = sh["cuda_graph"]
             if not g.get("ok"):
@@ -200,7 +206,8 @@ def format_table(bundle: dict) -> str:
                          f"{_f(g['eager_dbo_ms']):>7} {_f(g['graph_serial_ms']):>7} "
                          f"{_f(g['graph_dbo_ms']):>7} {_f(g['graph_dbo_over_serial'], '.3f'):>6} "
                          f"{str(g['dbo_replay_equals_eager']):>6} {_f(g.get('graph_merged_ms')):>7} "
-                         f"{_f(g.get('graph_merged_over_serial'), '.3f'):>6}")
+                         f"{_f(g.get('graph_merged_over_serial'), '.3f'):>6} {_f(g.get('graph_sbo_ms')):>7} "
+                         f"{_f(g.get('graph_sbo_over_serial'), '.3f'):>6}")
     if any((sh.get("summary") or {}).get("limit_ms") for sh in bundle["shapes"]):
         lim = env.get("limits") or {}
         lines.append(f"compute against the limit (per layer; limit = sum over the layer's parts of "

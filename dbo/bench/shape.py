@@ -27,7 +27,7 @@ from dbo.bench.model import (
 )
 from dbo.bench.overlap_args import TOLERANCE
 from dbo.bench.timing import Progress, measure
-from dbo.expert_schedule import ExpertSchedule, current_expert_schedule
+from dbo.expert_schedule import ExpertSchedule, current_expert_schedule, use_expert_schedule
 from dbo.moe import MoEKernel, SwiGLUExperts, relative_error
 from dbo.overlap import overlapped_forward
 from dbo.peers.collectives import all_reduce_max
@@ -143,6 +143,11 @@ class ShapeBench:
         """The DBO step with the merged expert schedule."""
         return overlapped_forward(self.model, self.x, plan=self.plan_merged, trace=trace,
                                   sm_carveout=self.carveout, compute_sms=self.args.dbo_compute_sms)
+
+    def sbo(self) -> torch.Tensor:
+        """The unsplit step with the ``sbo`` expert schedule (single-batch overlap)."""
+        with use_expert_schedule(ExpertSchedule.SBO):
+            return self.model(self.x)
 
     def use(self, backend: Any, mode: str) -> None:
         if mode.startswith(("dbo", "merged")) and backend is self.pf:
@@ -298,6 +303,9 @@ class ShapeBench:
                     name = f"dbo_s{s}" + ("" if k is None else f"_k{k}")
                     self.run_config("dbo", s, self.dbo, self.check_against(self.ref, name), carveout=k)
                 self.carveout = None
+            if "sbo" in self.args.modes:  # unsplit: the serial step's backend and rows
+                self.use(self.pf, "serial")
+                self.run_config("sbo", s, self.sbo, self.check_against(self.ref, f"sbo_s{s}"))
             if "merged" in self.args.modes:
                 for k in self.args.dbo_sm_carveout:
                     self.use(self.pf_dbo, "merged")

@@ -26,7 +26,8 @@
 #                  then `dbo.bench compare`: best DBO over the best serial of any backend.
 #                  BACKENDS="deepep_ht copy_engine copy_engine+put_order=rank" (NAME+KEY=VALUE: a
 #                  --backend-opt), TOKENS, OVERLAP_ARGS (more options), OVERLAP_BUDGET_S, OVERLAP_CAP_S
-#   decode:N       `dbo.bench overlap` with deepep_ll at decode sizes (T=32..512, I=2048); DECODE_ARGS
+#   decode:N       `dbo.bench overlap` with deepep_ll at decode sizes (T=32..512, I=2048; every schedule, sbo
+#                  too); DECODE_ARGS
 #                  (more options, e.g. "--experts 32 --link 50,5 --remote-fraction 0.875"), TOKENS
 #   link:N         the tables under the simulated link (remote 7/8) for each of LINKS ("50,5 25,10":
 #                  GBPS,LATENCY_US): prefill with deepep_ht (24 SMs) and copy_engine at LINK_INTER
@@ -100,6 +101,8 @@ bundle() {  # bundle STEP: one archive per step's files (fewer files to bring ba
 tr_="torchrun ${TORCHRUN_ARGS:-} --nproc-per-node"  # then N ARGS...
 
 ov_thin="--device cuda --layers 8 --attn-width 1024 --profile-shape none"
+#: every mode of the overlap benchmark, sbo included (the decode steps)
+all_modes="compute dbo_compute merged_compute comm serial dbo merged sbo"
 
 for arg in "$@"; do
   step=${arg%%:*}
@@ -175,7 +178,7 @@ for arg in "$@"; do
     decode)
       run "decode-$n" "${DECODE_CAP_S:-240}" $tr_ "$n" -m dbo.bench overlap --device cuda --backend deepep_ll \
         --intermediate 2048 --tokens ${TOKENS:-32 128 512} --cuda-graph --time-budget-s "${DECODE_BUDGET_S:-200}" \
-        ${DECODE_ARGS:-} --out "$files/deepep_ll" ;;
+        --modes $all_modes ${DECODE_ARGS:-} --out "$files/deepep_ll" ;;
     link)
       for l in ${LINKS:-50,5 25,10}; do  # prefill: deepep_ht (24 SMs) and copy_engine; then decode
         for b in deepep_ht copy_engine; do
@@ -189,7 +192,7 @@ for arg in "$@"; do
         run "link-$l-compare-$n" 30 python3 -m dbo.bench compare "$files/${l/,/_}"/*/ --json "$files/${l/,/_}/compare.json"
         run "link-$l-decode-$n" "${DECODE_CAP_S:-150}" $tr_ "$n" -m dbo.bench overlap --device cuda --backend deepep_ll \
           --intermediate 2048 --experts $((8 * n)) --tokens ${DECODE_TOKENS:-32 64 128 256 512} --cuda-graph \
-          --link "$l" --remote-fraction 0.875 --time-budget-s "${DECODE_BUDGET_S:-110}" ${DECODE_ARGS:-} \
+          --link "$l" --remote-fraction 0.875 --time-budget-s "${DECODE_BUDGET_S:-110}" --modes $all_modes ${DECODE_ARGS:-} \
           --out "$files/${l/,/_}/deepep_ll"
       done ;;
     onerank)
