@@ -49,7 +49,7 @@ import torch.distributed as dist
 from dbo.ubatch.context import run_ubatches
 
 __all__ = ["FAULTS", "FAULT_EXIT_CODE", "Fault", "faulty_step", "error_chain",
-           "make_deepep_backend", "free_port", "spawn_ranks", "collect_ranks"]
+           "make_deepep_backend", "free_port", "spawn_ranks", "poll_ranks", "collect_ranks"]
 
 FAULTS = ("none", "slow", "stall", "exit_before_dispatch", "exit_after_send",
           "exit_before_combine", "gpu_stall", "stall_before_combine", "gpu_stall_before_combine",
@@ -209,15 +209,23 @@ def spawn_ranks(argv: Callable[[int, dict[str, str]], list[str]], tmp: str, tag:
     return procs
 
 
+def poll_ranks(procs: list[dict]) -> bool:
+    """Note the exit time (wall clock) of each process of :func:`spawn_ranks` that ended since
+    the last call; whether all have. Call it often (every few tens of ms) while they run: the
+    exit times are only as exact as the polling."""
+    for p in procs:
+        if p["exit_time"] is None and p["p"].poll() is not None:
+            p["exit_time"] = time.time()
+    return all(p["exit_time"] is not None for p in procs)
+
+
 def collect_ranks(procs: list[dict], deadline: float) -> None:
     """Wait for the processes of :func:`spawn_ranks`, killing those still running at
     ``deadline`` (wall clock; their record gets ``killed``). Adds to each record ``exit_time``
-    (wall clock, polled every 20 ms), ``code`` (exit status; negative: the signal),
-    ``result`` (its JSON, None if it wrote none) and ``stderr`` (the last 3000 characters)."""
-    while any(p["exit_time"] is None for p in procs):
-        for p in procs:
-            if p["exit_time"] is None and p["p"].poll() is not None:
-                p["exit_time"] = time.time()
+    (wall clock, polled every 20 ms here and by :func:`poll_ranks`), ``code`` (exit status;
+    negative: the signal), ``result`` (its JSON, None if it wrote none) and ``stderr`` (the last
+    3000 characters)."""
+    while not poll_ranks(procs):
         if time.time() > deadline:
             for p in procs:
                 if p["exit_time"] is None:

@@ -234,7 +234,7 @@ def _judge(case: tuple, procs: list[dict], stamp_path: str, timeout_s: float) ->
 def driver(args: argparse.Namespace) -> int:
     import torch
 
-    from dbo.testing.faults import collect_ranks
+    from dbo.testing.faults import collect_ranks, poll_ranks
 
     if not args.fake and not torch.cuda.is_available():
         print("SKIP: no GPU", flush=True)
@@ -263,7 +263,7 @@ def driver(args: argparse.Namespace) -> int:
             time.sleep(0.05)
             for item in list(running):
                 i, case, procs, stamp, t0 = item
-                if all(p["p"].poll() is not None for p in procs) or time.time() - t0 > args.case_limit:
+                if poll_ranks(procs) or time.time() - t0 > args.case_limit:
                     running.remove(item)
                     collect_ranks(procs, t0 + args.case_limit)
                     row = _judge(case, procs, stamp, args.timeout)
