@@ -51,7 +51,8 @@
 #                  combine or after the combine, inside DBOPrefill and a greedy_generate decode step, on
 #                  dbo_copy_engine, dbo_deepep (where deep_ep imports) and transformers' all_to_all (the
 #                  comparison): each survivor's error and its delay, every process's exit
-#                  (tests/gpu/run_hf_faults.py, N GPUs; HFF_TIMEOUT: dbo's timeout, default 3 s; HFF_ARGS)
+#                  (tests/gpu/run_hf_faults.py, N GPUs; HFF_TIMEOUT: dbo's timeout, default 3 s; no case
+#                  starts after HFF_BUDGET_S, default 450; HFF_CAP_S, default 540; HFF_ARGS)
 #
 # TORCHRUN_ARGS goes to every torchrun (e.g. "--master-port 29600" for a second run.sh beside
 # the first, each on its own CUDA_VISIBLE_DEVICES). Writes OUTDIR/run_log.txt (everything
@@ -65,11 +66,11 @@ while getopts "o:d:h" opt; do
   case $opt in
     o) out=$OPTARG ;;
     d) deadline_s=$OPTARG ;;
-    *) sed -n '2,60p' "$0"; exit 2 ;;
+    *) sed -n '2,61p' "$0"; exit 2 ;;
   esac
 done
 shift $((OPTIND - 1))
-[ $# -gt 0 ] || { sed -n '2,60p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,61p' "$0"; exit 2; }
 mkdir -p "$out"
 log="$out/run_log.txt"
 deadline=$((SECONDS + deadline_s))
@@ -157,7 +158,8 @@ for arg in "$@"; do
       run faults 400 python3 tests/gpu/run_deepep_faults.py --bench --json "$files/faults.json" ;;
     hffaults)
       run "hffaults-$n" "${HFF_CAP_S:-540}" python3 tests/gpu/run_hf_faults.py --device cuda --nproc "$n" \
-        --timeout "${HFF_TIMEOUT:-3}" ${HFF_ARGS:-} --json "$files/hf_faults.json" ;;
+        --timeout "${HFF_TIMEOUT:-3}" --time-budget-s "${HFF_BUDGET_S:-450}" ${HFF_ARGS:-} \
+        --json "$files/hf_faults.json" ;;
     nccl)
       run nccl 180 python3 -m pytest -q -p no:cacheprovider tests/test_backends_nccl.py -rA ;;
     demo)
