@@ -228,3 +228,40 @@ def test_sbo_on_gloo_matches_plain(world2, backend):
     for rows in per_rank:
         for e_seq, e_dbo, e_vs, tol in rows:
             assert max(e_seq, e_dbo, e_vs) <= tol and not math.isnan(e_vs)
+
+
+def _carveouts_seen() -> list:
+    ensure_fake_deep_ep("v1")
+    from dbo.backends import deepep_ll as mod
+    from dbo.backends.deepep.buffer import BUFFER_CACHE
+    BUFFER_CACHE.reset()
+    seen = []
+
+    class Recording(SwiGLUExperts):
+        def apply(self, *args, **kwargs):
+            seen.append(self.sm_carveout)
+            return super().apply(*args, **kwargs)
+
+    pf = mod.make_prepare_finalize(dist.group.WORLD, hidden=128, max_tokens_per_rank=8,
+                                   num_experts=8, topk=2, dtype=torch.bfloat16, device="cpu")
+    kernel = MoEKernel(pf, Recording(sm_carveout=3))
+    kernel.sbo_sm_carveout = 7
+    g = torch.Generator().manual_seed(dist.get_rank())
+    x = torch.randn(8, 128, generator=g).to(torch.bfloat16)
+    weights, ids = topk_route(torch.randn(8, 8, generator=g), 2, ids_dtype=torch.int64)
+    w1, w2 = make_expert_weights(8, 128, 32, dtype=torch.bfloat16, seed=0)
+    local = slice(4 * dist.get_rank(), 4 * dist.get_rank() + 4)
+    try:
+        with use_expert_schedule("sbo"):
+            kernel(x, w1[local], w2[local], weights, ids, global_num_experts=8)
+        return [*seen, kernel.experts.sm_carveout]
+    finally:
+        pf.reset()
+        BUFFER_CACHE.reset()
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(120)
+def test_the_experts_beside_a_combine_leave_the_sbo_carveout(world2):
+    # group 0 runs before any combine (its own carve-out); group 1 beside group 0's combine
+    assert world2.run(_carveouts_seen, timeout_s=60) == [[3, 7, 3]] * 2

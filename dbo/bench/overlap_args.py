@@ -105,6 +105,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "torch.profiler, 'auto' or 'none'")
     p.add_argument("--sm-carveout", type=int, default=None,
                    help="torch._C._set_sm_carveout_experimental(N) for every run (experiment)")
+    p.add_argument("--sbo-sm-carveout", type=int, default=None,
+                   help="the sbo mode: SMs the experts leave free while a group's combine runs "
+                        "(MoEKernel.sbo_sm_carveout)")
     p.add_argument("--dbo-sm-carveout", type=_opt_int, nargs="+", default=None,
                    help="SM carve-outs tried for the DBO runs only (overlapped_forward's "
                         "sm_carveout: matmuls and grouped GEMMs leave N SMs to DeepEP), e.g. "

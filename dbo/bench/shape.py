@@ -146,6 +146,8 @@ class ShapeBench:
 
     def sbo(self) -> torch.Tensor:
         """The unsplit step with the ``sbo`` expert schedule (single-batch overlap)."""
+        for kernel in self.model.kernels:
+            kernel.sbo_sm_carveout = self.args.sbo_sm_carveout
         with use_expert_schedule(ExpertSchedule.SBO):
             return self.model(self.x)
 

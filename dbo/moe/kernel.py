@@ -22,7 +22,8 @@ once and one combine follows.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -82,6 +83,21 @@ def _complete(res: Any, recv_region: str) -> Any:
         return receiver()
 
 
+@contextmanager
+def _experts_carveout(experts: MoEExperts, carveout: int | None) -> Iterator[None]:
+    """``experts.sm_carveout`` set to ``carveout`` within the block (nothing when either is
+    missing)."""
+    if carveout is None or not hasattr(experts, "sm_carveout"):
+        yield
+        return
+    before = experts.sm_carveout
+    experts.sm_carveout = carveout
+    try:
+        yield
+    finally:
+        experts.sm_carveout = before
+
+
 def _receive_group(pending: tuple[Any, torch.Tensor], total: torch.Tensor | None) -> torch.Tensor:
     """Complete one group's combine (hook and receiver, outside a run) and add its output."""
     res, out = pending
@@ -134,6 +150,12 @@ class MoEKernel:
         self._rendezvous = ExpertsRendezvous()
         #: groups of local experts under the ``sbo`` schedule (see the module docstring)
         self.sbo_groups = SBO_GROUPS
+        #: SMs the experts' persistent kernels leave free while a group's combine is in flight
+        #: under ``sbo`` (the experts of every group but the first; experts with an
+        #: ``sm_carveout`` attribute, as :class:`dbo.moe.SwiGLUExperts`), so that a combine
+        #: whose kernel needs SMs (DeepEP's low-latency one over NVLink) runs beside them;
+        #: None leaves the experts' own setting
+        self.sbo_sm_carveout: int | None = None
 
     def workspace(self) -> Workspace:
         """The running ubatch's scratch buffers (ubatch 0's outside a run)."""
@@ -264,6 +286,9 @@ class MoEKernel:
 
     __call__ = forward
 
+    def _beside_a_combine(self, active: bool):
+        return _experts_carveout(self.experts, self.sbo_sm_carveout if active else None)
+
     def _grouped_combines(self, inp: ExpertsInput, apply: Callable[..., torch.Tensor],
                           hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
                           weights: torch.Tensor, ids: torch.Tensor, router_on_input: bool) -> torch.Tensor:
@@ -290,7 +315,7 @@ class MoEKernel:
                 inp.topk_ids, inp.topk_weights)
             ws = self._group_workspaces[gi]
             ws.bind("fused_out", full[g0:g1])
-            with dbo_region(f"experts_group{gi}"):
+            with dbo_region(f"experts_group{gi}"), self._beside_a_combine(gi > 0):
                 y = apply(part, ws, w1[g0:g1], w2[g0:g1])
                 if y.data_ptr() != full[g0:g1].data_ptr():  # experts that keep their own buffer
                     full[g0:g1].copy_(y)
