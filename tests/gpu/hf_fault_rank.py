@@ -59,15 +59,26 @@ def _operation(args: argparse.Namespace, model, ids, mask):
     from dbo.split import SplitConfig
 
     bf16 = next(model.parameters()).dtype == torch.bfloat16
+
+    def generate():  # transformers' own loop (plain forwards), inside dbo's timeout
+        with collective_timeout(args.timeout):
+            return model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS,
+                                  do_sample=False, eos_token_id=None, pad_token_id=0)
+
     if args.impl == "all_to_all":
         if args.where == "prefill":
             def run():
                 return prefill_logits(model, ids, mask, mask_padding_tokens=False)
-        else:
-            def run():
-                return model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS,
-                                      do_sample=False, eos_token_id=None, pad_token_id=0)
+        else:  # transformers has no other decode loop: "decode" is generate() too
+            run = generate
         return run, lambda: (run() is not None, 1)
+    if args.where == "generate":
+        def reference():
+            want, _ = greedy_generate(model, ids, mask, max_new_tokens=NEW_TOKENS,
+                                      config=SplitConfig(enabled=False))
+            agree = (generate() == want).float().mean().item()
+            return agree >= (0.75 if bf16 else 1.0), 1
+        return generate, reference
     if args.where == "prefill":
         prefill = DBOPrefill(model, prefill_split_config(adaptive=False), timeout_s=args.timeout)
 
@@ -97,7 +108,8 @@ def _operation(args: argparse.Namespace, model, ids, mask):
 def _fault_target(args: argparse.Namespace, model, built: list, prefill_ubatches: int):
     """``(object, dispatch method, combine method, at)``: the last rank's first MoE layer's
     backend (or transformers' implementation) and the call of it that misbehaves: the prefill's
-    first, or the second decode step's."""
+    first, or the second decode step's (``generate()`` runs every step through the prefill
+    backend, in one ubatch)."""
     if args.impl == "all_to_all":
         impls = dict((id(m), impl) for m, impl in built)
         first = next(impls[id(m)] for m in model.modules() if id(m) in impls)
@@ -105,8 +117,9 @@ def _fault_target(args: argparse.Namespace, model, built: list, prefill_ubatches
     from dbo.integrations.transformers.ep_model import expert_parallel_modules
 
     layer = expert_parallel_modules(model)[0][1]
-    if args.where == "prefill":
-        return layer.kernel.prepare_finalize, "prepare_async", "finalize_async", 1
+    if args.where != "decode":
+        return layer.kernel.prepare_finalize, "prepare_async", "finalize_async", \
+            1 if args.where == "prefill" else 3
     if layer.decode_kernel is not None:  # dbo_deepep: the decode steps' own backend
         return layer.decode_kernel.prepare_finalize, "prepare_async", "finalize_async", 2
     return layer.kernel.prepare_finalize, "prepare_async", "finalize_async", prefill_ubatches + 2

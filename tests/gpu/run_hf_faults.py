@@ -16,7 +16,8 @@ layer's backend object, or on transformers' implementation):
 
 * where: ``prefill``, a ``DBOPrefill(model, timeout_s=T)`` call (two ubatches; the layer's first
   dispatch); ``decode``, the second decode step of ``greedy_generate`` inside
-  ``collective_timeout(T)`` (the prefill split, the decode steps plain);
+  ``collective_timeout(T)`` (the prefill split, the decode steps plain); ``generate`` (not by
+  default), the same step of ``model.generate()`` inside ``collective_timeout(T)``;
 * implementations: ``dbo_copy_engine``; ``dbo_deepep`` (DeepEP's high-throughput kernels for the
   prefill, low-latency ones for the decode steps; where ``deep_ep`` imports); transformers' own
   ``all_to_all`` as the comparison (``prefill_logits``, ``model.generate()``; the process group's
@@ -45,7 +46,7 @@ import tempfile
 import time
 
 IMPLS = ("dbo_copy_engine", "dbo_deepep", "all_to_all")
-WHERES = ("prefill", "decode")
+WHERES = ("prefill", "decode", "generate")
 #: fault (dbo.testing.faults) -> (what the rank does, where)
 FAULT_PLACES = {
     "exit_before_dispatch": ("exit", "before dispatch"),
@@ -249,7 +250,7 @@ def main() -> int:
     p.add_argument("--a2a-timeout", type=float, default=None,
                    help="the process group's timeout for transformers' all_to_all rows (default: T)")
     p.add_argument("--impl", nargs="+", choices=IMPLS, default=list(IMPLS))
-    p.add_argument("--where", nargs="+", choices=WHERES, default=list(WHERES))
+    p.add_argument("--where", nargs="+", choices=WHERES, default=["prefill", "decode"])
     p.add_argument("--faults", nargs="+", choices=tuple(FAULT_PLACES), default=None,
                    help="(default: every host fault; on cuda the GPU stalls too)")
     p.add_argument("--case", action="append", default=None, metavar="IMPL:WHERE:FAULT",
