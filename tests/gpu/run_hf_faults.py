@@ -61,11 +61,12 @@ FAULT_PLACES = {
 }
 HOST_FAULTS = tuple(f for f in FAULT_PLACES if not f.startswith("gpu"))
 RANK_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hf_fault_rank.py")
-WATCHDOG_EXIT = 75  # dbo.peers.watchdog.GPU_WAIT_TIMEOUT_EXIT_CODE
 
 
 def _judge(case: tuple, procs: list[dict], stamp_path: str, args: argparse.Namespace) -> dict:
     """The case's row: what the survivors raised and when, how each process ended, the verdict."""
+    from dbo.peers.watchdog import GPU_WAIT_TIMEOUT_EXIT_CODE
+
     impl, where, fault = case
     what, place = FAULT_PLACES[fault]
     fail_rank = args.nproc - 1
@@ -81,7 +82,8 @@ def _judge(case: tuple, procs: list[dict], stamp_path: str, args: argparse.Names
         res = p["result"]
         if res is not None:
             refs.append(bool(res.get("reference_ok")))
-        if p["rank"] == fail_rank:
+        if p["rank"] == fail_rank:  # a stalled rank that came back: what it raised
+            row["peer_error"] = res["chain"][-1][0] if res is not None and res["chain"] else None
             continue
         if res is not None and res.get("ok"):
             errors.append(("returned output", "", ""))
@@ -93,7 +95,7 @@ def _judge(case: tuple, procs: list[dict], stamp_path: str, args: argparse.Names
                 top = f"setup failed: {top}"
             errors.append((top, root, msg))
             at, ok = res["error_time"], res["named"] and not res.get("setup_error")
-        elif p["code"] == WATCHDOG_EXIT:
+        elif p["code"] == GPU_WAIT_TIMEOUT_EXIT_CODE:
             lines = [ln for ln in p["stderr"].splitlines() if "[dbo watchdog]" in ln]
             errors.append(("ended by the GPU watchdog (exit 75)", "", lines[-1] if lines else ""))
             at, ok = p["exit_time"], True
