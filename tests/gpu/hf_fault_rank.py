@@ -5,7 +5,8 @@ against plain), then again with the last rank's first MoE layer misbehaving
 (:class:`dbo.testing.faults.Fault`), and writes what happened to ``--result`` (JSON): ``ok``
 (the operation returned), ``reference_ok``, ``chain`` (the error and its causes), ``named`` (the
 error and its innermost cause are dbo errors), ``error_time`` (wall clock).
-Then it tears down as the examples do and exits 0 (returned) or 1 (raised).
+Then it tears down as the examples do (``dbo.bench.dist.shutdown_distributed``, within
+:data:`TEARDOWN_S`) and exits 0 (returned) or 1 (raised).
 """
 
 from __future__ import annotations
@@ -18,6 +19,10 @@ import sys
 import time
 
 SEQ, PADS, NEW_TOKENS = 8, (0, 3, 0, 1), 4  # per rank: 4 left-padded prompts of 8 tokens
+# the teardown's deadline (the examples': 120 s): a teardown that waits for a dead peer (a
+# collective buffer destroy, a barrier) ends the process then, with its stack on stderr, rather
+# than holding the case for minutes; a normal one takes well under a second
+TEARDOWN_S = 10.0
 
 
 def _start_together(tmp: str, tag: str, rank: int, world: int) -> None:
@@ -203,7 +208,7 @@ def worker(args: argparse.Namespace) -> int:
     with open(args.result, "w") as f:
         json.dump(result, f)
     sys.stdout.flush()
-    shutdown_distributed(wait_for_peers=result["ok"])
+    shutdown_distributed(wait_for_peers=result["ok"], deadline_s=TEARDOWN_S)
     return 0 if result["ok"] else 1
 
 

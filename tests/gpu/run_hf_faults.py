@@ -27,10 +27,11 @@ layer's backend object, or on transformers' implementation):
 
 Per case: the survivors' error (type, innermost cause, message), the seconds from the fault to
 it, and whether every process exited by itself within ``T + 10`` s of the fault (the ranks tear
-down as the examples do, ``dbo.bench.dist.shutdown_distributed``). A dbo case passes when every
-survivor raised a :class:`dbo.errors.DBOError` whose innermost cause is one too (or was ended by
-the GPU watchdog, exit status 75, for a wait inside a GPU kernel) within ``T + 3`` s, and no
-process was left; transformers' rows are not judged. Prints a markdown table; ``--json``.
+down as the examples do, ``dbo.bench.dist.shutdown_distributed``, with a 10 s deadline). A dbo
+case passes when every survivor raised a :class:`dbo.errors.DBOError` whose innermost cause is
+one too (or was ended by the GPU watchdog, exit status 75, for a wait inside a GPU kernel) within
+``T + 3`` s, and no process was left; transformers' rows are not judged. Prints a markdown table;
+``--json``.
 
 Exit status: 0 if every dbo case passed; 1 otherwise; 2 bad option; 3 transformers without its
 expert-parallel interface; 4 fewer GPUs than ranks.
@@ -117,6 +118,9 @@ def _judge(case: tuple, procs: list[dict], stamp_path: str, args: argparse.Names
                time_to_error_s=None if to_error is None else round(to_error, 2),
                exit_s=[None if e is None else round(e, 2) for e in exits], exited_by_itself=exited,
                killed=[bool(p.get("killed")) for p in procs],
+               # the rank's teardown waited for a dead peer until its deadline (hf_fault_rank.py)
+               teardown_hung=[("[dbo watchdog]" in p["stderr"] and "did not finish within" in p["stderr"])
+                              for p in procs],
                reference_ok=bool(refs) and all(refs))
     if impl == "all_to_all":
         row["passed"] = None  # the comparison: what transformers does, not judged
