@@ -182,6 +182,10 @@ def worker(args: argparse.Namespace) -> int:
     from dbo.testing.faults import error_chain
 
     rank, world = args.rank, args.nproc
+    # what torchrun would set: transformers' expert-parallel loading places each rank's shard on
+    # the GPU LOCAL_RANK names (cuda:0 everywhere without it)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port))
     if args.device == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
         device = torch.device("cuda", torch.cuda.current_device())
