@@ -133,20 +133,24 @@ class DeepEPHTPrepareAndFinalize(DeepEPPrepareAndFinalize):
          layout_event) = buffer.get_dispatch_layout(
             topk_ids, self.num_experts, previous_event=previous_event, async_finish=async_finish,
             allocate_on_comm_stream=False)
-        recv_x, recv_topk_ids, recv_topk_weights, counts, handle, event = buffer.dispatch(
-            x,
-            num_tokens_per_rank=num_tokens_per_rank,
-            num_tokens_per_rdma_rank=num_tokens_per_rdma_rank,
-            is_token_in_rank=is_token_in_rank,
-            num_tokens_per_expert=num_tokens_per_expert,
-            topk_idx=topk_ids,
-            topk_weights=topk_weights,
-            expert_alignment=self.expert_alignment,
-            config=config,
-            previous_event=previous_event if dbo else layout_event,
-            async_finish=async_finish,
-            allocate_on_comm_stream=False,
-        )
+        # DeepEP's dispatch waits on the host, holding the GIL, for the peers' GPUs to send
+        # their counts: a peer whose GPU stalls would hold this rank there with no Python thread
+        # (the GPU watchdog included) able to run; the GIL-free deadline ends the process instead
+        with self._host_wait_deadline():
+            recv_x, recv_topk_ids, recv_topk_weights, counts, handle, event = buffer.dispatch(
+                x,
+                num_tokens_per_rank=num_tokens_per_rank,
+                num_tokens_per_rdma_rank=num_tokens_per_rdma_rank,
+                is_token_in_rank=is_token_in_rank,
+                num_tokens_per_expert=num_tokens_per_expert,
+                topk_idx=topk_ids,
+                topk_weights=topk_weights,
+                expert_alignment=self.expert_alignment,
+                config=config,
+                previous_event=previous_event if dbo else layout_event,
+                async_finish=async_finish,
+                allocate_on_comm_stream=False,
+            )
         self._handles.put(handle)
         if dbo:
             self._watch("dispatch", seq, a1.device)  # on the comm stream, after the kernels

@@ -21,6 +21,7 @@ with ``previous_event``), then switches back with a sync. Handles live per ubatc
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any
 
@@ -134,21 +135,23 @@ class DeepEPV2PrepareAndFinalize(DeepEPPrepareAndFinalize):
         else:
             previous_event = None
         seq = self._arrive("dispatch")
-        recv_x, recv_topk_ids, recv_topk_weights, handle, event = buffer.dispatch(
-            x=x,
-            topk_idx=topk_ids,
-            topk_weights=topk_weights,
-            num_experts=self.num_experts,
-            num_max_tokens_per_rank=self.max_tokens_per_rank,
-            expert_alignment=self.expert_alignment,
-            previous_event=previous_event,
-            async_with_compute_stream=not dbo,
-            allocate_on_comm_stream=previous_event is not None,
-            do_handle_copy=False,
-            do_cpu_sync=expand,
-            do_expand=expand,
-            do_zero_padding=expand and self.expert_alignment > 1,
-        )
+        # with do_cpu_sync the dispatch waits on the host holding the GIL (as deepep_ht's does)
+        with self._host_wait_deadline() if expand else contextlib.nullcontext():
+            recv_x, recv_topk_ids, recv_topk_weights, handle, event = buffer.dispatch(
+                x=x,
+                topk_idx=topk_ids,
+                topk_weights=topk_weights,
+                num_experts=self.num_experts,
+                num_max_tokens_per_rank=self.max_tokens_per_rank,
+                expert_alignment=self.expert_alignment,
+                previous_event=previous_event,
+                async_with_compute_stream=not dbo,
+                allocate_on_comm_stream=previous_event is not None,
+                do_handle_copy=False,
+                do_cpu_sync=expand,
+                do_expand=expand,
+                do_zero_padding=expand and self.expert_alignment > 1,
+            )
         # topk_ids is stored by reference in the handle and must outlive it
         self._handles.put((handle, topk_ids))
         if dbo:

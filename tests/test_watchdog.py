@@ -198,3 +198,50 @@ def test_teardown_deadline_ends_a_stuck_teardown_and_not_a_quick_one():
     assert proc.returncode == GPU_WAIT_TIMEOUT_EXIT_CODE, proc
     assert "freeing the buffers did not finish" in proc.stderr, proc.stderr
     assert "line 4 in <module>" in proc.stderr, proc.stderr  # the stuck call's stack
+
+
+# a C call that holds the GIL for minutes: the regex engine on a catastrophic pattern
+_HOLDS_THE_GIL = "import re\nre.match(r'(a+)+$', 'a' * 60 + 'b')\n"
+
+
+def _run(code: str) -> tuple[subprocess.CompletedProcess, float]:
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    return proc, time.monotonic() - t0
+
+
+def test_gil_free_deadline_ends_a_call_that_holds_the_gil():
+    from dbo.peers.watchdog import gil_free_deadline
+
+    with pytest.raises(ValueError, match="positive"), gil_free_deadline(0):
+        pass
+    code = ("from dbo.peers.watchdog import gil_free_deadline\n"
+            "with gil_free_deadline(0.5):\n" + textwrap.indent(_HOLDS_THE_GIL, "    "))
+    proc, took = _run(code)
+    assert proc.returncode == 1, proc
+    assert "Timeout (0:00:00" in proc.stderr and "<module>" in proc.stderr, proc.stderr
+    assert took < 30, took  # interpreter start + 0.5 s, far from the regex's minutes
+
+
+def test_gil_free_deadlines_nest_and_a_finished_block_gives_the_outer_one_back():
+    # the inner block ends in time; the outer deadline (not the inner, longer one) still holds
+    code = ("import time\nfrom dbo.peers.watchdog import gil_free_deadline\n"
+            "with gil_free_deadline(1.0):\n"
+            "    with gil_free_deadline(60.0):\n        pass\n"
+            + textwrap.indent(_HOLDS_THE_GIL, "    "))
+    proc, _ = _run(code)
+    assert proc.returncode == 1 and "Timeout" in proc.stderr, proc
+    # blocks that end in time leave nothing armed
+    quick = ("import time\nfrom dbo.peers.watchdog import gil_free_deadline\n"
+             "with gil_free_deadline(0.3):\n    pass\ntime.sleep(1.0)\nprint('alive')\n")
+    proc, _ = _run(quick)
+    assert proc.returncode == 0 and "alive" in proc.stdout, proc
+
+
+def test_teardown_deadline_ends_a_teardown_that_holds_the_gil():
+    # the Python timer cannot run while the GIL is held: the GIL-free deadline, 2 s later, can
+    code = ("from dbo.peers.watchdog import teardown_deadline\n"
+            "with teardown_deadline(0.3, 'freeing the buffers'):\n" + textwrap.indent(_HOLDS_THE_GIL, "    "))
+    proc, took = _run(code)
+    assert proc.returncode == 1 and "Timeout (0:00:02" in proc.stderr, proc
+    assert took < 30, took

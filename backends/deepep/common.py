@@ -6,6 +6,7 @@ No ``deep_ep`` import here: the buffer objects come from :mod:`dbo.backends.deep
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable
 from typing import Any
 
@@ -19,7 +20,15 @@ from dbo.moe.weight_and_reduce import (
     TopKWeightAndReduceContiguous,
     TopKWeightAndReduceDelegate,
 )
-from dbo.peers.watchdog import WATCHDOG, WaitSite, check_timeout, raise_peer_timeout, resolve_timeout
+from dbo.peers.watchdog import (
+    GIL_FREE_GRACE_S,
+    WATCHDOG,
+    WaitSite,
+    check_timeout,
+    gil_free_deadline,
+    raise_peer_timeout,
+    resolve_timeout,
+)
 from dbo.ubatch.context import dbo_current_ubatch_id, dbo_enabled
 from dbo.ubatch.streams import hand_over
 
@@ -136,6 +145,15 @@ class DeepEPPrepareAndFinalize(PrepareAndFinalize):
         WATCHDOG.record(resolve_timeout(self.timeout_s),
                         (self._name, phase, dbo_current_ubatch_id(), self.rank),
                         None if board is None else (lambda: board.behind(seq)))
+
+    def _host_wait_deadline(self) -> contextlib.AbstractContextManager:
+        """Around a DeepEP call that waits on the host holding the GIL: the process ends (exit
+        code 1, the stacks on stderr) if the call runs past the timeout plus
+        :data:`~dbo.peers.watchdog.GIL_FREE_GRACE_S` (:func:`~dbo.peers.watchdog.gil_free_deadline`);
+        nothing with ``peer_checks`` off."""
+        if not self.peer_checks:
+            return contextlib.nullcontext()
+        return gil_free_deadline(resolve_timeout(self.timeout_s) + GIL_FREE_GRACE_S)
 
     def _padded_input(self, a1: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                       num_experts: int, expert_map: torch.Tensor | None,
