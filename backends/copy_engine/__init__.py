@@ -61,9 +61,10 @@ from dbo.ubatch.streams import hand_over
 
 from ..fp8 import FP8_BLOCK, dequantize_fp8_blocks, quantize_fp8_blocks
 from ..torchdist import DTYPE_CODES, TorchDistPrepareAndFinalize
-from .transport import BufferLayout, Transport, open_transport
+from .transport import BufferLayout, Transport, device_wait_fault, open_transport
 
-__all__ = ["CopyEnginePrepareAndFinalize", "make_prepare_finalize", "destinations", "PUT_ORDERS"]
+__all__ = ["CopyEnginePrepareAndFinalize", "make_prepare_finalize", "destinations", "PUT_ORDERS",
+           "device_wait_fault"]
 
 logger = logging.getLogger(__name__)
 

@@ -43,7 +43,8 @@ from dbo.peers.watchdog import resolve_timeout
 from .host import check_one_host
 
 __all__ = ["BufferLayout", "CAPACITY_STEP", "grown_capacity", "Transport", "CpuTransport",
-           "CudaTransport", "TransportCache", "TRANSPORTS", "open_transport", "symm_mem_rendezvous"]
+           "CudaTransport", "TransportCache", "TRANSPORTS", "open_transport", "symm_mem_rendezvous",
+           "device_wait_fault"]
 
 logger = logging.getLogger(__name__)
 
@@ -323,6 +324,10 @@ class TransportCache:
     def __len__(self) -> int:
         return len(self._live)
 
+    def transports(self) -> list[Transport]:
+        """The live transports."""
+        return list(self._live.values())
+
     def reset(self) -> None:
         """Forget every transport, so that their buffers are freed once no backend holds them."""
         self._live.clear()
@@ -352,3 +357,21 @@ def open_transport(group: Any, layout: BufferLayout, num_slots: int, timeout_s: 
     for slot in range(num_slots):
         transport.ensure(slot, layout.max_tokens)
     return transport
+
+
+def device_wait_fault() -> CollectiveTimeoutError | None:
+    """The named error for a CUDA error that a copy-engine GPU wait caused: its wait for a peer's
+    signal traps after ``timeout_s`` (the peer died or stalled), which leaves the CUDA context
+    unusable, so the next CUDA call anywhere (a sync, an ``.item()``) fails with a bare "unspecified
+    launch failure". None if no copy-engine wait is known to have failed. Call it when such an
+    error reached you (the transformers integration does); the process must end either way."""
+    for transport in TRANSPORTS.transports():
+        for _, (event, what) in sorted(transport.last_wait.items()):
+            try:
+                event.query()
+            except RuntimeError as exc:
+                return CollectiveTimeoutError(
+                    f"copy_engine: rank {transport.rank}'s GPU wait for {what} failed, most likely "
+                    f"after timeout_s={transport.timeout_s:.1f} s without the peer's signal (the peer "
+                    f"died or its GPU stalled); the CUDA context is unusable from here ({exc})")
+    return None

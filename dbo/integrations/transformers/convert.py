@@ -35,6 +35,7 @@ from dbo.backends import backend_spec, make_backend
 from dbo.errors import DBOError
 from dbo.integrations.transformers.ep import prepare_for_overlap
 from dbo.integrations.transformers.ep_model import expert_parallel_group
+from dbo.integrations.transformers.faults import named_device_faults
 from dbo.integrations.transformers.moe_block import ExpertParallelMoE, routing_token_mask
 from dbo.overlap import DBOWrapper
 from dbo.split import SplitConfig, UBatchPlan
@@ -361,10 +362,11 @@ class DBOPrefill(torch.nn.Module):
         if input_ids.shape[0] == 0:
             raise ValueError("an empty batch cannot run the model: give a rank with nothing to do "
                              "one all-padding sequence (attention_mask all 0)")
-        if attention_mask is None:
-            return self.wrapper(input_ids, plan=plan)
-        if attention_mask.shape != input_ids.shape:
+        if attention_mask is not None and attention_mask.shape != input_ids.shape:
             raise ValueError(f"attention_mask {tuple(attention_mask.shape)} must match input_ids "
                              f"{tuple(input_ids.shape)}")
-        return self.wrapper(input_ids, attention_mask, plan=plan)
+        with named_device_faults():
+            if attention_mask is None:
+                return self.wrapper(input_ids, plan=plan)
+            return self.wrapper(input_ids, attention_mask, plan=plan)
 

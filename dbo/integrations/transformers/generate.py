@@ -33,6 +33,7 @@ import torch
 
 from dbo.integrations.transformers.ep import decode_phase, prepare_for_overlap
 from dbo.integrations.transformers.ep_model import expert_parallel_group
+from dbo.integrations.transformers.faults import named_device_faults
 from dbo.integrations.transformers.moe_block import routing_token_mask
 from dbo.overlap import current_ubatch, overlapped_forward
 from dbo.split import SplitConfig, UBatchPlan, no_split_plan, plan_ubatches
@@ -139,6 +140,13 @@ def greedy_generate(model: torch.nn.Module, input_ids: torch.Tensor,
         caches[index] = out.past_key_values
         return out.logits[:, -1]
 
+    with named_device_faults():
+        return _decode(step, input_ids, mask, plan, caches, max_new_tokens, split_decode), plan
+
+
+def _decode(step: Any, input_ids: torch.Tensor, mask: torch.Tensor, plan: UBatchPlan,
+            caches: dict[int, Any], max_new_tokens: int, split_decode: bool) -> torch.Tensor:
+    """:func:`greedy_generate`'s steps: the prefill, then the decode steps; the tokens."""
     tokens, positions = input_ids, _positions(mask)
     ids = input_ids
     step_plan = plan
@@ -161,4 +169,4 @@ def greedy_generate(model: torch.nn.Module, input_ids: torch.Tensor,
         tokens = torch.cat([tokens, ids], dim=1)
         positions = positions[:, -1:] + 1
         mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
-    return tokens, plan
+    return tokens

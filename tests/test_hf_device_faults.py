@@ -1,0 +1,58 @@
+"""A CUDA error left by a copy-engine GPU wait that trapped (its peer died or stalled) reaches the
+transformers integration's user as the CollectiveTimeoutError naming the wait, not as a bare
+"unspecified launch failure". The trap itself needs a GPU (tests/gpu/run.sh hffaults:2); here a
+transport whose wait event fails stands in for it."""
+
+from __future__ import annotations
+
+import pytest
+
+from dbo.backends.copy_engine.transport import TRANSPORTS
+from dbo.errors import CollectiveTimeoutError, UBatchError
+from dbo.integrations.transformers.faults import device_fault_for, named_device_faults
+
+CUDA_TRAP = "CUDA error: unspecified launch failure"
+
+
+class _TrappedEvent:
+    def query(self):
+        raise RuntimeError(CUDA_TRAP)
+
+
+class _Transport:
+    rank, timeout_s = 1, 3.0
+
+    def __init__(self, failed: bool):
+        self.last_wait = {0: (_TrappedEvent(), "the combine of slot 0")} if failed else {}
+
+
+@pytest.fixture
+def transports(monkeypatch):
+    live: list = []
+    monkeypatch.setattr(TRANSPORTS, "transports", lambda: list(live))
+    return live
+
+
+def test_a_cuda_error_after_a_failed_wait_is_named(transports):
+    transports.append(_Transport(failed=True))
+    with pytest.raises(CollectiveTimeoutError) as info, named_device_faults():
+        raise RuntimeError(CUDA_TRAP)
+    assert "rank 1's GPU wait for the combine of slot 0 failed" in str(info.value)
+    assert "timeout_s=3.0" in str(info.value) and CUDA_TRAP in str(info.value.__cause__)
+    # inside an overlapped run the CUDA error is a ubatch's: the chain is searched
+    inner = RuntimeError(CUDA_TRAP)
+    wrapped = UBatchError(0, inner)
+    wrapped.__cause__ = inner
+    assert isinstance(device_fault_for(wrapped), CollectiveTimeoutError)
+
+
+def test_other_errors_pass_unchanged(transports):
+    transports.append(_Transport(failed=False))
+    with pytest.raises(RuntimeError, match="unspecified launch failure"), named_device_faults():
+        raise RuntimeError(CUDA_TRAP)  # no copy-engine wait failed: not ours to name
+    transports.append(_Transport(failed=True))
+    with pytest.raises(ValueError, match="bad"), named_device_faults():
+        raise ValueError("bad")
+    with pytest.raises(KeyError), named_device_faults():
+        raise KeyError("x")
+    assert device_fault_for(RuntimeError("shape mismatch")) is None
