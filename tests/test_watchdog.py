@@ -245,3 +245,15 @@ def test_teardown_deadline_ends_a_teardown_that_holds_the_gil():
     proc, took = _run(code)
     assert proc.returncode == 1 and "Timeout (0:00:02" in proc.stderr, proc
     assert took < 30, took
+
+
+def test_end_process_within_ends_even_the_interpreters_shutdown():
+    # armed after a failure: whatever runs after (here a GIL-holding call at exit) is cut off
+    code = ("import atexit, re\nfrom dbo.peers.watchdog import end_process_within, gil_free_deadline\n"
+            "atexit.register(lambda: re.match(r'(a+)+$', 'a' * 60 + 'b'))\n"
+            "end_process_within(1.0)\n"
+            "with gil_free_deadline(30.0):\n    pass\n"  # an inner block does not lift it
+            "print('results written', flush=True)\n")
+    proc, took = _run(code)
+    assert proc.returncode == 1 and "results written" in proc.stdout and "Timeout" in proc.stderr, proc
+    assert took < 30, took

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-from dbo.peers.watchdog import teardown_deadline
+from dbo.peers.watchdog import end_process_within, teardown_deadline
 
 __all__ = ["init_distributed", "shutdown_distributed", "distributed"]
 
@@ -55,12 +55,20 @@ def shutdown_distributed(*, wait_for_peers: bool, deadline_s: float = 120.0) -> 
     at exit with ``terminate called without an active exception`` (SIGABRT) after printing its
     results. The whole teardown waits on the peers and cannot be interrupted, so it runs under
     :func:`dbo.peers.watchdog.teardown_deadline` (``deadline_s``): call it once the results are written.
+    After a failure (``wait_for_peers=False``) DeepEP's buffers are not freed (that is collective:
+    it would wait for a peer that may be gone) and the process ends within ``deadline_s`` from
+    here whatever runs after (:func:`dbo.peers.watchdog.end_process_within`).
     """
     if not dist.is_initialized():
         return
+    if not wait_for_peers:
+        # after a failure a peer may be gone, and whatever waits on it (DeepEP's collective buffer
+        # destruction, NCCL's, the interpreter's own shutdown) would hold this process: it ends
+        # within deadline_s whatever runs after, and DeepEP's buffers are left to the process's end
+        end_process_within(deadline_s)
     with teardown_deadline(deadline_s, "freeing the backends and the process group"):
         deepep = sys.modules.get("dbo.backends.deepep.buffer")  # imported where DeepEP ran
-        if deepep is not None:
+        if deepep is not None and wait_for_peers:
             deepep.BUFFER_CACHE.reset()
         gc.collect()
         if wait_for_peers:

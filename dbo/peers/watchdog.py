@@ -51,6 +51,7 @@ __all__ = [
     "teardown_deadline",
     "gil_free_deadline",
     "GIL_FREE_GRACE_S",
+    "end_process_within",
 ]
 
 logger = logging.getLogger(__name__)
@@ -210,8 +211,29 @@ def gil_free_deadline(seconds: float) -> Iterator[None]:
             faulthandler.cancel_dump_traceback_later()
 
 
-#: the deadlines of the open :func:`gil_free_deadline` blocks, innermost last (monotonic clock)
+#: the deadlines of the open :func:`gil_free_deadline` blocks, innermost last (monotonic clock);
+#: :func:`end_process_within`'s stays at the bottom
 _GIL_FREE_DEADLINES: list[float] = []
+
+
+def end_process_within(seconds: float) -> None:
+    """End the process (exit code 1, the stacks on stderr) ``seconds`` from now unless it has
+    ended by itself, whatever runs meanwhile: for a program that failed and only tears down (a
+    peer may be gone, and what waits on it, in C or in the interpreter's own shutdown, would
+    hold the process forever). GIL-free, as :func:`gil_free_deadline`; it cannot be undone.
+
+    Raises:
+        ValueError: ``seconds`` not a positive number.
+    """
+    seconds = check_timeout(seconds, "seconds")
+    if seconds is None:
+        raise ValueError("end_process_within needs a positive number of seconds")
+    end = time.monotonic() + seconds
+    if _GIL_FREE_DEADLINES and _GIL_FREE_DEADLINES[0] <= end:
+        return  # an earlier end is set already
+    _GIL_FREE_DEADLINES[:] = [min(d, end) for d in _GIL_FREE_DEADLINES]
+    _GIL_FREE_DEADLINES.insert(0, end)
+    faulthandler.dump_traceback_later(max(min(_GIL_FREE_DEADLINES) - time.monotonic(), 1e-3), exit=True)
 
 
 class GpuWaitWatchdog:

@@ -22,7 +22,7 @@ SEQ, PADS, NEW_TOKENS = 8, (0, 3, 0, 1), 4  # per rank: 4 left-padded prompts of
 # the teardown's deadline (the examples': 120 s): a teardown that waits for a dead peer (a
 # collective buffer destroy, a barrier) ends the process then, with its stack on stderr, rather
 # than holding the case for minutes; a normal one takes well under a second
-TEARDOWN_S = 10.0
+TEARDOWN_S = 6.0
 
 
 def _start_together(tmp: str, tag: str, rank: int, world: int) -> None:
