@@ -265,3 +265,18 @@ def _carveouts_seen() -> list:
 def test_the_experts_beside_a_combine_leave_the_sbo_carveout(world2):
     # group 0 runs before any combine (its own carve-out); group 1 beside group 0's combine
     assert world2.run(_carveouts_seen, timeout_s=60) == [[3, 7, 3]] * 2
+
+
+def _make_ll_on_a_link(case):
+    from dbo.backends.simulated_link import SimulatedLink, SimulatedLinkPrepareAndFinalize
+    return SimulatedLinkPrepareAndFinalize(_make_ll(case), SimulatedLink(50.0, 5.0), "deepep_ll")
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(180)
+def test_sbo_through_the_simulated_link_matches_plain_and_holds_each_group(world2):
+    # the link model passes the group combines through, each held for its group's bytes
+    cases = [dataclasses.replace(c, name=f"{c.name} sbo link", expert_schedule="sbo")
+             for c in default_cases(2)[:3] if c.reduce_in_experts]
+    results = check_backend(world2, _make_ll_on_a_link, cases)
+    assert results and all(r.ok for r in results)

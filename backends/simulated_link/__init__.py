@@ -213,14 +213,18 @@ class SimulatedLinkPrepareAndFinalize(PrepareAndFinalize):
     def reset(self) -> None:
         self.inner.reset()
 
+    def supports_expert_groups(self) -> bool:
+        return self.inner.supports_expert_groups()
+
     # ---- the delay --------------------------------------------------------------------------
 
-    def _us(self, phase: str, tokens: int, topk: int, hidden: int, elem_bytes: float) -> float:
+    def _us(self, phase: str, tokens: int, topk: int, hidden: int, elem_bytes: float,
+            share: float = 1.0) -> float:
         nbytes = SimulatedLink.expected_bytes(self.backend, tokens=tokens, topk=topk,
                                               world_size=self._world,
                                               num_experts=max(self._num_experts, self._world),
                                               hidden=hidden, elem_bytes=elem_bytes)
-        us = self.link.transfer_us(nbytes)
+        us = self.link.transfer_us(share * nbytes)
         self.modelled_us.append((phase, us))
         return us
 
@@ -292,4 +296,19 @@ class SimulatedLinkPrepareAndFinalize(PrepareAndFinalize):
             self.inner.finalize(output, fused_expert_output, topk_weights, topk_ids,
                                 apply_router_weight_on_input, weight_and_reduce)
             res = lambda: None  # noqa: E731
+        return self._wrap(res, self._held(start, us, output.device))
+
+    def finalize_group_async(self, output, fused_expert_output, topk_weights, topk_ids,
+                             apply_router_weight_on_input, weight_and_reduce, *, experts, last):
+        """One expert group's combine (the ``sbo`` schedule), held back for the group's share
+        of the combine's bytes (a backend that sends a row per token and expert: the group's
+        experts' share of the local experts) plus the link's latency, once per group."""
+        start = self._start(output.device)
+        n_local = max(max(self._num_experts, self._world) // self._world, 1)
+        share = (experts[1] - experts[0]) / n_local
+        us = self._us("combine_group", output.shape[0], self._topk, output.shape[1],
+                      output.element_size(), share)
+        res = self.inner.finalize_group_async(output, fused_expert_output, topk_weights, topk_ids,
+                                              apply_router_weight_on_input, weight_and_reduce,
+                                              experts=experts, last=last)
         return self._wrap(res, self._held(start, us, output.device))
