@@ -191,6 +191,25 @@ def test_schedule_choice_examples():
     assert row(8, 1.0, None, 0.5).best is ExpertSchedule.MERGED
 
 
+def test_sbo_is_chosen_only_where_it_wins_at_every_size():
+    def row(t, ser, split, merged, sbo):
+        return AutotuneRow(t, ser, split, merged, sbo)
+
+    # sbo beats plain everywhere and nothing splits better: sbo, never split
+    rows = [row(32, 1.0, 1.5, 1.1, 0.95), row(64, 1.0, 1.3, 1.05, 0.96)]
+    assert pick_schedule(rows) == (ExpertSchedule.SBO, NEVER_SPLIT)
+    assert rows[0].best is ExpertSchedule.SBO
+    # within the margin at one size: plain (a tie is noise)
+    rows = [row(32, 1.0, 1.5, 1.1, 0.99), row(64, 1.0, 1.3, 1.05, 0.9)]
+    assert pick_schedule(rows) == (ExpertSchedule.PLAIN, NEVER_SPLIT)
+    # split wins more from its threshold on than sbo does everywhere: split
+    rows = [row(32, 1.0, 1.2, 1.1, 0.95), row(64, 1.0, 0.6, 0.9, 0.95), row(128, 1.0, 0.5, 0.9, 0.95)]
+    assert pick_schedule(rows) == (ExpertSchedule.SPLIT, 64)
+    # not measured: never chosen
+    rows = [row(32, 1.0, 1.2, 1.1, None)]
+    assert pick_schedule(rows) == (ExpertSchedule.PLAIN, NEVER_SPLIT)
+
+
 FIXED_EXPERTS_S = 0.010
 
 

@@ -9,8 +9,9 @@ overlapped forward at a few token counts and returns a :class:`~dbo.split.SplitC
 threshold splits only where DBO was faster, so that the wrapper picks the faster mode.
 
 It measures every expert schedule (:mod:`dbo.expert_schedule`): ``plain`` (the forward
-unsplit), ``split`` (each ubatch runs its own experts) and ``merged`` (the ubatches' experts run
-as one call: one read of the weights), and picks the schedule and threshold with the lowest
+unsplit), ``split`` (each ubatch runs its own experts), ``merged`` (the ubatches' experts run
+as one call: one read of the weights) and ``sbo`` (unsplit, the combine leaving per expert
+group), and picks the schedule and threshold with the lowest
 cost over the measured sizes (:func:`pick_schedule`).
 
 Every rank of the expert-parallel group must call it with the same arguments (the forwards
@@ -32,7 +33,7 @@ import torch
 from dbo.expert_schedule import ExpertSchedule, parse_expert_schedule
 from dbo.overlap import overlapped_forward
 from dbo.peers.collectives import all_reduce_max, group_size
-from dbo.split import NEVER_SPLIT, SplitConfig, plan_ubatches
+from dbo.split import NEVER_SPLIT, SplitConfig, no_split_plan, plan_ubatches
 from dbo.ubatch.sm import check_compute_sms, check_sm_carveout
 
 __all__ = [
@@ -97,8 +98,8 @@ class AutotuneResult:
             measured size, or :data:`NEVER_SPLIT` if it won at none (or not at the largest).
         rows: the measurements, by increasing token count.
         margin: how much faster DBO had to be to count as winning.
-        schedule: the chosen :class:`~dbo.expert_schedule.ExpertSchedule`: ``split`` or
-            ``merged`` (also in ``config.expert_schedule``), or ``plain`` when neither won
+        schedule: the chosen :class:`~dbo.expert_schedule.ExpertSchedule`: ``split``,
+            ``merged`` or ``sbo`` (also in ``config.expert_schedule``), or ``plain`` when none won
             (then ``threshold`` is :data:`NEVER_SPLIT` and ``config.expert_schedule`` is the
             input's).
     """
@@ -123,10 +124,11 @@ class AutotuneResult:
             return "-" if v is None else f"{v:.3f}"
 
         lines = [f"{'tokens':>8} {'serial ms':>10} {'dbo ms':>10} {'dbo/serial':>11} "
-                 f"{'merged ms':>10} {'merged/ser':>11} {'best':>7}"]
+                 f"{'merged ms':>10} {'merged/ser':>11} {'sbo ms':>10} {'best':>7}"]
         for r in self.rows:
             lines.append(f"{r.tokens:>8} {r.serial_ms:>10.3f} {f(r.dbo_ms):>10} {f(r.ratio):>11} "
-                         f"{f(r.merged_ms):>10} {f(r.merged_ratio):>11} {r.best.value:>7}")
+                         f"{f(r.merged_ms):>10} {f(r.merged_ratio):>11} {f(r.sbo_ms):>10} "
+                         f"{r.best.value:>7}")
         thr = "never" if self.threshold >= NEVER_SPLIT else f">= {self.threshold} tokens"
         how = "" if self.threshold >= NEVER_SPLIT else f", {self.schedule.value} experts"
         lines.append(f"{kind} threshold: split {thr}{how} (DBO must win by {100 * self.margin:.0f}%)")
@@ -165,7 +167,9 @@ def pick_schedule(rows: Sequence[AutotuneRow], margin: float = 0.02) -> tuple[Ex
     the plain time, so that every size weighs the same. ``plain`` costs one per size. The
     cheapest wins; ``merged`` must beat ``split``'s cost by ``margin`` (split is the default
     and the two are alike where the schedule makes no difference). When no DBO schedule has a
-    threshold the answer is ``(plain, NEVER_SPLIT)``.
+    threshold the answer is ``(plain, NEVER_SPLIT)``. ``sbo`` (``sbo_ms``), which never splits,
+    replaces that answer where it beat plain by ``margin`` at every size and its cost is lower by
+    ``margin`` too: ``(sbo, NEVER_SPLIT)``.
     """
     costs: dict[ExpertSchedule, tuple[float, int]] = {}
     for schedule in (ExpertSchedule.SPLIT, ExpertSchedule.MERGED):
@@ -176,10 +180,19 @@ def pick_schedule(rows: Sequence[AutotuneRow], margin: float = 0.02) -> tuple[Ex
                                    for r in timed), thr)
     split, merged = costs.get(ExpertSchedule.SPLIT), costs.get(ExpertSchedule.MERGED)
     if merged is not None and (split is None or merged[0] < split[0] * (1 - margin)):
-        return ExpertSchedule.MERGED, merged[1]
-    if split is not None:
-        return ExpertSchedule.SPLIT, split[1]
-    return ExpertSchedule.PLAIN, NEVER_SPLIT
+        choice = ExpertSchedule.MERGED, merged[1]
+    elif split is not None:
+        choice = ExpertSchedule.SPLIT, split[1]
+    else:
+        choice = ExpertSchedule.PLAIN, NEVER_SPLIT
+    # sbo never splits: it runs at every size, so it counts only where it beat plain by the
+    # margin at every measured size, and then only if it costs less than the choice above by it
+    if rows and all(r.sbo_ms is not None and r.sbo_ms <= r.serial_ms * (1 - margin) for r in rows):
+        best = (sum(r.ms(choice[0]) / r.serial_ms if r.tokens >= choice[1] else 1.0 for r in rows)
+                if choice[0] is not ExpertSchedule.PLAIN else float(len(rows)))
+        if sum(r.sbo_ms / r.serial_ms for r in rows) < best * (1 - margin):
+            return ExpertSchedule.SBO, NEVER_SPLIT
+    return choice
 
 
 def _sync(device: torch.device) -> None:
@@ -221,7 +234,8 @@ def autotune_split_config(
     fn_kwargs: Mapping[str, Any] | None = None,
     sm_carveout: int | None = None,
     compute_sms: int | None = None,
-    schedules: Sequence[ExpertSchedule | str] = (ExpertSchedule.SPLIT, ExpertSchedule.MERGED),
+    schedules: Sequence[ExpertSchedule | str] = (ExpertSchedule.SPLIT, ExpertSchedule.MERGED,
+                                                 ExpertSchedule.SBO),
     sm_carveouts: Sequence[int | None] | None = None,
     clock: Callable[[], float] = time.perf_counter,
 ) -> AutotuneResult:
@@ -246,8 +260,8 @@ def autotune_split_config(
             tune with the setting the wrapper will run with.
         compute_sms: likewise, the green-context SM count of the overlapped runs
             (``overlapped_forward(compute_sms=...)``).
-        schedules: the DBO expert schedules to measure beside the plain forward (default
-            both, ``split`` and ``merged``); the choice is :func:`pick_schedule`'s.
+        schedules: the expert schedules to measure beside the plain forward (default all:
+            ``split``, ``merged`` and the unsplit ``sbo``); the choice is :func:`pick_schedule`'s.
         sm_carveouts: several carve-outs to measure the overlapped runs with (e.g. ``(None,
             16)``; replaces ``sm_carveout``). Each gets its schedule and threshold as above;
             the result keeps the one whose choice costs least over the measured sizes (the
@@ -288,7 +302,7 @@ def autotune_split_config(
     check_compute_sms(compute_sms)
     wanted = {parse_expert_schedule(s) for s in schedules}
     if not wanted or ExpertSchedule.PLAIN in wanted:
-        raise ValueError(f"schedules must name 'split' and/or 'merged' (the plain forward is "
+        raise ValueError(f"schedules must name 'split', 'merged' or 'sbo' (the plain forward is "
                          f"always measured), got {list(schedules)!r}")
     dbo_schedules = [s for s in (ExpertSchedule.SPLIT, ExpertSchedule.MERGED) if s in wanted]
     kwargs = dict(fn_kwargs or {})
@@ -305,19 +319,25 @@ def autotune_split_config(
                              "steps, rounds, warmup, schedules or sm_carveouts")
     force = dataclasses.replace(config, decode_token_threshold=1, prefill_token_threshold=1,
                                 enabled=True, expert_schedule=ExpertSchedule.SPLIT)
-    # per count: plain (serial), then split and merged for each carve-out, in that order
+    # per count: plain (serial), sbo, then split and merged for each carve-out, in that order
     keys = [(s, k) for k in range(len(carveouts)) for s in (ExpertSchedule.SPLIT, ExpertSchedule.MERGED)]
-    width = 1 + len(keys)
+    width = 2 + len(keys)
+    sbo = ExpertSchedule.SBO in wanted
     local: list[float] = []
     for t in counts:
         inputs = list(make_inputs(t))
         device = _device_of(inputs)
         plan = plan_ubatches(t, force, decode_only=decode_only, group=group)
-        plain = float("inf")
+        plain = sbo_ms = float("inf")
+        unsplit = no_split_plan(t, expert_schedule=ExpertSchedule.SBO)
         best = dict.fromkeys(keys, float("inf"))
         for _ in range(rounds):
             plain = min(plain, _time_ms(lambda x=inputs: fn(*x, **kwargs), warmup, steps, device,
                                         clock))
+            if sbo:
+                sbo_ms = min(sbo_ms, _time_ms(
+                    lambda x=inputs, u=unsplit: overlapped_forward(fn, *x, plan=u, fn_kwargs=kwargs),
+                    warmup, steps, device, clock))
             for (s, k) in keys if plan.split else ():
                 if s not in dbo_schedules:
                     continue
@@ -327,7 +347,7 @@ def autotune_split_config(
                                                                   sm_carveout=carveouts[k],
                                                                   compute_sms=compute_sms),
                     warmup, steps, device, clock))
-        local += [v if v != float("inf") else -1.0 for v in [plain, *best.values()]]
+        local += [v if v != float("inf") else -1.0 for v in [plain, sbo_ms, *best.values()]]
         del inputs
     if multi:
         # the slowest rank sets the pace of a step; -1 (not measured) stays -1 on every rank
@@ -339,9 +359,10 @@ def autotune_split_config(
 
     choices = []  # per carve-out: (cost, its index, rows, schedule, threshold)
     for k in range(len(carveouts)):
-        col = 1 + 2 * k
+        col = 2 + 2 * k
         rows = tuple(AutotuneRow(t, local[width * i], ms(local[width * i + col]),
-                                 ms(local[width * i + col + 1])) for i, t in enumerate(counts))
+                                 ms(local[width * i + col + 1]), ms(local[width * i + 1]))
+                     for i, t in enumerate(counts))
         schedule, threshold = pick_schedule(rows, margin)
         cost = sum((r.ms(schedule) if r.tokens >= threshold else r.serial_ms) / r.serial_ms
                    for r in rows)
