@@ -309,12 +309,13 @@ class DBOPrefill(torch.nn.Module):
 
     def autotune(self, seq_len: int, batch_sizes: Sequence[int], *, vocab_size: int | None = None,
                  warmup: int = 1, steps: int = 3, rounds: int = 1, margin: float = 0.02,
-                 schedules: Sequence[str] = ("split", "merged"),
+                 schedules: Sequence[str] = ("split", "merged", "sbo"),
                  sm_carveouts: Sequence[int | None] | None = None) -> AutotuneResult:
         """Time the prefill plainly and overlapped at ``batch_sizes`` sequences of ``seq_len``
         random tokens per rank, and keep the winner: from then on this prefill splits from the
-        smallest batch at which DBO won by ``margin`` (with the faster expert schedule), or never
-        (it runs plainly where DBO did not pay). Collective: every rank calls it with the same
+        smallest batch at which DBO won by ``margin`` (with the faster expert schedule), never
+        (it runs plainly where DBO did not pay), or never with ``sbo`` where that won at every
+        batch size. Collective: every rank calls it with the same
         arguments (:func:`dbo.autotune.autotune_split_config`).
 
         The choice is a sequence count, for this ``seq_len``: tune one prefill per prompt length
