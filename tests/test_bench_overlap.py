@@ -110,7 +110,7 @@ def _check_structure(bundle: dict, backend: str, sms: list[int]) -> None:
             sh["tokens"] for sh in bundle["shapes"] if str(sh["intermediate"]) == inter)
         assert all(r["serial_ms"] > 0 for r in tuned["rows"])
         assert "threshold: split" in tuned["table"] and "merged ms" in tuned["table"]
-        assert tuned["schedule"] in ("plain", "split", "merged")
+        assert tuned["schedule"] in ("plain", "split", "merged", "sbo")
         assert all(r["merged_ms"] > 0 for r in tuned["rows"])
 
 

@@ -1,8 +1,10 @@
 """Captures of one shape: dbo's schedule trace and torch.profiler kernel traces of a step, and
-a whole serial, DBO and merged-schedule step captured into CUDA graphs and replayed (deepep_ll)."""
+a whole serial, DBO, merged and sbo step captured into CUDA graphs and replayed (deepep_ll,
+copy_engine)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +13,7 @@ import torch.distributed as dist
 
 import dbo
 from dbo.bench.shape import ShapeBench, max_rel_error
+from dbo.bench.timeline import timeline_svg
 from dbo.bench.timing import measure
 from dbo.peers.collectives import all_reduce_max
 
@@ -23,15 +26,18 @@ GRAPH_BACKENDS = ("deepep_ll", "copy_engine")
 
 def traces(sb: ShapeBench, profile: bool, out_dir: Path) -> dict | None:
     """One DBO step recorded by dbo.Trace (returned as Chrome JSON); on the profiled shape
-    torch.profiler kernel traces of the best DBO and serial steps."""
+    torch.profiler kernel traces of the best DBO and serial steps (and of the merged and sbo
+    steps where ``--modes`` has them), each drawn as an SVG timeline of its streams
+    (:mod:`dbo.bench.timeline`: ``timeline_<mode>.svg``)."""
     sb.use_best("dbo")
     trace = dbo.Trace()
     sb.dbo(trace=trace)
     files = {}
     if profile and sb.device.type == "cuda":
-        for mode in ("dbo", "serial"):
-            sb.use_best(mode)
-            fn = sb.dbo if mode == "dbo" else sb.serial
+        extra = [m for m in ("merged", "sbo") if m in sb.args.modes]
+        for mode in ("dbo", "serial", *extra):
+            sb.use_best("serial" if mode == "sbo" else mode)
+            fn = {"dbo": sb.dbo, "serial": sb.serial, "merged": sb.merged, "sbo": sb.sbo}[mode]
             fn()
             torch.cuda.synchronize()
             path = out_dir / f"gpu_trace_{mode}.json"
@@ -52,6 +58,10 @@ def traces(sb: ShapeBench, profile: bool, out_dir: Path) -> dict | None:
                     out_dir.mkdir(parents=True, exist_ok=True)
                     prof.export_chrome_trace(str(path))
                     files[f"gpu_trace_{mode}"] = path.name
+                    svg = out_dir / f"timeline_{mode}.svg"
+                    svg.write_text(timeline_svg(json.loads(path.read_text()),
+                                                title=f"{sb.label(mode)}, {sb.args.backend}"))
+                    files[f"timeline_{mode}"] = svg.name
                 except Exception as exc:  # noqa: BLE001
                     sb.rec["warnings"].append(f"torch.profiler failed: {type(exc).__name__}: {exc}")
     sb.rec["trace_files"] = files
