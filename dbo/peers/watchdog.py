@@ -130,6 +130,13 @@ def timeout_message(site: WaitSite, timeout_s: float, missing: Sequence[int], de
 _Pending = tuple
 
 
+def _positive_seconds(seconds: Any, who: str) -> float:
+    value = check_timeout(seconds, "seconds")
+    if value is None:
+        raise ValueError(f"{who} needs a positive number of seconds")
+    return value
+
+
 def _end_process(message: str) -> None:
     logger.critical("%s", message)
     try:
@@ -150,9 +157,7 @@ def teardown_deadline(seconds: float, what: str = "teardown") -> Iterator[None]:
     Raises:
         ValueError: ``seconds`` not a positive number.
     """
-    seconds = check_timeout(seconds, "seconds")
-    if seconds is None:
-        raise ValueError("teardown_deadline needs a positive number of seconds")
+    seconds = _positive_seconds(seconds, "teardown_deadline")
     message = (f"{what} did not finish within {seconds:g} s (a peer never reached it, or a GPU "
                "wait never ended); the results were written before it. Where each thread was:")
 
@@ -193,9 +198,7 @@ def gil_free_deadline(seconds: float) -> Iterator[None]:
     Raises:
         ValueError: ``seconds`` not a positive number.
     """
-    seconds = check_timeout(seconds, "seconds")
-    if seconds is None:
-        raise ValueError("gil_free_deadline needs a positive number of seconds")
+    seconds = _positive_seconds(seconds, "gil_free_deadline")
     end = time.monotonic() + seconds
     outer = _GIL_FREE_DEADLINES[-1] if _GIL_FREE_DEADLINES else None
     _GIL_FREE_DEADLINES.append(end if outer is None else min(end, outer))
@@ -225,9 +228,7 @@ def end_process_within(seconds: float) -> None:
     Raises:
         ValueError: ``seconds`` not a positive number.
     """
-    seconds = check_timeout(seconds, "seconds")
-    if seconds is None:
-        raise ValueError("end_process_within needs a positive number of seconds")
+    seconds = _positive_seconds(seconds, "end_process_within")
     end = time.monotonic() + seconds
     if _GIL_FREE_DEADLINES and _GIL_FREE_DEADLINES[0] <= end:
         return  # an earlier end is set already
