@@ -256,9 +256,9 @@ def test_buffers_size_themselves_and_grow(world2):
     assert caps[4] == [70 + 10, 48]  # 70 > 2 * 32 (rounded up to 16); slot 1 needs 35: 2 * 16 < 35
 
 
-def _stop_mid_step(stopper: int, block: bool = False) -> float:
+def _stop_mid_step(stopper: int, block: bool = False, how: str = "stall") -> float:
     # block: the backend's own timeout is 60 s, a collective_timeout(2.0) block around the step
-    # sets the one in force
+    # sets the one in force; how: the stopper stalls (its process runs on) or exits
     import contextlib
 
     from dbo.backends.copy_engine import CopyEnginePrepareAndFinalize
@@ -278,24 +278,36 @@ def _stop_mid_step(stopper: int, block: bool = False) -> float:
     try:
         with scope:
             for layer in range(4):
-                if rank == stopper and layer == 2:
-                    os._exit(3)  # this rank dies mid-step, between two layers
+                if rank == stopper and layer == 2:  # mid-step, between two layers
+                    if how == "stall":
+                        time.sleep(8.0)
+                    os._exit(3)
                 weights, ids = topk_route(torch.randn(16, 2 * world), 2)
                 h = kernel(h, w1, w2, weights, ids, global_num_experts=2 * world)
     except CollectiveTimeoutError as exc:
-        assert "rank 1" in str(exc) and "died or fell out of step" in str(exc), exc
+        want = "died or fell out of step" if how == "stall" else "exited"
+        assert "rank 1" in str(exc) and want in str(exc), exc
         return time.monotonic() - t0
     return -1.0
 
 
 @pytest.mark.parametrize("block", [False, True], ids=["backend timeout", "collective_timeout block"])
-def test_a_stopped_peer_fails_the_waiting_rank_within_the_timeout(block):
+def test_a_stalled_peer_fails_the_waiting_rank_within_the_timeout(block):
     with DistWorld(2) as world:
-        outcomes = world.run_outcomes(_stop_mid_step, 1, block, timeout_s=30.0)
+        outcomes = world.run_outcomes(_stop_mid_step, 1, block, "stall", timeout_s=30.0)
     assert outcomes[1].exitcode == 3 or not outcomes[1].ok
     assert outcomes[0].ok, outcomes[0].traceback
     # the 2 s timeout (not the backend's 60 s in the block case), with 10x slack above
     assert 1.5 < outcomes[0].value < 20.0, outcomes[0].value
+
+
+def test_a_dead_peer_fails_the_waiting_rank_before_the_timeout():
+    # the host board knows the peers' processes: one that exited ends the wait at once
+    with DistWorld(2) as world:
+        outcomes = world.run_outcomes(_stop_mid_step, 1, False, "exit", timeout_s=30.0)
+    assert outcomes[1].exitcode == 3 or not outcomes[1].ok
+    assert outcomes[0].ok, outcomes[0].traceback
+    assert 0 < outcomes[0].value < 1.5, outcomes[0].value  # well under the 2 s timeout
 
 
 def _bad_args() -> list[str]:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 import warnings
 from dataclasses import dataclass
@@ -190,7 +191,8 @@ class CpuTransport(Transport):
         board = HostBoard.nbytes(num_slots)
         n = num_channels * self.world_size
         regions = open_shared(group, board + align(n * 4), "cpu")
-        self.board = HostBoard(regions, self.rank, num_slots, timeout_s, "copy_engine")
+        self.board = HostBoard(regions, self.rank, num_slots, timeout_s, "copy_engine",
+                               pids=_pids(group))
         self._flags = [r[board:board + 4 * n].view(torch.int32).numpy()
                        .reshape(num_channels, self.world_size) for r in regions]
         self._data: list[list[torch.Tensor] | None] = [None] * num_slots
@@ -225,6 +227,14 @@ class CpuTransport(Transport):
         flag = self._flags[self.rank]
         self._spin(flag, (channel, src), 1, f"waited for rank {src}'s signal on channel {channel}")
         flag[channel, src] = 0
+
+
+def _pids(group: Any) -> list[int]:
+    """The ranks' process ids (collective): the host board's wait for a peer whose process has
+    exited ends at once, not after the timeout."""
+    pids: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(pids, os.getpid(), group=group)
+    return [int(p) for p in pids]
 
 
 def symm_mem_rendezvous(nbytes: int, device: torch.device, group: Any) -> tuple[torch.Tensor, Any]:
@@ -264,7 +274,8 @@ class CudaTransport(Transport):
         self.timeout_s = timeout_s
         board = HostBoard.nbytes(num_slots)
         regions = open_shared(group, board, "board")
-        self.board = HostBoard(regions, self.rank, num_slots, timeout_s, "copy_engine")
+        self.board = HostBoard(regions, self.rank, num_slots, timeout_s, "copy_engine",
+                               pids=_pids(group))
         self._slots: list[tuple[torch.Tensor, Any, list[torch.Tensor]] | None] = [None] * num_slots
         self._init_state(num_slots)
 
