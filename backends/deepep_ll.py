@@ -208,6 +208,7 @@ class DeepEPLLPrepareAndFinalize(DeepEPPrepareAndFinalize):
                 use_fp8=self.use_fp8_dispatch, async_finish=not use_hook,
                 return_recv_hook=use_hook), a1.device)
         self._handles.put((handle, token, active_run()))
+        self._group_state = None  # a new dispatch: any group combines left by a failed step go
         results = self.results
 
         def receiver() -> PrepareResult:
