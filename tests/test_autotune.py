@@ -126,6 +126,21 @@ def test_autotune_finds_the_crossover_and_the_wrapper_follows_it():
     assert f"threshold: split >= {res.threshold} tokens" in res.table()
 
 
+def test_autotune_asks_for_the_memory_its_overlapped_calls_took(monkeypatch):
+    # on CUDA the autotune reads each overlapped call's transient peak; here a stand-in reports
+    # 1000 bytes for split calls: the tuned config then splits only where that (+10%) is free
+    import dbo.autotune.split as split_mod
+
+    monkeypatch.setattr(split_mod, "transient_bytes", lambda step, device: 1000)
+    clock = VirtualClock()
+    res = autotune_split_config(costed_forward(clock), lambda t: [torch.ones(t, 4)], [2000, 4000],
+                                decode_only=True, warmup=1, steps=2, rounds=1, clock=clock,
+                                schedules=("split",))
+    assert res.schedule is ExpertSchedule.SPLIT and res.config.min_free_bytes == 1100
+    assert plan_ubatches(4000, res.config, decode_only=True, free_bytes=2000).split
+    assert not plan_ubatches(4000, res.config, decode_only=True, free_bytes=1000).split
+
+
 def test_autotune_never_splits_when_dbo_never_wins():
     clock = VirtualClock()
 

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from dbo.autotune.timing import MEMORY_MARGIN, device_of, time_ms, transient_bytes
 from dbo.expert_schedule import ExpertSchedule, parse_expert_schedule
 from dbo.overlap import overlapped_forward
 from dbo.peers.collectives import all_reduce_max, group_size
@@ -195,30 +196,6 @@ def pick_schedule(rows: Sequence[AutotuneRow], margin: float = 0.02) -> tuple[Ex
     return choice
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _time_ms(step: Callable[[], Any], warmup: int, steps: int, device: torch.device,
-             clock: Callable[[], float] = time.perf_counter) -> float:
-    for _ in range(warmup):
-        step()
-    _sync(device)
-    t0 = clock()
-    for _ in range(steps):
-        step()
-    _sync(device)
-    return (clock() - t0) * 1e3 / steps
-
-
-def _device_of(tensors: Sequence[torch.Tensor]) -> torch.device:
-    for t in tensors:
-        if isinstance(t, torch.Tensor):
-            return t.device
-    return torch.device("cpu")
-
-
 def autotune_split_config(
     fn: Callable[..., Any],
     make_inputs: Callable[[int], Sequence[torch.Tensor]],
@@ -323,30 +300,31 @@ def autotune_split_config(
     keys = [(s, k) for k in range(len(carveouts)) for s in (ExpertSchedule.SPLIT, ExpertSchedule.MERGED)]
     width = 2 + len(keys)
     sbo = ExpertSchedule.SBO in wanted
+    transient: dict[ExpertSchedule, int] = {}  # the overlapped calls' peak memory above their start
     local: list[float] = []
     for t in counts:
         inputs = list(make_inputs(t))
-        device = _device_of(inputs)
+        device = device_of(inputs)
         plan = plan_ubatches(t, force, decode_only=decode_only, group=group)
         plain = sbo_ms = float("inf")
         unsplit = no_split_plan(t, expert_schedule=ExpertSchedule.SBO)
         best = dict.fromkeys(keys, float("inf"))
         for _ in range(rounds):
-            plain = min(plain, _time_ms(lambda x=inputs: fn(*x, **kwargs), warmup, steps, device,
+            plain = min(plain, time_ms(lambda x=inputs: fn(*x, **kwargs), warmup, steps, device,
                                         clock))
             if sbo:
-                sbo_ms = min(sbo_ms, _time_ms(
+                sbo_ms = min(sbo_ms, time_ms(
                     lambda x=inputs, u=unsplit: overlapped_forward(fn, *x, plan=u, fn_kwargs=kwargs),
                     warmup, steps, device, clock))
             for (s, k) in keys if plan.split else ():
                 if s not in dbo_schedules:
                     continue
                 p = dataclasses.replace(plan, expert_schedule=s)
-                best[(s, k)] = min(best[(s, k)], _time_ms(
-                    lambda x=inputs, p=p, k=k: overlapped_forward(fn, *x, plan=p, fn_kwargs=kwargs,
-                                                                  sm_carveout=carveouts[k],
-                                                                  compute_sms=compute_sms),
-                    warmup, steps, device, clock))
+                def step(x=inputs, p=p, k=k):
+                    return overlapped_forward(fn, *x, plan=p, fn_kwargs=kwargs,
+                                              sm_carveout=carveouts[k], compute_sms=compute_sms)
+                best[(s, k)] = min(best[(s, k)], time_ms(step, warmup, steps, device, clock))
+                transient[s] = max(transient.get(s, 0), transient_bytes(step, device))
         local += [v if v != float("inf") else -1.0 for v in [plain, sbo_ms, *best.values()]]
         del inputs
     if multi:
@@ -377,6 +355,13 @@ def autotune_split_config(
     tuned = {field: threshold, "adaptive": False}  # measured here: the wrapper need not
     if schedule is not ExpertSchedule.PLAIN:
         tuned["expert_schedule"] = schedule
+    need = [transient.get(s, 0) for s in (ExpertSchedule.SPLIT, ExpertSchedule.MERGED)]
+    if multi:
+        need = all_reduce_max(need, group)
+    need_bytes = dict(zip((ExpertSchedule.SPLIT, ExpertSchedule.MERGED), need, strict=True))
+    if schedule.splits and need_bytes[schedule] > 0:
+        # split only where a rank has the memory the overlapped call was measured to take
+        tuned["min_free_bytes"] = int(need_bytes[schedule] * (1 + MEMORY_MARGIN))
     result = AutotuneResult(dataclasses.replace(config, **tuned), decode_only,
                             threshold, rows, margin, schedule, carveouts[k], tuple(carveouts))
     logger.info("dbo autotune:\n%s", result.table())

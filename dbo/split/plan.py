@@ -66,6 +66,7 @@ __all__ = [
     "encode_vote",
     "resolve_plan",
     "plan_ubatches",
+    "free_device_bytes",
     "no_split_plan",
     "dbo_disabled_by_env",
 ]
@@ -246,6 +247,18 @@ def no_split_plan(num_tokens: int, reason: SplitReason = SplitReason.DISABLED,
 # ---- pass 3: agreement ---------------------------------------------------------------------
 
 
+def free_device_bytes(device: torch.device | str | None = None) -> int | None:
+    """Device memory this rank can still use: the driver's free memory plus what torch's caching
+    allocator holds unused (CUDA; no host sync); None on the CPU (no limit known)."""
+    if device is not None and torch.device(device).type != "cuda":
+        return None
+    if not torch.cuda.is_available():
+        return None
+    dev = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+    free, _ = torch.cuda.mem_get_info(dev)
+    return int(free + torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev))
+
+
 def plan_ubatches(
     num_tokens: int,
     config: SplitConfig | None = None,
@@ -256,6 +269,7 @@ def plan_ubatches(
     group: Any = None,
     agree: bool = True,
     device: torch.device | str | None = None,
+    free_bytes: int | None = None,
 ) -> UBatchPlan:
     """Decide how this rank runs a forward of ``num_tokens`` token rows.
 
@@ -278,7 +292,10 @@ def plan_ubatches(
             is not initialised.
         agree: False skips the all-reduce (a model that is not expert-parallel).
         device: where the 10-int64 all-reduce tensor lives (default: the current CUDA device
-            for NCCL, CPU otherwise).
+            for NCCL, CPU otherwise); the device whose free memory ``config.min_free_bytes``
+            is checked against.
+        free_bytes: this rank's free device memory, where the caller knows it better (an
+            engine's own accounting); default: :func:`free_device_bytes`.
 
     Returns:
         This rank's :class:`UBatchPlan`.
@@ -294,6 +311,11 @@ def plan_ubatches(
         request_token_counts = request_token_counts.tolist()
     decision = local_vote(num_tokens, config, request_token_counts=request_token_counts,
                           decode_only=decode_only, split_points=split_points)
+    if decision.vote is Vote.YES and config.min_free_bytes:
+        free = free_device_bytes(device) if free_bytes is None else int(free_bytes)
+        if free is not None and free < config.min_free_bytes:
+            decision = _no(SplitReason.MEMORY, f"{free / 2**30:.2f} GiB free on this rank, the "
+                                               f"split needs {config.min_free_bytes / 2**30:.2f} GiB")
     vec = encode_vote(decision, config)
     if agree and not config.never_splits and group_size(group) > 1:
         vec = all_reduce_max(vec, group, device=device)

@@ -38,6 +38,7 @@ class SplitReason(str, enum.Enum):
     EMPTY = "empty"  #: no rank of the group has a token
     DISAGREEMENT = "disagreement"  #: this rank wanted to split, another rank did not
     MEASURED = "measured"  #: the wrapper measured the plain forward faster at this size
+    MEMORY = "memory"  #: this rank had less device memory free than SplitConfig.min_free_bytes
 
 
 class Vote(enum.IntEnum):
@@ -92,6 +93,14 @@ class SplitConfig:
             forward. Default True; :func:`dbo.autotune.autotune_split_config` returns False
             (its thresholds and schedule were measured), and so does a config that asks for
             exactly what it wants. Part of the agreement.
+        min_free_bytes: split only where every rank of the group has at least this much device
+            memory free (the driver's free memory plus what torch's allocator holds unused) when
+            the plan is made; a rank with less votes no, and the whole group runs the plain
+            forward, whose transient memory is smaller (a rank whose batch grew, say, makes
+            every rank fall back rather than run out of memory in the overlapped call while its
+            peers wait). Default 0: no check. :func:`dbo.autotune.autotune_split_config` sets it
+            to the overlapped call's measured transient peak. Not part of the agreement (each
+            rank checks its own memory).
     """
 
     num_ubatches: int = 2
@@ -106,6 +115,7 @@ class SplitConfig:
     allow_mixed_kinds: bool = False
     expert_schedule: ExpertSchedule = ExpertSchedule.SPLIT
     adaptive: bool = True
+    min_free_bytes: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.num_ubatches, bool) or not isinstance(self.num_ubatches, int) \
@@ -131,6 +141,9 @@ class SplitConfig:
         object.__setattr__(self, "expert_schedule", parse_expert_schedule(self.expert_schedule))
         if not isinstance(self.adaptive, bool):
             raise ValueError(f"adaptive must be a bool, got {self.adaptive!r}")
+        if isinstance(self.min_free_bytes, bool) or not isinstance(self.min_free_bytes, int) \
+                or self.min_free_bytes < 0:
+            raise ValueError(f"min_free_bytes must be an int >= 0, got {self.min_free_bytes!r}")
 
     @property
     def never_splits(self) -> bool:
