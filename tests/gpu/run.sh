@@ -125,7 +125,7 @@ for arg in "$@"; do
         python3 -c "import transformers; print(\"transformers\", transformers.__version__)" || true;
         python3 -c "import deep_ep; print(\"deep_ep\", deep_ep.__file__)" || true' ;;
     core)
-      run core 240 $pytest_gpu tests/gpu/test_streams_gpu.py tests/gpu/test_partition_gpu.py tests/gpu/test_link_gpu.py \
+      run core 240 $pytest_gpu tests/gpu/test_streams_gpu.py tests/gpu/test_partition_gpu.py tests/gpu/test_memory_gpu.py tests/gpu/test_link_gpu.py \
         tests/gpu/test_schedules_gpu.py ;;
     experts)
       run experts 330 $pytest_gpu tests/gpu/test_experts_gpu.py tests/gpu/test_bench_kernels_gpu.py \
