@@ -257,3 +257,14 @@ def test_end_process_within_ends_even_the_interpreters_shutdown():
     proc, took = _run(code)
     assert proc.returncode == 1 and "results written" in proc.stdout and "Timeout" in proc.stderr, proc
     assert took < 30, took
+
+
+def test_gil_free_deadline_with_a_replaced_stderr():
+    # a notebook or a captured test replaces sys.stderr with an object without a descriptor:
+    # the deadline still arms (on the process's real stderr) and still ends the stuck call
+    code = ("import io, sys\nfrom dbo.peers.watchdog import gil_free_deadline\n"
+            "sys.stderr = io.StringIO()\n"
+            "with gil_free_deadline(0.5):\n" + textwrap.indent(_HOLDS_THE_GIL, "    "))
+    proc, took = _run(code)
+    assert proc.returncode == 1 and "Timeout" in proc.stderr, proc
+    assert took < 30, took

@@ -29,6 +29,7 @@ import contextvars
 import faulthandler
 import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -202,17 +203,33 @@ def gil_free_deadline(seconds: float) -> Iterator[None]:
     end = time.monotonic() + seconds
     outer = _GIL_FREE_DEADLINES[-1] if _GIL_FREE_DEADLINES else None
     _GIL_FREE_DEADLINES.append(end if outer is None else min(end, outer))
-    faulthandler.dump_traceback_later(max(_GIL_FREE_DEADLINES[-1] - time.monotonic(), 1e-3), exit=True)
+    _arm(_GIL_FREE_DEADLINES[-1])
     try:
         yield
     finally:
         _GIL_FREE_DEADLINES.pop()
         if _GIL_FREE_DEADLINES:
-            left = _GIL_FREE_DEADLINES[-1] - time.monotonic()
-            faulthandler.dump_traceback_later(max(left, 1e-3), exit=True)
+            _arm(_GIL_FREE_DEADLINES[-1])
         else:
             faulthandler.cancel_dump_traceback_later()
 
+
+def _arm(deadline: float) -> None:
+    """faulthandler's timer for ``deadline`` (monotonic clock), writing to the process's real
+    stderr (``sys.stderr`` may be replaced by an object without a file descriptor: a notebook, a
+    captured test); where there is none, the deadline is not armed, said once in the log."""
+    global _UNARMED_LOGGED
+    out = sys.__stderr__
+    try:
+        faulthandler.dump_traceback_later(max(deadline - time.monotonic(), 1e-3), exit=True, file=out)
+    except (AttributeError, OSError, RuntimeError, ValueError) as exc:
+        if not _UNARMED_LOGGED:
+            _UNARMED_LOGGED = True
+            logger.warning("dbo: no GIL-free deadline in this process (stderr has no file "
+                           "descriptor: %s); a wait that holds the GIL is bounded by its own timeout", exc)
+
+
+_UNARMED_LOGGED = False
 
 #: the deadlines of the open :func:`gil_free_deadline` blocks, innermost last (monotonic clock);
 #: :func:`end_process_within`'s stays at the bottom
@@ -234,7 +251,7 @@ def end_process_within(seconds: float) -> None:
         return  # an earlier end is set already
     _GIL_FREE_DEADLINES[:] = [min(d, end) for d in _GIL_FREE_DEADLINES]
     _GIL_FREE_DEADLINES.insert(0, end)
-    faulthandler.dump_traceback_later(max(min(_GIL_FREE_DEADLINES) - time.monotonic(), 1e-3), exit=True)
+    _arm(min(_GIL_FREE_DEADLINES))
 
 
 class GpuWaitWatchdog:
