@@ -139,8 +139,10 @@ class DeepEPLLPrepareAndFinalize(DeepEPPrepareAndFinalize):
         # every backend on this buffer shares the bookkeeping
         self.results: LowLatencyResults = shared.extra.setdefault("low_latency_results",
                                                                   LowLatencyResults())
-        #: [handle, dispatch token, next expert] between the group combines of one prepare
+        #: [handle, dispatch token, next expert, top-k ids, each slot's local expert] between the
+        #: group combines of one prepare
         self._group_state: list | None = None
+        self._group_masks: dict[tuple, torch.Tensor] = {}
 
     # ---- properties of the contract --------------------------------------------------------
 
@@ -265,8 +267,11 @@ class DeepEPLLPrepareAndFinalize(DeepEPPrepareAndFinalize):
                 raise MoEProtocolError(f"{_NAME}: the first group's combine must start at expert 0, "
                                        f"got {experts}")
             handle, dispatch_token, _ = self._handles.take("finalize")
-            state = self._group_state = [handle, dispatch_token, 0]
-        handle, dispatch_token, start = state
+            ids = topk_ids.to(torch.int64)
+            # each slot's local expert, n_local where the slot has none: no group's range holds it
+            slot_expert = torch.where(ids >= 0, torch.remainder(ids, n_local), n_local)
+            state = self._group_state = [handle, dispatch_token, 0, ids, slot_expert]
+        handle, dispatch_token, start, ids, slot_expert = state
         if g0 != start or (last and g1 != n_local):
             self._group_state = None
             raise MoEProtocolError(f"{_NAME}: group combines must cover the local experts in order "
@@ -276,15 +281,23 @@ class DeepEPLLPrepareAndFinalize(DeepEPPrepareAndFinalize):
         if last:
             self._group_state = None
         src_info, layout_range, max_tokens, hidden, num_experts = handle
-        rows = torch.arange(n_local, device=layout_range.device).view(-1, 1)
-        counts = torch.where((rows >= g0) & (rows < g1), layout_range, 0)
-        ids = topk_ids.to(torch.int64)
-        local = torch.remainder(ids, n_local)
-        ids = torch.where((ids >= 0) & (local >= g0) & (local < g1), ids, -1)
-        return self._combine(output, fused_expert_output, topk_weights, ids,
+        counts = torch.where(self._experts_mask(g0, g1, layout_range.device), layout_range, 0)
+        keep = slot_expert < g1 if g0 == 0 else (slot_expert >= g0) & (slot_expert < g1)
+        group_ids = torch.where(keep, ids, -1)
+        return self._combine(output, fused_expert_output, topk_weights, group_ids,
                              apply_router_weight_on_input, weight_and_reduce,
                              (src_info, counts, max_tokens, hidden, num_experts), dispatch_token,
                              release_dispatch=last)
+
+    def _experts_mask(self, g0: int, g1: int, device: torch.device) -> torch.Tensor:
+        """``[L, 1]`` bool, True for the local experts ``g0:g1``; made once per range and device
+        (the first step makes it, before any CUDA graph captures the group combines)."""
+        key = (g0, g1, str(device))
+        mask = self._group_masks.get(key)
+        if mask is None:
+            rows = torch.arange(self.num_local_experts, device=device).view(-1, 1)
+            mask = self._group_masks[key] = (rows >= g0) & (rows < g1)
+        return mask
 
     def _combine(self, output: torch.Tensor, fused_expert_output: torch.Tensor,
                  topk_weights: torch.Tensor, topk_ids: torch.Tensor,
