@@ -45,9 +45,9 @@ def test_it_keeps_the_fastest_candidate_after_measuring_each():
     choice = OnlineChoice(trials=3, clock=run.clock)
     plan = _plan(4096)
     outs = _drive(choice, run, plan, choice.calls_to_decide)
-    # the measuring calls take turns (every schedule by default): a warm-up round, then
-    # `trials` rounds
-    assert run.ran == [PLAIN, SPLIT, MERGED, SBO] * 4
+    # the measuring calls run each candidate (every schedule by default) in a block: a warm-up
+    # call, then `trials` timed calls, so each is timed as it runs when chosen
+    assert run.ran == [PLAIN] * 4 + [SPLIT] * 4 + [MERGED] * 4 + [SBO] * 4
     assert outs == [c.value for c in run.ran]
     assert choice.choice(plan) is SPLIT
     run.ran.clear()
@@ -74,11 +74,12 @@ def test_the_warm_up_round_is_not_counted():
     run = FakeRun(costs)
     choice = OnlineChoice((PLAIN, SPLIT), trials=2, clock=run.clock)
     plan = _plan(2048)
-    run.costs_ms[SPLIT] = 1000.0  # a slow first call (compilation) must not decide
-    choice.run(plan, run)
+    _drive(choice, run, plan, 3)  # plain's block: its warm-up and two timed calls
+    run.costs_ms[SPLIT] = 1000.0  # split's slow first call (compilation) must not decide
     choice.run(plan, run)
     run.costs_ms[SPLIT] = 8.0
-    _drive(choice, run, plan, choice.calls_to_decide - 2)
+    _drive(choice, run, plan, choice.calls_to_decide - 4)
+    assert run.ran == [PLAIN] * 3 + [SPLIT] * 3
     assert choice.choice(plan) is SPLIT
 
 

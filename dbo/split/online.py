@@ -4,8 +4,8 @@ Whether two overlapped ubatches beat one plain forward depends on the model, the
 the backend and the machine (``docs/performance.md``): an untuned wrapper that always splits
 above the thresholds can lose 10-25%. :class:`OnlineChoice` measures instead. For each size
 bucket (the split plan's whole padded batch, rounded up to a power of two: the same on every
-rank, since the plan is agreed), the first calls take turns over the candidates (the plain
-forward and each expert schedule), one warm-up call and then ``trials`` timed calls each. Then
+rank, since the plan is agreed), the first calls run each candidate in turn (the plain forward
+and each expert schedule) in a block of one warm-up call and then ``trials`` timed calls. Then
 the ranks agree on the timings (each candidate's median, the slowest rank's) with one small
 all-reduce, and the bucket keeps the fastest candidate; an overlapped one only when it beats the
 plain forward by ``margin``. Every ``recheck_calls`` calls the bucket measures again, so a choice
@@ -111,7 +111,7 @@ class OnlineChoice:
     Args:
         candidates: what to measure; must hold ``plain`` and at least one overlapped schedule
             (default plain, split, merged).
-        trials: timed calls per candidate and round (after one warm-up call each); >= 1.
+        trials: timed calls per candidate (after one warm-up call of its own); >= 1.
         margin: an overlapped candidate is kept only if its median is below the plain
             forward's by this fraction (0.02: 2%), so noise keeps the plain forward.
         recheck_calls: after this many calls on its choice a bucket measures again (None:
@@ -167,16 +167,21 @@ class OnlineChoice:
             if self.recheck_calls is None or b.calls < self.recheck_calls:
                 b.calls += 1
                 return call(b.chosen)
-            b.chosen, b.calls = None, 0  # measure again, from a warm-up round
+            b.chosen, b.calls = None, 0  # measure again, each candidate's block from its warm-up
         return self._measure(b, call, device)
 
     def _measure(self, b: BucketChoice, call: Callable[[ExpertSchedule], Any],
                  device: torch.device | None) -> Any:
-        n = len(self.candidates)
         i = b.calls
         b.calls += 1
-        cand = self.candidates[i % n]
-        if i < n:  # the warm-up round: caches, kernels' first launch, allocator
+        # each candidate's calls in one block: its first (the warm-up: caches, kernels' first
+        # launch, the allocator, and the GPU's backlog of the previous block) is not timed, so
+        # the timed calls run as that candidate runs when chosen. Interleaved, a candidate whose
+        # host launches outlast its GPU time was timed on the GPU alone, its launches hidden
+        # behind the previous candidate's GPU backlog, and could win where it loses
+        block = 1 + self.trials
+        cand = self.candidates[i // block]
+        if i % block == 0:
             return call(cand)
         timer = _Timer(device, self.clock)
         out = call(cand)
