@@ -177,8 +177,8 @@ class OnlineChoice:
         # each candidate's calls in one block: its first (the warm-up: caches, kernels' first
         # launch, the allocator, and the GPU's backlog of the previous block) is not timed, so
         # the timed calls run as that candidate runs when chosen. Interleaved, a candidate whose
-        # host launches outlast its GPU time was timed on the GPU alone, its launches hidden
-        # behind the previous candidate's GPU backlog, and could win where it loses
+        # host launches outlast its GPU time can be timed on the GPU alone, its launches hidden
+        # behind the previous candidate's GPU backlog, and win where it loses
         block = 1 + self.trials
         cand = self.candidates[i // block]
         if i % block == 0:
