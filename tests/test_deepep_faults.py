@@ -4,12 +4,18 @@
 The same fault harness (:mod:`dbo.testing.faults`) runs on a GPU in
 ``tests/gpu/run_deepep_faults.py``. Here the data moves inside the fake's launch, so every case
 ends in the host-side arrival check; the GPU watchdog is tested in ``tests/test_watchdog.py``.
+The last test runs that script itself (``--fake``) at 4 ranks.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -88,3 +94,39 @@ def test_slow_peer_within_the_timeout_is_no_false_alarm(world2, kind, use_dbo):
         assert res["ok"], res["chain"]
         # the overlapped or plain step against the plain reference step of the same inputs
         assert res["rel_err"] < 1e-2, res
+
+
+RUNNER = Path(__file__).parent / "gpu" / "run_deepep_faults.py"
+#: the script's own run at 4 ranks: two cases, one at a time, each about 8-20 s on 2 loaded cores
+EXPECTED_RUN_S = 40
+
+
+@pytest.mark.timeout(3 * EXPECTED_RUN_S)
+def test_fault_table_at_four_ranks_every_survivor_names_the_last_rank(tmp_path):
+    out = tmp_path / "faults.json"
+    argv = [sys.executable, str(RUNNER), "--fake", "--nproc", "4", "--timeout", str(TIMEOUT_S),
+            "--backends", "ht", "--modes", "dbo", "--only", "exit_before_dispatch", "slow",
+            "--parallel", "1", "--json", str(out)]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=2.5 * EXPECTED_RUN_S,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    log = proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert out.exists(), log
+    table = json.loads(out.read_text())
+    assert table["nproc"] == 4 and "4 ranks" in proc.stdout, log
+    rows = {r["fault"]: r for r in table["cases"]}
+    assert sorted(rows) == ["exit_before_dispatch", "slow"], log
+    dead = rows["exit_before_dispatch"]
+    assert dead["peer_exit"] == FAULT_EXIT_CODE, log
+    assert [s["rank"] for s in dead["survivors"]] == [0, 1, 2], log
+    for s in dead["survivors"]:
+        case = f"survivor {s}\n{log}"
+        assert s["outcome"] == "raised CollectiveTimeoutError", case
+        # the misbehaving rank among the missing (a survivor that gave up first may be named too)
+        missing = re.search(r"ranks? ([\d, ]+) did not arrive within", s["message"])
+        assert s["message"].startswith("deepep_ht ") and missing, case
+        assert "3" in missing.group(1).split(", "), case
+        assert s["time_to_error_s"] < 10 * TIMEOUT_S, case  # about TIMEOUT_S; 10x for a loaded machine
+    assert dead["time_to_error_s"] == max(s["time_to_error_s"] for s in dead["survivors"]), log
+    # a slow peer within the timeout: every rank's overlapped step against its plain reference
+    slow = rows["slow"]
+    assert slow["passed"] and slow["rel_err"] < 1e-2, log
