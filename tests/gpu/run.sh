@@ -5,8 +5,8 @@
 #   bash tests/gpu/run.sh [-o OUTDIR] [-d DEADLINE_S] STEP[:N] ...
 #
 # N is the number of ranks for the steps that take one (default 2). With fewer GPUs than ranks,
-# the ranks share GPU 0 where the step allows it (copy_engine, deepep): correctness only, the
-# timings mean nothing. Steps run in the order given; each has a time cap, cut to what is left of
+# the ranks share GPU 0 where the step allows it (copy_engine, deepep, faults): correctness only,
+# the timings mean nothing. Steps run in the order given; each has a time cap, cut to what is left of
 # DEADLINE_S (default 570 s; a step with under 20 s left is skipped and counts as failed).
 #
 #   env            the GPUs, the link topology, the versions of torch, NCCL, greenlet, transformers
@@ -18,7 +18,7 @@
 #   switch         `python -m dbo.bench switch` on CUDA and CPU (the cost of one ubatch switch)
 #   copy_engine:N  the copy-engine backend's conformance (DBO == serial == reference), stop test
 #   deepep:N       the DeepEP backends' conformance (high-throughput and low-latency)
-#   faults         a dead, stalled or slow peer inside DeepEP calls (2 ranks on one GPU)
+#   faults:N       a dead, stalled or slow last rank inside DeepEP calls: every survivor's error and delay
 #   nccl           the all2all/naive backends over NCCL (tests/test_backends_nccl.py)
 #   demo:N         examples/moe_overlap.py with each backend (DeepEP's when importable)
 #   overlap:N      `dbo.bench overlap` on the thin prefill grid (8 layers, I=256, attention width
@@ -155,7 +155,7 @@ for arg in "$@"; do
       [ "$ngpu" -lt "$n" ] && shared=(--shared-gpu)
       run "deepep-$n" 300 $tr_ "$n" tests/gpu/run_deepep.py "${shared[@]}" --json "$files/conformance_$n.json" ;;
     faults)
-      run faults 400 python3 tests/gpu/run_deepep_faults.py --bench --json "$files/faults.json" ;;
+      run "faults-$n" 400 python3 tests/gpu/run_deepep_faults.py --nproc "$n" --bench --json "$files/faults_$n.json" ;;
     hffaults)
       run "hffaults-$n" "${HFF_CAP_S:-540}" python3 tests/gpu/run_hf_faults.py --device cuda --nproc "$n" \
         --timeout "${HFF_TIMEOUT:-3}" --time-budget-s "${HFF_BUDGET_S:-450}" ${HFF_ARGS:-} \
