@@ -38,6 +38,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import statistics
 import subprocess
 import time
 from collections.abc import Callable
@@ -49,7 +50,8 @@ import torch.distributed as dist
 from dbo.ubatch.context import run_ubatches
 
 __all__ = ["FAULTS", "FAULT_EXIT_CODE", "Fault", "faulty_step", "error_chain",
-           "make_deepep_backend", "free_port", "spawn_ranks", "poll_ranks", "collect_ranks"]
+           "make_deepep_backend", "free_port", "spawn_ranks", "poll_ranks", "collect_ranks",
+           "per_launch_check_cost"]
 
 FAULTS = ("none", "slow", "stall", "exit_before_dispatch", "exit_after_send",
           "exit_before_combine", "gpu_stall", "stall_before_combine", "gpu_stall_before_combine",
@@ -332,3 +334,53 @@ def faulty_step(kind: str, fault: str, use_dbo: bool, fail_rank: int, timeout_s:
         injected.remove()
     return {"ok": True, "chain": [], "elapsed_s": time.monotonic() - t0, "error_time": None,
             "rel_err": relative_error(out.float(), reference.float())}
+
+
+def per_launch_check_cost(n: int = 20000) -> dict:
+    """Host cost of the checks per launch, in microseconds: the arrival board's fast path (7
+    same-host peers already there), the watchdog's event record + hand-over (CUDA), the capture
+    check, and the GIL-free deadline that deepep_ht's dispatch runs under."""
+    import mmap
+
+    import torch
+
+    from dbo.peers.arrival import ArrivalBoard
+    from dbo.peers.watchdog import WATCHDOG, gil_free_deadline
+
+    maps = [mmap.mmap(-1, 64) for _ in range(8)]
+    views = {r: memoryview(m).cast("q") for r, m in enumerate(maps)}
+    for r in range(1, 8):
+        views[r][0] = 1 << 40  # the 7 peers of an 8-GPU host, already there
+    board = ArrivalBoard(0, 8, views, {r: os.getpid() for r in range(8)}, [], maps)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        board.missing(board.arrive())
+    arrive_us = (time.perf_counter() - t0) / n * 1e6
+    site = ("bench", "dispatch", 0, 0)
+    # steady state: a warm pool, the events retired by the watchdog thread as they complete
+    for _ in range(2):
+        for _ in range(n // 10):
+            WATCHDOG.record(60.0, site)
+        torch.cuda.synchronize()
+        time.sleep(3 * WATCHDOG.poll_s)
+    watch_us = []
+    for _ in range(10):
+        t0 = time.perf_counter()
+        for _ in range(n // 10):
+            WATCHDOG.record(60.0, site)
+        watch_us.append((time.perf_counter() - t0) / (n // 10) * 1e6)
+        torch.cuda.synchronize()
+        time.sleep(2 * WATCHDOG.poll_s)
+    watch_us = statistics.median(watch_us)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        torch.cuda.is_current_stream_capturing()
+    capturing_us = (time.perf_counter() - t0) / n * 1e6
+    t0 = time.perf_counter()
+    for _ in range(n // 10):
+        with gil_free_deadline(60.0):
+            pass
+    deadline_us = (time.perf_counter() - t0) / (n // 10) * 1e6
+    return {"arrival_fast_path": round(arrive_us, 3), "event_and_watch": round(watch_us, 3),
+            "is_capturing": round(capturing_us, 3), "gil_free_deadline": round(deadline_us, 3)}

@@ -73,7 +73,7 @@ def _bench(timeout_s: float, iters: int) -> dict:
 
     from dbo.moe.experts import SwiGLUExperts
     from dbo.moe.kernel import MoEKernel
-    from dbo.testing.faults import fault_inputs, make_deepep_backend
+    from dbo.testing.faults import fault_inputs, make_deepep_backend, per_launch_check_cost
     from dbo.ubatch.context import run_ubatches
 
     tokens, layers = 128, 8
@@ -110,52 +110,8 @@ def _bench(timeout_s: float, iters: int) -> dict:
             key = f"{kind}_{'dbo' if use_dbo else 'serial'}"
             out[key] = {"on_ms": statistics.median(times[True][2:]),
                         "off_ms": statistics.median(times[False][2:])}
-    out["per_launch_us"] = _per_launch_cost()
+    out["per_launch_us"] = per_launch_check_cost()
     return out
-
-
-def _per_launch_cost(n: int = 20000) -> dict:
-    """Host cost of the checks per launch, in microseconds: the arrival board's fast path (7
-    same-host peers already there) and the watchdog's event record + hand-over."""
-    import mmap
-
-    import torch
-
-    from dbo.peers.arrival import ArrivalBoard
-    from dbo.peers.watchdog import WATCHDOG
-
-    maps = [mmap.mmap(-1, 64) for _ in range(8)]
-    views = {r: memoryview(m).cast("q") for r, m in enumerate(maps)}
-    for r in range(1, 8):
-        views[r][0] = 1 << 40  # the 7 peers of an 8-GPU host, already there
-    board = ArrivalBoard(0, 8, views, {r: os.getpid() for r in range(8)}, [], maps)
-    t0 = time.perf_counter()
-    for _ in range(n):
-        board.missing(board.arrive())
-    arrive_us = (time.perf_counter() - t0) / n * 1e6
-    site = ("bench", "dispatch", 0, 0)
-    # steady state: a warm pool, the events retired by the watchdog thread as they complete
-    for _ in range(2):
-        for _ in range(n // 10):
-            WATCHDOG.record(60.0, site)
-        torch.cuda.synchronize()
-        time.sleep(3 * WATCHDOG.poll_s)
-    watch_us = []
-    for _ in range(10):
-        t0 = time.perf_counter()
-        for _ in range(n // 10):
-            WATCHDOG.record(60.0, site)
-        watch_us.append((time.perf_counter() - t0) / (n // 10) * 1e6)
-        torch.cuda.synchronize()
-        time.sleep(2 * WATCHDOG.poll_s)
-    watch_us = statistics.median(watch_us)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        torch.cuda.is_current_stream_capturing()
-    capturing_us = (time.perf_counter() - t0) / n * 1e6
-    return {"arrival_fast_path": round(arrive_us, 3), "event_and_watch": round(watch_us, 3),
-            "is_capturing": round(capturing_us, 3)}
 
 
 def worker(args: argparse.Namespace) -> int:
