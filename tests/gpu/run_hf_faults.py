@@ -27,7 +27,7 @@ layer's backend object, or on transformers' implementation):
 
 Per case: the survivors' error (type, innermost cause, message), the seconds from the fault to
 it, and whether every process exited by itself within ``T + 10`` s of the fault (the ranks tear
-down as the examples do, ``dbo.bench.dist.shutdown_distributed``, with a 10 s deadline). A dbo
+down as the examples do, ``dbo.bench.dist.shutdown_distributed``, with a 6 s deadline). A dbo
 case passes when every survivor raised a :class:`dbo.errors.DBOError` whose innermost cause is
 one too (or was ended by the GPU watchdog, exit status 75, for a wait inside a GPU kernel) within
 ``T + 3`` s, and no process was left; transformers' rows are not judged. Prints a markdown table;
