@@ -147,6 +147,20 @@ def _batched_metas(inputs: Sequence[ExpertsInput]) -> list[ExpertTokensMetadata]
     return metas
 
 
+def _slabs_input(inputs: Sequence[ExpertsInput], move: Callable[[list[torch.Tensor]], torch.Tensor],
+                 meta: ExpertTokensMetadata) -> ExpertsInput:
+    """The merged BATCHED_EXPERTS input: the slabs (and any scales) moved by ``move``, the
+    ubatches' top-k ids and weights concatenated."""
+    scales = [i.a1q_scale for i in inputs]
+    return ExpertsInput(
+        move([i.a1q for i in inputs]),
+        None if scales[0] is None else move(scales),
+        meta,
+        _cat([i.topk_ids for i in inputs], 0, "top-k ids"),
+        _cat([i.topk_weights for i in inputs], 0, "top-k weights"),
+    )
+
+
 def _merge_segments(inputs: Sequence[ExpertsInput]) -> tuple[ExpertsInput, Splitter]:
     metas = _batched_metas(inputs)
     caps = [int(i.a1q.shape[1]) for i in inputs]
@@ -162,14 +176,7 @@ def _merge_segments(inputs: Sequence[ExpertsInput]) -> tuple[ExpertsInput, Split
             copy_arrived_rows(part, region, m.expert_num_tokens)
         return flat
 
-    scales = [i.a1q_scale for i in inputs]
-    merged = ExpertsInput(
-        gather([i.a1q for i in inputs]),
-        None if scales[0] is None else gather(scales),
-        meta,
-        _cat([i.topk_ids for i in inputs], 0, "top-k ids"),
-        _cat([i.topk_weights for i in inputs], 0, "top-k weights"),
-    )
+    merged = _slabs_input(inputs, gather, meta)
 
     def split(out: torch.Tensor) -> list[torch.Tensor]:
         return [out[bases[u]:bases[u + 1]].view(n_local, cap, *out.shape[1:])
@@ -203,14 +210,7 @@ def _merge_batched(inputs: Sequence[ExpertsInput]) -> tuple[ExpertsInput, Splitt
             move_rows(part, out, slab_rows, merged_rows, row_dims=2)
         return out
 
-    scales = [i.a1q_scale for i in inputs]
-    merged = ExpertsInput(
-        pack([i.a1q for i in inputs]),
-        None if scales[0] is None else pack(scales),
-        meta,
-        _cat([i.topk_ids for i in inputs], 0, "top-k ids"),
-        _cat([i.topk_weights for i in inputs], 0, "top-k weights"),
-    )
+    merged = _slabs_input(inputs, pack, meta)
 
     def split(out: torch.Tensor) -> list[torch.Tensor]:
         parts = []
