@@ -53,6 +53,12 @@
 #                  comparison): each survivor's error and its delay, every process's exit
 #                  (tests/gpu/run_hf_faults.py, N GPUs; HFF_TIMEOUT: dbo's timeout, default 3 s; no case
 #                  starts after HFF_BUDGET_S, default 450; HFF_CAP_S, default 540; HFF_ARGS)
+#   soak:N         a soak of the transformers path (tests/gpu/run_hf_soak.py): Qwen3-30B-A3B at full
+#                  size (HF_CKPT, HF_LAYERS as in hf) loaded with dbo_copy_engine, DBO against plain once,
+#                  then DBOPrefill and greedy_generate calls of random batch (1 2 4 8) and prompt length
+#                  (64-4096) for SOAK_S s (default: the cap, SOAK_CAP_S 540, less 140 s to write, load and
+#                  end): memory after each call flat within 1% after the warm-up, no error, tokens/s first
+#                  and last; SOAK_ARGS (more options, e.g. "--backend all2all --new-tokens 32"); the hf extra
 #
 # TORCHRUN_ARGS goes to every torchrun (e.g. "--master-port 29600" for a second run.sh beside
 # the first, each on its own CUDA_VISIBLE_DEVICES). Writes OUTDIR/run_log.txt (everything
@@ -66,11 +72,11 @@ while getopts "o:d:h" opt; do
   case $opt in
     o) out=$OPTARG ;;
     d) deadline_s=$OPTARG ;;
-    *) sed -n '2,61p' "$0"; exit 2 ;;
+    *) sed -n '2,67p' "$0"; exit 2 ;;
   esac
 done
 shift $((OPTIND - 1))
-[ $# -gt 0 ] || { sed -n '2,61p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,67p' "$0"; exit 2; }
 mkdir -p "$out"
 log="$out/run_log.txt"
 deadline=$((SECONDS + deadline_s))
@@ -229,6 +235,16 @@ for arg in "$@"; do
       run "generate-$n" "${GEN_CAP_S:-420}" $tr_ "$n" -m dbo.bench hf-generate --device cuda --preset qwen3-30b-a3b \
         --layers "${HF_LAYERS:-48}" "${save[@]}" --batch 64 --prompt 512 --new-tokens 64 --steps "${GEN_STEPS:-1}" --warmup 1 \
         --backend ${GEN_BACKENDS:-copy_engine deepep_ht/deepep_ll} --json "$files/generate.json" ;;
+    soak)
+      ckpt=${HF_CKPT:-/tmp/qwen3-30b-a3b-${HF_LAYERS:-48}}
+      save=(--checkpoint "$ckpt")
+      [ -f "$ckpt/config.json" ] || save=(--save-checkpoint "$ckpt")
+      cap=${SOAK_CAP_S:-540}
+      [ "$cap" -gt $((deadline - SECONDS)) ] && cap=$((deadline - SECONDS))
+      soak_s=${SOAK_S:-$((cap - 140))}  # the calls end in time for the summary and the teardown
+      [ "$soak_s" -lt 10 ] && soak_s=10
+      run "soak-$n" "$cap" $tr_ "$n" tests/gpu/run_hf_soak.py --device cuda --preset qwen3-30b-a3b \
+        --layers "${HF_LAYERS:-48}" "${save[@]}" --duration-s "$soak_s" ${SOAK_ARGS:-} --json "$files/soak_$n.json" ;;
     *)
       echo "=== unknown step '$step' (see the header of $0)" | tee -a "$log"
       status=1 ;;
