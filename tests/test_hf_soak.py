@@ -143,3 +143,13 @@ def test_the_calls_are_seeded_and_within_bounds():
         assert c.batch in (1, 2, 8) and 64 <= c.seq <= 4096, c
         assert min(c.pads) == 0 and all(c.seq - p >= 64 for p in c.pads), c  # left padding only
     assert {c.batch for c in calls} == {1, 2, 8} and len({c.seq for c in calls}) > 100
+
+
+def test_first_and_last_tokens_per_second_are_window_totals():
+    calls = [{"tokens": 100 * (1 + i % 3), "seconds": 0.1 * (1 + i % 3) * (2 if i >= 90 else 1)}
+             for i in range(120)]
+    rates = soak_calls.first_last(calls)
+    # a tenth of the calls each (12): 1000 tokens/s at the start; the last 12 half as fast after call 90
+    assert rates["window"] == 12 and rates["calls"] == 120, rates
+    assert abs(rates["first"] - 1000) < 1e-6 and abs(rates["last"] - 500) < 1e-6, rates
+    assert soak_calls.first_last(calls[:7])["window"] == 5  # at least 5 calls a window

@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import random
-import statistics
 import zlib
 from collections.abc import Iterator
 from typing import Any
@@ -72,16 +71,24 @@ def flatness(values: list[float], tolerance: float = FLAT_TOLERANCE) -> dict[str
     return {"min": lo, "max": hi, "spread": spread, "flat": spread <= tolerance}
 
 
-def first_last(values: list[float], window: int = 5) -> dict[str, Any]:
-    """``{"first", "last", "calls"}``: the median of the first and of the last ``window`` of
-    ``values`` (in call order; the same calls where there are fewer than ``2 * window``)."""
-    if not values:
-        return {"first": None, "last": None, "calls": 0}
-    return {"first": statistics.median(values[:window]), "last": statistics.median(values[-window:]),
-            "calls": len(values)}
+def first_last(calls: list[dict], min_window: int = 5) -> dict[str, Any]:
+    """``{"first", "last", "window", "calls"}``: tokens per second over the first and over the last
+    ``window`` of ``calls`` (in call order): a tenth of them, at least ``min_window`` (the same
+    calls where there are fewer than ``2 * window``). Their sizes are random, so a window's total
+    tokens over its total seconds, not a median of per-call rates, which hangs on the few calls
+    in the middle of the window."""
+    if not calls:
+        return {"first": None, "last": None, "window": 0, "calls": 0}
+    window = max(min_window, len(calls) // 10)
+
+    def rate(part: list[dict]) -> float:
+        return sum(c["tokens"] for c in part) / sum(c["seconds"] for c in part)
+
+    return {"first": rate(calls[:window]), "last": rate(calls[-window:]), "window": min(window, len(calls)),
+            "calls": len(calls)}
 
 
-def summarize(calls: list[dict], *, world: int, warmup_calls: int, window: int = 5,
+def summarize(calls: list[dict], *, world: int, warmup_calls: int, min_window: int = 5,
               tolerance: float = FLAT_TOLERANCE) -> dict[str, Any]:
     """The soak's figures: ``calls``, ``errors``, ``per_kind`` (calls of each kind), ``memory``
     (per kind of figure, ``allocated`` and ``reserved``: :func:`flatness` per rank over the calls
@@ -109,7 +116,7 @@ def summarize(calls: list[dict], *, world: int, warmup_calls: int, window: int =
         "measured_calls": len(after),
         "memory": dict(memory, flat=None if None in flags else all(flags), tolerance=tolerance),
         "rss_mib": rss,
-        "tokens_s": {k: first_last([c["tokens_s"] for c in after if c["kind"] == k], window)
+        "tokens_s": {k: first_last([c for c in after if c["kind"] == k], min_window)
                      for k in KINDS},
     }
 
@@ -173,8 +180,10 @@ def format_summary(summary: dict, check: dict, *, seconds: float, warmup_calls: 
         if rss is not None:
             lines.append(f"| host RSS (MiB, after warm-up -> end) | {r} | {rss['after_warmup']:.0f} | "
                          f"{rss['end']:.0f} | - | (not judged) |")
-    lines += ["", "| tokens/s per rank (median of 5) | first | last | calls |", "|---|---|---|---|"]
+    lines += ["", "| tokens/s per rank over a window of calls (tokens / seconds) | first | last | window "
+                  "| calls |", "|---|---|---|---|---|"]
     what = {"prefill": "prefill (prompt tokens/s)", "generate": "generate (new tokens/s, prefill included)"}
     for k, t in summary["tokens_s"].items():
-        lines.append(f"| {what[k]} | {_rate(t['first'])} | {_rate(t['last'])} | {t['calls']} |")
+        lines.append(f"| {what[k]} | {_rate(t['first'])} | {_rate(t['last'])} | {t['window']} "
+                     f"| {t['calls']} |")
     return "\n".join(lines)

@@ -29,11 +29,11 @@ where the ranks are out of step: a call that failed on some ranks only, ranks th
 different calls, or a check that could not complete.
 
 Rank 0 prints the summary (``hf_soak_calls.py``): calls and errors; memory after the warm-up per
-rank (min, max, (max - min) / max, flat within 1%); tokens/s per kind, the median of the first
-and of the last 5 calls after the warm-up (random sizes: read them as a trend, not a figure);
-then one verdict line, and writes ``--json`` (as it goes too). Exit status: 0 pass, 1 an error,
-a failed check, ranks out of step or (CUDA) memory not flat; 2 a bad option; 3 transformers
-without its expert-parallel interface.
+rank (min, max, (max - min) / max, flat within 1%); host RSS after the warm-up and at the end
+(not judged); tokens/s per kind over the first and the last tenth of its calls after the warm-up
+(random sizes: read them as a trend, not a figure); then one verdict line, and writes ``--json``
+(as it goes too). Exit status: 0 pass, 1 an error, a failed check, ranks out of step or (CUDA)
+memory not flat; 2 a bad option; 3 transformers without its expert-parallel interface.
 """
 
 from __future__ import annotations
