@@ -91,6 +91,7 @@ def prepare_for_overlap(model: torch.nn.Module) -> torch.nn.Module:
                     m.set_reshard_after_forward(False, recurse=False)
                     _keep_whole_in_runs(m)
                 m._dbo_prepared = True
+        _forget_forward_order_without_grad(model, units)
         logger.info("dbo: %d FSDP units prepared (dense weights kept whole, buffers outside "
                     "inference mode)", len(units))
     if _pending:
@@ -126,6 +127,49 @@ def _keep_whole_in_runs(module: torch.nn.Module) -> None:
             reshard()
 
     group.reshard = reshard_outside_runs
+
+
+def _forget_forward_order_without_grad(model: torch.nn.Module, units: list[torch.nn.Module]) -> None:
+    """After each forward of ``model`` run without autograd, empty the lists in which FSDP
+    records the order of its units' forwards (for the backward's prefetch, which then never
+    comes: only a backward empties them, so an inference process grows them by a few KB a call,
+    without bound). Reaches into FSDP2's state (``_get_fsdp_state``, its comm context's
+    ``post_forward_order``, made at the first forward, and each param group's
+    ``_post_forward_indices``), found after the first forward; where that is not there, a
+    warning says so."""
+    found: list[list] | None = None
+
+    def forget(module: torch.nn.Module, args: Any, output: Any) -> None:
+        nonlocal found
+        if torch.is_grad_enabled():  # a backward may follow: it reads them
+            return
+        if found is None:
+            found = _forward_order_records(units)
+            if not found:
+                logger.warning("dbo: cannot reach FSDP's forward-order records: an inference "
+                               "process grows them by a few KB per forward")
+        for records in found:
+            records.clear()
+
+    model.register_forward_hook(forget)
+
+
+def _forward_order_records(units: list[torch.nn.Module]) -> list[list]:
+    lists: list[list] = []
+    for m in units:
+        state = getattr(m, "_get_fsdp_state", lambda: None)()
+        order = getattr(getattr(state, "_comm_ctx", None), "post_forward_order", None)
+        if isinstance(order, list) and all(order is not seen for seen in lists):
+            lists.append(order)
+        groups = getattr(state, "_fsdp_param_groups", None)
+        if groups is None:
+            one = getattr(state, "_fsdp_param_group", None)
+            groups = [] if one is None else [one]
+        for group in groups:
+            indices = getattr(group, "_post_forward_indices", None)
+            if isinstance(indices, list):
+                lists.append(indices)
+    return lists
 
 
 def prepare_at_first_forward(experts: torch.nn.Module) -> None:
