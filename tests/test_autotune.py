@@ -126,21 +126,6 @@ def test_autotune_finds_the_crossover_and_the_wrapper_follows_it():
     assert f"threshold: split >= {res.threshold} tokens" in res.table()
 
 
-def test_autotune_asks_for_the_memory_its_overlapped_calls_took(monkeypatch):
-    # on CUDA the autotune reads each overlapped call's transient peak; here a stand-in reports
-    # 1000 bytes for split calls: the tuned config then splits only where that (+10%) is free
-    import dbo.autotune.split as split_mod
-
-    monkeypatch.setattr(split_mod, "transient_bytes", lambda step, device: 1000)
-    clock = VirtualClock()
-    res = autotune_split_config(costed_forward(clock), lambda t: [torch.ones(t, 4)], [2000, 4000],
-                                decode_only=True, warmup=1, steps=2, rounds=1, clock=clock,
-                                schedules=("split",))
-    assert res.schedule is ExpertSchedule.SPLIT and res.config.min_free_bytes == 1100
-    assert plan_ubatches(4000, res.config, decode_only=True, free_bytes=2000).split
-    assert not plan_ubatches(4000, res.config, decode_only=True, free_bytes=1000).split
-
-
 def test_autotune_never_splits_when_dbo_never_wins():
     clock = VirtualClock()
 
@@ -204,25 +189,6 @@ def test_schedule_choice_examples():
     assert pick_schedule(rows) == (ExpertSchedule.PLAIN, NEVER_SPLIT)
     assert rows[0].best is ExpertSchedule.SPLIT and rows[1].best is ExpertSchedule.PLAIN
     assert row(8, 1.0, None, 0.5).best is ExpertSchedule.MERGED
-
-
-def test_sbo_is_chosen_only_where_it_wins_at_every_size():
-    def row(t, ser, split, merged, sbo):
-        return AutotuneRow(t, ser, split, merged, sbo)
-
-    # sbo beats plain everywhere and nothing splits better: sbo, never split
-    rows = [row(32, 1.0, 1.5, 1.1, 0.95), row(64, 1.0, 1.3, 1.05, 0.96)]
-    assert pick_schedule(rows) == (ExpertSchedule.SBO, NEVER_SPLIT)
-    assert rows[0].best is ExpertSchedule.SBO
-    # within the margin at one size: plain (a tie is noise)
-    rows = [row(32, 1.0, 1.5, 1.1, 0.99), row(64, 1.0, 1.3, 1.05, 0.9)]
-    assert pick_schedule(rows) == (ExpertSchedule.PLAIN, NEVER_SPLIT)
-    # split wins more from its threshold on than sbo does everywhere: split
-    rows = [row(32, 1.0, 1.2, 1.1, 0.95), row(64, 1.0, 0.6, 0.9, 0.95), row(128, 1.0, 0.5, 0.9, 0.95)]
-    assert pick_schedule(rows) == (ExpertSchedule.SPLIT, 64)
-    # not measured: never chosen
-    rows = [row(32, 1.0, 1.2, 1.1, None)]
-    assert pick_schedule(rows) == (ExpertSchedule.PLAIN, NEVER_SPLIT)
 
 
 FIXED_EXPERTS_S = 0.010

@@ -193,3 +193,32 @@ def test_first_forward_hook_leaves_other_models_alone():
     gc.collect()
     other(x)
     assert not hf_fsdp.pending_first_forward()
+
+
+def _forward_order_job(path: str) -> list[int]:
+    import torch
+    import torch.distributed as dist
+
+    from dbo.integrations.transformers import DBOPrefill, prefill_logits
+
+    model = _load(path, "all2all")
+    ids, mask = _inputs(dist.get_rank())
+    sizes = []
+
+    def recorded() -> int:  # FSDP's record of its units' forwards (made at the first forward)
+        return len(model._get_fsdp_state()._comm_ctx.post_forward_order)
+
+    with torch.no_grad():
+        for _ in range(3):
+            prefill_logits(model, ids, mask)
+            sizes.append(recorded())
+        DBOPrefill(model)(ids, mask)
+        sizes.append(recorded())
+    return sizes
+
+
+def test_forwards_without_autograd_leave_no_forward_order_behind(world, checkpoint):
+    # FSDP records each unit's forward for a backward that inference never runs: left alone, the
+    # record grows by one entry per unit per forward, without bound
+    for rank, sizes in enumerate(world.run(_forward_order_job, checkpoint, timeout_s=120)):
+        assert sizes == [0, 0, 0, 0], f"rank {rank}: {sizes}"

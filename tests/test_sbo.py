@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from dbo import DBOWrapper, SplitConfig, UBatchError, run_ubatches
+from dbo.autotune import NEVER_SPLIT, AutotuneRow, pick_schedule
 from dbo.expert_schedule import ExpertSchedule, use_expert_schedule
 from dbo.moe import MoEKernel, PrepareAndFinalize, SwiGLUExperts, topk_route
 from dbo.moe.errors import MoEProtocolError
@@ -280,3 +281,22 @@ def test_sbo_through_the_simulated_link_matches_plain_and_holds_each_group(world
              for c in default_cases(2)[:3] if c.reduce_in_experts]
     results = check_backend(world2, _make_ll_on_a_link, cases)
     assert results and all(r.ok for r in results)
+
+
+def test_sbo_is_chosen_only_where_it_wins_at_every_size():
+    def row(t, ser, split, merged, sbo):
+        return AutotuneRow(t, ser, split, merged, sbo)
+
+    # sbo beats plain everywhere and nothing splits better: sbo, never split
+    rows = [row(32, 1.0, 1.5, 1.1, 0.95), row(64, 1.0, 1.3, 1.05, 0.96)]
+    assert pick_schedule(rows) == (ExpertSchedule.SBO, NEVER_SPLIT)
+    assert rows[0].best is ExpertSchedule.SBO
+    # within the margin at one size: plain (a tie is noise)
+    rows = [row(32, 1.0, 1.5, 1.1, 0.99), row(64, 1.0, 1.3, 1.05, 0.9)]
+    assert pick_schedule(rows) == (ExpertSchedule.PLAIN, NEVER_SPLIT)
+    # split wins more from its threshold on than sbo does everywhere: split
+    rows = [row(32, 1.0, 1.2, 1.1, 0.95), row(64, 1.0, 0.6, 0.9, 0.95), row(128, 1.0, 0.5, 0.9, 0.95)]
+    assert pick_schedule(rows) == (ExpertSchedule.SPLIT, 64)
+    # not measured: never chosen
+    rows = [row(32, 1.0, 1.2, 1.1, None)]
+    assert pick_schedule(rows) == (ExpertSchedule.PLAIN, NEVER_SPLIT)

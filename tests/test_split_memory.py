@@ -5,9 +5,14 @@ peers wait for it."""
 from __future__ import annotations
 
 import pytest
+import torch
 import torch.distributed as dist
 
+from dbo.autotune import autotune_split_config
+from dbo.expert_schedule import ExpertSchedule
+from dbo.overlap import current_ubatch
 from dbo.split import SplitConfig, SplitReason, free_device_bytes, plan_ubatches
+from dbo.testing.clock import VirtualClock
 from dbo.testing.dist import DistWorld
 
 GIB = 2**30
@@ -45,3 +50,23 @@ def test_the_whole_group_falls_back_together():
         assert world.run(_plan, [8 * GIB, 2 * GIB], timeout_s=60) == [
             (False, "disagreement"), (False, "memory")]
         assert world.run(_plan, [8 * GIB, 5 * GIB], timeout_s=60) == [(True, "split")] * 2
+
+
+def test_autotune_asks_for_the_memory_its_overlapped_calls_took(monkeypatch):
+    # on CUDA the autotune reads each overlapped call's transient peak; here a stand-in reports
+    # 1000 bytes for split calls: the tuned config then splits only where that (+10%) is free
+    import dbo.autotune.split as split_mod
+
+    monkeypatch.setattr(split_mod, "transient_bytes", lambda step, device: 1000)
+    clock = VirtualClock()
+
+    def forward(x: torch.Tensor) -> torch.Tensor:  # 10 ms plainly, 3 ms a ubatch: split wins
+        clock.spend(0.010 if current_ubatch() is None else 0.003)
+        return x * 2
+
+    res = autotune_split_config(forward, lambda t: [torch.ones(t, 4)], [2000, 4000],
+                                decode_only=True, warmup=1, steps=2, rounds=1, clock=clock,
+                                schedules=("split",))
+    assert res.schedule is ExpertSchedule.SPLIT and res.config.min_free_bytes == 1100
+    assert plan_ubatches(4000, res.config, decode_only=True, free_bytes=2000).split
+    assert not plan_ubatches(4000, res.config, decode_only=True, free_bytes=1000).split
