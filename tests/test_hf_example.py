@@ -66,11 +66,11 @@ def test_hf_prefill_on_cpu(tmp_path):
         if label.endswith("/split"):
             assert r["split"].startswith("split("), r
             continue
-        # the autotune's row: its choice among plain, split and merged, each timed at this shape
+        # the autotune's row: its choice among plain, split, merged and sbo (unsplit), each timed
         choice = r["autotune"]["choice"]
-        assert label == f"{label.split('/')[0]}/auto ({choice})" and choice in ("plain", "split", "merged"), r
+        assert label == f"{label.split('/')[0]}/auto ({choice})" and choice in ("plain", "split", "merged", "sbo"), r
         assert r["autotune"]["plain_ms"] > 0 and r["autotune"]["sm_carveout"] in (None, 0), r
-        assert r["split"].startswith("plain" if choice == "plain" else "split("), r
+        assert r["split"].startswith("plain" if choice in ("plain", "sbo") else "split("), r
     for r in rows:
         assert r["rel_err"] <= 1e-4 and r["top1_agree"] == 1.0 and r["ok"] is True, r
 
