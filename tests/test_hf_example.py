@@ -68,7 +68,8 @@ def test_hf_prefill_on_cpu(tmp_path):
             continue
         # the autotune's row: its choice among plain, split, merged and sbo (unsplit), each timed
         choice = r["autotune"]["choice"]
-        assert label == f"{label.split('/')[0]}/auto ({choice})" and choice in ("plain", "split", "merged", "sbo"), r
+        assert label == f"{label.split('/')[0]}/auto ({choice})", r
+        assert choice in ("plain", "split", "merged", "sbo"), r
         assert r["autotune"]["plain_ms"] > 0 and r["autotune"]["sm_carveout"] in (None, 0), r
         assert r["split"].startswith("plain" if choice in ("plain", "sbo") else "split("), r
     for r in rows:
