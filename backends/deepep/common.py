@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from dbo.moe.base import ExpertTokensMetadata, PrepareAndFinalize
-from dbo.moe.errors import MoEProtocolError
+from dbo.moe.handles import PerUBatch
 from dbo.moe.weight_and_reduce import (
     TopKWeightAndReduce,
     TopKWeightAndReduceContiguous,
@@ -36,7 +36,6 @@ from .buffer import BufferMode, DeepEPDtypeError, SharedDeepEPBuffer
 
 __all__ = [
     "DeepEPPrepareAndFinalize",
-    "PerUBatch",
     "check_dispatch_args",
     "pad_hidden",
     "hand_to_current_stream",
@@ -188,42 +187,6 @@ class DeepEPPrepareAndFinalize(PrepareAndFinalize):
 
 _MODE_NAMES = {BufferMode.HIGH_THROUGHPUT: "high-throughput", BufferMode.LOW_LATENCY: "low-latency",
                BufferMode.V2: "v2"}
-
-
-class PerUBatch:
-    """One slot per ubatch (``dbo_current_ubatch_id()``), for state that lives from
-    ``prepare`` to ``finalize`` or across a yield."""
-
-    def __init__(self, name: str):
-        self.name = name
-        self._slots: list[Any] = []
-
-    def put(self, value: Any) -> int:
-        ub = dbo_current_ubatch_id()
-        while len(self._slots) <= ub:
-            self._slots.append(None)
-        self._slots[ub] = value
-        return ub
-
-    def take(self, what: str) -> Any:
-        """Remove and return this ubatch's value; raise if there is none."""
-        ub = dbo_current_ubatch_id()
-        value = self._slots[ub] if ub < len(self._slots) else None
-        if value is None:
-            raise MoEProtocolError(f"{self.name}: {what} in ubatch {ub} without a matching prepare "
-                               "(finalize must follow prepare in the same ubatch)")
-        self._slots[ub] = None
-        return value
-
-    def peek(self) -> Any:
-        ub = dbo_current_ubatch_id()
-        return self._slots[ub] if ub < len(self._slots) else None
-
-    def clear(self) -> None:
-        self._slots.clear()
-
-    def __bool__(self) -> bool:
-        return any(s is not None for s in self._slots)
 
 
 def check_dispatch_args(

@@ -44,14 +44,19 @@ class PerUBatch(Generic[T]):
             logger.debug("%s: dropping a stale value of ubatch %d", self.name, ub)
         self._slots[ub] = value
 
-    def take(self) -> T:
-        """Remove and return the running ubatch's value."""
+    def take(self, what: str = "finalize") -> T:
+        """Remove and return the running ubatch's value (``what``: the call that takes it, for
+        the error where there is none)."""
         ub = dbo_current_ubatch_id()
         try:
             return self._slots.pop(ub)
         except KeyError:
-            raise MoEProtocolError(f"{self.name}: finalize called in ubatch {ub} with no "
+            raise MoEProtocolError(f"{self.name}: {what} called in ubatch {ub} with no "
                                    "prepare before it") from None
+
+    def peek(self) -> T | None:
+        """The running ubatch's value, left in place (None if there is none)."""
+        return self._slots.get(dbo_current_ubatch_id())
 
     def __len__(self) -> int:
         return len(self._slots)
