@@ -20,7 +20,7 @@ from dbo.moe.errors import MoEProtocolError
 from dbo.moe.kernel import expert_groups
 from dbo.moe.reference import make_expert_weights, relative_error
 from dbo.split import SplitReason, UBatchPlan, no_split_plan, plan_ubatches
-from dbo.testing.conformance import check_backend, default_cases
+from dbo.testing.conformance import check_backend, default_cases, with_options
 from dbo.testing.dist import DistWorld
 from dbo.testing.fake_deep_ep import ensure_fake_deep_ep
 from dbo.testing.moe_cases import check_case, standard_cases
@@ -170,13 +170,25 @@ def _make_ll(case):
                                      device="cpu", **opts)
 
 
+def _make_ll_fresh(case):
+    # each case its own buffer: the cases differ in experts and dispatch precision
+    from dbo.backends.deepep.buffer import BUFFER_CACHE
+    BUFFER_CACHE.reset()
+    return _make_ll(case)
+
+
 @pytest.mark.multiproc
 @pytest.mark.timeout(180)
 def test_sbo_on_fake_deepep_ll_matches_plain(world2):
     cases = [dataclasses.replace(c, name=f"{c.name} sbo", expert_schedule="sbo")
              for c in default_cases(2) if c.reduce_in_experts]
     cases += [dataclasses.replace(cases[1], name="sbo 16 experts", num_experts=16, topk=4)]
-    results = check_backend(world2, _make_ll, cases)
+    # fp8 dispatch with the scales handed to the experts: each group takes its slabs' scales
+    base = default_cases(2)[1]
+    cases += [with_options(dataclasses.replace(base, name="sbo fp8 kept", hidden=2048, tol_ref=6e-2,
+                                               expert_schedule="sbo"),
+                           use_fp8_dispatch=True, dequantize_received=False)]
+    results = check_backend(world2, _make_ll_fresh, cases)
     assert results and all(r.ok for r in results), [r.problems for r in results if not r.ok]
 
 
