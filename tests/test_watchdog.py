@@ -268,3 +268,22 @@ def test_gil_free_deadline_with_a_replaced_stderr():
     proc, took = _run(code)
     assert proc.returncode == 1 and "Timeout" in proc.stderr, proc
     assert took < 30, took
+
+
+def test_gil_free_deadlines_of_several_threads_keep_the_earliest():
+    # another thread's block (60 s) that ends first must not take this thread's (1.5 s) with it
+    code = ("import threading\nfrom dbo.peers.watchdog import gil_free_deadline\n"
+            "opened, close, closed = threading.Event(), threading.Event(), threading.Event()\n"
+            "def other():\n"
+            "    with gil_free_deadline(60.0):\n"
+            "        opened.set()\n"
+            "        close.wait()\n"
+            "    closed.set()\n"
+            "threading.Thread(target=other, daemon=True).start()\n"
+            "opened.wait()\n"
+            "with gil_free_deadline(1.5):\n"
+            "    close.set()\n"
+            "    closed.wait()\n" + textwrap.indent(_HOLDS_THE_GIL, "    "))
+    proc, took = _run(code)
+    assert proc.returncode == 1 and "Timeout (0:00:01" in proc.stderr, proc
+    assert took < 30, took

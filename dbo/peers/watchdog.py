@@ -192,26 +192,28 @@ def gil_free_deadline(seconds: float) -> Iterator[None]:
     holds the GIL: for a C call that waits on its peers without releasing it, such as DeepEP
     normal mode's host wait for the receive counts, during which no Python thread (the
     :data:`WATCHDOG` included) runs. Built on :func:`faulthandler.dump_traceback_later`, whose
-    timer is a C thread: one per process, so an enclosing block's deadline is given back when an
-    inner one ends (the process's own use of ``dump_traceback_later`` is replaced while a block
-    runs). Costs about 25 us (a thread start) per block.
+    timer is a C thread: one per process, armed for the earliest deadline of the blocks open in
+    any thread, so a block's end gives the others theirs back (the process's own use of
+    ``dump_traceback_later`` is replaced while a block runs). Costs about 25 us (a thread start)
+    per block.
 
     Raises:
         ValueError: ``seconds`` not a positive number.
     """
     seconds = _positive_seconds(seconds, "gil_free_deadline")
-    end = time.monotonic() + seconds
-    outer = _GIL_FREE_DEADLINES[-1] if _GIL_FREE_DEADLINES else None
-    _GIL_FREE_DEADLINES.append(end if outer is None else min(end, outer))
-    _arm(_GIL_FREE_DEADLINES[-1])
+    key = object()
+    with _GIL_FREE_LOCK:
+        _GIL_FREE_DEADLINES[key] = time.monotonic() + seconds
+        _arm(min(_GIL_FREE_DEADLINES.values()))
     try:
         yield
     finally:
-        _GIL_FREE_DEADLINES.pop()
-        if _GIL_FREE_DEADLINES:
-            _arm(_GIL_FREE_DEADLINES[-1])
-        else:
-            faulthandler.cancel_dump_traceback_later()
+        with _GIL_FREE_LOCK:
+            del _GIL_FREE_DEADLINES[key]
+            if _GIL_FREE_DEADLINES:
+                _arm(min(_GIL_FREE_DEADLINES.values()))
+            else:
+                faulthandler.cancel_dump_traceback_later()
 
 
 def _arm(deadline: float) -> None:
@@ -231,9 +233,11 @@ def _arm(deadline: float) -> None:
 
 _UNARMED_LOGGED = False
 
-#: the deadlines of the open :func:`gil_free_deadline` blocks, innermost last (monotonic clock);
-#: :func:`end_process_within`'s stays at the bottom
-_GIL_FREE_DEADLINES: list[float] = []
+#: the deadlines (monotonic clock) of the open :func:`gil_free_deadline` blocks, of every thread,
+#: and :func:`end_process_within`'s, which stays; the timer is armed for the earliest
+_GIL_FREE_DEADLINES: dict[object, float] = {}
+_GIL_FREE_LOCK = threading.Lock()
+_PROCESS_END = object()
 
 
 def end_process_within(seconds: float) -> None:
@@ -247,11 +251,9 @@ def end_process_within(seconds: float) -> None:
     """
     seconds = _positive_seconds(seconds, "end_process_within")
     end = time.monotonic() + seconds
-    if _GIL_FREE_DEADLINES and _GIL_FREE_DEADLINES[0] <= end:
-        return  # an earlier end is set already
-    _GIL_FREE_DEADLINES[:] = [min(d, end) for d in _GIL_FREE_DEADLINES]
-    _GIL_FREE_DEADLINES.insert(0, end)
-    _arm(min(_GIL_FREE_DEADLINES))
+    with _GIL_FREE_LOCK:
+        _GIL_FREE_DEADLINES[_PROCESS_END] = min(end, _GIL_FREE_DEADLINES.get(_PROCESS_END, end))
+        _arm(min(_GIL_FREE_DEADLINES.values()))
 
 
 class GpuWaitWatchdog:
