@@ -216,7 +216,8 @@ class MoEKernel:
             ``[M, hidden]`` in ``hidden_states``'s dtype, a fresh tensor.
         """
         pf = self.prepare_finalize
-        sbo = current_expert_schedule() is ExpertSchedule.SBO
+        schedule = current_expert_schedule()
+        sbo = schedule is ExpertSchedule.SBO
         if sbo and dbo_enabled():
             raise MoEProtocolError("the sbo expert schedule runs the batch unsplit, outside a ubatch "
                                    "run (it is a plan's schedule, not a ubatch's)")
@@ -242,15 +243,16 @@ class MoEKernel:
                 **scale,
             )
 
-        if (sbo and fmt is ActivationFormat.BATCHED_EXPERTS and pf.supports_expert_groups()
-                and len(expert_groups(prep.a1q.shape[0], self.sbo_groups)) > 1):
-            output = self._grouped_combines(inp, apply, hidden_states, w1, w2, weights, ids,
+        groups = (expert_groups(prep.a1q.shape[0], self.sbo_groups)
+                  if sbo and fmt is ActivationFormat.BATCHED_EXPERTS and pf.supports_expert_groups()
+                  else ())
+        if len(groups) > 1:
+            output = self._grouped_combines(inp, groups, apply, hidden_states, w1, w2, weights, ids,
                                             apply_router_weight_on_input)
             if shared_out is not None:
                 output += shared_out
             return output
-        if (current_expert_schedule() is ExpertSchedule.MERGED and dbo_enabled()
-                and dbo_num_ubatches() > 1):
+        if schedule is ExpertSchedule.MERGED and dbo_enabled() and dbo_num_ubatches() > 1:
             fused = self._rendezvous.run(
                 inp, fmt, same_call_key(w1, w2, apply_router_weight_on_input),
                 lambda merged: apply(merged, self._merged_workspace),
@@ -289,7 +291,8 @@ class MoEKernel:
     def _beside_a_combine(self, active: bool):
         return _experts_carveout(self.experts, self.sbo_sm_carveout if active else None)
 
-    def _grouped_combines(self, inp: ExpertsInput, apply: Callable[..., torch.Tensor],
+    def _grouped_combines(self, inp: ExpertsInput, groups: list[tuple[int, int]],
+                          apply: Callable[..., torch.Tensor],
                           hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
                           weights: torch.Tensor, ids: torch.Tensor, router_on_input: bool) -> torch.Tensor:
         """The ``sbo`` schedule's routed experts on BATCHED_EXPERTS slabs, group by group, each
@@ -299,7 +302,6 @@ class MoEKernel:
         pf = self.prepare_finalize
         weight_and_reduce = self.experts.finalize_weight_and_reduce_impl()
         x, meta = inp.a1q, inp.expert_tokens_meta
-        groups = expert_groups(x.shape[0], self.sbo_groups)
         while len(self._group_workspaces) < len(groups):
             self._group_workspaces.append(Workspace())
         # every group's experts write into their rows of one layer-sized tensor, which each
