@@ -283,32 +283,35 @@ class SimulatedLinkPrepareAndFinalize(PrepareAndFinalize):
             res = lambda: out  # noqa: E731 - a receiver of what the sync call returned
         return self._wrap(res, self._held(start, us, a1.device))
 
+    def _held_combine(self, output: torch.Tensor, phase: str, share: float,
+                      launch: Callable[[], Any]) -> Any:
+        """``launch()``'s combine, its arrival held back for ``share`` of the bytes that come
+        back over the link for ``output``'s rows (as many as their dispatch sent, on average
+        over the ranks)."""
+        start = self._start(output.device)
+        us = self._us(phase, output.shape[0], self._topk, output.shape[1], output.element_size(), share)
+        return self._wrap(launch(), self._held(start, us, output.device))
+
     def finalize_async(self, output, fused_expert_output, topk_weights, topk_ids,
                        apply_router_weight_on_input, weight_and_reduce):
-        start = self._start(output.device)
-        # the partial sums of this rank's tokens come back over the same link (as many bytes as the
-        # dispatch of ``output``'s rows sent, on average over the ranks)
-        us = self._us("combine", output.shape[0], self._topk, output.shape[1], output.element_size())
-        if self.inner.supports_async():
-            res = self.inner.finalize_async(output, fused_expert_output, topk_weights, topk_ids,
-                                            apply_router_weight_on_input, weight_and_reduce)
-        else:
+        def launch() -> Any:
+            if self.inner.supports_async():
+                return self.inner.finalize_async(output, fused_expert_output, topk_weights, topk_ids,
+                                                 apply_router_weight_on_input, weight_and_reduce)
             self.inner.finalize(output, fused_expert_output, topk_weights, topk_ids,
                                 apply_router_weight_on_input, weight_and_reduce)
-            res = lambda: None  # noqa: E731
-        return self._wrap(res, self._held(start, us, output.device))
+            return lambda: None
+
+        return self._held_combine(output, "combine", 1.0, launch)
 
     def finalize_group_async(self, output, fused_expert_output, topk_weights, topk_ids,
                              apply_router_weight_on_input, weight_and_reduce, *, experts, last):
         """One expert group's combine (the ``sbo`` schedule), held back for the group's share
         of the combine's bytes (a backend that sends a row per token and expert: the group's
         experts' share of the local experts) plus the link's latency, once per group."""
-        start = self._start(output.device)
         n_local = max(max(self._num_experts, self._world) // self._world, 1)
-        share = (experts[1] - experts[0]) / n_local
-        us = self._us("combine_group", output.shape[0], self._topk, output.shape[1],
-                      output.element_size(), share)
-        res = self.inner.finalize_group_async(output, fused_expert_output, topk_weights, topk_ids,
-                                              apply_router_weight_on_input, weight_and_reduce,
-                                              experts=experts, last=last)
-        return self._wrap(res, self._held(start, us, output.device))
+        return self._held_combine(output, "combine_group", (experts[1] - experts[0]) / n_local,
+                                  lambda: self.inner.finalize_group_async(
+                                      output, fused_expert_output, topk_weights, topk_ids,
+                                      apply_router_weight_on_input, weight_and_reduce,
+                                      experts=experts, last=last))
