@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import time
 import warnings
 from dataclasses import dataclass
@@ -38,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from dbo.errors import CollectiveTimeoutError
-from dbo.peers.hostboard import HostBoard, align, open_shared
+from dbo.peers.hostboard import HostBoard, align, open_shared, open_shared_with_pids
 from dbo.peers.watchdog import resolve_timeout
 
 from .host import check_one_host
@@ -190,9 +189,8 @@ class CpuTransport(Transport):
         num_channels = 2 * num_slots
         board = HostBoard.nbytes(num_slots)
         n = num_channels * self.world_size
-        regions = open_shared(group, board + align(n * 4), "cpu")
-        self.board = HostBoard(regions, self.rank, num_slots, timeout_s, "copy_engine",
-                               pids=_pids(group))
+        regions, pids = open_shared_with_pids(group, board + align(n * 4), "cpu")
+        self.board = HostBoard(regions, self.rank, num_slots, timeout_s, "copy_engine", pids=pids)
         self._flags = [r[board:board + 4 * n].view(torch.int32).numpy()
                        .reshape(num_channels, self.world_size) for r in regions]
         self._data: list[list[torch.Tensor] | None] = [None] * num_slots
@@ -227,14 +225,6 @@ class CpuTransport(Transport):
         flag = self._flags[self.rank]
         self._spin(flag, (channel, src), 1, f"waited for rank {src}'s signal on channel {channel}")
         flag[channel, src] = 0
-
-
-def _pids(group: Any) -> list[int]:
-    """The ranks' process ids (collective): the host board's wait for a peer whose process has
-    exited ends at once, not after the timeout."""
-    pids: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(pids, os.getpid(), group=group)
-    return [int(p) for p in pids]
 
 
 def symm_mem_rendezvous(nbytes: int, device: torch.device, group: Any) -> tuple[torch.Tensor, Any]:
@@ -273,9 +263,8 @@ class CudaTransport(Transport):
         self.layout = layout
         self.timeout_s = timeout_s
         board = HostBoard.nbytes(num_slots)
-        regions = open_shared(group, board, "board")
-        self.board = HostBoard(regions, self.rank, num_slots, timeout_s, "copy_engine",
-                               pids=_pids(group))
+        regions, pids = open_shared_with_pids(group, board, "board")
+        self.board = HostBoard(regions, self.rank, num_slots, timeout_s, "copy_engine", pids=pids)
         self._slots: list[tuple[torch.Tensor, Any, list[torch.Tensor]] | None] = [None] * num_slots
         self._init_state(num_slots)
 

@@ -28,7 +28,8 @@ from dbo.errors import CollectiveTimeoutError
 from dbo.peers.arrival import process_state
 from dbo.peers.watchdog import resolve_timeout
 
-__all__ = ["ALIGN", "align", "open_shared", "open_shared_checked", "HostBoard", "BOARD_FIELDS"]
+__all__ = ["ALIGN", "align", "open_shared", "open_shared_with_pids", "open_shared_checked", "HostBoard",
+           "BOARD_FIELDS"]
 
 ALIGN = 256
 # board slots per ubatch: a rank is at most one dispatch ahead of the slowest reader (it waits
@@ -59,10 +60,16 @@ def open_shared(group: Any, nbytes: int, tag: str) -> list[torch.Tensor]:
 
     The files are unlinked once every rank has mapped them, so nothing is left behind even if a
     process dies later."""
+    return open_shared_with_pids(group, nbytes, tag)[0]
+
+
+def open_shared_with_pids(group: Any, nbytes: int, tag: str) -> tuple[list[torch.Tensor], list[int]]:
+    """:func:`open_shared`, and the ranks' process ids (exchanged in the same collective), for a
+    :class:`HostBoard` whose wait for a peer that exited ends at once."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     names: list[Any] = [None] * world
-    dist.all_gather_object(names, uuid.uuid4().hex, group=group)
-    paths = _paths(names[0], tag, world)
+    dist.all_gather_object(names, (uuid.uuid4().hex, os.getpid()), group=group)
+    paths = _paths(names[0][0], tag, world)
     mine = _region(paths[rank], nbytes)
     mine.zero_()
     dist.barrier(group=group)
@@ -70,7 +77,7 @@ def open_shared(group: Any, nbytes: int, tag: str) -> list[torch.Tensor]:
     dist.barrier(group=group)
     with contextlib.suppress(FileNotFoundError):
         os.unlink(paths[rank])
-    return regions
+    return regions, [int(pid) for _, pid in names]
 
 
 def open_shared_checked(group: Any, nbytes: int, tag: str
