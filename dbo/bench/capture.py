@@ -36,8 +36,8 @@ def traces(sb: ShapeBench, profile: bool, out_dir: Path) -> dict | None:
     if profile and sb.device.type == "cuda":
         extra = [m for m in ("merged", "sbo") if m in sb.args.modes]
         for mode in ("dbo", "serial", *extra):
-            sb.use_best("serial" if mode == "sbo" else mode)
-            fn = {"dbo": sb.dbo, "serial": sb.serial, "merged": sb.merged, "sbo": sb.sbo}[mode]
+            sb.use_best(mode)
+            fn = sb.step(mode)
             fn()
             torch.cuda.synchronize()
             path = out_dir / f"gpu_trace_{mode}.json"
@@ -70,8 +70,8 @@ def traces(sb: ShapeBench, profile: bool, out_dir: Path) -> dict | None:
 
 def _capture(sb: ShapeBench, mode: str, res: dict[str, Any], graphs: list[Any]) -> torch.Tensor:
     """Time ``mode``'s eager step, capture it whole, replay it: its figures into ``res``."""
-    sb.use_best("serial" if mode == "sbo" else mode)  # sbo runs the serial step's kernels
-    fn = {"serial": sb.serial, "dbo": sb.dbo, "merged": sb.merged, "sbo": sb.sbo}[mode]
+    sb.use_best(mode)
+    fn = sb.step(mode)
     eager = fn()
     res[f"eager_{mode}_ms"] = measure(fn, warmup=1, steps=sb.args.steps, device=sb.device,
                                       memory=False).median_ms / sb.layers

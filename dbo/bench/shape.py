@@ -325,8 +325,14 @@ class ShapeBench:
         m = min(cands, key=lambda m: m["timing"]["median_ms"])
         return m["num_sms"], m.get("sm_carveout")
 
+    def step(self, mode: str) -> Callable[[], torch.Tensor]:
+        """The step of ``mode``: "serial", "dbo", "merged" or "sbo"."""
+        return {"serial": self.serial, "dbo": self.dbo, "merged": self.merged, "sbo": self.sbo}[mode]
+
     def use_best(self, mode: str) -> None:
-        """Run the next ``mode`` steps ("serial", "dbo" or "merged") in its fastest configuration."""
+        """Run the next ``mode`` steps ("serial", "dbo", "merged"; "sbo" runs the serial step's
+        kernels, so in serial's) in its fastest configuration."""
+        mode = "serial" if mode == "sbo" else mode
         s, k = self.best(mode)
         self.sms.set(s)
         self.use(self.pf, mode)
