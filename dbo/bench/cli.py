@@ -13,12 +13,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from dbo.backends import BACKENDS, cpu_backends
 
 __all__ = ["ArgumentParser", "env_world_size", "check_at_least", "check_experts_split",
-           "check_backend_fits", "verdict"]
+           "check_backend_fits", "verdict", "add_link_arguments", "parse_link"]
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -84,3 +84,27 @@ def verdict(prog: str, ok: bool, why: str) -> int:
     code (0 or 1)."""
     print(f"{prog}: {'PASS' if ok else 'FAIL'}: {why}", flush=True)
     return 0 if ok else 1
+
+
+def add_link_arguments(p: argparse.ArgumentParser) -> None:
+    """``--link GBPS[,LATENCY_US]`` and ``--remote-fraction``: a benchmark's backends under a
+    simulated link (:mod:`dbo.backends.simulated_link`); read them with :func:`parse_link`."""
+    p.add_argument("--link", default=None, metavar="GBPS[,LATENCY_US]",
+                   help="hold every dispatch and combine back to a simulated link of GBPS GB/s per GPU "
+                        "and LATENCY_US (dbo.backends.simulated_link); the bytes still move")
+    p.add_argument("--remote-fraction", type=float, default=1.0,
+                   help="with --link: the share of the traffic that crosses the link (7/8 = 0.875 for "
+                        "8 GPUs a host; default 1)")
+
+
+def parse_link(p: argparse.ArgumentParser, args: argparse.Namespace) -> Any:
+    """The ``SimulatedLink`` of :func:`add_link_arguments`' options, None without ``--link``; a bad
+    value ends in ``p.error``."""
+    if args.link is None:
+        return None
+    from dbo.backends.simulated_link import SimulatedLink
+
+    try:
+        return SimulatedLink.parse(args.link, args.remote_fraction)
+    except ValueError as exc:
+        p.error(f"--link {args.link}: {exc}")

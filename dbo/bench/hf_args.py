@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from dbo.backends import backend_spec
-from dbo.bench.cli import check_at_least, check_backend_fits, env_world_size
+from dbo.bench.cli import add_link_arguments, check_at_least, check_backend_fits, env_world_size, parse_link
 from dbo.integrations.transformers.presets import PRESETS, TINY_FAMILIES, preset_config, tiny_config
 
 __all__ = ["DTYPES", "PRESET_CHOICES", "backend_name", "add_model_arguments", "check_model_arguments",
@@ -53,12 +53,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--save-checkpoint", default=None,
                    help="DIR: first write --preset with random weights there (every rank its share: "
                         "dbo.integrations.transformers.checkpoint) and load it as --checkpoint")
-    p.add_argument("--link", default=None, metavar="GBPS[,LATENCY_US]",
-                   help="run dbo's backends under a simulated link (dbo.backends.simulated_link): the "
-                        "bytes still move, their arrival is held back to GBPS GB/s and LATENCY_US")
-    p.add_argument("--remote-fraction", type=float, default=1.0,
-                   help="with --link: the share of the traffic that crosses it (7/8 for 8 GPUs a host; "
-                        "default 1)")
+    add_link_arguments(p)
     p.add_argument("--seed", type=int, default=0, help="(default: 0)")
     p.add_argument("--json", default=None, help="write the results here (rank 0)")
 
@@ -113,15 +108,7 @@ def check_model_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) 
     args.dtype = DTYPES[args.dtype or ("bfloat16" if cuda else "float32")]
     if not 0.0 < args.remote_fraction <= 1.0:
         p.error(f"--remote-fraction {args.remote_fraction}: want a share in (0, 1]")
-    args.link_text, link = args.link, None
-    if args.link is not None:
-        from dbo.backends.simulated_link import SimulatedLink
-
-        try:
-            link = SimulatedLink.parse(args.link, args.remote_fraction)
-        except ValueError as exc:
-            p.error(f"--link {args.link}: {exc}")
-    args.link = link
+    args.link_text, args.link = args.link, parse_link(p, args)
     if args.save_checkpoint and args.checkpoint and args.checkpoint != args.save_checkpoint:
         p.error(f"--checkpoint {args.checkpoint} and --save-checkpoint {args.save_checkpoint}: give one "
                 "(--save-checkpoint writes the checkpoint it then loads)")

@@ -17,10 +17,12 @@ import dbo
 from dbo.backends import BACKENDS, backend_options
 from dbo.bench.cli import (
     ArgumentParser,
+    add_link_arguments,
     check_at_least,
     check_backend_fits,
     check_experts_split,
     env_world_size,
+    parse_link,
 )
 
 __all__ = ["DTYPES", "TOLERANCE", "MODES", "SCHEMA", "PROG", "DEFAULT_BACKEND", "parse_args",
@@ -57,12 +59,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--backend", choices=sorted(BACKENDS), default=None,
                    help=f"default {DEFAULT_BACKEND['cuda']} on cuda, {DEFAULT_BACKEND['cpu']} on cpu")
-    p.add_argument("--link", default=None, metavar="GBPS[,LATENCY_US]",
-                   help="hold every dispatch and combine back to a simulated link of GBPS GB/s per GPU "
-                        "and LATENCY_US (dbo.backends.simulated_link); the bytes still move")
-    p.add_argument("--remote-fraction", type=float, default=1.0,
-                   help="with --link: the share of the traffic that crosses the link (7/8 = 0.875 for "
-                        "8 GPUs a host)")
+    add_link_arguments(p)
     p.add_argument("--backend-opt", action="append", default=[], metavar="KEY=VALUE",
                    help="a keyword argument of the backend's constructor (repeatable), e.g. "
                         "put_order=rank for copy_engine; ints, floats, true/false parsed")
@@ -131,11 +128,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     try:
         args.backend_kwargs = parse_backend_opts(args.backend_opt)
-        args.link_model = None
-        if args.link is not None:
-            from dbo.backends.simulated_link import SimulatedLink
-
-            args.link_model = SimulatedLink.parse(args.link, args.remote_fraction)
+        args.link_model = parse_link(p, args)
         world = env_world_size()
     except ValueError as exc:
         p.error(str(exc))
