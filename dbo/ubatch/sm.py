@@ -71,10 +71,7 @@ def check_sm_carveout(num_sms: Any) -> int | None:
     Raises:
         ValueError: anything else (a bool, a float, a negative int).
     """
-    if num_sms is not None and (isinstance(num_sms, bool) or not isinstance(num_sms, int)
-                                or num_sms < 0):
-        raise ValueError(f"sm_carveout must be a non-negative int or None, got {num_sms!r}")
-    return num_sms
+    return _check_num_sms(num_sms, 0, "sm_carveout must be a non-negative int or None")
 
 
 def check_compute_sms(num_sms: Any) -> int | None:
@@ -83,9 +80,13 @@ def check_compute_sms(num_sms: Any) -> int | None:
     Raises:
         ValueError: anything else (a bool, a float, zero or less).
     """
+    return _check_num_sms(num_sms, 1, "compute_sms must be a positive int or None")
+
+
+def _check_num_sms(num_sms: Any, least: int, want: str) -> int | None:
     if num_sms is not None and (isinstance(num_sms, bool) or not isinstance(num_sms, int)
-                                or num_sms < 1):
-        raise ValueError(f"compute_sms must be a positive int or None, got {num_sms!r}")
+                                or num_sms < least):
+        raise ValueError(f"{want}, got {num_sms!r}")
     return num_sms
 
 
