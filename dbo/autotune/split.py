@@ -309,7 +309,7 @@ def autotune_split_config(
         plain = sbo_ms = float("inf")
         unsplit = no_split_plan(t, expert_schedule=ExpertSchedule.SBO)
         best = dict.fromkeys(keys, float("inf"))
-        for _ in range(rounds):
+        for r in range(rounds):
             plain = min(plain, time_ms(lambda x=inputs: fn(*x, **kwargs), warmup, steps, device,
                                         clock))
             if sbo:
@@ -324,7 +324,8 @@ def autotune_split_config(
                     return overlapped_forward(fn, *x, plan=p, fn_kwargs=kwargs,
                                               sm_carveout=carveouts[k], compute_sms=compute_sms)
                 best[(s, k)] = min(best[(s, k)], time_ms(step, warmup, steps, device, clock))
-                transient[s] = max(transient.get(s, 0), transient_bytes(step, device))
+                if r == 0:  # one more call, once: its peak does not change between rounds
+                    transient[s] = max(transient.get(s, 0), transient_bytes(step, device))
         local += [v if v != float("inf") else -1.0 for v in [plain, sbo_ms, *best.values()]]
         del inputs
     if multi:
