@@ -47,7 +47,6 @@ from typing import Any
 
 import torch
 
-from dbo.errors import CollectiveTimeoutError
 from dbo.moe.base import PrepareResult, TopKWeightAndReduce
 from dbo.moe.handles import PerUBatch
 from dbo.ubatch.context import (
@@ -61,7 +60,7 @@ from dbo.ubatch.streams import hand_over
 
 from ..fp8 import FP8_BLOCK, dequantize_fp8_blocks, quantize_fp8_blocks
 from ..torchdist import DTYPE_CODES, TorchDistPrepareAndFinalize
-from .transport import BufferLayout, Transport, device_wait_fault, open_transport
+from .transport import BufferLayout, Transport, device_wait_fault, failed_wait, open_transport
 
 __all__ = ["CopyEnginePrepareAndFinalize", "make_prepare_finalize", "destinations", "PUT_ORDERS",
            "device_wait_fault"]
@@ -201,14 +200,9 @@ class CopyEnginePrepareAndFinalize(TorchDistPrepareAndFinalize):
         last = self.transport.last_wait.pop(slot, None)
         if last is None:
             return
-        event, what = last
-        try:
-            event.query()
-        except RuntimeError as exc:  # the trap poisons the context: every CUDA call fails now
-            raise CollectiveTimeoutError(
-                f"copy_engine: rank {self.rank}'s GPU wait for {what} failed, most likely after "
-                f"timeout_s={self.timeout_s:.1f} s without the peer's signal (the peer died or fell "
-                f"out of step); the CUDA context is unusable from here ({exc})") from exc
+        err = failed_wait(self.rank, self.timeout_s, *last)
+        if err is not None:
+            raise err
 
     def _put_all(self, slot: int, puts: list[tuple[int, str, int, torch.Tensor]],
                  channel: int) -> Any:

@@ -44,7 +44,7 @@ from .host import check_one_host
 
 __all__ = ["BufferLayout", "CAPACITY_STEP", "grown_capacity", "Transport", "CpuTransport",
            "CudaTransport", "TransportCache", "TRANSPORTS", "open_transport", "symm_mem_rendezvous",
-           "device_wait_fault"]
+           "device_wait_fault", "failed_wait"]
 
 logger = logging.getLogger(__name__)
 
@@ -359,6 +359,21 @@ def open_transport(group: Any, layout: BufferLayout, num_slots: int, timeout_s: 
     return transport
 
 
+def failed_wait(rank: int, timeout_s: float, event: Any, what: str) -> CollectiveTimeoutError | None:
+    """The named error of a copy-engine GPU wait (``event`` recorded after it) that trapped, the
+    CUDA error as its cause; None if the event is fine. After the trap every CUDA call fails."""
+    try:
+        event.query()
+    except RuntimeError as exc:
+        err = CollectiveTimeoutError(
+            f"copy_engine: rank {rank}'s GPU wait for {what} failed, most likely after "
+            f"timeout_s={timeout_s:.1f} s without the peer's signal (the peer died, stalled or fell "
+            f"out of step); the CUDA context is unusable from here ({exc})")
+        err.__cause__ = exc
+        return err
+    return None
+
+
 def device_wait_fault() -> CollectiveTimeoutError | None:
     """The named error for a CUDA error that a copy-engine GPU wait caused: its wait for a peer's
     signal traps after ``timeout_s`` (the peer died or stalled), which leaves the CUDA context
@@ -367,11 +382,7 @@ def device_wait_fault() -> CollectiveTimeoutError | None:
     error reached you (the transformers integration does); the process must end either way."""
     for transport in TRANSPORTS.transports():
         for _, (event, what) in sorted(transport.last_wait.items()):
-            try:
-                event.query()
-            except RuntimeError as exc:
-                return CollectiveTimeoutError(
-                    f"copy_engine: rank {transport.rank}'s GPU wait for {what} failed, most likely "
-                    f"after timeout_s={transport.timeout_s:.1f} s without the peer's signal (the peer "
-                    f"died or its GPU stalled); the CUDA context is unusable from here ({exc})")
+            err = failed_wait(transport.rank, transport.timeout_s, event, what)
+            if err is not None:
+                return err
     return None
