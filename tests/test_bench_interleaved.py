@@ -3,6 +3,7 @@ order that rotates and turns round, so no row always runs first or after the sam
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from dbo.bench.hf_generate import interleaved_ms
@@ -28,3 +29,14 @@ def test_every_call_goes_first_within_as_many_rounds_as_calls_times_two():
                    device=torch.device("cpu"))
     firsts = [seen[3 * r] for r in range(6)]
     assert set(firsts) == set(names)
+
+
+def test_modes_choose_the_rows_and_need_plain(capsys):
+    from dbo.bench.hf_generate import parse_args
+
+    assert parse_args(["--modes", "plain", "dbo-prefill"]).modes == ["plain", "dbo-prefill"]
+    assert parse_args([]).modes == ["plain", "dbo-prefill", "dbo"]
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--modes", "dbo-prefill", "dbo"])
+    assert e.value.code == 2
+    assert "--modes: give plain too" in capsys.readouterr().err

@@ -61,6 +61,7 @@ from dbo.peers.collectives import all_reduce_max
 from dbo.split import SplitConfig
 
 PROG = "hf-generate"
+MODES = {"plain": "plain", "dbo-prefill": "DBO prefill", "dbo": "DBO"}  # option -> row name
 
 
 def _backend_pair(text: str) -> tuple[str, str | None]:
@@ -80,11 +81,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--new-tokens", type=int, default=None, help="decode steps (CPU 4, CUDA 64)")
     p.add_argument("--steps", type=int, default=3, help="timed calls (default: 3)")
     p.add_argument("--warmup", type=int, default=1, help="untimed calls first (default: 1)")
+    p.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES),
+                   help="the dbo rows of each backend: plain, DBO prefill (the prompt overlapped, the "
+                        "decode steps plain: greedy_generate's default), DBO (every step overlapped) "
+                        "(default: all three)")
     a = p.parse_args(argv)
     cuda = a.device == "cuda"
     given = [n for n in ("batch", "prompt", "new_tokens") if getattr(a, n) is not None]
     check_at_least(p, a, 1, *given, "steps")
     check_at_least(p, a, 0, "warmup")
+    if "plain" not in a.modes:
+        p.error("--modes: give plain too (every DBO row's tokens are checked against it)")
     if not (a.checkpoint or a.save_checkpoint):
         if cuda:
             p.error("--device cuda: give --checkpoint DIR (or --save-checkpoint DIR to write one)")
@@ -192,7 +199,8 @@ def run(a: argparse.Namespace, rank: int, world: int, device: torch.device) -> l
             use_backend(model, prefill, decode_backend=decode, decode_backend_kwargs=decode_kw,
                         **backend_kwargs(prefill, max_tokens_per_rank=a.batch * a.prompt, link=a.link))
             label = prefill if decode is None else f"{prefill}/{decode}"
-            modes = (("plain", plain_cfg, False), ("DBO prefill", dbo_cfg, False), ("DBO", dbo_cfg, True))
+            modes = tuple(m for m in (("plain", plain_cfg, False), ("DBO prefill", dbo_cfg, False),
+                                      ("DBO", dbo_cfg, True)) if m[0] in {MODES[k] for k in a.modes})
             times, last = interleaved_ms({name: (lambda split=split, every=every: greedy_generate(
                 model, ids, mask, max_new_tokens=a.new_tokens, config=split, split_decode=every))
                 for name, split, every in modes}, a.steps, a.warmup, device)

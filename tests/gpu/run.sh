@@ -19,6 +19,7 @@
 #   copy_engine:N  the copy-engine backend's conformance (DBO == serial == reference), stop test
 #   deepep:N       the DeepEP backends' conformance (high-throughput and low-latency)
 #   faults:N       a dead, stalled or slow last rank inside DeepEP calls: every survivor's error and delay
+#                  (FAULTS_ARGS: more options, e.g. "--backends ht --only gpu_stall")
 #   nccl           the all2all/naive backends over NCCL (tests/test_backends_nccl.py)
 #   demo:N         examples/moe_overlap.py with each backend (DeepEP's when importable)
 #   overlap:N      `dbo.bench overlap` on the thin prefill grid (8 layers, I=256, attention width
@@ -26,8 +27,8 @@
 #                  then `dbo.bench compare`: best DBO over the best serial of any backend.
 #                  BACKENDS="deepep_ht copy_engine copy_engine+put_order=rank" (NAME+KEY=VALUE: a
 #                  --backend-opt), TOKENS, OVERLAP_ARGS (more options), OVERLAP_BUDGET_S, OVERLAP_CAP_S
-#   decode:N       `dbo.bench overlap` with deepep_ll at decode sizes (T=32..512, I=2048; every schedule, sbo
-#                  too); DECODE_ARGS
+#   decode:N       `dbo.bench overlap` at decode sizes (T=32..512, I=2048, CUDA graphs; every schedule, sbo
+#                  too) on each of DECODE_BACKENDS (default deepep_ll; copy_engine too); DECODE_ARGS
 #                  (more options, e.g. "--experts 32 --link 50,5 --remote-fraction 0.875"), TOKENS
 #   link:N         the tables under the simulated link (remote 7/8) for each of LINKS ("50,5 25,10":
 #                  GBPS,LATENCY_US): prefill with deepep_ht (24 SMs) and copy_engine at LINK_INTER
@@ -46,7 +47,7 @@
 #                  batch 64 per rank: transformers' generate() (all_to_all) beside dbo's
 #                  greedy_generate on GEN_BACKENDS (NAME or PREFILL/DECODE; default "copy_engine
 #                  deepep_ht/deepep_ll"), plain and DBO, and the ids' agreement (GEN_STEPS timed
-#                  calls each, default 1)
+#                  calls each, default 1; GEN_MODES: the dbo rows, default "plain dbo-prefill dbo")
 #   hffaults:N     a rank that exits or stalls (host or GPU) before the dispatch, between dispatch and
 #                  combine or after the combine, inside DBOPrefill and a greedy_generate decode step, on
 #                  dbo_copy_engine, dbo_deepep (where deep_ep imports) and transformers' all_to_all (the
@@ -161,7 +162,7 @@ for arg in "$@"; do
       [ "$ngpu" -lt "$n" ] && shared=(--shared-gpu)
       run "deepep-$n" 300 $tr_ "$n" tests/gpu/run_deepep.py "${shared[@]}" --json "$files/conformance_$n.json" ;;
     faults)
-      run "faults-$n" 400 python3 tests/gpu/run_deepep_faults.py --nproc "$n" --bench --json "$files/faults_$n.json" ;;
+      run "faults-$n" 400 python3 tests/gpu/run_deepep_faults.py --nproc "$n" --bench ${FAULTS_ARGS:-} --json "$files/faults_$n.json" ;;
     hffaults)
       run "hffaults-$n" "${HFF_CAP_S:-540}" python3 tests/gpu/run_hf_faults.py --device cuda --nproc "$n" \
         --timeout "${HFF_TIMEOUT:-3}" --time-budget-s "${HFF_BUDGET_S:-450}" ${HFF_ARGS:-} \
@@ -192,9 +193,11 @@ for arg in "$@"; do
       done
       run "overlap-compare-$n" 30 python3 -m dbo.bench compare "$files"/*/ --json "$files/compare.json" ;;
     decode)
-      run "decode-$n" "${DECODE_CAP_S:-240}" $tr_ "$n" -m dbo.bench overlap --device cuda --backend deepep_ll \
-        --intermediate 2048 --tokens ${TOKENS:-32 128 512} --cuda-graph --time-budget-s "${DECODE_BUDGET_S:-200}" \
-        --modes $all_modes ${DECODE_ARGS:-} --out "$files/deepep_ll" ;;
+      for b in ${DECODE_BACKENDS:-deepep_ll}; do
+        run "decode-$b-$n" "${DECODE_CAP_S:-240}" $tr_ "$n" -m dbo.bench overlap --device cuda --backend "$b" \
+          --intermediate 2048 --tokens ${TOKENS:-32 128 512} --cuda-graph --time-budget-s "${DECODE_BUDGET_S:-200}" \
+          --modes $all_modes ${DECODE_ARGS:-} --out "$files/$b"
+      done ;;
     link)
       for l in ${LINKS:-50,5 25,10}; do  # prefill: deepep_ht (24 SMs) and copy_engine; then decode
         for b in deepep_ht copy_engine; do
@@ -233,7 +236,7 @@ for arg in "$@"; do
       save=(--checkpoint "$ckpt")
       [ -f "$ckpt/config.json" ] || save=(--save-checkpoint "$ckpt")
       run "generate-$n" "${GEN_CAP_S:-420}" $tr_ "$n" -m dbo.bench hf-generate --device cuda --preset qwen3-30b-a3b \
-        --layers "${HF_LAYERS:-48}" "${save[@]}" --batch 64 --prompt 512 --new-tokens 64 --steps "${GEN_STEPS:-1}" --warmup 1 \
+        --layers "${HF_LAYERS:-48}" "${save[@]}" --batch 64 --prompt 512 --new-tokens 64 --steps "${GEN_STEPS:-1}" --warmup 1 --modes ${GEN_MODES:-plain dbo-prefill dbo} \
         --backend ${GEN_BACKENDS:-copy_engine deepep_ht/deepep_ll} --json "$files/generate.json" ;;
     soak)
       ckpt=${HF_CKPT:-/tmp/qwen3-30b-a3b-${HF_LAYERS:-48}}
