@@ -135,9 +135,10 @@ class DeepEPHTPrepareAndFinalize(DeepEPPrepareAndFinalize):
             allocate_on_comm_stream=False)
         # DeepEP's dispatch waits on the host, holding the GIL, for the peers' GPUs to send
         # their counts: a peer whose GPU stalls would hold this rank there with no Python thread
-        # (the GPU watchdog included) able to run; the GIL-free deadline ends the process instead
-        with self._host_wait_deadline():
-            recv_x, recv_topk_ids, recv_topk_weights, counts, handle, event = buffer.dispatch(
+        # (the GPU watchdog included) able to run; the GIL-free deadline ends the process instead,
+        # the wait named in the stacks it writes
+        recv_x, recv_topk_ids, recv_topk_weights, counts, handle, event = self._host_wait(
+            "dispatch", lambda: buffer.dispatch(
                 x,
                 num_tokens_per_rank=num_tokens_per_rank,
                 num_tokens_per_rdma_rank=num_tokens_per_rdma_rank,
@@ -150,7 +151,7 @@ class DeepEPHTPrepareAndFinalize(DeepEPPrepareAndFinalize):
                 previous_event=previous_event if dbo else layout_event,
                 async_finish=async_finish,
                 allocate_on_comm_stream=False,
-            )
+            ))
         self._handles.put(handle)
         if dbo:
             self._watch("dispatch", seq, a1.device)  # on the comm stream, after the kernels

@@ -21,7 +21,6 @@ with ``previous_event``), then switches back with a sync. Handles live per ubatc
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from typing import Any
 
@@ -136,8 +135,8 @@ class DeepEPV2PrepareAndFinalize(DeepEPPrepareAndFinalize):
             previous_event = None
         seq = self._arrive("dispatch")
         # with do_cpu_sync the dispatch waits on the host holding the GIL (as deepep_ht's does)
-        with self._host_wait_deadline() if expand else contextlib.nullcontext():
-            recv_x, recv_topk_ids, recv_topk_weights, handle, event = buffer.dispatch(
+        def dispatch() -> tuple:
+            return buffer.dispatch(
                 x=x,
                 topk_idx=topk_ids,
                 topk_weights=topk_weights,
@@ -152,6 +151,9 @@ class DeepEPV2PrepareAndFinalize(DeepEPPrepareAndFinalize):
                 do_expand=expand,
                 do_zero_padding=expand and self.expert_alignment > 1,
             )
+
+        recv_x, recv_topk_ids, recv_topk_weights, handle, event = (
+            self._host_wait("dispatch", dispatch) if expand else dispatch())
         # topk_ids is stored by reference in the handle and must outlive it
         self._handles.put((handle, topk_ids))
         if dbo:

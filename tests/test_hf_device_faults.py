@@ -56,3 +56,35 @@ def test_other_errors_pass_unchanged(transports):
     with pytest.raises(KeyError), named_device_faults():
         raise KeyError("x")
     assert device_fault_for(RuntimeError("shape mismatch")) is None
+
+
+class _FailingStream:
+    def synchronize(self):
+        raise RuntimeError(CUDA_TRAP)
+
+
+def test_sync_at_the_end_names_a_wait_that_failed_after_the_block_returned(transports, monkeypatch):
+    # a prefill returns before its GPU work ends: the wait that traps late fails at the end of
+    # the block (sync=True), named, where a copy-engine GPU wait is live; nowhere else
+    import torch
+
+    from dbo.integrations.transformers import faults
+
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: _FailingStream())
+    with named_device_faults(sync=True):  # no transport: nothing can trap, no sync
+        pass
+    transport = _Transport(failed=True)
+    transport.cuda = False  # a CPU transport's waits never trap
+    transports.append(transport)
+    assert not faults.gpu_waits_can_trap()
+    with named_device_faults(sync=True):
+        pass
+    transport.cuda = True
+    assert faults.gpu_waits_can_trap()
+    with named_device_faults():  # sync off: the block returns, the error comes later
+        pass
+    with pytest.raises(CollectiveTimeoutError, match="rank 1's GPU wait for the combine of slot 0"), \
+            named_device_faults(sync=True):
+        pass

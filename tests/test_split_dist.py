@@ -362,3 +362,39 @@ def test_a_peer_that_exits_fails_the_decision_at_once():
         outcomes = w.run_outcomes(_dead_peer_job, timeout_s=30.0)
     assert outcomes[0].ok, outcomes[0].traceback
     assert 0 <= outcomes[0].value < 10.0, outcomes[0].value  # about 1 s; the group's timeout is 30 s
+
+
+def _gpu_group_vote_job() -> tuple:
+    # an NCCL group's collective device is a GPU: the vote of ranks on one host must not go
+    # there (a GPU all-reduce read back holds the host until the GPU caught up) but through
+    # the board; an explicit CUDA device keeps the all-reduce (here: the stand-in raises)
+    import os
+
+    import torch.distributed as dist
+
+    from dbo.peers import collectives
+
+    os.environ["DBO_HOST_VOTE"] = "1"
+    rank = dist.get_rank()
+
+    def on_the_gpu(group=None):
+        raise RuntimeError("the vote went to the GPU")
+
+    real = collectives.collective_device
+    collectives.collective_device = on_the_gpu
+    try:
+        voted = collectives.all_reduce_max([rank, 5 - rank, 7], None)
+        try:
+            collectives.all_reduce_max([rank, 1.5], None)  # floats: the all-reduce
+            floats = "all-reduce not taken"
+        except RuntimeError as exc:
+            floats = str(exc)
+    finally:
+        collectives.collective_device = real
+    return voted, floats
+
+
+def test_a_vote_of_ranks_on_one_host_skips_the_groups_device(world):
+    results = world.run(_gpu_group_vote_job)
+    assert all(voted == [1, 5, 7] for voted, _ in results), results
+    assert all(floats == "the vote went to the GPU" for _, floats in results), results

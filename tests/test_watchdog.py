@@ -223,6 +223,21 @@ def test_gil_free_deadline_ends_a_call_that_holds_the_gil():
     assert took < 30, took  # interpreter start + 0.5 s, far from the regex's minutes
 
 
+def test_a_call_in_a_named_frame_is_named_in_the_deadlines_stacks():
+    from dbo.peers.watchdog import call_in_named_frame
+
+    assert call_in_named_frame("a wait", lambda a, b: divmod(a, b), 7, b=2) == (3, 1)
+    code = ("import re\nfrom dbo.peers.watchdog import call_in_named_frame, gil_free_deadline\n"
+            "with gil_free_deadline(0.5):\n"
+            "    call_in_named_frame('deepep_ht dispatch of ubatch 0 on rank 0: a peer did not arrive',\n"
+            "                        re.match, r'(a+)+$', 'a' * 60 + 'b')\n")
+    proc, took = _run(code)
+    assert proc.returncode == 1 and "Timeout (0:00:00" in proc.stderr, proc
+    assert ('File "[dbo watchdog] deepep_ht dispatch of ubatch 0 on rank 0: a peer did not arrive", '
+            "line 2 in named_wait") in proc.stderr, proc.stderr
+    assert took < 30, took
+
+
 def test_gil_free_deadlines_nest_and_a_finished_block_gives_the_outer_one_back():
     # the inner block ends in time; the outer deadline (not the inner, longer one) still holds
     code = ("import time\nfrom dbo.peers.watchdog import gil_free_deadline\n"

@@ -60,10 +60,10 @@ from dbo.ubatch.streams import hand_over
 
 from ..fp8 import FP8_BLOCK, dequantize_fp8_blocks, quantize_fp8_blocks
 from ..torchdist import DTYPE_CODES, TorchDistPrepareAndFinalize
-from .transport import BufferLayout, Transport, device_wait_fault, failed_wait, open_transport
+from .transport import BufferLayout, Transport, device_wait_fault, failed_wait, gpu_waits_live, open_transport
 
 __all__ = ["CopyEnginePrepareAndFinalize", "make_prepare_finalize", "destinations", "PUT_ORDERS",
-           "device_wait_fault"]
+           "device_wait_fault", "gpu_waits_live"]
 
 logger = logging.getLogger(__name__)
 

@@ -374,6 +374,12 @@ def failed_wait(rank: int, timeout_s: float, event: Any, what: str) -> Collectiv
     return None
 
 
+def gpu_waits_live() -> bool:
+    """Whether a live copy-engine transport waits for its peers on the GPU (CUDA): a wait that
+    traps after its timeout, so that a peer's failure shows at the next CUDA call anywhere."""
+    return any(transport.cuda for transport in TRANSPORTS.transports())
+
+
 def device_wait_fault() -> CollectiveTimeoutError | None:
     """The named error for a CUDA error that a copy-engine GPU wait caused: its wait for a peer's
     signal traps after ``timeout_s`` (the peer died or stalled), which leaves the CUDA context

@@ -6,8 +6,7 @@ No ``deep_ep`` import here: the buffer objects come from :mod:`dbo.backends.deep
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -24,6 +23,7 @@ from dbo.peers.watchdog import (
     GIL_FREE_GRACE_S,
     WATCHDOG,
     WaitSite,
+    call_in_named_frame,
     check_timeout,
     gil_free_deadline,
     raise_peer_timeout,
@@ -145,14 +145,21 @@ class DeepEPPrepareAndFinalize(PrepareAndFinalize):
                         (self._name, phase, dbo_current_ubatch_id(), self.rank),
                         None if board is None else (lambda: board.behind(seq)))
 
-    def _host_wait_deadline(self) -> contextlib.AbstractContextManager:
-        """Around a DeepEP call that waits on the host holding the GIL: the process ends (exit
-        code 1, the stacks on stderr) if the call runs past the timeout plus
-        :data:`~dbo.peers.watchdog.GIL_FREE_GRACE_S` (:func:`~dbo.peers.watchdog.gil_free_deadline`);
-        nothing with ``peer_checks`` off."""
+    def _host_wait(self, phase: str, fn: Callable[[], Any]) -> Any:
+        """``fn()``: a DeepEP call that waits on the host holding the GIL. The process ends
+        (exit code 1, the stacks on stderr, the wait named in them) if the call runs past the
+        timeout plus :data:`~dbo.peers.watchdog.GIL_FREE_GRACE_S`
+        (:func:`~dbo.peers.watchdog.gil_free_deadline`,
+        :func:`~dbo.peers.watchdog.call_in_named_frame`); a plain call with ``peer_checks`` off."""
         if not self.peer_checks:
-            return contextlib.nullcontext()
-        return gil_free_deadline(resolve_timeout(self.timeout_s) + GIL_FREE_GRACE_S)
+            return fn()
+        timeout_s = resolve_timeout(self.timeout_s)
+        what = (f"{self._name} {phase} of ubatch {dbo_current_ubatch_id()} on rank {self.rank}: a peer did "
+                f"not arrive within {timeout_s:.1f} s (its GPU stalled, or it died); DeepEP waits for "
+                "the peers' GPUs on the host, holding the GIL, so no Python thread could raise: "
+                "ending the process")
+        with gil_free_deadline(timeout_s + GIL_FREE_GRACE_S):
+            return call_in_named_frame(what, fn)
 
     def _padded_input(self, a1: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                       num_experts: int, expert_map: torch.Tensor | None,

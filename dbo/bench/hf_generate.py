@@ -184,7 +184,7 @@ def run(a: argparse.Namespace, rank: int, world: int, device: torch.device) -> l
     ms, pre_ms = all_reduce_max([ms, pre_ms], phase=PROG)
     _add_row(rows, rank, dict(run="transformers generate (all_to_all)", ms=ms, prefill_ms=pre_ms,
                               tok_s=new / ms * 1e3, same=1.0, prefix=1.0))
-    del ref
+    del ref, hf_generate  # (its default argument holds the model too)
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()

@@ -61,12 +61,14 @@ def all_reduce_max(values: Sequence[int] | Sequence[float], group: Any = None, *
     if group_size(group) == 1:
         return values
     ints = all(isinstance(v, int) for v in values)
-    if device is None:
-        device = collective_device(group)
-    if ints and torch.device(device).type == "cpu":
-        board = host_vote(group, len(values))  # every rank on this host: through shared memory
+    if ints and (device is None or torch.device(device).type == "cpu"):
+        # every rank on this host: through shared memory, on an NCCL group too (where the
+        # all-reduce's CUDA tensor, read back, would hold the host until the GPU caught up)
+        board = host_vote(group, len(values))
         if board is not None:
             return board.reduce_max(values)
+    if device is None:
+        device = collective_device(group)
     t = torch.tensor(values, dtype=torch.int64 if ints else torch.float64, device=device)
     timeout_s = current_timeout()
     if timeout_s is None or t.is_cuda:  # (a CUDA tensor: the GPU watchdog bounds the wait)

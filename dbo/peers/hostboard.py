@@ -82,7 +82,7 @@ def open_shared_with_pids(group: Any, nbytes: int, tag: str) -> tuple[list[torch
 
 def open_shared_checked(group: Any, nbytes: int, tag: str
                         ) -> tuple[list[torch.Tensor], list[int]] | None:
-    """:func:`open_shared` for an optional path over a gloo group: None on every rank where the
+    """:func:`open_shared` for an optional path over a group (gloo or NCCL): None on every rank where the
     ranks are not all on this host, or where one does not see what each peer wrote into its own
     region (a container with a /dev/shm of its own may share the hostname and not the memory);
     nothing is raised, nothing is left behind. Returns the regions and the ranks' pids."""
@@ -111,7 +111,9 @@ def open_shared_checked(group: Any, nbytes: int, tag: str
                 regions = None
         except (OSError, RuntimeError):
             regions = None
-    failed = torch.tensor([0 if regions is not None else 1], dtype=torch.int64)
+    # (a CUDA tensor on an NCCL group, which takes no other)
+    on = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
+    failed = torch.tensor([0 if regions is not None else 1], dtype=torch.int64, device=on)
     dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group)  # every rank checked its peers
     # after the all-reduce every rank has mapped what it could: its own file goes; where the
     # check failed, so do the peers' names this rank may have created in a private /dev/shm

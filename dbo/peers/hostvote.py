@@ -2,8 +2,10 @@
 
 :func:`dbo.split.plan_ubatches` agrees on a split with a MAX over every rank's vote (a few
 int64). Over gloo that is one ``all_reduce`` per decision; where a step is host-bound (eager
-decode), its latency and its tail are on every step. Where every rank of the group runs on this
-host, the vote goes through a :class:`dbo.peers.hostboard.HostBoard` instead: each rank publishes its
+decode), its latency and its tail are on every step. Over NCCL it is a GPU all-reduce read back
+on the host, which also holds the host until the GPU has caught up with everything queued before
+it. Where every rank of the group runs on this host (gloo or NCCL), the vote goes through a
+:class:`dbo.peers.hostboard.HostBoard` instead: each rank publishes its
 vote for decision number ``n`` and takes the MAX of everyone's, on the host. Measured with
 ``tools/probes/vote_cost.py`` (2 ranks on a 2-core VM): gloo 450 us median (p90 4 ms), the board
 13.5 us (p90 17 us).

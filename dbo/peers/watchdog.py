@@ -27,6 +27,7 @@ import collections
 import contextlib
 import contextvars
 import faulthandler
+import functools
 import logging
 import os
 import sys
@@ -51,6 +52,7 @@ __all__ = [
     "WATCHDOG",
     "teardown_deadline",
     "gil_free_deadline",
+    "call_in_named_frame",
     "GIL_FREE_GRACE_S",
     "end_process_within",
 ]
@@ -214,6 +216,22 @@ def gil_free_deadline(seconds: float) -> Iterator[None]:
                 _arm(min(_GIL_FREE_DEADLINES.values()))
             else:
                 faulthandler.cancel_dump_traceback_later()
+
+
+def call_in_named_frame(what: str, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)``, called from a frame whose file name is ``[dbo watchdog] {what}``:
+    if :func:`gil_free_deadline` ends the process during the call, the stacks it writes on stderr
+    name the wait (``File "[dbo watchdog] deepep_ht dispatch of ubatch 0 on rank 0: ...", line 2
+    in named_wait``), as the GPU watchdog's own message does. Costs one more Python call."""
+    return _named_frame(what)(fn, args, kwargs)
+
+
+@functools.lru_cache(maxsize=256)
+def _named_frame(what: str) -> Callable[[Callable[..., Any], tuple, dict], Any]:
+    namespace: dict[str, Any] = {}
+    exec(compile("def named_wait(fn, args, kwargs):\n    return fn(*args, **kwargs)\n",  # noqa: S102
+                 f"[dbo watchdog] {what}", "exec"), namespace)
+    return namespace["named_wait"]
 
 
 def _arm(deadline: float) -> None:

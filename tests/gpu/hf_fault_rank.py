@@ -20,9 +20,11 @@ import time
 
 SEQ, PADS, NEW_TOKENS = 8, (0, 3, 0, 1), 4  # per rank: 4 left-padded prompts of 8 tokens
 # the teardown's deadline (the examples': 120 s): a teardown that waits for a dead peer (a
-# collective buffer destroy, a barrier) ends the process then, with its stack on stderr, rather
-# than holding the case for minutes; a normal one takes well under a second
-TEARDOWN_S = 6.0
+# collective buffer destroy, NCCL's communicator teardown, the interpreter's exit) ends the
+# process then, with its stack on stderr, rather than holding the case for minutes; a normal one
+# takes well under a second. After a failure on NCCL the teardown waits that long every time:
+# a stalled peer comes back T + 2 s after its fault, fails T s later and must be gone by T + 10 s
+TEARDOWN_S = 3.0
 
 
 def _start_together(tmp: str, tag: str, rank: int, world: int) -> None:
@@ -151,6 +153,8 @@ def _case(args: argparse.Namespace, rank: int, world: int, device) -> dict:
     with mode():
         run, reference = _operation(args, model, ids, mask)
         matches, prefill_ubatches = reference()
+        with open(args.result + ".ref", "w") as f:  # read where the process ends without a result
+            json.dump({"reference_ok": matches}, f)
         target, dispatch, combine, at = _fault_target(args, model, built, prefill_ubatches)
         if device.type == "cuda":
             torch.cuda.synchronize()

@@ -156,15 +156,20 @@ def _spawn(tmp: str, tag: str, extra: list[str], args: argparse.Namespace) -> li
     return spawn_ranks(argv, tmp, tag, world_size=args.nproc)
 
 
-def _deadline_line(proc: dict) -> str:
-    """The ``Timeout (h:mm:ss)!`` line of :func:`dbo.peers.watchdog.gil_free_deadline`'s end, or
-    "" (read from the whole log: the stacks after it may push it out of the kept tail)."""
+def _deadline_lines(proc: dict) -> tuple[str, str]:
+    """The ``Timeout (h:mm:ss)!`` line of :func:`dbo.peers.watchdog.gil_free_deadline`'s end and
+    the stack line that names the wait (``File "[dbo watchdog] ..."``:
+    :func:`dbo.peers.watchdog.call_in_named_frame`), each "" where absent (read from the whole
+    log: the stacks after the first may push them out of the kept tail)."""
     try:
         with open(proc["files"]["err"], errors="replace") as f:
             text = f.read()
     except OSError:
         text = proc["stderr"]
-    return next((ln for ln in text.splitlines() if ln.startswith("Timeout (")), "")
+    lines = text.splitlines()
+    timeout = next((ln for ln in lines if ln.startswith("Timeout (")), "")
+    named = next((ln.strip() for ln in lines if '"[dbo watchdog] ' in ln), "")
+    return timeout, named
 
 
 def _survivor(case: tuple, proc: dict, fail_rank: int, stamp: float | None, timeout_s: float) -> dict:
@@ -183,9 +188,10 @@ def _survivor(case: tuple, proc: dict, fail_rank: int, stamp: float | None, time
         outcome, err_time = "ended by the GPU watchdog (75)", proc["exit_time"]
         lines = [ln for ln in proc["stderr"].splitlines() if "[dbo watchdog]" in ln]
         msg = lines[-1] if lines else ""
-    elif proc["code"] == 1 and _deadline_line(proc):
+    elif proc["code"] == 1 and _deadline_lines(proc)[0]:
         outcome, err_time = "ended by the GIL-free deadline (exit 1)", proc["exit_time"]
-        msg = _deadline_line(proc)
+        timeout_line, named_line = _deadline_lines(proc)
+        msg = named_line or timeout_line
     else:
         outcome, err_time, msg = f"exit {proc['code']}", proc["exit_time"], proc["stderr"][-300:]
     to_error = None if (err_time is None or stamp is None) else err_time - stamp
@@ -193,21 +199,23 @@ def _survivor(case: tuple, proc: dict, fail_rank: int, stamp: float | None, time
     named = (f"deepep_{kind}" in msg and missing is not None
              and fail_rank in {int(r) for r in missing.group(1).split(", ")}) or (
         fault == "gpu_stall" and "did not arrive" in msg)
-    clean = outcome in ("raised CollectiveTimeoutError", "ended by the GPU watchdog (75)")
+    clean = outcome in ("raised CollectiveTimeoutError", "ended by the GPU watchdog (75)") or (
+        outcome.startswith("ended by the GIL-free deadline") and "[dbo watchdog]" in msg)
     in_time = to_error is not None and to_error <= timeout_s + TARGET_SLACK_S
     row = {"rank": proc["rank"], "exit": proc["code"], "outcome": outcome,
            "time_to_error_s": None if to_error is None else round(to_error, 2), "message": msg[:400],
            "passed": bool(clean and named and in_time)}
     if (kind, fault) == ("ht", "gpu_stall"):
-        # the known gap: the wait is DeepEP's host loop for the receive counts, which holds the
-        # GIL, so no watchdog thread can act. Without the GIL-free deadline the step completes
-        # once the peer's GPU comes back (timeout + 3 s); with it the process ends, unnamed.
-        # Counted apart (passed None) if the output is right or the end came in time.
+        # the wait is DeepEP's host loop for the receive counts, which holds the GIL, so no
+        # watchdog thread can act: the GIL-free deadline ends the process, the wait named in its
+        # stacks (a pass, as the GPU watchdog's end is). Without it the step completes once the
+        # peer's GPU comes back (timeout + 3 s): counted apart (passed None) if the output is
+        # right, as is an end in time whose stacks do not name the wait.
         if res is not None and res.get("ok"):
             right = res.get("rel_err", 1) < 2e-2
             row.update(outcome="completed late (DeepEP host wait, GIL held)", rel_err=res.get("rel_err"),
                        slow_step_s=res.get("elapsed_s"), passed=None if right else False)
-        elif outcome.startswith("ended by the GIL-free deadline"):
+        elif outcome.startswith("ended by the GIL-free deadline") and not row["passed"]:
             row["passed"] = None if in_time else False
     return row
 

@@ -27,11 +27,12 @@ layer's backend object, or on transformers' implementation):
 
 Per case: the survivors' error (type, innermost cause, message), the seconds from the fault to
 it, and whether every process exited by itself within ``T + 10`` s of the fault (the ranks tear
-down as the examples do, ``dbo.bench.dist.shutdown_distributed``, with a 6 s deadline). A dbo
+down as the examples do, ``dbo.bench.dist.shutdown_distributed``, with a 3 s deadline). A dbo
 case passes when every survivor raised a :class:`dbo.errors.DBOError` whose innermost cause is
-one too (or was ended by the GPU watchdog, exit status 75, for a wait inside a GPU kernel) within
-``T + 3`` s, and no process was left; transformers' rows are not judged. Prints a markdown table;
-``--json``.
+one too (or was ended by the GPU watchdog, exit status 75, for a wait inside a GPU kernel, or by
+the GIL-free deadline, exit status 1 with the wait named in its stacks, for DeepEP's host wait
+that holds the GIL) within ``T + 3`` s, the fault-free step before it matched, and no process was
+left; transformers' rows are not judged. Prints a markdown table; ``--json``.
 
 Exit status: 0 if every dbo case passed; 1 otherwise; 2 bad option; 3 transformers without its
 expert-parallel interface; 4 fewer GPUs than ranks.
@@ -64,6 +65,27 @@ HOST_FAULTS = tuple(f for f in FAULT_PLACES if not f.startswith("gpu"))
 RANK_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hf_fault_rank.py")
 
 
+def _read_json(path: str) -> dict | None:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def _named_deadline_line(proc: dict) -> str:
+    """The stack line naming the wait that :func:`dbo.peers.watchdog.gil_free_deadline` ended
+    (``File "[dbo watchdog] ..."``), read from the whole log; "" where there is none."""
+    try:
+        with open(proc["files"]["err"], errors="replace") as f:
+            text = f.read()
+    except OSError:
+        text = proc["stderr"]
+    if "Timeout (" not in text:
+        return ""
+    return next((ln.strip() for ln in text.splitlines() if '"[dbo watchdog] ' in ln), "")
+
+
 def _judge(case: tuple, procs: list[dict], stamp_path: str, args: argparse.Namespace) -> dict:
     """The case's row: what the survivors raised and when, how each process ended, the verdict."""
     from dbo.peers.watchdog import GPU_WAIT_TIMEOUT_EXIT_CODE
@@ -81,8 +103,9 @@ def _judge(case: tuple, procs: list[dict], stamp_path: str, args: argparse.Names
     errors, times, named, refs = [], [], [], []
     for p in procs:
         res = p["result"]
-        if res is not None:
-            refs.append(bool(res.get("reference_ok")))
+        ref = res if res is not None else _read_json(p["files"]["result"] + ".ref")
+        if ref is not None:  # (written after the fault-free step: there without a result too)
+            refs.append(bool(ref.get("reference_ok")))
         if p["rank"] == fail_rank:  # a stalled rank that came back: what it raised
             row["peer_error"] = res["chain"][-1][0] if res is not None and res["chain"] else None
             continue
@@ -99,6 +122,11 @@ def _judge(case: tuple, procs: list[dict], stamp_path: str, args: argparse.Names
         elif p["code"] == GPU_WAIT_TIMEOUT_EXIT_CODE:
             lines = [ln for ln in p["stderr"].splitlines() if "[dbo watchdog]" in ln]
             errors.append(("ended by the GPU watchdog (exit 75)", "", lines[-1] if lines else ""))
+            at, ok = p["exit_time"], True
+        elif p["code"] == 1 and _named_deadline_line(p):
+            # DeepEP's host wait held the GIL; the GIL-free deadline ended the process, the wait
+            # named in the stacks it wrote (dbo.peers.watchdog.call_in_named_frame)
+            errors.append(("ended by the GIL-free deadline (exit 1)", "", _named_deadline_line(p)))
             at, ok = p["exit_time"], True
         else:
             code = p["code"]

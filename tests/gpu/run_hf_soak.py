@@ -110,6 +110,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--adaptive", action="store_true",
                    help="DBOPrefill with the online choice of plain or overlapped per size (default: "
                         "every call of 2+ sequences overlapped)")
+    p.add_argument("--no-cudnn-sdpa", action="store_true",
+                   help="turn torch's cuDNN attention backend off (torch.backends.cuda.enable_cudnn_sdp"
+                        "(False)): its plan cache keeps an entry per attention shape for the process's "
+                        "life, host memory that grows with every new prompt length and KV length")
     p.add_argument("--inject-error", type=_call_rank, default=None, metavar="CALL[:RANK]",
                    help="testing the runner: RANK (default: every rank) raises after call CALL returned")
     a = p.parse_args(argv)
@@ -299,6 +303,8 @@ def _progress(record: dict, warmup_calls: int) -> str | None:
 
 def run(args: argparse.Namespace, rank: int, world: int, device: torch.device) -> tuple[int, bool]:
     """Load, check, soak, report; ``(exit status, whether the ranks ended in step)``."""
+    if args.no_cudnn_sdpa:
+        torch.backends.cuda.enable_cudnn_sdp(False)
     if args.save_checkpoint:
         save_checkpoint(args.config, args.save_checkpoint, args.dtype, device, args.seed, rank)
     model = load_checkpoint(args.checkpoint, args.dtype, device, backend=args.backend)
@@ -311,7 +317,7 @@ def run(args: argparse.Namespace, rank: int, world: int, device: torch.device) -
                  "backend": args.backend, "checkpoint": args.checkpoint, "batches": args.batches,
                  "min_len": args.min_len, "max_len": args.max_len, "new_tokens": args.new_tokens,
                  "warmup_calls": args.warmup_calls, "duration_s": args.duration_s, "seed": args.seed,
-                 "adaptive": args.adaptive}
+                 "adaptive": args.adaptive, "cudnn_sdpa": torch.backends.cuda.cudnn_sdp_enabled()}
     written = [0.0]
 
     def write(final: bool = False) -> None:

@@ -287,17 +287,25 @@ class DBOPrefill(torch.nn.Module):
         logits_to_keep, mask_padding_tokens: as in :func:`prefill_logits`.
         sm_carveout, trace, timeout_s: as in :class:`dbo.DBOWrapper` (``timeout_s`` bounds
             every wait for a peer rank in the model's backends during the call).
+        sync_faults: where a backend waits for its peers inside GPU kernels that trap after the
+            timeout (copy_engine on CUDA), wait for the GPU at the end of each call, so that a
+            peer that died or stalled late in the call shows here as the named
+            :class:`~dbo.errors.CollectiveTimeoutError` and not at your next CUDA call as a bare
+            "unspecified launch failure" (default True; False returns before the GPU is done,
+            as a plain forward does).
     """
 
     def __init__(self, model: torch.nn.Module, config: SplitConfig | None = None, *, group: Any = None,
                  logits_to_keep: int = 0, mask_padding_tokens: bool = True,
-                 sm_carveout: int | None = None, trace: Any = None, timeout_s: float | None = None):
+                 sm_carveout: int | None = None, trace: Any = None, timeout_s: float | None = None,
+                 sync_faults: bool = True):
         super().__init__()
         self.model = prepare_for_overlap(model)
         if group is None:
             group = expert_parallel_group(model)
         self.logits_to_keep = logits_to_keep
         self.mask_padding_tokens = mask_padding_tokens
+        self.sync_faults = bool(sync_faults)
         self.wrapper = DBOWrapper(self._forward, prefill_split_config() if config is None else config,
                                   group=group, sm_carveout=sm_carveout, trace=trace,
                                   timeout_s=timeout_s)
@@ -366,7 +374,7 @@ class DBOPrefill(torch.nn.Module):
         if attention_mask is not None and attention_mask.shape != input_ids.shape:
             raise ValueError(f"attention_mask {tuple(attention_mask.shape)} must match input_ids "
                              f"{tuple(input_ids.shape)}")
-        with named_device_faults():
+        with named_device_faults(sync=self.sync_faults):
             if attention_mask is None:
                 return self.wrapper(input_ids, plan=plan)
             return self.wrapper(input_ids, attention_mask, plan=plan)

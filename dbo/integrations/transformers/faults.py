@@ -6,8 +6,11 @@ with a bare "unspecified launch failure" that says nothing of the peer. :func:`n
 turns such an error, raised inside its block, into the
 :class:`~dbo.errors.CollectiveTimeoutError` that names the wait (the CUDA error as its cause);
 :class:`~dbo.integrations.transformers.DBOPrefill` and
-:func:`~dbo.integrations.transformers.greedy_generate` run inside one. The process must end
-after either: the GPU cannot run anything more.
+:func:`~dbo.integrations.transformers.greedy_generate` run inside one. A prefill returns before
+its GPU work ends, so a wait that fails late in it would fail at the caller's next CUDA call,
+outside the block: ``DBOPrefill`` (``sync_faults=True``, the default) waits for the stream at its
+end where such a wait can trap. The process must end after either: the GPU cannot run anything
+more.
 """
 
 from __future__ import annotations
@@ -16,9 +19,11 @@ import contextlib
 import sys
 from collections.abc import Iterator
 
+import torch
+
 from dbo.errors import CollectiveTimeoutError
 
-__all__ = ["named_device_faults", "device_fault_for"]
+__all__ = ["named_device_faults", "device_fault_for", "gpu_waits_can_trap"]
 
 
 def device_fault_for(exc: BaseException) -> CollectiveTimeoutError | None:
@@ -35,12 +40,26 @@ def device_fault_for(exc: BaseException) -> CollectiveTimeoutError | None:
     return None if copy_engine is None else copy_engine.device_wait_fault()
 
 
+def gpu_waits_can_trap() -> bool:
+    """Whether a backend of this process waits for its peers inside GPU kernels that trap after
+    their timeout (a live copy-engine transport on CUDA)."""
+    copy_engine = sys.modules.get("dbo.backends.copy_engine")  # only where it ran
+    return copy_engine is not None and copy_engine.gpu_waits_live()
+
+
 @contextlib.contextmanager
-def named_device_faults() -> Iterator[None]:
+def named_device_faults(sync: bool = False) -> Iterator[None]:
     """Within the block, a CUDA error caused by a backend's failed wait for a peer is raised as
-    the :class:`~dbo.errors.CollectiveTimeoutError` naming it (see the module docstring)."""
+    the :class:`~dbo.errors.CollectiveTimeoutError` naming it (see the module docstring).
+
+    ``sync``: at the block's end, where a backend's GPU wait can trap
+    (:func:`gpu_waits_can_trap`), wait for the current CUDA stream, so that a wait that failed
+    during the block fails here, named, rather than at the caller's next CUDA call, bare."""
     try:
         yield
+        if sync and gpu_waits_can_trap() and torch.cuda.is_initialized() \
+                and not torch.cuda.is_current_stream_capturing():
+            torch.cuda.current_stream().synchronize()
     except Exception as exc:  # noqa: BLE001 - re-raised unless it names a failed GPU wait
         named = device_fault_for(exc)
         if named is None:
