@@ -162,6 +162,22 @@ def _add_row(rows: list[dict], rank: int, row: dict) -> None:
               flush=True)
 
 
+def _all_to_all_generate(a: argparse.Namespace, ids: torch.Tensor, mask: torch.Tensor,
+                         device: torch.device) -> tuple[float, float, torch.Tensor]:
+    """transformers' ``generate()`` on the checkpoint loaded with its own ``all_to_all``: (median
+    ms of the whole call, of a one-token call, the last call's ids). The model is freed on return,
+    before dbo's is loaded."""
+    ref = load_hf_all_to_all(a.checkpoint, a.dtype, device)
+    with torch.no_grad():  # transformers' own EP fails under inference_mode
+        def hf_generate(tokens: int) -> torch.Tensor:
+            return ref.generate(input_ids=ids, attention_mask=mask, do_sample=False,
+                                max_new_tokens=tokens, min_new_tokens=tokens)
+
+        ms, want = _timed(lambda: hf_generate(a.new_tokens), a.steps, a.warmup, device)
+        pre_ms = median_ms(lambda: hf_generate(1), steps=a.steps, warmup=1, device=device)
+    return ms, pre_ms, want
+
+
 def run(a: argparse.Namespace, rank: int, world: int, device: torch.device) -> list[dict]:
     from dbo.integrations.transformers.generate import greedy_generate
 
@@ -173,18 +189,10 @@ def run(a: argparse.Namespace, rank: int, world: int, device: torch.device) -> l
     new = a.batch * a.new_tokens
     rows: list[dict] = []
 
-    ref = load_hf_all_to_all(a.checkpoint, a.dtype, device)
-    with torch.no_grad():  # transformers' own EP fails under inference_mode
-        def hf_generate(tokens: int, m: torch.nn.Module = ref):
-            return m.generate(input_ids=ids, attention_mask=mask, do_sample=False,
-                                max_new_tokens=tokens, min_new_tokens=tokens)
-
-        ms, want = _timed(lambda: hf_generate(a.new_tokens), a.steps, a.warmup, device)
-        pre_ms = median_ms(lambda: hf_generate(1), steps=a.steps, warmup=1, device=device)
+    ms, pre_ms, want = _all_to_all_generate(a, ids, mask, device)
     ms, pre_ms = all_reduce_max([ms, pre_ms], phase=PROG)
     _add_row(rows, rank, dict(run="transformers generate (all_to_all)", ms=ms, prefill_ms=pre_ms,
                               tok_s=new / ms * 1e3, same=1.0, prefix=1.0))
-    del ref, hf_generate  # (its default argument holds the model too)
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
