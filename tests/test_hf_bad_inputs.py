@@ -1,6 +1,6 @@
 """Bad checkpoints and bad configs on the transformers path end in one named error on every rank.
 
-2 gloo ranks, a tiny random-weight Qwen3-MoE checkpoint (``write_random_checkpoint``, float32,
+2 gloo ranks (``DBO_TEST_DIST_BACKEND=nccl``: 2 NCCL ranks on 2 GPUs), a tiny random-weight Qwen3-MoE checkpoint (``write_random_checkpoint``, float32,
 cut into many small shards) loaded expert-parallel with ``from_pretrained(ckpt,
 distributed_config=ep_distributed_config(backend))``, or a tiny model converted with
 ``convert_to_expert_parallel``. Each case breaks one thing: a shard listed in the index but
@@ -16,6 +16,7 @@ expected time.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import time
 from pathlib import Path
@@ -40,11 +41,17 @@ EXPERT = 5  # held by rank 1 of 2 (experts 4..7 of 8): rank 0 reads none of it
 EXPERT_KEY = f"model.layers.{LAYER}.mlp.experts.{EXPERT}.down_proj.weight"
 
 
+#: ``nccl`` runs the cases on 2 GPUs, a rank each (``bash tests/gpu/run.sh hfbad``); default gloo
+BACKEND = os.environ.get("DBO_TEST_DIST_BACKEND", "gloo")
+
+
 @pytest.fixture(scope="module")
 def world():
-    # the group's own timeout is well above the test's bound: a rank left waiting in a gloo
-    # collective must be released by the library's agreement, not by gloo giving up
-    with DistWorld(2, pg_timeout_s=10 * EXPECTED_S) as w:
+    if BACKEND == "nccl" and torch.cuda.device_count() < 2:
+        pytest.skip("DBO_TEST_DIST_BACKEND=nccl needs 2 GPUs")
+    # the group's own timeout is well above the test's bound: a rank left waiting in a
+    # collective must be released by the library's agreement, not by the group giving up
+    with DistWorld(2, backend=BACKEND, pg_timeout_s=10 * EXPECTED_S) as w:
         yield w
 
 

@@ -99,6 +99,9 @@ def _worker(rank: int, world_size: int, backend: str, init_file: str, pg_timeout
     import datetime
 
     os.environ.update(env)
+    if backend == "nccl":  # as torchrun sets them: transformers places a rank's shard on LOCAL_RANK's GPU
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                          LOCAL_WORLD_SIZE=str(world_size))
 
     import torch
     import torch.distributed as dist

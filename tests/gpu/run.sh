@@ -21,6 +21,8 @@
 #   faults:N       a dead, stalled or slow last rank inside DeepEP calls: every survivor's error and delay
 #                  (FAULTS_ARGS: more options, e.g. "--backends ht --only gpu_stall")
 #   nccl           the all2all/naive backends over NCCL (tests/test_backends_nccl.py)
+#   hfbad          bad checkpoints and configs on the transformers path, 2 NCCL ranks on 2 GPUs
+#                  (tests/test_hf_bad_inputs.py with DBO_TEST_DIST_BACKEND=nccl): one named error on every rank
 #   demo:N         examples/moe_overlap.py with each backend (DeepEP's when importable)
 #   overlap:N      `dbo.bench overlap` on the thin prefill grid (8 layers, I=256, attention width
 #                  1024, T=4096/8192/16384; I=2048 too with WIDE=1) for deepep_ht and copy_engine,
@@ -167,6 +169,8 @@ for arg in "$@"; do
       run "hffaults-$n" "${HFF_CAP_S:-540}" python3 tests/gpu/run_hf_faults.py --device cuda --nproc "$n" \
         --timeout "${HFF_TIMEOUT:-3}" --time-budget-s "${HFF_BUDGET_S:-450}" ${HFF_ARGS:-} \
         --json "$files/hf_faults.json" ;;
+    hfbad)
+      run hfbad 300 env DBO_TEST_DIST_BACKEND=nccl python3 -m pytest -q -p no:cacheprovider tests/test_hf_bad_inputs.py -rA ;;
     nccl)
       run nccl 180 python3 -m pytest -q -p no:cacheprovider tests/test_backends_nccl.py -rA ;;
     demo)
