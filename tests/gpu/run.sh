@@ -21,6 +21,9 @@
 #   faults:N       a dead, stalled or slow last rank inside DeepEP calls: every survivor's error and delay
 #                  (FAULTS_ARGS: more options, e.g. "--backends ht --only gpu_stall")
 #   nccl           the all2all/naive backends over NCCL (tests/test_backends_nccl.py)
+#   hfoom:N        one rank short of device memory in DBOPrefill (tests/gpu/run_hf_oom.py; Qwen3-30B-A3B at
+#                  full size as in hf, HFOOM_ARGS): the group falls back to plain where plain fits (the
+#                  logits equal, the next smaller call overlaps again); named errors where nothing fits
 #   hfbad          bad checkpoints and configs on the transformers path, 2 NCCL ranks on 2 GPUs
 #                  (tests/test_hf_bad_inputs.py with DBO_TEST_DIST_BACKEND=nccl): one named error on every rank
 #   demo:N         examples/moe_overlap.py with each backend (DeepEP's when importable)
@@ -169,6 +172,9 @@ for arg in "$@"; do
       run "hffaults-$n" "${HFF_CAP_S:-540}" python3 tests/gpu/run_hf_faults.py --device cuda --nproc "$n" \
         --timeout "${HFF_TIMEOUT:-3}" --time-budget-s "${HFF_BUDGET_S:-450}" ${HFF_ARGS:-} \
         --json "$files/hf_faults.json" ;;
+    hfoom)
+      run "hfoom-$n" "${HFOOM_CAP_S:-300}" $tr_ "$n" tests/gpu/run_hf_oom.py --device cuda ${HFOOM_ARGS:-} \
+        --json "$files/hf_oom.json" ;;
     hfbad)
       run hfbad 300 env DBO_TEST_DIST_BACKEND=nccl python3 -m pytest -q -p no:cacheprovider tests/test_hf_bad_inputs.py -rA ;;
     nccl)

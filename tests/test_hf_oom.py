@@ -1,0 +1,47 @@
+"""The runner of one rank short of memory on the transformers path (``tests/gpu/run_hf_oom.py``,
+the GPU step ``hfoom``) on CPU: 2 gloo ranks, a tiny Qwen3-MoE checkpoint loaded expert-parallel
+with ``dbo_all2all``. There is no device memory on the CPU, so the short rank's free memory and
+its out-of-memory error are stood in for; the split vote, the fallback, the logits against the
+plain prefill, the peers' wait and the processes' ends are real."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+pytest.importorskip("transformers.distributed.expert_parallel",
+                    reason="transformers < 5.23 has no EP implementation interface")
+
+RUNNER = Path(__file__).resolve().parent / "gpu" / "run_hf_oom.py"
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+EXPECTED_RUN_S = 10  # imports, a checkpoint of 140 KB, a few tiny prefills, one peer's wait
+
+pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(10 * EXPECTED_RUN_S)]
+
+
+def test_a_short_rank_falls_back_with_its_peers_and_ends_named_where_nothing_fits(tmp_path):
+    out = tmp_path / "oom.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("DBO_DISABLE", None)
+    proc = subprocess.run([*TORCHRUN, str(RUNNER), "--save-checkpoint", str(tmp_path / "ckpt"),
+                           "--timeout", "5", "--json", str(out)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=10 * EXPECTED_RUN_S)
+    log = proc.stdout[-6000:] + proc.stderr[-4000:]
+    assert proc.returncode == 0, log
+    assert "run_hf_oom.py: PASS: 4 of 4 rows passed" in log, log
+    rows = {(r["case"], r["rank"]): r for r in json.loads(out.read_text())["rows"]}
+    # the whole group ran plainly: the short rank (1) for memory, its peer by the agreement
+    for rank, reason in ((0, "disagreement"), (1, "memory")):
+        r = rows["fallback", rank]
+        assert (r["split"], r["reason"], r["matches"]) == (False, reason, True), r
+        assert r["next_split"] and r["next_matches"], r  # usable again, overlapped, once it has room
+    assert rows["no-room", 1]["root"] == "OutOfMemoryError", rows["no-room", 1]
+    peer = rows["no-room", 0]
+    assert "CollectiveTimeoutError" in (peer["error"], peer["root"]) and peer["seconds"] <= 5 + 3, peer
