@@ -208,11 +208,12 @@ def run(args: argparse.Namespace, rank: int, world: int, device: torch.device) -
     if args.save_checkpoint:
         save_checkpoint(args.config, args.save_checkpoint, args.dtype, device, args.seed, rank)
     model = load_checkpoint(args.checkpoint, args.dtype, device, backend=args.backend)
-    use_backend(model, args.backend, **backend_kwargs(args.backend, max_tokens_per_rank=args.batch * args.seq))
+    use_backend(model, args.backend,
+                **backend_kwargs(args.backend, max_tokens_per_rank=args.batch * args.seq))
     ids, mask = (t.to(device) for t in left_padded_prompts(11 + rank, [0, 3] * (args.batch // 2)
                                                                + [0] * (args.batch % 2), args.seq))
     plain = DBOPrefill(model, SplitConfig(enabled=False), timeout_s=args.timeout)
-    dbo = DBOPrefill(model, dataclasses.replace(prefill_split_config(), adaptive=False), timeout_s=args.timeout)
+    dbo = DBOPrefill(model, prefill_split_config(adaptive=False), timeout_s=args.timeout)
     short = _Short(model, device)
     rows = []
     with torch.inference_mode():
@@ -261,8 +262,8 @@ def main(argv: list[str] | None = None) -> int:
                 verdict(PROG, False, "a rank wrote no outcome")
             else:
                 print(_table(gathered), flush=True)
-                Path(args.json).write_text(json.dumps({"world": world, "device": args.device,
-                                                       "timeout_s": args.timeout, "rows": gathered}, indent=1))
+                doc = {"world": world, "device": args.device, "timeout_s": args.timeout, "rows": gathered}
+                Path(args.json).write_text(json.dumps(doc, indent=1))
                 ok = all(r.get("passed") or "skipped" in r for r in gathered)
                 verdict(PROG, ok, f"{sum(bool(r.get('passed')) for r in gathered)} of {len(gathered)} rows "
                                   f"passed; wrote {args.json}")
