@@ -1,6 +1,7 @@
 """Bad checkpoints and bad configs on the transformers path end in one named error on every rank.
 
-2 gloo ranks (``DBO_TEST_DIST_BACKEND=nccl``: 2 NCCL ranks on 2 GPUs), a tiny random-weight Qwen3-MoE checkpoint (``write_random_checkpoint``, float32,
+2 gloo ranks (``DBO_TEST_DIST_BACKEND=nccl``: 2 NCCL ranks on 2 GPUs), a tiny random-weight
+Qwen3-MoE checkpoint (``write_random_checkpoint``, float32,
 cut into many small shards) loaded expert-parallel with ``from_pretrained(ckpt,
 distributed_config=ep_distributed_config(backend))``, or a tiny model converted with
 ``convert_to_expert_parallel``. Each case breaks one thing: a shard listed in the index but
