@@ -1,4 +1,5 @@
-"""The GPU host's analysis scripts that read files only (no GPU): tools/probes/smi_rows.py."""
+"""The GPU host's analysis scripts that read files only (no GPU): tools/probes/smi_rows.py and
+the trace summary of tools/probes/profile_decode.py."""
 
 from __future__ import annotations
 
@@ -61,3 +62,34 @@ def test_nothing_to_read_is_an_error(tmp_path, capsys):
     empty.write_text("")
     assert smi_rows.main([str(empty), str(empty)]) == 1
     assert smi_rows.main([str(empty)]) == 2
+
+
+def _load_probe(name: str):
+    spec = importlib.util.spec_from_file_location(
+        name, Path(__file__).resolve().parents[1] / "tools" / "probes" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_decode_profile_reads_gpu_busy_time_syncs_and_kernels_from_a_trace():
+    probe = _load_probe("profile_decode")
+    # overlapping intervals count once; a gap does not count
+    assert probe._busy_ms([(0, 1000), (500, 1500), (3000, 3500)]) == pytest.approx(2.0)
+    assert probe._busy_ms([]) == 0.0
+    events = [
+        {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 0, "dur": 400},
+        {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 300, "dur": 400},
+        {"ph": "X", "cat": "kernel", "name": "attn", "ts": 1000, "dur": 200},
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoH", "ts": 1300, "dur": 100},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaStreamSynchronize", "ts": 1200, "dur": 250},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaMemcpyAsync", "ts": 1290, "dur": 5,
+         "args": {"kind": "DtoH"}},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 50},
+        {"ph": "i", "cat": "kernel", "name": "not a span", "ts": 0},
+    ]
+    s = probe._trace_summary({"traceEvents": events}, steps=2, top=5)
+    assert s["gpu_busy_ms_per_step"] == pytest.approx((0.7 + 0.2 + 0.1) / 2)
+    assert s["kernels_per_step"] == 1.5 and s["syncs_per_step"] == 0.5
+    assert s["sync_ms_per_step"] == pytest.approx(0.125) and s["d2h_copies_per_step"] == 0.5
+    assert s["top_kernels_ms_per_step"][0] == ("gemm", pytest.approx(0.4))
