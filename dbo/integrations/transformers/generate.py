@@ -34,6 +34,7 @@ import torch
 from dbo.integrations.transformers.ep import decode_phase, prepare_for_overlap
 from dbo.integrations.transformers.ep_model import expert_parallel_group
 from dbo.integrations.transformers.faults import named_device_faults
+from dbo.integrations.transformers.graph_decode import static_cache_from, static_decode
 from dbo.integrations.transformers.moe_block import routing_token_mask
 from dbo.overlap import current_ubatch, overlapped_forward
 from dbo.split import SplitConfig, UBatchPlan, no_split_plan, plan_ubatches
@@ -90,7 +91,8 @@ def greedy_generate(model: torch.nn.Module, input_ids: torch.Tensor,
                     attention_mask: torch.Tensor | None = None, *, max_new_tokens: int,
                     config: SplitConfig | None = None, group: Any = None,
                     mask_padding_tokens: bool = True,
-                    split_decode: bool = False) -> tuple[torch.Tensor, UBatchPlan]:
+                    split_decode: bool = False,
+                    cuda_graph: bool = False) -> tuple[torch.Tensor, UBatchPlan]:
     """Greedy decoding of ``max_new_tokens`` tokens, the prefill overlapped when the group
     splits (and the decode steps too with ``split_decode``).
 
@@ -109,6 +111,12 @@ def greedy_generate(model: torch.nn.Module, input_ids: torch.Tensor,
         split_decode: overlap every decode step as the prefill (each ubatch keeping its own
             cache); False (the default): join the ubatches' caches after the prefill and decode
             plainly over the whole batch. The same on every rank of ``group``.
+        cuda_graph: decode from a static KV cache, the steps after the first replayed from one
+            CUDA graph captured in this call (:mod:`~dbo.integrations.transformers.graph_decode`;
+            the backend must be capturable: ``deepep_ll``, ``copy_engine``; on the CPU the same
+            steps run eagerly). Needs ``split_decode=False``; where the cache cannot be made
+            static (not a ``DynamicCache`` of full-attention layers) the steps run eagerly, said
+            once in the log. The same on every rank of ``group``.
 
     Returns:
         ``(tokens [batch, seq + max_new_tokens] int64, plan)``: the prompts followed by the
@@ -122,6 +130,8 @@ def greedy_generate(model: torch.nn.Module, input_ids: torch.Tensor,
     mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.long()
     if mask.shape != input_ids.shape:
         raise ValueError(f"attention_mask {tuple(mask.shape)} must match input_ids {tuple(input_ids.shape)}")
+    if cuda_graph and split_decode:
+        raise ValueError("cuda_graph=True decodes over the whole batch: it needs split_decode=False")
     if config is None:
         config = SplitConfig(prefill_token_threshold=2, decode_token_threshold=2)
     prepare_for_overlap(model)
@@ -140,12 +150,45 @@ def greedy_generate(model: torch.nn.Module, input_ids: torch.Tensor,
         caches[index] = out.past_key_values
         return out.logits[:, -1]
 
+    def graph_steps(ids: torch.Tensor, positions: torch.Tensor, full_mask: torch.Tensor,
+                    steps: int) -> torch.Tensor | None:
+        """The decode steps from a static cache (``cuda_graph``), or None where the cache cannot
+        be made static."""
+        slots = full_mask.shape[1] + steps
+        static = static_cache_from(model, caches.get(0) if len(caches) == 1 else None, slots)
+        if static is None:
+            if not _STATIC_FALLBACK_LOGGED:
+                _STATIC_FALLBACK_LOGGED.append(True)
+                logger.warning("greedy_generate(cuda_graph=True): the cache (%s) cannot be made static; "
+                               "the decode steps run eagerly", type(caches.get(0)).__name__)
+            return None
+        caches[0] = static
+
+        def static_step(ids_b: torch.Tensor, mask4d: torch.Tensor, pos_b: torch.Tensor) -> torch.Tensor:
+            out = model(input_ids=ids_b, attention_mask=mask4d, position_ids=pos_b,
+                        past_key_values=static, use_cache=True, logits_to_keep=1)
+            return out.logits[:, -1]
+
+        plain = no_split_plan(ids.shape[0], detail="the decode steps run plainly (cuda_graph=True)")
+
+        def run(ids_b: torch.Tensor, mask4d: torch.Tensor, pos_b: torch.Tensor) -> torch.Tensor:
+            return overlapped_forward(static_step, ids_b, mask4d, pos_b, plan=plain)
+
+        with decode_phase(True):
+            return static_decode(run, ids, positions, full_mask, slots, steps, capture=ids.is_cuda)
+
     with named_device_faults():
-        return _decode(step, input_ids, mask, plan, caches, max_new_tokens, split_decode), plan
+        return _decode(step, input_ids, mask, plan, caches, max_new_tokens, split_decode,
+                       graph_steps if cuda_graph else None), plan
+
+
+#: the static cache's fallback is logged once per process
+_STATIC_FALLBACK_LOGGED: list[bool] = []
 
 
 def _decode(step: Any, input_ids: torch.Tensor, mask: torch.Tensor, plan: UBatchPlan,
-            caches: dict[int, Any], max_new_tokens: int, split_decode: bool) -> torch.Tensor:
+            caches: dict[int, Any], max_new_tokens: int, split_decode: bool,
+            graph_steps: Any = None) -> torch.Tensor:
     """:func:`greedy_generate`'s steps: the prefill, then the decode steps; the tokens."""
     tokens, positions = input_ids, _positions(mask)
     ids = input_ids
@@ -163,6 +206,10 @@ def _decode(step: Any, input_ids: torch.Tensor, mask: torch.Tensor, plan: UBatch
                 # no vote: every rank joins at the same step
                 step_plan = no_split_plan(input_ids.shape[0],
                                           detail="the decode steps run plainly (split_decode=False)")
+        if i == 1 and graph_steps is not None and len(caches) == 1:
+            new = graph_steps(ids, positions, mask, max_new_tokens - 1)
+            if new is not None:
+                return torch.cat([tokens, new], dim=1)
         with decode_phase(i > 0):  # the decode backend, where the model has one, after the prefill
             logits = overlapped_forward(step, ids, mask, positions, plan=step_plan)
         ids = logits.argmax(-1, keepdim=True)

@@ -1,0 +1,129 @@
+"""Greedy decode steps replayed from a CUDA graph: the host off the decode path.
+
+An eager decode step of a transformers model is host-bound: every layer's Python (the model's,
+FSDP's hooks, the MoE backend's) runs for a few tokens' worth of GPU work. Here the steps after
+the first run from a static KV cache and static inputs, so that one CUDA graph holds a whole step
+(every layer, the dispatches and combines of a capturable backend: ``deepep_ll``,
+``copy_engine``) and each step is one replay:
+
+- the joined prefill cache (a ``DynamicCache``) is copied into a transformers ``StaticCache`` of
+  ``prompt + max_new_tokens`` slots (its public ``update``), whose layers write each step's keys
+  and values in place at a device-side position;
+- the step's inputs are static buffers: the token ``[batch, 1]``, its position ``[batch, 1]``
+  and a 4-D boolean attention mask ``[batch, 1, 1, slots]`` (the prompt's padding, then one slot
+  more each step), which transformers takes as it is;
+- the first decode step runs eagerly (it warms up kernels and allocations), then one step is
+  captured; the graph also writes the step's argmax into the token buffer and advances the
+  position, so that between replays the host only marks the next slot in the mask and keeps the
+  token.
+
+Every rank captures at the same step (the MoE layers are collective inside the graph too). On
+the CPU the same static-cache steps run eagerly, which is what the CPU tests check against the
+plain decode (no host sync inside a step, the same tokens).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = ["static_cache_from", "static_decode"]
+
+logger = logging.getLogger(__name__)
+
+
+def static_cache_from(model: torch.nn.Module, cache: Any, slots: int) -> Any | None:
+    """A transformers ``StaticCache`` of ``slots`` positions holding ``cache``'s keys and values
+    (a ``DynamicCache`` of full-attention layers), or None where it cannot hold them (another
+    cache or layer type, or transformers without ``StaticCache``)."""
+    try:
+        from transformers.cache_utils import DynamicCache, StaticCache
+    except ImportError:  # pragma: no cover - a transformers without them
+        return None
+    layers = getattr(cache, "layers", None)
+    if type(cache) is not DynamicCache or not layers:
+        return None
+    if any(type(layer).__name__ != "DynamicLayer"
+           or not isinstance(getattr(layer, "keys", None), torch.Tensor) for layer in layers):
+        return None
+    try:
+        static = StaticCache(config=model.config, max_cache_len=slots)
+    except (TypeError, ValueError) as exc:
+        logger.info("greedy_generate: no StaticCache for this model (%s)", exc)
+        return None
+    if len(static.layers) != len(layers) or any(type(x).__name__ != "StaticLayer" for x in static.layers):
+        return None
+    if layers[0].keys.shape[-2] >= slots:
+        raise ValueError(f"the prefill's {layers[0].keys.shape[-2]} positions leave no slot of {slots}")
+    for index, layer in enumerate(layers):
+        static.update(layer.keys, layer.values, index)
+    return static
+
+
+def static_decode(step: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+                  ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, slots: int,
+                  steps: int, capture: bool) -> torch.Tensor:
+    """Run ``steps`` greedy decode steps from a static cache: ``step(ids, mask4d, positions)``
+    runs the model on it and returns the last position's logits ``[batch, vocab]``.
+
+    Args:
+        ids: ``[batch, 1]`` the first step's token.
+        positions: ``[batch, 1]`` its position.
+        mask: ``[batch, filled + 1]`` the attention mask so far (the prompt's, then ones), whose
+            last column is the first step's own slot.
+        slots: the static cache's length.
+        steps: decode steps (>= 1).
+        capture: replay the steps after the first from one CUDA graph (CUDA tensors); else run
+            every step eagerly.
+
+    Returns:
+        ``[batch, steps]`` the new tokens.
+    """
+    batch, first = ids.shape[0], mask.shape[1] - 1  # the first step's slot
+    if first + steps > slots:
+        raise ValueError(f"{steps} steps from slot {first} need {first + steps} slots, the cache has {slots}")
+    mask4d = torch.zeros(batch, 1, 1, slots, dtype=torch.bool, device=ids.device)
+    mask4d[:, 0, 0, :first + 1] = mask.bool()
+    ids_buf, pos_buf = ids.clone(), positions.clone()
+    tokens: list[torch.Tensor] = []
+
+    def advance(nxt: torch.Tensor) -> None:
+        ids_buf.copy_(nxt)
+        pos_buf.add_(1)
+
+    def eager(i: int) -> None:
+        nxt = step(ids_buf, mask4d, pos_buf).argmax(-1, keepdim=True)
+        tokens.append(nxt)
+        advance(nxt)
+        if i + 1 < steps:
+            mask4d[:, 0, 0, first + i + 1] = True
+
+    if not capture:
+        for i in range(steps):
+            eager(i)
+        return torch.cat(tokens, dim=1)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # the first step, eager: kernels, allocations, lazy state
+        eager(0)
+    torch.cuda.current_stream().wait_stream(side)
+    if steps == 1:
+        return torch.cat(tokens, dim=1)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            advance(step(ids_buf, mask4d, pos_buf).argmax(-1, keepdim=True))
+    except Exception as exc:
+        raise RuntimeError(f"greedy_generate(cuda_graph=True): capturing a decode step failed "
+                           f"({type(exc).__name__}: {exc}); decode eagerly (cuda_graph=False). "
+                           "A failed capture may leave a backend's buffers out of step: "
+                           "restart the process") from exc
+    for i in range(1, steps):
+        graph.replay()
+        tokens.append(ids_buf.clone())
+        if i + 1 < steps:
+            mask4d[:, 0, 0, first + i + 1] = True
+    return torch.cat(tokens, dim=1)

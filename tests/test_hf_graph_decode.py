@@ -1,0 +1,143 @@
+"""greedy_generate(cuda_graph=True): the decode steps from a static KV cache (replayed from a
+CUDA graph on GPUs; on the CPU the same steps run eagerly). Here: the same tokens as the plain
+decode on 2 gloo ranks, after a plain and an overlapped prefill, with left padding; no host sync
+inside a static step outside the MoE layers (what a capture forbids; the capturable backends'
+own layers are checked by the GPU benchmark's captures); the arguments' checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dbo.testing.dist import DistWorld
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+pytest.importorskip("transformers.distributed.expert_parallel",
+                    reason="transformers < 5.23 has no EP implementation interface")
+
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+from dbo.integrations.transformers import graph_decode  # noqa: E402
+from dbo.integrations.transformers.generate import greedy_generate  # noqa: E402
+from dbo.split import SplitConfig  # noqa: E402
+
+PLAIN = SplitConfig(enabled=False)
+SPLIT = SplitConfig(prefill_token_threshold=2, decode_token_threshold=2)
+
+
+def _tiny_moe():
+    from dbo.integrations.transformers.presets import causal_lm_class, tiny_config
+
+    torch.manual_seed(0)
+    return causal_lm_class("qwen3_moe")(tiny_config("qwen3_moe")).eval()
+
+
+def _ep_job(ckpt: str) -> list:
+    from dbo.bench.hf_model import load_checkpoint
+    from dbo.testing.hf import left_padded_prompts
+
+    rank = torch.distributed.get_rank()
+    model = load_checkpoint(ckpt, torch.float32, torch.device("cpu"), backend="all2all")
+    ran = []
+    real = graph_decode.static_decode
+
+    def spy(*args, **kwargs):
+        ran.append(kwargs.get("capture", args[-1] if args else None))
+        return real(*args, **kwargs)
+
+    import dbo.integrations.transformers.generate as generate
+
+    generate.static_decode = spy
+    out = []
+    try:
+        with torch.inference_mode():
+            for pads, new in (((0, 2, 0, 1), 6), ((3, 0), 2), ((0, 0, 0), 1)):
+                ids, mask = left_padded_prompts(5 + rank, pads, 8, vocab=model.config.vocab_size)
+                for cfg in (PLAIN, SPLIT):
+                    want, _ = greedy_generate(model, ids, mask, max_new_tokens=new, config=cfg)
+                    got, _ = greedy_generate(model, ids, mask, max_new_tokens=new, config=cfg,
+                                             cuda_graph=True)
+                    out.append((len(pads), new, cfg.enabled, torch.equal(want, got), got.shape[1] - 8))
+    finally:
+        generate.static_decode = real
+    return [out, ran]
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(240)
+def test_static_decode_gives_the_plain_decodes_tokens_on_two_ranks(tmp_path):
+    from dbo.integrations.transformers.checkpoint import write_random_checkpoint
+    from dbo.integrations.transformers.presets import tiny_config
+
+    ckpt = write_random_checkpoint(tiny_config("qwen3_moe"), tmp_path / "ckpt", dtype=torch.float32, seed=3)
+    with DistWorld(2) as world:
+        results = world.run(_ep_job, str(ckpt), timeout_s=180)
+    for out, ran in results:
+        assert all(same for *_, same, _ in out), out
+        assert [n for *_, n in out] == [6, 6, 2, 2, 1, 1], out
+        # every call of more than one new token took the static path (eagerly, on the CPU)
+        assert ran == [False] * 4, ran
+
+
+class _HostSyncs(TorchDispatchMode):
+    """The ops that read a tensor's value on the host (a capture fails on them on a GPU),
+    outside the MoE blocks (``inside`` counts the blocks entered)."""
+
+    SYNCING = ("aten::_local_scalar_dense", "aten::is_nonzero", "aten::equal", "aten::item")
+
+    def __init__(self):
+        super().__init__()
+        self.inside = 0
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func._schema.name
+        if self.inside == 0 and name in self.SYNCING:
+            self.seen.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_static_step_reads_nothing_on_the_host_outside_the_moe_blocks(monkeypatch):
+    model = _tiny_moe()
+    mode = _HostSyncs()
+    blocks = [m for m in model.modules() if type(m).__name__.endswith("SparseMoeBlock")]
+    assert blocks
+    for b in blocks:
+        b.register_forward_pre_hook(lambda *_: setattr(mode, "inside", mode.inside + 1))
+        b.register_forward_hook(lambda *_: setattr(mode, "inside", mode.inside - 1))
+    real = graph_decode.static_decode
+    steps = []
+
+    def watched(step, *args, **kwargs):
+        def step_in_mode(*a):
+            with mode:
+                steps.append(1)
+                return step(*a)
+
+        return real(step_in_mode, *args, **kwargs)
+
+    monkeypatch.setattr("dbo.integrations.transformers.generate.static_decode", watched)
+    ids = torch.randint(0, model.config.vocab_size, (3, 6))
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    with torch.inference_mode():
+        want, _ = greedy_generate(model, ids, mask, max_new_tokens=5, config=PLAIN)
+        got, _ = greedy_generate(model, ids, mask, max_new_tokens=5, config=PLAIN, cuda_graph=True)
+    assert torch.equal(want, got)
+    assert len(steps) == 4  # the decode steps after the prefill
+    assert mode.seen == [], mode.seen
+
+
+def test_arguments_and_caches_that_cannot_be_static():
+    model = _tiny_moe()
+    ids = torch.randint(0, model.config.vocab_size, (2, 4))
+    with pytest.raises(ValueError, match="split_decode=False"):
+        greedy_generate(model, ids, max_new_tokens=2, cuda_graph=True, split_decode=True)
+    assert graph_decode.static_cache_from(model, object(), 16) is None
+    from transformers.cache_utils import DynamicCache
+
+    assert graph_decode.static_cache_from(model, DynamicCache(), 16) is None  # nothing in it
+    with pytest.raises(ValueError, match="need 9 slots"):
+        graph_decode.static_decode(lambda *a: None, ids[:, :1], ids[:, :1], torch.ones(2, 5), 8, 5,
+                                   capture=False)
