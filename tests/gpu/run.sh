@@ -52,7 +52,8 @@
 #                  batch 64 per rank: transformers' generate() (all_to_all) beside dbo's
 #                  greedy_generate on GEN_BACKENDS (NAME or PREFILL/DECODE; default "copy_engine
 #                  deepep_ht/deepep_ll"), plain and DBO, and the ids' agreement (GEN_STEPS timed
-#                  calls each, default 1; GEN_MODES: the dbo rows, default "plain dbo-prefill dbo")
+#                  calls each, default 1; GEN_MODES: the dbo rows, default "plain dbo-prefill dbo"; "graph"
+#                  and "dbo-prefill-graph" decode from a CUDA graph: greedy_generate(cuda_graph=True))
 #   hffaults:N     a rank that exits or stalls (host or GPU) before the dispatch, between dispatch and
 #                  combine or after the combine, inside DBOPrefill and a greedy_generate decode step, on
 #                  dbo_copy_engine, dbo_deepep (where deep_ep imports) and transformers' all_to_all (the
