@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +23,7 @@ from dbo.bench.cli import add_link_arguments, check_at_least, check_backend_fits
 from dbo.integrations.transformers.presets import PRESETS, TINY_FAMILIES, preset_config, tiny_config
 
 __all__ = ["DTYPES", "PRESET_CHOICES", "backend_name", "add_model_arguments", "check_model_arguments",
+           "default_checkpoint",
            "check_backends", "num_routed_experts", "model_config"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -130,6 +133,19 @@ def check_model_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) 
     if experts % world:
         p.error(f"{args.checkpoint or args.preset}: its {experts} routed experts do not split evenly "
                 f"over {world} ranks; run a number of ranks that divides {experts}")
+
+
+def default_checkpoint(args: argparse.Namespace, tag: str) -> None:
+    """Without ``--checkpoint``: ``--preset`` written once with random weights to a directory under
+    the system's temp dir (named after ``tag``, the preset, its layers and dtype) and reused while
+    it holds a ``config.json`` (``args.checkpoint``, and ``args.save_checkpoint`` until then)."""
+    if args.checkpoint:
+        return
+    dtype = str(args.dtype).removeprefix("torch.")
+    args.checkpoint = os.path.join(tempfile.gettempdir(),
+                                   f"dbo-{tag}-{args.preset}-{args.config.num_hidden_layers}l-{dtype}")
+    if not (Path(args.checkpoint) / "config.json").is_file():
+        args.save_checkpoint = args.checkpoint
 
 
 def check_backends(p: argparse.ArgumentParser, names: list[str], args: argparse.Namespace) -> None:

@@ -48,7 +48,13 @@ import torch
 from dbo.autotune.timing import MEMORY_MARGIN, transient_bytes
 from dbo.bench.cli import ArgumentParser, check_at_least, verdict
 from dbo.bench.dist import init_distributed, shutdown_distributed
-from dbo.bench.hf_args import add_model_arguments, backend_name, check_backends, check_model_arguments
+from dbo.bench.hf_args import (
+    add_model_arguments,
+    backend_name,
+    check_backends,
+    check_model_arguments,
+    default_checkpoint,
+)
 from dbo.bench.hf_model import backend_kwargs, load_checkpoint, save_checkpoint
 from dbo.errors import CollectiveTimeoutError
 from dbo.integrations.transformers import DBOPrefill, prefill_split_config, use_backend
@@ -82,12 +88,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         print("SKIP: needs transformers >= 5.23 (its expert-parallel interface) and accelerate", flush=True)
         raise SystemExit(3)
     check_model_arguments(p, a)
-    if not a.checkpoint:  # the preset written once, reused while its config.json is there
-        dtype = str(a.dtype).removeprefix("torch.")
-        a.checkpoint = os.path.join(tempfile.gettempdir(),
-                                    f"dbo-oom-{a.preset}-{a.config.num_hidden_layers}l-{dtype}")
-        if not (Path(a.checkpoint) / "config.json").is_file():
-            a.save_checkpoint = a.checkpoint
+    default_checkpoint(a, "oom")  # the preset written once, reused while its config.json is there
     a.backend = a.backend or ("copy_engine" if cuda else "all2all")
     check_backends(p, [a.backend], a)
     return a

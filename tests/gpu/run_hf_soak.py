@@ -41,10 +41,8 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import os
 import random
 import sys
-import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -54,7 +52,13 @@ from hf_soak_calls import CallSpec, format_summary, soak_specs, soak_verdict, su
 
 from dbo.bench.cli import ArgumentParser, check_at_least, verdict
 from dbo.bench.dist import init_distributed, shutdown_distributed
-from dbo.bench.hf_args import add_model_arguments, backend_name, check_backends, check_model_arguments
+from dbo.bench.hf_args import (
+    add_model_arguments,
+    backend_name,
+    check_backends,
+    check_model_arguments,
+    default_checkpoint,
+)
 from dbo.bench.hf_load import rss_mib
 from dbo.bench.hf_model import (
     backend_kwargs,
@@ -136,12 +140,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         print("SKIP: needs transformers >= 5.23 (its expert-parallel interface) and accelerate", flush=True)
         raise SystemExit(3)
     check_model_arguments(p, a)
-    if not a.checkpoint:  # the preset written once, reused while its config.json is there
-        dtype = str(a.dtype).removeprefix("torch.")
-        a.checkpoint = os.path.join(tempfile.gettempdir(),
-                                    f"dbo-soak-{a.preset}-{a.config.num_hidden_layers}l-{dtype}")
-        if not (Path(a.checkpoint) / "config.json").is_file():
-            a.save_checkpoint = a.checkpoint
+    default_checkpoint(a, "soak")  # the preset written once, reused while its config.json is there
     positions = getattr(a.config, "max_position_embeddings", None)
     if positions is not None and a.max_len + a.new_tokens > positions:
         p.error(f"--max-len {a.max_len} + --new-tokens {a.new_tokens}: over the model's "
