@@ -141,3 +141,23 @@ def test_arguments_and_caches_that_cannot_be_static():
     with pytest.raises(ValueError, match="need 9 slots"):
         graph_decode.static_decode(lambda *a: None, ids[:, :1], ids[:, :1], torch.ones(2, 5), 8, 5,
                                    capture=False)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "deepseek_v3"])
+def test_every_supported_family_decodes_the_same_from_a_static_cache(family, monkeypatch):
+    from dbo.integrations.transformers.presets import causal_lm_class, tiny_config
+
+    torch.manual_seed(1)
+    model = causal_lm_class(family)(tiny_config(family)).eval()
+    ran = []
+    real = graph_decode.static_decode
+    monkeypatch.setattr("dbo.integrations.transformers.generate.static_decode",
+                        lambda *a, **k: ran.append(1) or real(*a, **k))
+    ids = torch.randint(0, model.config.vocab_size, (3, 5))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    with torch.inference_mode():
+        want, _ = greedy_generate(model, ids, mask, max_new_tokens=6, config=PLAIN)
+        got, _ = greedy_generate(model, ids, mask, max_new_tokens=6, config=PLAIN, cuda_graph=True)
+    assert ran == [1], f"{family}: the static path did not run"
+    assert torch.equal(want, got), (want[:, 5:], got[:, 5:])
