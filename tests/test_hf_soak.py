@@ -52,8 +52,10 @@ def _soak(tmp_path: Path, *extra: str) -> tuple[int, str, dict]:
     return proc.returncode, log, json.loads(out.read_text())
 
 
-def test_soak_on_cpu_every_call_succeeds_and_dbo_matches_plain(tmp_path):
-    rc, log, doc = _soak(tmp_path)
+@pytest.mark.parametrize("extra", [(), ("--cuda-graph",)], ids=["eager", "static-cache decode"])
+def test_soak_on_cpu_every_call_succeeds_and_dbo_matches_plain(tmp_path, extra):
+    rc, log, doc = _soak(tmp_path, *extra)
+    assert doc["cuda_graph"] is bool(extra), doc["cuda_graph"]
     assert rc == 0, log
     assert "run_hf_soak.py: PASS: " in log, log
     check = doc["check"]

@@ -114,6 +114,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--adaptive", action="store_true",
                    help="DBOPrefill with the online choice of plain or overlapped per size (default: "
                         "every call of 2+ sequences overlapped)")
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="greedy_generate(cuda_graph=True): the decode steps from a static cache, replayed "
+                        "from a CUDA graph captured per call (on the CPU the same steps run eagerly)")
     p.add_argument("--no-cudnn-sdpa", action="store_true",
                    help="turn torch's cuDNN attention backend off (torch.backends.cuda.enable_cudnn_sdp"
                         "(False)): its plan cache keeps an entry per attention shape for the process's "
@@ -179,7 +182,8 @@ def check_dbo_against_plain(args: argparse.Namespace, model: torch.nn.Module, ra
     rel, agree = relative_error(got, want), (got[:, -1].argmax(-1) == want[:, -1].argmax(-1)).float().mean()
     with collective_timeout(args.timeout_s):
         overlapped = SplitConfig(prefill_token_threshold=2, decode_token_threshold=2)
-        tokens, plan = greedy_generate(model, ids, mask, max_new_tokens=args.new_tokens, config=overlapped)
+        tokens, plan = greedy_generate(model, ids, mask, max_new_tokens=args.new_tokens,
+                                       config=overlapped, cuda_graph=args.cuda_graph)
         plain, _ = greedy_generate(model, ids, mask, max_new_tokens=args.new_tokens,
                                    config=SplitConfig(enabled=False))
     same = (tokens == plain).all(1).float().mean()
@@ -231,7 +235,8 @@ def _call(args: argparse.Namespace, model: torch.nn.Module, prefill: DBOPrefill,
             out = prefill(ids, mask)
             del out
             return bool(prefill.last_plan.split), int(mask.sum())
-        out, plan = greedy_generate(model, ids, mask, max_new_tokens=args.new_tokens)
+        out, plan = greedy_generate(model, ids, mask, max_new_tokens=args.new_tokens,
+                                    cuda_graph=args.cuda_graph)
         del out
         return bool(plan.split), spec.batch * args.new_tokens
 
@@ -316,7 +321,8 @@ def run(args: argparse.Namespace, rank: int, world: int, device: torch.device) -
                  "backend": args.backend, "checkpoint": args.checkpoint, "batches": args.batches,
                  "min_len": args.min_len, "max_len": args.max_len, "new_tokens": args.new_tokens,
                  "warmup_calls": args.warmup_calls, "duration_s": args.duration_s, "seed": args.seed,
-                 "adaptive": args.adaptive, "cudnn_sdpa": torch.backends.cuda.cudnn_sdp_enabled()}
+                 "adaptive": args.adaptive, "cuda_graph": args.cuda_graph,
+                 "cudnn_sdpa": torch.backends.cuda.cudnn_sdp_enabled()}
     written = [0.0]
 
     def write(final: bool = False) -> None:
