@@ -80,6 +80,18 @@ def test_static_decode_gives_the_plain_decodes_tokens_on_two_ranks(tmp_path):
         assert ran == [False] * 4, ran
 
 
+def _eager_and_static(model, *, seq: int, padded_row: int, pad: int, new: int):
+    """The tokens of 3 prompts of ``seq`` (one left-padded by ``pad``) decoded plainly, eagerly
+    and from the static cache (``cuda_graph=True``)."""
+    ids = torch.randint(0, model.config.vocab_size, (3, seq))
+    mask = torch.ones_like(ids)
+    mask[padded_row, :pad] = 0
+    with torch.inference_mode():
+        want, _ = greedy_generate(model, ids, mask, max_new_tokens=new, config=PLAIN)
+        got, _ = greedy_generate(model, ids, mask, max_new_tokens=new, config=PLAIN, cuda_graph=True)
+    return want, got
+
+
 class _HostSyncs(TorchDispatchMode):
     """The ops that read a tensor's value on the host (a capture fails on them on a GPU),
     outside the MoE blocks (``inside`` counts the blocks entered)."""
@@ -118,12 +130,7 @@ def test_a_static_step_reads_nothing_on_the_host_outside_the_moe_blocks(monkeypa
         return real(step_in_mode, *args, **kwargs)
 
     monkeypatch.setattr("dbo.integrations.transformers.generate.static_decode", watched)
-    ids = torch.randint(0, model.config.vocab_size, (3, 6))
-    mask = torch.ones_like(ids)
-    mask[1, :2] = 0
-    with torch.inference_mode():
-        want, _ = greedy_generate(model, ids, mask, max_new_tokens=5, config=PLAIN)
-        got, _ = greedy_generate(model, ids, mask, max_new_tokens=5, config=PLAIN, cuda_graph=True)
+    want, got = _eager_and_static(model, seq=6, padded_row=1, pad=2, new=5)
     assert torch.equal(want, got)
     assert len(steps) == 4  # the decode steps after the prefill
     assert mode.seen == [], mode.seen
@@ -153,11 +160,6 @@ def test_every_supported_family_decodes_the_same_from_a_static_cache(family, mon
     real = graph_decode.static_decode
     monkeypatch.setattr("dbo.integrations.transformers.generate.static_decode",
                         lambda *a, **k: ran.append(1) or real(*a, **k))
-    ids = torch.randint(0, model.config.vocab_size, (3, 5))
-    mask = torch.ones_like(ids)
-    mask[0, :3] = 0
-    with torch.inference_mode():
-        want, _ = greedy_generate(model, ids, mask, max_new_tokens=6, config=PLAIN)
-        got, _ = greedy_generate(model, ids, mask, max_new_tokens=6, config=PLAIN, cuda_graph=True)
+    want, got = _eager_and_static(model, seq=5, padded_row=0, pad=3, new=6)
     assert ran == [1], f"{family}: the static path did not run"
     assert torch.equal(want, got), (want[:, 5:], got[:, 5:])
