@@ -14,8 +14,8 @@ autotune sets it. Then the last rank fills its GPU with a ballast tensor until
 :func:`dbo.split.free_device_bytes` reads ``target`` bytes, and every rank calls the overlapped
 prefill:
 
-1. ``fallback`` (where the overlapped call needs more than the plain one): ``target`` between the
-   two. Expected: every rank runs plainly (the short rank's plan says ``memory``, the others'
+1. ``fallback``: ``target`` room for the plain call (its transient + 25%, or halfway to
+   ``min_free_bytes`` where that is closer), below ``min_free_bytes``. Expected: every rank runs plainly (the short rank's plan says ``memory``, the others'
    ``disagreement``), the logits equal the plain prefill's, and, the ballast freed, a call of half
    the batch overlaps again and matches too.
 2. ``no-room``: ``target`` a quarter of the plain call's transient. Expected: the short rank
@@ -144,11 +144,17 @@ def _matches(got: torch.Tensor, want: torch.Tensor) -> bool:
 
 def _fallback(args, rank, world, model, dbo, plain, ids, mask, need, short) -> dict:
     need_plain, need_split = need
-    row: dict = {"case": "fallback", "rank": rank, "need_plain": need_plain, "need_split": need_split}
-    if need_split <= need_plain * (1 + MEMORY_MARGIN) or need_split == 0:
-        row.update(skipped="the overlapped prefill needs no more than the plain one: nothing to fall back to")
+    min_free = dbo.wrapper.config.min_free_bytes
+    row: dict = {"case": "fallback", "rank": rank, "need_plain": need_plain, "need_split": need_split,
+                 "min_free_bytes": min_free}
+    # room for the plain call with a quarter to spare, below what the overlapped one asks for
+    target = int(need_plain * 1.25)
+    if target >= min_free:
+        target = (need_plain + min_free) // 2
+    if target <= need_plain:
+        row.update(skipped="the overlapped prefill asks for no more than the plain one needs: "
+                           "nothing to fall back to")
         return row
-    target = (need_plain + need_split) // 2
     row["target_free"] = target
     if rank == world - 1:
         row["free"] = short.leave_free(target, raise_oom=False)
@@ -213,8 +219,9 @@ def run(args: argparse.Namespace, rank: int, world: int, device: torch.device) -
                 **backend_kwargs(args.backend, max_tokens_per_rank=args.batch * args.seq))
     ids, mask = (t.to(device) for t in left_padded_prompts(11 + rank, [0, 3] * (args.batch // 2)
                                                                + [0] * (args.batch % 2), args.seq))
-    plain = DBOPrefill(model, SplitConfig(enabled=False), timeout_s=args.timeout)
-    dbo = DBOPrefill(model, prefill_split_config(adaptive=False), timeout_s=args.timeout)
+    # the last position's logits, as a prefill before decoding keeps
+    plain = DBOPrefill(model, SplitConfig(enabled=False), logits_to_keep=1, timeout_s=args.timeout)
+    dbo = DBOPrefill(model, prefill_split_config(adaptive=False), logits_to_keep=1, timeout_s=args.timeout)
     short = _Short(model, device)
     rows = []
     with torch.inference_mode():
