@@ -88,8 +88,7 @@ def _trace_summary(trace: dict, steps: int, top: int) -> dict:
     gpu = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
     runtime = [e for e in events if e.get("cat") == "cuda_runtime"]
     syncs = [e for e in runtime if e.get("name") in SYNCS]
-    d2h = [e for e in runtime if e.get("name", "").startswith("cudaMemcpy")
-           and "DtoH" in json.dumps(e.get("args", {}))]
+    d2h = [e for e in gpu if e.get("cat") == "gpu_memcpy" and "DtoH" in e.get("name", "")]
     kernels: dict[str, float] = {}
     for e in gpu:
         kernels[e["name"]] = kernels.get(e["name"], 0.0) + e.get("dur", 0.0) / 1e3
