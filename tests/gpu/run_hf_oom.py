@@ -15,9 +15,10 @@ autotune sets it. Then the last rank fills its GPU with a ballast tensor until
 prefill:
 
 1. ``fallback``: ``target`` room for the plain call (its transient + 25%, or halfway to
-   ``min_free_bytes`` where that is closer), below ``min_free_bytes``. Expected: every rank runs plainly (the short rank's plan says ``memory``, the others'
-   ``disagreement``), the logits equal the plain prefill's, and, the ballast freed, a call of half
-   the batch overlaps again and matches too.
+   ``min_free_bytes`` where that is closer), below ``min_free_bytes``. Expected: every rank runs
+   plainly (the short rank's plan says ``memory``, the others' ``disagreement``), the logits
+   equal the plain prefill's, and, the ballast freed, a call of half the batch overlaps again and
+   matches too.
 2. ``no-room``: ``target`` a quarter of the plain call's transient. Expected: the short rank
    raises torch's ``OutOfMemoryError`` (in ``UBatchError`` if overlapped) and every other rank
    :class:`~dbo.errors.CollectiveTimeoutError` within ``--timeout`` + 3 s; every process exits.
