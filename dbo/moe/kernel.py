@@ -98,19 +98,6 @@ def _experts_carveout(experts: MoEExperts, carveout: int | None) -> Iterator[Non
         experts.sm_carveout = before
 
 
-def _receive_group(pending: tuple[Any, torch.Tensor], total: torch.Tensor | None) -> torch.Tensor:
-    """Complete one group's combine (hook and receiver, outside a run) and add its output."""
-    res, out = pending
-    if isinstance(res, tuple):
-        hook, receiver = res
-        hook()
-    else:
-        receiver = res
-    with dbo_region("combine_recv"):
-        receiver()
-    return out if total is None else total.add_(out)
-
-
 class MoEKernel:
     """A modular MoE layer: ``prepare`` (dispatch), experts, ``finalize`` (combine).
 
@@ -322,14 +309,21 @@ class MoEKernel:
                 if y.data_ptr() != full[g0:g1].data_ptr():  # experts that keep their own buffer
                     full[g0:g1].copy_(y)
             if pending is not None:  # before the next launch (DeepEP low-latency needs it)
-                total = _receive_group(pending, total)
+                total = self._add_group(pending, total)
             out_g = torch.empty_like(hidden_states)
             with dbo_region(f"combine_group{gi}"):
                 res = pf.finalize_group_async(out_g, full, weights, ids, router_on_input,
                                               weight_and_reduce, experts=(g0, g1),
                                               last=gi == len(groups) - 1)
             pending = (res, out_g)
-        return _receive_group(pending, total)
+        return self._add_group(pending, total)
+
+    @staticmethod
+    def _add_group(pending: tuple[Any, torch.Tensor], total: torch.Tensor | None) -> torch.Tensor:
+        """Complete one group's combine (outside a run) and add its output to ``total``."""
+        res, out = pending
+        _complete(res, "combine_recv")
+        return out if total is None else total.add_(out)
 
     def reset(self) -> None:
         """Free the per-ubatch scratch buffers, any merged-schedule rendezvous in progress and
