@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -38,6 +38,7 @@ __all__ = [
     "ActivationFormat",
     "ExpertTokensMetadata",
     "BatchedSegments",
+    "segment_bases",
     "PrepareResult",
     "Receiver",
     "PrepareAsyncResult",
@@ -62,6 +63,15 @@ class ActivationFormat(enum.Enum):
 
     STANDARD = "standard"
     BATCHED_EXPERTS = "batched_experts"
+
+
+def segment_bases(n_experts: int, caps: Sequence[int]) -> list[int]:
+    """Each segment's first row in the flat buffer of slabs of ``caps`` rows per expert laid end
+    to end: ``base_u = n_experts * sum(caps[:u])``, and the buffer's rows last (``U + 1`` ints)."""
+    bases = [0]
+    for cap in caps:
+        bases.append(bases[-1] + n_experts * int(cap))
+    return bases
 
 
 @dataclass(frozen=True)
@@ -89,10 +99,7 @@ class BatchedSegments:
     @property
     def bases(self) -> tuple[int, ...]:
         """Each region's first row, and the buffer's rows last (``U + 1`` ints)."""
-        n_local, bases = self.counts.shape[0], [0]
-        for cap in self.caps:
-            bases.append(bases[-1] + n_local * int(cap))
-        return tuple(bases)
+        return tuple(segment_bases(self.counts.shape[0], self.caps))
 
 
 @dataclass

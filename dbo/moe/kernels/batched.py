@@ -31,6 +31,7 @@ from collections.abc import Sequence
 
 import torch
 
+from dbo.moe.base import segment_bases
 from dbo.moe.kernels.fused_experts import launch_down, launch_gate_up, pick_configs
 from dbo.moe.kernels.fused_maps import block_e
 from dbo.moe.kernels.gather_reduce import use_triton_for
@@ -125,15 +126,6 @@ if triton is not None:
                         keep = c < width
                         v = tl.load(src_ptr + s * width + c, mask=keep)
                         tl.store(dst_ptr + d * width + c, v, mask=keep)
-
-
-def segment_bases(n_experts: int, caps: Sequence[int]) -> list[int]:
-    """Each segment's first row in the flat buffer of slabs of ``caps`` rows per expert laid end
-    to end: ``base_u = n_experts * sum(caps[:u])``, and the buffer's rows last (``U + 1`` ints)."""
-    bases = [0]
-    for cap in caps:
-        bases.append(bases[-1] + n_experts * int(cap))
-    return bases
 
 
 def batched_order(counts: torch.Tensor, cap: int | Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
