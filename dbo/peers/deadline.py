@@ -26,11 +26,11 @@ __all__ = ["gil_free_deadline", "call_in_named_frame", "end_process_within", "GI
 logger = logging.getLogger("dbo.peers.watchdog")
 
 
-def _positive_seconds(seconds: Any, who: str) -> float:
+def positive_seconds(seconds: Any, who: str) -> float:
+    """``seconds`` as a float; ``ValueError`` naming ``who`` unless it is a positive number."""
     if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not seconds > 0:
         raise ValueError(f"{who} needs a positive number of seconds, got {seconds!r}")
     return float(seconds)
-
 
 
 #: how long past its timeout a wait under :func:`gil_free_deadline` may run (the host's slack)
@@ -52,7 +52,7 @@ def gil_free_deadline(seconds: float) -> Iterator[None]:
     Raises:
         ValueError: ``seconds`` not a positive number.
     """
-    seconds = _positive_seconds(seconds, "gil_free_deadline")
+    seconds = positive_seconds(seconds, "gil_free_deadline")
     key = object()
     with _GIL_FREE_LOCK:
         _GIL_FREE_DEADLINES[key] = time.monotonic() + seconds
@@ -117,7 +117,7 @@ def end_process_within(seconds: float) -> None:
     Raises:
         ValueError: ``seconds`` not a positive number.
     """
-    seconds = _positive_seconds(seconds, "end_process_within")
+    seconds = positive_seconds(seconds, "end_process_within")
     end = time.monotonic() + seconds
     with _GIL_FREE_LOCK:
         _GIL_FREE_DEADLINES[_PROCESS_END] = min(end, _GIL_FREE_DEADLINES.get(_PROCESS_END, end))

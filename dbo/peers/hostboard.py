@@ -111,9 +111,10 @@ def open_shared_checked(group: Any, nbytes: int, tag: str
                 regions = None
         except (OSError, RuntimeError):
             regions = None
-    # (a CUDA tensor on an NCCL group, which takes no other)
-    on = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
-    failed = torch.tensor([0 if regions is not None else 1], dtype=torch.int64, device=on)
+    from dbo.peers.collectives import collective_device  # (it imports this module)
+
+    failed = torch.tensor([0 if regions is not None else 1], dtype=torch.int64,
+                          device=collective_device(group))
     dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group)  # every rank checked its peers
     # after the all-reduce every rank has mapped what it could: its own file goes; where the
     # check failed, so do the peers' names this rank may have created in a private /dev/shm

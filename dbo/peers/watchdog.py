@@ -41,6 +41,7 @@ from dbo.peers.deadline import (
     call_in_named_frame,
     end_process_within,
     gil_free_deadline,
+    positive_seconds,
 )
 
 __all__ = [
@@ -137,13 +138,6 @@ def timeout_message(site: WaitSite, timeout_s: float, missing: Sequence[int], de
 _Pending = tuple
 
 
-def _positive_seconds(seconds: Any, who: str) -> float:
-    value = check_timeout(seconds, "seconds")
-    if value is None:
-        raise ValueError(f"{who} needs a positive number of seconds")
-    return value
-
-
 def _end_process(message: str) -> None:
     logger.critical("%s", message)
     try:
@@ -164,7 +158,7 @@ def teardown_deadline(seconds: float, what: str = "teardown") -> Iterator[None]:
     Raises:
         ValueError: ``seconds`` not a positive number.
     """
-    seconds = _positive_seconds(seconds, "teardown_deadline")
+    seconds = positive_seconds(seconds, "teardown_deadline")
     message = (f"{what} did not finish within {seconds:g} s (a peer never reached it, or a GPU "
                "wait never ended); the results were written before it. Where each thread was:")
 
