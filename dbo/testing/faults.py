@@ -225,8 +225,10 @@ def collect_ranks(procs: list[dict], deadline: float) -> None:
     """Wait for the processes of :func:`spawn_ranks`, killing those still running at
     ``deadline`` (wall clock; their record gets ``killed``). Adds to each record ``exit_time``
     (wall clock, polled every 20 ms here and by :func:`poll_ranks`), ``code`` (exit status;
-    negative: the signal), ``result`` (its JSON, None if it wrote none) and ``stderr`` (the last
-    3000 characters)."""
+    negative: the signal), ``result`` (its JSON, None if it wrote none), ``stderr`` (the last
+    3000 characters) and ``deadline`` (from the whole log: the ``Timeout (h:mm:ss)!`` line of a
+    :func:`dbo.peers.watchdog.gil_free_deadline` end and the stack line naming the wait,
+    ``File "[dbo watchdog] ..."``, each "" where absent)."""
     while not poll_ranks(procs):
         if time.time() > deadline:
             for p in procs:
@@ -244,8 +246,12 @@ def collect_ranks(procs: list[dict], deadline: float) -> None:
                 p["result"] = json.load(f)
         except (OSError, ValueError):
             p["result"] = None
-        with open(p["files"]["err"]) as f:
-            p["stderr"] = f.read()[-3000:]
+        with open(p["files"]["err"], errors="replace") as f:
+            text = f.read()
+        p["stderr"] = text[-3000:]
+        lines = text.splitlines()
+        p["deadline"] = (next((ln for ln in lines if ln.startswith("Timeout (")), ""),
+                         next((ln.strip() for ln in lines if '"[dbo watchdog] ' in ln), ""))
 
 
 def error_chain(exc: BaseException | None) -> list[tuple[str, str]]:

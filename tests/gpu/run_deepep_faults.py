@@ -156,22 +156,6 @@ def _spawn(tmp: str, tag: str, extra: list[str], args: argparse.Namespace) -> li
     return spawn_ranks(argv, tmp, tag, world_size=args.nproc)
 
 
-def _deadline_lines(proc: dict) -> tuple[str, str]:
-    """The ``Timeout (h:mm:ss)!`` line of :func:`dbo.peers.watchdog.gil_free_deadline`'s end and
-    the stack line that names the wait (``File "[dbo watchdog] ..."``:
-    :func:`dbo.peers.watchdog.call_in_named_frame`), each "" where absent (read from the whole
-    log: the stacks after the first may push them out of the kept tail)."""
-    try:
-        with open(proc["files"]["err"], errors="replace") as f:
-            text = f.read()
-    except OSError:
-        text = proc["stderr"]
-    lines = text.splitlines()
-    timeout = next((ln for ln in lines if ln.startswith("Timeout (")), "")
-    named = next((ln.strip() for ln in lines if '"[dbo watchdog] ' in ln), "")
-    return timeout, named
-
-
 def _survivor(case: tuple, proc: dict, fail_rank: int, stamp: float | None, timeout_s: float) -> dict:
     """One survivor's outcome: what ended its faulty step, how long after the fault, its verdict
     (None: the documented ``deepep_ht`` GPU-stall gap)."""
@@ -188,9 +172,9 @@ def _survivor(case: tuple, proc: dict, fail_rank: int, stamp: float | None, time
         outcome, err_time = "ended by the GPU watchdog (75)", proc["exit_time"]
         lines = [ln for ln in proc["stderr"].splitlines() if "[dbo watchdog]" in ln]
         msg = lines[-1] if lines else ""
-    elif proc["code"] == 1 and _deadline_lines(proc)[0]:
+    elif proc["code"] == 1 and proc["deadline"][0]:
         outcome, err_time = "ended by the GIL-free deadline (exit 1)", proc["exit_time"]
-        timeout_line, named_line = _deadline_lines(proc)
+        timeout_line, named_line = proc["deadline"]
         msg = named_line or timeout_line
     else:
         outcome, err_time, msg = f"exit {proc['code']}", proc["exit_time"], proc["stderr"][-300:]

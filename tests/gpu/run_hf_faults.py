@@ -73,19 +73,6 @@ def _read_json(path: str) -> dict | None:
         return None
 
 
-def _named_deadline_line(proc: dict) -> str:
-    """The stack line naming the wait that :func:`dbo.peers.watchdog.gil_free_deadline` ended
-    (``File "[dbo watchdog] ..."``), read from the whole log; "" where there is none."""
-    try:
-        with open(proc["files"]["err"], errors="replace") as f:
-            text = f.read()
-    except OSError:
-        text = proc["stderr"]
-    if "Timeout (" not in text:
-        return ""
-    return next((ln.strip() for ln in text.splitlines() if '"[dbo watchdog] ' in ln), "")
-
-
 def _judge(case: tuple, procs: list[dict], stamp_path: str, args: argparse.Namespace) -> dict:
     """The case's row: what the survivors raised and when, how each process ended, the verdict."""
     from dbo.peers.watchdog import GPU_WAIT_TIMEOUT_EXIT_CODE
@@ -123,10 +110,10 @@ def _judge(case: tuple, procs: list[dict], stamp_path: str, args: argparse.Names
             lines = [ln for ln in p["stderr"].splitlines() if "[dbo watchdog]" in ln]
             errors.append(("ended by the GPU watchdog (exit 75)", "", lines[-1] if lines else ""))
             at, ok = p["exit_time"], True
-        elif p["code"] == 1 and _named_deadline_line(p):
+        elif p["code"] == 1 and all(p["deadline"]):
             # DeepEP's host wait held the GIL; the GIL-free deadline ended the process, the wait
             # named in the stacks it wrote (dbo.peers.watchdog.call_in_named_frame)
-            errors.append(("ended by the GIL-free deadline (exit 1)", "", _named_deadline_line(p)))
+            errors.append(("ended by the GIL-free deadline (exit 1)", "", p["deadline"][1]))
             at, ok = p["exit_time"], True
         else:
             code = p["code"]
