@@ -61,9 +61,10 @@ from dbo.peers.collectives import all_reduce_max
 from dbo.split import SplitConfig
 
 PROG = "hf-generate"
-#: option -> row name; the graph rows decode from a static cache replayed from a CUDA graph
-MODES = {"plain": "plain", "dbo-prefill": "DBO prefill", "dbo": "DBO", "graph": "plain, graph decode",
-         "dbo-prefill-graph": "DBO prefill, graph decode"}
+#: option -> (row name, prefill overlapped, every decode step overlapped, decode from a CUDA graph)
+MODES = {"plain": ("plain", False, False, False), "dbo-prefill": ("DBO prefill", True, False, False),
+         "dbo": ("DBO", True, True, False), "graph": ("plain, graph decode", False, False, True),
+         "dbo-prefill-graph": ("DBO prefill, graph decode", True, False, True)}
 DEFAULT_MODES = ("plain", "dbo-prefill", "dbo")
 
 
@@ -212,10 +213,8 @@ def run(a: argparse.Namespace, rank: int, world: int, device: torch.device) -> l
             use_backend(model, prefill, decode_backend=decode, decode_backend_kwargs=decode_kw,
                         **backend_kwargs(prefill, max_tokens_per_rank=a.batch * a.prompt, link=a.link))
             label = prefill if decode is None else f"{prefill}/{decode}"
-            kinds = (("plain", plain_cfg, False, False), ("DBO prefill", dbo_cfg, False, False),
-                    ("DBO", dbo_cfg, True, False), ("plain, graph decode", plain_cfg, False, True),
-                    ("DBO prefill, graph decode", dbo_cfg, False, True))
-            modes = tuple(m for m in kinds if m[0] in {MODES[k] for k in a.modes})
+            modes = tuple((name, dbo_cfg if split else plain_cfg, every, graph)
+                          for k, (name, split, every, graph) in MODES.items() if k in a.modes)
             times, last = interleaved_ms({name: (
                 lambda split=split, every=every, graph=graph: greedy_generate(
                     model, ids, mask, max_new_tokens=a.new_tokens, config=split, split_decode=every,
