@@ -94,12 +94,15 @@ def static_decode(step: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tor
         ids_buf.copy_(nxt)
         pos_buf.add_(1)
 
+    def open_next_slot(i: int) -> None:  # after step i: the next step's own slot
+        if i + 1 < steps:
+            mask4d[:, 0, 0, first + i + 1] = True
+
     def eager(i: int) -> None:
         nxt = step(ids_buf, mask4d, pos_buf).argmax(-1, keepdim=True)
         tokens.append(nxt)
         advance(nxt)
-        if i + 1 < steps:
-            mask4d[:, 0, 0, first + i + 1] = True
+        open_next_slot(i)
 
     if not capture:
         for i in range(steps):
@@ -124,6 +127,5 @@ def static_decode(step: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tor
     for i in range(1, steps):
         graph.replay()
         tokens.append(ids_buf.clone())
-        if i + 1 < steps:
-            mask4d[:, 0, 0, first + i + 1] = True
+        open_next_slot(i)
     return torch.cat(tokens, dim=1)
