@@ -302,3 +302,29 @@ def test_gil_free_deadlines_of_several_threads_keep_the_earliest():
     proc, took = _run(code)
     assert proc.returncode == 1 and "Timeout (0:00:01" in proc.stderr, proc
     assert took < 30, took
+
+
+def test_a_failed_rank_whose_cuda_context_is_lost_ends_at_once():
+    # a trapped GPU wait leaves the CUDA context unusable: nothing to tear down, so the teardown
+    # after the failure ends the process now (exit 1) instead of waiting out its deadline
+    code = ("import atexit, time\nimport torch\nimport dbo.bench.dist as d\n"
+            "d.init_distributed('cpu')\n"
+            "class Lost:\n    def query(self):\n"
+            "        raise torch.AcceleratorError('CUDA error: unspecified launch failure')\n"
+            "torch.cuda.is_available = torch.cuda.is_initialized = lambda: True\n"
+            "torch.cuda.current_stream = lambda *a, **k: Lost()\n"
+            "assert d.cuda_context_lost()\n"
+            "atexit.register(time.sleep, 60)\n"  # a teardown that would wait
+            "print('results written', flush=True)\n"
+            "d.shutdown_distributed(wait_for_peers=False, deadline_s=30)\n"
+            "print('not reached')\n")
+    proc, took = _run(code)
+    assert proc.returncode == 1 and "results written" in proc.stdout, proc
+    assert "not reached" not in proc.stdout and "nothing to tear down" in proc.stderr, proc
+    assert took < 25, took
+
+
+def test_cuda_context_lost_is_false_without_cuda():
+    from dbo.bench.dist import cuda_context_lost
+
+    assert cuda_context_lost() is False

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import logging
 import os
 import socket
 import sys
@@ -16,7 +17,9 @@ import torch.distributed as dist
 
 from dbo.peers.watchdog import end_process_within, teardown_deadline
 
-__all__ = ["init_distributed", "shutdown_distributed", "distributed"]
+__all__ = ["init_distributed", "shutdown_distributed", "distributed", "cuda_context_lost"]
+
+logger = logging.getLogger("dbo.bench")
 
 
 def init_distributed(device: str) -> tuple[int, int, torch.device]:
@@ -57,10 +60,21 @@ def shutdown_distributed(*, wait_for_peers: bool, deadline_s: float = 120.0) -> 
     :func:`dbo.peers.watchdog.teardown_deadline` (``deadline_s``): call it once the results are written.
     After a failure (``wait_for_peers=False``) DeepEP's buffers are not freed (that is collective:
     it would wait for a peer that may be gone) and the process ends within ``deadline_s`` from
-    here whatever runs after (:func:`dbo.peers.watchdog.end_process_within`).
+    here whatever runs after (:func:`dbo.peers.watchdog.end_process_within`); where the failure
+    left this process's CUDA context unusable (:func:`cuda_context_lost`), nothing on the GPU can
+    be freed or waited for and the teardown would only hold the process: it ends at once (exit
+    status 1, as at the deadline).
     """
     if not dist.is_initialized():
         return
+    if not wait_for_peers and cuda_context_lost():
+        logger.warning("dbo: this process's CUDA context is unusable after the failure (a kernel "
+                       "trapped, such as a GPU wait for a peer that died or stalled): nothing to "
+                       "tear down, the process ends now")
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
     if not wait_for_peers:
         # after a failure a peer may be gone, and whatever waits on it (DeepEP's collective buffer
         # destruction, NCCL's, the interpreter's own shutdown) would hold this process: it ends
@@ -74,6 +88,19 @@ def shutdown_distributed(*, wait_for_peers: bool, deadline_s: float = 120.0) -> 
         if wait_for_peers:
             dist.barrier()
         dist.destroy_process_group()
+
+
+def cuda_context_lost() -> bool:
+    """Whether this process's CUDA context is unusable: a sticky error (a kernel trapped, for
+    example a copy-engine GPU wait that timed out) makes every later CUDA call fail. A stream
+    query reports it without waiting; False where CUDA was never used."""
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return False
+    try:
+        torch.cuda.current_stream().query()
+    except RuntimeError:  # torch.AcceleratorError (a RuntimeError): the sticky error
+        return True
+    return False
 
 
 @contextlib.contextmanager

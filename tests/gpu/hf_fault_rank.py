@@ -3,8 +3,9 @@
 Loads the case's checkpoint expert-parallel, runs its operation once without a fault (DBO
 against plain), then again with the last rank's first MoE layer misbehaving
 (:class:`dbo.testing.faults.Fault`), and writes what happened to ``--result`` (JSON): ``ok``
-(the operation returned), ``reference_ok``, ``chain`` (the error and its causes), ``named`` (the
-error and its innermost cause are dbo errors), ``error_time`` (wall clock).
+(the operation returned), ``reference_ok``, ``chain`` (the error and its causes), ``named`` (a dbo
+error whose innermost cause is a dbo error too, or the CUDA error of a trapped GPU wait that a
+:class:`~dbo.errors.CollectiveTimeoutError` above it names), ``error_time`` (wall clock).
 Then it tears down as the examples do (``dbo.bench.dist.shutdown_distributed``, within
 :data:`TEARDOWN_S`) and exits 0 (returned) or 1 (raised).
 """
@@ -138,7 +139,7 @@ def _case(args: argparse.Namespace, rank: int, world: int, device) -> dict:
     import torch.distributed as dist
 
     from dbo.bench.hf_model import load_checkpoint, load_hf_all_to_all
-    from dbo.errors import DBOError
+    from dbo.errors import CollectiveTimeoutError, DBOError
     from dbo.testing.faults import Fault, error_chain
     from dbo.testing.hf import left_padded_prompts
 
@@ -169,11 +170,15 @@ def _case(args: argparse.Namespace, rank: int, world: int, device) -> dict:
                 torch.cuda.synchronize()
         except BaseException as exc:  # noqa: BLE001 - reported
             error_time = time.time()
-            root = exc
-            while root.__cause__ is not None:
-                root = root.__cause__
-            return {"ok": False, "reference_ok": matches, "chain": error_chain(exc),
-                    "named": isinstance(exc, DBOError) and isinstance(root, DBOError),
+            causes = [exc]
+            while causes[-1].__cause__ is not None:
+                causes.append(causes[-1].__cause__)
+            # named: a dbo error whose innermost cause is one too, or the CUDA error of a GPU
+            # wait that trapped, which dbo names in a CollectiveTimeoutError above it
+            named = isinstance(exc, DBOError) and (
+                isinstance(causes[-1], DBOError)
+                or any(isinstance(e, CollectiveTimeoutError) for e in causes))
+            return {"ok": False, "reference_ok": matches, "chain": error_chain(exc), "named": named,
                     "error_time": error_time, "elapsed_s": time.monotonic() - t0}
     return {"ok": True, "reference_ok": matches, "chain": [], "elapsed_s": time.monotonic() - t0}
 
@@ -189,7 +194,7 @@ def worker(args: argparse.Namespace) -> int:
     # what torchrun would set: transformers' expert-parallel loading places each rank's shard on
     # the GPU LOCAL_RANK names (cuda:0 everywhere without it)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port))
+                      LOCAL_WORLD_SIZE=str(world))
     if args.device == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
         device = torch.device("cuda", torch.cuda.current_device())
@@ -207,7 +212,7 @@ def worker(args: argparse.Namespace) -> int:
     if device.type == "cuda":
         kw["device_id"] = device
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world,
-                            init_method=f"tcp://127.0.0.1:{args.port}", **kw)
+                            init_method=f"file://{args.store}", **kw)
     try:
         result = _case(args, rank, world, device)
     except BaseException as exc:  # noqa: BLE001 - a failure before the fault: reported
@@ -223,9 +228,10 @@ def worker(args: argparse.Namespace) -> int:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--case", required=True, metavar="IMPL:WHERE:FAULT")
-    for name in ("--rank", "--port", "--nproc"):
+    for name in ("--rank", "--nproc"):
         p.add_argument(name, type=int, required=True)
-    for name in ("--result", "--stamp", "--ckpt", "--tag"):
+    # --store: the rendezvous file (file://): no port for parallel cases to collide on
+    for name in ("--result", "--stamp", "--ckpt", "--tag", "--store"):
         p.add_argument(name, required=True)
     p.add_argument("--device", choices=("cpu", "cuda"), required=True)
     p.add_argument("--timeout", type=float, required=True, help="T: dbo's wait for a peer")

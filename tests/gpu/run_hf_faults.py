@@ -226,13 +226,13 @@ def driver(args: argparse.Namespace) -> int:
 def _launch(args: argparse.Namespace, case: tuple[str, str, str], tag: str, tmp: str,
             ckpt: str) -> tuple[list[dict], str]:
     """Start the ranks of ``case``; returns them and the path of the fault's time stamp."""
-    from dbo.testing.faults import free_port, spawn_ranks
+    from dbo.testing.faults import spawn_ranks
 
-    port, stamp = free_port(), os.path.join(tmp, f"{tag}.stamp")
+    store, stamp = os.path.join(tmp, f"{tag}.store"), os.path.join(tmp, f"{tag}.stamp")
     pg = ["--pg-timeout", str(args.a2a_timeout)] if case[0] == "all_to_all" else []
 
     def argv(rank: int, files: dict[str, str]) -> list[str]:
-        return [sys.executable, RANK_SCRIPT, "--rank", str(rank), "--port", str(port),
+        return [sys.executable, RANK_SCRIPT, "--rank", str(rank), "--store", store,
                 "--nproc", str(args.nproc), "--device", args.device, "--ckpt", ckpt,
                 "--case", ":".join(case), "--tag", tag, "--timeout", str(args.timeout),
                 "--result", files["result"], "--stamp", stamp, *pg,
