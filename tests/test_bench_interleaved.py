@@ -40,3 +40,23 @@ def test_modes_choose_the_rows_and_need_plain(capsys):
         parse_args(["--modes", "dbo-prefill", "dbo"])
     assert e.value.code == 2
     assert "--modes: give plain too" in capsys.readouterr().err
+
+
+def test_teacher_forced_share_checks_every_decode_step():
+    # greedy tokens of the model itself are all its forward's choices; a decode step that went
+    # wrong (here: every new token after the first replaced, as a stale cache or a wrong
+    # position would) is caught, which the first new token alone would not show
+    pytest.importorskip("transformers")
+    from dbo.bench.hf_generate import teacher_forced_share
+    from dbo.integrations.transformers.presets import tiny_random_model
+
+    model = tiny_random_model("qwen3_moe", 0)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, model.config.vocab_size, (4, 8), generator=g)
+    with torch.inference_mode():
+        seqs = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                              max_new_tokens=6, min_new_tokens=6, pad_token_id=0)
+        assert teacher_forced_share(model, seqs, prompt=8) == 1.0
+        wrong = seqs.clone()
+        wrong[:, 9:] = (wrong[:, 9:] + 1 + torch.arange(5)) % model.config.vocab_size
+        assert teacher_forced_share(model, wrong, prompt=8) <= 0.5

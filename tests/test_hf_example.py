@@ -114,24 +114,26 @@ def test_hf_prefill_loads_a_checkpoint(tmp_path):
 
 def test_hf_generate_agrees_with_generate(tmp_path):
     # greedy decoding: transformers' generate() with its own all_to_all EP, then dbo's
-    # greedy_generate on a backend and on a prefill/decode pair, plain and overlapped; float32,
-    # so every run's tokens agree
+    # greedy_generate on a backend and on a prefill/decode pair, plain, overlapped and from a
+    # static cache (the graph rows: eager on CPU); float32, so every run's tokens agree, and each
+    # is what one plain forward over the whole sequences picks
     _needs_ep_loading()
     out_json = tmp_path / "gen.json"
     rc, out, err = _run([*TORCHRUN, *BENCH, "hf-generate", "--save-checkpoint", str(tmp_path / "ckpt"),
                          "--steps", "1", "--warmup", "0", "--backend", "all2all", "copy_engine/all2all",
-                         "--json", str(out_json)], tmp_path)
+                         "--modes", "plain", "dbo-prefill", "dbo", "graph", "--json", str(out_json)], tmp_path)
     assert rc == 0, out + err
     assert "per GPU" not in out, out
     assert out.strip().splitlines()[-1] == (f"hf-generate: PASS: every DBO run's tokens equal its plain "
-                                            f"run's (4 runs); wrote {out_json}"), out
+                                            f"run's (6 runs); wrote {out_json}"), out
     rows = json.loads(out_json.read_text())["rows"]
     assert [r["run"] for r in rows] == ["transformers generate (all_to_all)"] + [
         f"dbo greedy_generate {b} {m}" for b in ("all2all", "copy_engine/all2all")
-        for m in ("plain", "DBO prefill", "DBO")]
+        for m in ("plain", "DBO prefill", "DBO", "plain, graph decode")]
     assert all(r["same"] == 1.0 and r["prefix"] == 1.0 and r["tok_s"] > 0 for r in rows), rows
     assert all(r["prefill_ms"] > 0 for r in rows), rows
     assert all(r["same_plain"] == 1.0 and r["prefix_plain"] == 1.0 for r in rows[1:]), rows
+    assert all(r["teacher_forced"] == 1.0 for r in rows[1:]), rows
     assert all(r["split"].startswith("split(") for r in rows[1:] if "DBO" in r["run"]), rows
 
 
