@@ -17,6 +17,7 @@ __all__ = [
     "StreamStateError",
     "CollectiveTimeoutError",
     "CheckpointError",
+    "DeviceMemoryError",
 ]
 
 
@@ -79,3 +80,21 @@ class CheckpointError(DBOError, ValueError):
     """A checkpoint cannot be loaded as it is: a shard file listed in its index is absent or
     truncated, or a layer lacks an expert's weights or holds one of another shape. The message
     names the file or the key and what was expected."""
+
+
+class DeviceMemoryError(DBOError, MemoryError):
+    """A rank of the group has less device memory free than a call needs even unsplit (by the
+    autotune's measure), so no rank ran it: raised on every rank before the call's first
+    all-to-all, which leaves the group in step and the model usable for a smaller call.
+    ``.rank`` is the lowest rank short of memory, ``.free_bytes`` the least free memory and
+    ``.need_bytes`` the largest need among the short ranks (in whole MiB)."""
+
+    def __init__(self, message: str, *, rank: int | None = None, free_bytes: int | None = None,
+                 need_bytes: int | None = None):
+        super().__init__(message)
+        self.rank = rank
+        self.free_bytes = free_bytes
+        self.need_bytes = need_bytes
+
+    def __reduce__(self) -> tuple:  # keep the attributes across processes (pickle)
+        return (type(self), (str(self),), dict(self.__dict__))

@@ -341,21 +341,25 @@ class DBOWrapper(torch.nn.Module):
         self._compute_sms = check_compute_sms(value)
 
     def plan(self, num_tokens: int, *, request_token_counts: Sequence[int] | None = None,
-             decode_only: bool | None = None) -> UBatchPlan:
-        """The plan a call with ``num_tokens`` rows would use (issues the all-reduce)."""
+             decode_only: bool | None = None, need_bytes: int | None = None) -> UBatchPlan:
+        """The plan a call with ``num_tokens`` rows would use (issues the all-reduce;
+        ``need_bytes`` as in :func:`dbo.split.plan_ubatches`)."""
         return plan_ubatches(num_tokens, self.config, request_token_counts=request_token_counts,
-                             decode_only=decode_only, group=self.group, agree=self.agree)
+                             decode_only=decode_only, group=self.group, agree=self.agree,
+                             need_bytes=need_bytes)
 
     def forward(self, *tensors: torch.Tensor, plan: UBatchPlan | None = None,
                 request_token_counts: Sequence[int] | None = None,
                 decode_only: bool | None = None, trace: Trace | None = None,
-                **kwargs: Any) -> Any:
-        """Run the wrapped forward on token-major ``tensors``; see :func:`overlapped_forward`."""
+                need_bytes: int | None = None, **kwargs: Any) -> Any:
+        """Run the wrapped forward on token-major ``tensors``; see :func:`overlapped_forward`.
+        ``need_bytes``: this rank's device memory need even unsplit, checked on every rank
+        before the call (:func:`dbo.split.plan_ubatches`)."""
         num_tokens = check_token_major(tensors)
         trace = self.trace if trace is None else trace
         if plan is None:
             plan = self.plan(num_tokens, request_token_counts=request_token_counts,
-                             decode_only=decode_only)
+                             decode_only=decode_only, need_bytes=need_bytes)
             if plan.split and self.config.adaptive:
                 return self._measured(plan, tensors, num_tokens, kwargs, trace)
         self.last_plan = plan

@@ -35,13 +35,19 @@ def test_a_short_rank_falls_back_with_its_peers_and_ends_named_where_nothing_fit
                           capture_output=True, text=True, timeout=10 * EXPECTED_RUN_S)
     log = proc.stdout[-6000:] + proc.stderr[-4000:]
     assert proc.returncode == 0, log
-    assert "run_hf_oom.py: PASS: 4 of 4 rows passed" in log, log
+    assert "run_hf_oom.py: PASS: 6 of 6 rows passed" in log, log
     rows = {(r["case"], r["rank"]): r for r in json.loads(out.read_text())["rows"]}
     # the whole group ran plainly: the short rank (1) for memory, its peer by the agreement
     for rank, reason in ((0, "disagreement"), (1, "memory")):
         r = rows["fallback", rank]
         assert (r["split"], r["reason"], r["matches"]) == (False, reason, True), r
         assert r["next_split"] and r["next_matches"], r  # usable again, overlapped, once it has room
-    assert rows["no-room", 1]["root"] == "OutOfMemoryError", rows["no-room", 1]
-    peer = rows["no-room", 0]
+    # the plain call's need known: every rank named the short one before the call, and the
+    # group stayed in step (a call of half the batch ran and matched)
+    for rank in (0, 1):
+        r = rows["no-room", rank]
+        assert r["error"] == "DeviceMemoryError" and "rank 1 is short of device memory" in r["message"], r
+        assert r["next_matches"], r
+    assert rows["no-room, unmeasured", 1]["root"] == "OutOfMemoryError", rows["no-room, unmeasured", 1]
+    peer = rows["no-room, unmeasured", 0]
     assert "CollectiveTimeoutError" in (peer["error"], peer["root"]) and peer["seconds"] <= 5 + 3, peer

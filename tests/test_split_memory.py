@@ -52,6 +52,41 @@ def test_the_whole_group_falls_back_together():
         assert world.run(_plan, [8 * GIB, 5 * GIB], timeout_s=60) == [(True, "split")] * 2
 
 
+def test_a_call_that_does_not_fit_even_unsplit_is_refused_before_it_starts():
+    from dbo.errors import DeviceMemoryError
+
+    for cfg in (_cfg(), SplitConfig(enabled=False)):  # a config that never splits checks it too
+        assert plan_ubatches(64, cfg, free_bytes=3 * GIB, need_bytes=2 * GIB) is not None
+        assert plan_ubatches(64, cfg, free_bytes=1 * GIB) is not None  # no need given
+        with pytest.raises(DeviceMemoryError, match=r"rank 0 is short .*: 1.00 GiB free, about 2.00 GiB needed") as e:
+            plan_ubatches(64, cfg, free_bytes=1 * GIB, need_bytes=2 * GIB)
+        assert (e.value.rank, e.value.free_bytes, e.value.need_bytes) == (0, GIB, 2 * GIB)
+        assert isinstance(e.value, MemoryError)
+
+
+def _refused(free_per_rank: list[int], config: SplitConfig) -> object:
+    from dbo.errors import DeviceMemoryError
+
+    try:
+        return plan_ubatches(64, config, free_bytes=free_per_rank[dist.get_rank()],
+                             need_bytes=4 * GIB).split
+    except DeviceMemoryError as exc:
+        return ("refused", exc.rank, exc.free_bytes // GIB)
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(120)
+def test_every_rank_refuses_a_call_one_rank_has_no_room_for():
+    # the lowest short rank is named, with its free memory, on every rank; a group with room
+    # goes on as before, also under a config that never splits (the vote still runs)
+    with DistWorld(3) as world:
+        assert world.run(_refused, [8 * GIB, 2 * GIB, 3 * GIB], _cfg(), timeout_s=60) == [
+            ("refused", 1, 2)] * 3
+        assert world.run(_refused, [8 * GIB, 1 * GIB, 5 * GIB], SplitConfig(enabled=False),
+                         timeout_s=60) == [("refused", 1, 1)] * 3
+        assert world.run(_refused, [8 * GIB, 5 * GIB, 6 * GIB], _cfg(), timeout_s=60) == [True] * 3
+
+
 def test_autotune_asks_for_the_memory_its_overlapped_calls_took(monkeypatch):
     # on CUDA the autotune reads each overlapped call's transient peak; here a stand-in reports
     # 1000 bytes for split calls: the tuned config then splits only where that (+10%) is free

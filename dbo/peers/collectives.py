@@ -23,7 +23,7 @@ from dbo.errors import CollectiveTimeoutError
 from dbo.peers.hostvote import host_vote
 from dbo.peers.watchdog import current_timeout
 
-__all__ = ["group_size", "collective_device", "all_reduce_max"]
+__all__ = ["group_size", "group_rank", "collective_device", "all_reduce_max"]
 
 
 def group_size(group: Any = None) -> int:
@@ -33,6 +33,16 @@ def group_size(group: Any = None) -> int:
     if not (dist.is_available() and dist.is_initialized()):
         return 1
     return dist.get_world_size(group)
+
+
+def group_rank(group: Any = None) -> int:
+    """This process's rank in ``group`` (the default group if None); 0 where no process group
+    is up."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0
+    return dist.get_rank(group)
 
 
 def collective_device(group: Any = None) -> torch.device:

@@ -42,8 +42,9 @@ from typing import Any
 
 import torch
 
+from dbo.errors import DeviceMemoryError
 from dbo.expert_schedule import ExpertSchedule, parse_expert_schedule
-from dbo.peers.collectives import all_reduce_max, group_size
+from dbo.peers.collectives import all_reduce_max, group_rank, group_size
 from dbo.split.log import FALLBACK_LOG
 from dbo.split.padding import graph_padded_size
 from dbo.split.policies import (
@@ -64,6 +65,8 @@ __all__ = [
     "LocalDecision",
     "local_vote",
     "encode_vote",
+    "encode_room",
+    "check_room",
     "resolve_plan",
     "plan_ubatches",
     "free_device_bytes",
@@ -188,6 +191,36 @@ def encode_vote(decision: LocalDecision, config: SplitConfig) -> list[int]:
             int(yes and not decision.decode), -decision.max_fill if yes else -NEVER_SPLIT, key, -key]
 
 
+_MIB = 1 << 20
+_NO_RANK = -(1 << 40)
+
+
+def encode_room(rank: int, free_bytes: int | None, need_bytes: int | None) -> list[int]:
+    """The 4 ints a rank adds to the vote for the room check: whether it is short of device
+    memory for the call (``free_bytes < need_bytes``), its negated rank, the need in MiB and its
+    negated free MiB; the MAX over the group names the lowest short rank, the largest need and
+    the least free memory."""
+    if need_bytes is None or free_bytes is None or free_bytes >= need_bytes:
+        return [0, _NO_RANK, 0, _NO_RANK]
+    return [1, -rank, -(-need_bytes // _MIB), -(free_bytes // _MIB)]
+
+
+def check_room(reduced: Sequence[int]) -> None:
+    """Raise :class:`~dbo.errors.DeviceMemoryError` if the group's MAX of :func:`encode_room`
+    vectors says a rank is short of device memory for the call: every rank raises it, before
+    any of the call's all-to-alls."""
+    short, neg_rank, need_mib, neg_free_mib = (int(v) for v in reduced)
+    if not short:
+        return
+    rank, need, free = -neg_rank, need_mib * _MIB, -neg_free_mib * _MIB
+    raise DeviceMemoryError(
+        f"rank {rank} is short of device memory for this call: {free / 2**30:.2f} GiB free, about "
+        f"{need / 2**30:.2f} GiB needed even unsplit (the autotune's measure; the least free and the "
+        "largest need where several ranks are short): no rank ran it and the group is still in "
+        "step; call again with fewer tokens on that rank",
+        rank=rank, free_bytes=free, need_bytes=need)
+
+
 def resolve_plan(num_tokens: int, decision: LocalDecision, config: SplitConfig,
                  reduced: Sequence[int]) -> UBatchPlan:
     """This rank's plan from its own decision and the group's element-wise MAX of
@@ -270,6 +303,7 @@ def plan_ubatches(
     agree: bool = True,
     device: torch.device | str | None = None,
     free_bytes: int | None = None,
+    need_bytes: int | None = None,
 ) -> UBatchPlan:
     """Decide how this rank runs a forward of ``num_tokens`` token rows.
 
@@ -296,6 +330,13 @@ def plan_ubatches(
             is checked against.
         free_bytes: this rank's free device memory, where the caller knows it better (an
             engine's own accounting); default: :func:`free_device_bytes`.
+        need_bytes: the device memory this rank's call needs even unsplit (for example its
+            tokens times the plain forward's transient bytes per token, as measured): where a
+            rank of the group has less free, every rank raises
+            :class:`~dbo.errors.DeviceMemoryError` here, before the call's first all-to-all,
+            rather than one rank running out of memory mid-call while its peers wait for it.
+            Every rank passes it or none (it makes the group vote even where the config never
+            splits).
 
     Returns:
         This rank's :class:`UBatchPlan`.
@@ -303,6 +344,7 @@ def plan_ubatches(
     Raises:
         ValueError: ``num_tokens`` < 0, counts that do not sum to it, REQUESTS mode without
             counts, bad ``split_points``, or a config that differs across ranks.
+        DeviceMemoryError: a rank has less device memory free than its ``need_bytes``.
     """
     config = SplitConfig() if config is None else config
     if not isinstance(num_tokens, int) or num_tokens < 0:
@@ -311,14 +353,18 @@ def plan_ubatches(
         request_token_counts = request_token_counts.tolist()
     decision = local_vote(num_tokens, config, request_token_counts=request_token_counts,
                           decode_only=decode_only, split_points=split_points)
-    if decision.vote is Vote.YES and config.min_free_bytes:
+    free = None
+    if (decision.vote is Vote.YES and config.min_free_bytes) or need_bytes is not None:
         free = free_device_bytes(device) if free_bytes is None else int(free_bytes)
+    if decision.vote is Vote.YES and config.min_free_bytes:
         if free is not None and free < config.min_free_bytes:
             decision = _no(SplitReason.MEMORY, f"{free / 2**30:.2f} GiB free on this rank, the "
                                                f"split needs {config.min_free_bytes / 2**30:.2f} GiB")
     vec = encode_vote(decision, config)
-    if agree and not config.never_splits and group_size(group) > 1:
+    vec += encode_room(group_rank(group), free, need_bytes)
+    if agree and (not config.never_splits or need_bytes is not None) and group_size(group) > 1:
         vec = all_reduce_max(vec, group, device=device)
-    plan = resolve_plan(num_tokens, decision, config, vec)
+    check_room(vec[len(vec) - 4:])
+    plan = resolve_plan(num_tokens, decision, config, vec[:len(vec) - 4])
     FALLBACK_LOG.note(plan)
     return plan

@@ -19,15 +19,20 @@ prefill:
    plainly (the short rank's plan says ``memory``, the others' ``disagreement``), the logits
    equal the plain prefill's, and, the ballast freed, a call of half the batch overlaps again and
    matches too.
-2. ``no-room``: ``target`` a quarter of the plain call's transient. Expected: the short rank
-   raises torch's ``OutOfMemoryError`` (in ``UBatchError`` if overlapped) and every other rank
+2. ``no-room``: ``target`` a quarter of the plain call's transient, with the plain call's need
+   per token known (``DBOPrefill.plain_bytes_per_token``, its transient + 10%, as
+   ``DBOPrefill.autotune`` sets it). Expected: every rank raises
+   :class:`~dbo.errors.DeviceMemoryError` before the call starts (within 3 s), and, the ballast
+   freed, a call of half the batch runs and matches the plain one: the group stayed in step.
+3. ``no-room, unmeasured``: the same without that figure. Expected: the short rank raises
+   torch's ``OutOfMemoryError`` (in ``UBatchError`` if overlapped) and every other rank
    :class:`~dbo.errors.CollectiveTimeoutError` within ``--timeout`` + 3 s; every process exits.
 
-The group is out of step after case 2, so each rank writes its outcome to ``--json`` with
+The group is out of step after case 3, so each rank writes its outcome to ``--json`` with
 ``.rank<R>`` appended, and rank 0 gathers the files (waiting at most ``--timeout`` + 15 s), prints
 the table and the verdict, and writes ``--json``. On CPU there is no device memory to read: the
 short rank's free memory is stood in for (``dbo.split.plan.free_device_bytes``) and its plain
-forward, in case 2, raises ``OutOfMemoryError`` from its first MoE layer; the peers' waits and
+forward, in cases 2 and 3, raises ``OutOfMemoryError`` from its first MoE layer; the peers' waits and
 the processes' ends are real. Exit status: 0 pass, 1 a case missed, 2 bad option, 3 transformers
 without its expert-parallel interface.
 """
@@ -58,7 +63,7 @@ from dbo.bench.hf_args import (
     default_checkpoint,
 )
 from dbo.bench.hf_model import backend_kwargs, load_checkpoint, save_checkpoint
-from dbo.errors import CollectiveTimeoutError
+from dbo.errors import CollectiveTimeoutError, DeviceMemoryError
 from dbo.integrations.transformers import DBOPrefill, prefill_split_config, use_backend
 from dbo.peers.collectives import all_reduce_max
 from dbo.split import SplitConfig, free_device_bytes
@@ -173,11 +178,9 @@ def _fallback(args, rank, world, model, dbo, plain, ids, mask, need, short) -> d
     return row
 
 
-def _no_room(args, rank, world, model, dbo, ids, mask, need, short) -> dict:
-    row: dict = {"case": "no-room", "rank": rank}
-    if rank == world - 1:
-        row["free"] = short.leave_free(max(1, need[0] // 4), raise_oom=True)
-    all_reduce_max([0])  # every rank starts the call together
+def _call(row: dict, dbo, ids, mask) -> None:
+    """One overlapped call, every rank starting together: its error (if any) and seconds."""
+    all_reduce_max([0])
     t0 = time.monotonic()
     try:
         dbo(ids, mask)
@@ -188,6 +191,32 @@ def _no_room(args, rank, world, model, dbo, ids, mask, need, short) -> dict:
         chain = error_chain(exc)
         row.update(error=chain[0][0], root=chain[-1][0], message=chain[-1][1][:300],
                    seconds=round(time.monotonic() - t0, 2))
+
+
+def _no_room(args, rank, world, model, dbo, plain, ids, mask, need, short) -> dict:
+    """The plain call's need known (as the autotune measures it): every rank raises
+    DeviceMemoryError before the call starts, and a call of half the batch runs after."""
+    row: dict = {"case": "no-room", "rank": rank}
+    dbo.plain_bytes_per_token = -(-int(need[0] * (1 + MEMORY_MARGIN)) // ids.numel())
+    if rank == world - 1:
+        row["free"] = short.leave_free(max(1, need[0] // 4), raise_oom=True)
+    _call(row, dbo, ids, mask)
+    short.release()
+    half = ids.shape[0] // 2
+    again = dbo(ids[:half], mask[:half])
+    row.update(next_split=dbo.last_plan.split, next_matches=_matches(again, plain(ids[:half], mask[:half])))
+    row["passed"] = bool(row.get("error") == DeviceMemoryError.__name__ and row["seconds"] <= SLACK_S
+                         and row["next_matches"])
+    return row
+
+
+def _no_room_unmeasured(args, rank, world, model, dbo, ids, mask, need, short) -> dict:
+    """The plain call's need unknown: the short rank runs out of memory mid-call."""
+    row: dict = {"case": "no-room, unmeasured", "rank": rank}
+    dbo.plain_bytes_per_token = 0
+    if rank == world - 1:
+        row["free"] = short.leave_free(max(1, need[0] // 4), raise_oom=True)
+    _call(row, dbo, ids, mask)
     short.release()
     if rank == world - 1:
         row["passed"] = row.get("root") == "OutOfMemoryError"
@@ -238,14 +267,19 @@ def run(args: argparse.Namespace, rank: int, world: int, device: torch.device) -
         rows.append(_fallback(args, rank, world, model, dbo, plain, ids, mask, need, short))
         if rank == 0:
             print(f"fallback: {json.dumps(rows[-1])}", flush=True)
-        rows.append(_no_room(args, rank, world, model, dbo, ids, mask, need, short))
+        rows.append(_no_room(args, rank, world, model, dbo, plain, ids, mask, need, short))
+        rows.append(_no_room_unmeasured(args, rank, world, model, dbo, ids, mask, need, short))
     return rows
 
 
 def _table(rows: list[dict]) -> str:
     out = ["| case | rank | outcome | s | passed |", "|---|---|---|---|---|"]
     for r in rows:
-        if r["case"] == "fallback":
+        if r["case"] == "no-room" and "next_matches" in r:
+            what = (f"{r['error']}: {r.get('message', '')}; next call of half the batch: split "
+                    f"{r['next_split']}, match {r['next_matches']}")
+            secs = f"{r['seconds']}"
+        elif r["case"] == "fallback":
             what = r.get("skipped") or (f"split {r['split']} ({r['reason']}), logits match {r['matches']}; "
                                         f"next call of half the batch: split {r['next_split']}, "
                                         f"match {r['next_matches']}")

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from dbo.autotune import AutotuneResult, autotune_split_config
+from dbo.autotune.timing import MEMORY_MARGIN, transient_bytes
 from dbo.backends import backend_spec, make_backend
 from dbo.errors import DBOError
 from dbo.integrations.transformers.ep import prepare_for_overlap
@@ -38,7 +39,8 @@ from dbo.integrations.transformers.ep_model import expert_parallel_group
 from dbo.integrations.transformers.faults import named_device_faults
 from dbo.integrations.transformers.moe_block import ExpertParallelMoE, routing_token_mask
 from dbo.overlap import DBOWrapper
-from dbo.split import SplitConfig, UBatchPlan
+from dbo.peers.collectives import all_reduce_max
+from dbo.split import SplitConfig, UBatchPlan, no_split_plan
 
 __all__ = [
     "MoEFamily",
@@ -309,6 +311,10 @@ class DBOPrefill(torch.nn.Module):
         self.wrapper = DBOWrapper(self._forward, prefill_split_config() if config is None else config,
                                   group=group, sm_carveout=sm_carveout, trace=trace,
                                   timeout_s=timeout_s)
+        #: device memory per token (of ``input_ids``) that the plain prefill needs, with the
+        #: autotune's margin; 0: unknown. Where set (:meth:`autotune` sets it on CUDA), a call for
+        #: which a rank has less free raises DeviceMemoryError on every rank before it starts
+        self.plain_bytes_per_token = 0
 
     @property
     def last_plan(self) -> UBatchPlan | None:
@@ -331,7 +337,9 @@ class DBOPrefill(torch.nn.Module):
 
         ``sm_carveouts`` (e.g. ``(None, 16)``) measures the overlapped runs with each SM
         carve-out and keeps the one that pays (as the prefill's ``sm_carveout`` from then on);
-        None times them with the prefill's own ``sm_carveout``.
+        None times them with the prefill's own ``sm_carveout``. On CUDA it also measures the
+        plain call's device memory at the largest batch, which sets
+        :attr:`plain_bytes_per_token` (per token, +10%, the largest over the ranks).
 
         Returns:
             the :class:`~dbo.autotune.AutotuneResult` (its rows are by sequences per rank).
@@ -356,6 +364,10 @@ class DBOPrefill(torch.nn.Module):
                                        sm_carveouts=sm_carveouts)
         self.wrapper.config = result.config
         self.wrapper.sm_carveout = result.sm_carveout
+        x = make_inputs(max(batch_sizes))[0]  # the plain call's need, per token, on every rank
+        need = transient_bytes(lambda: self.wrapper(x, plan=no_split_plan(x.shape[0])), device)
+        per_token = all_reduce_max([-(-int(need * (1 + MEMORY_MARGIN)) // x.numel())], self.wrapper.group)
+        self.plain_bytes_per_token = per_token[0]
         return result
 
     def _forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -374,8 +386,8 @@ class DBOPrefill(torch.nn.Module):
         if attention_mask is not None and attention_mask.shape != input_ids.shape:
             raise ValueError(f"attention_mask {tuple(attention_mask.shape)} must match input_ids "
                              f"{tuple(input_ids.shape)}")
+        need = self.plain_bytes_per_token * input_ids.numel() or None
         with named_device_faults(sync=self.sync_faults):
-            if attention_mask is None:
-                return self.wrapper(input_ids, plan=plan)
-            return self.wrapper(input_ids, attention_mask, plan=plan)
+            masks = () if attention_mask is None else (attention_mask,)
+            return self.wrapper(input_ids, *masks, plan=plan, need_bytes=need)
 
