@@ -248,6 +248,10 @@ class CopyEnginePrepareAndFinalize(TorchDistPrepareAndFinalize):
 
     # ---- dispatch -------------------------------------------------------------------------
 
+    def dispatch_holds_stream(self) -> bool:
+        # the puts are copies queued on the current stream: work after them waits for them
+        return self.transport.cuda
+
     def prepare_async(self, a1, topk_weights, topk_ids, num_experts, expert_map,
                       apply_router_weight_on_input, quant_config=None):
         n_local = self._check(a1, topk_weights, topk_ids, num_experts, apply_router_weight_on_input)

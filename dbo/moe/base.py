@@ -265,6 +265,13 @@ class PrepareAndFinalize(ABC):
         only after the receiver returned."""
         raise NotImplementedError(f"{type(self).__name__} has no async finalize")
 
+    def dispatch_holds_stream(self) -> bool:
+        """True if :meth:`prepare_async` queues its data movement on the current CUDA stream
+        (copies, not a kernel that returns while the data is in flight), so that work queued
+        after it waits for the transfer: the ``sbo`` schedule then launches the dispatch from a
+        side stream, for the shared experts to run beside it."""
+        return False
+
     def supports_expert_groups(self) -> bool:
         """True if :meth:`finalize_group_async` is implemented: the combine can leave in parts,
         one per group of local experts, each as the group's experts end (the ``sbo`` expert

@@ -10,7 +10,9 @@ by the overlapped forward for its run) the routed experts of all ubatches run as
 every ubatch's dispatch (:mod:`dbo.moe.merged`); prepare and finalize stay per ubatch.
 
 With the ``sbo`` schedule (single-batch overlap: outside a run, the batch unsplit) the shared
-experts run while the dispatch is in flight, and, where the backend combines per expert group
+experts run while the dispatch is in flight (a backend whose dispatch copies hold the current
+stream, :meth:`~dbo.moe.PrepareAndFinalize.dispatch_holds_stream`, launches it from a side
+stream, which the compute stream waits for before the receive), and, where the backend combines per expert group
 (:meth:`~dbo.moe.PrepareAndFinalize.supports_expert_groups`) and the activations are
 BATCHED_EXPERTS slabs, the routed experts run in :attr:`MoEKernel.sbo_groups` groups of local
 experts: group ``g``'s combine is launched as soon as its experts are queued, so it runs (on the
@@ -23,7 +25,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import torch
@@ -133,6 +135,7 @@ class MoEKernel:
         self.shared_experts = shared_experts
         self._workspaces: list[Workspace] = []
         self._merged_workspace = Workspace()
+        self._sbo_stream: Any = None  # see _side_stream
         self._group_workspaces: list[Workspace] = []
         self._rendezvous = ExpertsRendezvous()
         #: groups of local experts under the ``sbo`` schedule (see the module docstring)
@@ -160,15 +163,30 @@ class MoEKernel:
         # a hook another ubatch left for us must complete before we issue our own collectives
         dbo_maybe_run_recv_hook()
         if pf.supports_async():
-            with dbo_region("dispatch"):
+            main = self._side_stream(a1) if beside is not None and pf.dispatch_holds_stream() else None
+            with dbo_region("dispatch"), ExitStack() as stack:
+                if main is not None:  # the dispatch's copies leave the compute stream free
+                    side, main = main, torch.cuda.current_stream()
+                    side.wait_stream(main)
+                    stack.enter_context(torch.cuda.stream(side))
                 res = pf.prepare_async(a1, topk_weights, topk_ids, num_experts, expert_map,
                                        router_on_input, None)
-            side = None if beside is None else beside()
-            return _complete(res, "dispatch_recv"), side
+            out = None if beside is None else beside()
+            if main is not None:
+                main.wait_stream(side)
+            return _complete(res, "dispatch_recv"), out
         with dbo_region("dispatch"):
             prep = pf.prepare(a1, topk_weights, topk_ids, num_experts, expert_map,
                               router_on_input, None)
         return prep, None if beside is None else beside()
+
+    def _side_stream(self, a1: torch.Tensor) -> Any:
+        """The stream a stream-holding dispatch runs on under ``sbo`` (CUDA; None on the CPU)."""
+        if not a1.is_cuda:
+            return None
+        if self._sbo_stream is None or self._sbo_stream.device != a1.device:
+            self._sbo_stream = torch.cuda.Stream(a1.device)
+        return self._sbo_stream
 
     def _shared(self, hidden_states: torch.Tensor) -> torch.Tensor:
         with dbo_region("shared_experts"):
