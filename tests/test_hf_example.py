@@ -121,7 +121,8 @@ def test_hf_generate_agrees_with_generate(tmp_path):
     out_json = tmp_path / "gen.json"
     rc, out, err = _run([*TORCHRUN, *BENCH, "hf-generate", "--save-checkpoint", str(tmp_path / "ckpt"),
                          "--steps", "1", "--warmup", "0", "--backend", "all2all", "copy_engine/all2all",
-                         "--modes", "plain", "dbo-prefill", "dbo", "graph", "--json", str(out_json)], tmp_path)
+                         "--modes", "plain", "dbo-prefill", "dbo", "graph", "--json", str(out_json)],
+                        tmp_path)
     assert rc == 0, out + err
     assert "per GPU" not in out, out
     assert out.strip().splitlines()[-1] == (f"hf-generate: PASS: every DBO run's tokens equal its plain "

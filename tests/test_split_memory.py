@@ -58,7 +58,8 @@ def test_a_call_that_does_not_fit_even_unsplit_is_refused_before_it_starts():
     for cfg in (_cfg(), SplitConfig(enabled=False)):  # a config that never splits checks it too
         assert plan_ubatches(64, cfg, free_bytes=3 * GIB, need_bytes=2 * GIB) is not None
         assert plan_ubatches(64, cfg, free_bytes=1 * GIB) is not None  # no need given
-        with pytest.raises(DeviceMemoryError, match=r"rank 0 is short .*: 1.00 GiB free, about 2.00 GiB needed") as e:
+        want = r"rank 0 is short .*: 1.00 GiB free, about 2.00 GiB needed"
+        with pytest.raises(DeviceMemoryError, match=want) as e:
             plan_ubatches(64, cfg, free_bytes=1 * GIB, need_bytes=2 * GIB)
         assert (e.value.rank, e.value.free_bytes, e.value.need_bytes) == (0, GIB, 2 * GIB)
         assert isinstance(e.value, MemoryError)

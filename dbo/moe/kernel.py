@@ -12,7 +12,8 @@ every ubatch's dispatch (:mod:`dbo.moe.merged`); prepare and finalize stay per u
 With the ``sbo`` schedule (single-batch overlap: outside a run, the batch unsplit) the shared
 experts run while the dispatch is in flight (a backend whose dispatch copies hold the current
 stream, :meth:`~dbo.moe.PrepareAndFinalize.dispatch_holds_stream`, launches it from a side
-stream, which the compute stream waits for before the receive), and, where the backend combines per expert group
+stream, which the compute stream waits for before the receive), and, where the backend
+combines per expert group
 (:meth:`~dbo.moe.PrepareAndFinalize.supports_expert_groups`) and the activations are
 BATCHED_EXPERTS slabs, the routed experts run in :attr:`MoEKernel.sbo_groups` groups of local
 experts: group ``g``'s combine is launched as soon as its experts are queued, so it runs (on the

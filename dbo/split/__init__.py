@@ -16,8 +16,8 @@ from dbo.split.padding import graph_padded_size, mask_padding_routing
 from dbo.split.plan import (
     DISABLE_ENV_VAR,
     LocalDecision,
-    dbo_disabled_by_env,
     check_room,
+    dbo_disabled_by_env,
     encode_room,
     encode_vote,
     free_device_bytes,

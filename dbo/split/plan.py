@@ -356,10 +356,10 @@ def plan_ubatches(
     free = None
     if (decision.vote is Vote.YES and config.min_free_bytes) or need_bytes is not None:
         free = free_device_bytes(device) if free_bytes is None else int(free_bytes)
-    if decision.vote is Vote.YES and config.min_free_bytes:
-        if free is not None and free < config.min_free_bytes:
-            decision = _no(SplitReason.MEMORY, f"{free / 2**30:.2f} GiB free on this rank, the "
-                                               f"split needs {config.min_free_bytes / 2**30:.2f} GiB")
+    if decision.vote is Vote.YES and config.min_free_bytes and free is not None \
+            and free < config.min_free_bytes:
+        decision = _no(SplitReason.MEMORY, f"{free / 2**30:.2f} GiB free on this rank, the "
+                                           f"split needs {config.min_free_bytes / 2**30:.2f} GiB")
     vec = encode_vote(decision, config)
     vec += encode_room(group_rank(group), free, need_bytes)
     if agree and (not config.never_splits or need_bytes is not None) and group_size(group) > 1:
