@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from dbo.errors import CollectiveTimeoutError
 from dbo.peers.arrival import process_state
+from dbo.peers.groups import collective_device
 from dbo.peers.watchdog import resolve_timeout
 
 __all__ = ["ALIGN", "align", "open_shared", "open_shared_with_pids", "open_shared_checked", "HostBoard",
@@ -111,8 +112,6 @@ def open_shared_checked(group: Any, nbytes: int, tag: str
                 regions = None
         except (OSError, RuntimeError):
             regions = None
-    from dbo.peers.collectives import collective_device  # (it imports this module)
-
     failed = torch.tensor([0 if regions is not None else 1], dtype=torch.int64,
                           device=collective_device(group))
     dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group)  # every rank checked its peers
