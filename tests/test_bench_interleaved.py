@@ -57,6 +57,7 @@ def test_teacher_forced_share_checks_every_decode_step():
         seqs = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                               max_new_tokens=6, min_new_tokens=6, pad_token_id=0)
         assert teacher_forced_share(model, seqs, prompt=8) == 1.0
+        assert teacher_forced_share(model, seqs, prompt=8, max_tokens=30) == 1.0  # 2 a forward
         wrong = seqs.clone()
         wrong[:, 9:] = (wrong[:, 9:] + 1 + torch.arange(5)) % model.config.vocab_size
         assert teacher_forced_share(model, wrong, prompt=8) <= 0.5

@@ -131,24 +131,29 @@ TF_SLACK = 0.02
 
 
 def teacher_forced_share(model: torch.nn.Module, seqs: torch.Tensor, prompt: int,
-                         tol: float = TF_TOLERANCE) -> float:
+                         tol: float = TF_TOLERANCE, max_tokens: int | None = None) -> float:
     """The share of the new tokens of ``seqs`` (``[batch, prompt + new]``, from a greedy decode)
     that one plain forward over the whole sequences, without a cache, also picks: the token's
     logit within ``tol`` logit standard deviations of the position's largest. It checks the
     decode steps themselves (cache, positions, mask), which the first new token (the prefill's)
     does not; near ties, which bf16 rounding resolves either way, still count. Collective (a
-    forward of the MoE layers): every rank calls it with the same shapes."""
+    forward of the MoE layers): every rank calls it with the same shapes. ``max_tokens``: the
+    most tokens per forward (a backend's buffers are sized for the prompt's), in chunks of whole
+    sequences."""
     from dbo.integrations.transformers import prefill_logits
 
     new = seqs.shape[1] - prompt
-    logits = prefill_logits(model, seqs[:, :-1], logits_to_keep=new)  # position p predicts p + 1
-    target = seqs[:, prompt:]
+    rows = seqs.shape[0] if max_tokens is None else max(1, max_tokens // (seqs.shape[1] - 1))
     ok = 0
-    for lo in range(0, logits.shape[0], 8):  # float32 in slices of 8 sequences: bounded memory
-        part = logits[lo:lo + 8].float()
-        gap = part.amax(-1) - part.gather(-1, target[lo:lo + 8, :, None])[..., 0]
-        ok += int((gap <= tol * part.std(-1)).sum())
-    return ok / target.numel()
+    for r0 in range(0, seqs.shape[0], rows):
+        chunk = seqs[r0:r0 + rows]
+        logits = prefill_logits(model, chunk[:, :-1], logits_to_keep=new)  # p predicts p + 1
+        target = chunk[:, prompt:]
+        for lo in range(0, logits.shape[0], 8):  # float32 in slices of 8 sequences
+            part = logits[lo:lo + 8].float()
+            gap = part.amax(-1) - part.gather(-1, target[lo:lo + 8, :, None])[..., 0]
+            ok += int((gap <= tol * part.std(-1)).sum())
+    return ok / (seqs.shape[0] * new)
 
 
 def interleaved_ms(calls: dict[str, Callable[[], object]], rounds: int, warmup: int,
@@ -256,7 +261,7 @@ def run(a: argparse.Namespace, rank: int, world: int, device: torch.device) -> l
                 got, plan = last[name]
                 same, prefix, _ = _agreement(got, want, a.prompt)
                 vs_plain = _agreement(got, plain, a.prompt)
-                tf = teacher_forced_share(model, got, a.prompt)
+                tf = teacher_forced_share(model, got, a.prompt, max_tokens=a.batch * a.prompt)
                 t, pt = times[name], pre_times[name]
                 # the slowest rank's median, fastest and slowest call; the lowest agreements
                 ms, lo, hi, pre_ms, *neg = all_reduce_max(
