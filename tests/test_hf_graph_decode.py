@@ -2,9 +2,17 @@
 CUDA graph on GPUs; on the CPU the same steps run eagerly). Here: the same tokens as the plain
 decode on 2 gloo ranks, after a plain and an overlapped prefill, with left padding; no host sync
 inside a static step outside the MoE layers (what a capture forbids; the capturable backends'
-own layers are checked by the GPU benchmark's captures); the arguments' checks."""
+own layers are checked by the GPU benchmark's captures); the arguments' checks.
+
+``DBO_TEST_DIST_BACKEND=nccl`` (``bash tests/gpu/run.sh hfgraph``) runs the two-rank case on 2
+GPUs, a rank each, with the capturable backends (``copy_engine``; ``deepep``, high-throughput
+prefill and low-latency decode, where ``deep_ep`` imports): the steps captured and replayed, in
+float32, give the eager plain decode's tokens."""
 
 from __future__ import annotations
+
+import importlib.util
+import os
 
 import pytest
 import torch
@@ -33,12 +41,23 @@ def _tiny_moe():
     return causal_lm_class("qwen3_moe")(tiny_config("qwen3_moe")).eval()
 
 
-def _ep_job(ckpt: str) -> list:
+#: ``nccl``: the two-rank case on 2 GPUs (captured steps); default gloo (eager static steps)
+BACKEND = os.environ.get("DBO_TEST_DIST_BACKEND", "gloo")
+
+
+def _ep_backends() -> list[str]:
+    if BACKEND != "nccl":
+        return ["all2all"]
+    return ["copy_engine"] + (["deepep"] if importlib.util.find_spec("deep_ep") else [])
+
+
+def _ep_job(ckpt: str, backend: str) -> list:
     from dbo.bench.hf_model import load_checkpoint
     from dbo.testing.hf import left_padded_prompts
 
     rank = torch.distributed.get_rank()
-    model = load_checkpoint(ckpt, torch.float32, torch.device("cpu"), backend="all2all")
+    device = torch.device("cuda", torch.cuda.current_device()) if BACKEND == "nccl" else torch.device("cpu")
+    model = load_checkpoint(ckpt, torch.float32, device, backend=backend)
     ran = []
     real = graph_decode.static_decode
 
@@ -53,12 +72,14 @@ def _ep_job(ckpt: str) -> list:
     try:
         with torch.inference_mode():
             for pads, new in (((0, 2, 0, 1), 6), ((3, 0), 2), ((0, 0, 0), 1)):
-                ids, mask = left_padded_prompts(5 + rank, pads, 8, vocab=model.config.vocab_size)
+                ids, mask = (t.to(device) for t in
+                             left_padded_prompts(5 + rank, pads, 8, vocab=model.config.vocab_size))
                 for cfg in (PLAIN, SPLIT):
                     want, _ = greedy_generate(model, ids, mask, max_new_tokens=new, config=cfg)
                     got, _ = greedy_generate(model, ids, mask, max_new_tokens=new, config=cfg,
                                              cuda_graph=True)
-                    out.append((len(pads), new, cfg.enabled, torch.equal(want, got), got.shape[1] - 8))
+                    out.append((len(pads), new, cfg.enabled, torch.equal(want.cpu(), got.cpu()),
+                                got.shape[1] - 8))
     finally:
         generate.static_decode = real
     return [out, ran]
@@ -66,18 +87,22 @@ def _ep_job(ckpt: str) -> list:
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(240)
-def test_static_decode_gives_the_plain_decodes_tokens_on_two_ranks(tmp_path):
+@pytest.mark.parametrize("backend", _ep_backends())
+def test_static_decode_gives_the_plain_decodes_tokens_on_two_ranks(tmp_path, backend):
     from dbo.integrations.transformers.checkpoint import write_random_checkpoint
     from dbo.integrations.transformers.presets import tiny_config
 
+    if BACKEND == "nccl" and torch.cuda.device_count() < 2:
+        pytest.skip("DBO_TEST_DIST_BACKEND=nccl needs 2 GPUs")
     ckpt = write_random_checkpoint(tiny_config("qwen3_moe"), tmp_path / "ckpt", dtype=torch.float32, seed=3)
-    with DistWorld(2) as world:
-        results = world.run(_ep_job, str(ckpt), timeout_s=180)
+    with DistWorld(2, backend=BACKEND) as world:
+        results = world.run(_ep_job, str(ckpt), backend, timeout_s=180)
     for out, ran in results:
         assert all(same for *_, same, _ in out), out
         assert [n for *_, n in out] == [6, 6, 2, 2, 1, 1], out
-        # every call of more than one new token took the static path (eagerly, on the CPU)
-        assert ran == [False] * 4, ran
+        # every call of more than one new token took the static path: captured and replayed on
+        # GPUs, eagerly on the CPU
+        assert ran == [BACKEND == "nccl"] * 4, ran
 
 
 def _eager_and_static(model, *, seq: int, padded_row: int, pad: int, new: int):

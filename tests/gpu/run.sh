@@ -26,6 +26,9 @@
 #                  logits equal, the next smaller call overlaps again); named errors where nothing fits
 #   hfbad          bad checkpoints and configs on the transformers path, 2 NCCL ranks on 2 GPUs
 #                  (tests/test_hf_bad_inputs.py with DBO_TEST_DIST_BACKEND=nccl): one named error on every rank
+#   hfgraph        greedy_generate(cuda_graph=True) on 2 NCCL ranks on 2 GPUs, float32, copy_engine and deepep
+#                  (tests/test_hf_graph_decode.py with DBO_TEST_DIST_BACKEND=nccl): the captured and
+#                  replayed decode steps give the eager plain decode's tokens
 #   demo:N         examples/moe_overlap.py with each backend (DeepEP's when importable)
 #   overlap:N      `dbo.bench overlap` on the thin prefill grid (8 layers, I=256, attention width
 #                  1024, T=4096/8192/16384; I=2048 too with WIDE=1) for deepep_ht and copy_engine,
@@ -79,11 +82,11 @@ while getopts "o:d:h" opt; do
   case $opt in
     o) out=$OPTARG ;;
     d) deadline_s=$OPTARG ;;
-    *) sed -n '2,67p' "$0"; exit 2 ;;
+    *) sed -n '2,/^set /{/^#/p}' "$0"; exit 2 ;;
   esac
 done
 shift $((OPTIND - 1))
-[ $# -gt 0 ] || { sed -n '2,67p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,/^set /{/^#/p}' "$0"; exit 2; }
 mkdir -p "$out"
 log="$out/run_log.txt"
 deadline=$((SECONDS + deadline_s))
@@ -178,6 +181,9 @@ for arg in "$@"; do
         --json "$files/hf_oom.json" ;;
     hfbad)
       run hfbad 300 env DBO_TEST_DIST_BACKEND=nccl python3 -m pytest -q -p no:cacheprovider tests/test_hf_bad_inputs.py -rA ;;
+    hfgraph)
+      run hfgraph 300 env DBO_TEST_DIST_BACKEND=nccl python3 -m pytest -q -p no:cacheprovider \
+        tests/test_hf_graph_decode.py -k two_ranks -rA ;;
     nccl)
       run nccl 180 python3 -m pytest -q -p no:cacheprovider tests/test_backends_nccl.py -rA ;;
     demo)
