@@ -55,8 +55,9 @@
 #                  batch 64 per rank: transformers' generate() (all_to_all) beside dbo's
 #                  greedy_generate on GEN_BACKENDS (NAME or PREFILL/DECODE; default "copy_engine
 #                  deepep_ht/deepep_ll"), plain and DBO, and the ids' agreement (GEN_STEPS timed
-#                  calls each, default 1; GEN_MODES: the dbo rows, default "plain dbo-prefill dbo"; "graph"
-#                  and "dbo-prefill-graph" decode from a CUDA graph: greedy_generate(cuda_graph=True))
+#                  calls each, default 1; GEN_MODES: the dbo rows, default "plain graph dbo-prefill-graph":
+#                  the last two decode from a CUDA graph, greedy_generate(cuda_graph=True); "dbo-prefill"
+#                  and "dbo" (every decode step overlapped) are eager), each row's teacher-forced share
 #   hffaults:N     a rank that exits or stalls (host or GPU) before the dispatch, between dispatch and
 #                  combine or after the combine, inside DBOPrefill and a greedy_generate decode step, on
 #                  dbo_copy_engine, dbo_deepep (where deep_ep imports) and transformers' all_to_all (the
@@ -253,7 +254,7 @@ for arg in "$@"; do
       save=(--checkpoint "$ckpt")
       [ -f "$ckpt/config.json" ] || save=(--save-checkpoint "$ckpt")
       run "generate-$n" "${GEN_CAP_S:-420}" $tr_ "$n" -m dbo.bench hf-generate --device cuda --preset qwen3-30b-a3b \
-        --layers "${HF_LAYERS:-48}" "${save[@]}" --batch 64 --prompt 512 --new-tokens 64 --steps "${GEN_STEPS:-1}" --warmup 1 --modes ${GEN_MODES:-plain dbo-prefill dbo} \
+        --layers "${HF_LAYERS:-48}" "${save[@]}" --batch 64 --prompt 512 --new-tokens 64 --steps "${GEN_STEPS:-1}" --warmup 1 --modes ${GEN_MODES:-plain graph dbo-prefill-graph} \
         --backend ${GEN_BACKENDS:-copy_engine deepep_ht/deepep_ll} --json "$files/generate.json" ;;
     soak)
       ckpt=${HF_CKPT:-/tmp/qwen3-30b-a3b-${HF_LAYERS:-48}}
