@@ -63,7 +63,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["DistWorld", "DistJobError", "DistTimeoutError", "RankOutcome"]
+__all__ = ["DistWorld", "DistJobError", "DistTimeoutError", "RankOutcome", "port_file_store"]
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +94,28 @@ class RankOutcome:
     elapsed_s: float = 0.0
 
 
+def port_file_store(path: str, rank: int, world_size: int, wait_s: float = 120.0) -> Any:
+    """A TCPStore for a group whose ranks share a file system: rank 0 serves it on a port the
+    system picks and writes the port to ``path``; the others read it there (within ``wait_s``).
+    No port is chosen beforehand, so groups started side by side cannot collide on one."""
+    import torch.distributed as dist
+
+    if rank == 0:
+        store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
+        with open(path + ".tmp", "w") as f:
+            f.write(str(store.port))
+        os.replace(path + ".tmp", path)
+        return store
+    deadline = time.monotonic() + wait_s
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank {rank}: rank 0 did not start the group's store within {wait_s:.0f} s")
+        time.sleep(0.01)
+    with open(path) as f:
+        port = int(f.read())
+    return dist.TCPStore("127.0.0.1", port, world_size, is_master=False)
+
+
 def _worker(rank: int, world_size: int, backend: str, init_file: str, pg_timeout_s: float,
             env: dict[str, str], jobs: Any, results: Any) -> None:
     import datetime
@@ -110,9 +132,13 @@ def _worker(rank: int, world_size: int, backend: str, init_file: str, pg_timeout
     if backend == "nccl":
         torch.cuda.set_device(rank % torch.cuda.device_count())
     logging.basicConfig(level=os.environ.get("DBO_TEST_LOG_LEVEL", "WARNING"))
-    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
-                            world_size=world_size,
-                            timeout=datetime.timedelta(seconds=pg_timeout_s))
+    timeout = datetime.timedelta(seconds=pg_timeout_s)
+    if backend == "nccl":  # a TCPStore, as under torchrun (what NCCL and symmetric memory ran on)
+        dist.init_process_group(backend, store=port_file_store(init_file, rank, world_size),
+                                rank=rank, world_size=world_size, timeout=timeout)
+    else:
+        dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
+                                world_size=world_size, timeout=timeout)
     results.put(("ready", rank, None))
     while True:
         job = jobs.get()

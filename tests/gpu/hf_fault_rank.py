@@ -39,28 +39,6 @@ def _start_together(tmp: str, tag: str, rank: int, world: int) -> None:
         time.sleep(0.01)
 
 
-def _store(path: str, rank: int, world: int):
-    """The case's TCPStore, as torchrun's: rank 0 serves it on a port the system picks and writes
-    the port to ``path``; the others read it there (no chosen port for parallel cases to collide
-    on)."""
-    import torch.distributed as dist
-
-    if rank == 0:
-        store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
-        with open(path + ".tmp", "w") as f:
-            f.write(str(store.port))
-        os.replace(path + ".tmp", path)
-        return store
-    deadline = time.time() + 120
-    while not os.path.exists(path):
-        if time.time() > deadline:
-            raise TimeoutError(f"rank {rank}: rank 0 did not start the case's store within 120 s")
-        time.sleep(0.01)
-    with open(path) as f:
-        port = int(f.read())
-    return dist.TCPStore("127.0.0.1", port, world, is_master=False)
-
-
 def _record_all_to_all() -> list:
     """``(experts module, implementation)`` of every transformers ``AllToAllEP`` built from now
     on in this process (to find the first MoE layer's)."""
@@ -210,6 +188,7 @@ def worker(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     from dbo.bench.dist import shutdown_distributed
+    from dbo.testing.dist import port_file_store
     from dbo.testing.faults import error_chain
 
     rank, world = args.rank, args.nproc
@@ -234,7 +213,7 @@ def worker(args: argparse.Namespace) -> int:
     if device.type == "cuda":
         kw["device_id"] = device
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world,
-                            store=_store(args.store, rank, world), **kw)
+                            store=port_file_store(args.store, rank, world), **kw)
     try:
         result = _case(args, rank, world, device)
     except BaseException as exc:  # noqa: BLE001 - a failure before the fault: reported
