@@ -14,9 +14,10 @@ from dbo.testing.dist import port_file_store
 def test_the_ranks_meet_on_the_port_rank_0_was_given(tmp_path):
     path = str(tmp_path / "store")
     got: dict[int, object] = {}
+    stores: dict[int, object] = {}  # alive to the end: rank 0's serves the others
 
     def rank(r: int) -> None:
-        store = port_file_store(path, r, 3, wait_s=30)
+        store = stores[r] = port_file_store(path, r, 3, wait_s=30)
         store.set(f"from{r}", str(r))
         got[r] = [store.get(f"from{k}").decode() for k in range(3)]  # waits for every rank's key
 
