@@ -58,6 +58,11 @@ def test_teacher_forced_share_checks_every_decode_step():
                               max_new_tokens=6, min_new_tokens=6, pad_token_id=0)
         assert teacher_forced_share(model, seqs, prompt=8) == 1.0
         assert teacher_forced_share(model, seqs, prompt=8, max_tokens=30) == 1.0  # 2 a forward
+        mask = torch.ones_like(ids)
+        mask[1, :3] = 0  # a left-padded prompt: positions follow the mask, as in generate()
+        padded = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=6,
+                                min_new_tokens=6, pad_token_id=0)
+        assert teacher_forced_share(model, padded, prompt=8, attention_mask=mask) == 1.0
         wrong = seqs.clone()
         wrong[:, 9:] = (wrong[:, 9:] + 1 + torch.arange(5)) % model.config.vocab_size
         assert teacher_forced_share(model, wrong, prompt=8) <= 0.5

@@ -131,7 +131,8 @@ TF_SLACK = 0.02
 
 
 def teacher_forced_share(model: torch.nn.Module, seqs: torch.Tensor, prompt: int,
-                         tol: float = TF_TOLERANCE, max_tokens: int | None = None) -> float:
+                         tol: float = TF_TOLERANCE, max_tokens: int | None = None,
+                         attention_mask: torch.Tensor | None = None) -> float:
     """The share of the new tokens of ``seqs`` (``[batch, prompt + new]``, from a greedy decode)
     that one plain forward over the whole sequences, without a cache, also picks: the token's
     logit within ``tol`` logit standard deviations of the position's largest. It checks the
@@ -139,16 +140,21 @@ def teacher_forced_share(model: torch.nn.Module, seqs: torch.Tensor, prompt: int
     does not; near ties, which bf16 rounding resolves either way, still count. Collective (a
     forward of the MoE layers): every rank calls it with the same shapes. ``max_tokens``: the
     most tokens per forward (a backend's buffers are sized for the prompt's), in chunks of whole
-    sequences."""
-    from dbo.integrations.transformers import prefill_logits
+    sequences. ``attention_mask``: the prompts' ``[batch, prompt]`` (left padding; positions
+    then follow it, as in the decode); None: no padding."""
+    from dbo.integrations.transformers.moe_block import routing_token_mask
 
     new = seqs.shape[1] - prompt
     rows = seqs.shape[0] if max_tokens is None else max(1, max_tokens // (seqs.shape[1] - 1))
+    full = torch.ones_like(seqs) if attention_mask is None else torch.cat(
+        [attention_mask.to(seqs.dtype), torch.ones_like(seqs[:, prompt:])], dim=1)
     ok = 0
     for r0 in range(0, seqs.shape[0], rows):
-        chunk = seqs[r0:r0 + rows]
-        logits = prefill_logits(model, chunk[:, :-1], logits_to_keep=new)  # p predicts p + 1
-        target = chunk[:, prompt:]
+        chunk, mask = seqs[r0:r0 + rows, :-1], full[r0:r0 + rows, :-1]  # p predicts p + 1
+        with routing_token_mask(mask):
+            logits = model(input_ids=chunk, attention_mask=mask, use_cache=False, logits_to_keep=new,
+                           position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits
+        target = seqs[r0:r0 + rows, prompt:]
         for lo in range(0, logits.shape[0], 8):  # float32 in slices of 8 sequences
             part = logits[lo:lo + 8].float()
             gap = part.amax(-1) - part.gather(-1, target[lo:lo + 8, :, None])[..., 0]

@@ -26,9 +26,9 @@
 #                  logits equal, the next smaller call overlaps again); named errors where nothing fits
 #   hfbad          bad checkpoints and configs on the transformers path, 2 NCCL ranks on 2 GPUs
 #                  (tests/test_hf_bad_inputs.py with DBO_TEST_DIST_BACKEND=nccl): one named error on every rank
-#   hfgraph        greedy_generate(cuda_graph=True) on 2 NCCL ranks on 2 GPUs, float32, copy_engine and deepep
-#                  (tests/test_hf_graph_decode.py with DBO_TEST_DIST_BACKEND=nccl): the captured and
-#                  replayed decode steps give the eager plain decode's tokens
+#   hfgraph        greedy_generate(cuda_graph=True) on 2 NCCL ranks on 2 GPUs, copy_engine (float32) and deepep
+#                  (bf16) (tests/test_hf_graph_decode.py with DBO_TEST_DIST_BACKEND=nccl): the captured and
+#                  replayed decode steps give the eager plain decode's tokens (deepep: a plain forward's)
 #   demo:N         examples/moe_overlap.py with each backend (DeepEP's when importable)
 #   overlap:N      `dbo.bench overlap` on the thin prefill grid (8 layers, I=256, attention width
 #                  1024, T=4096/8192/16384; I=2048 too with WIDE=1) for deepep_ht and copy_engine,
