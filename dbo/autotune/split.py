@@ -116,6 +116,9 @@ class AutotuneResult:
     sm_carveout: int | None = None
     #: the carve-outs measured (one entry when the call gave ``sm_carveout`` alone)
     carveouts_tried: tuple[int | None, ...] = (None,)
+    #: the plain call's transient device memory per row (token count), plus the margin of
+    #: ``min_free_bytes``, the largest over the counts and ranks; 0 where not measured (the CPU)
+    plain_bytes_per_row: int = 0
 
     def table(self) -> str:
         """The measurements as a small text table."""
@@ -301,6 +304,7 @@ def autotune_split_config(
     width = 2 + len(keys)
     sbo = ExpertSchedule.SBO in wanted
     transient: dict[ExpertSchedule, int] = {}  # the overlapped calls' peak memory above their start
+    per_row = 0  # the plain calls' peak above their start, per row
     local: list[float] = []
     for t in counts:
         inputs = list(make_inputs(t))
@@ -312,6 +316,8 @@ def autotune_split_config(
         for r in range(rounds):
             plain = min(plain, time_ms(lambda x=inputs: fn(*x, **kwargs), warmup, steps, device,
                                         clock))
+            if r == 0:  # one more call, once: what the plain call needs per row
+                per_row = max(per_row, -(-transient_bytes(lambda x=inputs: fn(*x, **kwargs), device) // t))
             if sbo:
                 sbo_ms = min(sbo_ms, time_ms(
                     lambda x=inputs, u=unsplit: overlapped_forward(fn, *x, plan=u, fn_kwargs=kwargs),
@@ -356,15 +362,16 @@ def autotune_split_config(
     tuned = {field: threshold, "adaptive": False}  # measured here: the wrapper need not
     if schedule is not ExpertSchedule.PLAIN:
         tuned["expert_schedule"] = schedule
-    need = [transient.get(s, 0) for s in (ExpertSchedule.SPLIT, ExpertSchedule.MERGED)]
+    need = [transient.get(s, 0) for s in (ExpertSchedule.SPLIT, ExpertSchedule.MERGED)] + [per_row]
     if multi:
         need = all_reduce_max(need, group)
-    need_bytes = dict(zip((ExpertSchedule.SPLIT, ExpertSchedule.MERGED), need, strict=True))
+    need_bytes = dict(zip((ExpertSchedule.SPLIT, ExpertSchedule.MERGED), need[:2], strict=True))
     if schedule.splits and need_bytes[schedule] > 0:
         # split only where a rank has the memory the overlapped call was measured to take
         tuned["min_free_bytes"] = int(need_bytes[schedule] * (1 + MEMORY_MARGIN))
     result = AutotuneResult(dataclasses.replace(config, **tuned), decode_only,
-                            threshold, rows, margin, schedule, carveouts[k], tuple(carveouts))
+                            threshold, rows, margin, schedule, carveouts[k], tuple(carveouts),
+                            int(need[2] * (1 + MEMORY_MARGIN)))
     logger.info("dbo autotune:\n%s", result.table())
     return result
 

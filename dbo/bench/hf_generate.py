@@ -142,6 +142,7 @@ def teacher_forced_share(model: torch.nn.Module, seqs: torch.Tensor, prompt: int
     most tokens per forward (a backend's buffers are sized for the prompt's), in chunks of whole
     sequences. ``attention_mask``: the prompts' ``[batch, prompt]`` (left padding; positions
     then follow it, as in the decode); None: no padding."""
+    from dbo.integrations.transformers.generate import mask_positions
     from dbo.integrations.transformers.moe_block import routing_token_mask
 
     new = seqs.shape[1] - prompt
@@ -153,7 +154,7 @@ def teacher_forced_share(model: torch.nn.Module, seqs: torch.Tensor, prompt: int
         chunk, mask = seqs[r0:r0 + rows, :-1], full[r0:r0 + rows, :-1]  # p predicts p + 1
         with routing_token_mask(mask):
             logits = model(input_ids=chunk, attention_mask=mask, use_cache=False, logits_to_keep=new,
-                           position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits
+                           position_ids=mask_positions(mask)).logits
         target = seqs[r0:r0 + rows, prompt:]
         for lo in range(0, logits.shape[0], 8):  # float32 in slices of 8 sequences
             part = logits[lo:lo + 8].float()

@@ -164,17 +164,18 @@ class MoEKernel:
         # a hook another ubatch left for us must complete before we issue our own collectives
         dbo_maybe_run_recv_hook()
         if pf.supports_async():
-            main = self._side_stream(a1) if beside is not None and pf.dispatch_holds_stream() else None
+            # a dispatch of copies on the compute stream would hold the shared experts behind it
+            side = self._side_stream(a1) if beside is not None and pf.dispatch_holds_stream() else None
+            compute = None if side is None else torch.cuda.current_stream()
             with dbo_region("dispatch"), ExitStack() as stack:
-                if main is not None:  # the dispatch's copies leave the compute stream free
-                    side, main = main, torch.cuda.current_stream()
-                    side.wait_stream(main)
+                if side is not None:
+                    side.wait_stream(compute)
                     stack.enter_context(torch.cuda.stream(side))
                 res = pf.prepare_async(a1, topk_weights, topk_ids, num_experts, expert_map,
                                        router_on_input, None)
             out = None if beside is None else beside()
-            if main is not None:
-                main.wait_stream(side)
+            if side is not None:
+                compute.wait_stream(side)  # before the receive reads what the copies wrote
             return _complete(res, "dispatch_recv"), out
         with dbo_region("dispatch"):
             prep = pf.prepare(a1, topk_weights, topk_ids, num_experts, expert_map,

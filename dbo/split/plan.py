@@ -360,11 +360,11 @@ def plan_ubatches(
             and free < config.min_free_bytes:
         decision = _no(SplitReason.MEMORY, f"{free / 2**30:.2f} GiB free on this rank, the "
                                            f"split needs {config.min_free_bytes / 2**30:.2f} GiB")
-    vec = encode_vote(decision, config)
-    vec += encode_room(group_rank(group), free, need_bytes)
+    vote = encode_vote(decision, config)
+    vec = vote + encode_room(group_rank(group), free, need_bytes)
     if agree and (not config.never_splits or need_bytes is not None) and group_size(group) > 1:
         vec = all_reduce_max(vec, group, device=device)
-    check_room(vec[len(vec) - 4:])
-    plan = resolve_plan(num_tokens, decision, config, vec[:len(vec) - 4])
+    check_room(vec[len(vote):])
+    plan = resolve_plan(num_tokens, decision, config, vec[:len(vote)])
     FALLBACK_LOG.note(plan)
     return plan

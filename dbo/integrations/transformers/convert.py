@@ -31,7 +31,6 @@ from typing import Any
 import torch
 
 from dbo.autotune import AutotuneResult, autotune_split_config
-from dbo.autotune.timing import MEMORY_MARGIN, transient_bytes
 from dbo.backends import backend_spec, make_backend
 from dbo.errors import DBOError
 from dbo.integrations.transformers.ep import prepare_for_overlap
@@ -39,8 +38,7 @@ from dbo.integrations.transformers.ep_model import expert_parallel_group
 from dbo.integrations.transformers.faults import named_device_faults
 from dbo.integrations.transformers.moe_block import ExpertParallelMoE, routing_token_mask
 from dbo.overlap import DBOWrapper
-from dbo.peers.collectives import all_reduce_max
-from dbo.split import SplitConfig, UBatchPlan, no_split_plan
+from dbo.split import SplitConfig, UBatchPlan
 
 __all__ = [
     "MoEFamily",
@@ -337,9 +335,9 @@ class DBOPrefill(torch.nn.Module):
 
         ``sm_carveouts`` (e.g. ``(None, 16)``) measures the overlapped runs with each SM
         carve-out and keeps the one that pays (as the prefill's ``sm_carveout`` from then on);
-        None times them with the prefill's own ``sm_carveout``. On CUDA it also measures the
-        plain call's device memory at the largest batch, which sets
-        :attr:`plain_bytes_per_token` (per token, +10%, the largest over the ranks).
+        None times them with the prefill's own ``sm_carveout``. The plain call's device memory
+        it measures (``AutotuneResult.plain_bytes_per_row``, CUDA only) sets
+        :attr:`plain_bytes_per_token`.
 
         Returns:
             the :class:`~dbo.autotune.AutotuneResult` (its rows are by sequences per rank).
@@ -364,10 +362,7 @@ class DBOPrefill(torch.nn.Module):
                                        sm_carveouts=sm_carveouts)
         self.wrapper.config = result.config
         self.wrapper.sm_carveout = result.sm_carveout
-        x = make_inputs(max(batch_sizes))[0]  # the plain call's need, per token, on every rank
-        need = transient_bytes(lambda: self.wrapper(x, plan=no_split_plan(x.shape[0])), device)
-        per_token = all_reduce_max([-(-int(need * (1 + MEMORY_MARGIN)) // x.numel())], self.wrapper.group)
-        self.plain_bytes_per_token = per_token[0]
+        self.plain_bytes_per_token = -(-result.plain_bytes_per_row // seq_len)  # rows: sequences
         return result
 
     def _forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:

@@ -39,7 +39,7 @@ from dbo.integrations.transformers.moe_block import routing_token_mask
 from dbo.overlap import current_ubatch, overlapped_forward
 from dbo.split import SplitConfig, UBatchPlan, no_split_plan, plan_ubatches
 
-__all__ = ["greedy_generate", "join_caches"]
+__all__ = ["greedy_generate", "join_caches", "mask_positions"]
 
 logger = logging.getLogger(__name__)
 
@@ -82,8 +82,9 @@ def join_caches(caches: list[Any], rows: list[int]) -> Any | None:
     return joined
 
 
-def _positions(mask: torch.Tensor) -> torch.Tensor:
-    # as transformers' generate: left padding does not shift the real tokens' positions
+def mask_positions(mask: torch.Tensor) -> torch.Tensor:
+    """The tokens' positions under a ``[batch, seq]`` attention mask, as transformers'
+    ``generate()`` counts them: left padding does not shift the real tokens' positions."""
     return (mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
@@ -190,7 +191,7 @@ def _decode(step: Any, input_ids: torch.Tensor, mask: torch.Tensor, plan: UBatch
             caches: dict[int, Any], max_new_tokens: int, split_decode: bool,
             graph_steps: Any = None) -> torch.Tensor:
     """:func:`greedy_generate`'s steps: the prefill, then the decode steps; the tokens."""
-    tokens, positions = input_ids, _positions(mask)
+    tokens, positions = input_ids, mask_positions(mask)
     ids = input_ids
     step_plan = plan
     for i in range(max_new_tokens):
