@@ -62,8 +62,9 @@
 #                  combine or after the combine, inside DBOPrefill and a greedy_generate decode step, on
 #                  dbo_copy_engine, dbo_deepep (where deep_ep imports) and transformers' all_to_all (the
 #                  comparison): each survivor's error and its delay, every process's exit
-#                  (tests/gpu/run_hf_faults.py, N GPUs; HFF_TIMEOUT: dbo's timeout, default 3 s; no case
-#                  starts after HFF_BUDGET_S, default 450; HFF_CAP_S, default 540; HFF_ARGS)
+#                  (tests/gpu/run_hf_faults.py, N GPUs; dbo's cases 4 at a time, then transformers' 18 at a
+#                  time; HFF_TIMEOUT: dbo's timeout, default 3 s; no case starts after HFF_BUDGET_S, default
+#                  450; HFF_CAP_S, default 540; HFF_ARGS, e.g. "--parallel 2")
 #   soak:N         a soak of the transformers path (tests/gpu/run_hf_soak.py): Qwen3-30B-A3B at full
 #                  size (HF_CKPT, HF_LAYERS as in hf) loaded with dbo_copy_engine, DBO against plain once,
 #                  then DBOPrefill and greedy_generate calls of random batch (1 2 4 8) and prompt length

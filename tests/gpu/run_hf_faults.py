@@ -32,7 +32,12 @@ case passes when every survivor raised a :class:`dbo.errors.DBOError` whose inne
 one too (or was ended by the GPU watchdog, exit status 75, for a wait inside a GPU kernel, or by
 the GIL-free deadline, exit status 1 with the wait named in its stacks, for DeepEP's host wait
 that holds the GIL) within ``T + 3`` s, the fault-free step before it matched, and no process was
-left; transformers' rows are not judged. Prints a markdown table; ``--json``.
+left; transformers' rows are not judged. The misbehaving rank's own error (``peer_error``, its
+seconds from the fault ``peer_error_s``) and its last lines of output (``peer_tail``) go in the
+JSON with each row, and how many cases ran at once when it started (``cases_at_once``). dbo's
+cases run ``--parallel`` at a time, then transformers' ``--a2a-parallel`` at a time, never beside
+dbo's: their stuck NCCL kernels spin on the GPUs for the process group's timeout and would slow
+the timed cases' kernels. Prints a markdown table; ``--json``.
 
 Exit status: 0 if every dbo case passed; 1 otherwise; 2 bad option; 3 transformers without its
 expert-parallel interface; 4 fewer GPUs than ranks.
@@ -93,8 +98,11 @@ def _judge(case: tuple, procs: list[dict], stamp_path: str, args: argparse.Names
         ref = res if res is not None else _read_json(p["files"]["result"] + ".ref")
         if ref is not None:  # (written after the fault-free step: there without a result too)
             refs.append(bool(ref.get("reference_ok")))
-        if p["rank"] == fail_rank:  # a stalled rank that came back: what it raised
+        if p["rank"] == fail_rank:  # a stalled rank that came back: what it raised, when, its last words
             row["peer_error"] = res["chain"][-1][0] if res is not None and res["chain"] else None
+            row["peer_error_s"] = None if res is None or stamp is None or "error_time" not in res \
+                else round(res["error_time"] - stamp, 2)
+            row["peer_tail"] = "\n".join([ln for ln in p["stderr"].splitlines() if ln.strip()][-6:])[-900:]
             continue
         if res is not None and res.get("ok"):
             errors.append(("returned output", "", ""))
@@ -193,19 +201,31 @@ def driver(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="dbo-hf-faults-") as tmp:
         ckpt = os.path.join(tmp, "ckpt")
         _write_checkpoint(ckpt)
-        queue, running = list(enumerate(cases)), []
+        # dbo's cases first, then transformers' (the comparison) once none of dbo's runs: a stuck
+        # NCCL all-to-all keeps a kernel spinning on the GPU for the process group's timeout, and
+        # beside it, time-sliced, the timed cases' kernels (a GPU stall, a trapping wait) would run
+        # late. transformers' cases only wait for NCCL's timeout: more of them at once
+        queue = sorted(enumerate(cases), key=lambda ic: ic[1][0] == "all_to_all")
+        running: list = []
         while running or (queue and within_budget()):
-            while queue and len(running) < args.parallel and within_budget():
-                i, case = queue.pop(0)
-                running.append((case, *_launch(args, case, f"c{i}", tmp, ckpt), time.time()))
+            while queue and within_budget():
+                i, case = queue[0]
+                a2a = case[0] == "all_to_all"
+                if a2a and any(c[0] != "all_to_all" for c, *_ in running):
+                    break
+                if len(running) >= (args.a2a_parallel if a2a else args.parallel):
+                    break
+                queue.pop(0)
+                at_once = len(running) + 1
+                running.append((case, *_launch(args, case, f"c{i}", tmp, ckpt), time.time(), at_once))
             time.sleep(0.05)
             for item in list(running):
-                case, procs, stamp, t0 = item
+                case, procs, stamp, t0, at_once = item
                 if poll_ranks(procs) or time.time() - t0 > args.case_limit:
                     running.remove(item)
                     collect_ranks(procs, t0 + args.case_limit)
                     rows.append(_judge(case, procs, stamp, args))
-                    rows[-1]["case_wall_s"] = round(time.time() - t0, 1)
+                    rows[-1].update(case_wall_s=round(time.time() - t0, 1), cases_at_once=at_once)
                     _report(rows[-1], procs)
                     _write_json(args, rows, [])  # as it goes: a run cut short keeps its rows
     order = {c: i for i, c in enumerate(cases)}
@@ -276,7 +296,10 @@ def main() -> int:
                    help="(default: every host fault; on cuda the GPU stalls too)")
     p.add_argument("--case", action="append", default=None, metavar="IMPL:WHERE:FAULT",
                    help="run exactly these cases (repeatable) instead of --impl x --where x --faults")
-    p.add_argument("--parallel", type=int, default=None, help="cases at once (default: 4 on cuda, 2 on cpu)")
+    p.add_argument("--parallel", type=int, default=None,
+                   help="dbo's cases at once (default: 4 on cuda, 2 on cpu)")
+    p.add_argument("--a2a-parallel", type=int, default=None,
+                   help="transformers' all_to_all cases at once, after dbo's (default: 18 on cuda, 2 on cpu)")
     p.add_argument("--time-budget-s", type=float, default=None,
                    help="start no case after this many seconds (the rest are listed as not run)")
     p.add_argument("--case-limit", type=float, default=120.0, help="seconds before a case's ranks are killed")
@@ -290,9 +313,11 @@ def main() -> int:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.parallel is None:
         args.parallel = 4 if args.device == "cuda" else 2
-    if args.nproc < 2 or args.parallel < 1 or args.timeout <= 0:
-        p.error(f"--nproc must be >= 2, --parallel >= 1 and --timeout > 0 (got {args.nproc}, "
-                f"{args.parallel}, {args.timeout})")
+    if args.a2a_parallel is None:
+        args.a2a_parallel = 18 if args.device == "cuda" else 2
+    if args.nproc < 2 or min(args.parallel, args.a2a_parallel) < 1 or args.timeout <= 0:
+        p.error(f"--nproc must be >= 2, --parallel and --a2a-parallel >= 1 and --timeout > 0 (got "
+                f"{args.nproc}, {args.parallel}, {args.a2a_parallel}, {args.timeout})")
     if args.a2a_timeout is None:
         args.a2a_timeout = args.timeout
     faults = args.faults or (tuple(FAULT_PLACES) if args.device == "cuda" else HOST_FAULTS)
