@@ -178,7 +178,10 @@ def greedy_generate(model: torch.nn.Module, input_ids: torch.Tensor,
         with decode_phase(True):
             return static_decode(run, ids, positions, full_mask, slots, steps, capture=ids.is_cuda)
 
-    with named_device_faults():
+    # sync: where a copy-engine GPU wait can trap, wait for the stream before returning, so that a
+    # wait of the last steps (or of a replayed graph, which runs no Python) that trapped fails
+    # here, named, not bare at the caller's next CUDA call
+    with named_device_faults(sync=True):
         return _decode(step, input_ids, mask, plan, caches, max_new_tokens, split_decode,
                        graph_steps if cuda_graph else None), plan
 
