@@ -88,3 +88,30 @@ def test_sync_at_the_end_names_a_wait_that_failed_after_the_block_returned(trans
     with pytest.raises(CollectiveTimeoutError, match="rank 1's GPU wait for the combine of slot 0"), \
             named_device_faults(sync=True):
         pass
+
+
+def test_a_fault_before_a_graph_replay_strikes_at_the_at_th_replay(tmp_path, monkeypatch):
+    """``Fault.install_on_graph_replays`` (the GPU runner's faults in replayed decode steps): the
+    ``at``-th replay from the install misbehaves first, the others replay untouched, and
+    ``remove`` puts the replay back. A recording stand-in replaces ``CUDAGraph.replay`` here."""
+    import torch
+
+    from dbo.testing.faults import Fault
+
+    replayed: list = []
+    fake = lambda graph: replayed.append(graph)  # noqa: E731
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", fake)
+    stamp = tmp_path / "stamp"
+    fault = Fault("slow", 2, 0.01, str(stamp))
+    fault.install_on_graph_replays()
+    torch.cuda.CUDAGraph.replay("g1")
+    assert replayed == ["g1"] and not stamp.exists()
+    torch.cuda.CUDAGraph.replay("g2")
+    assert replayed == ["g1", "g2"] and stamp.exists()  # it misbehaved, then replayed
+    written = stamp.read_text()
+    torch.cuda.CUDAGraph.replay("g3")
+    assert replayed == ["g1", "g2", "g3"] and stamp.read_text() == written  # once only
+    fault.remove()
+    assert torch.cuda.CUDAGraph.replay is fake
+    with pytest.raises(ValueError, match="before a dispatch"):
+        Fault("exit_after_combine", 2, 1.0, None).install_on_graph_replays()

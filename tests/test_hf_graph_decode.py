@@ -196,3 +196,67 @@ def test_every_supported_family_decodes_the_same_from_a_static_cache(family, mon
     want, got = _eager_and_static(model, seq=5, padded_row=0, pad=3, new=6)
     assert ran == [1], f"{family}: the static path did not run"
     assert torch.equal(want, got), (want[:, 5:], got[:, 5:])
+
+
+class _FakeEvent:
+    """A CUDA event stand-in: done once ``done`` is set; counts its synchronizations."""
+
+    def __init__(self, log: list):
+        self.done, self.log = False, log
+        log.append(self)
+
+    def record(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.done = True  # (a real one waits for the GPU)
+        self.log.append(("sync", self))
+
+
+def test_replay_pacer_keeps_the_host_at_most_lead_replays_ahead():
+    from dbo.peers.watchdog import GpuWaitWatchdog
+
+    log: list = []
+    dog = GpuWaitWatchdog(on_expire=lambda m: None)
+    pacer = graph_decode.ReplayPacer(5, 0, event=lambda: _FakeEvent(log), watchdog=dog, lead=2)
+    for step in range(2, 6):
+        pacer.replayed(step)
+    events = [e for e in log if isinstance(e, _FakeEvent)]
+    synced = [e for tag, e in (x for x in log if isinstance(x, tuple))]
+    assert len(events) == 4 and synced == events[:2]  # after the 3rd and 4th replay: the oldest
+    pacer.drain()
+    synced = [e for tag, e in (x for x in log if isinstance(x, tuple))]
+    assert synced == events and all(e.done for e in events)
+    dog.stop()
+
+
+def test_replay_pacer_watch_names_the_stuck_step_after_the_timeout_plus_grace():
+    from dbo.peers.watchdog import GpuWaitWatchdog, collective_timeout
+
+    fired: list[str] = []
+    dog = GpuWaitWatchdog(on_expire=fired.append)
+    dog._start = lambda: None  # polled by hand below (no thread)
+    with collective_timeout(3.0):
+        pacer = graph_decode.ReplayPacer(64, 1, event=lambda: _FakeEvent([]), watchdog=dog)
+    assert pacer.timeout_s == 3.0 + graph_decode.REPLAY_WATCH_GRACE_S
+    pacer.replayed(2)
+    pacer.replayed(3)
+    import time
+
+    dog.poll(now=time.monotonic() + 1.0)  # within the deadline: nothing
+    assert fired == []
+    dog.poll(now=time.monotonic() + pacer.timeout_s + 0.5)
+    assert len(fired) == 1
+    msg = fired[0]
+    assert "replayed decode step 2 of 64" in msg and "on rank 1" in msg and "4.0 s" in msg, msg
+    assert "exit code 75" in msg, msg
+
+
+def test_replay_pacer_default_timeout_outside_a_collective_timeout_block():
+    pacer = graph_decode.ReplayPacer(4, 0, event=lambda: _FakeEvent([]))
+    assert pacer.timeout_s == graph_decode.REPLAY_DEFAULT_TIMEOUT_S + graph_decode.REPLAY_WATCH_GRACE_S
+    with pytest.raises(ValueError, match="lead"):
+        graph_decode.ReplayPacer(4, 0, lead=0)

@@ -90,6 +90,7 @@ class Fault:
         self.where, self.what = _WHERE_WHAT[fault]
         self._prepares = self._finalizes = 0
         self._saved: tuple[Any, Any, tuple[str, str]] | None = None
+        self._replay_saved: Any = None
 
     def install(self, pf: Any, dispatch: str = "prepare_async", combine: str = "finalize_async") -> None:
         """Wrap ``pf``'s methods ``dispatch`` and ``combine`` (as instance attributes)."""
@@ -118,7 +119,32 @@ class Fault:
         setattr(pf, dispatch, prepare_async)
         setattr(pf, combine, finalize_async)
 
+    def install_on_graph_replays(self) -> None:
+        """Misbehave before this process's ``at``-th CUDA graph replay from now on (wraps
+        ``torch.cuda.CUDAGraph.replay`` for the whole process, until :meth:`remove`): a fault in
+        the steps a graph replays, where no Python of the backends runs. Faults placed before a
+        dispatch only (``exit_before_dispatch``, ``stall``, ``gpu_stall``, ``slow``)."""
+        if self.where != "dispatch":
+            raise ValueError(f"a fault before a graph replay must be one placed before a dispatch, "
+                             f"not {self.fault!r}")
+        replay = torch.cuda.CUDAGraph.replay
+        replays = 0
+
+        def counted_replay(graph: Any) -> None:
+            nonlocal replays
+            replays += 1
+            if replays == self.at:
+                self._misbehave()
+            replay(graph)
+
+        torch.cuda.CUDAGraph.replay = counted_replay
+        self._replay_saved = replay
+
     def remove(self) -> None:
+        replay = self._replay_saved
+        if replay is not None:
+            torch.cuda.CUDAGraph.replay = replay
+            self._replay_saved = None
         if self._saved is not None:
             pf, buffer, names = self._saved
             for name in names:

@@ -100,12 +100,14 @@ def _operation(args: argparse.Namespace, model, ids, mask):
             return err <= (0.1 if bf16 else 1e-4), len(prefill.last_plan.slices)
         return run, reference
 
+    graph = args.where == "graph"  # the decode steps replayed from a CUDA graph
+
     def run():
         with collective_timeout(args.timeout):
-            return greedy_generate(model, ids, mask, max_new_tokens=NEW_TOKENS)[0]
+            return greedy_generate(model, ids, mask, max_new_tokens=NEW_TOKENS, cuda_graph=graph)[0]
 
     def reference():
-        got, plan = greedy_generate(model, ids, mask, max_new_tokens=NEW_TOKENS)
+        got, plan = greedy_generate(model, ids, mask, max_new_tokens=NEW_TOKENS, cuda_graph=graph)
         want, _ = greedy_generate(model, ids, mask, max_new_tokens=NEW_TOKENS,
                                   config=SplitConfig(enabled=False))
         agree = (got == want).float().mean().item()
@@ -117,11 +119,14 @@ def _fault_target(args: argparse.Namespace, model, built: list, prefill_ubatches
     """``(object, dispatch method, combine method, at)``: the last rank's first MoE layer's
     backend (or transformers' implementation) and the call of it that misbehaves: the prefill's
     first, or the second decode step's (``generate()`` runs every step through the prefill
-    backend, in one ubatch)."""
+    backend, in one ubatch); ``(None, "", "", 2)`` for the decode steps replayed from a graph
+    (``graph``): the second replay misbehaves."""
     if args.impl == "all_to_all":
         impls = dict((id(m), impl) for m, impl in built)
         first = next(impls[id(m)] for m in model.modules() if id(m) in impls)
         return first, "_dispatch_tokens", "_combine_tokens", 1 if args.where == "prefill" else 3
+    if args.where == "graph":  # the second replay of the decode graph (dbo.testing.faults)
+        return None, "", "", 2
     from dbo.integrations.transformers.ep_model import expert_parallel_modules
 
     layer = expert_parallel_modules(model)[0][1]
@@ -162,7 +167,10 @@ def _case(args: argparse.Namespace, rank: int, world: int, device) -> dict:
         dist.barrier()
         fault = Fault(args.fault, at, args.timeout, args.stamp)
         if rank == world - 1:
-            fault.install(target, dispatch, combine)
+            if target is None:
+                fault.install_on_graph_replays()
+            else:
+                fault.install(target, dispatch, combine)
         t0 = time.monotonic()
         try:
             run()

@@ -16,8 +16,12 @@ layer's backend object, or on transformers' implementation):
 
 * where: ``prefill``, a ``DBOPrefill(model, timeout_s=T)`` call (two ubatches; the layer's first
   dispatch); ``decode``, the second decode step of ``greedy_generate`` inside
-  ``collective_timeout(T)`` (the prefill split, the decode steps plain); ``generate`` (not by
-  default), the same step of ``model.generate()`` inside ``collective_timeout(T)``;
+  ``collective_timeout(T)`` (the prefill split, the decode steps plain); ``graph`` (on CUDA),
+  ``greedy_generate(cuda_graph=True)`` inside ``collective_timeout(T)``, the rank exiting or
+  stalling (host or GPU) before the second replay of its decode graph, where no Python of the
+  backends runs (:class:`dbo.integrations.transformers.graph_decode.ReplayPacer` watches the
+  replays); ``generate`` (not by default), the same step as ``decode`` of ``model.generate()``
+  inside ``collective_timeout(T)``;
 * implementations: ``dbo_copy_engine``; ``dbo_deepep`` (DeepEP's high-throughput kernels for the
   prefill, low-latency ones for the decode steps; where ``deep_ep`` imports); transformers' own
   ``all_to_all`` as the comparison (``prefill_logits``, ``model.generate()``; the process group's
@@ -53,7 +57,10 @@ import tempfile
 import time
 
 IMPLS = ("dbo_copy_engine", "dbo_deepep", "all_to_all")
-WHERES = ("prefill", "decode", "generate")
+WHERES = ("prefill", "decode", "graph", "generate")
+#: the faults of ``graph`` (the decode steps replayed from a CUDA graph): before a replay, where
+#: no Python of the backends runs (dbo.testing.faults.Fault.install_on_graph_replays)
+GRAPH_FAULTS = ("exit_before_dispatch", "stall", "gpu_stall")
 #: fault (dbo.testing.faults) -> (what the rank does, where)
 FAULT_PLACES = {
     "exit_before_dispatch": ("exit", "before dispatch"),
@@ -84,6 +91,8 @@ def _judge(case: tuple, procs: list[dict], stamp_path: str, args: argparse.Names
 
     impl, where, fault = case
     what, place = FAULT_PLACES[fault]
+    if where == "graph":
+        place = "before a replay"
     fail_rank = args.nproc - 1
     row = {"impl": impl, "where": where, "fault": fault, "what": what, "place": place,
            "exit_codes": [p["code"] for p in procs]}
@@ -291,7 +300,8 @@ def main() -> int:
     p.add_argument("--a2a-timeout", type=float, default=None,
                    help="the process group's timeout for transformers' all_to_all rows (default: T)")
     p.add_argument("--impl", nargs="+", choices=IMPLS, default=list(IMPLS))
-    p.add_argument("--where", nargs="+", choices=WHERES, default=["prefill", "decode"])
+    p.add_argument("--where", nargs="+", choices=WHERES, default=None,
+                   help="(default: prefill decode, and graph on cuda)")
     p.add_argument("--faults", nargs="+", choices=tuple(FAULT_PLACES), default=None,
                    help="(default: every host fault; on cuda the GPU stalls too)")
     p.add_argument("--case", action="append", default=None, metavar="IMPL:WHERE:FAULT",
@@ -320,15 +330,21 @@ def main() -> int:
                 f"{args.nproc}, {args.parallel}, {args.a2a_parallel}, {args.timeout})")
     if args.a2a_timeout is None:
         args.a2a_timeout = args.timeout
+    if args.where is None:
+        args.where = ["prefill", "decode"] + (["graph"] if args.device == "cuda" else [])
     faults = args.faults or (tuple(FAULT_PLACES) if args.device == "cuda" else HOST_FAULTS)
     args.cases = [tuple(c.split(":")) for c in args.case] if args.case else \
-        [(i, w, f) for i in args.impl for w in args.where for f in faults]
+        [(i, w, f) for i in args.impl for w in args.where for f in faults
+         if w != "graph" or (i != "all_to_all" and f in GRAPH_FAULTS)]
     for c in args.cases:
         if len(c) != 3 or c[0] not in IMPLS or c[1] not in WHERES or c[2] not in FAULT_PLACES:
             p.error(f"--case {':'.join(c)}: expected IMPL:WHERE:FAULT, IMPL one of {IMPLS}, WHERE one "
                     f"of {WHERES}, FAULT one of {tuple(FAULT_PLACES)}")
         if c[2].startswith("gpu") and args.device != "cuda":
             p.error(f"--case {':'.join(c)}: a GPU stall needs --device cuda")
+        if c[1] == "graph" and (args.device != "cuda" or c[0] == "all_to_all" or c[2] not in GRAPH_FAULTS):
+            p.error(f"--case {':'.join(c)}: graph (replayed decode steps) needs --device cuda, a dbo "
+                    f"implementation and a fault of {GRAPH_FAULTS}")
     return driver(args)
 
 

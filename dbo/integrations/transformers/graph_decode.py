@@ -20,17 +20,82 @@ the first run from a static KV cache and static inputs, so that one CUDA graph h
 Every rank captures at the same step (the MoE layers are collective inside the graph too). On
 the CPU the same static-cache steps run eagerly, which is what the CPU tests check against the
 plain decode (no host sync inside a step, the same tokens).
+
+A replay runs no Python, so none of the backends' host-side checks for a dead or stalled peer
+runs during one. :class:`ReplayPacer` stands in for them: the host queues at most
+:data:`REPLAY_LEAD` replays ahead of the GPU (waiting for the oldest, the GIL released), and the
+GPU watchdog (:data:`dbo.peers.watchdog.WATCHDOG`) ends the process, with a message naming the
+step, where a replay has not finished :data:`REPLAY_WATCH_GRACE_S` after the timeout in force (a
+:func:`~dbo.peers.watchdog.collective_timeout` block's, else :data:`REPLAY_DEFAULT_TIMEOUT_S`). A
+copy-engine wait traps at the timeout itself, before that, and is raised named.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-__all__ = ["static_cache_from", "static_decode"]
+from dbo.peers.watchdog import WATCHDOG, GpuWaitWatchdog, WaitSite, resolve_timeout
+
+__all__ = ["static_cache_from", "static_decode", "ReplayPacer", "REPLAY_LEAD", "REPLAY_WATCH_GRACE_S",
+           "REPLAY_DEFAULT_TIMEOUT_S"]
+
+#: replays the host queues ahead of the GPU at most (a replay is one whole decode step: two keep
+#: the GPU fed, and the watch's deadline starts about when the GPU reaches the step)
+REPLAY_LEAD = 2
+#: a replay is watched for the timeout in force plus this: a copy-engine wait, which traps at the
+#: timeout itself, fails first and is raised named
+REPLAY_WATCH_GRACE_S = 1.0
+#: the timeout of a replayed step outside any collective_timeout() block (the backends' default)
+REPLAY_DEFAULT_TIMEOUT_S = 60.0
+
+
+class _Pending:
+    """A replay's event as the watchdog sees it: ``query()`` only, so that it is not pooled."""
+
+    __slots__ = ("event",)
+
+    def __init__(self, event: Any):
+        self.event = event
+
+    def query(self) -> bool:
+        return self.event.query()
+
+
+class ReplayPacer:
+    """Paces and watches the replays of one decode graph (see the module docstring).
+
+    Call :meth:`replayed` after each replay of step ``step`` (1-based, of ``steps``) and
+    :meth:`drain` after the last. ``event`` makes an event with ``record()``, ``query()`` and
+    ``synchronize()`` (``torch.cuda.Event``); ``watchdog`` the watchdog (the process's)."""
+
+    def __init__(self, steps: int, rank: int, *, event: Callable[[], Any] | None = None,
+                 watchdog: GpuWaitWatchdog | None = None, lead: int = REPLAY_LEAD):
+        if lead < 1:
+            raise ValueError(f"lead must be >= 1, got {lead}")
+        self.steps, self.rank, self.lead = steps, rank, lead
+        self.timeout_s = resolve_timeout(REPLAY_DEFAULT_TIMEOUT_S) + REPLAY_WATCH_GRACE_S
+        self._event = event or torch.cuda.Event
+        self._watchdog = WATCHDOG if watchdog is None else watchdog
+        self._queued: collections.deque[Any] = collections.deque()
+
+    def replayed(self, step: int) -> None:
+        event = self._event()
+        event.record()
+        site = WaitSite("greedy_generate", f"replayed decode step {step} of {self.steps} (a CUDA graph: "
+                        "no host-side peer check runs in it)", 0, self.rank)
+        self._watchdog.watch(_Pending(event), self.timeout_s, site)
+        self._queued.append(event)
+        while len(self._queued) > self.lead:
+            self._queued.popleft().synchronize()
+
+    def drain(self) -> None:
+        while self._queued:
+            self._queued.popleft().synchronize()
 
 logger = logging.getLogger(__name__)
 
@@ -124,8 +189,12 @@ def static_decode(step: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tor
                            f"({type(exc).__name__}: {exc}); decode eagerly (cuda_graph=False). "
                            "A failed capture may leave a backend's buffers out of step: "
                            "restart the process") from exc
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    pacer = ReplayPacer(steps, rank)
     for i in range(1, steps):
         graph.replay()
         tokens.append(ids_buf.clone())
         open_next_slot(i)
+        pacer.replayed(i + 1)
+    pacer.drain()
     return torch.cat(tokens, dim=1)
