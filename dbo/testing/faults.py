@@ -29,19 +29,14 @@ after its last launch would. Before the fault it writes the wall-clock time to
 ``stamp_path``, so the survivor's (or the driver's) time to the error can be measured.
 
 A fault leaves its group out of step, so the GPU fault runners start a fresh set of rank
-processes per case (:func:`spawn_ranks`) and read back each one's result, exit status, exit
-time and stderr (:func:`collect_ranks`).
+processes per case (:mod:`dbo.testing.ranks`).
 """
 
 from __future__ import annotations
 
-import json
 import os
-import socket
 import statistics
-import subprocess
 import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -50,8 +45,7 @@ import torch.distributed as dist
 from dbo.ubatch.context import run_ubatches
 
 __all__ = ["FAULTS", "FAULT_EXIT_CODE", "Fault", "faulty_step", "error_chain",
-           "make_deepep_backend", "free_port", "spawn_ranks", "poll_ranks", "collect_ranks",
-           "per_launch_check_cost"]
+           "make_deepep_backend", "per_launch_check_cost"]
 
 FAULTS = ("none", "slow", "stall", "exit_before_dispatch", "exit_after_send",
           "exit_before_combine", "gpu_stall", "stall_before_combine", "gpu_stall_before_combine",
@@ -213,71 +207,6 @@ class _SendThenExit:
 
     def low_latency_dispatch(self, *args: Any, **kwargs: Any) -> Any:
         return self._dispatch("low_latency_dispatch", *args, **kwargs)
-
-
-def free_port() -> int:
-    """A TCP port of 127.0.0.1 that is free now (a case's rendezvous)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def spawn_ranks(argv: Callable[[int, dict[str, str]], list[str]], tmp: str, tag: str, *,
-                world_size: int = 2) -> list[dict]:
-    """Start one process per rank of a fault case: ``argv(rank, files)`` is its command line,
-    ``files["result"]`` the path of the JSON it writes, ``files["err"]`` where its stdout and
-    stderr go (both under ``tmp``, named after ``tag``). Returns a record per rank for
-    :func:`collect_ranks` (``rank``, ``p``: the ``Popen``)."""
-    procs = []
-    for rank in range(world_size):
-        files = {k: os.path.join(tmp, f"{tag}.{rank}.{k}") for k in ("result", "err")}
-        err = open(files["err"], "w")  # noqa: SIM115 - closed in collect_ranks
-        procs.append({"rank": rank, "p": subprocess.Popen(argv(rank, files), stdout=err, stderr=err),
-                      "files": files, "errf": err, "exit_time": None})
-    return procs
-
-
-def poll_ranks(procs: list[dict]) -> bool:
-    """Note the exit time (wall clock) of each process of :func:`spawn_ranks` that ended since
-    the last call; whether all have. Call it often (every few tens of ms) while they run: the
-    exit times are only as exact as the polling."""
-    for p in procs:
-        if p["exit_time"] is None and p["p"].poll() is not None:
-            p["exit_time"] = time.time()
-    return all(p["exit_time"] is not None for p in procs)
-
-
-def collect_ranks(procs: list[dict], deadline: float) -> None:
-    """Wait for the processes of :func:`spawn_ranks`, killing those still running at
-    ``deadline`` (wall clock; their record gets ``killed``). Adds to each record ``exit_time``
-    (wall clock, polled every 20 ms here and by :func:`poll_ranks`), ``code`` (exit status;
-    negative: the signal), ``result`` (its JSON, None if it wrote none), ``stderr`` (the last
-    3000 characters) and ``deadline`` (from the whole log: the ``Timeout (h:mm:ss)!`` line of a
-    :func:`dbo.peers.watchdog.gil_free_deadline` end and the stack line naming the wait,
-    ``File "[dbo watchdog] ..."``, each "" where absent)."""
-    while not poll_ranks(procs):
-        if time.time() > deadline:
-            for p in procs:
-                if p["exit_time"] is None:
-                    p["p"].kill()
-                    p["p"].wait()
-                    p["exit_time"] = time.time()
-                    p["killed"] = True
-        time.sleep(0.02)
-    for p in procs:
-        p["errf"].close()
-        p["code"] = p["p"].returncode
-        try:
-            with open(p["files"]["result"]) as f:
-                p["result"] = json.load(f)
-        except (OSError, ValueError):
-            p["result"] = None
-        with open(p["files"]["err"], errors="replace") as f:
-            text = f.read()
-        p["stderr"] = text[-3000:]
-        lines = text.splitlines()
-        p["deadline"] = (next((ln for ln in lines if ln.startswith("Timeout (")), ""),
-                         next((ln.strip() for ln in lines if '"[dbo watchdog] ' in ln), ""))
 
 
 def error_chain(exc: BaseException | None) -> list[tuple[str, str]]:

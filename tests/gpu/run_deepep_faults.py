@@ -143,7 +143,7 @@ _MISSING = re.compile(r"\branks? (\d+(?:, \d+)*) did not arrive")
 
 
 def _spawn(tmp: str, tag: str, extra: list[str], args: argparse.Namespace) -> list[dict]:
-    from dbo.testing.faults import free_port, spawn_ranks
+    from dbo.testing.ranks import free_port, spawn_ranks
 
     port = free_port()
 
@@ -270,7 +270,7 @@ def _print_row(row: dict, procs: list[dict]) -> None:
 def driver(args: argparse.Namespace) -> int:
     import torch
 
-    from dbo.testing.faults import collect_ranks, poll_ranks
+    from dbo.testing.ranks import collect_ranks, poll_ranks
 
     if not args.fake and not torch.cuda.is_available():
         print("SKIP: no GPU", flush=True)

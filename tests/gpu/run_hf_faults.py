@@ -185,7 +185,7 @@ def driver(args: argparse.Namespace) -> int:
     """Run the cases, ``args.parallel`` at a time; print and write the table; the exit status."""
     import importlib.util
 
-    from dbo.testing.faults import collect_ranks, poll_ranks
+    from dbo.testing.ranks import collect_ranks, poll_ranks
 
     if importlib.util.find_spec("transformers") is None or \
             importlib.util.find_spec("transformers.distributed.expert_parallel") is None:
@@ -255,7 +255,7 @@ def driver(args: argparse.Namespace) -> int:
 def _launch(args: argparse.Namespace, case: tuple[str, str, str], tag: str, tmp: str,
             ckpt: str) -> tuple[list[dict], str]:
     """Start the ranks of ``case``; returns them and the path of the fault's time stamp."""
-    from dbo.testing.faults import spawn_ranks
+    from dbo.testing.ranks import spawn_ranks
 
     store, stamp = os.path.join(tmp, f"{tag}.store"), os.path.join(tmp, f"{tag}.stamp")
     pg = ["--pg-timeout", str(args.a2a_timeout)] if case[0] == "all_to_all" else []
