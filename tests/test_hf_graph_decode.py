@@ -234,17 +234,18 @@ def test_replay_pacer_keeps_the_host_at_most_lead_replays_ahead():
 
 
 def test_replay_pacer_watch_names_the_stuck_step_after_the_timeout_plus_grace():
+    import time
+
     from dbo.peers.watchdog import GpuWaitWatchdog, collective_timeout
 
     fired: list[str] = []
     dog = GpuWaitWatchdog(on_expire=fired.append)
-    dog._start = lambda: None  # polled by hand below (no thread)
     with collective_timeout(3.0):
         pacer = graph_decode.ReplayPacer(64, 1, event=lambda: _FakeEvent([]), watchdog=dog)
     assert pacer.timeout_s == 3.0 + graph_decode.REPLAY_WATCH_GRACE_S
     pacer.replayed(2)
     pacer.replayed(3)
-    import time
+    dog.stop()  # polled by hand below
 
     dog.poll(now=time.monotonic() + 1.0)  # within the deadline: nothing
     assert fired == []

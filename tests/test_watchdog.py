@@ -149,6 +149,23 @@ def test_watchdog_retires_done_events_and_expires_the_late_one():
     assert len(fired) == 1  # reset dropped it
 
 
+class _LostContextEvent:
+    def query(self):
+        raise RuntimeError("CUDA error: unspecified launch failure")
+
+
+def test_watchdog_drops_an_event_whose_query_fails_and_fires_for_no_one():
+    """A trapped kernel leaves the CUDA context lost: every query raises. The watchdog drops
+    such events (the caller's next CUDA call raises the error) instead of failing every poll."""
+    fired: list[str] = []
+    wd = GpuWaitWatchdog(on_expire=fired.append)
+    wd.watch(_LostContextEvent(), 1.0, SITE)
+    wd.watch(_Event(done=True), 1.0, SITE)
+    wd.stop()
+    wd.poll(time.monotonic() + 5)
+    assert len(wd) == 0 and not fired
+
+
 def test_watchdog_thread_fires_within_the_timeout():
     fired: list[str] = []
     wd = GpuWaitWatchdog(poll_s=0.02, on_expire=fired.append)

@@ -256,7 +256,8 @@ class GpuWaitWatchdog:
                 logger.exception("dbo watchdog: polling failed")
 
     def poll(self, now: float | None = None) -> None:
-        """One round: retire completed events, expire the first one past its deadline."""
+        """One round: retire completed events (and those whose query fails: the CUDA context is
+        lost, which the caller's next CUDA call raises), expire the first one past its deadline."""
         while self._incoming:
             self._pending.append(self._incoming.popleft())
         if not self._pending:
@@ -265,7 +266,11 @@ class GpuWaitWatchdog:
         still = []
         expired = None
         for p in self._pending:
-            if p[0].query():
+            try:
+                done = p[0].query()
+            except RuntimeError:  # the CUDA context failed (a trap): the caller's next CUDA call
+                continue          # raises it; the event is dropped, not pooled
+            if done:
                 if hasattr(p[0], "record"):
                     self._free.append(p[0])
             else:
