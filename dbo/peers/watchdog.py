@@ -73,11 +73,7 @@ _TIMEOUT: contextvars.ContextVar[float | None] = contextvars.ContextVar("dbo_col
 
 def check_timeout(timeout_s: Any, what: str = "timeout_s") -> float | None:
     """``timeout_s`` as a float (None stays None); ``ValueError`` unless it is positive."""
-    if timeout_s is None:
-        return None
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
-        raise ValueError(f"{what} must be a positive number of seconds or None, got {timeout_s!r}")
-    return float(timeout_s)
+    return None if timeout_s is None else positive_seconds(timeout_s, what)
 
 
 @contextlib.contextmanager

@@ -39,10 +39,13 @@ from typing import Any
 
 import torch
 
+from dbo.peers.groups import group_rank
 from dbo.peers.watchdog import WATCHDOG, GpuWaitWatchdog, WaitSite, resolve_timeout
 
 __all__ = ["static_cache_from", "static_decode", "ReplayPacer", "REPLAY_LEAD", "REPLAY_WATCH_GRACE_S",
            "REPLAY_DEFAULT_TIMEOUT_S"]
+
+logger = logging.getLogger(__name__)
 
 #: replays the host queues ahead of the GPU at most (a replay is one whole decode step: two keep
 #: the GPU fed, and the watch's deadline starts about when the GPU reaches the step)
@@ -96,8 +99,6 @@ class ReplayPacer:
     def drain(self) -> None:
         while self._queued:
             self._queued.popleft().synchronize()
-
-logger = logging.getLogger(__name__)
 
 
 def static_cache_from(model: torch.nn.Module, cache: Any, slots: int) -> Any | None:
@@ -189,8 +190,7 @@ def static_decode(step: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tor
                            f"({type(exc).__name__}: {exc}); decode eagerly (cuda_graph=False). "
                            "A failed capture may leave a backend's buffers out of step: "
                            "restart the process") from exc
-    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-    pacer = ReplayPacer(steps, rank)
+    pacer = ReplayPacer(steps, group_rank())
     for i in range(1, steps):
         graph.replay()
         tokens.append(ids_buf.clone())
