@@ -349,3 +349,23 @@ def test_gpu_signal_waits_take_the_timeout_in_force():
         assert t._timeout_ms() == 2_500
     with collective_timeout(0.0001):
         assert t._timeout_ms() == 1
+
+
+def test_a_new_signal_pad_is_zeroed_before_the_peers_see_it(monkeypatch):
+    # The allocation's zeroing of the signal pad may still be queued on the GPU when it returns;
+    # a peer that signalled before it ran would lose that signal. The device is synchronized
+    # between the allocation and the rendezvous that shows the pad to the peers (checked without
+    # a GPU: the order of the calls).
+    import torch.distributed._symmetric_memory as symm_mem
+
+    from dbo.backends.copy_engine.transport import symm_mem_rendezvous
+
+    calls = []
+    monkeypatch.setattr(symm_mem, "empty", lambda n, **kw: calls.append("empty") or torch.zeros(n))
+    monkeypatch.setattr(symm_mem, "rendezvous", lambda buf, group: calls.append("rendezvous") or "h")
+    monkeypatch.setattr(symm_mem, "enable_symm_mem_for_group", lambda name: None, raising=False)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append("synchronize"))
+    group = type("G", (), {"group_name": "g"})()
+    buf, handle = symm_mem_rendezvous(64, torch.device("cpu"), group)
+    assert handle == "h" and buf.numel() == 64
+    assert calls == ["empty", "synchronize", "rendezvous"]

@@ -244,6 +244,12 @@ def symm_mem_rendezvous(nbytes: int, device: torch.device, group: Any) -> tuple[
             warnings.simplefilter("ignore")
             enable((group or dist.group.WORLD).group_name)
     buf = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
+    # The allocation zeroes its signal pad with a copy that, in some torch versions, is queued
+    # on the device's legacy stream and not waited for. Queued behind a busy step, it could run
+    # after a peer had already signalled into the pad and wipe that signal: the wait for it then
+    # traps after the timeout, on both ranks, in a step with no fault. The rendezvous is what
+    # shows the pad to the peers, so the zeroing must be done before it.
+    torch.cuda.synchronize(device)
     return buf, symm_mem.rendezvous(buf, group or dist.group.WORLD)
 
 
