@@ -161,6 +161,8 @@ def _case(args: argparse.Namespace, rank: int, world: int, device) -> dict:
     ids, mask = (t.to(device) for t in left_padded_prompts(11 + rank, PADS, SEQ))
     with mode():
         run, reference = _operation(args, model, ids, mask)
+        # the phase, in the tail of a rank that fails (the runner prints its last lines)
+        print(f"hf_fault_rank: rank {rank}: the fault-free reference", file=sys.stderr, flush=True)
         matches, prefill_ubatches = reference()
         with open(args.result + ".ref", "w") as f:  # read where the process ends without a result
             json.dump({"reference_ok": matches}, f)
@@ -174,6 +176,7 @@ def _case(args: argparse.Namespace, rank: int, world: int, device) -> dict:
                 fault.install_on_graph_replays()
             else:
                 fault.install(target, dispatch, combine)
+        print(f"hf_fault_rank: rank {rank}: the call with the fault", file=sys.stderr, flush=True)
         t0 = time.monotonic()
         try:
             run()
