@@ -353,11 +353,11 @@ def plan_ubatches(
         request_token_counts = request_token_counts.tolist()
     decision = local_vote(num_tokens, config, request_token_counts=request_token_counts,
                           decode_only=decode_only, split_points=split_points)
+    split_needs_room = decision.vote is Vote.YES and bool(config.min_free_bytes)
     free = None
-    if (decision.vote is Vote.YES and config.min_free_bytes) or need_bytes is not None:
+    if split_needs_room or need_bytes is not None:
         free = free_device_bytes(device) if free_bytes is None else int(free_bytes)
-    if decision.vote is Vote.YES and config.min_free_bytes and free is not None \
-            and free < config.min_free_bytes:
+    if split_needs_room and free is not None and free < config.min_free_bytes:
         decision = _no(SplitReason.MEMORY, f"{free / 2**30:.2f} GiB free on this rank, the "
                                            f"split needs {config.min_free_bytes / 2**30:.2f} GiB")
     vote = encode_vote(decision, config)

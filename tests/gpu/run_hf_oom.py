@@ -317,7 +317,7 @@ def main(argv: list[str] | None = None) -> None:
         traceback.print_exc()
         code = 1
     finally:
-        # case 2 left the group out of step: a teardown would wait on peers that failed (NCCL's
+        # case 3 left the group out of step: a teardown would wait on peers that failed (NCCL's
         # ends at its deadline, exit 1), so each rank ends here with its verdict's status
         sys.stdout.flush()
         sys.stderr.flush()
