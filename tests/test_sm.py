@@ -160,8 +160,12 @@ class _MoEModel(torch.nn.Module):
 
 @pytest.fixture
 def recorder(monkeypatch) -> _Recorder:
+    """The fused kernels replaced by a recorder: with no launch left, Triton is not needed, so
+    the experts' check for it (``use_triton=True`` raises where it is not importable) is
+    answered yes, as on a machine that has it."""
     rec = _Recorder()
     monkeypatch.setattr(experts_mod, "fused_swiglu_experts", rec)
+    monkeypatch.setattr(experts_mod, "use_triton_for", lambda t, use_triton=None: bool(use_triton))
     return rec
 
 
