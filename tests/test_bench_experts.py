@@ -120,3 +120,35 @@ def test_experts_call_is_one_library_call_on_the_case():
     assert experts.num_global_experts == 8
     ref = reference_moe(case.x, case.w1, case.w2, case.weights, case.ids)
     assert relative_error(out, ref) < 1e-5
+
+
+def test_a_batched_case_is_what_a_low_latency_backend_delivers():
+    from dbo.bench.experts import make_batched_case
+
+    case = make_batched_case(12, 32, 16, 4, ranks=2, topk=3, dtype=torch.float32, device="cpu")
+    assert case.x.shape == (4, 24, 32) and case.counts.shape == (4,) and case.ids.shape == (12, 3)
+    assert int(case.counts.sum()) <= 24 * 3 and bool((case.counts <= 24).all())
+    for e, c in enumerate(case.counts_cpu.tolist()):  # the rows past each count are zeros
+        assert bool((case.x[e, c:] == 0).all()) and (c == 0 or bool(case.x[e, :c].abs().sum() > 0))
+    assert bool(((case.ids >= -1) & (case.ids < 4)).all()) and (case.ids == -1).any()
+    with pytest.raises(ValueError, match="topk"):
+        make_batched_case(4, 32, 16, 1, ranks=2, topk=3, dtype=torch.float32, device="cpu")
+
+
+def test_the_batched_grid_compares_the_rows_that_arrived():
+    from dbo.bench.experts import make_batched_case
+    from dbo.moe.experts import swiglu_expert
+
+    impls = {"a": (SwiGLUExperts(use_triton=False), False), "b": (SwiGLUExperts(use_triton=False), True)}
+    rows = run_grid(impls, hidden=[32], intermediate=[16], tokens=[4, 12], local_experts=[4], topk=3,
+                    steps=2, dtype=torch.float32, device="cpu", layout="batched", ranks=2)
+    shapes = [(r["layout"], r["tokens"], r["capacity"]) for r in rows]
+    assert shapes == [("batched", 4, 8), ("batched", 12, 24)]
+    assert all(r["results"]["b"]["rel_err"] < 1e-6 for r in rows)
+    case = make_batched_case(12, 32, 16, 4, ranks=2, topk=3, dtype=torch.float32, device="cpu", seed=12)
+    got = case.arrived(apply_experts(SwiGLUExperts(use_triton=False), case, False, Workspace()))
+    want = torch.cat([swiglu_expert(case.x[e, :c], case.w1[e], case.w2[e])
+                      for e, c in enumerate(case.counts_cpu.tolist())])
+    assert got.shape == (int(case.counts.sum()), 32) and relative_error(got, want) < 1e-5
+    with pytest.raises(ValueError, match="layout"):
+        run_grid(impls, hidden=[32], intermediate=[16], tokens=[4], local_experts=[4], layout="packed")

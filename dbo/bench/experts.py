@@ -2,6 +2,7 @@
 
     python -m dbo.bench experts                      # CUDA: the default grid, a table
     python -m dbo.bench experts --intermediate 256 768 2048 --tokens 4096 --json out.json
+    python -m dbo.bench experts --layout batched     # the decode grid on low-latency slabs
 
 A case is what one rank's experts get from a STANDARD-format backend: ``tokens`` received
 tokens, each routed to ``topk`` of ``num_experts`` experts, of which this rank holds
@@ -16,6 +17,14 @@ under the implementation's name) and an isolated call's latency from an idle GPU
 launches included (``NAME, from idle``); each call's host time is in the JSON (``host_ms``).
 :func:`time_experts` is reusable with other implementations (pass any callable with the
 library's signature to time it against the library's in the same run).
+
+``--layout batched`` times the other layout a backend delivers, DeepEP low-latency's
+``[local experts, capacity, hidden]`` slabs with the per-expert counts on the device only
+(:class:`BatchedCase`): ``tokens`` per rank over ``--ranks`` ranks, each sending as many, top-k of
+``local experts x ranks`` experts, so that each slab has room for every token of every rank
+(``capacity = tokens x ranks``) and expert ``e``'s rows are the first ``counts[e]`` of its slab.
+Its default grid is the decode one (8, 32 and 128 local experts, 64/256/512 tokens per rank,
+I=2048); the outputs are compared on the rows that arrived (the rest of a slab is left unwritten).
 """
 
 from __future__ import annotations
@@ -34,11 +43,16 @@ from dbo.bench.limits import DeviceLimits, experts_cost, measure_device_limits
 from dbo.bench.timing import gpu_sleep
 from dbo.moe import ActivationFormat, ExpertTokensMetadata, MoEExperts, SwiGLUExperts, Workspace
 
-__all__ = ["ExpertsCase", "make_case", "apply_experts", "experts_call", "time_experts", "run_grid",
-           "add_limits", "format_rows", "limit_summary", "main"]
+__all__ = ["ExpertsCase", "BatchedCase", "make_case", "make_batched_case", "apply_experts", "experts_call",
+           "time_experts", "run_grid", "add_limits", "format_rows", "limit_summary", "main"]
 
 PROG = "python -m dbo.bench experts"
 EXPERTS_TOLERANCE = 2e-2  #: bf16: the largest relative error between implementations' outputs
+#: the layouts a case can have: a backend's STANDARD tokens, or low-latency BATCHED_EXPERTS slabs
+LAYOUTS = ("standard", "batched")
+#: each layout's default grid: (intermediate, tokens, local experts)
+DEFAULT_GRID = {"standard": ([256, 768, 2048], [1024 << i for i in range(7)], [32, 128, 256]),
+                "batched": ([2048], [64, 256, 512], [8, 32, 128])}
 
 
 @dataclass
@@ -65,6 +79,53 @@ class ExpertsCase:
             self._meta = ExpertTokensMetadata(self.counts.to(self.x.device), self.counts)
         return self._meta
 
+    def apply(self, experts: MoEExperts, host_counts: bool, ws: Workspace) -> torch.Tensor:
+        """One STANDARD-format call of ``experts`` on the tokens and routing; ``[M, hidden]``."""
+        return experts.apply(self.x, self.w1, self.w2, self.weights, self.ids,
+                             activation_format=ActivationFormat.STANDARD,
+                             expert_tokens_meta=self.meta(host_counts),
+                             apply_router_weight_on_input=False, workspace=ws)
+
+    def arrived(self, out: torch.Tensor) -> torch.Tensor:
+        """The rows of an output that implementations must agree on: all of them."""
+        return out
+
+    @property
+    def tokens(self) -> int:
+        return self.x.shape[0]
+
+
+@dataclass
+class BatchedCase:
+    """One rank's expert inputs in the BATCHED_EXPERTS layout (DeepEP low-latency's): ``x``
+    ``[L, capacity, hidden]``, expert ``e``'s rows the first ``counts[e]`` of ``x[e]`` (zeros
+    past them); ``counts`` ``[L]`` int32 on the device and (``counts_cpu``) on the CPU; ``ids``
+    ``[tokens, topk]`` this rank's own tokens' top-k ids (what the experts' estimate of rows per
+    expert reads); ``w1``/``w2`` as in :class:`ExpertsCase`."""
+
+    x: torch.Tensor
+    w1: torch.Tensor
+    w2: torch.Tensor
+    ids: torch.Tensor
+    counts: torch.Tensor
+    counts_cpu: torch.Tensor
+
+    def apply(self, experts: MoEExperts, host_counts: bool, ws: Workspace) -> torch.Tensor:
+        """One BATCHED_EXPERTS call of ``experts`` (the counts on the host too when
+        ``host_counts``); ``[L, capacity, hidden]``, valid on the rows that arrived."""
+        meta = ExpertTokensMetadata(self.counts, self.counts_cpu if host_counts else None)
+        return experts.apply(self.x, self.w1, self.w2, None, self.ids,
+                             activation_format=ActivationFormat.BATCHED_EXPERTS,
+                             expert_tokens_meta=meta, apply_router_weight_on_input=False, workspace=ws)
+
+    def arrived(self, out: torch.Tensor) -> torch.Tensor:
+        """The rows that arrived, expert after expert: ``[sum(counts), hidden]``."""
+        return torch.cat([out[e, :c] for e, c in enumerate(self.counts_cpu.tolist())])
+
+    @property
+    def tokens(self) -> int:
+        return self.ids.shape[0]
+
 
 def make_case(tokens: int, hidden: int, inter: int, local_experts: int, *, num_experts: int = 256,
               topk: int = 8, dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cuda",
@@ -72,15 +133,46 @@ def make_case(tokens: int, hidden: int, inter: int, local_experts: int, *, num_e
     """A random case (uniform top-k routing); ``weights`` reuses ``(w1, w2)`` of the right shape."""
     g = torch.Generator(device=device).manual_seed(seed)
     if weights is None:
-        w1 = torch.randn(local_experts, 2 * inter, hidden, device=device, dtype=dtype, generator=g)
-        w2 = torch.randn(local_experts, hidden, inter, device=device, dtype=dtype, generator=g)
-        weights = (w1.mul_(hidden ** -0.5), w2.mul_(inter ** -0.5))
+        weights = _random_weights(local_experts, hidden, inter, dtype, device, g)
     x = torch.randn(tokens, hidden, device=device, dtype=dtype, generator=g)
     logits = torch.randn(tokens, num_experts, device=device, generator=g)
     topw, ids = torch.topk(torch.softmax(logits, dim=-1), topk, dim=-1)
     ids = torch.where(ids < local_experts, ids, -1).to(torch.int32)  # this rank holds [0, L)
     counts = torch.bincount(ids[ids >= 0].long(), minlength=local_experts).to(torch.int32).cpu()
     return ExpertsCase(x, weights[0], weights[1], topw.float(), ids, counts)
+
+
+def make_batched_case(tokens: int, hidden: int, inter: int, local_experts: int, *, ranks: int = 2,
+                      topk: int = 8, dtype: torch.dtype = torch.bfloat16,
+                      device: torch.device | str = "cuda", seed: int = 0,
+                      weights: tuple[torch.Tensor, torch.Tensor] | None = None) -> BatchedCase:
+    """A random low-latency case: ``ranks`` ranks each route ``tokens`` tokens uniformly to
+    ``topk`` of ``local_experts * ranks`` experts; this rank holds the first ``local_experts``
+    and receives every pair routed to them into slabs of ``tokens * ranks`` rows each (room for
+    every token of every rank, as DeepEP low-latency sizes them). ``weights`` reuses ``(w1, w2)``."""
+    if ranks < 1 or topk > local_experts * ranks:
+        raise ValueError(f"need ranks >= 1 and topk <= local_experts * ranks, got ranks={ranks}, "
+                         f"topk={topk}, local_experts={local_experts}")
+    g = torch.Generator(device=device).manual_seed(seed)
+    if weights is None:
+        weights = _random_weights(local_experts, hidden, inter, dtype, device, g)
+    n_global = local_experts * ranks
+    ids = torch.rand(tokens * ranks, n_global, device=device, generator=g).topk(topk, dim=1).indices
+    counts = torch.bincount(ids.flatten(), minlength=n_global)[:local_experts].to(torch.int32)
+    x = torch.zeros(local_experts, tokens * ranks, hidden, device=device, dtype=dtype)
+    counts_cpu = counts.cpu()
+    for e, c in enumerate(counts_cpu.tolist()):
+        x[e, :c] = torch.randn(c, hidden, device=device, dtype=dtype, generator=g)
+    own = ids[:tokens]
+    own = torch.where(own < local_experts, own, -1).to(torch.int32)
+    return BatchedCase(x, weights[0], weights[1], own, counts, counts_cpu)
+
+
+def _random_weights(local_experts: int, hidden: int, inter: int, dtype: torch.dtype,
+                    device: torch.device | str, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    w1 = torch.randn(local_experts, 2 * inter, hidden, device=device, dtype=dtype, generator=g)
+    w2 = torch.randn(local_experts, hidden, inter, device=device, dtype=dtype, generator=g)
+    return w1.mul_(hidden ** -0.5), w2.mul_(inter ** -0.5)
 
 
 class _Stopwatch:
@@ -111,14 +203,12 @@ class _Stopwatch:
 IDLE_SUFFIX = ", from idle"
 
 
-def apply_experts(experts: MoEExperts, case: ExpertsCase, host_counts: bool, ws: Workspace) -> torch.Tensor:
-    """One STANDARD-format call of ``experts`` on ``case``'s tokens ``[M, hidden]`` and routing
-    (the backend's host-side counts when ``host_counts``, else device offsets only), scratch
-    from ``ws``. Returns the experts' output ``[M, hidden]`` in the case's dtype."""
-    return experts.apply(case.x, case.w1, case.w2, case.weights, case.ids,
-                         activation_format=ActivationFormat.STANDARD,
-                         expert_tokens_meta=case.meta(host_counts),
-                         apply_router_weight_on_input=False, workspace=ws)
+def apply_experts(experts: MoEExperts, case: ExpertsCase | BatchedCase, host_counts: bool,
+                  ws: Workspace) -> torch.Tensor:
+    """One call of ``experts`` on ``case`` in its layout (the backend's host-side counts when
+    ``host_counts``, else on the device only), scratch from ``ws``. Returns the experts' output
+    in the case's dtype: ``[M, hidden]``, or the slabs ``[L, capacity, hidden]``."""
+    return case.apply(experts, host_counts, ws)
 
 
 def experts_call(case: ExpertsCase, experts: MoEExperts | None = None, *, num_experts: int = 256,
@@ -132,7 +222,8 @@ def experts_call(case: ExpertsCase, experts: MoEExperts | None = None, *, num_ex
     return lambda: apply_experts(experts, case, host_counts, ws)
 
 
-def time_experts(impls: dict[str, tuple[MoEExperts, bool]], case: ExpertsCase, *, steps: int = 30,
+def time_experts(impls: dict[str, tuple[MoEExperts, bool]], case: ExpertsCase | BatchedCase, *,
+                 steps: int = 30,
                  warmup: int = 5,
                  timings: tuple[str, ...] = ("device", "idle")) -> dict[str, dict[str, float]]:
     """Time each ``name -> (experts, host_counts)`` on ``case``, alternating step by step.
@@ -148,7 +239,8 @@ def time_experts(impls: dict[str, tuple[MoEExperts, bool]], case: ExpertsCase, *
 
     On the CPU each call's wall time (``name``). Returns ``name -> {"median_ms", "p10_ms",
     "p90_ms", "rel_err", "host_ms"}``: ``host_ms`` the median host time of a call; ``rel_err``
-    against the first implementation's output (the implementations must agree).
+    against the first implementation's output on the rows that arrived (the implementations
+    must agree).
     """
     bad = set(timings) - {"device", "idle"}
     if bad or not timings:
@@ -157,7 +249,7 @@ def time_experts(impls: dict[str, tuple[MoEExperts, bool]], case: ExpertsCase, *
     for name, (experts, host) in impls.items():
         ws = Workspace()
         calls[name] = lambda e=experts, h=host, w=ws: apply_experts(e, case, h, w)
-    outs = {name: fn().float().clone() for name, fn in calls.items()}
+    outs = {name: case.arrived(fn()).float().clone() for name, fn in calls.items()}
     for _ in range(warmup):
         for fn in calls.values():
             fn()
@@ -209,21 +301,34 @@ def run_grid(impls: dict[str, tuple[MoEExperts, bool]], *, hidden: list[int], in
              tokens: list[int], local_experts: list[int], topk: int = 8, steps: int = 30,
              num_experts: int = 256, dtype: torch.dtype = torch.bfloat16,
              device: torch.device | str = "cuda", log: Callable[[str], None] | None = None,
-             timings: tuple[str, ...] = ("device", "idle")) -> list[dict]:
-    """:func:`time_experts` over the grid; one row per shape (weights made once per size)."""
+             timings: tuple[str, ...] = ("device", "idle"), layout: str = "standard",
+             ranks: int = 2) -> list[dict]:
+    """:func:`time_experts` over the grid; one row per shape (weights made once per size).
+    ``layout``: ``"standard"`` (:func:`make_case`, ``num_experts`` over all ranks) or
+    ``"batched"`` (:func:`make_batched_case`, ``tokens`` per rank over ``ranks`` ranks)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     rows = []
     for h in hidden:
         for inter in intermediate:
             for n_local in local_experts:
                 w = None
                 for t in tokens:
-                    case = make_case(t, h, inter, n_local, num_experts=num_experts, topk=topk,
-                                     dtype=dtype, device=device, weights=w, seed=t)
+                    if layout == "batched":
+                        case = make_batched_case(t, h, inter, n_local, ranks=ranks, topk=topk, dtype=dtype,
+                                                 device=device, weights=w, seed=t)
+                        counts = case.counts_cpu
+                    else:
+                        case = make_case(t, h, inter, n_local, num_experts=num_experts, topk=topk,
+                                         dtype=dtype, device=device, weights=w, seed=t)
+                        counts = case.counts
                     w = (case.w1, case.w2)
                     res = time_experts(impls, case, steps=steps, timings=timings)
-                    row = {"hidden": h, "intermediate": inter, "local_experts": n_local, "tokens": t,
-                           "local_pairs": int(case.counts.sum()),
-                           "experts_with_rows": int((case.counts > 0).sum()), "results": res}
+                    row = {"layout": layout, "hidden": h, "intermediate": inter, "local_experts": n_local,
+                           "tokens": t, "local_pairs": int(counts.sum()),
+                           "experts_with_rows": int((counts > 0).sum()), "results": res}
+                    if layout == "batched":
+                        row.update(ranks=ranks, capacity=case.x.shape[1])
                     rows.append(row)
                     if log is not None:
                         log(f"H={h} I={inter} L={n_local} T={t}: " + ", ".join(
@@ -300,11 +405,19 @@ def format_rows(rows: list[dict], baseline: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    p.add_argument("--layout", choices=LAYOUTS, default="standard",
+                   help="standard: the tokens a normal-mode or torch.distributed backend delivers; "
+                        "batched: low-latency slabs [local experts, tokens x ranks, hidden] with the "
+                        "counts on the device (default grid: the decode one)")
     p.add_argument("--hidden", type=int, nargs="+", default=[7168])
-    p.add_argument("--intermediate", type=int, nargs="+", default=[256, 768, 2048])
-    p.add_argument("--tokens", type=int, nargs="+", default=[1024 << i for i in range(7)],
-                   help="tokens this rank received (default 1024..65536)")
-    p.add_argument("--local-experts", type=int, nargs="+", default=[32, 128, 256], help="of 256")
+    p.add_argument("--intermediate", type=int, nargs="+", default=None,
+                   help="default 256 768 2048 (standard), 2048 (batched)")
+    p.add_argument("--tokens", type=int, nargs="+", default=None,
+                   help="standard: tokens this rank received (default 1024..65536); batched: tokens "
+                        "each rank sends (default 64 256 512)")
+    p.add_argument("--local-experts", type=int, nargs="+", default=None,
+                   help="standard: of 256 (default 32 128 256); batched: of local x ranks (default 8 32 128)")
+    p.add_argument("--ranks", type=int, default=2, help="batched: the ranks the slabs gather from")
     p.add_argument("--baseline-only", action="store_true",
                    help="time only the library's experts (not also the unfused steps)")
     p.add_argument("--topk", type=int, default=8)
@@ -318,24 +431,46 @@ def main(argv: list[str] | None = None) -> int:
                         "row's ratio to the limit at that held rate (0: not)")
     p.add_argument("--json", default=None, help="also write the rows here")
     a = p.parse_args(argv)
+    inter, tokens, local = DEFAULT_GRID[a.layout]
+    a.intermediate, a.tokens, a.local_experts = (a.intermediate or inter, a.tokens or tokens,
+                                                 a.local_experts or local)
+    for name in ("hidden", "intermediate", "tokens", "local_experts"):
+        if min(getattr(a, name)) < 1:
+            p.error(f"--{name.replace('_', '-')} must be positive, got {getattr(a, name)}")
+    if a.ranks < 1 or a.steps < 1 or a.topk < 1:
+        p.error(f"--ranks, --steps and --topk must be positive, got {a.ranks}, {a.steps}, {a.topk}")
+    if a.layout == "batched" and a.topk > min(a.local_experts) * a.ranks:
+        p.error(f"--topk {a.topk} is more than the {min(a.local_experts) * a.ranks} experts of "
+                f"--local-experts {min(a.local_experts)} x --ranks {a.ranks}")
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU; none here")
     limits = measure_device_limits(held_s=a.held_s)
     print(limits.describe(), flush=True)
-    # what MoEKernel tells the experts: 256 experts over all ranks (a local share for the
-    # kernel choice without host counts)
-    impls = {"library, offsets": (SwiGLUExperts(num_global_experts=256), False)}
-    if not a.baseline_only:
-        impls["unfused, offsets"] = (SwiGLUExperts(fused=False), False)
+    if a.layout == "batched":
+        # the fused kernels over the rows that arrived, against two batched matmuls over the
+        # whole slabs (what the experts run without Triton)
+        impls = {"library": (SwiGLUExperts(), False)}
+        if not a.baseline_only:
+            impls["slab bmm"] = (SwiGLUExperts(use_triton=False), False)
+        what = (f"low-latency slabs of {a.ranks} ranks' tokens, top-{a.topk} of local experts x "
+                f"{a.ranks}, counts on the device")
+    else:
+        # what MoEKernel tells the experts: 256 experts over all ranks (a local share for the
+        # kernel choice without host counts)
+        impls = {"library, offsets": (SwiGLUExperts(num_global_experts=256), False)}
+        if not a.baseline_only:
+            impls["unfused, offsets"] = (SwiGLUExperts(fused=False), False)
+        what = f"top-{a.topk} of 256 experts, device offsets"
     with torch.inference_mode():
         rows = run_grid(impls, hidden=a.hidden, intermediate=a.intermediate, tokens=a.tokens,
                         local_experts=a.local_experts, topk=a.topk, steps=a.steps,
-                        log=lambda s: print(s, flush=True), timings=tuple(a.timing))
+                        log=lambda s: print(s, flush=True), timings=tuple(a.timing), layout=a.layout,
+                        ranks=a.ranks)
     add_limits(rows, limits)
-    print(f"dbo.bench experts: {torch.cuda.get_device_name()}, bf16, top-{a.topk} of 256 experts, "
-          f"device offsets, median of {a.steps} apply() calls (CUDA events: NAME = queued behind a "
-          f"GPU sleep, the GPU's time; NAME{IDLE_SUFFIX} = after a host sync, an isolated call's "
-          f"latency); {limits.describe()}; last columns: time over the first implementation's")
+    print(f"dbo.bench experts: {torch.cuda.get_device_name()}, bf16, {what}, median of {a.steps} "
+          f"apply() calls (CUDA events: NAME = queued behind a GPU sleep, the GPU's time; "
+          f"NAME{IDLE_SUFFIX} = after a host sync, an isolated call's latency); {limits.describe()}; "
+          f"last columns: time over the first implementation's")
     print(format_rows(rows, next(iter(impls))))
     if a.json:
         with open(a.json, "w") as f:

@@ -15,6 +15,9 @@
 #   experts        the experts' kernels: no host sync, against float32/float64 references
 #   grid           `python -m dbo.bench experts` over the limit grid (one GPU, ~3 min); SMI=1
 #                  samples clock/power/temperature (read back: tools/probes/smi_rows.py)
+#   decodegrid     `python -m dbo.bench experts --layout batched`: the experts on low-latency slabs
+#                  over the decode grid (8/32/128 local experts, T=64/256/512 per rank of 2, I=2048)
+#                  against the limit (one GPU, ~2 min); DECODEGRID_ARGS (more options)
 #   switch         `python -m dbo.bench switch` on CUDA and CPU (the cost of one ubatch switch)
 #   copy_engine:N  the copy-engine backend's conformance (DBO == serial == reference), stop test
 #   deepep:N       the DeepEP backends' conformance (high-throughput and low-latency)
@@ -162,6 +165,9 @@ for arg in "$@"; do
       else
         run grid 480 python3 -m dbo.bench experts --steps 20 --json "$files/experts.json"
       fi ;;
+    decodegrid)
+      run decodegrid 300 python3 -m dbo.bench experts --layout batched --steps 20 ${DECODEGRID_ARGS:-} \
+        --json "$files/experts_batched.json" ;;
     switch)
       run switch-cuda 60 python3 -m dbo.bench switch --device cuda --json "$files/switch_cuda.json"
       run switch-cpu 60 python3 -m dbo.bench switch --device cpu --json "$files/switch_cpu.json" ;;
