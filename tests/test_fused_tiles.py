@@ -61,8 +61,8 @@ def test_few_experts_at_short_intermediates_split_the_last_round():
     assert all(pick_configs(r, i, n)[0].split == 0 for r in (256, 512) for i, n in ((256, 128), (768, 32)))
 
 
-@pytest.mark.parametrize("inter", [256, 768, 2048])
-@pytest.mark.parametrize("n_local", [32, 128, 256])
+@pytest.mark.parametrize(("inter", "n_local"), [(i, n) for i in (256, 768, 2048) for n in (32, 128, 256)
+                                                 if (i, n) != (2048, 32)])
 def test_one_tile_of_rows_per_expert_takes_the_split_128_row_tile(inter, n_local):
     from dbo.moe.kernels.fused_tiles import WS_UP_SPLIT
 
@@ -71,6 +71,22 @@ def test_one_tile_of_rows_per_expert_takes_the_split_128_row_tile(inter, n_local
     assert not pick_configs(96, inter, n_local)[0].ws
     assert pick_configs(128, 320, n_local)[0].ws is False  # I not a multiple of the ws tile's columns
     assert WS_UP_SPLIT.triton_tile().tail_m == 32  # off Hopper: the Triton tile with tails it replaced
+
+
+@pytest.mark.parametrize("n_local", [8, 32, 64])
+def test_few_experts_at_wide_intermediates_take_the_split_64_row_tile(n_local):
+    from dbo.moe.kernels.fused_tiles import FLAT_DOWN_64, WS_UP64_SPLIT
+
+    for rows in (97, 129, 257, 384):
+        assert pick_configs(rows, 2048, n_local) == (WS_UP64_SPLIT, FLAT_DOWN_64)
+    assert pick_configs(513, 2048, n_local) == (WS_UP64_SPLIT, FLAT_DOWN)
+    assert pick_configs(1024, 4096, n_local)[0] == WS_UP64_SPLIT
+    # outside the rule: as many experts, fewer or more rows, a narrower or misaligned intermediate
+    assert pick_configs(257, 2048, 128)[0] != WS_UP64_SPLIT
+    assert pick_configs(96, 2048, n_local)[0] != WS_UP64_SPLIT
+    assert pick_configs(2048, 2048, n_local)[0] != WS_UP64_SPLIT
+    assert pick_configs(257, 768, n_local)[0] != WS_UP64_SPLIT
+    assert pick_configs(257, 2112, n_local)[0].ws is False  # I not a multiple of the ws tile's columns
 
 
 def test_a_fallback_tile_is_the_triton_tile_of_a_ws_tile():
@@ -100,4 +116,4 @@ def test_every_size_gets_a_valid_pair_of_tiles(rows, inter, n_local):
     assert not up.flat and not up.n_per_program  # those are down tiles
     if down.n_per_program:
         assert inter <= down.block_k  # a short-K tile holds the whole K
-    assert down is FLAT_DOWN or down.block_m in (64, 128)
+    assert down.flat or down.block_m in (64, 128)

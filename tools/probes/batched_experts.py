@@ -56,11 +56,14 @@ UP = [C(64, 128, 64, 8, 4, 5, tma=True), C(64, 64, 64, 8, 4, 5, tma=True),
       C(64, 256, 64, 8, 8, 3, tma=True), C(128, 128, 64, 8, 8, 4, tma=True, tail_m=32),
       C(128, 64, 64, 8, 4, 4, tma=True, tail_m=32), C(64, 128, 64, 8, 4, 5, ws=True),
       C(128, 128, 64, 8, 8, 4, ws=True), C(64, 128, 64, 8, 4, 5, ws=True, split=4),
-      C(64, 32, 128, 8, 4, 4, tma=True)]
+      C(64, 32, 128, 8, 4, 4, tma=True), C(64, 128, 64, 8, 4, 5, ws=True, split=2),
+      C(64, 128, 64, 8, 4, 5, ws=True, split=8), C(64, 128, 64, 8, 4, 4, ws=True, split=4)]
 DOWN = [C(64, 128, 64, 8, 4, 4, tma=True), C(64, 64, 64, 8, 4, 6, tma=True),
         C(128, 256, 64, 8, 8, 4, tma=True, tail_m=32), C(128, 128, 64, 8, 4, 3, flat=True),
         C(64, 128, 64, 8, 4, 3, flat=True), C(128, 256, 64, 8, 8, 3, flat=True),
-        C(64, 256, 64, 8, 4, 4, flat=True), C(64, 64, 128, 8, 4, 4, tma=True)]
+        C(64, 256, 64, 8, 4, 4, flat=True), C(64, 64, 128, 8, 4, 4, tma=True),
+        C(64, 256, 64, 8, 4, 5, flat=True), C(128, 256, 64, 8, 8, 4, flat=True),
+        C(64, 256, 64, 8, 8, 4, flat=True)]
 
 
 BATCHED = ActivationFormat.BATCHED_EXPERTS

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 __all__ = ["GemmConfig", "CONFIGS", "FP32_CONFIG", "FEW_EXPERTS_UP", "FEW_EXPERTS_DOWN", "FLAT_DOWN",
-           "FLAT_DOWN_WIDE", "DOWN_TAIL", "WS_UP", "WS_UP64", "WS_UP64_SPLIT", "WS_UP_SPLIT",
+           "FLAT_DOWN_WIDE", "FLAT_DOWN_64", "DOWN_TAIL", "WS_UP", "WS_UP64", "WS_UP64_SPLIT", "WS_UP_SPLIT",
            "FUSED_MAX_ROWS_PER_EXPERT",
            "FUSED_MAX_LOCAL_EXPERTS", "FUSED_MAX_INTERMEDIATE", "prefer_fused", "prefer_persistent",
            "prefer_sole", "SOLE_MIN_SHARE", "pick_configs"]
@@ -157,6 +157,18 @@ WS_UP64_SPLIT = replace(WS_UP64, split=4)
 WS_UP_SPLIT = replace(WS_UP, split=4, fallback=CONFIGS[2][1])  # (off Hopper: the tile with tails)
 WS_SPLIT_ROWS = (96, 192)
 
+#: few experts (<= 64) at wide intermediates (>= 2048), from 96 to 1024 rows each: the decode
+#: layers of large expert-parallel deployments (8 local experts of DeepSeek-V3's shape on 32
+#: ranks), where the two GEMMs are flops-bound and few: the 64-row gate/up tile with its last
+#: round split, and up to 384 rows a 64 x 256 flat down tile with five stages (more, shorter
+#: tiles fill the SMs' rounds better than 128-row ones). Tile sweeps on an H200 over the
+#: low-latency decode grid (``tools/probes/batched_experts.py --sweep``, hidden 7168, I=2048;
+#: docs/performance.md), each GEMM against the tile it replaced: the gate/up 0.93x / 0.95x / 0.96x
+#: at 8 experts x 257 and 513 rows and 32 x 129, the down 0.91x / 0.86x at 8 x 257 and 32 x 129
+FEW_EXPERTS_WIDE_MIN_I = 2048
+FLAT_DOWN_64 = GemmConfig(64, 256, 64, 8, 4, 5, flat=True)
+FEW_EXPERTS_FLAT_DOWN_64_ROWS = 384
+
 #: above this many estimated rows per expert, with I > ``FUSED_MAX_INTERMEDIATE`` and more than
 #: ``FUSED_MAX_LOCAL_EXPERTS`` local experts, the unfused steps (CUTLASS's grouped GEMM through
 #: ``torch._grouped_mm``) run instead of the fused kernels. Up to I=2048 the fused kernels are as
@@ -220,11 +232,16 @@ def _ws_up(up: GemmConfig, rows: float, intermediate: int, local_experts: int | 
 def pick_configs(rows_per_expert: float, intermediate: int = 1 << 30,
                  local_experts: int | None = None) -> tuple[GemmConfig, GemmConfig]:
     """The ``(gate_up, down)`` tiles for an estimated number of rows per local expert."""
+    few = local_experts is not None and local_experts <= 64
+    rows = rows_per_expert
+    if few and intermediate >= FEW_EXPERTS_WIDE_MIN_I and WS_SPLIT_ROWS[0] < rows <= WS_WIDE_MIN_ROWS \
+            and intermediate % WS_UP64.block_n == 0:
+        down = FLAT_DOWN_64 if rows_per_expert <= FEW_EXPERTS_FLAT_DOWN_64_ROWS else FLAT_DOWN
+        return WS_UP64_SPLIT, down
     for bound, up, down, down_short in CONFIGS:
         if rows_per_expert <= bound:
             if intermediate <= 256:
                 down = down_short
-                few = local_experts is not None and local_experts <= 64
                 if few and rows_per_expert <= 96:
                     up, down = FEW_EXPERTS_UP, FEW_EXPERTS_DOWN if rows_per_expert <= 48 else FLAT_DOWN
                 elif few and rows_per_expert > 192:  # 0.82-0.92x the tiles below (H200 sweep)
