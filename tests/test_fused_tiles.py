@@ -61,8 +61,8 @@ def test_few_experts_at_short_intermediates_split_the_last_round():
     assert all(pick_configs(r, i, n)[0].split == 0 for r in (256, 512) for i, n in ((256, 128), (768, 32)))
 
 
-@pytest.mark.parametrize(("inter", "n_local"), [(i, n) for i in (256, 768, 2048) for n in (32, 128, 256)
-                                                 if (i, n) != (2048, 32)])
+@pytest.mark.parametrize("inter", [256, 768, 2048])
+@pytest.mark.parametrize("n_local", [32, 128, 256])
 def test_one_tile_of_rows_per_expert_takes_the_split_128_row_tile(inter, n_local):
     from dbo.moe.kernels.fused_tiles import WS_UP_SPLIT
 
@@ -74,19 +74,19 @@ def test_one_tile_of_rows_per_expert_takes_the_split_128_row_tile(inter, n_local
 
 
 @pytest.mark.parametrize("n_local", [8, 32, 64])
-def test_few_experts_at_wide_intermediates_take_the_split_64_row_tile(n_local):
-    from dbo.moe.kernels.fused_tiles import FLAT_DOWN_64, WS_UP64_SPLIT
+def test_few_experts_at_wide_intermediates_on_slabs_take_the_split_64_row_tile(n_local):
+    from dbo.moe.kernels.fused_tiles import FLAT_DOWN_64, WS_UP64_SPLIT, pick_slab_configs
 
     for rows in (97, 129, 257, 384):
-        assert pick_configs(rows, 2048, n_local) == (WS_UP64_SPLIT, FLAT_DOWN_64)
-    assert pick_configs(513, 2048, n_local) == (WS_UP64_SPLIT, FLAT_DOWN)
-    assert pick_configs(1024, 4096, n_local)[0] == WS_UP64_SPLIT
-    # outside the rule: as many experts, fewer or more rows, a narrower or misaligned intermediate
-    assert pick_configs(257, 2048, 128)[0] != WS_UP64_SPLIT
-    assert pick_configs(96, 2048, n_local)[0] != WS_UP64_SPLIT
-    assert pick_configs(2048, 2048, n_local)[0] != WS_UP64_SPLIT
-    assert pick_configs(257, 768, n_local)[0] != WS_UP64_SPLIT
-    assert pick_configs(257, 2112, n_local)[0].ws is False  # I not a multiple of the ws tile's columns
+        assert pick_slab_configs(rows, 2048, n_local) == (WS_UP64_SPLIT, FLAT_DOWN_64)
+        assert pick_configs(rows, 2048, n_local) != (WS_UP64_SPLIT, FLAT_DOWN_64)  # STANDARD's rule
+    assert pick_slab_configs(513, 2048, n_local) == (WS_UP64_SPLIT, FLAT_DOWN)
+    assert pick_slab_configs(1024, 4096, n_local)[0] == WS_UP64_SPLIT
+    # elsewhere the slabs take STANDARD's tiles: as many experts, fewer or more rows, a narrower
+    # or misaligned intermediate
+    for rows, inter, n in ((257, 2048, 128), (96, 2048, n_local), (2048, 2048, n_local),
+                           (257, 768, n_local), (257, 2112, n_local), (64, 256, n_local)):
+        assert pick_slab_configs(rows, inter, n) == pick_configs(rows, inter, n)
 
 
 def test_a_fallback_tile_is_the_triton_tile_of_a_ws_tile():

@@ -1,11 +1,12 @@
 """Whole experts calls with the library's tile rule against another version of it, alternating.
 
 ``--rule FILE`` is a copy of ``dbo/moe/kernels/fused_tiles.py`` from another revision (``git show
-REV:dbo/moe/kernels/fused_tiles.py > FILE``); its ``pick_configs`` stands in for the library's
-during the ``B`` calls. For each shape, STANDARD (``I:L:T``: ``T`` received tokens, top-8 of 256,
-device offsets) and low-latency slabs (``bI:L:T``: ``T`` tokens per rank of 2), both timed by
-:func:`dbo.bench.experts.time_experts` (each call behind a GPU sleep, alternating); prints B's
-time over A's, each against the limit, and B's output error against A's.
+REV:dbo/moe/kernels/fused_tiles.py > FILE``); its ``pick_configs`` (and ``pick_slab_configs``,
+where it has one) stand in for the library's during the ``B`` calls. For each shape, STANDARD
+(``I:L:T``: ``T`` received tokens, top-8 of 256, device offsets) and low-latency slabs
+(``bI:L:T``: ``T`` tokens per rank of 2), both timed by :func:`dbo.bench.experts.time_experts`
+(each call behind a GPU sleep, alternating); prints B's time over A's, each against the limit,
+and B's output error against A's.
 
     python tools/probes/ab_tile_rule.py --rule before.py --shapes 2048:32:4096 b2048:8:256
 """
@@ -29,19 +30,21 @@ from dbo.moe.kernels import batched, fused_experts  # noqa: E402
 
 
 class RuleExperts(SwiGLUExperts):
-    """The library's experts with another ``pick_configs`` in force during each call."""
+    """The library's experts with another revision's tile rules in force during each call:
+    ``pick`` is its ``(pick_configs, pick_slab_configs)`` (a revision without the second: its
+    ``pick_configs`` for both)."""
 
     def __init__(self, pick, **kw):
         super().__init__(**kw)
         self.pick = pick
 
     def apply(self, *args, **kwargs):
-        saved = fused_experts.pick_configs, batched.pick_configs
-        fused_experts.pick_configs = batched.pick_configs = self.pick
+        saved = fused_experts.pick_configs, batched.pick_slab_configs
+        fused_experts.pick_configs, batched.pick_slab_configs = self.pick
         try:
             return super().apply(*args, **kwargs)
         finally:
-            fused_experts.pick_configs, batched.pick_configs = saved
+            fused_experts.pick_configs, batched.pick_slab_configs = saved
 
 
 def main() -> int:
@@ -54,6 +57,7 @@ def main() -> int:
     rule = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = rule  # its dataclasses look their module up there
     spec.loader.exec_module(rule)
+    picks = (rule.pick_configs, getattr(rule, "pick_slab_configs", rule.pick_configs))
     lim = measure_device_limits()
     print(lim.describe(), flush=True)
     ratios = []
@@ -68,7 +72,7 @@ def main() -> int:
                 case = make_case(t, 7168, inter, n_local, seed=t)
                 counts = case.counts
             impls = {"A": (SwiGLUExperts(num_global_experts=None if slabs else 256), False),
-                     "B": (RuleExperts(rule.pick_configs, num_global_experts=None if slabs else 256), False)}
+                     "B": (RuleExperts(picks, num_global_experts=None if slabs else 256), False)}
             res = time_experts(impls, case, steps=a.steps, timings=("device",))
             row = {"hidden": 7168, "intermediate": inter, "local_pairs": int(counts.sum()),
                    "experts_with_rows": int((counts > 0).sum()), "results": res}

@@ -48,8 +48,9 @@ from dbo.moe import (  # noqa: E402
     relative_error,
 )
 from dbo.moe.kernels.batched import batched_order, batched_swiglu_experts  # noqa: E402
-from dbo.moe.kernels.fused_experts import launch_down, launch_gate_up, pick_configs  # noqa: E402
+from dbo.moe.kernels.fused_experts import launch_down, launch_gate_up  # noqa: E402
 from dbo.moe.kernels.fused_tiles import GemmConfig as C  # noqa: E402
+from dbo.moe.kernels.fused_tiles import pick_slab_configs  # noqa: E402
 from dbo.moe.merged import ExpertsInput, merge_inputs, run_merged  # noqa: E402
 
 UP = [C(64, 128, 64, 8, 4, 5, tma=True), C(64, 64, 64, 8, 4, 5, tma=True),
@@ -163,7 +164,7 @@ def one_shape(lim, inter: int, n_local: int, t: int, ranks: int, reps: int, swee
     floor = sum(lim.time_ms(*experts_cost(hidden=hidden, intermediate=inter, local_pairs=int(c.sum()),
                                           experts_with_rows=int((c > 0).sum()))) for c in half)
     check = merged_vs_split(fns, case)
-    up_cfg, down_cfg = pick_configs(case["est"], inter, n_local)
+    up_cfg, down_cfg = pick_slab_configs(case["est"], inter, n_local)
     row = {"I": inter, "L": n_local, "T": t, "ranks": ranks, "rows_per_expert": pairs / n_local,
            "limit_ms": limit, "split_floor_ms": floor, **{f"{k}_ms": v for k, v in times.items()},
            "one_x_limit": times["one"] / limit, "split_x_floor": times["split"] / floor,

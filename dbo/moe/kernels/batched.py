@@ -32,8 +32,9 @@ from collections.abc import Sequence
 import torch
 
 from dbo.moe.base import segment_bases
-from dbo.moe.kernels.fused_experts import launch_down, launch_gate_up, pick_configs
+from dbo.moe.kernels.fused_experts import launch_down, launch_gate_up
 from dbo.moe.kernels.fused_maps import block_e
+from dbo.moe.kernels.fused_tiles import pick_slab_configs
 from dbo.moe.kernels.gather_reduce import use_triton_for
 from dbo.moe.kernels.triton_launch import cdiv, launch, next_pow2
 
@@ -173,7 +174,7 @@ def _experts(x: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, w1: to
     # the fused GEMMs over x [R, hidden]: gather through order, scatter to out [R, hidden]
     pairs, _ = x.shape
     inter = w2.shape[2]
-    up_cfg, down_cfg = pick_configs(est, inter, w1.shape[0]) if configs is None else configs
+    up_cfg, down_cfg = pick_slab_configs(est, inter, w1.shape[0]) if configs is None else configs
     persistent = True if persistent is None else persistent
     act = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
     launch_gate_up(x, order, offsets, w1, act, up_cfg, pairs, 1, persistent, sm_carveout=sm_carveout)

@@ -13,7 +13,7 @@ __all__ = ["GemmConfig", "CONFIGS", "FP32_CONFIG", "FEW_EXPERTS_UP", "FEW_EXPERT
            "FLAT_DOWN_WIDE", "FLAT_DOWN_64", "DOWN_TAIL", "WS_UP", "WS_UP64", "WS_UP64_SPLIT", "WS_UP_SPLIT",
            "FUSED_MAX_ROWS_PER_EXPERT",
            "FUSED_MAX_LOCAL_EXPERTS", "FUSED_MAX_INTERMEDIATE", "prefer_fused", "prefer_persistent",
-           "prefer_sole", "SOLE_MIN_SHARE", "pick_configs"]
+           "prefer_sole", "SOLE_MIN_SHARE", "pick_configs", "pick_slab_configs"]
 
 
 @dataclass(frozen=True)
@@ -157,14 +157,18 @@ WS_UP64_SPLIT = replace(WS_UP64, split=4)
 WS_UP_SPLIT = replace(WS_UP, split=4, fallback=CONFIGS[2][1])  # (off Hopper: the tile with tails)
 WS_SPLIT_ROWS = (96, 192)
 
-#: few experts (<= 64) at wide intermediates (>= 2048), from 96 to 1024 rows each: the decode
-#: layers of large expert-parallel deployments (8 local experts of DeepSeek-V3's shape on 32
-#: ranks), where the two GEMMs are flops-bound and few: the 64-row gate/up tile with its last
-#: round split, and up to 384 rows a 64 x 256 flat down tile with five stages (more, shorter
-#: tiles fill the SMs' rounds better than 128-row ones). Tile sweeps on an H200 over the
+#: few experts (<= 64) at wide intermediates (>= 2048) on low-latency slabs
+#: (:func:`pick_slab_configs`), from 96 to 1024 rows each: the decode layers of large
+#: expert-parallel deployments (8 local experts of DeepSeek-V3's shape on 32 ranks), where the two
+#: GEMMs are flops-bound and their tiles few: the 64-row gate/up tile with its last round split,
+#: and up to 384 rows a 64 x 256 flat down tile with five stages. Tile sweeps on an H200 over the
 #: low-latency decode grid (``tools/probes/batched_experts.py --sweep``, hidden 7168, I=2048;
 #: docs/performance.md), each GEMM against the tile it replaced: the gate/up 0.93x / 0.95x / 0.96x
-#: at 8 experts x 257 and 513 rows and 32 x 129, the down 0.91x / 0.86x at 8 x 257 and 32 x 129
+#: at 8 experts x 257 and 513 rows and 32 x 129, the down 0.91x / 0.86x at 8 x 257 and 32 x 129.
+#: Whole calls (``tools/probes/ab_tile_rule.py``): 0.96x / 0.98x / 0.94x the previous tiles' time
+#: on slabs at 8 x 254, 8 x 516 and 32 x 126 rows, but 1.02x / 1.06x / 1.05x on the STANDARD
+#: layout's gathered rows at 32 x 125, 32 x 255 and 64 x 258 (many more tiles there, its own
+#: persistence policy): the rule is for slabs only
 FEW_EXPERTS_WIDE_MIN_I = 2048
 FLAT_DOWN_64 = GemmConfig(64, 256, 64, 8, 4, 5, flat=True)
 FEW_EXPERTS_FLAT_DOWN_64_ROWS = 384
@@ -233,11 +237,6 @@ def pick_configs(rows_per_expert: float, intermediate: int = 1 << 30,
                  local_experts: int | None = None) -> tuple[GemmConfig, GemmConfig]:
     """The ``(gate_up, down)`` tiles for an estimated number of rows per local expert."""
     few = local_experts is not None and local_experts <= 64
-    rows = rows_per_expert
-    if few and intermediate >= FEW_EXPERTS_WIDE_MIN_I and WS_SPLIT_ROWS[0] < rows <= WS_WIDE_MIN_ROWS \
-            and intermediate % WS_UP64.block_n == 0:
-        down = FLAT_DOWN_64 if rows_per_expert <= FEW_EXPERTS_FLAT_DOWN_64_ROWS else FLAT_DOWN
-        return WS_UP64_SPLIT, down
     for bound, up, down, down_short in CONFIGS:
         if rows_per_expert <= bound:
             if intermediate <= 256:
@@ -252,3 +251,16 @@ def pick_configs(rows_per_expert: float, intermediate: int = 1 << 30,
                 down = FLAT_DOWN_WIDE  # 0.79-0.86x the 128x128 tile's time at 2048 rows, 256 experts
             return _ws_up(up, rows_per_expert, intermediate, local_experts), down
     raise AssertionError("the last CONFIGS bound covers every size")
+
+
+def pick_slab_configs(rows_per_expert: float, intermediate: int = 1 << 30,
+                      local_experts: int | None = None) -> tuple[GemmConfig, GemmConfig]:
+    """The ``(gate_up, down)`` tiles on low-latency slabs (:mod:`dbo.moe.kernels.batched`): few
+    experts at wide intermediates take the tiles of ``FLAT_DOWN_64``'s rule, every other size
+    :func:`pick_configs`'."""
+    rows = rows_per_expert
+    few = local_experts is not None and local_experts <= 64
+    if few and intermediate >= FEW_EXPERTS_WIDE_MIN_I and WS_SPLIT_ROWS[0] < rows <= WS_WIDE_MIN_ROWS \
+            and intermediate % WS_UP64.block_n == 0:
+        return WS_UP64_SPLIT, FLAT_DOWN_64 if rows <= FEW_EXPERTS_FLAT_DOWN_64_ROWS else FLAT_DOWN
+    return pick_configs(rows_per_expert, intermediate, local_experts)
