@@ -56,6 +56,7 @@ def _one_line(proc: subprocess.CompletedProcess, *wanted: str) -> str:
     (BENCH, ["breakdown", "missing.json"], ["no such file: 'missing.json'", "gpu_trace_serial.json"]),
     (BENCH, ["switch", "--repeats", "0"], ["--repeats 0: must be >= 1"]),
     (BENCH, ["compare"], ["the following arguments are required: bundles"]),
+    (BENCH, ["compare", "/nonexistent"], ["no such file or directory: /nonexistent", "bench_overlap.json"]),
 ])
 def test_bad_input_is_one_line_and_exit_code_2(tmp_path, entry, args, wanted):
     _one_line(_run(entry + args, tmp_path), *wanted)

@@ -100,6 +100,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("bundles", nargs="+", help="overlap bundles (bench_overlap.json or its directory)")
     ap.add_argument("--json", default=None, help="also write the rows here")
     args = ap.parse_args(argv)
+    missing = [p for p in args.bundles if not Path(p).exists()]
+    if missing:
+        ap.error(f"no such file or directory: {', '.join(missing)} (a bench_overlap.json or the "
+                 "directory holding it)")
     bundles = []
     for path in args.bundles:
         try:
