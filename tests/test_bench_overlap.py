@@ -176,7 +176,11 @@ def _check_compare(tmp_path: Path, bundle: dict) -> None:
     out = tmp_path / "cmp.json"
     assert bench_main(["compare", str(tmp_path / "bundle"), str(tmp_path / "other"), "--json", str(out)]) == 0
     assert json.loads(out.read_text())["rows"] == json.loads(json.dumps(rows))
+    (tmp_path / "nothing").mkdir()  # a directory without a bundle: the verdict fails
     assert bench_main(["compare", str(tmp_path / "nothing")]) == 1
+    with pytest.raises(SystemExit) as missing:  # a path that is not there: bad input
+        bench_main(["compare", str(tmp_path / "absent")])
+    assert missing.value.code == 2
     with pytest.raises(ValueError, match="not an overlap bundle"):
         load_bundle(out)
 
