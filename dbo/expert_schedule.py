@@ -1,4 +1,4 @@
-"""Which expert schedule an overlapped forward runs: plain, split, merged or sbo.
+"""Which expert schedule an overlapped forward runs: plain, split, merged, sbo or sbo+dbo.
 
 A schedule is data: one value of :class:`ExpertSchedule`, chosen by
 :class:`dbo.split.SplitConfig` (``expert_schedule=``) or by :mod:`dbo.autotune`, carried by the
@@ -21,6 +21,11 @@ A schedule is data: one value of :class:`ExpertSchedule`, chosen by
   leave as each group ends, so a group's combine overlaps the next group's experts (where the
   backend combines per group: :meth:`dbo.moe.PrepareAndFinalize.supports_expert_groups`;
   elsewhere one combine). The weights are read once, and nothing is split.
+* ``sbo+dbo``: split into ubatches as ``split``, each laid out as ``sbo`` inside the run: its
+  shared experts queued beside its dispatch, its routed experts in groups whose combines leave
+  as each group ends. Each group's combine is in flight while the other ubatch's work (and this
+  ubatch's next group, queued before the yield) runs, so a combine overlaps compute at the
+  granularity of an expert group rather than of a whole ubatch's experts.
 
 The setting is a ``contextvars.ContextVar``: every ubatch starts with a copy of the caller's
 context, so a value set around ``run_ubatches`` reaches every ubatch of that run and nothing
@@ -45,11 +50,19 @@ class ExpertSchedule(str, enum.Enum):
     SPLIT = "split"    #: each ubatch runs its own experts
     MERGED = "merged"  #: one grouped call over every ubatch's received rows
     SBO = "sbo"        #: no split; shared experts beside the dispatch, combines per expert group
+    SBO_DBO = "sbo+dbo"  #: split, and each ubatch laid out as ``sbo``
 
     @property
     def splits(self) -> bool:
-        """True for the schedules that run the forward as ubatches (``split``, ``merged``)."""
-        return self in (ExpertSchedule.SPLIT, ExpertSchedule.MERGED)
+        """True for the schedules that run the forward as ubatches (``split``, ``merged``,
+        ``sbo+dbo``)."""
+        return self in (ExpertSchedule.SPLIT, ExpertSchedule.MERGED, ExpertSchedule.SBO_DBO)
+
+    @property
+    def grouped(self) -> bool:
+        """True for the schedules whose MoE layers combine per expert group and run the shared
+        experts beside the dispatch (``sbo``, ``sbo+dbo``)."""
+        return self in (ExpertSchedule.SBO, ExpertSchedule.SBO_DBO)
 
     def __str__(self) -> str:
         return self.value
@@ -74,8 +87,8 @@ _SCHEDULE: contextvars.ContextVar[ExpertSchedule] = contextvars.ContextVar(
 
 def current_expert_schedule() -> ExpertSchedule:
     """The schedule set for this context (``split`` unless :func:`use_expert_schedule` set
-    another). The MoE kernel merges only inside a run of two or more ubatches, and runs ``sbo``
-    only outside a run."""
+    another). The MoE kernel merges only inside a run of two or more ubatches, runs ``sbo``
+    only outside a run and ``sbo+dbo`` only inside one."""
     return _SCHEDULE.get()
 
 

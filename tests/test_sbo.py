@@ -121,6 +121,37 @@ def test_shared_experts_run_beside_the_dispatch_under_sbo(schedule):
         assert log == ["dispatch", "dispatch_recv", "combine", "shared", "combine_recv"]
 
 
+def test_sbo_dbo_runs_each_ubatchs_shared_experts_beside_its_dispatch():
+    log: list[str] = []
+    shared_w = torch.randn(32, 32) / 32 ** 0.5
+
+    def shared(h):
+        log.append("shared")
+        return h @ shared_w
+
+    kernel = MoEKernel(_Recorder(log), SwiGLUExperts(), shared_experts=shared)
+    x, weights, ids, w1, w2 = _one_rank_inputs(m=16)
+    plain = kernel(x, w1, w2, weights, ids, global_num_experts=4)
+
+    def body(rows):
+        return lambda: kernel(x[rows], w1, w2, weights[rows], ids[rows], global_num_experts=4)
+
+    for schedule in ("split", "sbo+dbo"):
+        log.clear()
+        with use_expert_schedule(schedule):
+            out = torch.cat(run_ubatches([body(slice(0, 10)), body(slice(10, 16))], token_offsets=[0, 10]))
+        assert relative_error(out, plain) < 1e-6
+        # each ubatch's shared experts: after its combine's launch (split), right after its
+        # dispatch's launch (sbo+dbo)
+        after = "combine" if schedule == "split" else "dispatch"
+        assert [log[i - 1] for i, e in enumerate(log) if e == "shared"] == [after, after], log
+    # outside a run sbo+dbo is the plain layer, as split is
+    log.clear()
+    with use_expert_schedule("sbo+dbo"):
+        assert relative_error(kernel(x, w1, w2, weights, ids, global_num_experts=4), plain) < 1e-6
+    assert log == ["dispatch", "dispatch_recv", "combine", "shared", "combine_recv"]
+
+
 def test_sbo_inside_a_run_is_refused():
     kernel = MoEKernel(_Recorder([]), SwiGLUExperts())
     x, weights, ids, w1, w2 = _one_rank_inputs()
@@ -192,6 +223,25 @@ def test_sbo_on_fake_deepep_ll_matches_plain(world2):
     assert results and all(r.ok for r in results), [r.problems for r in results if not r.ok]
 
 
+@pytest.mark.multiproc
+@pytest.mark.timeout(180)
+def test_sbo_dbo_on_fake_deepep_ll_matches_plain(world2):
+    # two ubatches, each with its groups' combines: each dispatch result is copied out on
+    # receive, so no more than two low-latency results are ever alive; 2 and 4 groups
+    base = [c for c in default_cases(2) if c.reduce_in_experts and c.num_ubatches == 2]
+    cases = [dataclasses.replace(c, name=f"{c.name} sbo+dbo", expert_schedule="sbo+dbo") for c in base]
+    cases += [dataclasses.replace(cases[1], name="sbo+dbo 16 experts 4 groups", num_experts=16, topk=4,
+                                  sbo_groups=4),
+              dataclasses.replace(cases[1], name="sbo 16 experts 4 groups", num_experts=16, topk=4,
+                                  sbo_groups=4, expert_schedule="sbo")]
+    base_fp8 = default_cases(2)[1]
+    cases += [with_options(dataclasses.replace(base_fp8, name="sbo+dbo fp8 kept", hidden=2048, tol_ref=6e-2,
+                                               expert_schedule="sbo+dbo"),
+                           use_fp8_dispatch=True, dequantize_received=False)]
+    results = check_backend(world2, _make_ll_fresh, cases)
+    assert results and all(r.ok for r in results), [r.problems for r in results if not r.ok]
+
+
 def _group_misuse() -> str:
     ensure_fake_deep_ep("v1")
     from dbo.backends import deepep_ll as mod
@@ -221,23 +271,24 @@ def test_group_combines_must_start_at_expert_zero(world2):
     assert all("expert 0" in o for o in out), out
 
 
-def _check_gloo(backend: str) -> list[tuple]:
+def _check_gloo(backend: str, schedule: str) -> list[tuple]:
     from dbo.backends.all2all import AllToAllPrepareAndFinalize
     from dbo.backends.naive import NaivePrepareAndFinalize
     make = {"naive": NaivePrepareAndFinalize, "all2all": AllToAllPrepareAndFinalize}[backend]
     rows = []
     for case in standard_cases(2):
         rep = check_case(case, dist.get_rank(), lambda: make(timeout_s=20.0),
-                         expert_schedule="sbo")
+                         expert_schedule=schedule)
         rows.append((rep.err_seq, rep.err_dbo, rep.err_dbo_vs_seq, rep.tol))
     return rows
 
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(180)
+@pytest.mark.parametrize("schedule", ["sbo", "sbo+dbo"])
 @pytest.mark.parametrize("backend", ["naive", "all2all"])
-def test_sbo_on_gloo_matches_plain(world2, backend):
-    per_rank = world2.run(_check_gloo, backend, timeout_s=120)
+def test_sbo_on_gloo_matches_plain(world2, backend, schedule):
+    per_rank = world2.run(_check_gloo, backend, schedule, timeout_s=120)
     for rows in per_rank:
         for e_seq, e_dbo, e_vs, tol in rows:
             assert max(e_seq, e_dbo, e_vs) <= tol and not math.isnan(e_vs)

@@ -44,7 +44,7 @@ def test_config_field_is_validated_and_part_of_the_agreement():
     with pytest.raises(ValueError, match="expert_schedule must be one of"):
         SplitConfig(expert_schedule="fused")
     keys = {SplitConfig(expert_schedule=s).agreement_key() for s in ExpertSchedule}
-    assert len(keys) == len(ExpertSchedule) == 4
+    assert len(keys) == len(ExpertSchedule) == 5
 
 
 def test_plan_carries_the_schedule():

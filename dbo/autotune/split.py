@@ -48,6 +48,9 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+#: the schedules that split, in the order their columns are measured (split is the default)
+SPLIT_SCHEDULES = (ExpertSchedule.SPLIT, ExpertSchedule.MERGED, ExpertSchedule.SBO_DBO)
+
 
 @dataclass(frozen=True)
 class AutotuneRow:
@@ -64,6 +67,8 @@ class AutotuneRow:
     merged_ms: float | None = None
     #: the unsplit forward under the ``sbo`` schedule (None: not measured)
     sbo_ms: float | None = None
+    #: DBO with the ``sbo+dbo`` schedule (None: not measured)
+    sbo_dbo_ms: float | None = None
 
     @property
     def ratio(self) -> float | None:
@@ -79,7 +84,8 @@ class AutotuneRow:
         """The time of ``schedule`` at this size (None: not measured)."""
         s = parse_expert_schedule(schedule)
         return {ExpertSchedule.PLAIN: self.serial_ms, ExpertSchedule.SPLIT: self.dbo_ms,
-                ExpertSchedule.MERGED: self.merged_ms, ExpertSchedule.SBO: self.sbo_ms}[s]
+                ExpertSchedule.MERGED: self.merged_ms, ExpertSchedule.SBO: self.sbo_ms,
+                ExpertSchedule.SBO_DBO: self.sbo_dbo_ms}[s]
 
     @property
     def best(self) -> ExpertSchedule:
@@ -100,7 +106,8 @@ class AutotuneResult:
         rows: the measurements, by increasing token count.
         margin: how much faster DBO had to be to count as winning.
         schedule: the chosen :class:`~dbo.expert_schedule.ExpertSchedule`: ``split``,
-            ``merged`` or ``sbo`` (also in ``config.expert_schedule``), or ``plain`` when none won
+            ``merged``, ``sbo+dbo`` or ``sbo`` (also in ``config.expert_schedule``), or ``plain``
+            when none won
             (then ``threshold`` is :data:`NEVER_SPLIT` and ``config.expert_schedule`` is the
             input's).
     """
@@ -127,12 +134,14 @@ class AutotuneResult:
         def f(v: float | None) -> str:
             return "-" if v is None else f"{v:.3f}"
 
+        both = any(r.sbo_dbo_ms is not None for r in self.rows)
         lines = [f"{'tokens':>8} {'serial ms':>10} {'dbo ms':>10} {'dbo/serial':>11} "
-                 f"{'merged ms':>10} {'merged/ser':>11} {'sbo ms':>10} {'best':>7}"]
+                 f"{'merged ms':>10} {'merged/ser':>11} {'sbo ms':>10} "
+                 + (f"{'sbo+dbo ms':>11} " if both else "") + f"{'best':>7}"]
         for r in self.rows:
             lines.append(f"{r.tokens:>8} {r.serial_ms:>10.3f} {f(r.dbo_ms):>10} {f(r.ratio):>11} "
                          f"{f(r.merged_ms):>10} {f(r.merged_ratio):>11} {f(r.sbo_ms):>10} "
-                         f"{r.best.value:>7}")
+                         + (f"{f(r.sbo_dbo_ms):>11} " if both else "") + f"{r.best.value:>7}")
         thr = "never" if self.threshold >= NEVER_SPLIT else f">= {self.threshold} tokens"
         how = "" if self.threshold >= NEVER_SPLIT else f", {self.schedule.value} experts"
         lines.append(f"{kind} threshold: split {thr}{how} (DBO must win by {100 * self.margin:.0f}%)")
@@ -165,26 +174,30 @@ def pick_threshold(rows: Sequence[AutotuneRow], margin: float = 0.02) -> int:
 def pick_schedule(rows: Sequence[AutotuneRow], margin: float = 0.02) -> tuple[ExpertSchedule, int]:
     """The schedule and threshold to run: ``(schedule, threshold)``. Pure.
 
-    For each DBO schedule measured (``split``: ``dbo_ms``, ``merged``: ``merged_ms``), its
-    threshold is :func:`pick_threshold` of its times, and its cost is the sum over the measured
-    sizes of its time (from the threshold on) or the plain time (below it), each relative to
-    the plain time, so that every size weighs the same. ``plain`` costs one per size. The
-    cheapest wins; ``merged`` must beat ``split``'s cost by ``margin`` (split is the default
-    and the two are alike where the schedule makes no difference). When no DBO schedule has a
-    threshold the answer is ``(plain, NEVER_SPLIT)``. ``sbo`` (``sbo_ms``), which never splits,
+    For each DBO schedule measured (``split``: ``dbo_ms``, ``merged``: ``merged_ms``,
+    ``sbo+dbo``: ``sbo_dbo_ms``), its threshold is :func:`pick_threshold` of its times, and its
+    cost is the sum over the measured sizes of its time (from the threshold on) or the plain
+    time (below it), each relative to the plain time, so that every size weighs the same.
+    ``plain`` costs one per size. The cheapest wins; ``merged`` and ``sbo+dbo`` must beat
+    ``split``'s cost by ``margin`` (split is the default and they are alike where the schedule
+    makes no difference). When no DBO schedule has a threshold the answer is
+    ``(plain, NEVER_SPLIT)``. ``sbo`` (``sbo_ms``), which never splits,
     replaces that answer where it beat plain by ``margin`` at every size and its cost is lower by
     ``margin`` too: ``(sbo, NEVER_SPLIT)``.
     """
     costs: dict[ExpertSchedule, tuple[float, int]] = {}
-    for schedule in (ExpertSchedule.SPLIT, ExpertSchedule.MERGED):
+    for schedule in SPLIT_SCHEDULES:
         timed = [AutotuneRow(r.tokens, r.serial_ms, r.ms(schedule)) for r in rows]
         thr = pick_threshold(timed, margin)
         if thr < NEVER_SPLIT:  # then it won somewhere, so it costs less than plain
             costs[schedule] = (sum((r.dbo_ms if r.tokens >= thr else r.serial_ms) / r.serial_ms
                                    for r in timed), thr)
-    split, merged = costs.get(ExpertSchedule.SPLIT), costs.get(ExpertSchedule.MERGED)
-    if merged is not None and (split is None or merged[0] < split[0] * (1 - margin)):
-        choice = ExpertSchedule.MERGED, merged[1]
+    split = costs.get(ExpertSchedule.SPLIT)
+    others = [(c, k, s) for k, (s, c) in enumerate(costs.items()) if s is not ExpertSchedule.SPLIT
+              and (split is None or c[0] < split[0] * (1 - margin))]
+    if others:
+        cost, _, schedule = min(others, key=lambda o: (o[0][0], o[1]))
+        choice = schedule, cost[1]
     elif split is not None:
         choice = ExpertSchedule.SPLIT, split[1]
     else:
@@ -240,8 +253,9 @@ def autotune_split_config(
             tune with the setting the wrapper will run with.
         compute_sms: likewise, the green-context SM count of the overlapped runs
             (``overlapped_forward(compute_sms=...)``).
-        schedules: the expert schedules to measure beside the plain forward (default all:
-            ``split``, ``merged`` and the unsplit ``sbo``); the choice is :func:`pick_schedule`'s.
+        schedules: the expert schedules to measure beside the plain forward (default
+            ``split``, ``merged`` and the unsplit ``sbo``; ``sbo+dbo`` where asked for); the
+            choice is :func:`pick_schedule`'s.
         sm_carveouts: several carve-outs to measure the overlapped runs with (e.g. ``(None,
             16)``; replaces ``sm_carveout``). Each gets its schedule and threshold as above;
             the result keeps the one whose choice costs least over the measured sizes (the
@@ -282,9 +296,9 @@ def autotune_split_config(
     check_compute_sms(compute_sms)
     wanted = {parse_expert_schedule(s) for s in schedules}
     if not wanted or ExpertSchedule.PLAIN in wanted:
-        raise ValueError(f"schedules must name 'split', 'merged' or 'sbo' (the plain forward is "
-                         f"always measured), got {list(schedules)!r}")
-    dbo_schedules = [s for s in (ExpertSchedule.SPLIT, ExpertSchedule.MERGED) if s in wanted]
+        raise ValueError(f"schedules must name 'split', 'merged', 'sbo' or 'sbo+dbo' (the plain "
+                         f"forward is always measured), got {list(schedules)!r}")
+    dbo_schedules = [s for s in SPLIT_SCHEDULES if s in wanted]
     kwargs = dict(fn_kwargs or {})
     multi = group_size(group) > 1
     counts.sort()
@@ -299,8 +313,8 @@ def autotune_split_config(
                              "steps, rounds, warmup, schedules or sm_carveouts")
     force = dataclasses.replace(config, decode_token_threshold=1, prefill_token_threshold=1,
                                 enabled=True, expert_schedule=ExpertSchedule.SPLIT)
-    # per count: plain (serial), sbo, then split and merged for each carve-out, in that order
-    keys = [(s, k) for k in range(len(carveouts)) for s in (ExpertSchedule.SPLIT, ExpertSchedule.MERGED)]
+    # per count: plain (serial), sbo, then the split schedules for each carve-out, in that order
+    keys = [(s, k) for k in range(len(carveouts)) for s in SPLIT_SCHEDULES]
     width = 2 + len(keys)
     sbo = ExpertSchedule.SBO in wanted
     transient: dict[ExpertSchedule, int] = {}  # the overlapped calls' peak memory above their start
@@ -343,10 +357,12 @@ def autotune_split_config(
         return None if v < 0 else v
 
     choices = []  # per carve-out: (cost, its index, rows, schedule, threshold)
+    n_split = len(SPLIT_SCHEDULES)
     for k in range(len(carveouts)):
-        col = 2 + 2 * k
+        col = 2 + n_split * k
         rows = tuple(AutotuneRow(t, local[width * i], ms(local[width * i + col]),
-                                 ms(local[width * i + col + 1]), ms(local[width * i + 1]))
+                                 ms(local[width * i + col + 1]), ms(local[width * i + 1]),
+                                 ms(local[width * i + col + 2]))
                      for i, t in enumerate(counts))
         schedule, threshold = pick_schedule(rows, margin)
         cost = sum((r.ms(schedule) if r.tokens >= threshold else r.serial_ms) / r.serial_ms
@@ -362,16 +378,16 @@ def autotune_split_config(
     tuned = {field: threshold, "adaptive": False}  # measured here: the wrapper need not
     if schedule is not ExpertSchedule.PLAIN:
         tuned["expert_schedule"] = schedule
-    need = [transient.get(s, 0) for s in (ExpertSchedule.SPLIT, ExpertSchedule.MERGED)] + [per_row]
+    need = [transient.get(s, 0) for s in SPLIT_SCHEDULES] + [per_row]
     if multi:
         need = all_reduce_max(need, group)
-    need_bytes = dict(zip((ExpertSchedule.SPLIT, ExpertSchedule.MERGED), need[:2], strict=True))
+    need_bytes = dict(zip(SPLIT_SCHEDULES, need[:n_split], strict=True))
     if schedule.splits and need_bytes[schedule] > 0:
         # split only where a rank has the memory the overlapped call was measured to take
         tuned["min_free_bytes"] = int(need_bytes[schedule] * (1 + MEMORY_MARGIN))
     result = AutotuneResult(dataclasses.replace(config, **tuned), decode_only,
                             threshold, rows, margin, schedule, carveouts[k], tuple(carveouts),
-                            int(need[2] * (1 + MEMORY_MARGIN)))
+                            int(need[n_split] * (1 + MEMORY_MARGIN)))
     logger.info("dbo autotune:\n%s", result.table())
     return result
 

@@ -20,6 +20,12 @@ experts: group ``g``'s combine is launched as soon as its experts are queued, so
 backend's stream) beside group ``g + 1``'s experts. Each group's combine brings that group's
 share of every token's weighted sum; the shares are added. Elsewhere the routed experts run
 once and one combine follows.
+
+With ``sbo+dbo`` (inside a run) each ubatch's layer is laid out the same way: its shared experts
+are queued right after its dispatch is launched, before it yields, and its routed experts run in
+groups; group ``g``'s combine is launched once group ``g``'s experts are queued and completed
+(its receive hook handed to the other ubatch, then a yield) once group ``g + 1``'s experts are
+queued, so each combine is in flight beside the other ubatch's work and this ubatch's next group.
 """
 
 from __future__ import annotations
@@ -137,7 +143,7 @@ class MoEKernel:
         self._workspaces: list[Workspace] = []
         self._merged_workspace = Workspace()
         self._sbo_stream: Any = None  # see _side_stream
-        self._group_workspaces: list[Workspace] = []
+        self._group_workspaces: dict[tuple[int, int], Workspace] = {}
         self._rendezvous = ExpertsRendezvous()
         #: groups of local experts under the ``sbo`` schedule (see the module docstring)
         self.sbo_groups = SBO_GROUPS
@@ -165,7 +171,9 @@ class MoEKernel:
         dbo_maybe_run_recv_hook()
         if pf.supports_async():
             # a dispatch of copies on the compute stream would hold the shared experts behind it
-            side = self._side_stream(a1) if beside is not None and pf.dispatch_holds_stream() else None
+            # (inside a run the backend moves its own work to the run's comm stream)
+            side = (self._side_stream(a1) if beside is not None and pf.dispatch_holds_stream()
+                    and not dbo_enabled() else None)
             compute = None if side is None else torch.cuda.current_stream()
             with dbo_region("dispatch"), ExitStack() as stack:
                 if side is not None:
@@ -224,11 +232,14 @@ class MoEKernel:
         """
         pf = self.prepare_finalize
         schedule = current_expert_schedule()
+        in_run = dbo_enabled()
         sbo = schedule is ExpertSchedule.SBO
-        if sbo and dbo_enabled():
+        if sbo and in_run:
             raise MoEProtocolError("the sbo expert schedule runs the batch unsplit, outside a ubatch "
                                    "run (it is a plan's schedule, not a ubatch's)")
-        beside = (lambda: self._shared(hidden_states)) if sbo and self.shared_experts else None
+        # sbo outside a run, sbo+dbo inside one (outside a run it is the plain layer, as split is)
+        grouped = sbo or (schedule is ExpertSchedule.SBO_DBO and in_run)
+        beside = (lambda: self._shared(hidden_states)) if grouped and self.shared_experts else None
         prep, shared_out = self._prepare(hidden_states, topk_weights, topk_ids, global_num_experts,
                                          expert_map, apply_router_weight_on_input, beside)
         ids = topk_ids if prep.topk_ids is None else prep.topk_ids
@@ -251,7 +262,7 @@ class MoEKernel:
             )
 
         groups = (expert_groups(prep.a1q.shape[0], self.sbo_groups)
-                  if sbo and fmt is ActivationFormat.BATCHED_EXPERTS and pf.supports_expert_groups()
+                  if grouped and fmt is ActivationFormat.BATCHED_EXPERTS and pf.supports_expert_groups()
                   else ())
         if len(groups) > 1:
             output = self._grouped_combines(inp, groups, apply, hidden_states, w1, w2, weights, ids,
@@ -280,14 +291,14 @@ class MoEKernel:
             with dbo_region("combine"):
                 res = pf.finalize_async(output, fused, weights, ids, apply_router_weight_on_input,
                                         weight_and_reduce)
-            if self.shared_experts is not None:
+            if self.shared_experts is not None and beside is None:
                 shared_out = self._shared(hidden_states)
             _complete(res, "combine_recv")
         else:
             with dbo_region("combine"):
                 pf.finalize(output, fused, weights, ids, apply_router_weight_on_input,
                             weight_and_reduce)
-            if self.shared_experts is not None:
+            if self.shared_experts is not None and beside is None:
                 shared_out = self._shared(hidden_states)
         if shared_out is not None:
             output += shared_out
@@ -302,18 +313,19 @@ class MoEKernel:
                           apply: Callable[..., torch.Tensor],
                           hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
                           weights: torch.Tensor, ids: torch.Tensor, router_on_input: bool) -> torch.Tensor:
-        """The ``sbo`` schedule's routed experts on BATCHED_EXPERTS slabs, group by group, each
+        """The grouped schedules' routed experts on BATCHED_EXPERTS slabs, group by group, each
         group's combine launched once its experts are queued; returns the sum of the groups'
         outputs. Group ``g``'s receive is queued after group ``g + 1``'s experts, so the combine
-        runs beside them, and before group ``g + 1``'s combine is launched."""
+        runs beside them, and before group ``g + 1``'s combine is launched (inside a run its
+        hook goes to the other ubatch and this one yields there). The buffers are the running
+        ubatch's own."""
         pf = self.prepare_finalize
         weight_and_reduce = self.experts.finalize_weight_and_reduce_impl()
         x, meta = inp.a1q, inp.expert_tokens_meta
-        while len(self._group_workspaces) < len(groups):
-            self._group_workspaces.append(Workspace())
+        ub = dbo_current_ubatch_id()
         # every group's experts write into their rows of one layer-sized tensor, which each
         # group's combine reads (the rows of the other groups it does not send)
-        full = self._merged_workspace.get("sbo_out", tuple(x.shape), hidden_states.dtype, x.device)
+        full = self.workspace().get("sbo_out", tuple(x.shape), hidden_states.dtype, x.device)
         pending, total = None, None
         for gi, (g0, g1) in enumerate(groups):
             part = ExpertsInput(
@@ -322,7 +334,7 @@ class MoEKernel:
                     meta.expert_num_tokens[g0:g1],
                     None if meta.expert_num_tokens_cpu is None else meta.expert_num_tokens_cpu[g0:g1]),
                 inp.topk_ids, inp.topk_weights)
-            ws = self._group_workspaces[gi]
+            ws = self._group_workspaces.setdefault((ub, gi), Workspace())
             ws.bind("fused_out", full[g0:g1])
             with dbo_region(f"experts_group{gi}"), self._beside_a_combine(gi > 0):
                 y = apply(part, ws, w1[g0:g1], w2[g0:g1])
@@ -330,6 +342,7 @@ class MoEKernel:
                     full[g0:g1].copy_(y)
             if pending is not None:  # before the next launch (DeepEP low-latency needs it)
                 total = self._add_group(pending, total)
+            dbo_maybe_run_recv_hook()  # a receive the other ubatch left for us comes first
             out_g = torch.empty_like(hidden_states)
             with dbo_region(f"combine_group{gi}"):
                 res = pf.finalize_group_async(out_g, full, weights, ids, router_on_input,
@@ -340,7 +353,8 @@ class MoEKernel:
 
     @staticmethod
     def _add_group(pending: tuple[Any, torch.Tensor], total: torch.Tensor | None) -> torch.Tensor:
-        """Complete one group's combine (outside a run) and add its output to ``total``."""
+        """Complete one group's combine (inside a run: its hook to the other ubatch, a yield) and
+        add its output to ``total``."""
         res, out = pending
         _complete(res, "combine_recv")
         return out if total is None else total.add_(out)
@@ -350,5 +364,6 @@ class MoEKernel:
         the backend's per-ubatch state."""
         self._workspaces.clear()
         self._merged_workspace.clear()
+        self._group_workspaces.clear()
         self._rendezvous.reset()
         self.prepare_finalize.reset()

@@ -84,7 +84,10 @@ class SplitConfig:
         expert_schedule: :class:`~dbo.expert_schedule.ExpertSchedule` (or its string value):
             ``"split"`` (default: each ubatch runs its own routed experts), ``"merged"`` (the
             ubatches' routed experts run as one grouped call once every ubatch has received
-            its tokens: one read of the weights) or ``"plain"`` (never split: like both
+            its tokens: one read of the weights), ``"sbo+dbo"`` (split, each ubatch's MoE layers
+            with the shared experts beside the dispatch and a combine per expert group where
+            the backend combines per group), ``"sbo"`` (never split: single-batch overlap) or
+            ``"plain"`` (never split: like both
             thresholds at :data:`NEVER_SPLIT`, it issues no collective, so every rank of the
             group must use it). Part of the agreement: ranks that split must run the same one.
         adaptive: a :class:`dbo.DBOWrapper` with this config measures its first split calls
@@ -182,8 +185,9 @@ class UBatchPlan:
             (``num_ubatches * padded_size``), or None (no ``cudagraph_sizes``, none large
             enough, or not split).
         two_chunk: True when the cuts split a request in two by the two-chunk rule.
-        expert_schedule: how the routed experts run: ``split`` or ``merged`` in a split plan
-            (default ``split``); ``plain`` (default) or ``sbo`` in a plan that does not split.
+        expert_schedule: how the routed experts run: ``split``, ``merged`` or ``sbo+dbo`` in a
+            split plan (default ``split``); ``plain`` (default) or ``sbo`` in a plan that does not
+            split.
     """
 
     num_tokens: int
@@ -202,7 +206,8 @@ class UBatchPlan:
         elif schedule is None:
             schedule = ExpertSchedule.SPLIT
         elif not schedule.splits:
-            raise ValueError(f"a split plan's expert_schedule is 'split' or 'merged', not '{schedule}'")
+            raise ValueError(f"a split plan's expert_schedule is 'split', 'merged' or 'sbo+dbo', not "
+                             f"'{schedule}'")
         object.__setattr__(self, "expert_schedule", schedule)
 
     @property
@@ -248,5 +253,5 @@ class UBatchPlan:
         parts = " ".join(f"[{a}:{b})" for a, b in self.slices)
         extra = (f", graph {self.graph_size}" if self.graph_size else "") + \
             (", two-chunk" if self.two_chunk else "") + \
-            (", merged experts" if self.expert_schedule is ExpertSchedule.MERGED else "")
+            ("" if self.expert_schedule is ExpertSchedule.SPLIT else f", {self.expert_schedule} experts")
         return f"split({self.num_tokens} tokens -> {parts} padded to {self.padded_size}{extra})"

@@ -71,7 +71,7 @@ class ConformanceCase:
     rounded; default an uneven 2-way split). ``expert_schedule``: how the DBO runs' routed
     experts run (``"split"``; ``"merged"``: one call over every ubatch's rows; ``"sbo"``: the
     batch unsplit, the shared experts beside the dispatch and, where the backend combines per
-    expert group, a combine per group).
+    expert group, a combine per group; ``"sbo+dbo"``: split, each ubatch laid out as ``sbo``).
     ``tol_ref``/``tol_dbo``: relative-error bounds of serial vs reference and DBO vs serial.
     ``options``: free-form settings for the factory.
     """
@@ -89,6 +89,8 @@ class ConformanceCase:
     reduce_in_experts: bool = True
     force_interleave: bool = True
     expert_schedule: str = "split"
+    #: expert groups of the grouped schedules (``MoEKernel.sbo_groups``)
+    sbo_groups: int = 2
     tol_ref: float = 2e-2
     tol_dbo: float = 1e-2
     options: tuple[tuple[str, Any], ...] = ()
@@ -242,8 +244,10 @@ def run_case(factory: BackendFactory, case: ConformanceCase, *, device: str | to
     x, weights, ids, w1, w2, w1_local, w2_local = _inputs(case, rank, world, device)
     backend = factory(case)
     sbo = case.expert_schedule == "sbo"
-    pf = InterleavingBackend(backend) if case.force_interleave or sbo else backend
+    grouped = case.expert_schedule in ("sbo", "sbo+dbo")
+    pf = InterleavingBackend(backend) if case.force_interleave or grouped else backend
     kernel = MoEKernel(pf, SwiGLUExperts(reduce_in_experts=case.reduce_in_experts))
+    kernel.sbo_groups = case.sbo_groups
     kw = dict(global_num_experts=case.num_experts,
               apply_router_weight_on_input=case.apply_router_weight_on_input)
     problems: list[str] = []
@@ -292,9 +296,9 @@ def run_case(factory: BackendFactory, case: ConformanceCase, *, device: str | to
     if registered != ran:
         problems.append(f"{registered} hooks registered, {ran} ran")
     regions = [e.detail for e in trace.events if e.kind == "region_begin"]
-    if sbo and backend.supports_expert_groups() and x.shape[0] and pf.group_combines < 2:
-        problems.append(f"sbo schedule: {pf.group_combines} per-group combines (want at least 2 "
-                        "per call on a backend that combines per group)")
+    if grouped and backend.supports_expert_groups() and x.shape[0] and pf.group_combines < 2:
+        problems.append(f"{case.expert_schedule} schedule: {pf.group_combines} per-group combines "
+                        "(want at least 2 per call on a backend that combines per group)")
     if case.expert_schedule == "merged" and regions.count("experts_merged") != 1:
         problems.append(f"merged schedule: {regions.count('experts_merged')} merged experts calls "
                         f"(want 1), {regions.count('experts')} per-ubatch ones")
