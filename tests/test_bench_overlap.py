@@ -204,14 +204,20 @@ def test_bench_dbo_sm_carveout_variants(tmp_path):
     ("deepep_ht", ["--num-sms", "24", "32"], [24, 32]),
     ("deepep_ll", ["--tokens", "32", "--ll-rows", "auto"], []),
     ("deepep_ll", ["--tokens", "32"], []),
+    ("deepep_ll", ["--tokens", "32", "--modes", "serial", "dbo", "sbo", "sbo_dbo", "--sbo-groups", "4"], []),
 ])
 def test_bench_deepep_paths_on_fake(tmp_path, backend, extra, sms):
     # the fake deep_ep (dbo.testing) runs the DeepEP code paths of the benchmark on gloo:
     # SM-count switching, record/replay, the low-latency row bound (--ll-rows auto) or none
-    # (the default: the experts take the rows that arrived from the device counts)
+    # (the default: the experts take the rows that arrived from the device counts); the grouped
+    # schedules with four groups of low-latency combines
     bundle = _run_bench(tmp_path, "--backend", backend, "--fake-deep-ep", *extra)
-    _check_structure(bundle, backend, sms)
     sh = bundle["shapes"][0]
+    if "--modes" in extra:
+        assert bundle["args"]["sbo_groups"] == 4
+        _check_grouped_modes(sh)
+        return
+    _check_structure(bundle, backend, sms)
     if backend == "deepep_ll":
         rows = sh["ll_rows"]
         if "auto" in extra:
@@ -284,10 +290,19 @@ def test_cuda_graph_rows_in_the_table(tmp_path):
 
 
 def test_sbo_mode_is_measured_and_checked(tmp_path):
-    # the unsplit sbo step: timed beside serial and checked against the same reference
-    bundle = _run_bench(tmp_path, "--backend", "all2all", "--modes", "serial", "dbo", "sbo")
-    shape = bundle["shapes"][0]
-    assert any(m["mode"] == "sbo" and m.get("timing") for m in shape["measurements"])
-    assert any(k.startswith("sbo_s") for k in shape["checks"]), shape["checks"]
+    # the unsplit sbo step and the split sbo+dbo one: timed beside serial and checked against
+    # the same reference
+    bundle = _run_bench(tmp_path, "--backend", "all2all", "--modes", "serial", "dbo", "sbo", "sbo_dbo")
+    _check_grouped_modes(bundle["shapes"][0])
+
+
+def _check_grouped_modes(shape: dict) -> None:
+    for mode in ("sbo", "sbo_dbo"):
+        assert any(m["mode"] == mode and m.get("timing") for m in shape["measurements"])
+        assert any(k.startswith(f"{mode}_s") for k in shape["checks"]), shape["checks"]
+        assert shape["summary"][f"{mode}_ms"] > 0
+    assert "sbo_dbo_vs_serial" in shape["checks"]
     assert all(c["token_median"] <= 2e-2 for k, c in shape["checks"].items() if k.startswith("sbo"))
-    assert shape["summary"]["sbo_ms"] > 0
+    s = shape["summary"]
+    assert s["best_schedule"] == min((s["serial_ms"], "plain"), (s["dbo_ms"], "split"), (s["sbo_ms"], "sbo"),
+                                     (s["sbo_dbo_ms"], "sbo+dbo"))[1]

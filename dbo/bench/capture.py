@@ -34,7 +34,7 @@ def traces(sb: ShapeBench, profile: bool, out_dir: Path) -> dict | None:
     sb.dbo(trace=trace)
     files = {}
     if profile and sb.device.type == "cuda":
-        extra = [m for m in ("merged", "sbo") if m in sb.args.modes]
+        extra = [m for m in ("merged", "sbo", "sbo_dbo") if m in sb.args.modes]
         for mode in ("dbo", "serial", *extra):
             sb.use_best(mode)
             fn = sb.step(mode)
@@ -139,14 +139,14 @@ def cuda_graph(sb: ShapeBench) -> None:
             res["error"] = f"{type(exc).__name__}: {exc}"
             sb.rec["warnings"].append(f"T={sb.T}: CUDA graph capture/replay failed: {res['error']}")
             _clean_after_failed_capture(sb, res, "error")
-        for extra in ("merged", "sbo"):  # the other schedules, where asked for and time allows
+        for extra in ("merged", "sbo", "sbo_dbo"):  # the other schedules, where asked for and time allows
             if not res["ok"] or extra not in sb.args.modes or sb.budget.expired():
                 continue
             try:
                 out = _capture(sb, extra, res, graphs)
                 res[f"graph_{extra}_over_serial"] = res[f"graph_{extra}_ms"] / res["graph_serial_ms"]
-                if extra == "sbo":
-                    res["sbo_vs_serial_rel_err"] = max_rel_error(out, outs["serial"], sb.device)
+                if extra in ("sbo", "sbo_dbo"):
+                    res[f"{extra}_vs_serial_rel_err"] = max_rel_error(out, outs["serial"], sb.device)
             except Exception as exc:  # noqa: BLE001 - these figures are extra
                 res[f"{extra}_error"] = f"{type(exc).__name__}: {exc}"
                 sb.rec["warnings"].append(f"T={sb.T}: {extra} CUDA graph failed: {res[extra + '_error']}")

@@ -31,9 +31,10 @@ __all__ = ["DTYPES", "TOLERANCE", "MODES", "SCHEMA", "PROG", "DEFAULT_BACKEND", 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
-MODES = ("compute", "dbo_compute", "merged_compute", "comm", "serial", "dbo", "merged", "sbo")
-#: what runs unless --modes says otherwise (sbo pays in decode only: the decode steps ask for it)
-DEFAULT_MODES = MODES[:-1]
+MODES = ("compute", "dbo_compute", "merged_compute", "comm", "serial", "dbo", "merged", "sbo", "sbo_dbo")
+#: what runs unless --modes says otherwise (sbo and sbo+dbo pay in decode only: the decode steps
+#: ask for them)
+DEFAULT_MODES = MODES[:-2]
 SCHEMA = "dbo.bench_overlap/2"  # 2: one expert implementation (no expert_chunks)
 PROG = "python -m dbo.bench overlap"
 #: the backend when --backend is not given, per device (the CPU one must be in cpu_backends())
@@ -103,8 +104,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sm-carveout", type=int, default=None,
                    help="torch._C._set_sm_carveout_experimental(N) for every run (experiment)")
     p.add_argument("--sbo-sm-carveout", type=int, default=None,
-                   help="the sbo mode: SMs the experts leave free while a group's combine runs "
-                        "(MoEKernel.sbo_sm_carveout)")
+                   help="the sbo and sbo_dbo modes: SMs the experts leave free while a group's "
+                        "combine runs (MoEKernel.sbo_sm_carveout)")
+    p.add_argument("--sbo-groups", type=int, default=2,
+                   help="the sbo and sbo_dbo modes: groups of local experts, each with its own "
+                        "combine (MoEKernel.sbo_groups; default 2)")
     p.add_argument("--dbo-sm-carveout", type=_opt_int, nargs="+", default=None,
                    help="SM carve-outs tried for the DBO runs only (overlapped_forward's "
                         "sm_carveout: matmuls and grouped GEMMs leave N SMs to DeepEP), e.g. "
@@ -151,6 +155,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--num-sms {odd[0]}: must be even (DeepEP)")
     if args.topk > args.experts:
         p.error(f"--topk {args.topk}: must be <= --experts ({args.experts})")
+    if args.sbo_groups < 1:
+        p.error(f"--sbo-groups {args.sbo_groups}: must be >= 1")
     check_experts_split(p, args.experts, world)
     if args.ll_rows not in ("masked", "auto", "full") and not args.ll_rows.isdigit():
         p.error(f"--ll-rows {args.ll_rows!r}: must be masked, auto, full or a number")
@@ -290,7 +296,8 @@ def configure_deepep(args: argparse.Namespace) -> dict[str, Any]:
 def count_configs(args: argparse.Namespace) -> int:
     s = max(1, len(args.num_sms))
     per = {"compute": 1, "dbo_compute": 1, "merged_compute": 1, "comm": s, "serial": s,
-           "dbo": s * len(args.dbo_sm_carveout), "merged": s * len(args.dbo_sm_carveout), "sbo": s}
+           "dbo": s * len(args.dbo_sm_carveout), "merged": s * len(args.dbo_sm_carveout), "sbo": s,
+           "sbo_dbo": s}
     n = sum(per[m] for m in args.modes) + 1  # +1: traces
     if args.cuda_graph:
         n += 1

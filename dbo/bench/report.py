@@ -99,8 +99,11 @@ def summarize_shape(shape: dict, default_splits: bool) -> dict:
                merged_speedup=_ratio(t_serial, t_merged), merged_efficiency=eff(t_merged))
     t_sbo = _ms(_best(meas, "sbo"), layers)
     out.update(sbo_ms=t_sbo, sbo_speedup=_ratio(t_serial, t_sbo))
+    t_sbo_dbo = _ms(_best(meas, "sbo_dbo"), layers)
+    out.update(sbo_dbo_ms=t_sbo_dbo, sbo_dbo_speedup=_ratio(t_serial, t_sbo_dbo))
     timed = [(t, k, name) for k, (name, t) in enumerate((("plain", t_serial), ("split", t_dbo),
-                                                          ("merged", t_merged), ("sbo", t_sbo)))
+                                                          ("merged", t_merged), ("sbo", t_sbo),
+                                                          ("sbo+dbo", t_sbo_dbo)))
              if t is not None]
     out["best_schedule"] = min(timed)[2] if timed else None
     out["comm_bytes"] = shape.get("comm_bytes_per_layer")

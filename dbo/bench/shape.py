@@ -73,7 +73,9 @@ def max_rel_error(out: torch.Tensor, ref: torch.Tensor, device: torch.device) ->
 
 
 def _rows_key(mode: str) -> str:
-    return "merged" if mode.startswith("merged") else "dbo" if mode.startswith("dbo") else "serial"
+    # sbo+dbo's ubatches dispatch as the split ones do
+    return ("merged" if mode.startswith("merged") else "dbo" if mode.startswith(("dbo", "sbo_dbo"))
+            else "serial")
 
 
 def _round_rows(n: int, cap: int) -> int:
@@ -122,6 +124,8 @@ class ShapeBench:
                                                       prefill_token_threshold=1))
         #: the same cut with the merged expert schedule (one experts call per layer)
         self.plan_merged = dataclasses.replace(self.plan, expert_schedule=ExpertSchedule.MERGED)
+        #: the same cut with each ubatch laid out as sbo (combines per expert group)
+        self.plan_sbo_dbo = dataclasses.replace(self.plan, expert_schedule=ExpertSchedule.SBO_DBO)
         #: the library's experts; on deepep_ll with the row bound of each mode (see reference());
         #: their persistent grids leave --sm-carveout SMs free, as cuBLAS does
         self.experts = SwiGLUExperts(sm_carveout=args.sm_carveout)
@@ -146,13 +150,24 @@ class ShapeBench:
 
     def sbo(self) -> torch.Tensor:
         """The unsplit step with the ``sbo`` expert schedule (single-batch overlap)."""
-        for kernel in self.model.kernels:
-            kernel.sbo_sm_carveout = self.args.sbo_sm_carveout
+        self._group_options()
         with use_expert_schedule(ExpertSchedule.SBO):
             return self.model(self.x)
 
+    def sbo_dbo(self, trace: dbo.Trace | None = None) -> torch.Tensor:
+        """The DBO step with the ``sbo+dbo`` expert schedule (each ubatch laid out as sbo)."""
+        self._group_options()
+        return overlapped_forward(self.model, self.x, plan=self.plan_sbo_dbo, trace=trace,
+                                  sm_carveout=self.carveout, compute_sms=self.args.dbo_compute_sms)
+
+    def _group_options(self) -> None:
+        # the grouped schedules' settings, on whichever kernels the step runs
+        for kernel in self.model.kernels:
+            kernel.sbo_sm_carveout = self.args.sbo_sm_carveout
+            kernel.sbo_groups = self.args.sbo_groups
+
     def use(self, backend: Any, mode: str) -> None:
-        if mode.startswith(("dbo", "merged")) and backend is self.pf:
+        if mode.startswith(("dbo", "merged", "sbo_dbo")) and backend is self.pf:
             backend = self.pf_dbo
         self.model.use(backend, self.experts)
         self.experts.batched_rows = self.rows[_rows_key(mode)]
@@ -240,6 +255,9 @@ class ShapeBench:
         if "merged" in self.args.modes or "merged_compute" in self.args.modes:
             self.use(self.pf, "merged")
             self.check_against(self.ref, "merged_vs_serial")(self.merged())
+        if "sbo_dbo" in self.args.modes:
+            self.use(self.pf, "sbo_dbo")
+            self.check_against(self.ref, "sbo_dbo_vs_serial")(self.sbo_dbo())
         self.rec["plan"] = str(self.plan)
 
     def compute_alone(self) -> None:
@@ -316,6 +334,9 @@ class ShapeBench:
                     self.run_config("merged", s, self.merged, self.check_against(self.ref, name),
                                     carveout=k)
                 self.carveout = None
+            if "sbo_dbo" in self.args.modes:
+                self.use(self.pf_dbo, "sbo_dbo")
+                self.run_config("sbo_dbo", s, self.sbo_dbo, self.check_against(self.ref, f"sbo_dbo_s{s}"))
 
     def best(self, mode: str) -> tuple[int | None, int | None]:
         """The DeepEP SM count and SM carve-out of the fastest ``mode`` run."""
@@ -326,17 +347,18 @@ class ShapeBench:
         return m["num_sms"], m.get("sm_carveout")
 
     def step(self, mode: str) -> Callable[[], torch.Tensor]:
-        """The step of ``mode``: "serial", "dbo", "merged" or "sbo"."""
-        return {"serial": self.serial, "dbo": self.dbo, "merged": self.merged, "sbo": self.sbo}[mode]
+        """The step of ``mode``: "serial", "dbo", "merged", "sbo" or "sbo_dbo"."""
+        return {"serial": self.serial, "dbo": self.dbo, "merged": self.merged, "sbo": self.sbo,
+                "sbo_dbo": self.sbo_dbo}[mode]
 
     def use_best(self, mode: str) -> None:
-        """Run the next ``mode`` steps ("serial", "dbo", "merged"; "sbo" runs the serial step's
-        kernels, so in serial's) in its fastest configuration."""
+        """Run the next ``mode`` steps ("serial", "dbo", "merged", "sbo_dbo"; "sbo" runs the
+        serial step's kernels, so in serial's) in its fastest configuration."""
         mode = "serial" if mode == "sbo" else mode
         s, k = self.best(mode)
         self.sms.set(s)
         self.use(self.pf, mode)
-        self.carveout = k if mode in ("dbo", "merged") else None
+        self.carveout = k if mode in ("dbo", "merged", "sbo_dbo") else None
 
     def adaptive_forward(self) -> Callable[[torch.Tensor], torch.Tensor]:
         """The model's forward with each mode's best configuration: the one DBO measured best

@@ -78,13 +78,16 @@ def build_cases(args: argparse.Namespace, world: int = 2) -> list[ConformanceCas
                         f"{backend} h={hidden} k={topk} T={tokens[0]}/{tokens[1]}", tokens, hidden, topk,
                         NUM_EXPERTS, intermediate=128, seed=seed, tol_ref=3e-2, tol_dbo=1e-2,
                         options=opts))
-        if backend == "ll":  # the sbo schedule: the batch unsplit, a combine per expert group
+        if backend == "ll":
+            # sbo: the batch unsplit, a combine per expert group (2 and 4 groups); sbo+dbo: two
+            # ubatches, each with its group combines
             for hidden in args.hidden:
-                seed += 1
-                cases.append(ConformanceCase(
-                    f"ll sbo h={hidden} k=8 T=128/128", _widen((128, 128), world), hidden, 8,
-                    NUM_EXPERTS, intermediate=128, seed=seed, tol_ref=3e-2, tol_dbo=1e-2,
-                    expert_schedule="sbo", options=_opts(backend)))
+                for schedule, groups in (("sbo", 2), ("sbo", 4), ("sbo+dbo", 2), ("sbo+dbo", 4)):
+                    seed += 1
+                    cases.append(ConformanceCase(
+                        f"ll {schedule} G={groups} h={hidden} k=8 T=128/128", _widen((128, 128), world),
+                        hidden, 8, NUM_EXPERTS, intermediate=128, seed=seed, tol_ref=3e-2, tol_dbo=1e-2,
+                        expert_schedule=schedule, sbo_groups=groups, options=_opts(backend)))
         if args.fp8 or (backend == "ht" and not args.quick):
             for hidden in args.hidden:
                 seed += 1
