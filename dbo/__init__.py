@@ -16,7 +16,7 @@ from dbo.errors import (
     UBatchError,
 )
 from dbo.expert_schedule import ExpertSchedule
-from dbo.overlap import DBOWrapper, overlapped_forward
+from dbo.overlap import DBOWrapper, RunOptions, overlapped_forward
 from dbo.split import SplitConfig, SplitMode, UBatchPlan, plan_ubatches, split_attention_metadata
 from dbo.ubatch.context import (
     UBatchContext,
@@ -56,6 +56,7 @@ __all__ = [
     "plan_ubatches",
     "split_attention_metadata",
     "DBOWrapper",
+    "RunOptions",
     "overlapped_forward",
     "active_run",
     "dbo_enabled",

@@ -58,6 +58,7 @@ from dbo.ubatch.sm import sm_carveout as torch_sm_carveout
 from dbo.ubatch.trace import Trace
 
 __all__ = [
+    "RunOptions",
     "UBatchInfo",
     "current_ubatch",
     "current_num_valid_tokens",
@@ -116,6 +117,34 @@ def mask_current_padding(topk_ids: torch.Tensor,
 
 
 # ---- the overlapped forward ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """How the overlapped calls of :func:`overlapped_forward` and :class:`DBOWrapper` run,
+    checked once, when made (a bad value raises ``ValueError``/``TypeError`` here).
+
+    Attributes:
+        trace: a :class:`dbo.Trace` that records the overlapped run (None: none).
+        comm_stream: the comm stream for ``run_ubatches`` (None: its own).
+        sm_carveout: SMs the matmuls leave free while the ubatches run (torch's carve-out and
+            that of the forward's experts); None leaves both alone. A plain call runs without it.
+        compute_sms: SMs of the green context the ubatches compute on; None: every SM. A plain
+            call runs without it.
+        timeout_s: the longest wait for a peer rank in every backend, split or not; None keeps
+            each backend's own.
+    """
+
+    trace: Trace | None = None
+    comm_stream: Any = None
+    sm_carveout: int | None = None
+    compute_sms: int | None = None
+    timeout_s: float | None = None
+
+    def __post_init__(self) -> None:
+        check_sm_carveout(self.sm_carveout)
+        check_compute_sms(self.compute_sms)
+        check_timeout(self.timeout_s)
 
 
 def _run_device(t: torch.Tensor) -> torch.device | str:
@@ -203,26 +232,23 @@ def overlapped_forward(
         dbo.ubatch.sm.SMPartitionUnsupportedError: ``compute_sms`` without green contexts.
     """
     num_tokens = check_token_major(tensors)
-    check_sm_carveout(sm_carveout)
-    check_compute_sms(compute_sms)
-    check_timeout(timeout_s)
+    options = RunOptions(trace, comm_stream, sm_carveout, compute_sms, timeout_s)
     if plan is None:
         with collective_timeout(timeout_s):  # the vote waits for the peers too
             plan = plan_ubatches(num_tokens, config, request_token_counts=request_token_counts,
                                  decode_only=decode_only, group=group, agree=agree)
-    return _run_plan(fn, tensors, num_tokens, plan, dict(fn_kwargs or {}), trace=trace,
-                     comm_stream=comm_stream, sm_carveout=sm_carveout,
-                     find_experts=lambda: find_swiglu_experts(fn), compute_sms=compute_sms,
-                     timeout_s=timeout_s)
+    return _run_plan(fn, tensors, num_tokens, plan, dict(fn_kwargs or {}), options,
+                     lambda: find_swiglu_experts(fn))
 
 
 def _run_plan(fn: Callable[..., Any], tensors: Sequence[torch.Tensor], num_tokens: int,
-              plan: UBatchPlan, kwargs: dict[str, Any], *, trace: Trace | None, comm_stream: Any,
-              sm_carveout: int | None, find_experts: Callable[[], list], compute_sms: int | None,
-              timeout_s: float | None) -> Any:
-    """:func:`overlapped_forward` once the plan is known, with arguments its callers checked."""
+              plan: UBatchPlan, kwargs: dict[str, Any], options: RunOptions,
+              find_experts: Callable[[], list]) -> Any:
+    """:func:`overlapped_forward` once the plan is known. ``find_experts()``: the forward's
+    SwiGLUExperts (called only when ``options.sm_carveout`` is set)."""
     if plan.num_tokens != num_tokens:
         raise ValueError(f"plan is for {plan.num_tokens} tokens, the inputs have {num_tokens}")
+    timeout_s, trace = options.timeout_s, options.trace
     if not plan.split:  # plain, or sbo: the MoE kernels overlap within the one batch
         with collective_timeout(timeout_s), use_expert_schedule(plan.expert_schedule):
             return fn(*tensors, **kwargs)
@@ -244,11 +270,11 @@ def _run_plan(fn: Callable[..., Any], tensors: Sequence[torch.Tensor], num_token
     device = _run_device(tensors[0])
     if trace is not None:
         trace.meta["expert_schedule"] = plan.expert_schedule.value
-    with _leave_sms_free(find_experts, sm_carveout), use_expert_schedule(plan.expert_schedule), \
+    with _leave_sms_free(find_experts, options.sm_carveout), use_expert_schedule(plan.expert_schedule), \
             collective_timeout(timeout_s):
-        outputs = run_ubatches([body(i) for i in range(n)], comm_stream=comm_stream,
+        outputs = run_ubatches([body(i) for i in range(n)], comm_stream=options.comm_stream,
                                token_offsets=plan.token_offsets, trace=trace,
-                               device=device, compute_sms=compute_sms)
+                               device=device, compute_sms=options.compute_sms)
     return merge_outputs(plan, outputs)
 
 
@@ -283,6 +309,9 @@ class DBOWrapper(torch.nn.Module):
             context created on first use.
         timeout_s: the longest wait for a peer rank in the backends, as in
             :func:`overlapped_forward` (None: each backend's own).
+
+    The last five are one :class:`RunOptions` (:attr:`options`); each is also an attribute that
+    replaces it with the new value, checked.
     """
 
     def __init__(self, module_or_fn: torch.nn.Module | Callable[..., Any],
@@ -300,11 +329,9 @@ class DBOWrapper(torch.nn.Module):
         self.config = SplitConfig() if config is None else config
         self.group = group
         self.agree = agree
-        self.trace = trace
-        self.comm_stream = comm_stream
-        self.sm_carveout = sm_carveout
-        self.compute_sms = compute_sms
-        self.timeout_s = check_timeout(timeout_s)
+        #: how the overlapped calls run (the attributes below read and replace it)
+        self.options = RunOptions(trace, comm_stream, sm_carveout, compute_sms, timeout_s)
+        self._found_experts: list | None = None
         self.last_plan: UBatchPlan | None = None
         #: the measured choice between plain and overlapped per size bucket (``config.adaptive``)
         self.online: OnlineChoice | None = None
@@ -314,14 +341,41 @@ class DBOWrapper(torch.nn.Module):
         return self.module if "module" in self._modules else self._fn
 
     @property
+    def trace(self) -> Trace | None:
+        """The :class:`dbo.Trace` of every overlapped call (None: none)."""
+        return self.options.trace
+
+    @trace.setter
+    def trace(self, value: Trace | None) -> None:
+        self.options = dataclasses.replace(self.options, trace=value)
+
+    @property
+    def comm_stream(self) -> Any:
+        """The comm stream given to ``run_ubatches`` (None: its own)."""
+        return self.options.comm_stream
+
+    @comm_stream.setter
+    def comm_stream(self, value: Any) -> None:
+        self.options = dataclasses.replace(self.options, comm_stream=value)
+
+    @property
+    def timeout_s(self) -> float | None:
+        """The longest wait for a peer rank in the backends (None: each backend's own)."""
+        return self.options.timeout_s
+
+    @timeout_s.setter
+    def timeout_s(self, value: float | None) -> None:
+        self.options = dataclasses.replace(self.options, timeout_s=value)
+
+    @property
     def sm_carveout(self) -> int | None:
         """SMs left free in the overlapped calls (None: torch's and the experts' own setting)."""
-        return self._sm_carveout
+        return self.options.sm_carveout
 
     @sm_carveout.setter
     def sm_carveout(self, value: int | None) -> None:
-        self._sm_carveout = check_sm_carveout(value)
-        self._found_experts: list | None = None  # found again at the next overlapped call
+        self.options = dataclasses.replace(self.options, sm_carveout=value)
+        self._found_experts = None  # found again at the next overlapped call
 
     def _experts(self) -> list:
         """The wrapped forward's SwiGLUExperts, found at the first overlapped call with a
@@ -334,11 +388,11 @@ class DBOWrapper(torch.nn.Module):
     @property
     def compute_sms(self) -> int | None:
         """SMs of the overlapped calls' green context (None: every SM)."""
-        return self._compute_sms
+        return self.options.compute_sms
 
     @compute_sms.setter
     def compute_sms(self, value: int | None) -> None:
-        self._compute_sms = check_compute_sms(value)
+        self.options = dataclasses.replace(self.options, compute_sms=value)
 
     def plan(self, num_tokens: int, *, request_token_counts: Sequence[int] | None = None,
              decode_only: bool | None = None, need_bytes: int | None = None) -> UBatchPlan:
@@ -356,20 +410,21 @@ class DBOWrapper(torch.nn.Module):
         ``need_bytes``: this rank's device memory need even unsplit, checked on every rank
         before the call (:func:`dbo.split.plan_ubatches`)."""
         num_tokens = check_token_major(tensors)
-        trace = self.trace if trace is None else trace
+        options = self.options if trace is None else dataclasses.replace(self.options, trace=trace)
         if plan is None:
             plan = self.plan(num_tokens, request_token_counts=request_token_counts,
                              decode_only=decode_only, need_bytes=need_bytes)
             if plan.split and self.config.adaptive:
-                return self._measured(plan, tensors, num_tokens, kwargs, trace)
+                return self._measured(plan, tensors, num_tokens, kwargs, options)
+        return self._run(plan, tensors, num_tokens, kwargs, options)
+
+    def _run(self, plan: UBatchPlan, tensors: Sequence[torch.Tensor], num_tokens: int,
+             kwargs: dict[str, Any], options: RunOptions) -> Any:
         self.last_plan = plan
-        return _run_plan(self.fn, tensors, num_tokens, plan, kwargs, trace=trace,
-                         comm_stream=self.comm_stream, sm_carveout=self._sm_carveout,
-                         find_experts=self._experts, compute_sms=self._compute_sms,
-                         timeout_s=self.timeout_s)
+        return _run_plan(self.fn, tensors, num_tokens, plan, kwargs, options, self._experts)
 
     def _measured(self, plan: UBatchPlan, tensors: Sequence[torch.Tensor], num_tokens: int,
-                  kwargs: dict[str, Any], trace: Trace | None) -> Any:
+                  kwargs: dict[str, Any], options: RunOptions) -> Any:
         """A split call under ``config.adaptive``: :attr:`online` picks plain or a schedule."""
         if self.online is None:
             self.online = OnlineChoice(group=self.group, agree=self.agree)
@@ -381,10 +436,6 @@ class DBOWrapper(torch.nn.Module):
                                   expert_schedule=schedule)
             else:
                 p = dataclasses.replace(plan, expert_schedule=schedule)
-            self.last_plan = p
-            return _run_plan(self.fn, tensors, num_tokens, p, kwargs, trace=trace,
-                             comm_stream=self.comm_stream, sm_carveout=self._sm_carveout,
-                             find_experts=self._experts, compute_sms=self._compute_sms,
-                             timeout_s=self.timeout_s)
+            return self._run(p, tensors, num_tokens, kwargs, options)
 
         return self.online.run(plan, call, device=tensors[0].device)

@@ -442,3 +442,25 @@ def test_an_adaptive_wrapper_given_a_plan_runs_it_as_it_is():
         assert torch.equal(wrapper(x, plan=plan), x + 1)
         assert wrapper.last_plan is plan
     assert wrapper.online is None
+
+
+def test_run_options_are_one_checked_value_that_the_wrapper_attributes_replace():
+    from dbo import RunOptions
+
+    with pytest.raises(ValueError):
+        RunOptions(sm_carveout=-1)
+    with pytest.raises((ValueError, TypeError)):
+        RunOptions(timeout_s=0)
+    with pytest.raises((ValueError, TypeError)):
+        RunOptions(compute_sms=0)
+    trace = dbo.Trace()
+    wrapped = DBOWrapper(lambda h: h * 2, trace=trace, sm_carveout=4, timeout_s=5.0)
+    assert wrapped.options == RunOptions(trace=trace, sm_carveout=4, timeout_s=5.0)
+    wrapped.sm_carveout = None
+    wrapped.timeout_s = 2.0
+    assert wrapped.options == RunOptions(trace=trace, timeout_s=2.0)
+    with pytest.raises(ValueError):
+        wrapped.sm_carveout = -3
+    assert wrapped.options.sm_carveout is None  # a refused value leaves the options as they were
+    with pytest.raises(ValueError):
+        overlapped_forward(lambda h: h, torch.zeros(4, 2), sm_carveout=-1)
