@@ -4,11 +4,11 @@ A model is expert-parallel with dbo in one of two ways: converted in memory
 (:func:`~dbo.integrations.transformers.convert.convert_to_expert_parallel`, its MoE blocks become
 :class:`~dbo.integrations.transformers.moe_block.ExpertParallelMoE`), or loaded with
 ``from_pretrained(..., distributed_config=ep_distributed_config(...))`` (its experts modules run
-through :class:`~dbo.integrations.transformers.ep.DBOExpertParallel`). :func:`use_backend` moves
-its tokens through another backend in either case; the two functions it routes to
+through :class:`~dbo.integrations.transformers.ep.DBOExpertParallel`). Both kinds of layer have
+one method, ``switch_backend``, and :func:`use_backend` is a loop over a model's layers that
+calls it (:func:`expert_parallel_layers` finds them). The per-kind loops
 (:func:`~dbo.integrations.transformers.convert.set_backend`,
-:func:`~dbo.integrations.transformers.ep_model.switch_ep_backend`) stay public for callers that
-know which kind of model they hold.
+:func:`~dbo.integrations.transformers.ep_model.switch_ep_backend`) stay public.
 """
 
 from __future__ import annotations
@@ -18,22 +18,35 @@ from typing import Any
 import torch
 
 from dbo.backends import backend_spec
-from dbo.integrations.transformers.convert import set_backend
-from dbo.integrations.transformers.ep_model import expert_parallel_modules, switch_ep_backend
+from dbo.integrations.transformers.ep import DBOExpertParallel
 from dbo.integrations.transformers.moe_block import ExpertParallelMoE
 
-__all__ = ["use_backend", "expert_parallel_kind"]
+__all__ = ["use_backend", "expert_parallel_kind", "expert_parallel_layers"]
+
+
+def expert_parallel_layers(model: torch.nn.Module) -> list[Any]:
+    """The expert-parallel layers of ``model`` in module order, whichever way it was made so:
+    its :class:`~dbo.integrations.transformers.moe_block.ExpertParallelMoE` blocks, or the
+    :class:`~dbo.integrations.transformers.ep.DBOExpertParallel` implementations of its
+    experts modules. Each has ``switch_backend(name, *, group, decode_backend,
+    decode_backend_kwargs, **options)``."""
+    layers: list[Any] = []
+    for m in model.modules():
+        if isinstance(m, ExpertParallelMoE):
+            layers.append(m)
+        elif isinstance(getattr(m, "_dbo_expert_parallel", None), DBOExpertParallel):
+            layers.append(m._dbo_expert_parallel)
+    return layers
 
 
 def expert_parallel_kind(model: torch.nn.Module) -> str | None:
     """How ``model`` was made expert-parallel: ``"converted"`` (it has
     :class:`~dbo.integrations.transformers.moe_block.ExpertParallelMoE` blocks), ``"loaded"``
     (experts modules running through dbo's EP implementations) or None (neither)."""
-    if any(isinstance(m, ExpertParallelMoE) for m in model.modules()):
-        return "converted"
-    if expert_parallel_modules(model):
-        return "loaded"
-    return None
+    layers = expert_parallel_layers(model)
+    if not layers:
+        return None
+    return "converted" if isinstance(layers[0], ExpertParallelMoE) else "loaded"
 
 
 def use_backend(model: torch.nn.Module, name: str, *, group: Any = None,
@@ -60,18 +73,14 @@ def use_backend(model: torch.nn.Module, name: str, *, group: Any = None,
             or ``group`` for a loaded one.
     """
     backend_spec(name)
-    kind = expert_parallel_kind(model)
-    if kind == "converted":
-        if decode_backend is not None or decode_backend_kwargs:
-            raise ValueError(f"decode_backend={decode_backend!r}: a converted model runs one backend; "
-                             "a prefill/decode pair needs a model loaded with ep_distributed_config(...)")
-        return set_backend(model, name, group, **options)
-    if kind == "loaded":
-        if group is not None:
-            raise ValueError("group: a model loaded with ep_distributed_config(...) keeps the group it "
-                             "was loaded on; leave group=None")
-        return switch_ep_backend(model, name, decode_backend=decode_backend,
-                                 decode_backend_kwargs=decode_backend_kwargs, **options)
-    raise ValueError(f"{type(model).__name__} is not expert-parallel with dbo: convert it with "
-                     "convert_to_expert_parallel(model, ...) or load it with from_pretrained(..., "
-                     "distributed_config=ep_distributed_config(...))")
+    layers = expert_parallel_layers(model)
+    if not layers:
+        raise ValueError(f"{type(model).__name__} is not expert-parallel with dbo: convert it with "
+                         "convert_to_expert_parallel(model, ...) or load it with from_pretrained(..., "
+                         "distributed_config=ep_distributed_config(...))")
+    # the layers of a model are of one kind: the first refuses arguments its kind does not take
+    # before any layer changes
+    for layer in layers:
+        layer.switch_backend(name, group=group, decode_backend=decode_backend,
+                             decode_backend_kwargs=decode_backend_kwargs, **options)
+    return model

@@ -218,8 +218,5 @@ def set_backend(model: torch.nn.Module, backend: str, group: Any = None, *,
     if not blocks:
         raise ValueError("the model has no converted MoE block: call convert_to_expert_parallel first")
     for block in blocks:
-        block.use_backend(make_backend(backend, group, hidden=block.w1.shape[2],
-                                       num_experts=block.num_experts, topk=block.topk,
-                                       dtype=block.w1.dtype, device=block.w1.device,
-                                       max_tokens_per_rank=max_tokens_per_rank, **backend_kwargs))
+        block.switch_backend(backend, group=group, max_tokens_per_rank=max_tokens_per_rank, **backend_kwargs)
     return model

@@ -53,14 +53,10 @@ def switch_ep_backend(model: torch.nn.Module, backend: str, *, decode_backend: s
             implementations.
     """
     backend_spec(backend)
-    decode_kwargs = checked_decode_kwargs(decode_backend, decode_backend_kwargs)
-    found = _require_dbo_modules(model)
-    for _, impl in found:
-        impl.reset()
-        # instance attributes
-        impl.backend, impl.backend_kwargs = backend, dict(backend_kwargs)
-        impl.decode_backend, impl.decode_backend_kwargs = decode_backend, dict(decode_kwargs)
-        impl.kernel, impl.decode_kernel, impl._signature = None, None, None
+    checked_decode_kwargs(decode_backend, decode_backend_kwargs)
+    for _, impl in _require_dbo_modules(model):
+        impl.switch_backend(backend, decode_backend=decode_backend,
+                            decode_backend_kwargs=decode_backend_kwargs, **backend_kwargs)
     return model
 
 

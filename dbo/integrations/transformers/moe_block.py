@@ -17,9 +17,11 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
+from dbo.backends import make_backend
 from dbo.moe import MoEKernel, PrepareAndFinalize, SwiGLUExperts
 from dbo.overlap import current_ubatch
 from dbo.split import mask_padding_routing
@@ -116,6 +118,24 @@ class ExpertParallelMoE(torch.nn.Module):
         self.topk = topk
         self.family = family
         self.use_backend(backend)
+
+    def switch_backend(self, name: str, *, group: Any = None, decode_backend: str | None = None,
+                       decode_backend_kwargs: dict[str, Any] | None = None,
+                       max_tokens_per_rank: int | None = None, **options: Any) -> None:
+        """Run the routed experts through a new backend ``name`` (a key of
+        :data:`dbo.backends.BACKENDS`) on ``group`` (None: the default group), built now with
+        ``options``: collective where the backend is. The model-facing entry is
+        :func:`dbo.integrations.transformers.use_backend`.
+
+        Raises:
+            ValueError: ``decode_backend``: a converted model runs one backend.
+        """
+        if decode_backend is not None or decode_backend_kwargs:
+            raise ValueError(f"decode_backend={decode_backend!r}: a converted model runs one backend; "
+                             "a prefill/decode pair needs a model loaded with ep_distributed_config(...)")
+        self.use_backend(make_backend(name, group, hidden=self.w1.shape[2], num_experts=self.num_experts,
+                                      topk=self.topk, dtype=self.w1.dtype, device=self.w1.device,
+                                      max_tokens_per_rank=max_tokens_per_rank, **options))
 
     def use_backend(self, backend: PrepareAndFinalize) -> None:
         """Run the routed experts through ``backend`` from now on (a fresh kernel)."""
