@@ -85,20 +85,22 @@ class AllToAllPrepareAndFinalize(TorchDistPrepareAndFinalize):
         send_idx = pairs[:, 1]
         send_counts = dest.sum(0).tolist()
         send = pack_rows(x[send_idx], topk_ids[send_idx].to(torch.int32), topk_weights[send_idx])
-        self._begin_comm(cpu_blocking=True)
-        rows = self._exchange_meta(x, topk, num_experts, apply_router_weight_on_input,
-                                   extra=send_counts)
-        recv_counts = [r[6 + self.rank] for r in rows]
-        total = sum(sum(r[6:]) for r in rows)
-        self._handles.put(_A2AHandle(send_idx, send_counts, recv_counts, m, hidden, total))
-        recv = torch.empty(sum(recv_counts), send.shape[1], dtype=torch.uint8, device=send.device)
-        work = None
-        if total:
-            work = dist.all_to_all_single(recv, send, output_split_sizes=recv_counts,
-                                          input_split_sizes=send_counts, group=self.group,
-                                          async_op=True)
-        pending = PendingWork([work], self._what("dispatch all-to-all"), self.timeout_s, self.nccl)
-        self._end_comm([send], [recv])
+        # the count exchange blocks the CPU: yield first, so the other ubatch queues its compute
+        with self.comm_section(back="plain", enabled=self.nccl) as comm:
+            rows = self._exchange_meta(x, topk, num_experts, apply_router_weight_on_input,
+                                       extra=send_counts)
+            recv_counts = [r[6 + self.rank] for r in rows]
+            total = sum(sum(r[6:]) for r in rows)
+            self._handles.put(_A2AHandle(send_idx, send_counts, recv_counts, m, hidden, total))
+            recv = torch.empty(sum(recv_counts), send.shape[1], dtype=torch.uint8, device=send.device)
+            work = None
+            if total:
+                work = dist.all_to_all_single(recv, send, output_split_sizes=recv_counts,
+                                              input_split_sizes=send_counts, group=self.group,
+                                              async_op=True)
+            pending = PendingWork([work], self._what("dispatch all-to-all"), self.timeout_s, self.nccl)
+            comm.keep(send)
+            comm.keep_for_compute(recv)
         lo = self.rank * n_local
 
         def receiver() -> PrepareResult:
@@ -119,15 +121,16 @@ class AllToAllPrepareAndFinalize(TorchDistPrepareAndFinalize):
         if y.shape[0] != sum(h.recv_counts):
             raise ValueError(f"fused_expert_output reduces to {y.shape[0]} rows, but "
                              f"{sum(h.recv_counts)} were dispatched to this rank")
-        self._begin_comm(cpu_blocking=False)
-        back = torch.empty(h.send_idx.numel(), h.hidden, dtype=output.dtype, device=output.device)
-        # a rank that sends and receives nothing still takes part: the collective is skipped
-        # only when the whole group moved nothing, which every rank knows from prepare
-        work = dist.all_to_all_single(back, y, output_split_sizes=h.send_counts,
-                                      input_split_sizes=h.recv_counts, group=self.group,
-                                      async_op=True) if h.total else None
-        pending = PendingWork([work], self._what("combine all-to-all"), self.timeout_s, self.nccl)
-        self._end_comm([y], [back])
+        with self.comm_section(yield_first=False, back="plain", enabled=self.nccl) as comm:
+            back = torch.empty(h.send_idx.numel(), h.hidden, dtype=output.dtype, device=output.device)
+            # a rank that sends and receives nothing still takes part: the collective is skipped
+            # only when the whole group moved nothing, which every rank knows from prepare
+            work = dist.all_to_all_single(back, y, output_split_sizes=h.send_counts,
+                                          input_split_sizes=h.recv_counts, group=self.group,
+                                          async_op=True) if h.total else None
+            pending = PendingWork([work], self._what("combine all-to-all"), self.timeout_s, self.nccl)
+            comm.keep(y)
+            comm.keep_for_compute(back)
 
         def receiver() -> None:
             pending.wait()

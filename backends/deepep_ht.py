@@ -31,13 +31,6 @@ from dbo.moe.base import (
 from dbo.moe.weight_and_reduce import (
     TopKWeightAndReduce,
 )
-from dbo.ubatch.context import (
-    dbo_enabled,
-    dbo_get_previous_event,
-    dbo_switch_to_compute_deferred,
-    dbo_switch_to_compute_sync,
-    dbo_yield_and_switch_from_compute_to_comm,
-)
 
 from .deepep.buffer import (
     BufferMode,
@@ -118,44 +111,38 @@ class DeepEPHTPrepareAndFinalize(DeepEPPrepareAndFinalize):
             x = quantize_fp8_blocks(x)
         buffer = self.buffer
         config = buffer.get_dispatch_config(self.num_ranks)
-        dbo = dbo_enabled()
-        if dbo:
-            # The event covers exactly this ubatch's compute so far; yield before the
-            # CPU-blocking dispatch so the other ubatch's compute is queued ahead of it.
-            previous_event = dbo_get_previous_event(buffer.capture)
-            dbo_yield_and_switch_from_compute_to_comm()
-            async_finish = False
-        else:
-            previous_event = None
-            async_finish = self.async_finish
-        seq = self._arrive("dispatch")
-        (num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert, is_token_in_rank,
-         layout_event) = buffer.get_dispatch_layout(
-            topk_ids, self.num_experts, previous_event=previous_event, async_finish=async_finish,
-            allocate_on_comm_stream=False)
-        # DeepEP's dispatch waits on the host, holding the GIL, for the peers' GPUs to send
-        # their counts: a peer whose GPU stalls would hold this rank there with no Python thread
-        # (the GPU watchdog included) able to run; the GIL-free deadline ends the process instead,
-        # the wait named in the stacks it writes
-        recv_x, recv_topk_ids, recv_topk_weights, counts, handle, event = self._host_wait(
-            "dispatch", lambda: buffer.dispatch(
-                x,
-                num_tokens_per_rank=num_tokens_per_rank,
-                num_tokens_per_rdma_rank=num_tokens_per_rdma_rank,
-                is_token_in_rank=is_token_in_rank,
-                num_tokens_per_expert=num_tokens_per_expert,
-                topk_idx=topk_ids,
-                topk_weights=topk_weights,
-                expert_alignment=self.expert_alignment,
-                config=config,
-                previous_event=previous_event if dbo else layout_event,
-                async_finish=async_finish,
-                allocate_on_comm_stream=False,
-            ))
-        self._handles.put(handle)
-        if dbo:
-            self._watch("dispatch", seq, a1.device)  # on the comm stream, after the kernels
-            dbo_switch_to_compute_sync()
+        # Inside a run: the event covers exactly this ubatch's compute so far, and the ubatch
+        # yields before the CPU-blocking dispatch so the other ubatch's compute is queued ahead
+        with self.comm_section(capture=buffer.capture, back="sync") as comm:
+            dbo = comm.in_run
+            async_finish = self.async_finish and not dbo
+            seq = self._arrive("dispatch")
+            (num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert, is_token_in_rank,
+             layout_event) = buffer.get_dispatch_layout(
+                topk_ids, self.num_experts, previous_event=comm.previous_event, async_finish=async_finish,
+                allocate_on_comm_stream=False)
+            # DeepEP's dispatch waits on the host, holding the GIL, for the peers' GPUs to send
+            # their counts: a peer whose GPU stalls would hold this rank there with no Python
+            # thread (the GPU watchdog included) able to run; the GIL-free deadline ends the
+            # process instead, the wait named in the stacks it writes
+            recv_x, recv_topk_ids, recv_topk_weights, counts, handle, event = self._host_wait(
+                "dispatch", lambda: buffer.dispatch(
+                    x,
+                    num_tokens_per_rank=num_tokens_per_rank,
+                    num_tokens_per_rdma_rank=num_tokens_per_rdma_rank,
+                    is_token_in_rank=is_token_in_rank,
+                    num_tokens_per_expert=num_tokens_per_expert,
+                    topk_idx=topk_ids,
+                    topk_weights=topk_weights,
+                    expert_alignment=self.expert_alignment,
+                    config=config,
+                    previous_event=comm.previous_event if dbo else layout_event,
+                    async_finish=async_finish,
+                    allocate_on_comm_stream=False,
+                ))
+            self._handles.put(handle)
+            if dbo:
+                self._watch("dispatch", seq, a1.device)  # on the comm stream, after the kernels
         wait_event = event if async_finish else None
 
         def receiver() -> PrepareResult:
@@ -186,24 +173,21 @@ class DeepEPHTPrepareAndFinalize(DeepEPPrepareAndFinalize):
                                 apply_router_weight_on_input, weight_and_reduce)
         buffer = self.buffer
         config = buffer.get_combine_config(self.num_ranks)
-        if dbo_enabled():
-            previous_event = dbo_get_previous_event(buffer.capture)
-            dbo_yield_and_switch_from_compute_to_comm()
+        # inside a run, back to compute without waiting: what the caller queues before the
+        # receiver (the shared experts) runs alongside the combine; the receiver waits
+        with self.comm_section(capture=buffer.capture, back="deferred") as comm:
+            async_finish = self.async_finish and not comm.in_run
             seq = self._arrive("combine")
-            combined, _, _ = buffer.combine(x, handle, topk_weights=None, config=config,
-                                            previous_event=previous_event, async_finish=False,
-                                            allocate_on_comm_stream=False)
-            # copy on the comm stream, so the comm-allocated result dies on its own stream
-            output.copy_(combined[:, : self.hidden])
-            self._watch("combine", seq, output.device)
-            # Back to compute without waiting: what the caller queues before the receiver
-            # (the shared experts) runs alongside the combine; the receiver waits.
-            return dbo_switch_to_compute_deferred()
-        seq = self._arrive("combine")
-        combined, _, event = buffer.combine(x, handle, topk_weights=None, config=config,
-                                            previous_event=None, async_finish=self.async_finish,
-                                            allocate_on_comm_stream=False)
-        wait_event = event if self.async_finish else None
+            combined, _, event = buffer.combine(x, handle, topk_weights=None, config=config,
+                                                previous_event=comm.previous_event,
+                                                async_finish=async_finish, allocate_on_comm_stream=False)
+            if comm.in_run:
+                # copy on the comm stream, so the comm-allocated result dies on its own stream
+                output.copy_(combined[:, : self.hidden])
+                self._watch("combine", seq, output.device)
+        if comm.in_run:
+            return comm.wait
+        wait_event = event if async_finish else None
 
         def receiver() -> None:
             if wait_event is not None:

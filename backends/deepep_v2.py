@@ -36,12 +36,6 @@ from dbo.moe.base import (
 from dbo.moe.weight_and_reduce import (
     TopKWeightAndReduce,
 )
-from dbo.ubatch.context import (
-    dbo_enabled,
-    dbo_get_previous_event,
-    dbo_switch_to_compute_sync,
-    dbo_yield_and_switch_from_compute_to_comm,
-)
 
 from .deepep.buffer import (
     BufferMode,
@@ -127,38 +121,34 @@ class DeepEPV2PrepareAndFinalize(DeepEPPrepareAndFinalize):
             x = quantize_fp8_blocks(x)
         expand = self.mode == "prefill"
         buffer = self.buffer
-        dbo = dbo_enabled()
-        if dbo:
-            previous_event = dbo_get_previous_event(buffer.capture)
-            dbo_yield_and_switch_from_compute_to_comm()
-        else:
-            previous_event = None
-        seq = self._arrive("dispatch")
-        # with do_cpu_sync the dispatch waits on the host holding the GIL (as deepep_ht's does)
-        def dispatch() -> tuple:
-            return buffer.dispatch(
-                x=x,
-                topk_idx=topk_ids,
-                topk_weights=topk_weights,
-                num_experts=self.num_experts,
-                num_max_tokens_per_rank=self.max_tokens_per_rank,
-                expert_alignment=self.expert_alignment,
-                previous_event=previous_event,
-                async_with_compute_stream=not dbo,
-                allocate_on_comm_stream=previous_event is not None,
-                do_handle_copy=False,
-                do_cpu_sync=expand,
-                do_expand=expand,
-                do_zero_padding=expand and self.expert_alignment > 1,
-            )
+        with self.comm_section(capture=buffer.capture, back="sync") as comm:
+            dbo, previous_event = comm.in_run, comm.previous_event
+            seq = self._arrive("dispatch")
 
-        recv_x, recv_topk_ids, recv_topk_weights, handle, event = (
-            self._host_wait("dispatch", dispatch) if expand else dispatch())
-        # topk_ids is stored by reference in the handle and must outlive it
-        self._handles.put((handle, topk_ids))
-        if dbo:
-            self._watch("dispatch", seq, a1.device)
-            dbo_switch_to_compute_sync()
+            # with do_cpu_sync the dispatch waits on the host holding the GIL (as deepep_ht's does)
+            def dispatch() -> tuple:
+                return buffer.dispatch(
+                    x=x,
+                    topk_idx=topk_ids,
+                    topk_weights=topk_weights,
+                    num_experts=self.num_experts,
+                    num_max_tokens_per_rank=self.max_tokens_per_rank,
+                    expert_alignment=self.expert_alignment,
+                    previous_event=previous_event,
+                    async_with_compute_stream=not dbo,
+                    allocate_on_comm_stream=previous_event is not None,
+                    do_handle_copy=False,
+                    do_cpu_sync=expand,
+                    do_expand=expand,
+                    do_zero_padding=expand and self.expert_alignment > 1,
+                )
+
+            recv_x, recv_topk_ids, recv_topk_weights, handle, event = (
+                self._host_wait("dispatch", dispatch) if expand else dispatch())
+            # topk_ids is stored by reference in the handle and must outlive it
+            self._handles.put((handle, topk_ids))
+            if dbo:
+                self._watch("dispatch", seq, a1.device)
 
         def receiver() -> PrepareResult:
             if not dbo:
@@ -212,22 +202,17 @@ class DeepEPV2PrepareAndFinalize(DeepEPPrepareAndFinalize):
         x = self._reduced_input(output, fused_expert_output, topk_weights, topk_ids,
                                 apply_router_weight_on_input, weight_and_reduce)
         buffer = self.buffer
-        if dbo_enabled():
-            previous_event = dbo_get_previous_event(buffer.capture)
-            dbo_yield_and_switch_from_compute_to_comm()
+        with self.comm_section(capture=buffer.capture, back="sync") as comm:
             seq = self._arrive("combine")
-            combined, _, _ = buffer.combine(x=x, handle=handle, topk_weights=None,
-                                            previous_event=previous_event,
-                                            async_with_compute_stream=False,
-                                            allocate_on_comm_stream=True)
-            output.copy_(combined[:, : self.hidden])
-            self._watch("combine", seq, output.device)
-            dbo_switch_to_compute_sync()
+            combined, _, event = buffer.combine(x=x, handle=handle, topk_weights=None,
+                                                previous_event=comm.previous_event,
+                                                async_with_compute_stream=not comm.in_run,
+                                                allocate_on_comm_stream=comm.in_run)
+            if comm.in_run:
+                output.copy_(combined[:, : self.hidden])
+                self._watch("combine", seq, output.device)
+        if comm.in_run:
             return _done
-        seq = self._arrive("combine")
-        combined, _, event = buffer.combine(x=x, handle=handle, topk_weights=None, previous_event=None,
-                                            async_with_compute_stream=True,
-                                            allocate_on_comm_stream=False)
 
         def receiver() -> None:
             event.current_stream_wait()

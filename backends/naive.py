@@ -87,25 +87,27 @@ class NaivePrepareAndFinalize(TorchDistPrepareAndFinalize):
         x = self._router_on_input(a1, topk_weights, apply_router_weight_on_input)
         m, hidden = x.shape
         topk = topk_ids.shape[1]
-        self._begin_comm(cpu_blocking=True)
-        rows = self._exchange_meta(x, topk, num_experts, apply_router_weight_on_input)
-        max_m = max(r[0] for r in rows)
-        self._handles.put(_NaiveHandle(m, max_m, hidden, x.dtype))
-        ids = topk_ids.to(torch.int32)
-        w = topk_weights
-        if max_m > m:
-            pad = max_m - m
-            x = torch.cat([x, x.new_zeros(pad, hidden)])
-            ids = torch.cat([ids, ids.new_full((pad, topk), -1)])
-            w = torch.cat([w, w.new_zeros(pad, topk)])
-        send = pack_rows(x, ids, w)
-        recv = torch.empty(self.world_size * max_m, send.shape[1], dtype=torch.uint8,
-                           device=send.device)
-        work = None
-        if max_m:
-            work = all_gather_single(recv, send, self.group, async_op=True)
-        pending = PendingWork([work], self._what("dispatch all-gather"), self.timeout_s, self.nccl)
-        self._end_comm([x, send], [recv])
+        # the count exchange blocks the CPU: yield first, so the other ubatch queues its compute
+        with self.comm_section(back="plain", enabled=self.nccl) as comm:
+            rows = self._exchange_meta(x, topk, num_experts, apply_router_weight_on_input)
+            max_m = max(r[0] for r in rows)
+            self._handles.put(_NaiveHandle(m, max_m, hidden, x.dtype))
+            ids = topk_ids.to(torch.int32)
+            w = topk_weights
+            if max_m > m:
+                pad = max_m - m
+                x = torch.cat([x, x.new_zeros(pad, hidden)])
+                ids = torch.cat([ids, ids.new_full((pad, topk), -1)])
+                w = torch.cat([w, w.new_zeros(pad, topk)])
+            send = pack_rows(x, ids, w)
+            recv = torch.empty(self.world_size * max_m, send.shape[1], dtype=torch.uint8,
+                               device=send.device)
+            work = None
+            if max_m:
+                work = all_gather_single(recv, send, self.group, async_op=True)
+            pending = PendingWork([work], self._what("dispatch all-gather"), self.timeout_s, self.nccl)
+            comm.keep(x, send)
+            comm.keep_for_compute(recv)
 
         def receiver() -> PrepareResult:
             pending.wait()
@@ -121,14 +123,15 @@ class NaivePrepareAndFinalize(TorchDistPrepareAndFinalize):
         h = self._handles.take()
         y = self._weighted_output(output, h.num_tokens, h.hidden, fused_expert_output, topk_weights,
                                   topk_ids, apply_router_weight_on_input, weight_and_reduce)
-        self._begin_comm(cpu_blocking=False)
-        mine = torch.empty(h.max_tokens, h.hidden, dtype=output.dtype, device=output.device)
-        work = None
-        if h.max_tokens:
-            work = reduce_scatter_single(mine, y, self.group, async_op=True)
-        pending = PendingWork([work], self._what("combine reduce-scatter"), self.timeout_s,
-                              self.nccl)
-        self._end_comm([y], [mine])
+        with self.comm_section(yield_first=False, back="plain", enabled=self.nccl) as comm:
+            mine = torch.empty(h.max_tokens, h.hidden, dtype=output.dtype, device=output.device)
+            work = None
+            if h.max_tokens:
+                work = reduce_scatter_single(mine, y, self.group, async_op=True)
+            pending = PendingWork([work], self._what("combine reduce-scatter"), self.timeout_s,
+                                  self.nccl)
+            comm.keep(y)
+            comm.keep_for_compute(mine)
 
         def receiver() -> None:
             pending.wait()

@@ -41,14 +41,8 @@ from dbo.moe.validate import (
 )
 from dbo.peers.watchdog import resolve_timeout
 from dbo.ubatch.context import (
-    dbo_current_context,
     dbo_current_ubatch_id,
-    dbo_enabled,
-    dbo_switch_to_comm_sync,
-    dbo_switch_to_compute,
-    dbo_yield_and_switch_from_compute_to_comm,
 )
-from dbo.ubatch.streams import hand_over
 
 __all__ = [
     "TorchDistPrepareAndFinalize",
@@ -317,31 +311,7 @@ class TorchDistPrepareAndFinalize(PrepareAndFinalize):
                                  + ", ".join(f"rank {i}={v}" for i, v in enumerate(vals)))
         return rows
 
-    # ---- stream protocol ----------------------------------------------------------------
-
-    def _begin_comm(self, cpu_blocking: bool) -> None:
-        """Under NCCL and DBO move to the comm stream, after this ubatch's compute.
-
-        ``cpu_blocking``: the step about to run blocks the CPU on the comm stream (a count
-        exchange), so first yield to let the other ubatch queue its compute.
-        """
-        if not (self.nccl and dbo_enabled()):
-            return
-        if cpu_blocking:
-            dbo_yield_and_switch_from_compute_to_comm()
-        else:
-            dbo_switch_to_comm_sync()
-
-    def _end_comm(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> None:
-        """Back to the compute stream; keep tensors alive for the stream that uses them."""
-        if not (self.nccl and dbo_enabled()):
-            return
-        ctx = dbo_current_context()
-        for t in inputs:
-            hand_over(t, ctx.comm_stream)
-        for t in outputs:
-            hand_over(t, ctx.compute_stream)
-        dbo_switch_to_compute()
+    # ---- stream protocol: PrepareAndFinalize.comm_section (enabled=self.nccl) ------------
 
     def _async_result(self, pending: PendingWork, receiver: Any) -> Any:
         """``(hook, receiver)``: the hook waits for the data (gloo) or is only a yield point

@@ -49,14 +49,7 @@ import torch
 
 from dbo.moe.base import PrepareResult, TopKWeightAndReduce
 from dbo.moe.handles import PerUBatch
-from dbo.ubatch.context import (
-    dbo_current_ubatch_id,
-    dbo_enabled,
-    dbo_switch_to_comm_sync,
-    dbo_switch_to_compute,
-    dbo_yield_and_switch_from_compute_to_comm,
-)
-from dbo.ubatch.streams import hand_over
+from dbo.ubatch.context import dbo_current_ubatch_id
 
 from ..fp8 import FP8_BLOCK, dequantize_fp8_blocks, quantize_fp8_blocks
 from ..torchdist import DTYPE_CODES, TorchDistPrepareAndFinalize
@@ -271,25 +264,20 @@ class CopyEnginePrepareAndFinalize(TorchDistPrepareAndFinalize):
             payload = x
         meta = torch.cat(routing, dim=1)
         # The host is about to wait for its peers' hosts: let the other ubatch queue its compute.
-        if dbo_enabled():
-            dbo_yield_and_switch_from_compute_to_comm()
-        self.transport.seq[slot] += 1
-        seq = self.transport.seq[slot]
-        rows = self.transport.board.exchange(
-            slot, seq, [m, hidden, topk, DTYPE_CODES.get(x.dtype, -1), num_experts])
-        counts = self._agree(rows, x.dtype, topk)
-        self.transport.ensure(slot, max(counts))  # the same decision on every rank
-        offsets = [sum(counts[:r]) for r in range(self.world_size)]
-        me = offsets[self.rank]
-        chan = 2 * slot + _DISPATCH
-        own_x = self._put_all(slot, [p for d in self.order
-                                     for p in ((d, "x", me, payload), (d, "meta", me, meta))], chan)
-        self._handles.put(_Handle(counts, offsets, seq, hidden))
-        if dbo_enabled():
-            if self.transport.cuda:  # the comm stream reads them after the caller moves on
-                hand_over(payload, torch.cuda.current_stream())
-                hand_over(meta, torch.cuda.current_stream())
-            dbo_switch_to_compute()
+        with self.comm_section(back="plain") as comm:
+            self.transport.seq[slot] += 1
+            seq = self.transport.seq[slot]
+            rows = self.transport.board.exchange(
+                slot, seq, [m, hidden, topk, DTYPE_CODES.get(x.dtype, -1), num_experts])
+            counts = self._agree(rows, x.dtype, topk)
+            self.transport.ensure(slot, max(counts))  # the same decision on every rank
+            offsets = [sum(counts[:r]) for r in range(self.world_size)]
+            me = offsets[self.rank]
+            chan = 2 * slot + _DISPATCH
+            own_x = self._put_all(slot, [p for d in self.order
+                                         for p in ((d, "x", me, payload), (d, "meta", me, meta))], chan)
+            self._handles.put(_Handle(counts, offsets, seq, hidden))
+            comm.keep(payload, meta)  # the comm stream reads them after the caller moves on
         total = sum(counts)
         lo = self.rank * n_local
         dtype = x.dtype
@@ -352,17 +340,13 @@ class CopyEnginePrepareAndFinalize(TorchDistPrepareAndFinalize):
         if y.shape[0] != total:
             raise ValueError(f"fused_expert_output reduces to {y.shape[0]} rows, but {total} were "
                              "dispatched to this rank")
-        if dbo_enabled():
-            dbo_switch_to_comm_sync()
-        chan = 2 * slot + _COMBINE
-        # partial sums of rank s's tokens go to rows [rank * M_s, (rank + 1) * M_s) of s
-        own = self._put_all(slot, [(s, "comb", self.rank * h.counts[s],
-                                    y[h.offsets[s]:h.offsets[s] + h.counts[s]])
-                                   for s in self.order], chan)
-        if dbo_enabled():
-            if self.transport.cuda:
-                hand_over(y, torch.cuda.current_stream())
-            dbo_switch_to_compute()
+        with self.comm_section(yield_first=False, back="plain") as comm:
+            chan = 2 * slot + _COMBINE
+            # partial sums of rank s's tokens go to rows [rank * M_s, (rank + 1) * M_s) of s
+            own = self._put_all(slot, [(s, "comb", self.rank * h.counts[s],
+                                        y[h.offsets[s]:h.offsets[s] + h.counts[s]])
+                                       for s in self.order], chan)
+            comm.keep(y)
         hook, stream_wait = self._arrival(slot, chan, own, f"combine {h.seq} of ubatch {slot}")
 
         def receiver() -> None:

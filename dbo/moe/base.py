@@ -22,11 +22,13 @@ from __future__ import annotations
 import enum
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
 
+from dbo.moe.comm_section import CommSection, comm_section
 from dbo.moe.weight_and_reduce import (
     TopKWeightAndReduce,
     TopKWeightAndReduceContiguous,
@@ -178,6 +180,13 @@ class PrepareAndFinalize(ABC):
     def output_is_reduced(self) -> bool:
         """True if ``finalize``'s output is already summed over every rank's experts (no
         further all-reduce is needed)."""
+
+    def comm_section(self, *, capture: Callable[[], Any] | None = None, yield_first: bool = True,
+                     back: str = "sync", enabled: bool = True) -> AbstractContextManager[CommSection]:
+        """The stream hand-over around this backend's communication under DBO, as one block
+        (:func:`dbo.moe.comm_section.comm_section`: on the comm stream inside a run, nothing
+        outside), so that a backend's own code holds its library calls."""
+        return comm_section(capture=capture, yield_first=yield_first, back=back, enabled=enabled)
 
     def supports_async(self) -> bool:
         """True if ``prepare_async``/``finalize_async`` are implemented."""
