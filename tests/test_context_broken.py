@@ -53,23 +53,23 @@ def make_yield_variant(*, ring_step: int = 1, restore_stream: bool = True, resto
             if run.live_count < 2:
                 return
             ctx = run.current
-            stream = ctx._stream_key = run.current_stream()
-            modes = ctx._modes = capture_modes()
+            stream = ctx.stream_key = run.current_stream()
+            modes = ctx.modes = capture_modes()
             n, i = len(run.contexts), ctx.id
             while True:
                 i = (i + ring_step) % n
                 if run.contexts[i].live:
                     break
             nxt = run.contexts[i]
-            if restore_modes and nxt._modes != modes:
-                run.modes.apply(nxt._modes, modes)
-            if restore_stream and nxt._stream_key != stream:
-                run.set_stream(nxt._stream_key)
+            if restore_modes and nxt.modes != modes:
+                run.modes.apply(nxt.modes, modes)
+            if restore_stream and nxt.stream_key != stream:
+                run.set_stream(nxt.stream_key)
             run.current = nxt
-            nxt._greenlet.switch()
-            pending = ctx._hook_pending_in
+            nxt.resume()
+            pending = ctx.hook_pending_in
             if run_pending_hook and pending is not None:
-                pending._run_hook_in(ctx)
+                pending.run_hook_in(ctx)
 
         return yield_current
 

@@ -114,14 +114,14 @@ class Run:
     def _enter(self, ctx: UBatchContext, stream: Any, modes: int | tuple) -> Any:
         """Restore ``ctx``'s thread state (the thread now holds ``stream``/``modes``) and
         resume it."""
-        if ctx._modes != modes:
-            self.modes.apply(ctx._modes, modes)
-        if ctx._stream_key != stream:
-            self.set_stream(ctx._stream_key)
+        if ctx.modes != modes:
+            self.modes.apply(ctx.modes, modes)
+        if ctx.stream_key != stream:
+            self.set_stream(ctx.stream_key)
         self.current = ctx
         if self.trace is not None:
             self.trace.record("resume", ctx.id)
-        return ctx._greenlet.switch()
+        return ctx.resume()
 
     def make_yield(self) -> Callable[[], None]:
         """Build this run's ``yield_current``: suspend the running ubatch and resume the next
@@ -139,7 +139,7 @@ class Run:
         is_grad, is_inference, any_autocast = (
             is_grad_enabled, is_inference_mode_enabled, is_any_autocast_enabled)
         capture = capture_modes
-        switches = [c._greenlet.switch for c in ctxs]
+        switches = [c.resumer() for c in ctxs]
 
         def yield_current() -> None:
             if run.in_hook:
@@ -147,8 +147,8 @@ class Run:
             if run.live_count < 2:
                 return
             ctx = run.current
-            stream = ctx._stream_key = current_stream()
-            modes = ctx._modes = capture() if any_autocast() else is_grad() | is_inference() << 1
+            stream = ctx.stream_key = current_stream()
+            modes = ctx.modes = capture() if any_autocast() else is_grad() | is_inference() << 1
             trace = run.trace
             if trace is not None:
                 trace.record("suspend", ctx.id)
@@ -161,18 +161,18 @@ class Run:
                 if i == n:
                     i = 0
                 nxt = ctxs[i]
-            if nxt._modes != modes:
-                apply_modes(nxt._modes, modes)
-            if nxt._stream_key != stream:
-                set_stream(nxt._stream_key)
+            if nxt.modes != modes:
+                apply_modes(nxt.modes, modes)
+            if nxt.stream_key != stream:
+                set_stream(nxt.stream_key)
             run.current = nxt
             if trace is not None:
                 trace.record("resume", nxt.id)
             switches[i]()
             # resumed: a hook we registered that its slot's owner has not run yet runs now
-            pending = ctx._hook_pending_in
+            pending = ctx.hook_pending_in
             if pending is not None:
-                pending._run_hook_in(ctx)
+                pending.run_hook_in(ctx)
 
         return yield_current
 
@@ -186,8 +186,8 @@ class Run:
         while True:
             status, value = self._enter(ctx, stream, modes)
             done = self.current  # the ubatch whose callable just returned or raised
-            stream = done._stream_key = self.current_stream()
-            modes = done._modes = capture_modes()
+            stream = done.stream_key = self.current_stream()
+            modes = done.modes = capture_modes()
             done.live = False
             self.live_count -= 1
             if status is FAILED:
@@ -215,15 +215,14 @@ class Run:
         """Throw GreenletExit into every started, unfinished ubatch, in ring order from
         ``failed``; unstarted ones never start; pending hooks are dropped."""
         for c in self.contexts:
-            c._hook = None
-            c._hook_pending_in = None
+            c.drop_hooks()
         n = len(self.contexts)
         victims = [self.contexts[(failed + k) % n] for k in range(1, n)]
         for c in victims:
             c.live = False
         self.live_count = 0
         for c in victims:
-            if not c.started or c._greenlet.dead:
+            if not c.started or c.finished:
                 continue
             # While it unwinds, the victim is the only live ubatch: its yields return at once
             # and hooks it registers run at once, so its finally blocks cannot hang.
@@ -231,13 +230,13 @@ class Run:
             self.live_count = 1
             self.current = c
             have = capture_modes()
-            if have != c._modes:
-                self.modes.apply(c._modes, have)
-            self.streams.set_current(c._stream_key)
+            if have != c.modes:
+                self.modes.apply(c.modes, have)
+            self.streams.set_current(c.stream_key)
             if self.trace is not None:
                 self.trace.record("unwind", c.id)
             try:
-                ret = c._greenlet.throw(greenlet.GreenletExit)
+                ret = c.throw_exit()
             except BaseException:  # noqa: BLE001 - unwinding must reach every ubatch
                 logger.exception("ubatch %d raised while being unwound", c.id)
             else:

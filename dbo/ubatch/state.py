@@ -48,12 +48,20 @@ class UBatchContext:
     ``compute_stream`` is the caller's current stream when the run started; ``comm_stream`` is
     shared by all ubatches of the run. ``compute_done_event`` / ``comm_done_event`` are this
     ubatch's own events (recorded by the ``*_sync`` switches and the yield-and-switch calls).
+
+    What the driver (:mod:`dbo.ubatch.driver`) reads and writes: ``modes`` and ``stream_key``,
+    the thread state saved when this ubatch was last switched away (fields, not methods: the
+    driver's switch reads and writes them on every yield, the hot path); ``started``, ``live``
+    and ``result``; ``hook_pending_in``, the ubatch whose slot holds the hook this one
+    registered and that has not run yet (run it with :meth:`run_hook_in`). Its greenlet only
+    through :meth:`resume`, :meth:`resumer`, :meth:`throw_exit` and :attr:`finished`; its hook
+    slot through :meth:`drop_hooks`.
     """
 
     __slots__ = (
         "id", "token_offset", "compute_stream", "comm_stream", "compute_done_event",
         "comm_done_event", "_run", "_streams", "_compute_key", "_comm_key", "_greenlet",
-        "_modes", "_stream_key", "_hook", "_hook_registrant", "_hook_pending_in", "started",
+        "modes", "stream_key", "_hook", "_hook_registrant", "hook_pending_in", "started",
         "live", "result",
     )
 
@@ -71,11 +79,11 @@ class UBatchContext:
         self.compute_done_event, self.comm_done_event = events
         self._greenlet = greenlet.greenlet(self.body(fn), parent=run.driver)
         self._greenlet.gr_context = contextvars.copy_context()
-        self._modes = run.caller_modes
-        self._stream_key = run.compute_key
+        self.modes = run.caller_modes
+        self.stream_key = run.compute_key
         self._hook: RecvHook | None = None
         self._hook_registrant = -1
-        self._hook_pending_in: UBatchContext | None = None
+        self.hook_pending_in: UBatchContext | None = None
         self.started = False
         self.live = True
         self.result: Any = None
@@ -99,8 +107,33 @@ class UBatchContext:
     @property
     def current_stream(self) -> Any:
         """This ubatch's current stream (a ``torch.cuda.Stream`` or a ``LogicalStream``)."""
-        key = self._streams.current() if self._run.current is self else self._stream_key
+        key = self._streams.current() if self._run.current is self else self.stream_key
         return self._streams.stream(key)
+
+    # ---- the driver's handles on the greenlet and the hook slot ------------------------
+
+    def resume(self) -> Any:
+        """Switch into this ubatch's greenlet; returns what the greenlet hands back (its
+        ``(DONE, result)`` or ``(FAILED, exception)`` when its callable ends)."""
+        return self._greenlet.switch()
+
+    def resumer(self) -> Callable[[], Any]:
+        """:meth:`resume` as one bound callable (for the driver's switch, built once per run)."""
+        return self._greenlet.switch
+
+    def throw_exit(self) -> Any:
+        """Throw ``GreenletExit`` into this ubatch, so that its ``finally`` blocks run."""
+        return self._greenlet.throw(greenlet.GreenletExit)
+
+    @property
+    def finished(self) -> bool:
+        """True once this ubatch's greenlet has ended."""
+        return self._greenlet.dead
+
+    def drop_hooks(self) -> None:
+        """Forget the hook in this ubatch's slot and the one it left pending elsewhere."""
+        self._hook = None
+        self.hook_pending_in = None
 
     # ---- yielding ----------------------------------------------------------------------
 
@@ -205,21 +238,22 @@ class UBatchContext:
             )
         target._hook = hook
         target._hook_registrant = self.id
-        self._hook_pending_in = target
+        self.hook_pending_in = target
         if run.trace is not None:
             run.trace.record("hook_register", self.id, str(target.id))
 
     def maybe_run_recv_hook(self) -> None:
         """Run the hook in this ubatch's slot, if any."""
         if self._hook is not None:
-            self._run_hook_in(self)
+            self.run_hook_in(self)
 
-    def _run_hook_in(self, runner: UBatchContext) -> None:
-        # Run the hook held in self's slot, in `runner`'s context (runner is current).
+    def run_hook_in(self, runner: UBatchContext) -> None:
+        """Run the hook held in this ubatch's slot, in ``runner``'s context (``runner`` is the
+        running ubatch)."""
         hook, registrant = self._hook, self._hook_registrant
         self._hook = None
         self._hook_registrant = -1
-        self._run.contexts[registrant]._hook_pending_in = None
+        self._run.contexts[registrant].hook_pending_in = None
         runner._call_hook(hook, registrant)
 
     def _call_hook(self, hook: RecvHook, registrant: int) -> None:
