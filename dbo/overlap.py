@@ -28,10 +28,9 @@ capture one graph per plan.
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import dataclasses
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,7 +38,8 @@ import torch
 
 from dbo.expert_schedule import ExpertSchedule, use_expert_schedule
 from dbo.moe.experts import find_swiglu_experts
-from dbo.peers.watchdog import check_timeout, collective_timeout
+from dbo.peers.watchdog import collective_timeout
+from dbo.run_options import RunOptions, leave_sms_free, run_device
 from dbo.split import (
     SplitConfig,
     SplitReason,
@@ -53,8 +53,6 @@ from dbo.split import (
 )
 from dbo.split.online import OnlineChoice
 from dbo.ubatch.context import run_ubatches
-from dbo.ubatch.sm import check_compute_sms, check_sm_carveout
-from dbo.ubatch.sm import sm_carveout as torch_sm_carveout
 from dbo.ubatch.trace import Trace
 
 __all__ = [
@@ -117,59 +115,6 @@ def mask_current_padding(topk_ids: torch.Tensor,
 
 
 # ---- the overlapped forward ----------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class RunOptions:
-    """How the overlapped calls of :func:`overlapped_forward` and :class:`DBOWrapper` run,
-    checked once, when made (a bad value raises ``ValueError``/``TypeError`` here).
-
-    Attributes:
-        trace: a :class:`dbo.Trace` that records the overlapped run (None: none).
-        comm_stream: the comm stream for ``run_ubatches`` (None: its own).
-        sm_carveout: SMs the matmuls leave free while the ubatches run (torch's carve-out and
-            that of the forward's experts); None leaves both alone. A plain call runs without it.
-        compute_sms: SMs of the green context the ubatches compute on; None: every SM. A plain
-            call runs without it.
-        timeout_s: the longest wait for a peer rank in every backend, split or not; None keeps
-            each backend's own.
-    """
-
-    trace: Trace | None = None
-    comm_stream: Any = None
-    sm_carveout: int | None = None
-    compute_sms: int | None = None
-    timeout_s: float | None = None
-
-    def __post_init__(self) -> None:
-        check_sm_carveout(self.sm_carveout)
-        check_compute_sms(self.compute_sms)
-        check_timeout(self.timeout_s)
-
-
-def _run_device(t: torch.Tensor) -> torch.device | str:
-    # the inputs' device, not run_ubatches' default (CUDA whenever available)
-    return t.device if t.device.type == "cuda" else "cpu"
-
-
-@contextlib.contextmanager
-def _leave_sms_free(find_experts: Callable[[], list], num_sms: int | None) -> Iterator[None]:
-    """For the block: torch's carve-out of ``num_sms`` (cuBLAS) and the same ``sm_carveout`` on
-    the SwiGLUExperts ``find_experts()`` gives (their persistent grids); both put back on exit.
-    ``num_sms`` was checked where it came in; None does nothing (and finds nothing)."""
-    if num_sms is None:
-        yield
-        return
-    experts = find_experts()
-    saved = [e.sm_carveout for e in experts]
-    with torch_sm_carveout(num_sms):
-        for e in experts:
-            e.sm_carveout = num_sms
-        try:
-            yield
-        finally:
-            for e, k in zip(experts, saved, strict=True):
-                e.sm_carveout = k
 
 
 def overlapped_forward(
@@ -267,15 +212,32 @@ def _run_plan(fn: Callable[..., Any], tensors: Sequence[torch.Tensor], num_token
 
         return run
 
-    device = _run_device(tensors[0])
+    device = run_device(tensors[0])
     if trace is not None:
         trace.meta["expert_schedule"] = plan.expert_schedule.value
-    with _leave_sms_free(find_experts, options.sm_carveout), use_expert_schedule(plan.expert_schedule), \
+    with leave_sms_free(find_experts, options.sm_carveout), use_expert_schedule(plan.expert_schedule), \
             collective_timeout(timeout_s):
         outputs = run_ubatches([body(i) for i in range(n)], comm_stream=options.comm_stream,
                                token_offsets=plan.token_offsets, trace=trace,
                                device=device, compute_sms=options.compute_sms)
     return merge_outputs(plan, outputs)
+
+
+class _RunOption:
+    """A :class:`DBOWrapper` attribute that reads one field of its :attr:`~DBOWrapper.options`
+    and, when set, replaces them with the new value (checked by :class:`RunOptions`)."""
+
+    def __init__(self, doc: str):
+        self.__doc__ = doc
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        return self if obj is None else getattr(obj.options, self.name)
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        obj.options = dataclasses.replace(obj.options, **{self.name: value})
 
 
 class DBOWrapper(torch.nn.Module):
@@ -340,32 +302,10 @@ class DBOWrapper(torch.nn.Module):
     def fn(self) -> Callable[..., Any]:
         return self.module if "module" in self._modules else self._fn
 
-    @property
-    def trace(self) -> Trace | None:
-        """The :class:`dbo.Trace` of every overlapped call (None: none)."""
-        return self.options.trace
-
-    @trace.setter
-    def trace(self, value: Trace | None) -> None:
-        self.options = dataclasses.replace(self.options, trace=value)
-
-    @property
-    def comm_stream(self) -> Any:
-        """The comm stream given to ``run_ubatches`` (None: its own)."""
-        return self.options.comm_stream
-
-    @comm_stream.setter
-    def comm_stream(self, value: Any) -> None:
-        self.options = dataclasses.replace(self.options, comm_stream=value)
-
-    @property
-    def timeout_s(self) -> float | None:
-        """The longest wait for a peer rank in the backends (None: each backend's own)."""
-        return self.options.timeout_s
-
-    @timeout_s.setter
-    def timeout_s(self, value: float | None) -> None:
-        self.options = dataclasses.replace(self.options, timeout_s=value)
+    trace = _RunOption("The :class:`dbo.Trace` of every overlapped call (None: none).")
+    comm_stream = _RunOption("The comm stream given to ``run_ubatches`` (None: its own).")
+    timeout_s = _RunOption("The longest wait for a peer rank in the backends (None: each backend's own).")
+    compute_sms = _RunOption("SMs of the overlapped calls' green context (None: every SM).")
 
     @property
     def sm_carveout(self) -> int | None:
@@ -384,15 +324,6 @@ class DBOWrapper(torch.nn.Module):
         if self._found_experts is None:
             self._found_experts = find_swiglu_experts(self.fn)
         return self._found_experts
-
-    @property
-    def compute_sms(self) -> int | None:
-        """SMs of the overlapped calls' green context (None: every SM)."""
-        return self.options.compute_sms
-
-    @compute_sms.setter
-    def compute_sms(self, value: int | None) -> None:
-        self.options = dataclasses.replace(self.options, compute_sms=value)
 
     def plan(self, num_tokens: int, *, request_token_counts: Sequence[int] | None = None,
              decode_only: bool | None = None, need_bytes: int | None = None) -> UBatchPlan:

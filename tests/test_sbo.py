@@ -99,16 +99,21 @@ def _one_rank_inputs(m=12, hidden=32, inter=16, experts=4, topk=2):
     return x, weights, ids, w1, w2
 
 
-@pytest.mark.parametrize("schedule", ["plain", "sbo"])
-def test_shared_experts_run_beside_the_dispatch_under_sbo(schedule):
-    log: list[str] = []
+def _recording_kernel(log: list[str]) -> MoEKernel:
+    """A kernel on the recording backend whose shared experts note when they run."""
     shared_w = torch.randn(32, 32) / 32 ** 0.5
 
     def shared(h):
         log.append("shared")
         return h @ shared_w
 
-    kernel = MoEKernel(_Recorder(log), SwiGLUExperts(), shared_experts=shared)
+    return MoEKernel(_Recorder(log), SwiGLUExperts(), shared_experts=shared)
+
+
+@pytest.mark.parametrize("schedule", ["plain", "sbo"])
+def test_shared_experts_run_beside_the_dispatch_under_sbo(schedule):
+    log: list[str] = []
+    kernel = _recording_kernel(log)
     x, weights, ids, w1, w2 = _one_rank_inputs()
     plain = kernel(x, w1, w2, weights, ids, global_num_experts=4)
     log.clear()
@@ -123,13 +128,7 @@ def test_shared_experts_run_beside_the_dispatch_under_sbo(schedule):
 
 def test_sbo_dbo_runs_each_ubatchs_shared_experts_beside_its_dispatch():
     log: list[str] = []
-    shared_w = torch.randn(32, 32) / 32 ** 0.5
-
-    def shared(h):
-        log.append("shared")
-        return h @ shared_w
-
-    kernel = MoEKernel(_Recorder(log), SwiGLUExperts(), shared_experts=shared)
+    kernel = _recording_kernel(log)
     x, weights, ids, w1, w2 = _one_rank_inputs(m=16)
     plain = kernel(x, w1, w2, weights, ids, global_num_experts=4)
 
