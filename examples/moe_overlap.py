@@ -59,6 +59,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--topk {a.topk}: must be <= --experts ({a.experts})")
     cli.check_backend_fits(p, a.backend, device=a.device, dtype=a.dtype)
     cli.check_experts_split(p, a.experts, cli.env_world_size())  # before the group: every rank exits 2
+    cli.check_device(p, a.device)
     return a
 
 

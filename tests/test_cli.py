@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from dbo.backends import BACKENDS, cpu_backends
 from dbo.bench.__main__ import COMMANDS
@@ -78,21 +79,30 @@ def test_unknown_command_is_named_with_the_commands(tmp_path):
     assert asked.returncode == 0 and "overlap" in asked.stdout
 
 
+NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
+
+
 @pytest.mark.multiproc
-def test_every_rank_under_torchrun_exits_2_with_the_line(tmp_path):
+@pytest.mark.parametrize("args, line", [
+    (["--experts", "7"], "moe_overlap.py: --experts 7 is not a multiple of the world size 2"),
+    # without CUDA: each rank says so in one line, before its CUDA set-up and the process group
+    pytest.param(["--device", "cuda"], "moe_overlap.py: --device cuda: needs CUDA, and this machine "
+                 "has no CUDA device; use --device cpu", marks=NO_CUDA),
+], ids=["experts", "no-cuda"])
+def test_every_rank_under_torchrun_exits_2_with_the_line(tmp_path, args, line):
     # the agent stops the other ranks once one fails: a long monitor interval lets each rank
     # reach its own check first
     proc = _run(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                 "--monitor-interval", "5", DEMO, "--experts", "7"], tmp_path)
+                 "--monitor-interval", "5", DEMO, *args], tmp_path)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out
-    line = "moe_overlap.py: --experts 7 is not a multiple of the world size 2"
     assert out.count(line) == 2, out  # each rank's own check
     # torchrun's summary, a code per rank: 2, or its SIGTERM (-15) to a rank that had printed
     # its line but not yet exited when the other's exit was seen
     codes = re.findall(r"exitcode\s+:\s*(-?\d+)", out)
     assert len(codes) == 2 and "2" in codes and set(codes) <= {"2", "-15"}, out
     assert 'moe_overlap.py", line' not in out, out  # no traceback of the demo's own
+    assert "dbo/bench/" not in out, out  # nor through dbo's code (torchrun's own is expected)
 
 
 def test_overlap_defaults_to_a_backend_that_runs_on_the_device():

@@ -15,9 +15,11 @@ import os
 import sys
 from typing import Any, NoReturn
 
+import torch
+
 from dbo.backends import BACKENDS, cpu_backends
 
-__all__ = ["ArgumentParser", "env_world_size", "check_at_least", "check_experts_split",
+__all__ = ["ArgumentParser", "env_world_size", "check_at_least", "check_device", "check_experts_split",
            "check_backend_fits", "verdict", "add_link_arguments", "parse_link"]
 
 
@@ -54,6 +56,14 @@ def check_at_least(parser: argparse.ArgumentParser, args: argparse.Namespace, lo
         for v in value if isinstance(value, list) else [value]:
             if v < low:
                 parser.error(f"--{name.replace('_', '-')} {v}: must be >= {low}")
+
+
+def check_device(parser: argparse.ArgumentParser, device: str | None) -> None:
+    """``parser.error`` where ``device`` is "cuda" and this machine has no CUDA device. Call it
+    before any process group: without it every rank would fail in its CUDA set-up with a
+    traceback of its own."""
+    if device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: needs CUDA, and this machine has no CUDA device; use --device cpu")
 
 
 def check_backend_fits(parser: argparse.ArgumentParser, backend: str, *, device: str,

@@ -19,7 +19,14 @@ from typing import Any
 import torch
 
 from dbo.backends import backend_spec
-from dbo.bench.cli import add_link_arguments, check_at_least, check_backend_fits, env_world_size, parse_link
+from dbo.bench.cli import (
+    add_link_arguments,
+    check_at_least,
+    check_backend_fits,
+    check_device,
+    env_world_size,
+    parse_link,
+)
 from dbo.integrations.transformers.presets import PRESETS, TINY_FAMILIES, preset_config, tiny_config
 
 __all__ = ["DTYPES", "PRESET_CHOICES", "backend_name", "add_model_arguments", "check_model_arguments",
@@ -105,8 +112,7 @@ def check_model_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) 
     cuda = args.device == "cuda"
     if args.layers is not None:
         check_at_least(p, args, 1, "layers")
-    if cuda and not torch.cuda.is_available():
-        p.error("--device cuda: no CUDA device here; use --device cpu")
+    check_device(p, args.device)
     args.preset = args.preset or ("qwen3-30b-a3b" if cuda else "tiny-qwen3_moe")
     args.dtype = DTYPES[args.dtype or ("bfloat16" if cuda else "float32")]
     if not 0.0 < args.remote_fraction <= 1.0:

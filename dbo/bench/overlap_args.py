@@ -20,6 +20,7 @@ from dbo.bench.cli import (
     add_link_arguments,
     check_at_least,
     check_backend_fits,
+    check_device,
     check_experts_split,
     env_world_size,
     parse_link,
@@ -136,8 +137,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         world = env_world_size()
     except ValueError as exc:
         p.error(str(exc))
-    if args.device == "cuda" and not torch.cuda.is_available():
-        p.error("--device cuda: no CUDA device here (use --device cpu)")
+    check_device(p, args.device)
     resolve_defaults(args)
     check_backend_fits(p, args.backend, device=args.device, dtype=args.dtype,
                        fake_deep_ep=args.fake_deep_ep)

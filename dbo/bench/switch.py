@@ -22,7 +22,7 @@ import time
 import torch
 
 from dbo import dbo_yield, run_ubatches
-from dbo.bench.cli import ArgumentParser, verdict
+from dbo.bench.cli import ArgumentParser, check_device, verdict
 
 __all__ = ["bench_dbo", "bench_threads", "bench_greenlet_floor", "main", "TARGET_US", "TARGET_RATIO"]
 
@@ -97,8 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("switches", "thread_switches", "repeats"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        ap.error("--device cuda: no CUDA device here (use --device cpu)")
+    check_device(ap, args.device)
     bench_dbo(1000, args.device)  # warm-up: streams, events, code paths
     bench_threads(1000, args.device)
     dbo_us, thr_us, floor_us = [], [], []
