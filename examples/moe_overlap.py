@@ -9,7 +9,8 @@ router, routed experts spread over the ranks behind a prepare/finalize backend, 
 expert) and its own batch. It runs the plain forward and the overlapped one (dbo.DBOWrapper: one
 ubatch's all-to-all in flight while another computes), checks that they agree, prints both step
 times and a verdict (exit code 1 if they differ), and rank 0 writes the schedule of one
-overlapped step as a Perfetto trace (open it at https://ui.perfetto.dev).
+overlapped step as a Perfetto trace (open it at https://ui.perfetto.dev). Where nothing was split
+(``DBO_DISABLE=1``) both runs are plain: the verdict says so and no trace is written.
 """
 
 from __future__ import annotations
@@ -89,6 +90,7 @@ def run(args: argparse.Namespace, rank: int, world: int, device: torch.device) -
     trace = dbo.Trace()
     with torch.inference_mode():
         ref, out = model(x), overlapped(x, trace=trace)
+        plan = overlapped.last_plan  # plain where nothing was split (DBO_DISABLE=1, for one)
         # Each layer on the plain run's input too: in bf16 on GPUs a ubatch's matmuls round
         # unlike the whole batch's, and a one-ulp flip of a later layer's top-k tie changes a
         # token entirely, so bf16 is judged layer by layer (float32 end to end as well).
@@ -109,15 +111,19 @@ def run(args: argparse.Namespace, rank: int, world: int, device: torch.device) -
         print(f"dbo moe_overlap: backend={args.backend} world={world} device={device.type} "
               f"dtype={args.dtype} tokens/rank={args.tokens}{' (uneven)' if args.uneven else ''} "
               f"layers={args.layers} experts={args.experts} top-{args.topk}")
-        print(f"plan (rank 0): {overlapped.last_plan}")
-        print(f"serial: {serial_ms:.2f} ms/step   dbo: {dbo_ms:.2f} ms/step   "
-              f"(median of {args.steps} steps, slowest rank)")
-        where = "no trace written"
-        if args.trace:
-            where = f"trace of one overlapped step in {trace.write_chrome(args.trace)}"
-        cli.verdict(PROG, ok, f"DBO output {'matches' if ok else 'differs from'} serial output "
-                              f"(rel err end to end {err:.1e}, worst layer {worst:.1e}, limit "
-                              f"{limit:g}); {where}")
+        print(f"plan (rank 0): {plan}")
+        print(f"serial: {serial_ms:.2f} ms/step   dbo{'' if plan.split else ' (ran plain)'}: "
+              f"{dbo_ms:.2f} ms/step   (median of {args.steps} steps, slowest rank)")
+        errors = f"rel err end to end {err:.1e}, worst layer {worst:.1e}, limit {limit:g}"
+        if not plan.split:  # no overlapped step to compare or to trace
+            why = (f"no step was overlapped ({plan.reason.value}: {plan.detail}): both runs were "
+                   f"plain and {'agree' if ok else 'differ'} ({errors}); no overlapped trace written")
+        else:
+            where = "no trace written"
+            if args.trace:
+                where = f"trace of one overlapped step in {trace.write_chrome(args.trace)}"
+            why = f"DBO output {'matches' if ok else 'differs from'} serial output ({errors}); {where}"
+        cli.verdict(PROG, ok, why)
     return 0 if ok else 1
 
 

@@ -1,7 +1,8 @@
 """The README's main command: ``torchrun --nproc-per-node 2 examples/moe_overlap.py``, run as a
 subprocess (small sizes, one step) for each torch.distributed backend. It must report that the
 DBO output equals the serial one in its last line (a PASS verdict naming the trace), exit 0, and
-write a loadable Chrome trace."""
+write a loadable Chrome trace. With ``DBO_DISABLE=1`` its last line must say that both runs were
+plain, and it writes no trace."""
 
 from __future__ import annotations
 
@@ -41,3 +42,23 @@ def test_demo_torchrun_two_ranks(tmp_path, backend, extra):
     events = json.loads(trace.read_text())["traceEvents"]
     names = {e.get("name") for e in events}
     assert {"ub0 running", "ub1 running", "dispatch", "combine"} <= names
+
+
+def test_demo_with_dbo_disabled_says_both_runs_were_plain(tmp_path):
+    # DBO_DISABLE=1: the "overlapped" run is plain too; the verdict must not claim an overlap
+    # that did not happen, nor write a trace of one
+    trace = tmp_path / "demo.trace.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(DEMO), "--steps", "1", "--warmup", "0", "--tokens", "64", "--hidden", "64",
+           "--intermediate", "64", "--layers", "2", "--trace", str(trace)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DBO_DISABLE": "1"}
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=150)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "plan (rank 0): plain(64 tokens; disabled: DBO_DISABLE is set)" in out, out
+    assert "dbo (ran plain):" in out, out
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last.startswith("moe_overlap.py: PASS: no step was overlapped (disabled: DBO_DISABLE is "
+                           "set): both runs were plain and agree (rel err end to end 0.0e+00"), out
+    assert last.endswith("; no overlapped trace written"), out
+    assert "matches" not in last and not trace.exists(), out
