@@ -80,6 +80,19 @@ def test_the_limit_formula():
     assert "held for seconds: 80 TFLOP/s" in held.describe() and "held" not in lim.describe()
     named = DeviceLimits("H200", copy_gbps=1000.0, gemm_tflops=100.0, instance="GPU-0-1-2-3-4")
     assert "on H200 (GPU-0-1-2-3-4)" in named.describe() and "GPU-" not in lim.describe()
+    # a CPU's rates in the unit that fits: 0.05 TFLOP/s is 50 GFLOP/s, never "0 TFLOP/s"
+    cpu = DeviceLimits("cpu", copy_gbps=14.5, gemm_tflops=0.0496)
+    assert "max(bytes / 14.5 GB/s, flops / 49.6 GFLOP/s)" in cpu.describe()
+    assert "max(bytes / 1 TB/s, flops / 100 TFLOP/s)" in lim.describe()
+
+
+def test_rate_text_picks_the_prefix_and_three_figures():
+    from dbo.bench.limits import rate_text
+
+    cases = [(4.25e12, "4.25 TB/s"), (795e12, "795 TB/s"), (3.1e10, "31 GB/s"), (5.5e8, "550 MB/s"),
+             (999.7e9, "1 TB/s"), (1.5e15, "1500 TB/s"), (12.34e3, "12.3 kB/s"), (0.5, "0.5 B/s"),
+             (0.0, "0 B/s")]
+    assert [rate_text(v, "B/s") for v, _ in cases] == [want for _, want in cases]
 
 
 def test_rows_get_their_ratio_to_the_held_limit_where_it_was_measured():

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -49,6 +50,10 @@ def _run_bench(tmp_path: Path, *args: str) -> dict:
     last = proc.stdout.strip().splitlines()[-1]
     assert last.startswith("python -m dbo.bench overlap: PASS: "), log
     assert last.endswith(f"bundle in {out}/"), log
+    # nothing on a CPU run reads as a fault: no rate rounded to 0 (a CPU's GEMM rate is GFLOP/s),
+    # no warning (matplotlib is optional, and its own log stays out of the output)
+    assert not re.search(r"(?<![\d.])0 [kMGT]?(FLOP|B)/s", proc.stdout), log
+    assert "WARNING" not in proc.stdout and "matplotlib" not in proc.stderr, log
     bundle = json.loads((out / "bench_overlap.json").read_text())
     assert bundle["files"]["json"] == "bench_overlap.json"
     trace = json.loads((out / bundle["files"]["trace"]).read_text())["traceEvents"]

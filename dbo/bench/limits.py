@@ -33,7 +33,26 @@ import torch
 from dbo.bench.timing import median_ms
 
 __all__ = ["DeviceLimits", "measure_device_limits", "experts_cost", "active_experts",
-           "layer_limit_ms"]
+           "layer_limit_ms", "rate_text"]
+
+_PREFIXES = ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k"))
+
+
+def rate_text(per_second: float, unit: str) -> str:
+    """A rate to three significant figures in the prefix that keeps it at least 1:
+    ``rate_text(4.25e12, "B/s") == "4.25 TB/s"``, ``rate_text(3.1e10, "FLOP/s") == "31 GFLOP/s"``
+    (a CPU's GEMM rate, which ``f"{tflops:.0f} TFLOP/s"`` would print as 0); ``"0 B/s"`` for a
+    rate <= 0."""
+    if not per_second > 0:
+        return f"0 {unit}"
+    rounded = float(f"{per_second:.3g}")  # 999.7e9 is 1.00e12: "1 TB/s", not "1e+03 GB/s"
+    value, prefix = rounded, ""
+    for scale, name in _PREFIXES:
+        if rounded >= scale:
+            value, prefix = rounded / scale, name
+            break
+    number = f"{value:.0f}" if value >= 1000 else f"{value:.3g}"  # past the largest prefix
+    return f"{number} {prefix}{unit}"
 
 
 @dataclass(frozen=True)
@@ -63,9 +82,10 @@ class DeviceLimits:
 
     def describe(self) -> str:
         held = "" if self.held_gemm_tflops is None else \
-            f" (the GEMM held for seconds: {self.held_gemm_tflops:.0f} TFLOP/s)"
-        return (f"limit = max(bytes / {self.copy_gbps / 1e3:.2f} TB/s, flops / {self.gemm_tflops:.0f} "
-                f"TFLOP/s), both measured at the start of this run on {self.device}"
+            f" (the GEMM held for seconds: {rate_text(self.held_gemm_tflops * 1e12, 'FLOP/s')})"
+        return (f"limit = max(bytes / {rate_text(self.copy_gbps * 1e9, 'B/s')}, flops / "
+                f"{rate_text(self.gemm_tflops * 1e12, 'FLOP/s')}), both measured at the start of this "
+                f"run on {self.device}"
                 f"{'' if self.instance is None else f' ({self.instance})'}{held}")
 
 

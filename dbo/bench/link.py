@@ -41,6 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dbo.bench.limits import rate_text
 from dbo.peers.collectives import collective_device
 
 __all__ = ["LinkLimits", "measure_link", "comm_bytes", "COMM_BYTES_BACKENDS"]
@@ -66,9 +67,9 @@ class LinkLimits:
         return asdict(self)
 
     def describe(self) -> str:
-        return (f"link = {self.gbps_out:.0f} GB/s out of each rank ({self.transport}, all {self.world_size} "
-                f"ranks at once, {self.bytes_per_peer / 2**20:.0f} MiB to each peer), measured at the "
-                "start of this run")
+        return (f"link = {rate_text(self.gbps_out * 1e9, 'B/s')} out of each rank ({self.transport}, "
+                f"all {self.world_size} ranks at once, {self.bytes_per_peer / 2**20:.0f} MiB to each "
+                "peer), measured at the start of this run")
 
 
 def _slowest(seconds: float, group: Any) -> float:

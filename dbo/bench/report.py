@@ -33,8 +33,11 @@ Definitions (per shape; every time is per MoE layer: a step's time over its laye
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any
+
+from dbo.bench.limits import rate_text
 
 __all__ = ["summarize_shape", "format_table", "write_plot"]
 
@@ -214,9 +217,9 @@ def format_table(bundle: dict) -> str:
     if any((sh.get("summary") or {}).get("limit_ms") for sh in bundle["shapes"]):
         lim = env.get("limits") or {}
         lines.append(f"compute against the limit (per layer; limit = sum over the layer's parts of "
-                     f"max(bytes / {lim.get('copy_gbps', 0) / 1e3:.2f} TB/s, flops / "
-                     f"{lim.get('gemm_tflops', 0):.0f} TFLOP/s), measured in this run; x-cmp = split "
-                     "DBO compute / compute, m/cmp = merged DBO compute / compute)")
+                     f"max(bytes / {rate_text(lim.get('copy_gbps', 0) * 1e9, 'B/s')}, flops / "
+                     f"{rate_text(lim.get('gemm_tflops', 0) * 1e12, 'FLOP/s')}), measured in this run; "
+                     "x-cmp = split DBO compute / compute, m/cmp = merged DBO compute / compute)")
         lines.append(f"{'tokens':>6} {'I':>5} {'compute':>8} {'limit':>7} {'x lim':>6} {'dbo-cmp':>7} "
                      f"{'x-cmp':>6} {'m-cmp':>7} {'m/cmp':>6}")
         for sh in bundle["shapes"]:
@@ -230,7 +233,8 @@ def format_table(bundle: dict) -> str:
     link = env.get("link")
     if link and any((sh.get("summary") or {}).get("link_ms") for sh in bundle["shapes"]):
         lines.append(f"comm against the link (per layer; link = bytes out of a rank / "
-                     f"{link['gbps_out']:.0f} GB/s, {link['transport']}, measured in this run)")
+                     f"{rate_text(link['gbps_out'] * 1e9, 'B/s')}, {link['transport']}, measured in this "
+                     "run)")
         lines.append(f"{'tokens':>6} {'I':>5} {'comm':>7} {'MB out':>7} {'link':>7} {'x link':>6}")
         for sh in bundle["shapes"]:
             s = sh.get("summary") or {}
@@ -256,19 +260,34 @@ def format_table(bundle: dict) -> str:
         lines.append(f"note: {notes[0]}:")
         lines.extend(f"  {n}" for n in notes[1:])
     files = bundle.get("files", {})
-    lines.append("bundle: " + ", ".join(f"{k}={v}" for k, v in files.items() if v))
+    no_plot = "; no PNG plot (matplotlib is not installed)" if "plot" in files and not files["plot"] else ""
+    lines.append("bundle: " + ", ".join(f"{k}={v}" for k, v in files.items() if v) + no_plot)
     return "\n".join(lines)
 
 
 def write_plot(bundle: dict, path: str) -> str | None:
-    """Speedup and efficiency per shape as a PNG; None (with a reason in the bundle) when
-    matplotlib is missing."""
+    """Speedup and efficiency per shape as a PNG; None when matplotlib is missing (an optional
+    dependency: the bundle's files then name no plot). matplotlib's own log is held to errors
+    meanwhile: on a first import in a fresh home it logs warnings (building its font cache, an
+    unwritable config directory) that are not about the run and, printed beside its verdict,
+    read as a fault."""
+    log = logging.getLogger("matplotlib")
+    level = log.level
+    log.setLevel(logging.ERROR)
     try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
+        try:
+            import matplotlib
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            return None
+        _draw(plt, bundle, path)
+        return path
+    finally:
+        log.setLevel(level)
+
+
+def _draw(plt: Any, bundle: dict, path: str) -> None:
     shapes = [sh for sh in bundle["shapes"] if sh.get("summary")]
     labels = [f"T={sh['tokens']}\nI={sh['intermediate']}" for sh in shapes]
     x = list(range(len(shapes)))
@@ -299,4 +318,3 @@ def write_plot(bundle: dict, path: str) -> str | None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-    return path
