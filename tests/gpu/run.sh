@@ -38,7 +38,7 @@
 #                  then `dbo.bench compare`: best DBO over the best serial of any backend.
 #                  BACKENDS="deepep_ht copy_engine copy_engine+put_order=rank" (NAME+KEY=VALUE: a
 #                  --backend-opt), TOKENS, OVERLAP_ARGS (more options), OVERLAP_BUDGET_S, OVERLAP_CAP_S
-#   decode:N       `dbo.bench overlap` at decode sizes (T=32..512, I=2048, CUDA graphs; every schedule, sbo
+#   decode:N       `dbo.bench overlap` at decode sizes (T=32..512, I=2048, CUDA graphs; every schedule, sbo and sbo_dbo
 #                  too) on each of DECODE_BACKENDS (default deepep_ll; copy_engine too); DECODE_ARGS
 #                  (more options, e.g. "--experts 32 --link 50,5 --remote-fraction 0.875"), TOKENS
 #   link:N         the tables under the simulated link (remote 7/8) for each of LINKS ("50,5 25,10":
@@ -129,7 +129,7 @@ tr_="torchrun ${TORCHRUN_ARGS:-} --nproc-per-node"  # then N ARGS...
 
 ov_thin="--device cuda --layers 8 --attn-width 1024 --profile-shape none"
 #: every mode of the overlap benchmark, sbo included (the decode steps)
-all_modes="compute dbo_compute merged_compute comm serial dbo merged sbo"
+all_modes="compute dbo_compute merged_compute comm serial dbo merged sbo sbo_dbo"
 
 for arg in "$@"; do
   step=${arg%%:*}
