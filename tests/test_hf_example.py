@@ -119,12 +119,19 @@ def test_hf_generate_agrees_with_generate(tmp_path):
     # is what one plain forward over the whole sequences picks
     _needs_ep_loading()
     out_json = tmp_path / "gen.json"
-    rc, out, err = _run([*TORCHRUN, *BENCH, "hf-generate", "--save-checkpoint", str(tmp_path / "ckpt"),
+    # no checkpoint option: the preset goes to a temporary directory, removed at the end
+    rc, out, err = _run([*TORCHRUN, *BENCH, "hf-generate",
                          "--steps", "1", "--warmup", "0", "--backend", "all2all", "copy_engine/all2all",
                          "--modes", "plain", "dbo-prefill", "dbo", "graph", "--json", str(out_json)],
                         tmp_path)
     assert rc == 0, out + err
     assert "per GPU" not in out, out
+    assert [p.name for p in tmp_path.iterdir()] == ["gen.json"]  # nothing else where it ran
+    written = re.search(r"^wrote (\S+): ", out, re.MULTILINE)
+    assert written and "dbo-hf-generate-" in written[1] and not Path(written[1]).exists(), out
+    # the table is titled by the model, not by where its checkpoint was
+    assert "\ntiny-qwen3_moe (2 layers, random weights): batch 4 x prompt 8 + 4 new tokens" in out, out
+    assert json.loads(out_json.read_text())["model"] == "tiny-qwen3_moe (2 layers, random weights)"
     assert out.strip().splitlines()[-1] == (f"hf-generate: PASS: every DBO run's tokens equal its plain "
                                             f"run's (6 runs); wrote {out_json}"), out
     rows = json.loads(out_json.read_text())["rows"]
@@ -215,6 +222,17 @@ def test_hf_prefill_help_names_the_real_defaults():
     rc, out, err = _run([sys.executable, *BENCH, "hf-prefill", "--help"], ROOT, timeout=60)
     assert rc == 0, err
     assert f"default: {' '.join(cpu_backends())} on CPU" in " ".join(out.split()), out
+
+
+def test_hf_generate_help_states_the_checkpoint_default(capsys):
+    from dbo.bench.hf_generate import parse_args
+
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["--help"])
+    assert exc.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert ("(default: on CPU, --preset written with random weights to a temporary directory, removed "
+            "at the end; on CUDA, give --checkpoint or --save-checkpoint)") in text, text
 
 
 def test_prefill_verdict_names_the_rows_that_differ():

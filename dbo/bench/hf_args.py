@@ -47,9 +47,11 @@ def backend_name(text: str) -> str:
     return text
 
 
-def add_model_arguments(p: argparse.ArgumentParser) -> None:
+def add_model_arguments(p: argparse.ArgumentParser, *,
+                        without_checkpoint: str = "build --preset with random weights") -> None:
     """The model and where it runs: ``--device --preset --layers --dtype --checkpoint
-    --save-checkpoint --link --remote-fraction --seed --json``."""
+    --save-checkpoint --link --remote-fraction --seed --json``. ``without_checkpoint``: what the
+    command does when given neither checkpoint option (``--checkpoint``'s help states it)."""
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="(default: cpu)")
     p.add_argument("--preset", choices=PRESET_CHOICES, default=None,
                    help="the model to build (default: tiny-qwen3_moe on CPU, qwen3-30b-a3b on CUDA)")
@@ -59,7 +61,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help="(default: float32 on CPU, bfloat16 on CUDA)")
     p.add_argument("--checkpoint", default=None,
                    help="DIR (or a Hub model id): load this checkpoint expert-parallel with "
-                        "from_pretrained (transformers >= 5.23) instead of building --preset")
+                        f"from_pretrained (transformers >= 5.23) (default: {without_checkpoint})")
     p.add_argument("--save-checkpoint", default=None,
                    help="DIR: first write --preset with random weights there (every rank its share: "
                         "dbo.integrations.transformers.checkpoint) and load it as --checkpoint")

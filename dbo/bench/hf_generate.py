@@ -1,12 +1,14 @@
 """Greedy decoding of a transformers MoE model loaded expert-parallel: transformers' ``generate()``
 with its own ``all_to_all`` expert parallelism beside dbo's ``greedy_generate`` on dbo's backends.
 
-    torchrun --nproc-per-node 2 -m dbo.bench hf-generate         # CPU, gloo: a tiny Qwen3-MoE checkpoint
+    torchrun --nproc-per-node 2 -m dbo.bench hf-generate         # CPU, gloo: a tiny Qwen3-MoE
     torchrun --nproc-per-node 4 -m dbo.bench hf-generate --device cuda --preset qwen3-30b-a3b \\
         --save-checkpoint /tmp/q48 --batch 64 --prompt 512 --new-tokens 64 \\
         --backend copy_engine deepep_ht/deepep_ll
 
-Every rank decodes its own batch of ``--batch`` random prompts of ``--prompt`` tokens for
+Both loads read a checkpoint: ``--checkpoint DIR``, or ``--preset`` written with random weights to
+``--save-checkpoint DIR`` or, without either (CPU only), to a temporary directory removed at the
+end. Every rank decodes its own batch of ``--batch`` random prompts of ``--prompt`` tokens for
 ``--new-tokens`` steps (greedy), first with transformers' ``generate()`` on the checkpoint loaded
 with its own ``all_to_all`` implementation (under ``no_grad``, which it needs), then, on the
 checkpoint loaded with dbo's implementations, with
@@ -39,6 +41,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import shutil
 import statistics
 import sys
 from collections.abc import Callable
@@ -54,7 +57,13 @@ from dbo.bench.hf_args import (
     check_backends,
     check_model_arguments,
 )
-from dbo.bench.hf_model import backend_kwargs, load_checkpoint, load_hf_all_to_all, save_checkpoint
+from dbo.bench.hf_model import (
+    backend_kwargs,
+    load_checkpoint,
+    load_hf_all_to_all,
+    save_checkpoint,
+    shared_temporary_dir,
+)
 from dbo.bench.timing import median_ms
 from dbo.integrations.transformers import use_backend
 from dbo.peers.collectives import all_reduce_max
@@ -77,7 +86,9 @@ def _backend_pair(text: str) -> tuple[str, str | None]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = ArgumentParser(prog=f"python -m dbo.bench {PROG}", description=__doc__.split("\n\n")[0])
-    add_model_arguments(p)
+    add_model_arguments(p, without_checkpoint="on CPU, --preset written with random weights to a "
+                                              "temporary directory, removed at the end; on CUDA, give "
+                                              "--checkpoint or --save-checkpoint")
     p.add_argument("--backend", nargs="+", type=_backend_pair, default=None, metavar="NAME|PREFILL/DECODE",
                    help="(default: all2all copy_engine on CPU, copy_engine deepep_ht/deepep_ll on CUDA)")
     p.add_argument("--batch", type=int, default=None, help="sequences per rank (CPU 4, CUDA 64)")
@@ -98,10 +109,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     check_at_least(p, a, 0, "warmup")
     if "plain" not in a.modes:
         p.error("--modes: give plain too (every DBO row's tokens are checked against it)")
-    if not (a.checkpoint or a.save_checkpoint):
-        if cuda:
-            p.error("--device cuda: give --checkpoint DIR (or --save-checkpoint DIR to write one)")
-        a.save_checkpoint = "hf_generate_ckpt"
+    # without either, a checkpoint of --preset for this run only (made once the group exists)
+    a.temporary_checkpoint = not (a.checkpoint or a.save_checkpoint)
+    if a.temporary_checkpoint and cuda:
+        p.error("--device cuda: give --checkpoint DIR (or --save-checkpoint DIR to write one)")
     check_model_arguments(p, a)
     a.batch = a.batch or (64 if cuda else 4)
     a.prompt = a.prompt or (512 if cuda else 8)
@@ -308,9 +319,17 @@ def _verdict(a: argparse.Namespace, rows: list[dict]) -> tuple[bool, str]:
                   f"{wrote}")
 
 
+def _model_name(a: argparse.Namespace) -> str:
+    """The model the run decoded: the preset where this run wrote it, else the checkpoint."""
+    if a.temporary_checkpoint or a.save_checkpoint:
+        where = "" if a.temporary_checkpoint else f", written to {a.save_checkpoint}"
+        return f"{a.preset} ({a.config.num_hidden_layers} layers, random weights{where})"
+    return f"{a.checkpoint} ({a.config.model_type})"
+
+
 def _print_table(a: argparse.Namespace, rows: list[dict], world: int, device: torch.device) -> None:
     per = "GPU" if device.type == "cuda" else "rank"
-    print(f"\n{a.checkpoint}: batch {a.batch} x prompt {a.prompt} + {a.new_tokens} new tokens per rank, "
+    print(f"\n{_model_name(a)}: batch {a.batch} x prompt {a.prompt} + {a.new_tokens} new tokens per rank, "
           f"{world} ranks, {str(a.dtype).removeprefix('torch.')}; ms per call (prefill included), slowest "
           f"rank; prefill ms = the same call with one new token; new tokens/s per {per} = new tokens / "
           "time; agreement with generate(): sequences identical to the end / mean share of new tokens "
@@ -328,15 +347,24 @@ def _print_table(a: argparse.Namespace, rows: list[dict], world: int, device: to
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
-    with distributed(a.device) as (rank, world, device):
-        rows = run(a, rank, world, device)
-        ok, why = _verdict(a, rows)
-        if rank == 0:
-            _print_table(a, rows, world, device)
-            if a.json:
-                Path(a.json).write_text(json.dumps({"world": world, "batch": a.batch, "prompt": a.prompt,
-                                                    "new_tokens": a.new_tokens, "rows": rows}, indent=1))
-            verdict(PROG, ok, why)
+    made: str | None = None  # the temporary checkpoint, on the rank that made it
+    try:
+        with distributed(a.device) as (rank, world, device):
+            if a.temporary_checkpoint:
+                a.checkpoint = a.save_checkpoint = shared_temporary_dir("dbo-hf-generate-")
+                made = a.checkpoint if rank == 0 else None
+            rows = run(a, rank, world, device)
+            ok, why = _verdict(a, rows)
+            if rank == 0:
+                _print_table(a, rows, world, device)
+                if a.json:
+                    Path(a.json).write_text(json.dumps({
+                        "model": _model_name(a), "world": world, "batch": a.batch, "prompt": a.prompt,
+                        "new_tokens": a.new_tokens, "rows": rows}, indent=1))
+                verdict(PROG, ok, why)
+    finally:
+        if made is not None:  # after the group's teardown: every rank is done with its files
+            shutil.rmtree(made, ignore_errors=True)
     return 0 if ok else 1
 
 

@@ -13,6 +13,7 @@ expert-parallel with dbo's backend as transformers' EP implementation, or whole.
 from __future__ import annotations
 
 import json
+import tempfile
 import time
 import zlib
 from collections.abc import Callable
@@ -22,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from dbo.backends import BACKENDS
+from dbo.bench.limits import rate_text
 from dbo.integrations.transformers import convert_to_expert_parallel
 from dbo.integrations.transformers.checkpoint import write_random_checkpoint
 from dbo.integrations.transformers.ep import ep_distributed_config
@@ -30,8 +32,9 @@ from dbo.integrations.transformers.moe_block import ExpertParallelMoE
 from dbo.integrations.transformers.presets import PRESETS, causal_lm_class
 from dbo.peers.collectives import all_reduce_max
 
-__all__ = ["family", "materialise", "build_model", "save_checkpoint", "load_checkpoint",
-           "load_hf_all_to_all", "backend_kwargs", "reset_layers", "peak_gib", "reset_peak"]
+__all__ = ["family", "materialise", "build_model", "save_checkpoint", "shared_temporary_dir",
+           "load_checkpoint", "load_hf_all_to_all", "backend_kwargs", "reset_layers", "peak_gib",
+           "reset_peak"]
 
 
 def family(preset: str) -> str:
@@ -101,9 +104,18 @@ def save_checkpoint(config: Any, directory: str, dtype: torch.dtype, device: tor
     if rank == 0:
         index = json.loads((path / "model.safetensors.index.json").read_text())
         size, files = index["metadata"]["total_size"], len(set(index["weight_map"].values()))
-        print(f"wrote {path}: {size / 1e9:.2f} GB ({size:,} bytes) of random "
+        print(f"wrote {path}: {rate_text(size, 'B')} ({size:,} bytes) of random "
               f"{str(dtype).removeprefix('torch.')} weights in {files} files on {dist.get_world_size()} "
-              f"ranks, {seconds:.1f} s ({size / 1e9 / seconds:.2f} GB/s)", flush=True)
+              f"ranks, {seconds:.1f} s ({rate_text(size / seconds, 'B/s')})", flush=True)
+
+
+def shared_temporary_dir(prefix: str) -> str:
+    """A new empty directory under the system's temp dir, made by rank 0 of the default group,
+    whose path every rank gets (collective). For a checkpoint that a run writes and reads on
+    one host (other hosts would not see it); rank 0 removes it once every rank is done with it."""
+    path = [tempfile.mkdtemp(prefix=prefix) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(path, src=0)
+    return str(path[0])
 
 
 def reset_peak(device: torch.device) -> None:

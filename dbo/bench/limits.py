@@ -39,7 +39,8 @@ _PREFIXES = ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k"))
 
 
 def rate_text(per_second: float, unit: str) -> str:
-    """A rate to three significant figures in the prefix that keeps it at least 1:
+    """A rate (or an amount: ``unit="B"``) to three significant figures in the prefix that keeps
+    it at least 1:
     ``rate_text(4.25e12, "B/s") == "4.25 TB/s"``, ``rate_text(3.1e10, "FLOP/s") == "31 GFLOP/s"``
     (a CPU's GEMM rate, which ``f"{tflops:.0f} TFLOP/s"`` would print as 0); ``"0 B/s"`` for a
     rate <= 0."""
