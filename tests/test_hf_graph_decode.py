@@ -13,7 +13,10 @@ over the sequences also picks (near ties aside)."""
 from __future__ import annotations
 
 import importlib.util
+import inspect
+import logging
 import os
+import warnings
 
 import pytest
 import torch
@@ -123,6 +126,35 @@ def _eager_and_static(model, *, seq: int, padded_row: int, pad: int, new: int):
         want, _ = greedy_generate(model, ids, mask, max_new_tokens=new, config=PLAIN)
         got, _ = greedy_generate(model, ids, mask, max_new_tokens=new, config=PLAIN, cuda_graph=True)
     return want, got
+
+
+def test_a_decode_passes_the_cache_by_the_name_the_model_takes(monkeypatch):
+    # transformers 5.24 renamed past_key_values to cache (the old name warns, FutureWarning, and
+    # goes in 5.40); 5.23 knows only past_key_values: greedy_generate uses the forward's own
+    # name, in the prefill, the joined and the split decode steps and the static ones
+    from dbo.integrations.transformers.generate import cache_keyword
+
+    model = _tiny_moe()
+    params = inspect.signature(model.forward).parameters
+    assert cache_keyword(model) == ("cache" if "cache" in params else "past_key_values")
+    records: list[logging.LogRecord] = []  # transformers' own log: reading out.past_key_values
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append
+    logging.getLogger("transformers").addHandler(handler)
+    ids = torch.randint(0, model.config.vocab_size, (4, 5))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", FutureWarning)
+            want, got = _eager_and_static(model, seq=5, padded_row=1, pad=2, new=3)
+            with torch.inference_mode():
+                joined, plan = greedy_generate(model, ids, max_new_tokens=3, config=SPLIT)
+                every_step, _ = greedy_generate(model, ids, max_new_tokens=3, config=SPLIT, split_decode=True)
+                plain, _ = greedy_generate(model, ids, max_new_tokens=3, config=PLAIN)
+    finally:
+        logging.getLogger("transformers").removeHandler(handler)
+    assert torch.equal(want, got) and plan.split
+    assert torch.equal(joined, plain) and torch.equal(every_step, plain)
+    assert not [r for r in records if "past_key_values" in r.getMessage()], records
 
 
 class _HostSyncs(TorchDispatchMode):

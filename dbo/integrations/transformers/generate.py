@@ -26,6 +26,7 @@ no public way to split a cache by batch rows or join ubatch caches back (``batch
 from __future__ import annotations
 
 import copy
+import inspect
 import logging
 from typing import Any
 
@@ -39,7 +40,7 @@ from dbo.integrations.transformers.moe_block import routing_token_mask
 from dbo.overlap import current_ubatch, overlapped_forward
 from dbo.split import SplitConfig, UBatchPlan, no_split_plan, plan_ubatches
 
-__all__ = ["greedy_generate", "join_caches", "mask_positions"]
+__all__ = ["greedy_generate", "join_caches", "mask_positions", "cache_keyword"]
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +81,16 @@ def join_caches(caches: list[Any], rows: list[int]) -> Any | None:
     joined = copy.copy(first)
     joined.layers = joined_layers
     return joined
+
+
+def cache_keyword(model: torch.nn.Module) -> str:
+    """The name under which ``model``'s forward takes the KV cache and its output returns it:
+    ``cache`` from transformers 5.24 on (where ``past_key_values`` is deprecated, to be removed in
+    5.40), ``past_key_values`` before. Read from the forward's signature (through its decorators);
+    a forward that names neither (a wrapper's ``**kwargs``) gets ``past_key_values``, which every
+    transformers 5.x before 5.40 accepts."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
 
 
 def mask_positions(mask: torch.Tensor) -> torch.Tensor:
@@ -140,6 +151,7 @@ def greedy_generate(model: torch.nn.Module, input_ids: torch.Tensor,
         group = expert_parallel_group(model)
     plan = plan_ubatches(input_ids.shape[0], config, group=group)
     caches: dict[int, Any] = {}
+    cache_kw = cache_keyword(model)  # once: "cache" on transformers >= 5.24
 
     def step(ids: torch.Tensor, full_mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         info = current_ubatch()
@@ -147,8 +159,8 @@ def greedy_generate(model: torch.nn.Module, input_ids: torch.Tensor,
         routing = full_mask[:, -ids.shape[1]:] if mask_padding_tokens else None
         with routing_token_mask(routing):
             out = model(input_ids=ids, attention_mask=full_mask, position_ids=positions,
-                        past_key_values=caches.get(index), use_cache=True, logits_to_keep=1)
-        caches[index] = out.past_key_values
+                        use_cache=True, logits_to_keep=1, **{cache_kw: caches.get(index)})
+        caches[index] = getattr(out, cache_kw)
         return out.logits[:, -1]
 
     def graph_steps(ids: torch.Tensor, positions: torch.Tensor, full_mask: torch.Tensor,
@@ -167,7 +179,7 @@ def greedy_generate(model: torch.nn.Module, input_ids: torch.Tensor,
 
         def static_step(ids_b: torch.Tensor, mask4d: torch.Tensor, pos_b: torch.Tensor) -> torch.Tensor:
             out = model(input_ids=ids_b, attention_mask=mask4d, position_ids=pos_b,
-                        past_key_values=static, use_cache=True, logits_to_keep=1)
+                        use_cache=True, logits_to_keep=1, **{cache_kw: static})
             return out.logits[:, -1]
 
         plain = no_split_plan(ids.shape[0], detail="the decode steps run plainly (cuda_graph=True)")
