@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 
@@ -135,14 +136,21 @@ def test_hf_generate_agrees_with_generate(tmp_path):
     assert out.strip().splitlines()[-1] == (f"hf-generate: PASS: every DBO run's tokens equal its plain "
                                             f"run's (6 runs); wrote {out_json}"), out
     rows = json.loads(out_json.read_text())["rows"]
-    assert [r["run"] for r in rows] == ["transformers generate (all_to_all)"] + [
+    # transformers' eager generate() and its static-cache fast path (not compiled on the CPU),
+    # then dbo's rows; the speed-up line is against the faster of the first two
+    assert [r["run"] for r in rows] == ["transformers generate (all_to_all)",
+                                        "transformers generate, static cache (all_to_all)"] + [
         f"dbo greedy_generate {b} {m}" for b in ("all2all", "copy_engine/all2all")
         for m in ("plain", "DBO prefill", "DBO", "plain, graph decode")]
     assert all(r["same"] == 1.0 and r["prefix"] == 1.0 and r["tok_s"] > 0 for r in rows), rows
     assert all(r["prefill_ms"] > 0 for r in rows), rows
-    assert all(r["same_plain"] == 1.0 and r["prefix_plain"] == 1.0 for r in rows[1:]), rows
-    assert all(r["teacher_forced"] == 1.0 for r in rows[1:]), rows
-    assert all(r["split"].startswith("split(") for r in rows[1:] if "DBO" in r["run"]), rows
+    dbo_rows = rows[2:]
+    assert all(r["same_plain"] == 1.0 and r["prefix_plain"] == 1.0 for r in dbo_rows), rows
+    assert all(r["teacher_forced"] == 1.0 for r in dbo_rows), rows
+    assert all(r["split"].startswith("split(") for r in dbo_rows if "DBO" in r["run"]), rows
+    fastest = min(r["ms"] for r in rows[:2])
+    best = min(dbo_rows, key=lambda r: r["ms"])
+    assert f"fastest dbo run: {best['run']}, {fastest / best['ms']:.2f}x the faster of transformers'" in out
 
 
 def test_hf_load_smoke(tmp_path):
@@ -252,3 +260,27 @@ def test_prefill_verdict_names_the_rows_that_differ():
                               "0.10); wrote out.json"), why
     ok, why = verdict_reason([good], None)
     assert ok and why == "DBO matches plain on every row (max rel err 1.0e-07)", why
+
+
+def test_a_refused_static_cache_row_says_how(monkeypatch):
+    # transformers' fast path that fails with expert parallelism is a row with the error, not a
+    # failed benchmark: every rank reports it, and the speed-up is against the eager row
+    from dbo.bench import hf_generate as hg
+
+    class Refusing:
+        def generate(self, **kw):
+            if kw.get("cache_implementation") == "static":
+                raise RuntimeError("static cache: not with expert parallelism\nmore detail")
+            return torch.zeros(2, 5, dtype=torch.long)
+
+    monkeypatch.setattr(hg, "load_hf_all_to_all", lambda *a, **k: Refusing())
+    args = hg.parse_args(["--steps", "1", "--warmup", "0"])
+    ids, mask, cpu = torch.zeros(2, 3, dtype=torch.long), torch.ones(2, 3), torch.device("cpu")
+    out = hg.transformers_generate(args, ids, mask, cpu)
+    assert out["static"] == "RuntimeError: static cache: not with expert parallelism"
+    assert isinstance(out["eager"], tuple) and out["eager"][2].shape == (2, 5)
+    rows = [dict(run="a", mode="hf-eager", ms=5.0), dict(run="b", mode="hf-static", error="x"),
+            dict(run="c", mode="plain", ms=2.0)]
+    assert hg.fastest_generate_ms(rows) == 5.0
+    args = hg.parse_args(["--no-static"])
+    assert "static" not in hg.transformers_generate(args, ids, mask, cpu)

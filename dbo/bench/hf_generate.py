@@ -27,6 +27,13 @@ end, and the mean share of new tokens before the first difference; each DBO row 
 against its plain row too. The verdict: every DBO run's tokens equal its plain run's (float32),
 or its first new token agrees for at least 75% of the sequences (bfloat16).
 
+Beside eager ``generate()`` the table has transformers' own fast path on the same
+``all_to_all`` model, ``generate(..., cache_implementation="static")`` (a static KV cache, and
+on CUDA the forward compiled with ``torch.compile`` by transformers itself: its documented way
+to decode fast); where transformers refuses or fails in that mode with expert parallelism, the
+row says how (``--no-static`` leaves it out). dbo's speed-ups are quoted against the faster of
+the two.
+
 The three dbo rows of a backend are measured together so that they compare like with like: after
 ``--warmup`` untimed calls of each, every round times one call of each, in an order that rotates
 from round to round (plain first, then DBO prefill first, ...) and runs backwards every other
@@ -102,6 +109,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "graph and dbo-prefill-graph (plain or DBO prefill, then the decode steps from a "
                         "static cache replayed from a CUDA graph: cuda_graph=True) (default: plain "
                         "dbo-prefill dbo)")
+    p.add_argument("--no-static", dest="static", action="store_false",
+                   help="leave out transformers' generate() with cache_implementation='static' (its "
+                        "static cache, compiled on CUDA)")
     a = p.parse_args(argv)
     cuda = a.device == "cuda"
     given = [n for n in ("batch", "prompt", "new_tokens") if getattr(a, n) is not None]
@@ -220,20 +230,38 @@ def _add_row(rows: list[dict], rank: int, row: dict) -> None:
               flush=True)
 
 
-def _all_to_all_generate(a: argparse.Namespace, ids: torch.Tensor, mask: torch.Tensor,
-                         device: torch.device) -> tuple[float, float, torch.Tensor]:
-    """transformers' ``generate()`` on the checkpoint loaded with its own ``all_to_all``: (median
-    ms of the whole call, of a one-token call, the last call's ids). The model is freed on return,
-    before dbo's is loaded."""
-    ref = load_hf_all_to_all(a.checkpoint, a.dtype, device)
-    with torch.no_grad():  # transformers' own EP fails under inference_mode
-        def hf_generate(tokens: int) -> torch.Tensor:
-            return ref.generate(input_ids=ids, attention_mask=mask, do_sample=False,
-                                max_new_tokens=tokens, min_new_tokens=tokens)
+#: transformers' generate() rows: (run name, generate()'s extra keyword arguments)
+HF_RUNS = {"eager": ("transformers generate (all_to_all)", {}),
+           "static": ("transformers generate, static cache (all_to_all)", {"cache_implementation": "static"})}
 
-        ms, want = _timed(lambda: hf_generate(a.new_tokens), a.steps, a.warmup, device)
-        pre_ms = median_ms(lambda: hf_generate(1), steps=a.steps, warmup=1, device=device)
-    return ms, pre_ms, want
+
+def transformers_generate(a: argparse.Namespace, ids: torch.Tensor, mask: torch.Tensor,
+                         device: torch.device) -> dict[str, tuple[float, float, torch.Tensor] | str]:
+    """transformers' ``generate()`` on the checkpoint loaded with its own ``all_to_all``, eager and
+    (``--static``) with its static cache: per :data:`HF_RUNS` key, (median ms of the whole call,
+    of a one-token call, the last call's ids), or the one line of the error it raised (every rank
+    runs the same calls, so a refusal is every rank's). The model is freed on return, before
+    dbo's is loaded."""
+    ref = load_hf_all_to_all(a.checkpoint, a.dtype, device)
+    out: dict[str, tuple[float, float, torch.Tensor] | str] = {}
+    with torch.no_grad():  # transformers' own EP fails under inference_mode
+        for key in ("eager", "static") if a.static else ("eager",):
+            extra = HF_RUNS[key][1]
+
+            def hf_generate(tokens: int, extra: dict = extra) -> torch.Tensor:
+                return ref.generate(input_ids=ids, attention_mask=mask, do_sample=False,
+                                    max_new_tokens=tokens, min_new_tokens=tokens, **extra)
+
+            try:
+                ms, want = _timed(lambda: hf_generate(a.new_tokens), a.steps, a.warmup, device)
+                pre_ms = median_ms(lambda: hf_generate(1), steps=a.steps, warmup=1, device=device)
+            except Exception as exc:  # noqa: BLE001 - the row reports transformers' refusal
+                if key == "eager":
+                    raise
+                out[key] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+                continue
+            out[key] = (ms, pre_ms, want)
+    return out
 
 
 def run(a: argparse.Namespace, rank: int, world: int, device: torch.device) -> list[dict]:
@@ -247,10 +275,25 @@ def run(a: argparse.Namespace, rank: int, world: int, device: torch.device) -> l
     new = a.batch * a.new_tokens
     rows: list[dict] = []
 
-    ms, pre_ms, want = _all_to_all_generate(a, ids, mask, device)
+    hf = transformers_generate(a, ids, mask, device)
+    ms, pre_ms, want = hf["eager"]
     ms, pre_ms = all_reduce_max([ms, pre_ms], phase=PROG)
-    _add_row(rows, rank, dict(run="transformers generate (all_to_all)", ms=ms, prefill_ms=pre_ms,
+    _add_row(rows, rank, dict(run=HF_RUNS["eager"][0], mode="hf-eager", ms=ms, prefill_ms=pre_ms,
                               tok_s=new / ms * 1e3, same=1.0, prefix=1.0))
+    if "static" in hf:
+        res = hf["static"]
+        failed = all_reduce_max([float(isinstance(res, str))], phase=PROG)[0]
+        if failed:  # on any rank: the row says how (this rank's words, or a peer's failure)
+            error = res if isinstance(res, str) else "failed on another rank"
+            rows.append(dict(run=HF_RUNS["static"][0], mode="hf-static", error=error))
+            if rank == 0:
+                print(f"row: {HF_RUNS['static'][0]}: failed: {error}", flush=True)
+        else:
+            s_ms, s_pre, s_ids = res
+            same, prefix, _ = _agreement(s_ids, want, a.prompt)
+            s_ms, s_pre, neg_same, neg_prefix = all_reduce_max([s_ms, s_pre, -same, -prefix], phase=PROG)
+            _add_row(rows, rank, dict(run=HF_RUNS["static"][0], mode="hf-static", ms=s_ms, prefill_ms=s_pre,
+                                      tok_s=new / s_ms * 1e3, same=-neg_same, prefix=-neg_prefix))
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -293,8 +336,14 @@ def run(a: argparse.Namespace, rank: int, world: int, device: torch.device) -> l
     return rows
 
 
+def fastest_generate_ms(rows: list[dict]) -> float:
+    """The faster of transformers' generate() rows (eager, static cache) that ran: what dbo's
+    speed-ups are quoted against."""
+    return min(r["ms"] for r in rows if r.get("mode", "").startswith("hf-") and "ms" in r)
+
+
 def _verdict(a: argparse.Namespace, rows: list[dict]) -> tuple[bool, str]:
-    dbo_rows = [r for r in rows if r.get("mode") not in (None, "plain")]
+    dbo_rows = [r for r in rows if r.get("mode") not in (None, "plain", "hf-eager", "hf-static")]
     fp32 = a.dtype == torch.float32
     # every row's new tokens must be the teacher-forced forward's choices, up to near ties, as
     # nearly as the plain row's are: that checks each decode step, not the first token only
@@ -339,10 +388,19 @@ def _print_table(a: argparse.Namespace, rows: list[dict], world: int, device: to
           "| before 1st diff | identical to plain | teacher-forced |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
+        if "error" in r:
+            print(f"| {r['run']} | failed: {r['error']} | - | - | - | - | - | - | - |")
+            continue
         spread = f"{r['ms_min']:.1f}-{r['ms_max']:.1f}" if "ms_min" in r else "-"
         tf = f"{r['teacher_forced']:.3f}" if "teacher_forced" in r else "-"
         print(f"| {r['run']} | {r['ms']:.1f} | {spread} | {r['prefill_ms']:.1f} | {r['tok_s']:,.0f} "
               f"| {r['same']:.2f} | {r['prefix']:.2f} | {r.get('same_plain', 1.0):.2f} | {tf} |")
+    fastest = fastest_generate_ms(rows)
+    best = min((r for r in rows if r.get("mode") not in (None, "hf-eager", "hf-static") and "ms" in r),
+               key=lambda r: r["ms"], default=None)
+    if best is not None:
+        print(f"\nfastest dbo run: {best['run']}, {fastest / best['ms']:.2f}x the faster of transformers' "
+              f"generate() rows ({fastest:.1f} ms)")
 
 
 def main(argv: list[str] | None = None) -> int:
