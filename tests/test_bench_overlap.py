@@ -18,6 +18,7 @@ import torch
 from dbo.backends import BACKENDS, make_backend
 from dbo.bench.__main__ import main as bench_main
 from dbo.bench.compare import compare_bundles, load_bundle
+from dbo.bench.overlap_args import MODES
 
 
 def test_command_line_entry_lists_commands_and_rejects_unknown(capsys):
@@ -63,7 +64,7 @@ def _run_bench(tmp_path: Path, *args: str) -> dict:
     return bundle
 
 
-def _check_structure(bundle: dict, backend: str, sms: list[int]) -> None:
+def _check_structure(bundle: dict, backend: str, sms: list[int], extra_modes: tuple[str, ...] = ()) -> None:
     assert bundle["schema"] == "dbo.bench_overlap/2" and bundle["partial"] is False
     assert bundle["env"]["world_size"] == 2 and bundle["env"]["torch"] == torch.__version__
     assert bundle["args"]["backend"] == backend and bundle["args"]["steps"] >= 1
@@ -75,7 +76,8 @@ def _check_structure(bundle: dict, backend: str, sms: list[int]) -> None:
         s_or_none = sms or [None]
         want = ({("compute", None), ("dbo_compute", None), ("merged_compute", None), ("wrapper", None),
                  ("serial_paired", None), ("wrapper_untuned", None), ("serial_paired_untuned", None)}
-                | {(mode, s) for mode in ("comm", "serial", "dbo", "merged") for s in s_or_none})
+                | {(mode, s) for mode in ("comm", "serial", "dbo", "merged", *extra_modes)
+                   for s in s_or_none})
         assert got == want
         for m in sh["measurements"]:
             t = m["timing"]
@@ -92,8 +94,9 @@ def _check_structure(bundle: dict, backend: str, sms: list[int]) -> None:
                     "merged_ms", "merged_compute_ms", "merged_speedup"):
             assert isinstance(s[key], float), key
         assert s["merged_speedup"] == pytest.approx(s["serial_ms"] / s["merged_ms"])
-        assert s["best_schedule"] == min((s["serial_ms"], "plain"), (s["dbo_ms"], "split"),
-                                         (s["merged_ms"], "merged"))[1]
+        if not extra_modes:
+            assert s["best_schedule"] == min((s["serial_ms"], "plain"), (s["dbo_ms"], "split"),
+                                             (s["merged_ms"], "merged"))[1]
         assert s["speedup"] == pytest.approx(s["serial_ms"] / s["dbo_ms"])
         # the compute columns against the hardware limit measured in the same run
         assert bundle["env"]["limits"]["copy_gbps"] > 0 and bundle["env"]["limits"]["gemm_tflops"] > 0
@@ -208,8 +211,7 @@ def test_bench_dbo_sm_carveout_variants(tmp_path):
 @pytest.mark.parametrize("backend, extra, sms", [
     ("deepep_ht", ["--num-sms", "24", "32"], [24, 32]),
     ("deepep_ll", ["--tokens", "32", "--ll-rows", "auto"], []),
-    ("deepep_ll", ["--tokens", "32"], []),
-    ("deepep_ll", ["--tokens", "32", "--modes", "serial", "dbo", "sbo", "sbo_dbo", "--sbo-groups", "4"], []),
+    ("deepep_ll", ["--tokens", "32", "--modes", *MODES, "--sbo-groups", "4"], []),
 ])
 def test_bench_deepep_paths_on_fake(tmp_path, backend, extra, sms):
     # the fake deep_ep (dbo.testing) runs the DeepEP code paths of the benchmark on gloo:
@@ -218,11 +220,11 @@ def test_bench_deepep_paths_on_fake(tmp_path, backend, extra, sms):
     # schedules with four groups of low-latency combines
     bundle = _run_bench(tmp_path, "--backend", backend, "--fake-deep-ep", *extra)
     sh = bundle["shapes"][0]
-    if "--modes" in extra:
+    grouped = ("sbo", "sbo_dbo") if "--modes" in extra else ()
+    _check_structure(bundle, backend, sms, grouped)
+    if grouped:  # every mode, the grouped ones with four groups of low-latency combines
         assert bundle["args"]["sbo_groups"] == 4
         _check_grouped_modes(sh)
-        return
-    _check_structure(bundle, backend, sms)
     if backend == "deepep_ll":
         rows = sh["ll_rows"]
         if "auto" in extra:
@@ -309,5 +311,7 @@ def _check_grouped_modes(shape: dict) -> None:
     assert "sbo_dbo_vs_serial" in shape["checks"]
     assert all(c["token_median"] <= 2e-2 for k, c in shape["checks"].items() if k.startswith("sbo"))
     s = shape["summary"]
-    assert s["best_schedule"] == min((s["serial_ms"], "plain"), (s["dbo_ms"], "split"), (s["sbo_ms"], "sbo"),
-                                     (s["sbo_dbo_ms"], "sbo+dbo"))[1]
+    names = (("serial_ms", "plain"), ("dbo_ms", "split"), ("merged_ms", "merged"), ("sbo_ms", "sbo"),
+             ("sbo_dbo_ms", "sbo+dbo"))
+    timed = [(s[k], name) for k, name in names if s.get(k) is not None]
+    assert s["best_schedule"] == min(timed)[1]
