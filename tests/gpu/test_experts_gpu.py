@@ -509,7 +509,10 @@ def _batched(experts: SwiGLUExperts, x, w1, w2, counts, topk_ids=None) -> torch.
 @pytest.mark.skipif(not HAVE_TRITON, reason="needs Triton")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("n_local,cap,hidden,inter", [(8, 512, 2048, 1024), (3, 100, 256, 128),
-                                                      (16, 64, 7168, 2048)])
+                                                      (16, 64, 7168, 2048),
+                                                      # few experts at I=2048, 256 rows estimated:
+                                                      # the split 64-row and 64x256 flat tiles
+                                                      (8, 1024, 2048, 2048)])
 def test_batched_slabs_compute_the_rows_that_arrived(dtype, n_local, cap, hidden, inter):
     # the fused kernels over each expert's first counts[e] rows, with no host sync, against the
     # batched matmuls over whole slabs (the same rows); rows past the counts stay unwritten
@@ -526,11 +529,14 @@ def test_batched_slabs_compute_the_rows_that_arrived(dtype, n_local, cap, hidden
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="needs Triton")
-def test_batched_slabs_in_a_cuda_graph_follow_the_counts():
-    # captured once, replayed with other counts: the graph reads them on the device
+@pytest.mark.parametrize("cap,hidden,inter", [(256, 1024, 512), (1024, 2048, 2048)])
+def test_batched_slabs_in_a_cuda_graph_follow_the_counts(cap, hidden, inter):
+    # captured once, replayed with other counts: the graph reads them on the device (the second
+    # shape takes the few-expert slab tiles, whose split gate/up tile zeroes its counters in the
+    # graph)
     from dbo.moe.kernels.batched import batched_swiglu_experts
 
-    x, w1, w2, counts = _slabs(8, 256, 1024, 512, torch.bfloat16, seed=5)
+    x, w1, w2, counts = _slabs(8, cap, hidden, inter, torch.bfloat16, seed=5)
     out = torch.zeros_like(x)
     batched_swiglu_experts(x, w1, w2, counts, out=out)  # compiles
     torch.cuda.synchronize()
@@ -538,11 +544,11 @@ def test_batched_slabs_in_a_cuda_graph_follow_the_counts():
     with torch.cuda.graph(graph):
         batched_swiglu_experts(x, w1, w2, counts, out=out)
     for seed in range(3):
-        counts.copy_(torch.randint(0, 257, (8,), device="cuda", generator=torch.Generator(
+        counts.copy_(torch.randint(0, cap + 1, (8,), device="cuda", generator=torch.Generator(
             device="cuda").manual_seed(seed)).to(torch.int32))
         out.fill_(float("nan"))
         graph.replay()
-        want = _batched(SwiGLUExperts(batched_rows=256), x, w1, w2, counts)
+        want = _batched(SwiGLUExperts(batched_rows=cap), x, w1, w2, counts)
         for e, c in enumerate(counts.tolist()):
             assert bool(out[e, c:].isnan().all()), (seed, e)
             if c:
