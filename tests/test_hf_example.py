@@ -266,6 +266,7 @@ def test_a_refused_static_cache_row_says_how(monkeypatch):
     # transformers' fast path that fails with expert parallelism is a row with the error, not a
     # failed benchmark: every rank reports it, and the speed-up is against the eager row
     from dbo.bench import hf_generate as hg
+    from dbo.bench.hf_generate_table import fastest_generate_ms
 
     class Refusing:
         def generate(self, **kw):
@@ -281,6 +282,6 @@ def test_a_refused_static_cache_row_says_how(monkeypatch):
     assert isinstance(out["eager"], tuple) and out["eager"][2].shape == (2, 5)
     rows = [dict(run="a", mode="hf-eager", ms=5.0), dict(run="b", mode="hf-static", error="x"),
             dict(run="c", mode="plain", ms=2.0)]
-    assert hg.fastest_generate_ms(rows) == 5.0
+    assert fastest_generate_ms(rows) == 5.0
     args = hg.parse_args(["--no-static"])
     assert "static" not in hg.transformers_generate(args, ids, mask, cpu)

@@ -207,37 +207,27 @@ def _make_ll_fresh(case):
     return _make_ll(case)
 
 
-@pytest.mark.multiproc
-@pytest.mark.timeout(180)
-def test_sbo_on_fake_deepep_ll_matches_plain(world2):
-    cases = [dataclasses.replace(c, name=f"{c.name} sbo", expert_schedule="sbo")
-             for c in default_cases(2) if c.reduce_in_experts]
-    cases += [dataclasses.replace(cases[1], name="sbo 16 experts", num_experts=16, topk=4)]
-    # fp8 dispatch with the scales handed to the experts: each group takes its slabs' scales
-    base = default_cases(2)[1]
-    cases += [with_options(dataclasses.replace(base, name="sbo fp8 kept", hidden=2048, tol_ref=6e-2,
-                                               expert_schedule="sbo"),
+def _grouped_cases(schedule: str) -> list:
+    """The fake DeepEP low-latency cases of a grouped schedule: the default cases (two ubatches
+    for sbo+dbo, which deepep_ll allows), 16 experts in 2 and 4 groups, and fp8 dispatch with the
+    scales handed to the experts (each group takes its slabs' scales)."""
+    base = [c for c in default_cases(2) if c.reduce_in_experts and (schedule == "sbo" or c.num_ubatches == 2)]
+    cases = [dataclasses.replace(c, name=f"{c.name} {schedule}", expert_schedule=schedule) for c in base]
+    cases += [dataclasses.replace(cases[1], name=f"{schedule} 16 experts G={g}", num_experts=16, topk=4,
+                                  sbo_groups=g) for g in (2, 4)]
+    cases += [with_options(dataclasses.replace(default_cases(2)[1], name=f"{schedule} fp8 kept", hidden=2048,
+                                               tol_ref=6e-2, expert_schedule=schedule),
                            use_fp8_dispatch=True, dequantize_received=False)]
-    results = check_backend(world2, _make_ll_fresh, cases)
-    assert results and all(r.ok for r in results), [r.problems for r in results if not r.ok]
+    return cases
 
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(180)
-def test_sbo_dbo_on_fake_deepep_ll_matches_plain(world2):
-    # two ubatches, each with its groups' combines: each dispatch result is copied out on
-    # receive, so no more than two low-latency results are ever alive; 2 and 4 groups
-    base = [c for c in default_cases(2) if c.reduce_in_experts and c.num_ubatches == 2]
-    cases = [dataclasses.replace(c, name=f"{c.name} sbo+dbo", expert_schedule="sbo+dbo") for c in base]
-    cases += [dataclasses.replace(cases[1], name="sbo+dbo 16 experts 4 groups", num_experts=16, topk=4,
-                                  sbo_groups=4),
-              dataclasses.replace(cases[1], name="sbo 16 experts 4 groups", num_experts=16, topk=4,
-                                  sbo_groups=4, expert_schedule="sbo")]
-    base_fp8 = default_cases(2)[1]
-    cases += [with_options(dataclasses.replace(base_fp8, name="sbo+dbo fp8 kept", hidden=2048, tol_ref=6e-2,
-                                               expert_schedule="sbo+dbo"),
-                           use_fp8_dispatch=True, dequantize_received=False)]
-    results = check_backend(world2, _make_ll_fresh, cases)
+@pytest.mark.parametrize("schedule", ["sbo", "sbo+dbo"])
+def test_grouped_schedules_on_fake_deepep_ll_match_plain(world2, schedule):
+    # sbo+dbo: two ubatches, each with its groups' combines; each dispatch result is copied out
+    # on receive, so no more than two low-latency results are ever alive
+    results = check_backend(world2, _make_ll_fresh, _grouped_cases(schedule))
     assert results and all(r.ok for r in results), [r.problems for r in results if not r.ok]
 
 

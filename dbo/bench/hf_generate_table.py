@@ -1,0 +1,82 @@
+"""The table and the verdict of ``python -m dbo.bench hf-generate`` (:mod:`dbo.bench.hf_generate`):
+its rows printed with the model they decoded, the verdict on every DBO row's tokens, and the
+faster of transformers' two ``generate()`` rows that dbo's speed-ups are quoted against.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+__all__ = ["TF_SLACK", "fastest_generate_ms", "verdict_reason", "model_name", "print_table"]
+
+#: how far below the plain row's teacher-forced share another row's may fall
+TF_SLACK = 0.02
+
+
+def fastest_generate_ms(rows: list[dict]) -> float:
+    """The faster of transformers' generate() rows (eager, static cache) that ran: what dbo's
+    speed-ups are quoted against."""
+    return min(r["ms"] for r in rows if r.get("mode", "").startswith("hf-") and "ms" in r)
+
+
+def verdict_reason(a: argparse.Namespace, rows: list[dict]) -> tuple[bool, str]:
+    dbo_rows = [r for r in rows if r.get("mode") not in (None, "plain", "hf-eager", "hf-static")]
+    fp32 = a.dtype == torch.float32
+    # every row's new tokens must be the teacher-forced forward's choices, up to near ties, as
+    # nearly as the plain row's are: that checks each decode step, not the first token only
+    plain_tf = min((r["teacher_forced"] for r in rows if r.get("mode") == "plain"), default=1.0)
+    bad = [r for r in dbo_rows if (r["same_plain"] < 1.0 if fp32 else r["first_plain"] < 0.75)
+           or r["teacher_forced"] < min(plain_tf, 1.0) - TF_SLACK]
+    wrote = f"; wrote {a.json}" if a.json else ""
+    if not dbo_rows:
+        return True, f"plain rows only{wrote}"
+    if bad:
+        return False, ("DBO's tokens differ from plain's in " + ", ".join(
+            f"{r['run']} (identical {r['same_plain']:.2f}, first token {r['first_plain']:.2f}, "
+            f"teacher-forced {r['teacher_forced']:.3f} against plain's {plain_tf:.3f})" for r in bad)
+            + wrote)
+    if fp32:
+        return True, f"every DBO run's tokens equal its plain run's ({len(dbo_rows)} runs){wrote}"
+    low = min(r["first_plain"] for r in dbo_rows)
+    tf_low = min(r["teacher_forced"] for r in dbo_rows)
+    return True, (f"every DBO run's first new token agrees with plain's for >= 75% of sequences "
+                  f"(lowest {low:.2f}; {len(dbo_rows)} runs), and its new tokens are a plain "
+                  f"forward's choices as often as plain's (lowest {tf_low:.3f}, plain {plain_tf:.3f})"
+                  f"{wrote}")
+
+
+def model_name(a: argparse.Namespace) -> str:
+    """The model the run decoded: the preset where this run wrote it, else the checkpoint."""
+    if a.temporary_checkpoint or a.save_checkpoint:
+        where = "" if a.temporary_checkpoint else f", written to {a.save_checkpoint}"
+        return f"{a.preset} ({a.config.num_hidden_layers} layers, random weights{where})"
+    return f"{a.checkpoint} ({a.config.model_type})"
+
+
+def print_table(a: argparse.Namespace, rows: list[dict], world: int, device: torch.device) -> None:
+    per = "GPU" if device.type == "cuda" else "rank"
+    print(f"\n{model_name(a)}: batch {a.batch} x prompt {a.prompt} + {a.new_tokens} new tokens per rank, "
+          f"{world} ranks, {str(a.dtype).removeprefix('torch.')}; ms per call (prefill included), slowest "
+          f"rank; prefill ms = the same call with one new token; new tokens/s per {per} = new tokens / "
+          "time; agreement with generate(): sequences identical to the end / mean share of new tokens "
+          "before the first difference; teacher-forced: share of the new tokens that one plain forward "
+          "over the whole sequences also picks (up to near ties)\n")
+    print(f"| run | ms | fastest-slowest call | prefill ms | new tokens/s per {per} | identical "
+          "| before 1st diff | identical to plain | teacher-forced |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['run']} | failed: {r['error']} | - | - | - | - | - | - | - |")
+            continue
+        spread = f"{r['ms_min']:.1f}-{r['ms_max']:.1f}" if "ms_min" in r else "-"
+        tf = f"{r['teacher_forced']:.3f}" if "teacher_forced" in r else "-"
+        print(f"| {r['run']} | {r['ms']:.1f} | {spread} | {r['prefill_ms']:.1f} | {r['tok_s']:,.0f} "
+              f"| {r['same']:.2f} | {r['prefix']:.2f} | {r.get('same_plain', 1.0):.2f} | {tf} |")
+    fastest = fastest_generate_ms(rows)
+    best = min((r for r in rows if r.get("mode") not in (None, "hf-eager", "hf-static") and "ms" in r),
+               key=lambda r: r["ms"], default=None)
+    if best is not None:
+        print(f"\nfastest dbo run: {best['run']}, {fastest / best['ms']:.2f}x the faster of transformers' "
+              f"generate() rows ({fastest:.1f} ms)")
