@@ -11,11 +11,20 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
+from hypothesis import given, note
+from hypothesis import strategies as st
 
 from dbo import DBOWrapper, SplitConfig, UBatchError, run_ubatches
 from dbo.autotune import NEVER_SPLIT, AutotuneRow, pick_schedule
 from dbo.expert_schedule import ExpertSchedule, use_expert_schedule
-from dbo.moe import MoEKernel, PrepareAndFinalize, SwiGLUExperts, topk_route
+from dbo.moe import (
+    ActivationFormat,
+    LocalPrepareAndFinalize,
+    MoEKernel,
+    PrepareAndFinalize,
+    SwiGLUExperts,
+    topk_route,
+)
 from dbo.moe.errors import MoEProtocolError
 from dbo.moe.kernel import expert_groups
 from dbo.moe.reference import make_expert_weights, relative_error
@@ -149,6 +158,54 @@ def test_sbo_dbo_runs_each_ubatchs_shared_experts_beside_its_dispatch():
     with use_expert_schedule("sbo+dbo"):
         assert relative_error(kernel(x, w1, w2, weights, ids, global_num_experts=4), plain) < 1e-6
     assert log == ["dispatch", "dispatch_recv", "combine", "shared", "combine_recv"]
+
+
+class _CountingLocal(LocalPrepareAndFinalize):
+    """The one-process BATCHED_EXPERTS backend, counting its per-group combines."""
+
+    def __init__(self, max_num_tokens: int):
+        super().__init__(ActivationFormat.BATCHED_EXPERTS, max_num_tokens=max_num_tokens)
+        self.group_combines = 0
+
+    def finalize_group_async(self, *args, **kwargs):
+        self.group_combines += 1
+        return super().finalize_group_async(*args, **kwargs)
+
+
+@given(m=st.integers(0, 20), n_experts=st.integers(1, 6), topk=st.integers(1, 3), groups=st.integers(1, 5),
+       cut=st.floats(0, 1), empty=st.lists(st.booleans(), min_size=6, max_size=6), seed=st.integers(0, 99))
+def test_grouped_schedules_equal_the_plain_layer(m, n_experts, topk, groups, cut, empty, seed):
+    # sbo (the batch whole) and sbo+dbo (two ubatches), any number of expert groups, experts that
+    # get no row: the same output as the plain layer, one combine per group on a backend that
+    # combines per group
+    topk = min(topk, n_experts)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, 16, generator=g)
+    logits = torch.randn(m, n_experts, generator=g)
+    dead = [e for e in range(n_experts) if empty[e]][: n_experts - topk]  # some experts get no row
+    logits[:, dead] = float("-inf")
+    weights, ids = topk_route(logits, topk, ids_dtype=torch.int64)
+    w1, w2 = make_expert_weights(n_experts, 16, 8, dtype=torch.float32, seed=seed)
+    backend = _CountingLocal(max(m, 1))
+    kernel = MoEKernel(backend, SwiGLUExperts(use_triton=False))
+    kernel.sbo_groups = groups
+    n_groups = len(expert_groups(n_experts, groups))
+    note(f"m={m} experts={n_experts} top-{topk} groups={n_groups} no rows for {dead}")
+
+    def layer(rows: slice) -> torch.Tensor:
+        return kernel(x[rows], w1, w2, weights[rows], ids[rows], global_num_experts=n_experts)
+
+    plain = layer(slice(None))
+    with use_expert_schedule("sbo"):
+        sbo = layer(slice(None))
+    assert relative_error(sbo, plain) < 1e-5
+    assert backend.group_combines == (n_groups if n_groups > 1 else 0)
+    k = round(cut * m)
+    with use_expert_schedule("sbo+dbo"):
+        both = torch.cat(run_ubatches([lambda: layer(slice(0, k)), lambda: layer(slice(k, m))],
+                                      token_offsets=[0, k], device="cpu"))
+    assert relative_error(both, plain) < 1e-5
+    assert backend.group_combines == (3 * n_groups if n_groups > 1 else 0)
 
 
 def test_sbo_inside_a_run_is_refused():

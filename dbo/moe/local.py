@@ -67,6 +67,11 @@ class LocalPrepareAndFinalize(PrepareAndFinalize):
     def supports_async(self) -> bool:
         return self._use_async
 
+    def supports_expert_groups(self) -> bool:
+        """BATCHED_EXPERTS with the async pair: a combine per group of local experts (the
+        simplest example of :meth:`finalize_group_async`)."""
+        return self._format is ActivationFormat.BATCHED_EXPERTS and self._use_async
+
     def reset(self) -> None:
         self._handles.clear()
 
@@ -117,12 +122,33 @@ class LocalPrepareAndFinalize(PrepareAndFinalize):
             weight_and_reduce.apply(output, fused_expert_output, topk_weights, topk_ids,
                                     apply_router_weight_on_input)
             return (lambda: None), (lambda: None)
-        h = self._handles.take()
-        topk = topk_ids.shape[1]
-        y = fused_expert_output[h.experts, h.rows].to(torch.float32)
-        if not apply_router_weight_on_input:
-            y = y * topk_weights.reshape(-1)[h.pairs].unsqueeze(1)
-        acc = torch.zeros(h.num_tokens, output.shape[1], dtype=torch.float32, device=output.device)
-        acc.index_add_(0, h.pairs // topk, y)
-        output.copy_(acc)
+        self._combine(self._handles.take(), output, fused_expert_output, topk_weights, topk_ids,
+                      apply_router_weight_on_input, None)
         return (lambda: None), (lambda: None)
+
+    def finalize_group_async(self, output, fused_expert_output, topk_weights, topk_ids,
+                             apply_router_weight_on_input, weight_and_reduce: TopKWeightAndReduce, *,
+                             experts: tuple[int, int], last: bool):
+        """One group's combine: ``output`` gets the weighted sum over the slots whose local
+        expert is in ``experts`` (``start, stop``); the dispatch's handle is kept until ``last``."""
+        if not self.supports_expert_groups():
+            raise NotImplementedError("per-group combines need BATCHED_EXPERTS and the async pair")
+        h = self._handles.take() if last else self._handles.peek()
+        if h is None:
+            raise ValueError("finalize_group_async called with no prepare before it")
+        self._combine(h, output, fused_expert_output, topk_weights, topk_ids, apply_router_weight_on_input,
+                      experts)
+        return (lambda: None), (lambda: None)
+
+    @staticmethod
+    def _combine(h: _BatchedHandle, output: torch.Tensor, fused: torch.Tensor, topk_weights: torch.Tensor,
+                 topk_ids: torch.Tensor, router_on_input: bool, experts: tuple[int, int] | None) -> None:
+        # output = the weighted sum of each token's rows (of the experts in ``experts`` only)
+        keep = slice(None) if experts is None else (h.experts >= experts[0]) & (h.experts < experts[1])
+        pairs = h.pairs[keep]
+        y = fused[h.experts[keep], h.rows[keep]].to(torch.float32)
+        if not router_on_input:
+            y = y * topk_weights.reshape(-1)[pairs].unsqueeze(1)
+        acc = torch.zeros(h.num_tokens, output.shape[1], dtype=torch.float32, device=output.device)
+        acc.index_add_(0, pairs // topk_ids.shape[1], y)
+        output.copy_(acc)
