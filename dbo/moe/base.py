@@ -183,9 +183,8 @@ class PrepareAndFinalize(ABC):
 
     def comm_section(self, *, capture: Callable[[], Any] | None = None, yield_first: bool = True,
                      back: str = "sync", enabled: bool = True) -> AbstractContextManager[CommSection]:
-        """The stream hand-over around this backend's communication under DBO, as one block
-        (:func:`dbo.moe.comm_section.comm_section`: on the comm stream inside a run, nothing
-        outside), so that a backend's own code holds its library calls."""
+        """The stream hand-over around this backend's communication under DBO, as one block:
+        :func:`dbo.moe.comm_section.comm_section`."""
         return comm_section(capture=capture, yield_first=yield_first, back=back, enabled=enabled)
 
     def supports_async(self) -> bool:

@@ -265,21 +265,15 @@ class DBOExpertParallel:
     def switch_backend(self, name: str, *, group: Any = None, decode_backend: str | None = None,
                        decode_backend_kwargs: dict[str, Any] | None = None, **options: Any) -> None:
         """Move this module's tokens through backend ``name`` (built with ``options`` at its next
-        call) from now on, and the calls made inside :func:`decode_phase` through
-        ``decode_backend`` (None: ``name`` there too); the loaded weights stay where they are.
-        The model-facing entry is :func:`dbo.integrations.transformers.use_backend`.
-
-        Raises:
-            ValueError: unknown backend or decode backend; ``group``: a loaded model keeps the
-                group it was loaded on.
-        """
+        call), and inside :func:`decode_phase` through ``decode_backend`` (None: ``name``); the
+        weights stay where they are. Entry: :func:`dbo.integrations.transformers.use_backend`.
+        Raises ValueError for an unknown backend or a ``group`` (a loaded model keeps its own)."""
         if group is not None:
             raise ValueError("group: a model loaded with ep_distributed_config(...) keeps the group it "
                              "was loaded on; leave group=None")
         backend_spec(name)
         decode_kwargs = checked_decode_kwargs(decode_backend, decode_backend_kwargs)
-        self.reset()
-        # instance attributes, over the class's (register_ep_implementation's) defaults
+        self.reset()  # then instance attributes, over register_ep_implementation's class defaults
         self.backend, self.backend_kwargs = name, dict(options)
         self.decode_backend, self.decode_backend_kwargs = decode_backend, dict(decode_kwargs)
         self.kernel, self.decode_kernel, self._signature = None, None, None
