@@ -8,8 +8,6 @@ import importlib.util
 import json
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +17,7 @@ from dbo.backends import BACKENDS, make_backend
 from dbo.bench.__main__ import main as bench_main
 from dbo.bench.compare import compare_bundles, load_bundle
 from dbo.bench.overlap_args import MODES
+from dbo.testing.launch import run_entry
 
 
 def test_command_line_entry_lists_commands_and_rejects_unknown(capsys):
@@ -39,11 +38,11 @@ def test_backend_registry_names_every_backend_module():
 
 def _run_bench(tmp_path: Path, *args: str) -> dict:
     out = tmp_path / "bundle"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "dbo.bench", "overlap", "--device", "cpu", "--quick", "--out", str(out), *args]
+    # torchrun's two ranks, forked from a process that has imported torch (dbo.testing.launch)
+    argv = ["-m", "dbo.bench", "overlap", "--device", "cpu", "--quick", "--out", str(out), *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("DBO_DISABLE", None)
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    proc = run_entry(argv, nproc=2, cwd=tmp_path, env=env, timeout=120)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log
     assert "dbo bench_overlap: backend=" in proc.stdout, log

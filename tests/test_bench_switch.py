@@ -4,15 +4,14 @@ targets, and writes the figures."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
+
+from dbo.testing.launch import run_entry
 
 
 def test_switch_bench_command(tmp_path):
     out = tmp_path / "switch.json"
-    proc = subprocess.run([sys.executable, "-m", "dbo.bench", "switch", "--switches", "2000",
-                           "--thread-switches", "200", "--repeats", "2", "--json", str(out)],
-                          capture_output=True, text=True, timeout=120)
+    proc = run_entry(["-m", "dbo.bench", "switch", "--switches", "2000", "--thread-switches", "200",
+                      "--repeats", "2", "--json", str(out)], timeout=120)
     # the verdict holds the targets (a loaded machine may miss them): its exit code says which
     last = proc.stdout.strip().splitlines()[-1]
     verdict = last.split(": ")[1]

@@ -17,6 +17,7 @@ import torch
 from dbo.backends import BACKENDS, cpu_backends
 from dbo.bench.__main__ import COMMANDS
 from dbo.bench.overlap_args import DEFAULT_BACKEND, parse_args
+from dbo.testing.launch import EntryRun, run_entry
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -24,16 +25,26 @@ DEMO = str(Path(__file__).resolve().parent.parent / "examples" / "moe_overlap.py
 BENCH = ["-m", "dbo.bench"]
 
 
-def _run(args: list[str], tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
+def _env(env: dict[str, str]) -> dict[str, str]:
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **env}
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         if var not in env:
             full_env.pop(var, None)
-    return subprocess.run([sys.executable, *args], cwd=tmp_path, env=full_env,
-                          capture_output=True, text=True, timeout=90)
+    return full_env
 
 
-def _one_line(proc: subprocess.CompletedProcess, *wanted: str) -> str:
+def _run(args: list[str], tmp_path: Path, **env: str) -> EntryRun:
+    """``python ARGS``, forked from a process that has imported torch (dbo.testing.launch)."""
+    return run_entry(args, cwd=tmp_path, env=_env(env), timeout=90)
+
+
+def _torchrun(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
+    """``python -m torch.distributed.run ARGS`` in a process of its own."""
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", *args], cwd=tmp_path,
+                          env=_env({}), capture_output=True, text=True, timeout=90)
+
+
+def _one_line(proc: EntryRun, *wanted: str) -> str:
     """The run exited 2 with one stderr line holding every ``wanted`` piece, and nothing else."""
     out = proc.stdout + proc.stderr
     assert proc.returncode == 2, out
@@ -92,8 +103,8 @@ NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine
 def test_every_rank_under_torchrun_exits_2_with_the_line(tmp_path, args, line):
     # the agent stops the other ranks once one fails: a long monitor interval lets each rank
     # reach its own check first
-    proc = _run(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                 "--monitor-interval", "5", DEMO, *args], tmp_path)
+    proc = _torchrun(["--standalone", "--nproc-per-node", "2", "--monitor-interval", "5", DEMO, *args],
+                     tmp_path)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out
     assert out.count(line) == 2, out  # each rank's own check

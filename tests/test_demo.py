@@ -14,23 +14,29 @@ from pathlib import Path
 
 import pytest
 
+from dbo.testing.launch import run_entry
+
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(180)]
 
 DEMO = Path(__file__).resolve().parent.parent / "examples" / "moe_overlap.py"
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
 
 
-@pytest.mark.parametrize("backend, extra", [
-    ("naive", []),
-    ("all2all", ["--uneven"]),
+@pytest.mark.parametrize("backend, extra, torchrun", [
+    ("naive", [], True),  # the README's command itself
+    ("all2all", ["--uneven"], False),
 ])
-def test_demo_torchrun_two_ranks(tmp_path, backend, extra):
+def test_demo_torchrun_two_ranks(tmp_path, backend, extra, torchrun):
     trace = tmp_path / "demo.trace.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(DEMO), "--backend", backend, "--steps", "1", "--warmup", "0", "--tokens", "64",
-           "--hidden", "64", "--intermediate", "64", "--layers", "2", "--trace", str(trace), *extra]
+    argv = [str(DEMO), "--backend", backend, "--steps", "1", "--warmup", "0", "--tokens", "64",
+            "--hidden", "64", "--intermediate", "64", "--layers", "2", "--trace", str(trace), *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("DBO_DISABLE", None)
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=150)
+    if torchrun:
+        proc = subprocess.run([*TORCHRUN, *argv], cwd=tmp_path, env=env, capture_output=True, text=True,
+                              timeout=150)
+    else:  # torchrun's two ranks, forked from a process that has imported torch (dbo.testing.launch)
+        proc = run_entry(argv, nproc=2, cwd=tmp_path, env=env, timeout=150)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     assert f"backend={backend} world=2" in out, out
@@ -48,11 +54,10 @@ def test_demo_with_dbo_disabled_says_both_runs_were_plain(tmp_path):
     # DBO_DISABLE=1: the "overlapped" run is plain too; the verdict must not claim an overlap
     # that did not happen, nor write a trace of one
     trace = tmp_path / "demo.trace.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(DEMO), "--steps", "1", "--warmup", "0", "--tokens", "64", "--hidden", "64",
-           "--intermediate", "64", "--layers", "2", "--trace", str(trace)]
+    argv = [str(DEMO), "--steps", "1", "--warmup", "0", "--tokens", "64", "--hidden", "64",
+            "--intermediate", "64", "--layers", "2", "--trace", str(trace)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DBO_DISABLE": "1"}
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=150)
+    proc = run_entry(argv, nproc=2, cwd=tmp_path, env=env, timeout=150)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     assert "plan (rank 0): plain(64 tokens; disabled: DBO_DISABLE is set)" in out, out

@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from dbo.testing.launch import run_entry
+
 pytest.importorskip("transformers")
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(180)]
@@ -25,11 +27,23 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--np
 BENCH = ["-m", "dbo.bench"]
 
 
-def _run(cmd: list[str], cwd: Path, timeout: float = 150) -> tuple[int, str, str]:
+def _env() -> dict[str, str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("DBO_DISABLE", None)
-    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    return env
+
+
+def _run(cmd: list[str], cwd: Path, timeout: float = 150) -> tuple[int, str, str]:
+    """``cmd`` in a process of its own (torchrun's, for the checks of what torchrun reports)."""
+    proc = subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=timeout)
     return proc.returncode, proc.stdout, proc.stderr
+
+
+def _ranks(argv: list[str], cwd: Path, timeout: float = 150, nproc: int | None = 2) -> tuple[int, str, str]:
+    """``torchrun --nproc-per-node 2 ARGV`` as torchrun starts its ranks (``nproc=None``: ``python
+    ARGV``), forked from a process that has imported torch and transformers (dbo.testing.launch)."""
+    run = run_entry(argv, nproc=nproc, cwd=cwd, env=_env(), timeout=timeout)
+    return run.returncode, run.stdout, run.stderr
 
 
 def _needs_ep_loading() -> None:
@@ -38,8 +52,8 @@ def _needs_ep_loading() -> None:
 
 
 def test_example_checks_dbo_against_plain(tmp_path):
-    rc, out, err = _run([*TORCHRUN, str(ROOT / "examples" / "hf_expert_parallel.py"), "--family",
-                         "deepseek_v3"], tmp_path)
+    rc, out, err = _ranks([str(ROOT / "examples" / "hf_expert_parallel.py"), "--family", "deepseek_v3"],
+                           tmp_path)
     assert rc == 0, out + err
     last = out.strip().splitlines()[-1]
     assert last.startswith("hf_expert_parallel.py: PASS: DBOPrefill's logits equal"), out
@@ -47,7 +61,7 @@ def test_example_checks_dbo_against_plain(tmp_path):
 
 def test_hf_prefill_on_cpu(tmp_path):
     out_json = tmp_path / "hf.json"
-    rc, out, err = _run([*TORCHRUN, *BENCH, "hf-prefill", "--preset", "tiny-deepseek_v3", "--shape", "3x8",
+    rc, out, err = _ranks([*BENCH, "hf-prefill", "--preset", "tiny-deepseek_v3", "--shape", "3x8",
                          "--steps", "1", "--warmup", "0", "--logits-to-keep", "0", "--unconverted",
                          "--json", str(out_json), "--expert-schedule", "split", "auto",
                          "--tune-sm-carveout", "none", "0"], tmp_path)
@@ -78,7 +92,7 @@ def test_hf_prefill_on_cpu(tmp_path):
 
 
 def test_hf_prefill_without_unconverted_has_no_footnote(tmp_path):
-    rc, out, err = _run([*TORCHRUN, *BENCH, "hf-prefill", "--backend", "naive", "--shape", "2x4",
+    rc, out, err = _ranks([*BENCH, "hf-prefill", "--backend", "naive", "--shape", "2x4",
                          "--steps", "1", "--warmup", "0"], tmp_path)
     assert rc == 0, out + err
     assert "unconverted" not in out, out
@@ -91,7 +105,7 @@ def test_hf_prefill_loads_a_checkpoint(tmp_path):
     # implementations, both experts choices, under a simulated link
     _needs_ep_loading()
     out_json = tmp_path / "ckpt.json"
-    rc, out, err = _run([*TORCHRUN, *BENCH, "hf-prefill", "--preset", "tiny-mixtral", "--save-checkpoint",
+    rc, out, err = _ranks([*BENCH, "hf-prefill", "--preset", "tiny-mixtral", "--save-checkpoint",
                          str(tmp_path / "ckpt"), "--backend", "all2all", "copy_engine", "--shape", "3x8",
                          "--steps", "1", "--warmup", "0", "--logits-to-keep", "0", "--unconverted",
                          "--json", str(out_json), "--ep-experts", "library", "model",
@@ -121,7 +135,7 @@ def test_hf_generate_agrees_with_generate(tmp_path):
     _needs_ep_loading()
     out_json = tmp_path / "gen.json"
     # no checkpoint option: the preset goes to a temporary directory, removed at the end
-    rc, out, err = _run([*TORCHRUN, *BENCH, "hf-generate",
+    rc, out, err = _ranks([*BENCH, "hf-generate",
                          "--steps", "1", "--warmup", "0", "--backend", "all2all", "copy_engine/all2all",
                          "--modes", "plain", "dbo-prefill", "dbo", "graph", "--json", str(out_json)],
                         tmp_path)
@@ -227,7 +241,7 @@ def test_bad_input_under_torchrun_every_rank_exits_2(tmp_path):
 def test_hf_prefill_help_names_the_real_defaults():
     from dbo.backends import cpu_backends
 
-    rc, out, err = _run([sys.executable, *BENCH, "hf-prefill", "--help"], ROOT, timeout=60)
+    rc, out, err = _ranks([*BENCH, "hf-prefill", "--help"], ROOT, timeout=60, nproc=None)
     assert rc == 0, err
     assert f"default: {' '.join(cpu_backends())} on CPU" in " ".join(out.split()), out
 

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from dbo.testing.launch import run_entry
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -30,9 +31,9 @@ def test_a_short_rank_falls_back_with_its_peers_and_ends_named_where_nothing_fit
     out = tmp_path / "oom.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("DBO_DISABLE", None)
-    proc = subprocess.run([*TORCHRUN, str(RUNNER), "--save-checkpoint", str(tmp_path / "ckpt"),
-                           "--timeout", "5", "--json", str(out)], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=10 * EXPECTED_RUN_S)
+    # torchrun's two ranks, forked from a process that has imported torch (dbo.testing.launch)
+    proc = run_entry([str(RUNNER), "--save-checkpoint", str(tmp_path / "ckpt"), "--timeout", "5",
+                      "--json", str(out)], nproc=2, cwd=tmp_path, env=env, timeout=10 * EXPECTED_RUN_S)
     log = proc.stdout[-6000:] + proc.stderr[-4000:]
     assert proc.returncode == 0, log
     assert "run_hf_oom.py: PASS: 6 of 6 rows passed" in log, log

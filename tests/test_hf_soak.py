@@ -11,11 +11,12 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from dbo.testing.launch import run_entry
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -41,12 +42,12 @@ def _soak(tmp_path: Path, *extra: str) -> tuple[int, str, dict]:
     out = tmp_path / "soak.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("DBO_DISABLE", None)
-    cmd = [*TORCHRUN, str(GPU_DIR / "run_hf_soak.py"), "--save-checkpoint", str(tmp_path / "ckpt"),
+    argv = [str(GPU_DIR / "run_hf_soak.py"), "--save-checkpoint", str(tmp_path / "ckpt"),
            "--min-len", "8", "--max-len", "48", "--batches", "1", "2", "4", "--new-tokens", "3",
            "--duration-s", "2", "--max-calls", "12", "--warmup-calls", "2", "--timeout-s", "30",
            "--json", str(out), *extra]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=10 * EXPECTED_RUN_S)
+    # torchrun's two ranks, forked from a process that has imported torch (dbo.testing.launch)
+    proc = run_entry(argv, nproc=2, cwd=tmp_path, env=env, timeout=10 * EXPECTED_RUN_S)
     log = proc.stdout[-6000:] + proc.stderr[-4000:]
     assert out.exists(), log
     return proc.returncode, log, json.loads(out.read_text())

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import gzip
 import json
-import subprocess
-import sys
+
+from dbo.testing.launch import run_entry
 
 
 def _k(name: str, stream: int, ts: float, dur: float) -> dict:
@@ -25,8 +25,9 @@ def _breakdown(tmp_path, serial: list[dict], dbo: list[dict], gz: bool = False) 
         else:
             p.write_text(text)
         paths.append(str(p))
-    out = subprocess.run([sys.executable, "-m", "dbo.bench", "breakdown", *paths],
-                         capture_output=True, text=True, check=True).stdout
+    run = run_entry(["-m", "dbo.bench", "breakdown", *paths], timeout=60)
+    assert run.returncode == 0, run.stdout + run.stderr
+    out = run.stdout
     rows = {}
     for line in out.splitlines()[1:-2]:  # the last two: the overlap arithmetic, the verdict
         *label, a, b, r = line.split()

@@ -198,10 +198,13 @@ class DistWorld:
 
         if self._procs:
             raise RuntimeError("DistWorld already started")
-        ctx = mp.get_context(self.start_method)
         if self.start_method == "forkserver":
             # the server imports torch once; each worker is a cheap fork of it
-            ctx.set_forkserver_preload(["torch", "torch.distributed", "dbo.testing.dist"])
+            from dbo.testing.launch import forkserver_context
+
+            ctx = forkserver_context()
+        else:
+            ctx = mp.get_context(self.start_method)
         self._tmpdir = tempfile.TemporaryDirectory(prefix="dbo-dist-")
         init_file = os.path.join(self._tmpdir.name, "rendezvous")
         self._results = ctx.Queue()
