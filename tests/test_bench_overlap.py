@@ -262,17 +262,17 @@ def test_bench_copy_engine_with_backend_opt(tmp_path):
 @pytest.mark.multiproc
 @pytest.mark.timeout(180)
 def test_bench_under_a_simulated_link(tmp_path):
-    bundle = _run_bench(tmp_path, "--backend", "all2all", "--link", "1000,20000",
+    bundle = _run_bench(tmp_path, "--backend", "all2all", "--link", "1000,5000",
                         "--remote-fraction", "0.875")
     _check_structure(bundle, "all2all", [])
     sim = bundle["env"]["simulated_link"]
     from dbo.backends.simulated_link import wait_clock
 
-    assert sim == {"gbps": 1000.0, "latency_us": 20000.0, "remote_fraction": 0.875,
+    assert sim == {"gbps": 1000.0, "latency_us": 5000.0, "remote_fraction": 0.875,
                    "formula": "arrival >= send + latency_us + remote_fraction * bytes / gbps",
                    "wait_clock": wait_clock()}
     s = bundle["shapes"][0]["summary"]
-    assert s["comm_ms"] >= 2 * 20.0  # a dispatch and a combine per layer, each past its latency
+    assert s["comm_ms"] >= 2 * 5.0  # a dispatch and a combine per layer, each past its latency
 
 
 def test_cuda_graph_rows_in_the_table(tmp_path):

@@ -104,8 +104,8 @@ EXPECTED_RUN_S = 40
 @pytest.mark.timeout(3 * EXPECTED_RUN_S)
 def test_fault_table_at_four_ranks_every_survivor_names_the_last_rank(tmp_path):
     out = tmp_path / "faults.json"
-    argv = [sys.executable, str(RUNNER), "--fake", "--nproc", "4", "--timeout", str(TIMEOUT_S),
-            "--backends", "ht", "--modes", "dbo", "--only", "exit_before_dispatch", "slow",
+    argv = [sys.executable, str(RUNNER), "--fork-ranks", "--fake", "--nproc", "4", "--timeout",
+            str(TIMEOUT_S), "--backends", "ht", "--modes", "dbo", "--only", "exit_before_dispatch", "slow",
             "--parallel", "1", "--json", str(out)]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=2.5 * EXPECTED_RUN_S,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})

@@ -42,8 +42,8 @@ pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(12 * EXPECTED_RUN_S)]
 
 def test_dead_or_stalled_peer_is_a_named_error_and_no_process_is_left(tmp_path):
     out = tmp_path / "hf_faults.json"
-    argv = [sys.executable, str(RUNNER), "--device", "cpu", "--timeout", str(TIMEOUT_S),
-            "--parallel", "2", "--case-limit", str(10 * EXPECTED_RUN_S), "--json", str(out)]
+    argv = [sys.executable, str(RUNNER), "--fork-ranks", "--device", "cpu", "--timeout",
+            str(TIMEOUT_S), "--parallel", "2", "--case-limit", str(10 * EXPECTED_RUN_S), "--json", str(out)]
     for where, fault in CASES:
         argv += ["--case", f"dbo_copy_engine:{where}:{fault}"]
     t0 = time.monotonic()

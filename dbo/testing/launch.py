@@ -43,7 +43,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 
-__all__ = ["EntryRun", "run_entry", "FORKSERVER_PRELOAD", "forkserver_context"]
+__all__ = ["EntryRun", "ForkedProcess", "run_entry", "FORKSERVER_PRELOAD", "forkserver_context"]
 
 #: what the forkserver imports before its first fork: torch, the library's modules that the entry
 #: points import, and transformers with the model families the tests build (a module that cannot
@@ -113,8 +113,12 @@ def _run_as_main(argv: list[str]) -> int:
         code = 0
     except SystemExit as exc:
         code = _exit_code(exc)
-    except BaseException:  # noqa: BLE001 - reported as the interpreter reports it
-        traceback.print_exc()
+    except BaseException as exc:  # noqa: BLE001 - reported as the interpreter reports it
+        tb = exc.__traceback__  # from the entry's own frames on, as the interpreter prints it
+        while tb is not None and (tb.tb_frame.f_code.co_filename == __file__
+                                  or "runpy" in tb.tb_frame.f_code.co_filename):
+            tb = tb.tb_next
+        traceback.print_exception(type(exc), exc, tb)
         code = 1
     try:
         atexit._run_exitfuncs()
@@ -159,6 +163,52 @@ def _kill_group(proc, sig: int) -> None:
         os.kill(proc.pid, sig)
 
 
+class ForkedProcess:
+    """``python ARGV`` started as a fork of the forkserver, with the handful of
+    :class:`subprocess.Popen`'s methods that waiting for a rank needs (``pid``, ``poll``, ``wait``,
+    ``kill``, ``returncode``). Its stdout and stderr append to ``stdout_path`` and ``stderr_path``
+    (which must exist; they may be one file)."""
+
+    def __init__(self, argv: list[str], *, stdout_path: str, stderr_path: str,
+                 cwd: str | os.PathLike | None = None, env: dict[str, str] | None = None,
+                 name: str = "dbo-entry"):
+        if not argv:
+            raise ValueError("argv is empty: give what follows `python`")
+        if argv[0] in ("-m", "-c") and len(argv) < 2:
+            raise ValueError(f"argv {argv!r}: {argv[0]} needs its argument")
+        self.args = list(argv)
+        self._proc = forkserver_context().Process(
+            target=_start, name=name,
+            args=(self.args, dict(os.environ if env is None else env),
+                  os.fspath(cwd) if cwd is not None else os.getcwd(), stdout_path, stderr_path))
+        self._proc.start()
+        self.pid = self._proc.pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None and not self._proc.is_alive():
+            self._proc.join()
+            self.returncode = self._proc.exitcode
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._proc.join(timeout)
+        if self.poll() is None:
+            raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        """``sig`` to the process and to what it started (its session)."""
+        if self.poll() is None:
+            _kill_group(self, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+
 def run_entry(argv: list[str], *, nproc: int | None = None, cwd: str | os.PathLike | None = None,
               env: dict[str, str] | None = None, timeout: float = 120.0) -> EntryRun:
     """Run ``argv`` as ``python ARGV`` (``nproc=None``) or as torchrun's ``nproc`` ranks; see the
@@ -169,9 +219,7 @@ def run_entry(argv: list[str], *, nproc: int | None = None, cwd: str | os.PathLi
         raise ValueError(f"argv {argv!r}: {argv[0]} needs its argument")
     if nproc is not None and nproc < 1:
         raise ValueError(f"nproc must be >= 1, got {nproc}")
-    cwd = os.fspath(cwd) if cwd is not None else os.getcwd()
     base = dict(os.environ if env is None else env)
-    ctx = forkserver_context()
     store = None
     if nproc is not None:
         import torch.distributed as dist
@@ -191,10 +239,8 @@ def run_entry(argv: list[str], *, nproc: int | None = None, cwd: str | os.PathLi
             rank_env = dict(base)
             if nproc is not None:
                 rank_env.update(RANK=str(rank), LOCAL_RANK=str(rank), ROLE_WORLD_SIZE=str(nproc))
-            p = ctx.Process(target=_start, args=(list(argv), rank_env, cwd, out_path, err_path),
-                            name=f"dbo-entry-{rank}")
-            p.start()
-            procs.append(p)
+            procs.append(ForkedProcess(argv, stdout_path=out_path, stderr_path=err_path, cwd=cwd,
+                                       env=rank_env, name=f"dbo-entry-{rank}"))
         codes: list[int | None] = [None] * ranks
         first_failed: int | None = None
         term_at: float | None = None
@@ -202,34 +248,29 @@ def run_entry(argv: list[str], *, nproc: int | None = None, cwd: str | os.PathLi
         try:
             while any(c is None for c in codes):
                 for i, p in enumerate(procs):
-                    if codes[i] is None and not p.is_alive():
-                        p.join()
-                        codes[i] = p.exitcode
+                    if codes[i] is None and p.poll() is not None:
+                        codes[i] = p.returncode
                         if codes[i] != 0 and first_failed is None:
                             first_failed = codes[i]
                             term_at = time.monotonic()
                             for q in procs:  # as torchrun's agent: the others are stopped
-                                if q.is_alive():
-                                    _kill_group(q, signal.SIGTERM)
+                                q.terminate()
                 now = time.monotonic()
                 if term_at is not None and now > term_at + _TERM_GRACE_S:
                     for q in procs:
-                        if q.is_alive():
-                            _kill_group(q, signal.SIGKILL)
+                        q.kill()
                 if now > deadline:
                     for q in procs:
-                        _kill_group(q, signal.SIGKILL)
-                        q.join(timeout=5.0)
-                    with open(out_path) as o, open(err_path) as e:
+                        q.kill()
+                        with contextlib.suppress(subprocess.TimeoutExpired):
+                            q.wait(timeout=5.0)
+                    with open(out_path, errors="replace") as o, open(err_path, errors="replace") as e:
                         raise subprocess.TimeoutExpired(argv, timeout, o.read(), e.read())
                 time.sleep(0.01)
         finally:
             for p in procs:
-                if p.is_alive():
-                    _kill_group(p, signal.SIGKILL)
-                    p.join(timeout=5.0)
-            if store is not None:
-                del store
+                p.kill()
+            del store
         with open(out_path, errors="replace") as o, open(err_path, errors="replace") as e:
             stdout, stderr = o.read(), e.read()
     return EntryRun(list(argv), 0 if first_failed is None else first_failed, stdout, stderr,
