@@ -46,6 +46,13 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
     return min(cores, MAX_WORKERS) if cores > 1 else 0
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The files marked ``long_file`` first (each file's tests kept together, in order): the
+    workers (``--dist loadfile``) take files in this order, so the longest start at once and the
+    run does not end on one worker alone with one of them."""
+    items.sort(key=lambda item: item.get_closest_marker("long_file") is None)
+
+
 @pytest.fixture(autouse=True)
 def _no_run_left_behind():
     """Every test must leave no active run on the thread and the default CPU stream current."""

@@ -19,6 +19,8 @@ from dbo.bench.compare import compare_bundles, load_bundle
 from dbo.bench.overlap_args import MODES
 from dbo.testing.launch import run_entry
 
+pytestmark = pytest.mark.long_file
+
 
 def test_command_line_entry_lists_commands_and_rejects_unknown(capsys):
     assert bench_main([]) == 2

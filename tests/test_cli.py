@@ -19,7 +19,7 @@ from dbo.bench.__main__ import COMMANDS
 from dbo.bench.overlap_args import DEFAULT_BACKEND, parse_args
 from dbo.testing.launch import EntryRun, run_entry
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.long_file, pytest.mark.timeout(120)]
 
 DEMO = str(Path(__file__).resolve().parent.parent / "examples" / "moe_overlap.py")
 BENCH = ["-m", "dbo.bench"]

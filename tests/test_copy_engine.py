@@ -18,7 +18,7 @@ import torch.distributed as dist
 from dbo.testing.conformance import check_backend, default_cases, with_options
 from dbo.testing.dist import DistWorld
 
-pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.long_file, pytest.mark.multiproc, pytest.mark.timeout(180)]
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ from dbo.testing.dist import DistWorld
 from dbo.testing.fake_deep_ep import ensure_fake_deep_ep
 from dbo.testing.faults import FAULT_EXIT_CODE, faulty_step
 
-pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(90)]
+pytestmark = [pytest.mark.long_file, pytest.mark.multiproc, pytest.mark.timeout(90)]
 
 TIMEOUT_S = 1.5
 PHASE = {"exit_before_dispatch": "dispatch", "stall": "dispatch", "exit_before_combine": "combine",

@@ -20,7 +20,7 @@ from dbo.testing.launch import run_entry
 
 pytest.importorskip("transformers")
 
-pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.long_file, pytest.mark.multiproc, pytest.mark.timeout(180)]
 
 ROOT = Path(__file__).resolve().parent.parent
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]

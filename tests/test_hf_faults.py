@@ -37,7 +37,8 @@ CASES = [("prefill", "exit_before_dispatch"), ("decode", "exit_after_combine"),
 EXPECTED_ERROR_S, EXPECTED_EXIT_S = TIMEOUT_S, 3 * TIMEOUT_S + 4
 EXPECTED_RUN_S = 35  # 4 cases, 2 at a time, each 10-25 s (mostly imports and loads) on 2 cores
 
-pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(12 * EXPECTED_RUN_S)]
+pytestmark = [pytest.mark.long_file, pytest.mark.multiproc,
+              pytest.mark.timeout(12 * EXPECTED_RUN_S)]
 
 
 def test_dead_or_stalled_peer_is_a_named_error_and_no_process_is_left(tmp_path):

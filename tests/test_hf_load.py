@@ -15,7 +15,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("transformers.distributed.expert_parallel", reason="transformers < 5.23")
 pytest.importorskip("accelerate")
 
-pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.long_file, pytest.mark.multiproc, pytest.mark.timeout(180)]
 
 
 def test_hf_load_smoke(tmp_path):
