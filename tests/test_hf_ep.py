@@ -417,6 +417,8 @@ def test_config_and_mistakes():
     with pytest.raises(ValueError, match="unknown backend"):
         ep_distributed_config("nope", world_size=2)
     assert ep_distributed_config("deepep", world_size=2).ep_implementation == "dbo_deepep"
+    with pytest.raises(ValueError, match=r"one rank: transformers loads a model whole.*convert_to_exp"):
+        ep_distributed_config("all2all", world_size=1)
     with pytest.raises(ValueError, match="unknown decode_backend"):
         register_ep_implementation("dbo_test_bad", "all2all", decode_backend="nope")
     with pytest.raises(ValueError, match="without decode_backend"):

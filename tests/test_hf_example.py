@@ -177,6 +177,10 @@ BAD = [
     (["hf-prefill", "--backend", "deepep_ht"], "--backend deepep_ht needs --device cuda"),
     (["hf-generate", "--backend", "all2all/nope"], "unknown backend 'nope'; choose from"),
     (["hf-generate", "--new-tokens", "0"], "--new-tokens 0: must be >= 1"),
+    # one rank: transformers would load the checkpoint whole
+    (["hf-generate"], "loading the checkpoint expert-parallel needs 2 or more ranks (torchrun"),
+    (["hf-prefill", "--save-checkpoint", "ckpt"],
+     "--save-checkpoint ckpt: loading it expert-parallel needs 2 or more ranks"),
     (["hf-load", "--dir", "/nonexistent", "--ranks", "3"], "--ranks 3: the checkpoint's 128 routed experts"),
     (["hf-load", "--dir", "/nonexistent", "--backend", "deepep_ll"],
      "--backend deepep_ll: hf-load runs on CPU"),
@@ -191,6 +195,7 @@ def test_bad_input_is_one_line(tmp_path, monkeypatch, capsys, argv, message):
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("DBO_DISABLE", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)  # one rank, as `python -m dbo.bench` is
     try:
         rc = main(list(argv))
     except SystemExit as exc:
@@ -274,6 +279,7 @@ def test_a_refused_static_cache_row_says_how(monkeypatch):
             return torch.zeros(2, 5, dtype=torch.long)
 
     monkeypatch.setattr(hg, "load_hf_all_to_all", lambda *a, **k: Refusing())
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as under torchrun: one rank is refused
     args = hg.parse_args(["--steps", "1", "--warmup", "0"])
     ids, mask, cpu = torch.zeros(2, 3, dtype=torch.long), torch.ones(2, 3), torch.device("cpu")
     out = hg.transformers_generate(args, ids, mask, cpu)

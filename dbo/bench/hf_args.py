@@ -106,11 +106,15 @@ def _checkpoint_config(p: argparse.ArgumentParser, where: str) -> Any:
             log.setLevel(level)
 
 
-def check_model_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+def check_model_arguments(p: argparse.ArgumentParser, args: argparse.Namespace, *,
+                          always_loads: bool = False) -> None:
     """Fill the device-dependent defaults of :func:`add_model_arguments`'s options and check them
     (``p.error`` on the first bad one). Sets ``args.dtype`` (a torch dtype), ``args.config``
     (the model's config), ``args.link`` (a ``SimulatedLink`` or None; ``args.link_text`` keeps
-    the option's text) and ``args.checkpoint`` (``--save-checkpoint``'s directory where given)."""
+    the option's text) and ``args.checkpoint`` (``--save-checkpoint``'s directory where given).
+    A run that loads a checkpoint expert-parallel (``--checkpoint``, ``--save-checkpoint``, or
+    every run where ``always_loads``) needs 2 or more ranks: at one rank transformers loads a
+    model whole, and dbo's implementations would not run."""
     cuda = args.device == "cuda"
     if args.layers is not None:
         check_at_least(p, args, 1, "layers")
@@ -138,6 +142,11 @@ def check_model_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) 
         p.error(f"{args.checkpoint or args.preset}: {type(args.config).__name__} names no routed "
                 "experts; dbo runs Qwen3-MoE, Mixtral and DeepSeek-V3 models")
     world = env_world_size()
+    if world < 2 and (always_loads or args.checkpoint):
+        given = "--save-checkpoint" if args.save_checkpoint else "--checkpoint"
+        what = "loading the checkpoint" if always_loads else f"{given} {args.checkpoint}: loading it"
+        p.error(f"{what} expert-parallel needs 2 or more ranks (torchrun --nproc-per-node N ...); at one "
+                "rank transformers loads a model whole")
     if experts % world:
         p.error(f"{args.checkpoint or args.preset}: its {experts} routed experts do not split evenly "
                 f"over {world} ranks; run a number of ranks that divides {experts}")

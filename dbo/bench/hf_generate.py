@@ -124,7 +124,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a.temporary_checkpoint = not (a.checkpoint or a.save_checkpoint)
     if a.temporary_checkpoint and cuda:
         p.error("--device cuda: give --checkpoint DIR (or --save-checkpoint DIR to write one)")
-    check_model_arguments(p, a)
+    check_model_arguments(p, a, always_loads=True)
     a.batch = a.batch or (64 if cuda else 4)
     a.prompt = a.prompt or (512 if cuda else 8)
     a.new_tokens = a.new_tokens or (64 if cuda else 4)

@@ -361,7 +361,8 @@ def ep_distributed_config(backend: str = "all2all", world_size: int | None = Non
     Raises:
         TransformersVersionError: transformers < :data:`MIN_TRANSFORMERS`.
         ValueError: unknown backend or experts choice; no process group and no ``world_size``;
-            a ``world_size`` other than the initialized process group's size.
+            a ``world_size`` other than the initialized process group's size; one rank
+            (transformers loads a model whole at ``ep_size`` 1: convert it instead).
     """
     interface = ep_interface()
     from transformers.distributed import DistributedConfig
@@ -395,6 +396,11 @@ def ep_distributed_config(backend: str = "all2all", world_size: int | None = Non
         raise ValueError(f"world_size={world_size}, but the process group has "
                          f"{torch.distributed.get_world_size()} ranks: dbo's expert parallelism runs "
                          "on every rank of it (leave world_size None)")
+    if world_size < 2:
+        raise ValueError("ep_distributed_config: one rank: transformers loads a model whole at ep_size 1 "
+                         "and dbo's implementation would not run; load it without distributed_config and "
+                         "call convert_to_expert_parallel(model, backend=...), which runs on any number "
+                         "of ranks")
     return DistributedConfig(fsdp_size=world_size, ep_size=world_size, ep_implementation=name)
 
 
