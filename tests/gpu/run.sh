@@ -11,7 +11,7 @@
 #
 #   env            the GPUs, the link topology, the versions of torch, NCCL, greenlet, transformers
 #   core           the context on a GPU: stream/event protocol, SM partitioning, expert schedules,
-#                  the simulated link
+#                  the simulated link; the test processes forked from the preloaded server on CUDA
 #   experts        the experts' kernels: no host sync, against float32/float64 references
 #   grid           `python -m dbo.bench experts` over the limit grid (one GPU, ~3 min); SMI=1
 #                  samples clock/power/temperature (read back: tools/probes/smi_rows.py)
@@ -147,7 +147,7 @@ for arg in "$@"; do
         python3 -c "import deep_ep; print(\"deep_ep\", deep_ep.__file__)" || true' ;;
     core)
       run core 240 $pytest_gpu tests/gpu/test_streams_gpu.py tests/gpu/test_partition_gpu.py tests/gpu/test_memory_gpu.py tests/gpu/test_link_gpu.py \
-        tests/gpu/test_schedules_gpu.py ;;
+        tests/gpu/test_schedules_gpu.py tests/gpu/test_launch_gpu.py ;;
     experts)
       run experts 330 $pytest_gpu tests/gpu/test_experts_gpu.py tests/gpu/test_bench_kernels_gpu.py \
         tests/gpu/test_segments_gpu.py ;;
