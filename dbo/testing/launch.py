@@ -32,6 +32,7 @@ from __future__ import annotations
 import atexit
 import builtins
 import contextlib
+import importlib.util
 import io
 import os
 import runpy
@@ -98,7 +99,9 @@ def _run_as_main(argv: list[str]) -> int:
     try:
         if argv[0] == "-m":
             module = argv[1]
-            sys.modules.pop(module, None)
+            spec = importlib.util.find_spec(module)
+            package = spec is not None and spec.submodule_search_locations is not None
+            sys.modules.pop(f"{module}.__main__" if package else module, None)  # runs afresh
             sys.argv = [module, *argv[2:]]  # run_module puts the module's file first
             sys.path.insert(0, os.getcwd())
             runpy.run_module(module, run_name="__main__", alter_sys=True)
