@@ -30,9 +30,9 @@ MAX_WORKERS = 4
 
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
     """``-n auto``: a worker per core (at most MAX_WORKERS) for the whole suite or whole folders,
-    whose time goes on spawned processes, timeouts and torch imports that overlap well (on 2
-    cores about three quarters of the time in one process); none (one process, no start-up
-    cost) where files or tests are named, or where a GPU is visible (the GPU tests time kernels
+    whose time goes on multi-process jobs and the fault tests' timeouts, which overlap well (on
+    2 cores, 3 and 4 workers took as long as 2); none (one process, no start-up cost) where
+    files or tests are named, or where a GPU is visible (the GPU tests time kernels
     and share the GPUs). ``-n N`` and ``PYTEST_XDIST_AUTO_NUM_WORKERS`` (pytest-xdist's own,
     read by its default, which None leaves to) still decide."""
     if "PYTEST_XDIST_AUTO_NUM_WORKERS" in os.environ:
