@@ -31,8 +31,10 @@ def test_every_call_goes_first_within_as_many_rounds_as_calls_times_two():
     assert set(firsts) == set(names)
 
 
-def test_modes_choose_the_rows_and_need_plain(capsys):
+def test_modes_choose_the_rows_and_need_plain(capsys, monkeypatch):
     from dbo.bench.hf_generate import parse_args
+
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as under torchrun: one rank is refused
 
     assert parse_args(["--modes", "plain", "dbo-prefill"]).modes == ["plain", "dbo-prefill"]
     assert parse_args([]).modes == ["plain", "dbo-prefill", "dbo"]
