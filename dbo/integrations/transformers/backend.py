@@ -62,7 +62,7 @@ def use_backend(model: torch.nn.Module, name: str, *, group: Any = None,
             model keeps the group it was loaded on, so leave it None there.
         decode_backend, decode_backend_kwargs: a loaded model only: the backend (and its
             options) of the calls made inside
-            :func:`~dbo.integrations.transformers.ep.decode_phase`, as
+            :func:`~dbo.integrations.transformers.decode_phase.decode_phase`, as
             :func:`~dbo.integrations.transformers.ep_model.switch_ep_backend` takes them.
         options: the backend's options (``max_tokens_per_rank=``, ``link=``, ``timeout_s=``, ...),
             as :func:`dbo.backends.make_backend` takes them.

@@ -33,10 +33,7 @@ read them when they run, whichever copy FSDP has registered then.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import logging
-from collections.abc import Iterator
 from typing import Any, ClassVar
 
 import torch
@@ -44,6 +41,12 @@ import torch
 from dbo.backends import backend_spec, make_backend
 from dbo.errors import DBOError
 from dbo.integrations.transformers.checkpoint import check_checkpoint_being_loaded
+from dbo.integrations.transformers.decode_phase import (
+    DEEPEP_LL_MAX_TOKENS,
+    checked_decode_kwargs,
+    decode_phase,
+    decoding,
+)
 from dbo.integrations.transformers.experts import (
     EXPERTS_CHOICES,
     LibraryExperts,
@@ -78,14 +81,11 @@ logger = logging.getLogger(__name__)
 #: the first transformers release with ``EPImplementationInterface``
 MIN_TRANSFORMERS = "5.23"
 
-#: tokens per rank per call the registered ``dbo_deepep_ll`` takes: its receive buffers are
-#: sized for it (and DeepEP caps them at 511 with NVSHMEM's default queue depth). Register
-#: another with ``register_ep_implementation(name, "deepep_ll", max_tokens_per_rank=N)``.
-DEEPEP_LL_MAX_TOKENS = 256
-
-#: registered name -> (backend, backend kwargs). ``dbo_deepep`` is DeepEP's usual pairing (as
-#: SGLang's ``--deepep-mode auto``): high-throughput kernels for the prefill, low-latency ones for
-#: the decode steps (:func:`decode_phase`; ``decode_backend`` / ``decode_backend_kwargs`` there).
+#: registered name -> (backend, backend kwargs); ``dbo_deepep_ll`` takes
+#: :data:`~dbo.integrations.transformers.decode_phase.DEEPEP_LL_MAX_TOKENS` tokens per call.
+#: ``dbo_deepep`` is DeepEP's usual pairing (as SGLang's ``--deepep-mode auto``): high-throughput
+#: kernels for the prefill, low-latency ones for the decode steps (:func:`decode_phase`;
+#: ``decode_backend`` / ``decode_backend_kwargs`` there).
 EP_IMPLEMENTATIONS: dict[str, tuple[str, dict[str, Any]]] = {
     "dbo_naive": ("naive", {}),
     "dbo_all2all": ("all2all", {}),
@@ -94,43 +94,6 @@ EP_IMPLEMENTATIONS: dict[str, tuple[str, dict[str, Any]]] = {
     "dbo_deepep_ll": ("deepep_ll", {"max_tokens_per_rank": DEEPEP_LL_MAX_TOKENS}),
     "dbo_deepep": ("deepep_ht", {"decode_backend": "deepep_ll"}),
 }
-
-# Set by decode_phase (each ubatch runs in a copy of the caller's contextvars context).
-_DECODING: contextvars.ContextVar[bool] = contextvars.ContextVar("dbo_ep_decoding", default=False)
-
-
-@contextlib.contextmanager
-def decode_phase(active: bool = True) -> Iterator[None]:
-    """Inside the block, the experts modules that have a decode backend move their tokens through
-    it (``switch_ep_backend(model, "deepep_ht", decode_backend="deepep_ll")``, or the
-    ``dbo_deepep`` implementation); the others are unaffected.
-    :func:`~dbo.integrations.transformers.generate.greedy_generate` runs its decode steps (not the prefill)
-    inside it.
-
-    The backends are collective: every rank of the expert-parallel group must run the same
-    calls inside the block (as every rank runs the same decode steps), or the ranks wait on
-    different kernels.
-    """
-    token = _DECODING.set(bool(active))
-    try:
-        yield
-    finally:
-        _DECODING.reset(token)
-
-
-def checked_decode_kwargs(decode_backend: str | None, kwargs: dict[str, Any] | None) -> dict[str, Any]:
-    """Checked ``decode_backend_kwargs``: a backend sized by its tokens per call gets
-    :data:`DEEPEP_LL_MAX_TOKENS` unless told otherwise."""
-    if decode_backend is None:
-        if kwargs:
-            raise ValueError("decode_backend_kwargs given without decode_backend")
-        return {}
-    spec = backend_spec(decode_backend, what="decode_backend")
-    out = dict(kwargs or {})
-    if spec.needs_max_tokens:
-        out.setdefault("max_tokens_per_rank", DEEPEP_LL_MAX_TOKENS)
-    return out
-
 
 class TransformersVersionError(DBOError, ImportError):
     """The installed transformers has no expert-parallel implementation interface."""
@@ -234,7 +197,7 @@ class DBOExpertParallel:
         elif signature != self._signature:
             raise ValueError(f"dbo's {self.backend!r} expert-parallel layer was built for (hidden, dtype, "
                              f"topk, device) = {self._signature}, called with {signature}")
-        if self.decode_backend is not None and _DECODING.get():
+        if self.decode_backend is not None and decoding():
             if self.decode_kernel is None:
                 self.decode_kernel, self._decode_ids_dtype = self._build(
                     x, topk, self.decode_backend, self.decode_backend_kwargs)

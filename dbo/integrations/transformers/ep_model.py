@@ -10,7 +10,8 @@ from typing import Any
 import torch
 
 from dbo.backends import backend_spec
-from dbo.integrations.transformers.ep import DBOExpertParallel, check_experts_choice, checked_decode_kwargs
+from dbo.integrations.transformers.decode_phase import checked_decode_kwargs
+from dbo.integrations.transformers.ep import DBOExpertParallel, check_experts_choice
 from dbo.integrations.transformers.experts import LibraryExperts
 
 __all__ = ["expert_parallel_modules", "expert_parallel_group", "switch_ep_backend", "switch_ep_experts",
@@ -43,7 +44,7 @@ def switch_ep_backend(model: torch.nn.Module, backend: str, *, decode_backend: s
                       **backend_kwargs: Any) -> torch.nn.Module:
     """Run every experts module that goes through dbo's implementations through ``backend``
     (built with ``backend_kwargs`` at its next call) from now on, and the calls made inside
-    :func:`~dbo.integrations.transformers.ep.decode_phase` through ``decode_backend`` (None: ``backend``
+    :func:`~dbo.integrations.transformers.decode_phase.decode_phase` through ``decode_backend`` (None: ``backend``
     there too); returns ``model``. For comparing backends on one loaded model (the loaded
     weights stay where they are), or for pairing a prefill backend with a decode one
     (``switch_ep_backend(model, "deepep_ht", decode_backend="deepep_ll")``).

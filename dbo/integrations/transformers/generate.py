@@ -14,7 +14,7 @@ group runs the same number of steps (the MoE layers are collective), so ``max_ne
 be the same everywhere and there is no early stop.
 
 The decode steps (every step after the prefill) run inside
-:func:`~dbo.integrations.transformers.ep.decode_phase`: a model whose experts have a decode backend
+:func:`~dbo.integrations.transformers.decode_phase.decode_phase`: a model whose experts have a decode backend
 (``switch_ep_backend(model, "deepep_ht", decode_backend="deepep_ll")``, or the ``dbo_deepep``
 implementation) moves the prompt through the first and each new token through the second.
 
@@ -32,7 +32,8 @@ from typing import Any
 
 import torch
 
-from dbo.integrations.transformers.ep import decode_phase, prepare_for_overlap
+from dbo.integrations.transformers.decode_phase import decode_phase
+from dbo.integrations.transformers.ep import prepare_for_overlap
 from dbo.integrations.transformers.ep_model import expert_parallel_group
 from dbo.integrations.transformers.faults import named_device_faults
 from dbo.integrations.transformers.graph_decode import static_cache_from, static_decode
