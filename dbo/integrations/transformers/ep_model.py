@@ -44,8 +44,8 @@ def switch_ep_backend(model: torch.nn.Module, backend: str, *, decode_backend: s
                       **backend_kwargs: Any) -> torch.nn.Module:
     """Run every experts module that goes through dbo's implementations through ``backend``
     (built with ``backend_kwargs`` at its next call) from now on, and the calls made inside
-    :func:`~dbo.integrations.transformers.decode_phase.decode_phase` through ``decode_backend`` (None: ``backend``
-    there too); returns ``model``. For comparing backends on one loaded model (the loaded
+    :func:`~dbo.integrations.transformers.decode_phase.decode_phase` through ``decode_backend``
+    (None: ``backend`` there too); returns ``model``. For comparing backends on one loaded model (the loaded
     weights stay where they are), or for pairing a prefill backend with a decode one
     (``switch_ep_backend(model, "deepep_ht", decode_backend="deepep_ll")``).
 
