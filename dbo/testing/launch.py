@@ -131,8 +131,9 @@ def _run_as_main(argv: list[str]) -> int:
 
 
 def _start(argv: list[str], env: dict[str, str], cwd: str, out_path: str, err_path: str) -> None:
-    """The forked process: its own session (so a kill reaches what it starts), output to the
-    shared files, the given directory and environment, then ``argv``; exits with its status."""
+    """The forked process: its own process group (setsid: a kill reaches what it starts),
+    output to the shared files, the given directory and environment, then ``argv``; exits with
+    its status."""
     os.setsid()
     for fd, path in ((1, out_path), (2, err_path)):
         f = os.open(path, os.O_WRONLY | os.O_APPEND)
@@ -161,7 +162,7 @@ def _start(argv: list[str], env: dict[str, str], cwd: str, out_path: str, err_pa
 
 def _kill_group(proc, sig: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError, TypeError):
-        os.killpg(proc.pid, sig)  # the process and what it started (its session)
+        os.killpg(proc.pid, sig)  # the process and what it started (its process group)
     with contextlib.suppress(ProcessLookupError, TypeError):
         os.kill(proc.pid, sig)
 
@@ -201,7 +202,7 @@ class ForkedProcess:
         return self.returncode
 
     def send_signal(self, sig: int) -> None:
-        """``sig`` to the process and to what it started (its session)."""
+        """``sig`` to the process and to what it started (its process group)."""
         if self.poll() is None:
             _kill_group(self, sig)
 
