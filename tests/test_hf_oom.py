@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,7 +20,6 @@ pytest.importorskip("transformers.distributed.expert_parallel",
                     reason="transformers < 5.23 has no EP implementation interface")
 
 RUNNER = Path(__file__).resolve().parent / "gpu" / "run_hf_oom.py"
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
 EXPECTED_RUN_S = 10  # imports, a checkpoint of 140 KB, a few tiny prefills, one peer's wait
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(10 * EXPECTED_RUN_S)]

@@ -29,7 +29,6 @@ soak_calls = importlib.util.module_from_spec(_SPEC)
 sys.modules[_SPEC.name] = soak_calls  # its dataclass looks its module up there
 _SPEC.loader.exec_module(soak_calls)
 
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
 # each run: about 7 s on 2 cores (imports, a checkpoint of 140 KB, the check, 2 s of calls)
 EXPECTED_RUN_S = 8
 CALL_FIELDS = {"i", "kind", "batch", "seq", "tokens", "new_tokens", "split", "seconds", "tokens_s",
