@@ -41,6 +41,10 @@ class BackendSpec:
         bf16_only: moves bf16 activations only.
         needs_max_tokens: sizes its buffers by ``max_tokens_per_rank``, a hard limit per call
             (deepep_ll: DeepEP's low-latency buffers are fixed; deepep_v2 likewise).
+        serves_link: takes ``link`` itself (its flows are the bytes it counts on the device)
+            instead of being wrapped by :class:`~dbo.backends.simulated_link.SimulatedLinkPrepareAndFinalize`.
+        emulated: plays one rank of a larger group on this process alone: no peers, its group
+            size is ``num_dispatchers()``, not the process group's.
     """
 
     name: str
@@ -48,6 +52,8 @@ class BackendSpec:
     gpu_only: bool = False
     bf16_only: bool = False
     needs_max_tokens: bool = False
+    serves_link: bool = False
+    emulated: bool = False
 
 
 BACKENDS: Mapping[str, BackendSpec] = MappingProxyType({
@@ -60,6 +66,9 @@ BACKENDS: Mapping[str, BackendSpec] = MappingProxyType({
                              needs_max_tokens=True),
     # zero-SM copy-engine puts on one host (host shared memory on CPU); its buffers size themselves
     "copy_engine": BackendSpec("copy_engine", "copy_engine"),
+    # one device as rank r of an N-rank group (dbo.backends.emulated), on CPU or one GPU
+    "emulated": BackendSpec("emulated", "emulated", bf16_only=True, needs_max_tokens=True,
+                            serves_link=True, emulated=True),
 })
 
 
@@ -126,7 +135,9 @@ def make_backend(name: str, group: Any, *, hidden: int, num_experts: int, topk: 
     if spec.bf16_only and dtype != torch.bfloat16:
         raise TypeError(f"backend {name!r} moves bf16 activations only; the model is {dtype} "
                         "(convert it with model.to(torch.bfloat16) first)")
-    if link is not None:
+    if link is not None and spec.serves_link:
+        kwargs["link"] = link
+    elif link is not None:
         from dbo.backends.simulated_link import SimulatedLink, SimulatedLinkPrepareAndFinalize
 
         if not isinstance(link, SimulatedLink):

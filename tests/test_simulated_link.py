@@ -32,7 +32,7 @@ def test_model_arithmetic():
     assert link.transfer_us(50e3) == pytest.approx(5 + 0.875)  # 50 kB at 50 GB/s = 1 us
     assert SimulatedLink.parse("25,10", 0.5) == SimulatedLink(25, 10, 0.5)
     assert SimulatedLink.parse("40") == SimulatedLink(40, 0, 1.0)
-    for bad in ("", "x", "1,2,3", ",5"):
+    for bad in ("", "x", "1,2,3,4", ",5", "deepep-xx"):
         with pytest.raises(ValueError, match="GBPS"):
             SimulatedLink.parse(bad)
     for kw in ({"gbps": 0}, {"gbps": 1, "latency_us": -1}, {"gbps": 1, "remote_fraction": 1.5}):

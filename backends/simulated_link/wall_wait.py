@@ -1,4 +1,5 @@
-"""A GPU wait timed on the GPU's global timer (nanoseconds), not on SM clock cycles.
+"""GPU waits timed on the GPU's global timer (nanoseconds), not on SM clock cycles: a plain wait,
+and a NIC flow's wait (:func:`nic_flow`, the model of :mod:`dbo.backends.simulated_link.nic`).
 
 ``torch.cuda._sleep`` spins a number of SM cycles. Its length in time follows the SM clock,
 which drops when the GPU is loaded (power cap, heat): a wait calibrated on an idle GPU ran 8-20%
@@ -12,13 +13,14 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["AVAILABLE", "MAX_NS", "wait_wall_ns"]
+__all__ = ["AVAILABLE", "MAX_NS", "wait_wall_ns", "nic_flow"]
 
 #: the longest wait one launch takes (an int32 argument: one specialization for every length)
 MAX_NS = 2**31 - 16
 
 try:
     import triton
+    import triton.language as tl
     from triton.language.extra.cuda import globaltimer
 
     AVAILABLE = os.environ.get("TRITON_INTERPRET", "0") != "1"
@@ -32,6 +34,68 @@ if AVAILABLE:
         t = t0
         while t - t0 < ns:
             t = globaltimer()
+
+    @triton.jit
+    def _lock(state):
+        while tl.atomic_cas(state, 0, 1) != 0:
+            pass
+
+    @triton.jit
+    def _nic_flow_kernel(state, count_ptr, unit_q, rate_q, fixed_ns, poll_ns):
+        # state: [lock, flows sending, last update (ns), bytes served per flow so far (x 1024)];
+        # processor sharing: while n flows send, each is served rate / n, so the bytes served per
+        # flow grow by dt * rate / n; a flow that joined when they stood at v is done at v + need
+        need = tl.load(count_ptr) * unit_q
+        if need > 0:
+            _lock(state)
+            now = globaltimer()
+            n = tl.load(state + 1, volatile=True)
+            last = tl.load(state + 2, volatile=True)
+            v = tl.load(state + 3, volatile=True)
+            if n > 0:
+                v += (now - last) * rate_q // n
+            tl.store(state + 1, n + 1)
+            tl.store(state + 2, now)
+            tl.store(state + 3, v)
+            tl.atomic_xchg(state, 0)
+            target = v + need
+            sending = 1
+            while sending == 1:
+                _lock(state)
+                now = globaltimer()
+                n = tl.load(state + 1, volatile=True)
+                last = tl.load(state + 2, volatile=True)
+                v = tl.load(state + 3, volatile=True) + (now - last) * rate_q // n
+                if v >= target:
+                    sending = 0
+                    n -= 1
+                tl.store(state + 1, n)
+                tl.store(state + 2, now)
+                tl.store(state + 3, v)
+                tl.atomic_xchg(state, 0)
+                if sending == 1:
+                    # until this flow's end if no flow joins or leaves meanwhile, at most poll_ns
+                    until = now + tl.minimum((target - v) * n // rate_q + 1, poll_ns)
+                    t = globaltimer()
+                    while t < until:
+                        t = globaltimer()
+        t0 = globaltimer()
+        t = t0
+        while t - t0 < fixed_ns:
+            t = globaltimer()
+
+
+def nic_flow(state, count, *, unit_q: int, rate_q: int, fixed_ns: int, poll_ns: int = 2000) -> None:
+    """Queue one NIC flow's wait on the current CUDA stream: ``count[0] * unit_q / 1024`` bytes
+    served by processor sharing at ``rate_q / 1024`` bytes per ns among the flows of ``state``
+    (int64 ``[4]``, zeros at first, one per link), then ``fixed_ns``. One warp; the flows poll
+    the shared state at most every ``poll_ns`` (a flow that ends is seen within that)."""
+    if not AVAILABLE:
+        raise RuntimeError("nic_flow needs Triton, not importable here or run by its interpreter")
+    from dbo.moe.kernels.triton_launch import launch
+
+    launch(_nic_flow_kernel, (1,), (state, count, int(unit_q), max(int(rate_q), 1),
+                                   max(int(fixed_ns), 0), int(poll_ns)), {"num_warps": 1})
 
 
 def wait_wall_ns(ns: int) -> None:
