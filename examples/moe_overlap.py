@@ -4,7 +4,7 @@
     torchrun --nproc-per-node 2 examples/moe_overlap.py --device cuda --dtype bfloat16 \\
         --backend deepep_ll --tokens 128 --hidden 2048                       # GPUs, NCCL
 
-Every rank builds the same model (dbo.bench.model: per layer an attention stand-in, a top-k
+Every rank builds the same model (dbo.bench.overlap.model: per layer an attention stand-in, a top-k
 router, routed experts spread over the ranks behind a prepare/finalize backend, a shared
 expert) and its own batch. It runs the plain forward and the overlapped one (dbo.DBOWrapper: one
 ubatch's all-to-all in flight while another computes), checks that they agree, prints both step
@@ -24,7 +24,7 @@ import dbo
 from dbo.backends import BACKENDS, make_backend
 from dbo.bench import cli
 from dbo.bench.dist import distributed
-from dbo.bench.model import BenchModel, LayerDims
+from dbo.bench.overlap.model import BenchModel, LayerDims
 from dbo.bench.timing import median_ms
 from dbo.moe import SwiGLUExperts, relative_error
 from dbo.peers.collectives import all_reduce_max

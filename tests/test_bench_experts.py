@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dbo.bench.experts import (
+from dbo.bench.experts.command import (
     add_limits,
     apply_experts,
     format_rows,
@@ -124,7 +124,7 @@ def test_timings_are_checked_and_each_call_reports_its_host_time():
 
 
 def test_experts_call_is_one_library_call_on_the_case():
-    from dbo.bench.experts import experts_call
+    from dbo.bench.experts.command import experts_call
     from dbo.moe import SwiGLUExperts, reference_moe, relative_error
 
     case = make_case(24, 32, 16, 4, num_experts=8, topk=3, dtype=torch.float32, device="cpu", seed=3)
@@ -136,7 +136,7 @@ def test_experts_call_is_one_library_call_on_the_case():
 
 
 def test_a_batched_case_is_what_a_low_latency_backend_delivers():
-    from dbo.bench.experts import make_batched_case
+    from dbo.bench.experts.command import make_batched_case
 
     case = make_batched_case(12, 32, 16, 4, ranks=2, topk=3, dtype=torch.float32, device="cpu")
     assert case.x.shape == (4, 24, 32) and case.counts.shape == (4,) and case.ids.shape == (12, 3)
@@ -149,7 +149,7 @@ def test_a_batched_case_is_what_a_low_latency_backend_delivers():
 
 
 def test_the_batched_grid_compares_the_rows_that_arrived():
-    from dbo.bench.experts import make_batched_case
+    from dbo.bench.experts.command import make_batched_case
     from dbo.moe.experts import swiglu_expert
 
     impls = {"a": (SwiGLUExperts(use_triton=False), False), "b": (SwiGLUExperts(use_triton=False), True)}

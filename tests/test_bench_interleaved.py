@@ -1,4 +1,4 @@
-"""dbo.bench.hf_generate.interleaved_ms: the rows of one backend are timed call by call in an
+"""dbo.bench.hf.generate.interleaved_ms: the rows of one backend are timed call by call in an
 order that rotates and turns round, so no row always runs first or after the same one."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dbo.bench.hf_generate import interleaved_ms
+from dbo.bench.hf.generate import interleaved_ms
 
 
 def test_rounds_rotate_and_alternate_direction():
@@ -32,7 +32,7 @@ def test_every_call_goes_first_within_as_many_rounds_as_calls_times_two():
 
 
 def test_modes_choose_the_rows_and_need_plain(capsys, monkeypatch):
-    from dbo.bench.hf_generate import parse_args
+    from dbo.bench.hf.generate import parse_args
 
     monkeypatch.setenv("WORLD_SIZE", "2")  # as under torchrun: one rank is refused
 
@@ -49,7 +49,7 @@ def test_teacher_forced_share_checks_every_decode_step():
     # wrong (here: every new token after the first replaced, as a stale cache or a wrong
     # position would) is caught, which the first new token alone would not show
     pytest.importorskip("transformers")
-    from dbo.bench.hf_generate import teacher_forced_share
+    from dbo.bench.hf.generate import teacher_forced_share
     from dbo.integrations.transformers.presets import tiny_random_model
 
     model = tiny_random_model("qwen3_moe", 0)

@@ -16,7 +16,7 @@ import torch
 from dbo.backends import BACKENDS, make_backend
 from dbo.bench.__main__ import main as bench_main
 from dbo.bench.compare import compare_bundles, load_bundle
-from dbo.bench.overlap_args import MODES
+from dbo.bench.overlap.args import MODES
 from dbo.testing.launch import run_entry
 
 pytestmark = pytest.mark.long_file
@@ -140,7 +140,7 @@ def test_bench_naive_cpu_bundle(tmp_path):
 
 
 def test_comm_bytes_per_backend():
-    from dbo.bench.link import comm_bytes
+    from dbo.bench.overlap.link import comm_bytes
 
     # 2 tokens on rank 0 of 4 ranks, 8 experts (2 per rank), top-3; hidden 10, 2-byte elements
     ids = torch.tensor([[0, 2, 3], [5, 7, -1]])
@@ -239,7 +239,7 @@ def test_bench_deepep_paths_on_fake(tmp_path, backend, extra, sms):
 
 
 def test_backend_opts_parse():
-    from dbo.bench.overlap_args import parse_backend_opts
+    from dbo.bench.overlap.args import parse_backend_opts
 
     assert parse_backend_opts(["put_order=rank", "num_sms=24", "x=1.5", "flag=True"]) == \
         {"put_order": "rank", "num_sms": 24, "x": 1.5, "flag": True}
@@ -280,7 +280,7 @@ def test_bench_under_a_simulated_link(tmp_path):
 def test_cuda_graph_rows_in_the_table(tmp_path):
     # the CUDA-graph table (filled on GPUs only) renders the merged and sbo captures where there are,
     # a dash where it failed, and a failed capture's error
-    from dbo.bench.report import format_table
+    from dbo.bench.overlap.report import format_table
 
     bundle = _run_bench(tmp_path, "--backend", "naive")
     shape = bundle["shapes"][0]

@@ -16,7 +16,7 @@ import torch
 
 from dbo.backends import BACKENDS, cpu_backends
 from dbo.bench.__main__ import COMMANDS
-from dbo.bench.overlap_args import DEFAULT_BACKEND, parse_args
+from dbo.bench.overlap.args import DEFAULT_BACKEND, parse_args
 from dbo.testing.launch import EntryRun, run_entry
 
 pytestmark = [pytest.mark.long_file, pytest.mark.timeout(120)]

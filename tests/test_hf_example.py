@@ -237,7 +237,7 @@ def test_hf_prefill_help_names_the_real_defaults():
 
 
 def test_hf_generate_help_states_the_checkpoint_default(capsys):
-    from dbo.bench.hf_generate import parse_args
+    from dbo.bench.hf.generate import parse_args
 
     with pytest.raises(SystemExit) as exc:
         parse_args(["--help"])
@@ -250,7 +250,7 @@ def test_hf_generate_help_states_the_checkpoint_default(capsys):
 def test_prefill_verdict_names_the_rows_that_differ():
     import torch
 
-    from dbo.bench.hf_prefill_table import logits_match, verdict_reason
+    from dbo.bench.hf.prefill_table import logits_match, verdict_reason
 
     assert logits_match(1e-4, 0.0, torch.float32) and not logits_match(2e-4, 1.0, torch.float32)
     # bf16: a broken split gives rel err ~1 and no agreement; rounding gives one or the other
@@ -269,8 +269,8 @@ def test_prefill_verdict_names_the_rows_that_differ():
 def test_a_refused_static_cache_row_says_how(monkeypatch):
     # transformers' fast path that fails with expert parallelism is a row with the error, not a
     # failed benchmark: every rank reports it, and the speed-up is against the eager row
-    from dbo.bench import hf_generate as hg
-    from dbo.bench.hf_generate_table import fastest_generate_ms
+    from dbo.bench.hf import generate as hg
+    from dbo.bench.hf.generate_table import fastest_generate_ms
 
     class Refusing:
         def generate(self, **kw):

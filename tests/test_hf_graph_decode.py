@@ -56,8 +56,8 @@ def _ep_backends() -> list[str]:
 
 
 def _ep_job(ckpt: str, backend: str) -> list:
-    from dbo.bench.hf_generate import teacher_forced_share
-    from dbo.bench.hf_model import load_checkpoint
+    from dbo.bench.hf.generate import teacher_forced_share
+    from dbo.bench.hf.model import load_checkpoint
     from dbo.testing.hf import left_padded_prompts
 
     rank = torch.distributed.get_rank()
@@ -106,7 +106,7 @@ def test_static_decode_gives_the_plain_decodes_tokens_on_two_ranks(tmp_path, bac
         results = world.run(_ep_job, str(ckpt), backend, timeout_s=180)
     for out, ran in results:
         if backend == "deepep":  # bf16: near ties may go either way; each token must be a plain
-            # forward's choice (dbo.bench.hf_generate.teacher_forced_share)
+            # forward's choice (dbo.bench.hf.generate.teacher_forced_share)
             assert all(tf == 1.0 for *_, tf, _ in out), out
         else:  # float32: the eager decode's tokens exactly
             assert all(same and tf == 1.0 for *_, same, tf, _ in out), out

@@ -1,4 +1,4 @@
-"""The overlapped forward of the demo's MoE model (dbo.bench.model) over a 2-rank gloo group,
+"""The overlapped forward of the demo's MoE model (dbo.bench.overlap.model) over a 2-rank gloo group,
 with the naive and all2all backends: DBO output == plain output, for even and uneven token
 counts, an empty rank, and the fallback when a rank is below its threshold; and the trace shows
 the other ubatch running while a ubatch's dispatch is in flight."""
@@ -23,7 +23,7 @@ def _overlap_job(backend: str, tokens: list[int], dtype_name: str, threshold: in
 
     import dbo
     from dbo.backends import make_backend
-    from dbo.bench.model import BenchModel, LayerDims
+    from dbo.bench.overlap.model import BenchModel, LayerDims
     from dbo.moe import SwiGLUExperts, relative_error
     from dbo.overlap import DBOWrapper
     from dbo.split import FALLBACK_LOG, SplitConfig

@@ -6,14 +6,14 @@ import importlib
 import sys
 
 COMMANDS = {
-    "overlap": "dbo.bench.overlap",
+    "overlap": "dbo.bench.overlap.command",
     "switch": "dbo.bench.switch",
     "breakdown": "dbo.bench.breakdown",
-    "experts": "dbo.bench.experts",
+    "experts": "dbo.bench.experts.command",
     "compare": "dbo.bench.compare",
-    "hf-prefill": "dbo.bench.hf_prefill",
-    "hf-generate": "dbo.bench.hf_generate",
-    "hf-load": "dbo.bench.hf_load",
+    "hf-prefill": "dbo.bench.hf.prefill",
+    "hf-generate": "dbo.bench.hf.generate",
+    "hf-load": "dbo.bench.hf.load",
 }
 
 

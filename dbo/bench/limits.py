@@ -175,7 +175,7 @@ def experts_cost(*, hidden: int, intermediate: int, local_pairs: int, experts_wi
 def layer_limit_ms(limits: DeviceLimits, *, tokens: int, hidden: int, intermediate: int,
                    shared_intermediate: int, num_experts: int, topk: int, attn_width: int,
                    world_size: int, dtype_bytes: int = 2) -> dict[str, float]:
-    """The limit of one layer of :class:`dbo.bench.model.BenchModel` per part and in total
+    """The limit of one layer of :class:`dbo.bench.overlap.model.BenchModel` per part and in total
     (``"total"``), in ms, for ``tokens`` rows on this rank and uniform routing."""
     act = tokens * hidden * dtype_bytes
     local = num_experts // world_size

@@ -51,7 +51,7 @@ __all__ = ["EntryRun", "ForkedProcess", "run_entry", "FORKSERVER_PRELOAD", "fork
 #: be imported is left out; a module that is run as ``-m`` is never preloaded)
 FORKSERVER_PRELOAD = [
     "torch", "torch.distributed", "dbo", "dbo.testing.dist", "dbo.testing.launch",
-    "dbo.bench.overlap", "dbo.bench.hf_prefill", "dbo.bench.hf_generate",
+    "dbo.bench.overlap.command", "dbo.bench.hf.prefill", "dbo.bench.hf.generate",
     "transformers", "transformers.models.qwen3_moe.modeling_qwen3_moe",
     "transformers.models.mixtral.modeling_mixtral",
     "transformers.models.deepseek_v3.modeling_deepseek_v3",

@@ -146,7 +146,7 @@ def _case(args: argparse.Namespace, rank: int, world: int, device) -> dict:
     import torch
     import torch.distributed as dist
 
-    from dbo.bench.hf_model import load_checkpoint, load_hf_all_to_all
+    from dbo.bench.hf.model import load_checkpoint, load_hf_all_to_all
     from dbo.errors import CollectiveTimeoutError, DBOError
     from dbo.testing.faults import Fault, error_chain
     from dbo.testing.hf import left_padded_prompts

@@ -9,7 +9,7 @@ A tiny random Qwen3-MoE checkpoint (2 MoE layers, 8 experts, top-2) is written o
 starts ``--nproc`` fresh rank processes (``hf_fault_rank.py``: a fault leaves its group out of
 step, and torchrun would end the survivors as soon as one rank exits, the very thing measured).
 Each rank loads it with
-``from_pretrained(..., distributed_config=...)`` (``dbo.bench.hf_model``), runs the case's
+``from_pretrained(..., distributed_config=...)`` (``dbo.bench.hf.model``), runs the case's
 operation without a fault (DBO against plain: logits or greedy tokens must agree), then again
 with the last rank's first MoE layer misbehaving (:class:`dbo.testing.faults.Fault` on that
 layer's backend object, or on transformers' implementation):

@@ -55,14 +55,14 @@ import torch
 from dbo.autotune.timing import MEMORY_MARGIN, transient_bytes
 from dbo.bench.cli import ArgumentParser, check_at_least, verdict
 from dbo.bench.dist import init_distributed
-from dbo.bench.hf_args import (
+from dbo.bench.hf.args import (
     add_model_arguments,
     backend_name,
     check_backends,
     check_model_arguments,
     default_checkpoint,
 )
-from dbo.bench.hf_model import backend_kwargs, load_checkpoint, save_checkpoint
+from dbo.bench.hf.model import backend_kwargs, load_checkpoint, save_checkpoint
 from dbo.errors import CollectiveTimeoutError, DeviceMemoryError
 from dbo.integrations.transformers import DBOPrefill, prefill_split_config, use_backend
 from dbo.peers.collectives import all_reduce_max

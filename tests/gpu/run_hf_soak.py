@@ -9,7 +9,7 @@ The checkpoint: ``--checkpoint DIR`` (or ``--save-checkpoint DIR`` to write ``--
 first), else ``--preset``'s (default: Qwen3-30B-A3B at full size on CUDA, the tiny Qwen3-MoE on
 CPU) written once with random weights to a directory under the system's temp dir, named after
 the preset, layers and dtype, and reused while it holds a ``config.json``
-(:mod:`dbo.bench.hf_model`). Every rank loads it with ``from_pretrained(...,
+(:mod:`dbo.bench.hf.model`). Every rank loads it with ``from_pretrained(...,
 distributed_config=ep_distributed_config(BACKEND))`` and sizes the backend for the largest call.
 
 First, one check: a ``DBOPrefill`` (split from 2 sequences) against the plain prefill's logits,
@@ -52,15 +52,15 @@ from hf_soak_calls import CallSpec, format_summary, soak_specs, soak_verdict, su
 
 from dbo.bench.cli import ArgumentParser, check_at_least, verdict
 from dbo.bench.dist import init_distributed, shutdown_distributed
-from dbo.bench.hf_args import (
+from dbo.bench.hf.args import (
     add_model_arguments,
     backend_name,
     check_backends,
     check_model_arguments,
     default_checkpoint,
 )
-from dbo.bench.hf_load import rss_mib
-from dbo.bench.hf_model import (
+from dbo.bench.hf.load import rss_mib
+from dbo.bench.hf.model import (
     backend_kwargs,
     load_checkpoint,
     peak_gib,
@@ -68,7 +68,7 @@ from dbo.bench.hf_model import (
     reset_peak,
     save_checkpoint,
 )
-from dbo.bench.hf_prefill_table import logits_match
+from dbo.bench.hf.prefill_table import logits_match
 from dbo.integrations.transformers import DBOPrefill, prefill_logits, prefill_split_config, use_backend
 from dbo.integrations.transformers.generate import greedy_generate
 from dbo.moe import relative_error

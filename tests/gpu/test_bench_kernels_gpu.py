@@ -48,7 +48,7 @@ def test_library_experts_bf16_match_reference(fmt, reduce_in_experts):
 
 
 def test_experts_benchmark_times_the_gpu_and_an_isolated_call():
-    from dbo.bench.experts import IDLE_SUFFIX, make_case, time_experts
+    from dbo.bench.experts.command import IDLE_SUFFIX, make_case, time_experts
 
     case = make_case(256, 1024, 256, 8, num_experts=64, topk=4)
     impls = {"lib": (SwiGLUExperts(num_global_experts=64), False),

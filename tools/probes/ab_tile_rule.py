@@ -4,7 +4,7 @@
 REV:dbo/moe/kernels/fused_tiles.py > FILE``); its ``pick_configs`` (and ``pick_slab_configs``,
 where it has one) stand in for the library's during the ``B`` calls. For each shape, STANDARD
 (``I:L:T``: ``T`` received tokens, top-8 of 256, device offsets) and low-latency slabs
-(``bI:L:T``: ``T`` tokens per rank of 2), both timed by :func:`dbo.bench.experts.time_experts`
+(``bI:L:T``: ``T`` tokens per rank of 2), both timed by :func:`dbo.bench.experts.command.time_experts`
 (each call behind a GPU sleep, alternating); prints B's time over A's, each against the limit,
 and B's output error against A's.
 
@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from dbo.bench.experts import add_limits, make_batched_case, make_case, time_experts  # noqa: E402
+from dbo.bench.experts.command import add_limits, make_batched_case, make_case, time_experts  # noqa: E402
 from dbo.bench.limits import measure_device_limits  # noqa: E402
 from dbo.moe import SwiGLUExperts  # noqa: E402
 from dbo.moe.kernels import batched, fused_experts  # noqa: E402

@@ -20,7 +20,7 @@ from collections import defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from dbo.bench.experts import apply_experts, make_case
+from dbo.bench.experts.command import apply_experts, make_case
 from dbo.bench.limits import experts_cost, measure_device_limits
 from dbo.bench.timing import gpu_sleep
 from dbo.moe import SwiGLUExperts, Workspace

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from dbo.bench.experts import experts_call, make_case  # noqa: E402
+from dbo.bench.experts.command import experts_call, make_case  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from smi_rows import read_smi  # noqa: E402

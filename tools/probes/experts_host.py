@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from dbo.bench.experts import apply_experts, make_case
+from dbo.bench.experts.command import apply_experts, make_case
 from dbo.bench.limits import experts_cost, measure_device_limits
 from dbo.moe import SwiGLUExperts, Workspace
 from dbo.moe.kernels import fused_experts as fe

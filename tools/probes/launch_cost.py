@@ -85,7 +85,7 @@ def experts_steps(tokens: int = 1024, inter: int = 256, local: int = 32) -> None
     behind queued GEMMs), with the launcher called directly and through ``kernel[grid]``."""
     from experts_host import fused_steps
 
-    from dbo.bench.experts import apply_experts, make_case
+    from dbo.bench.experts.command import apply_experts, make_case
     from dbo.moe import SwiGLUExperts, Workspace
     from dbo.moe.kernels import fused_experts as fe
     from dbo.moe.kernels import triton_launch

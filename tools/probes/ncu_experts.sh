@@ -22,7 +22,7 @@ fi
   "${sections[@]}" python3 - "$inter" "$local" "$tokens" > "$out/ncu_$tag.txt" 2>&1 <<'PY'
 import sys
 import torch
-from dbo.bench.experts import experts_call, make_case
+from dbo.bench.experts.command import experts_call, make_case
 inter, local, tokens = (int(v) for v in sys.argv[1:4])
 call = experts_call(make_case(tokens, 7168, inter, local))
 for _ in range(3):

@@ -30,7 +30,7 @@ def main() -> int:
     p.add_argument("--top", type=int, default=40)
     p.add_argument("--out", default="profile_bench")
     a = p.parse_args(own)
-    from dbo.bench.overlap import main as bench_main
+    from dbo.bench.overlap.command import main as bench_main
 
     rank = int(os.environ.get("RANK", "0"))
     prof = cProfile.Profile()

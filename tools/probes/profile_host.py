@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from dbo.bench.experts import experts_call, make_case
+from dbo.bench.experts.command import experts_call, make_case
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from launch_cost import per_call_us  # noqa: E402

@@ -23,7 +23,7 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from dbo.bench import timing  # noqa: E402
-from dbo.bench.experts import make_case  # noqa: E402
+from dbo.bench.experts.command import make_case  # noqa: E402
 from dbo.bench.limits import measure_device_limits  # noqa: E402
 from dbo.bench.timing import gpu_sleep  # noqa: E402
 from dbo.moe import ActivationFormat, SwiGLUExperts, Workspace, relative_error  # noqa: E402

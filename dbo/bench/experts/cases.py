@@ -1,4 +1,4 @@
-"""The cases :mod:`dbo.bench.experts` times: one rank's expert inputs as a backend delivers them,
+"""The cases :mod:`dbo.bench.experts.command` times: one rank's expert inputs as a backend delivers them,
 in the STANDARD layout (:class:`ExpertsCase`: received tokens, top-k ids with ``-1`` for other
 ranks' experts) or DeepEP low-latency's BATCHED_EXPERTS slabs (:class:`BatchedCase`: ``[local
 experts, capacity, hidden]``, counts on the device), each with the call that runs experts on it.

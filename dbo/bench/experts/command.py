@@ -38,7 +38,7 @@ from collections.abc import Callable
 import torch
 
 from dbo.bench.cli import ArgumentParser, verdict
-from dbo.bench.expert_cases import BatchedCase, ExpertsCase, make_batched_case, make_case
+from dbo.bench.experts.cases import BatchedCase, ExpertsCase, make_batched_case, make_case
 from dbo.bench.limits import DeviceLimits, experts_cost, measure_device_limits
 from dbo.bench.timing import gpu_sleep
 from dbo.moe import MoEExperts, SwiGLUExperts, Workspace

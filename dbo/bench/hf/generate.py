@@ -58,14 +58,14 @@ import torch
 
 from dbo.bench.cli import ArgumentParser, check_at_least, verdict
 from dbo.bench.dist import distributed
-from dbo.bench.hf_args import (
+from dbo.bench.hf.args import (
     add_model_arguments,
     backend_name,
     check_backends,
     check_model_arguments,
 )
-from dbo.bench.hf_generate_table import model_name, print_table, verdict_reason
-from dbo.bench.hf_model import (
+from dbo.bench.hf.generate_table import model_name, print_table, verdict_reason
+from dbo.bench.hf.model import (
     backend_kwargs,
     load_checkpoint,
     load_hf_all_to_all,

@@ -1,4 +1,4 @@
-"""The table and the verdict of ``python -m dbo.bench hf-generate`` (:mod:`dbo.bench.hf_generate`):
+"""The table and the verdict of ``python -m dbo.bench hf-generate`` (:mod:`dbo.bench.hf.generate`):
 its rows printed with the model they decoded, the verdict on every DBO row's tokens, and the
 faster of transformers' two ``generate()`` rows that dbo's speed-ups are quoted against.
 """

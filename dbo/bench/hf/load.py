@@ -39,7 +39,7 @@ from pathlib import Path
 
 from dbo.backends import cpu_backends
 from dbo.bench.cli import ArgumentParser, check_at_least, verdict
-from dbo.bench.hf_args import PRESET_CHOICES, backend_name, model_config, num_routed_experts
+from dbo.bench.hf.args import PRESET_CHOICES, backend_name, model_config, num_routed_experts
 
 PROG = "hf-load"
 
@@ -63,7 +63,7 @@ def worker(args: argparse.Namespace) -> None:
 
     import dbo.backends.torchdist  # noqa: F401  (binds its all-gather before the spy below)
     from dbo.bench.dist import distributed
-    from dbo.bench.hf_prefill_table import logits_match
+    from dbo.bench.hf.prefill_table import logits_match
     from dbo.integrations.transformers import DBOPrefill, prefill_logits, prefill_split_config
     from dbo.integrations.transformers.ep import ep_distributed_config
     from dbo.integrations.transformers.ep_model import expert_parallel_modules

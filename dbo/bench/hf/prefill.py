@@ -8,7 +8,7 @@
 
 Without ``--checkpoint`` every rank builds the model from its config on the meta device,
 converts it expert-parallel and materialises only its share, with seeded random weights
-(:mod:`dbo.bench.hf_model`). ``--checkpoint DIR`` loads a saved checkpoint (``save_pretrained``'s,
+(:mod:`dbo.bench.hf.model`). ``--checkpoint DIR`` loads a saved checkpoint (``save_pretrained``'s,
 or one from the Hub) expert-parallel with transformers' own loader and dbo's backends as its EP
 implementations (transformers >= 5.23): each rank reads only its experts; ``--ep-experts library
 model`` times both experts choices on the same loaded model. ``--save-checkpoint DIR`` writes the
@@ -20,7 +20,7 @@ ubatches of sequences), for each ``--backend`` (switched with
 :func:`dbo.integrations.transformers.use_backend`); times each (median of ``--steps`` after
 ``--warmup``, :func:`dbo.bench.timing.median_ms`; the slowest rank), checks that DBO gives the
 plain run's logits (of the last ``--logits-to-keep`` positions;
-:func:`dbo.bench.hf_prefill_table.logits_match` says how close counts as equal in bfloat16) and
+:func:`dbo.bench.hf.prefill_table.logits_match` says how close counts as equal in bfloat16) and
 prints a markdown table, then one verdict line (exit 1 where a row's logits differ).
 ``--unconverted`` also times the original model (all experts on every rank, no communication)
 where it fits, and compares its logits with the expert-parallel model's.
@@ -41,13 +41,13 @@ import torch.distributed as dist
 from dbo.backends import cpu_backends
 from dbo.bench.cli import ArgumentParser, check_at_least, verdict
 from dbo.bench.dist import distributed
-from dbo.bench.hf_args import (
+from dbo.bench.hf.args import (
     add_model_arguments,
     backend_name,
     check_backends,
     check_model_arguments,
 )
-from dbo.bench.hf_model import (
+from dbo.bench.hf.model import (
     backend_kwargs,
     build_model,
     load_checkpoint,
@@ -57,7 +57,7 @@ from dbo.bench.hf_model import (
     reset_peak,
     save_checkpoint,
 )
-from dbo.bench.hf_prefill_table import logits_match, print_table, verdict_reason, write_json
+from dbo.bench.hf.prefill_table import logits_match, print_table, verdict_reason, write_json
 from dbo.bench.syncs import format_sites, host_syncs
 from dbo.bench.timing import median_ms
 from dbo.integrations.transformers import DBOPrefill, prefill_logits, prefill_split_config, use_backend

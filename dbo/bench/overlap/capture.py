@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 import dbo
-from dbo.bench.shape import ShapeBench, max_rel_error
+from dbo.bench.overlap.shape import ShapeBench, max_rel_error
 from dbo.bench.timeline import timeline_svg
 from dbo.bench.timing import measure
 from dbo.peers.collectives import all_reduce_max

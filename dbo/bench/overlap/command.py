@@ -8,7 +8,7 @@
     torchrun --nproc-per-node 2 -m dbo.bench overlap --device cpu --quick
 
 For each shape of the grid (tokens per rank x routed-expert intermediate size) it builds a
-``--layers``-layer MoE model (:mod:`dbo.bench.model`: attention stand-in, router, the library's
+``--layers``-layer MoE model (:mod:`dbo.bench.overlap.model`: attention stand-in, router, the library's
 routed experts behind the backend, shared expert) and measures per layer:
 
 * compute alone: the same layer with the communication replaced by a replay of what the
@@ -25,7 +25,7 @@ routed experts behind the backend, shared expert) and measures per layer:
 with CUDA events after warm-up, the median over ``--steps`` steps of the slowest rank, the CPU
 launch time of a step (and whether the step waits for the GPU from the host), and the peak
 memory of one step. Speedup = best serial / best DBO; overlap efficiency = (serial - DBO) /
-min(compute, comm) (:mod:`dbo.bench.report` has the exact definitions). With ``--cuda-graph``
+min(compute, comm) (:mod:`dbo.bench.overlap.report` has the exact definitions). With ``--cuda-graph``
 (deepep_ll) it also captures a whole serial step and a whole DBO step into CUDA graphs and
 compares their replays with eager DBO, checking that the outputs are equal.
 
@@ -51,13 +51,10 @@ import torch
 import torch.distributed as dist
 
 from dbo.backends import make_backend
-from dbo.bench.capture import GRAPH_BACKENDS, cuda_graph, traces
 from dbo.bench.cli import verdict
 from dbo.bench.dist import distributed
 from dbo.bench.limits import layer_limit_ms, measure_device_limits
-from dbo.bench.link import measure_link
-from dbo.bench.model import BenchModel, LayerDims
-from dbo.bench.overlap_args import (
+from dbo.bench.overlap.args import (
     DTYPES,
     PROG,
     SCHEMA,
@@ -69,10 +66,13 @@ from dbo.bench.overlap_args import (
     portable,
     profile_target,
 )
-from dbo.bench.report import format_table, summarize_shape, write_plot
-from dbo.bench.shape import Budget, ShapeBench
+from dbo.bench.overlap.capture import GRAPH_BACKENDS, cuda_graph, traces
+from dbo.bench.overlap.link import measure_link
+from dbo.bench.overlap.model import BenchModel, LayerDims
+from dbo.bench.overlap.report import format_table, summarize_shape, write_plot
+from dbo.bench.overlap.shape import Budget, ShapeBench
+from dbo.bench.overlap.wrapper import restore_carveout, time_wrapper, tune_and_time_wrapper
 from dbo.bench.timing import Progress
-from dbo.bench.wrapper import restore_carveout, time_wrapper, tune_and_time_wrapper
 from dbo.split import SplitConfig, Vote, local_vote
 
 __all__ = ["run", "main"]

@@ -20,7 +20,7 @@ Definitions (per shape; every time is per MoE layer: a step's time over its laye
 * ``peak_ratio``: peak memory of the best DBO configuration over that of the best serial one
   (``torch.cuda.max_memory_allocated``, weights included); ``peak_extra_ratio``: the same for
   the memory allocated during the step only.
-* ``link`` and ``x link``: the link limit of the comm column (``dbo.bench.link``: the bytes this
+* ``link`` and ``x link``: the link limit of the comm column (``dbo.bench.overlap.link``: the bytes this
   backend moves out of a rank per layer over the copy-engine put rate measured at the start of
   the run) and ``comm / link``.
 * ``wrapper``: the overlapped forward deciding by itself, over the serial time: measured with

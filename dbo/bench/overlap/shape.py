@@ -3,7 +3,7 @@
 For each shape: the serial and DBO references and their agreement, compute alone (the
 communication replaced by a replay of what the backend delivered), communication alone (no
 experts), serial and DBO for each DeepEP SM count and DBO SM carve-out, and the wrapper with a
-tuned config. The CUDA-graph and trace captures are in :mod:`dbo.bench.capture`.
+tuned config. The CUDA-graph and trace captures are in :mod:`dbo.bench.overlap.capture`.
 """
 
 from __future__ import annotations
@@ -18,14 +18,14 @@ import torch
 
 import dbo
 from dbo.backends.fp8 import FP8_DISPATCH_BYTES
-from dbo.bench.link import COMM_BYTES_BACKENDS, LinkLimits, comm_bytes
-from dbo.bench.model import (
+from dbo.bench.overlap.args import TOLERANCE
+from dbo.bench.overlap.link import COMM_BYTES_BACKENDS, LinkLimits, comm_bytes
+from dbo.bench.overlap.model import (
     BenchModel,
     IdentityExperts,
     RecordingPrepareAndFinalize,
     ReplayPrepareAndFinalize,
 )
-from dbo.bench.overlap_args import TOLERANCE
 from dbo.bench.timing import Progress, measure
 from dbo.expert_schedule import ExpertSchedule, current_expert_schedule, use_expert_schedule
 from dbo.moe import MoEKernel, SwiGLUExperts, relative_error
@@ -132,7 +132,8 @@ class ShapeBench:
         self.rows: dict[str, int | None] = {"serial": None, "dbo": None, "merged": None}
         self.carveout: int | None = None  #: the DBO runs' sm_carveout
         self.batched = backend.activation_format.name == "BATCHED_EXPERTS"
-        self.link: LinkLimits | None = None  #: the run's link rate (dbo.bench.link), set by the caller
+        #: the run's link rate (dbo.bench.overlap.link), set by the caller
+        self.link: LinkLimits | None = None
 
     # -- steps --
 

@@ -12,8 +12,8 @@ from typing import Any
 import torch
 
 from dbo.autotune import NEVER_SPLIT, autotune_split_config
-from dbo.bench.report import summarize_shape
-from dbo.bench.shape import Budget, ShapeBench
+from dbo.bench.overlap.report import summarize_shape
+from dbo.bench.overlap.shape import Budget, ShapeBench
 from dbo.bench.timing import Progress, measure
 from dbo.overlap import DBOWrapper, overlapped_forward
 from dbo.split import SplitConfig, Vote, local_vote

@@ -147,7 +147,7 @@ def convert_to_expert_parallel(model: torch.nn.Module, group: Any = None, backen
     Every rank of ``group`` calls this on the same model (same config and weights: experts are
     sliced from the model's own). Rank ``r`` of ``W`` keeps experts ``[r * E / W, (r + 1) * E / W)``
     of every MoE layer; the other experts' weights are released (a model built on the meta
-    device stays there: materialise it after conversion, see :mod:`dbo.bench.hf_model`).
+    device stays there: materialise it after conversion, see :mod:`dbo.bench.hf.model`).
 
     Args:
         model: a transformers MoE model (``...ForCausalLM`` or its base model) whose MoE blocks

@@ -1,0 +1,7 @@
+"""``python -m dbo.bench experts``: the routed experts alone at the overlap benchmark's shapes.
+
+``command`` (the timer, the grid, the table, ``main``) and ``cases`` (one rank's expert inputs
+as a backend delivers them).
+"""
+
+__all__: list[str] = []
