@@ -45,6 +45,8 @@ class BackendSpec:
             instead of being wrapped by :class:`~dbo.backends.simulated_link.SimulatedLinkPrepareAndFinalize`.
         emulated: plays one rank of a larger group on this process alone: no peers, its group
             size is ``num_dispatchers()``, not the process group's.
+        single_rank: runs on a group of one rank only (every expert on this process, nothing
+            moves); :func:`cpu_backends` leaves it out.
     """
 
     name: str
@@ -54,6 +56,7 @@ class BackendSpec:
     needs_max_tokens: bool = False
     serves_link: bool = False
     emulated: bool = False
+    single_rank: bool = False
 
 
 BACKENDS: Mapping[str, BackendSpec] = MappingProxyType({
@@ -69,6 +72,8 @@ BACKENDS: Mapping[str, BackendSpec] = MappingProxyType({
     # one device as rank r of an N-rank group (dbo.backends.emulated), on CPU or one GPU
     "emulated": BackendSpec("emulated", "emulated", bf16_only=True, needs_max_tokens=True,
                             serves_link=True, emulated=True),
+    # no expert parallelism: every expert on this process, a group of one rank (either format)
+    "local": BackendSpec("local", "local", single_rank=True),
 })
 
 
@@ -86,8 +91,9 @@ def backend_spec(name: str, *, what: str = "backend") -> BackendSpec:
 
 
 def cpu_backends() -> list[str]:
-    """Names of the backends that run on CPU (gloo)."""
-    return sorted(name for name, spec in BACKENDS.items() if not spec.gpu_only)
+    """Names of the backends that run on CPU (gloo) over a group of ranks (not the single-rank
+    ``local``)."""
+    return sorted(name for name, spec in BACKENDS.items() if not spec.gpu_only and not spec.single_rank)
 
 
 def _factory(name: str) -> Callable[..., PrepareAndFinalize]:

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from dbo.expert_schedule import ExpertSchedule, current_expert_schedule
+from dbo.kernels.row_copies import copy_arrived_rows
 from dbo.moe.base import (
     ActivationFormat,
     ExpertTokensMetadata,
@@ -43,7 +44,6 @@ from dbo.moe.base import (
     PrepareResult,
 )
 from dbo.moe.errors import MoEProtocolError
-from dbo.moe.kernels.batched import copy_arrived_rows
 from dbo.moe.weight_and_reduce import (
     TopKWeightAndReduce,
     TopKWeightAndReduceDelegate,

@@ -15,7 +15,7 @@ own copy of the caller's ``contextvars`` context.
 
 SMs for the communication: ``sm_carveout=N`` leaves ``N`` SMs free in the overlapped runs' matmuls:
 torch's carve-out for cuBLAS (:func:`dbo.ubatch.sm.sm_carveout`) and the ``sm_carveout`` of every
-:class:`dbo.moe.SwiGLUExperts` that :func:`dbo.moe.experts.find_swiglu_experts` finds in the
+:class:`dbo.experts.SwiGLUExperts` that :func:`dbo.experts.swiglu.find_swiglu_experts` finds in the
 forward (its persistent grids), both set for the run and restored after it. ``compute_sms=N``
 runs the compute on a green context of ``N`` SMs (:func:`dbo.ubatch.sm.compute_on_sms`).
 
@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from dbo.expert_schedule import ExpertSchedule, use_expert_schedule
-from dbo.moe.experts import find_swiglu_experts
+from dbo.experts.swiglu import find_swiglu_experts
 from dbo.peers.watchdog import collective_timeout
 from dbo.run_options import RunOptions, leave_sms_free, run_device
 from dbo.split import (
@@ -151,7 +151,7 @@ def overlapped_forward(
         fn_kwargs: keyword arguments given unchanged to every call of ``fn``.
         sm_carveout: SMs the matmuls leave free while the ubatches run: torch's carve-out
             (:func:`dbo.ubatch.sm.sm_carveout`) and that of ``fn``'s experts
-            (:func:`dbo.moe.experts.find_swiglu_experts`); None (default) leaves both alone. A
+            (:func:`dbo.experts.swiglu.find_swiglu_experts`); None (default) leaves both alone. A
             plain (unsplit) call runs without it.
         compute_sms: run the ubatches' compute on a CUDA green context of this many SMs,
             leaving the others to the communication kernels (see

@@ -26,6 +26,7 @@ import torch
 from dbo.backends import cpu_backends
 from dbo.bench import cli
 from dbo.bench.dist import distributed
+from dbo.experts import relative_error
 from dbo.integrations.transformers import (
     DBOPrefill,
     convert_to_expert_parallel,
@@ -33,7 +34,6 @@ from dbo.integrations.transformers import (
     prefill_split_config,
 )
 from dbo.integrations.transformers.presets import TINY_FAMILIES, tiny_random_model
-from dbo.moe import relative_error
 from dbo.peers.collectives import all_reduce_max
 
 PROG = "hf_expert_parallel.py"

@@ -26,7 +26,7 @@ from dbo.bench import cli
 from dbo.bench.dist import distributed
 from dbo.bench.overlap.model import BenchModel, LayerDims
 from dbo.bench.timing import median_ms
-from dbo.moe import SwiGLUExperts, relative_error
+from dbo.experts import SwiGLUExperts, relative_error
 from dbo.peers.collectives import all_reduce_max
 from dbo.split import SplitConfig
 

@@ -45,7 +45,8 @@ def test_pick_backend_costs_each_size_alike_and_keeps_the_default_within_margin(
 
 def _job() -> tuple[str, dict[str, float], str, float]:
     from dbo.backends import make_backend
-    from dbo.moe import MoEKernel, SwiGLUExperts, local_expert_weights, make_expert_weights, topk_route
+    from dbo.experts import SwiGLUExperts, local_expert_weights, make_expert_weights
+    from dbo.moe import MoEKernel, topk_route
     from dbo.overlap import mask_current_padding
 
     rank, world = dist.get_rank(), dist.get_world_size()

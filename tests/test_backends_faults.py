@@ -16,7 +16,8 @@ import torch.distributed as dist
 
 from dbo.backends.all2all import AllToAllPrepareAndFinalize
 from dbo.backends.naive import NaivePrepareAndFinalize
-from dbo.moe import MoEKernel, SwiGLUExperts
+from dbo.experts import SwiGLUExperts
+from dbo.moe import MoEKernel
 from dbo.testing.dist import DistWorld
 from dbo.testing.moe_cases import MoECase, case_inputs
 from dbo.ubatch.context import dbo_current_ubatch_id, run_ubatches

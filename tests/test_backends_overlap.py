@@ -14,7 +14,8 @@ import torch.distributed as dist
 import dbo
 from dbo.backends.all2all import AllToAllPrepareAndFinalize
 from dbo.backends.naive import NaivePrepareAndFinalize
-from dbo.moe import MoEKernel, MoEProtocolError, SwiGLUExperts, TopKWeightAndReduceNoOp, relative_error
+from dbo.experts import SwiGLUExperts, relative_error
+from dbo.moe import MoEKernel, MoEProtocolError, TopKWeightAndReduceNoOp
 from dbo.testing.dist import DistWorld
 from dbo.testing.moe_cases import MoECase, case_inputs, run_case
 

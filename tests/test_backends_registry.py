@@ -59,7 +59,7 @@ def test_bad_names_and_options_are_named_with_the_allowed_ones():
 def _built_by_name(name: str) -> tuple[str, int, float, float]:
     import torch.distributed as dist
 
-    from dbo.moe import relative_error
+    from dbo.experts import relative_error
     from dbo.testing.moe_cases import MoECase, case_inputs, run_case
 
     case = MoECase(5, (9, 6), 8, topk=3, hidden=16)
@@ -84,3 +84,38 @@ def test_backends_built_by_name_overlap_with_the_plain_numbers():
             for got, hidden, timeout_s, rel in world.run(_built_by_name, name):
                 assert (got, hidden, timeout_s) == (cls, 16, 20.0)
                 assert rel <= 1e-6, (name, rel)
+
+
+@pytest.mark.parametrize("fmt", ["standard", "batched_experts"])
+def test_the_local_backend_built_by_name_matches_the_reference(fmt):
+    import dbo
+    from dbo.experts import SwiGLUExperts, make_expert_weights, reference_moe, relative_error
+    from dbo.moe import MoEKernel, topk_route
+
+    assert BACKENDS["local"].single_rank and "local" not in cpu_backends()
+    assert backend_options("local") == ["activation_format", "use_async"]
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(12, 16, generator=g)
+    weights, ids = topk_route(torch.randn(12, 8, generator=g), 3)
+    w1, w2 = make_expert_weights(8, 16, 8, seed=0)
+    want = reference_moe(x, w1, w2, weights, ids)
+    # no process group: the registry's one way to build a backend, and the kernel over it
+    pf = make_backend("local", None, dtype=torch.float32, activation_format=fmt,
+                      **{**KW, "topk": 3, "max_tokens_per_rank": 12})
+    assert pf.activation_format.value == fmt and pf.num_dispatchers() == 1
+    kernel = MoEKernel(pf, SwiGLUExperts())
+    assert relative_error(kernel(x, w1, w2, weights, ids, global_num_experts=8), want) <= 1e-5
+    halves = dbo.run_ubatches([lambda: kernel(x[:5], w1, w2, weights[:5], ids[:5], global_num_experts=8),
+                               lambda: kernel(x[5:], w1, w2, weights[5:], ids[5:], global_num_experts=8)],
+                              device="cpu")
+    assert relative_error(torch.cat(halves), want) <= 1e-5
+
+
+def test_the_local_backend_refuses_a_group_of_ranks_and_an_unknown_format(monkeypatch):
+    import dbo.backends.local as local
+
+    with pytest.raises(ValueError, match="activation_format must be one of .*'batched_experts'.*got 'slabs'"):
+        make_backend("local", None, dtype=torch.float32, activation_format="slabs", **KW)
+    monkeypatch.setattr(local, "group_size", lambda group: 2)
+    with pytest.raises(ValueError, match="backend 'local' runs on one rank.*the group has 2 ranks"):
+        make_backend("local", None, dtype=torch.float32, **KW)

@@ -17,7 +17,8 @@ from dbo.bench.experts.command import (
     time_experts,
 )
 from dbo.bench.limits import DeviceLimits, active_experts, experts_cost, measure_device_limits
-from dbo.moe import SwiGLUExperts, Workspace, reference_moe, relative_error
+from dbo.experts import SwiGLUExperts, reference_moe, relative_error
+from dbo.moe import Workspace
 
 
 def test_case_is_what_a_rank_receives():
@@ -125,7 +126,7 @@ def test_timings_are_checked_and_each_call_reports_its_host_time():
 
 def test_experts_call_is_one_library_call_on_the_case():
     from dbo.bench.experts.command import experts_call
-    from dbo.moe import SwiGLUExperts, reference_moe, relative_error
+    from dbo.experts import SwiGLUExperts, reference_moe, relative_error
 
     case = make_case(24, 32, 16, 4, num_experts=8, topk=3, dtype=torch.float32, device="cpu", seed=3)
     experts = SwiGLUExperts()
@@ -150,7 +151,7 @@ def test_a_batched_case_is_what_a_low_latency_backend_delivers():
 
 def test_the_batched_grid_compares_the_rows_that_arrived():
     from dbo.bench.experts.command import make_batched_case
-    from dbo.moe.experts import swiglu_expert
+    from dbo.experts.swiglu import swiglu_expert
 
     impls = {"a": (SwiGLUExperts(use_triton=False), False), "b": (SwiGLUExperts(use_triton=False), True)}
     rows = run_grid(impls, hidden=[32], intermediate=[16], tokens=[4, 12], local_experts=[4], topk=3,

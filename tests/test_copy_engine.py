@@ -83,7 +83,8 @@ def test_destinations_ring_and_rank_order():
 def _orders_agree() -> float:
     """The same MoE call through a ring-order and a rank-order backend: the same bits."""
     from dbo.backends.copy_engine import CopyEnginePrepareAndFinalize
-    from dbo.moe import MoEKernel, SwiGLUExperts, local_expert_weights, make_expert_weights, topk_route
+    from dbo.experts import SwiGLUExperts, local_expert_weights, make_expert_weights
+    from dbo.moe import MoEKernel, topk_route
     from dbo.ubatch.context import run_ubatches
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -117,7 +118,8 @@ def _many_layers(layers: int, per_layer_backends: bool = False) -> float:
     transport (buffers reused either way), DBO vs serial."""
     from dbo.backends.copy_engine import CopyEnginePrepareAndFinalize
     from dbo.backends.copy_engine.transport import TRANSPORTS
-    from dbo.moe import MoEKernel, SwiGLUExperts, local_expert_weights, make_expert_weights, topk_route
+    from dbo.experts import SwiGLUExperts, local_expert_weights, make_expert_weights
+    from dbo.moe import MoEKernel, topk_route
     from dbo.ubatch.context import run_ubatches
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -193,14 +195,8 @@ def _self_sizing(counts: list[list[int]]) -> dict:
     max_tokens_per_rank: DBO and serial equal the single-process reference; the slots grow."""
     from dbo.backends.copy_engine import CopyEnginePrepareAndFinalize
     from dbo.backends.copy_engine.transport import TRANSPORTS
-    from dbo.moe import (
-        MoEKernel,
-        SwiGLUExperts,
-        local_expert_weights,
-        make_expert_weights,
-        reference_moe,
-        topk_route,
-    )
+    from dbo.experts import SwiGLUExperts, local_expert_weights, make_expert_weights, reference_moe
+    from dbo.moe import MoEKernel, topk_route
     from dbo.ubatch.context import run_ubatches
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -263,7 +259,8 @@ def _stop_mid_step(stopper: int, block: bool = False, how: str = "stall") -> flo
 
     from dbo.backends.copy_engine import CopyEnginePrepareAndFinalize
     from dbo.errors import CollectiveTimeoutError
-    from dbo.moe import MoEKernel, SwiGLUExperts, local_expert_weights, make_expert_weights, topk_route
+    from dbo.experts import SwiGLUExperts, local_expert_weights, make_expert_weights
+    from dbo.moe import MoEKernel, topk_route
     from dbo.peers.watchdog import collective_timeout
 
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -12,9 +12,9 @@ import torch.distributed as dist
 
 from dbo import run_ubatches
 from dbo.errors import UBatchError
-from dbo.moe.experts import SwiGLUExperts
+from dbo.experts.reference import local_expert_weights, make_expert_weights
+from dbo.experts.swiglu import SwiGLUExperts
 from dbo.moe.kernel import MoEKernel
-from dbo.moe.reference import local_expert_weights, make_expert_weights
 from dbo.moe.router import topk_route
 from dbo.moe.weight_and_reduce import TopKWeightAndReduceContiguous, TopKWeightAndReduceNoOp
 from dbo.testing.dist import DistWorld

@@ -183,9 +183,9 @@ class _Recorder:
 
 
 def _record(kind: str, api: str, options: dict) -> list:
-    from dbo.moe.experts import SwiGLUExperts
+    from dbo.experts.reference import local_expert_weights, make_expert_weights
+    from dbo.experts.swiglu import SwiGLUExperts
     from dbo.moe.kernel import MoEKernel
-    from dbo.moe.reference import local_expert_weights, make_expert_weights
     from dbo.moe.router import topk_route
 
     mod = ensure_fake_deep_ep(api)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dbo.moe.kernels.fused_tiles import (
+from dbo.experts.kernels.fused_tiles import (
     FLAT_DOWN,
     FUSED_MAX_INTERMEDIATE,
     FUSED_MAX_LOCAL_EXPERTS,
@@ -53,7 +53,7 @@ def test_split_is_two_or_more_shares_of_a_warp_specialized_tile(kw):
 
 
 def test_few_experts_at_short_intermediates_split_the_last_round():
-    from dbo.moe.kernels.fused_tiles import WS_UP64_SPLIT
+    from dbo.experts.kernels.fused_tiles import WS_UP64_SPLIT
 
     assert pick_configs(259, 256, 32)[0] == WS_UP64_SPLIT
     assert pick_configs(1024, 256, 32)[0] == WS_UP64_SPLIT
@@ -64,7 +64,7 @@ def test_few_experts_at_short_intermediates_split_the_last_round():
 @pytest.mark.parametrize("inter", [256, 768, 2048])
 @pytest.mark.parametrize("n_local", [32, 128, 256])
 def test_one_tile_of_rows_per_expert_takes_the_split_128_row_tile(inter, n_local):
-    from dbo.moe.kernels.fused_tiles import WS_UP_SPLIT
+    from dbo.experts.kernels.fused_tiles import WS_UP_SPLIT
 
     assert pick_configs(128, inter, n_local)[0] == WS_UP_SPLIT
     assert pick_configs(192, inter, n_local)[0] == WS_UP_SPLIT
@@ -75,7 +75,7 @@ def test_one_tile_of_rows_per_expert_takes_the_split_128_row_tile(inter, n_local
 
 @pytest.mark.parametrize("n_local", [8, 32, 64])
 def test_few_experts_at_wide_intermediates_on_slabs_take_the_split_64_row_tile(n_local):
-    from dbo.moe.kernels.fused_tiles import FLAT_DOWN_64, WS_UP64_SPLIT, pick_slab_configs
+    from dbo.experts.kernels.fused_tiles import FLAT_DOWN_64, WS_UP64_SPLIT, pick_slab_configs
 
     for rows in (97, 129, 257, 384):
         assert pick_slab_configs(rows, 2048, n_local) == (WS_UP64_SPLIT, FLAT_DOWN_64)
@@ -102,7 +102,7 @@ def test_a_fallback_tile_is_the_triton_tile_of_a_ws_tile():
 def test_operands_off_a_hopper_gpu_take_the_triton_kernel():
     import torch
 
-    from dbo.moe.kernels.fused_experts import runs_ws
+    from dbo.experts.kernels.fused_experts import runs_ws
 
     x = torch.zeros(4, 128, dtype=torch.bfloat16)
     assert not runs_ws(GemmConfig(128, 128, 64, ws=True), x, torch.zeros(2, 256, 128, dtype=torch.bfloat16))

@@ -189,8 +189,9 @@ def _slot_sum(experts, x, ids, weights):
 def test_library_experts_equal_the_module_forward_on_its_weights(family, monkeypatch):
     import torch
 
+    from dbo.experts import SwiGLUExperts
     from dbo.integrations.transformers.experts import LibraryExperts, library_layout_problem
-    from dbo.moe import ActivationFormat, ExpertTokensMetadata, SwiGLUExperts, Workspace
+    from dbo.moe import ActivationFormat, ExpertTokensMetadata, Workspace
 
     experts = _experts_module(family, 2)
     e, two_i, hidden = experts.gate_up_proj.shape

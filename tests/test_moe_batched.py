@@ -1,4 +1,4 @@
-"""The BATCHED_EXPERTS layout's kernels (dbo.moe.kernels.batched): the row order and the experts
+"""The BATCHED_EXPERTS layout's kernels (dbo.experts.kernels.batched): the row order and the experts
 over the rows that arrived (Triton's interpreter, against one expert at a time), and the row
 move of the merged schedule (plain torch and Triton), against plain indexing."""
 
@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from dbo.moe.kernels.batched import move_rows
+from dbo.kernels.row_copies import move_rows
 
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
 
@@ -55,10 +55,11 @@ def test_move_rows_rejects_rows_of_another_width():
 
 _SCRIPT = r"""
 import torch
-from dbo.moe.experts import swiglu_expert
-from dbo.moe.kernels.batched import batched_order, batched_swiglu_experts, move_rows
-from dbo.moe.kernels.fused_experts import GemmConfig
-from dbo.moe.reference import make_expert_weights
+from dbo.experts.swiglu import swiglu_expert
+from dbo.experts.kernels.batched import batched_order, batched_swiglu_experts
+from dbo.kernels.row_copies import move_rows
+from dbo.experts.kernels.fused_experts import GemmConfig
+from dbo.experts.reference import make_expert_weights
 
 g = torch.Generator().manual_seed(0)
 # the order: sorted row r of expert e is slab row e * cap + j, offsets the end rows (a count

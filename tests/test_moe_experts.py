@@ -14,21 +14,18 @@ import torch
 from hypothesis import given, note, settings
 from hypothesis import strategies as st
 
+from dbo.backends.local import LocalPrepareAndFinalize
+from dbo.experts import SwiGLUExperts, make_expert_weights, reference_moe, relative_error
+from dbo.experts.grouping import group_by_expert
+from dbo.experts.kernels.gather_reduce import gather_reduce
 from dbo.moe import (
     ActivationFormat,
     ExpertTokensMetadata,
-    LocalPrepareAndFinalize,
     MoEKernel,
     PrepareResult,
-    SwiGLUExperts,
     Workspace,
-    make_expert_weights,
-    reference_moe,
-    relative_error,
     topk_route,
 )
-from dbo.moe.grouping import group_by_expert
-from dbo.moe.kernels.gather_reduce import gather_reduce
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -167,7 +164,7 @@ import torch
 from dbo.testing.triton_interpreter import fast_xor_reduce
 fast_xor_reduce()  # tl.sort's xor reductions in one numpy call each, not element by element
 from tests.test_moe_experts import run_case, make_case
-from dbo.moe import SwiGLUExperts, reference_moe, relative_error
+from dbo.experts import SwiGLUExperts, reference_moe, relative_error
 for seed, m, n_local, topk, host, red in [(0, 37, 5, 3, False, True), (1, 37, 5, 3, True, False),
                                           (2, 1, 3, 1, False, True), (3, 64, 16, 8, False, True),
                                           (4, 0, 2, 2, False, True), (5, 9, 2, 4, True, True),
@@ -177,7 +174,7 @@ for seed, m, n_local, topk, host, red in [(0, 37, 5, 3, False, True), (1, 37, 5,
     out = run_case(SwiGLUExperts(use_triton=True, reduce_in_experts=red), x, w1, w2, weights, ids, host)
     err = relative_error(out, ref)
     assert err < 1e-5, (seed, err)
-from dbo.moe.kernels.fused_experts import route_order
+from dbo.experts.kernels.fused_experts import route_order
 for seed, (m, topk, n_local) in enumerate([(37, 3, 5), (700, 8, 16), (300, 8, 256), (2048, 8, 32)]):
     ids = torch.randint(-1, n_local + 2, (m, topk), generator=torch.Generator().manual_seed(seed))
     order, offsets = route_order(ids.to(torch.int32), n_local)  # the counting sort, several chunks
@@ -187,8 +184,8 @@ for seed, (m, topk, n_local) in enumerate([(37, 3, 5), (700, 8, 16), (300, 8, 25
     assert sorted(rows.tolist()) == torch.nonzero(local).flatten().tolist(), seed
     assert (flat[rows][1:] >= flat[rows][:-1]).all(), seed
     assert torch.equal(offsets.long(), torch.cumsum(torch.bincount(flat[local], minlength=n_local), 0))
-from dbo.moe.kernels.fused_experts import tile_map
-from dbo.moe.kernels.fused_maps import MAP_ENTRY
+from dbo.experts.kernels.fused_experts import tile_map
+from dbo.experts.kernels.fused_maps import MAP_ENTRY
 def _groups(n, g):
     # an expert's n row tiles in ceil(n / g) groups of as equal sizes as can be: (start, size)
     k = max(1, -(-n // g))
@@ -223,7 +220,7 @@ for seed, (m, topk, n_local) in enumerate([(37, 3, 5), (700, 8, 16), (300, 6, 25
     per_token = ((ids >= 0) & (ids < n_local)).sum(1)
     want = [~o if per_token[o // topk] == 1 else o for o in order[:n].tolist()]
     assert dest[:n].tolist() == want and any(w < 0 for w in want), seed
-from dbo.moe.kernels.fused_experts import tile_maps
+from dbo.experts.kernels.fused_experts import tile_maps
 for seed, (m, topk, n_local, heights, n_zero, groups) in enumerate([
         (300, 8, 16, (16, 32), 300, (8, 8)), (700, 8, 5, (64, 16), 7, (3, 2)), (37, 3, 5, (32,), 0, (8,)),
         (700, 8, 5, (16, 16), 0, (8, 3))]):
@@ -240,7 +237,7 @@ for seed, (m, topk, n_local, heights, n_zero, groups) in enumerate([
         want, want_dest = tile_map(offsets, bm, m * topk, (order, ids), gm)
         k = 1 + MAP_ENTRY * int(want[0])
         assert torch.equal(got[:k], want[:k]) and torch.equal(dest[:n], want_dest[:n]), (seed, bm)
-from dbo.moe.kernels.fused_experts import route_with_maps
+from dbo.experts.kernels.fused_experts import route_with_maps
 for seed, (m, topk, n_local, heights, sole, groups) in enumerate([
         (300, 8, 16, (64, 128), True, (8, 8)), (200, 8, 32, (16,), True, (2,)),
         (90, 6, 5, (32, 16), False, (3, 5)), (5, 2, 3, (16,), True, (8,)),
@@ -261,7 +258,7 @@ for seed, (m, topk, n_local, heights, sole, groups) in enumerate([
     for got, want in zip(maps, want_maps):
         k = 1 + MAP_ENTRY * int(want[0])
         assert torch.equal(got[:k], want[:k]), (seed, got[:k], want[:k])
-from dbo.moe.kernels.fused_experts import GemmConfig, fused_swiglu_experts
+from dbo.experts.kernels.fused_experts import GemmConfig, fused_swiglu_experts
 for seed, m, n_local, topk, tail, red, down_kind, persistent in [
         (0, 37, 5, 3, 16, True, "k", True), (1, 150, 3, 2, 16, False, "k", False),
         (2, 1, 3, 1, 0, True, "k", True), (3, 90, 4, 3, 16, True, "k", False),
@@ -326,7 +323,7 @@ def test_triton_kernels_in_the_interpreter():
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 @pytest.mark.parametrize("block", [8, 1000, 3072])
 def test_topk_sum_block_must_be_a_power_of_two(block):
-    from dbo.moe.kernels.fused_experts import launch_topk_sum
+    from dbo.experts.kernels.fused_experts import launch_topk_sum
 
     ids = torch.zeros(4, 2, dtype=torch.int32)
     with pytest.raises(ValueError, match="power of two"):
@@ -335,11 +332,11 @@ def test_topk_sum_block_must_be_a_power_of_two(block):
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 def test_direct_launch_keys_follow_tritons_specialization(monkeypatch):
-    # dbo.moe.kernels.triton_launch keeps a compiled kernel per specialization: the key tells apart
+    # dbo.kernels.triton_launch keeps a compiled kernel per specialization: the key tells apart
     # what Triton compiles apart (an int of 1, a multiple of 16, a 64-bit int, a pointer's
     # 16-byte alignment), and refuses arguments it does not know; under the interpreter, or
     # with DBO_TRITON_FAST_LAUNCH=0, every launch goes through kernel[grid]
-    from dbo.moe.kernels import triton_launch as tlaunch
+    from dbo.kernels import triton_launch as tlaunch
 
     spec = tlaunch._spec
     assert len({spec(1), spec(16), spec(17), spec(2 ** 31 + 16)}) == 4
@@ -360,8 +357,8 @@ def test_direct_launch_keys_follow_tritons_specialization(monkeypatch):
 
 def test_maps_reject_bad_requests_before_launching():
     # (raised on the host before any launch: no Triton needed)
-    from dbo.moe.kernels.fused_maps import tile_maps
-    from dbo.moe.kernels.fused_route import route_order_with_maps, route_with_maps
+    from dbo.experts.kernels.fused_maps import tile_maps
+    from dbo.experts.kernels.fused_route import route_order_with_maps, route_with_maps
 
     ids = torch.zeros(8, 2, dtype=torch.int32)
     offsets = torch.tensor([10, 16], dtype=torch.int32)
@@ -385,7 +382,7 @@ def test_tma_tiles_fall_back_below_sm90(monkeypatch):
     # older GPU the pointer-load tiles run instead
     from types import SimpleNamespace
 
-    from dbo.moe.kernels import fused_experts
+    from dbo.experts.kernels import fused_experts
 
     gpu_tensor = SimpleNamespace(is_cuda=True, device="cuda:0")
     for major, want in ((8, False), (9, True), (10, True)):

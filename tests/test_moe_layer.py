@@ -8,25 +8,22 @@ from hypothesis import given, note
 from hypothesis import strategies as st
 
 import dbo
+from dbo.backends.local import LocalPrepareAndFinalize
+from dbo.experts import SwiGLUExperts, make_expert_weights, reference_moe, relative_error
 from dbo.moe import (
     ActivationFormat,
     IdsRangeCheck,
-    LocalPrepareAndFinalize,
     MoEKernel,
     MoEProtocolError,
     PerUBatch,
     PrepareAndFinalize,
     PrepareResult,
-    SwiGLUExperts,
     TopKRouter,
     TopKWeightAndReduceContiguous,
     TopKWeightAndReduceDelegate,
     TopKWeightAndReduceNoOp,
     check_routing_inputs,
     contiguous_expert_map,
-    make_expert_weights,
-    reference_moe,
-    relative_error,
     topk_route,
 )
 

@@ -1,5 +1,5 @@
 """The merged expert schedule on BATCHED_EXPERTS slabs as segments of one flat buffer
-(dbo.moe.merged, dbo.moe.kernels.batched): the merge lays the ubatches' slabs end to end with
+(dbo.moe.merged, dbo.experts.kernels.batched): the merge lays the ubatches' slabs end to end with
 only the rows that arrived, the experts write each row's output in place, and each ubatch's
 output is a view of its region. Checked in plain torch here against separate per-ubatch calls
 and the plain forward, and under Triton's interpreter (the fused kernels, the row copy and the
@@ -19,20 +19,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import dbo
+from dbo.backends.local import LocalPrepareAndFinalize
 from dbo.expert_schedule import use_expert_schedule
-from dbo.moe import (
-    ActivationFormat,
-    ExpertTokensMetadata,
-    LocalPrepareAndFinalize,
-    MoEKernel,
-    SwiGLUExperts,
-    Workspace,
-    make_expert_weights,
-    relative_error,
-    topk_route,
-)
-from dbo.moe.base import BatchedSegments
-from dbo.moe.kernels.batched import MAX_SEGMENTS, batched_order, copy_arrived_rows
+from dbo.experts import SwiGLUExperts, make_expert_weights, relative_error
+from dbo.experts.kernels.batched import batched_order
+from dbo.kernels.row_copies import copy_arrived_rows
+from dbo.moe import ActivationFormat, ExpertTokensMetadata, MoEKernel, Workspace, topk_route
+from dbo.moe.base import MAX_SEGMENTS, BatchedSegments
 from dbo.moe.merged import ExpertsInput, merge_inputs, run_merged
 
 BATCHED = ActivationFormat.BATCHED_EXPERTS
@@ -257,13 +250,19 @@ from hypothesis import strategies as st
 
 import dbo
 from dbo.expert_schedule import use_expert_schedule
-from dbo.moe import (ActivationFormat, ExpertTokensMetadata, LocalPrepareAndFinalize, MoEKernel,
-                     SwiGLUExperts, Workspace, make_expert_weights, relative_error, topk_route)
+from dbo.moe import ActivationFormat, ExpertTokensMetadata, MoEKernel, Workspace, topk_route
+from dbo.backends.local import LocalPrepareAndFinalize
+from dbo.experts import SwiGLUExperts, make_expert_weights, relative_error
 from dbo.moe import merged as merged_mod
-from dbo.moe.experts import dequantize_blocks, swiglu_expert
-from dbo.moe.kernels import batched
-from dbo.moe.kernels.batched import (batched_order, batched_swiglu_experts, copy_arrived_rows,
-                                     segment_bases, segmented_swiglu_experts)
+from dbo.experts.swiglu import dequantize_blocks, swiglu_expert
+from dbo.experts.kernels import batched
+from dbo.experts.kernels.batched import (
+    batched_order,
+    batched_swiglu_experts,
+    segment_bases,
+    segmented_swiglu_experts,
+)
+from dbo.kernels.row_copies import copy_arrived_rows
 
 BATCHED = ActivationFormat.BATCHED_EXPERTS
 examples, derandomize = int(sys.argv[1]), sys.argv[2] == "1"
@@ -358,7 +357,7 @@ segmented = batched.segmented_swiglu_experts
 def counted(*a, **k):
     calls.append(1)
     return segmented(*a, **k)
-import dbo.moe.experts as experts_mod
+import dbo.experts.swiglu as experts_mod
 experts_mod.segmented_swiglu_experts = counted
 
 def model(x):

@@ -24,7 +24,7 @@ def _overlap_job(backend: str, tokens: list[int], dtype_name: str, threshold: in
     import dbo
     from dbo.backends import make_backend
     from dbo.bench.overlap.model import BenchModel, LayerDims
-    from dbo.moe import SwiGLUExperts, relative_error
+    from dbo.experts import SwiGLUExperts, relative_error
     from dbo.overlap import DBOWrapper
     from dbo.split import FALLBACK_LOG, SplitConfig
 

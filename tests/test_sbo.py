@@ -16,18 +16,13 @@ from hypothesis import strategies as st
 
 from dbo import DBOWrapper, SplitConfig, UBatchError, run_ubatches
 from dbo.autotune import NEVER_SPLIT, AutotuneRow, pick_schedule
+from dbo.backends.local import LocalPrepareAndFinalize
 from dbo.expert_schedule import ExpertSchedule, use_expert_schedule
-from dbo.moe import (
-    ActivationFormat,
-    LocalPrepareAndFinalize,
-    MoEKernel,
-    PrepareAndFinalize,
-    SwiGLUExperts,
-    topk_route,
-)
+from dbo.experts import SwiGLUExperts
+from dbo.experts.reference import make_expert_weights, relative_error
+from dbo.moe import ActivationFormat, MoEKernel, PrepareAndFinalize, topk_route
 from dbo.moe.errors import MoEProtocolError
 from dbo.moe.kernel import expert_groups
-from dbo.moe.reference import make_expert_weights, relative_error
 from dbo.split import SplitReason, UBatchPlan, no_split_plan, plan_ubatches
 from dbo.testing.conformance import check_backend, default_cases, with_options
 from dbo.testing.dist import DistWorld

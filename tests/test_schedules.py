@@ -14,18 +14,10 @@ from hypothesis import given, note, settings
 from hypothesis import strategies as st
 
 import dbo
+from dbo.backends.local import LocalPrepareAndFinalize
 from dbo.expert_schedule import ExpertSchedule, current_expert_schedule, use_expert_schedule
-from dbo.moe import (
-    ActivationFormat,
-    ExpertTokensMetadata,
-    LocalPrepareAndFinalize,
-    MergedScheduleError,
-    MoEKernel,
-    SwiGLUExperts,
-    make_expert_weights,
-    relative_error,
-    topk_route,
-)
+from dbo.experts import SwiGLUExperts, make_expert_weights, relative_error
+from dbo.moe import ActivationFormat, ExpertTokensMetadata, MergedScheduleError, MoEKernel, topk_route
 from dbo.moe import merged as merged_mod
 from dbo.overlap import mask_current_padding
 from dbo.split import SplitConfig, SplitReason, UBatchPlan, Vote, local_vote, plan_ubatches

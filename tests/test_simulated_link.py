@@ -11,15 +11,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from dbo.backends.local import LocalPrepareAndFinalize
 from dbo.backends.simulated_link import SimulatedLink, SimulatedLinkPrepareAndFinalize
-from dbo.moe import (
-    LocalPrepareAndFinalize,
-    MoEKernel,
-    SwiGLUExperts,
-    local_expert_weights,
-    make_expert_weights,
-    topk_route,
-)
+from dbo.experts import SwiGLUExperts, local_expert_weights, make_expert_weights
+from dbo.moe import MoEKernel, topk_route
 from dbo.overlap import mask_current_padding, overlapped_forward
 from dbo.split import SplitConfig
 from dbo.testing.dist import DistWorld
@@ -159,7 +154,7 @@ def test_wall_wait_rounds_and_chunks(monkeypatch):
     # one compiled kernel for every length (a multiple of 16 ns), long waits in several launches,
     # and a clear error where Triton cannot run it
     from dbo.backends.simulated_link import wall_wait as _wall_wait
-    from dbo.moe.kernels import triton_launch
+    from dbo.kernels import triton_launch
 
     launched = []
     monkeypatch.setattr(_wall_wait, "AVAILABLE", True)

@@ -14,19 +14,13 @@ import torch
 
 import dbo
 from dbo import DBOWrapper, overlapped_forward
-from dbo.moe import (
-    ActivationFormat,
-    LocalPrepareAndFinalize,
-    MoEKernel,
-    SwiGLUExperts,
-    Workspace,
-    make_expert_weights,
-    topk_route,
-)
-from dbo.moe import experts as experts_mod
-from dbo.moe.experts import find_swiglu_experts
-from dbo.moe.kernels import batched, fused_experts
-from dbo.moe.reference import reference_moe, relative_error
+from dbo.backends.local import LocalPrepareAndFinalize
+from dbo.experts import SwiGLUExperts, make_expert_weights
+from dbo.experts import swiglu as experts_mod
+from dbo.experts.kernels import batched, fused_experts
+from dbo.experts.reference import reference_moe, relative_error
+from dbo.experts.swiglu import find_swiglu_experts
+from dbo.moe import ActivationFormat, MoEKernel, Workspace, topk_route
 from dbo.overlap import mask_current_padding
 from dbo.split import SplitConfig
 from dbo.ubatch.sm import check_compute_sms, check_sm_carveout, sm_carveout
@@ -131,7 +125,7 @@ def test_batched_experts_pass_the_carveout_to_both_launches(monkeypatch):
 
 
 class _Recorder:
-    """Stands in for ``fused_swiglu_experts`` in :mod:`dbo.moe.experts`: notes the carve-out
+    """Stands in for ``fused_swiglu_experts`` in :mod:`dbo.experts.swiglu`: notes the carve-out
     and whether a run is active, and computes the experts with the float32 reference."""
 
     def __init__(self) -> None:

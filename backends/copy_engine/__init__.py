@@ -126,7 +126,7 @@ class CopyEnginePrepareAndFinalize(TorchDistPrepareAndFinalize):
             the experts rounded (see docs/backends.md for the error against bf16).
         dequantize_received: with fp8, hand the experts the activations' dtype (default), or
             the fp8 tokens with ``a1q_scale`` ``[M_recv, hidden // 128]`` for experts that take
-            them (:class:`dbo.moe.SwiGLUExperts` does).
+            them (:class:`dbo.experts.SwiGLUExperts` does).
     """
 
     name = "copy_engine"

@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from dbo.moe.kernels.gather_reduce import gather_reduce
+from dbo.experts.kernels.gather_reduce import gather_reduce
 from dbo.ubatch.streams import LogicalEvent, LogicalStream, current_logical_stream
 
 from ..fp8 import FP8_BLOCK, quantize_fp8_blocks

@@ -92,7 +92,7 @@ def nic_flow(state, count, *, unit_q: int, rate_q: int, fixed_ns: int, poll_ns: 
     the shared state at most every ``poll_ns`` (a flow that ends is seen within that)."""
     if not AVAILABLE:
         raise RuntimeError("nic_flow needs Triton, not importable here or run by its interpreter")
-    from dbo.moe.kernels.triton_launch import launch
+    from dbo.kernels.triton_launch import launch
 
     launch(_nic_flow_kernel, (1,), (state, count, int(unit_q), max(int(rate_q), 1),
                                    max(int(fixed_ns), 0), int(poll_ns)), {"num_warps": 1})
@@ -105,7 +105,7 @@ def wait_wall_ns(ns: int) -> None:
     if not AVAILABLE:
         raise RuntimeError("wait_wall_ns needs Triton, not importable here or run by its "
                            "interpreter")
-    from dbo.moe.kernels.triton_launch import launch
+    from dbo.kernels.triton_launch import launch
 
     # rounded up to a multiple of 16: Triton specializes an integer on its divisibility by 16,
     # so every length runs the one compiled kernel

@@ -32,7 +32,7 @@ CATEGORIES = (  # (name, substring of the kernel name), first match wins
     ("DeepEP", "deep_ep"),
     *(("link wait (simulated)", w) for w in LINK_WAITS),
     ("grouped GEMM", "cutlass"),
-    ("fused experts", "gate_up_kernel"),  # dbo.moe.kernels' Triton and Gluon kernels
+    ("fused experts", "gate_up_kernel"),  # dbo.experts.kernels' Triton and Gluon kernels
     ("fused experts", "gate_up_ws_kernel"),
     ("fused experts", "down_kernel"),
     ("fused experts", "down_flat_kernel"),

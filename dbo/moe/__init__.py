@@ -1,14 +1,21 @@
-"""The modular MoE layer: prepare/finalize backends, experts, the kernel that drives them.
+"""The modular MoE layer: the prepare/finalize contract and the kernel that drives a backend
+and experts through it.
 
 Layout: ``base`` (interfaces and result types), ``weight_and_reduce`` (the top-k
-weight-and-reduce variants), ``kernel`` (:class:`MoEKernel`), ``experts`` (the SwiGLU experts,
-without host syncs on CUDA) with ``grouping`` (pairs sorted by expert on the device) and
-``kernels`` (the GPU kernels: the fused experts, ``grouped_gemm`` and ``gather_reduce``, their
-tiles and launch helpers; plain torch where Triton is absent), ``router`` (top-k
-routing), ``local`` (a single-rank backend), ``reference`` (the trusted single-process MoE),
-``validate`` (argument checks), ``handles`` (per-ubatch state), ``merged`` (the merged expert
-schedule: one experts call over every ubatch's rows).
+weight-and-reduce variants), ``kernel`` (:class:`MoEKernel`), ``merged`` (the merged expert
+schedule: one experts call over every ubatch's rows), ``handles`` (per-ubatch state),
+``comm_section`` (where a backend's communication runs), ``router`` (top-k routing),
+``validate`` (argument checks), ``errors``.
+
+The library's experts and the reference are a layer above, in :mod:`dbo.experts`; the
+single-rank backend is :mod:`dbo.backends.local`. Their names stay importable from here
+(``from dbo.moe import SwiGLUExperts, LocalPrepareAndFinalize, reference_moe``), kept for
+compatibility: :func:`__getattr__` imports them on first use, so that importing ``dbo.moe``
+never imports the layers above it.
 """
+
+import importlib
+from typing import Any
 
 from dbo.moe.base import (
     ActivationFormat,
@@ -22,16 +29,8 @@ from dbo.moe.base import (
     Workspace,
 )
 from dbo.moe.errors import MergedScheduleError, MoEProtocolError
-from dbo.moe.experts import SwiGLUExperts, swiglu_expert
 from dbo.moe.handles import PerUBatch
 from dbo.moe.kernel import MoEKernel
-from dbo.moe.local import LocalPrepareAndFinalize
-from dbo.moe.reference import (
-    local_expert_weights,
-    make_expert_weights,
-    reference_moe,
-    relative_error,
-)
 from dbo.moe.router import TopKRouter, topk_route
 from dbo.moe.validate import (
     ACTIVATION_DTYPES,
@@ -82,3 +81,28 @@ __all__ = [
     "contiguous_expert_map",
     "num_local_experts_for",
 ]
+
+#: the names that moved to the layers above, each with its home (see the module docstring)
+_MOVED = {
+    "SwiGLUExperts": "dbo.experts",
+    "swiglu_expert": "dbo.experts",
+    "reference_moe": "dbo.experts",
+    "make_expert_weights": "dbo.experts",
+    "local_expert_weights": "dbo.experts",
+    "relative_error": "dbo.experts",
+    "LocalPrepareAndFinalize": "dbo.backends.local",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """The names kept for compatibility (:data:`_MOVED`), imported from their homes on first use."""
+    home = _MOVED.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value  # the next lookup is a plain attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_MOVED})

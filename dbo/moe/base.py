@@ -41,6 +41,7 @@ __all__ = [
     "ExpertTokensMetadata",
     "BatchedSegments",
     "segment_bases",
+    "MAX_SEGMENTS",
     "PrepareResult",
     "Receiver",
     "PrepareAsyncResult",
@@ -65,6 +66,13 @@ class ActivationFormat(enum.Enum):
 
     STANDARD = "standard"
     BATCHED_EXPERTS = "batched_experts"
+
+
+#: the most ubatches whose slabs one :class:`BatchedSegments` buffer lays end to end (the
+#: experts' sort of the segments takes each capacity as a scalar argument of its kernel: a device
+#: tensor of them would be a host-to-device copy per call, which a CUDA graph cannot capture);
+#: the merged schedule packs more ubatches as it does for experts that take no segments
+MAX_SEGMENTS = 4
 
 
 def segment_bases(n_experts: int, caps: Sequence[int]) -> list[int]:

@@ -149,7 +149,7 @@ class MoEKernel:
         self.sbo_groups = SBO_GROUPS
         #: SMs the experts' persistent kernels leave free while a group's combine is in flight
         #: under ``sbo`` (the experts of every group but the first; experts with an
-        #: ``sm_carveout`` attribute, as :class:`dbo.moe.SwiGLUExperts`), so that a combine
+        #: ``sm_carveout`` attribute, as :class:`dbo.experts.SwiGLUExperts`), so that a combine
         #: whose kernel needs SMs (DeepEP's low-latency one over NVLink) runs beside them;
         #: None leaves the experts' own setting
         self.sbo_sm_carveout: int | None = None

@@ -15,21 +15,21 @@ Formats:
   are concatenated along the token dim; the per-expert counts (device and, when every ubatch
   has them, host) are summed. Each ubatch's output is a row slice (a view) of the merged one.
 * BATCHED_EXPERTS, for experts that take segments
-  (:meth:`dbo.moe.MoEExperts.accepts_batched_segments`: :class:`dbo.moe.SwiGLUExperts` on its
+  (:meth:`dbo.moe.MoEExperts.accepts_batched_segments`: :class:`dbo.experts.SwiGLUExperts` on its
   fused Triton kernels): each ubatch's ``[L, cap_u, hidden]`` slab holds expert ``e``'s rows at
   its front (``n_u[e]`` of them, counted on the device only). The merged input is one flat
   buffer ``[sum_u L * cap_u, hidden]`` whose region ``u`` (from row ``base_u = L * sum(cap_v,
   v < u)``) holds ubatch ``u``'s slab rows at the same places; only the rows that arrived are
-  copied there, once (:func:`dbo.moe.kernels.batched.copy_arrived_rows`, one launch per ubatch,
+  copied there, once (:func:`dbo.kernels.row_copies.copy_arrived_rows`, one launch per ubatch,
   no host sync; the per-row scales the same way), and ``expert_tokens_meta.segments``
   (:class:`dbo.moe.base.BatchedSegments`) carries the ``[L, U]`` counts and the caps. The
   experts write each row's output to its place in a flat output, so ubatch ``u``'s output is
   its region viewed as ``[L, cap_u, hidden]``: nothing is copied back.
 * BATCHED_EXPERTS for any other experts (or more than
-  :data:`dbo.moe.kernels.batched.MAX_SEGMENTS` ubatches): the merged slab ``[L, sum cap_u,
+  :data:`dbo.moe.base.MAX_SEGMENTS` ubatches): the merged slab ``[L, sum cap_u,
   hidden]`` holds ubatch 0's rows of expert ``e``, then ubatch 1's, and so on, packed at the
   front with ``sum_u n_u[e]`` as the count; the rows that arrived are moved there
-  (:func:`dbo.moe.kernels.batched.move_rows`, one launch per ubatch) and each ubatch's rows of
+  (:func:`dbo.kernels.row_copies.move_rows`, one launch per ubatch) and each ubatch's rows of
   the output are moved back into a ``[L, cap_u, hidden]`` slab of its own (rows past its count
   unspecified, as the format allows).
 
@@ -47,9 +47,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from dbo.moe.base import ActivationFormat, BatchedSegments, ExpertTokensMetadata
+from dbo.kernels.row_copies import copy_arrived_rows, move_rows
+from dbo.moe.base import MAX_SEGMENTS, ActivationFormat, BatchedSegments, ExpertTokensMetadata
 from dbo.moe.errors import MergedScheduleError
-from dbo.moe.kernels.batched import MAX_SEGMENTS, copy_arrived_rows, move_rows
 from dbo.ubatch.context import (
     active_run,
     dbo_current_ubatch_id,
@@ -229,7 +229,7 @@ def merge_inputs(fmt: ActivationFormat, inputs: Sequence[ExpertsInput], *,
     docstring for the layouts). ``segmented``: BATCHED_EXPERTS for experts that take segments
     (:meth:`dbo.moe.MoEExperts.accepts_batched_segments`): the slabs laid end to end in one flat
     buffer, with ``expert_tokens_meta.segments`` (up to
-    :data:`dbo.moe.kernels.batched.MAX_SEGMENTS` inputs; more are packed as for other experts).
+    :data:`dbo.moe.base.MAX_SEGMENTS` inputs; more are packed as for other experts).
     No host sync.
 
     Raises:

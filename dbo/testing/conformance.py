@@ -4,7 +4,7 @@ Every rank of a process group runs :func:`run_case` for the same :class:`Conform
 builds the backend with the user's factory, runs one MoE layer (:class:`dbo.moe.MoEKernel`
 with the reference SwiGLU experts) on this rank's tokens three ways and compares them:
 
-* ``reference``: :func:`dbo.moe.reference.reference_moe`, single process, float32, all experts;
+* ``reference``: :func:`dbo.experts.reference.reference_moe`, single process, float32, all experts;
 * ``serial``: the backend without DBO;
 * ``dbo``: the same tokens cut into ``num_ubatches`` ubatches (uneven sizes, some may be empty)
   run overlapped with :func:`dbo.run_ubatches`, outputs concatenated.
@@ -39,10 +39,10 @@ import torch
 import torch.distributed as dist
 
 from dbo.expert_schedule import use_expert_schedule
+from dbo.experts.reference import local_expert_weights, make_expert_weights, reference_moe, relative_error
+from dbo.experts.swiglu import SwiGLUExperts
 from dbo.moe.base import PrepareAndFinalize
-from dbo.moe.experts import SwiGLUExperts
 from dbo.moe.kernel import MoEKernel
-from dbo.moe.reference import local_expert_weights, make_expert_weights, reference_moe, relative_error
 from dbo.moe.router import topk_route
 from dbo.ubatch.context import dbo_enabled, dbo_yield, run_ubatches
 from dbo.ubatch.trace import Trace

@@ -221,7 +221,7 @@ def error_chain(exc: BaseException | None) -> list[tuple[str, str]]:
 def fault_inputs(rank: int, tokens: int, device: torch.device) -> tuple[torch.Tensor, ...]:
     """This rank's seeded tokens and routing, and its local experts' weights, for a fault case:
     ``(x, topk_weights, topk_ids, w1, w2)`` on ``device``."""
-    from dbo.moe.reference import local_expert_weights, make_expert_weights
+    from dbo.experts.reference import local_expert_weights, make_expert_weights
     from dbo.moe.router import topk_route
 
     world = dist.get_world_size()
@@ -250,9 +250,9 @@ def faulty_step(kind: str, fault: str, use_dbo: bool, fail_rank: int, timeout_s:
     """Run on every rank; see the module docstring. Returns ``ok`` (the faulty step finished),
     ``chain`` (its error chain), ``elapsed_s`` (from the start of the faulty step),
     ``error_time`` (wall clock of the error), ``rel_err`` (finished step vs the reference)."""
-    from dbo.moe.experts import SwiGLUExperts
+    from dbo.experts.reference import relative_error
+    from dbo.experts.swiglu import SwiGLUExperts
     from dbo.moe.kernel import MoEKernel
-    from dbo.moe.reference import relative_error
 
     if fault not in FAULTS:
         raise ValueError(f"fault must be one of {FAULTS}, got {fault!r}")

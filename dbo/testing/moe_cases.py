@@ -4,7 +4,7 @@ A :class:`MoECase` describes one step of an expert-parallel MoE layer over a wor
 token counts per rank, routing style, sizes, dtype. Every rank derives the same global data
 from the case's seed and takes its own slice, so a case is a few bytes to send to a
 :class:`dbo.testing.dist.DistWorld` job. :func:`check_case` runs the backend plainly and with
-DBO and compares both with :func:`dbo.moe.reference_moe` and with each other.
+DBO and compares both with :func:`dbo.experts.reference_moe` and with each other.
 
 Routing styles: ``"random"``; ``"avoid_rank:R"`` (no token picks an expert of rank R, which
 then receives nothing); ``"padding"`` (about a quarter of the rows route to no expert, ``-1``
@@ -19,10 +19,10 @@ from dataclasses import dataclass
 import torch
 
 from dbo.expert_schedule import use_expert_schedule
+from dbo.experts.reference import local_expert_weights, make_expert_weights, reference_moe, relative_error
+from dbo.experts.swiglu import SwiGLUExperts
 from dbo.moe.base import PrepareAndFinalize
-from dbo.moe.experts import SwiGLUExperts
 from dbo.moe.kernel import MoEKernel
-from dbo.moe.reference import local_expert_weights, make_expert_weights, reference_moe, relative_error
 from dbo.moe.router import topk_route
 from dbo.ubatch.context import dbo_region, run_ubatches
 from dbo.ubatch.trace import Trace

@@ -60,9 +60,9 @@ def _operation(args: argparse.Namespace, model, ids, mask):
     check of it, returning ``(dbo_matches_plain, prefill ubatches)``."""
     import torch
 
+    from dbo.experts.reference import relative_error
     from dbo.integrations.transformers import DBOPrefill, prefill_logits, prefill_split_config
     from dbo.integrations.transformers.generate import greedy_generate
-    from dbo.moe.reference import relative_error
     from dbo.peers.watchdog import collective_timeout
     from dbo.split import SplitConfig
 

@@ -74,7 +74,8 @@ def stop_test(rank: int, world: int) -> bool:
     """The last rank exits before layer 2; the others must fail cleanly and quickly."""
     from dbo.backends.copy_engine import CopyEnginePrepareAndFinalize
     from dbo.errors import CollectiveTimeoutError
-    from dbo.moe import MoEKernel, SwiGLUExperts, local_expert_weights, make_expert_weights, topk_route
+    from dbo.experts import SwiGLUExperts, local_expert_weights, make_expert_weights
+    from dbo.moe import MoEKernel, topk_route
 
     pf = CopyEnginePrepareAndFinalize(hidden_size=1024, max_tokens_per_rank=256, max_topk=4,
                                       device="cuda", timeout_s=2.0)

@@ -71,7 +71,7 @@ def _bench(timeout_s: float, iters: int) -> dict:
     import torch
     import torch.distributed as dist
 
-    from dbo.moe.experts import SwiGLUExperts
+    from dbo.experts.swiglu import SwiGLUExperts
     from dbo.moe.kernel import MoEKernel
     from dbo.testing.faults import fault_inputs, make_deepep_backend, per_launch_check_cost
     from dbo.ubatch.context import run_ubatches

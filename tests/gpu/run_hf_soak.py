@@ -69,9 +69,9 @@ from dbo.bench.hf.model import (
     save_checkpoint,
 )
 from dbo.bench.hf.prefill_table import logits_match
+from dbo.experts import relative_error
 from dbo.integrations.transformers import DBOPrefill, prefill_logits, prefill_split_config, use_backend
 from dbo.integrations.transformers.generate import greedy_generate
-from dbo.moe import relative_error
 from dbo.peers.collectives import all_reduce_max
 from dbo.peers.watchdog import collective_timeout
 from dbo.split import SplitConfig

@@ -7,10 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dbo.moe import ActivationFormat, MoEKernel, SwiGLUExperts, relative_error, topk_route
-from dbo.moe.kernels.gather_reduce import HAVE_TRITON, gather_reduce
-from dbo.moe.local import LocalPrepareAndFinalize
-from dbo.moe.reference import reference_moe
+from dbo.backends.local import LocalPrepareAndFinalize
+from dbo.experts import SwiGLUExperts, relative_error
+from dbo.experts.kernels.gather_reduce import gather_reduce
+from dbo.experts.reference import reference_moe
+from dbo.kernels.triton_launch import HAVE_TRITON
+from dbo.moe import ActivationFormat, MoEKernel, topk_route
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

@@ -12,16 +12,11 @@ import pytest
 import torch
 
 from dbo.bench.syncs import no_host_syncs
-from dbo.moe import (
-    ActivationFormat,
-    ExpertTokensMetadata,
-    SwiGLUExperts,
-    Workspace,
-    reference_moe,
-    relative_error,
-)
-from dbo.moe.kernels.gather_reduce import HAVE_TRITON, gather_reduce, gather_rows, silu_and_mul
-from dbo.moe.kernels.grouped_gemm import grouped_mm_kernel
+from dbo.experts import SwiGLUExperts, reference_moe, relative_error
+from dbo.experts.kernels.gather_reduce import gather_reduce, gather_rows, silu_and_mul
+from dbo.experts.kernels.grouped_gemm import grouped_mm_kernel
+from dbo.kernels.triton_launch import HAVE_TRITON
+from dbo.moe import ActivationFormat, ExpertTokensMetadata, Workspace
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -124,7 +119,7 @@ def test_triton_kernels_match_torch(m, p, topk, hidden):
 
 
 def _fused_cases():
-    from dbo.moe.kernels.fused_tiles import (
+    from dbo.experts.kernels.fused_tiles import (
         CONFIGS,
         FEW_EXPERTS_DOWN,
         FEW_EXPERTS_UP,
@@ -157,11 +152,11 @@ def test_every_fused_tile_matches_torch(case, m, monkeypatch):
     # every tile of the table, one program per tile or persistent: the same numbers as the
     # plain-torch steps; at 72K pairs through the radix sort's int64 order (the counting sort
     # would take 72K pairs of 32 experts: its limit is lowered here)
-    from dbo.moe.kernels import fused_route
+    from dbo.experts.kernels import fused_route
 
     if m == 9000:
         monkeypatch.setattr(fused_route, "ROUTE_MAX_CELLS", 2048)
-    from dbo.moe.kernels.fused_experts import fused_swiglu_experts
+    from dbo.experts.kernels.fused_experts import fused_swiglu_experts
 
     up, down, inter, persistent = case
     x, w1, w2, weights, ids = _case(m, 32, 8, 1024, inter, torch.bfloat16, seed=m + inter)
@@ -181,9 +176,9 @@ def test_a_tiles_own_persistence_wins_over_the_calls(call_persistent):
     # (a persistent launch sizes its grid from the compiled kernel, cached per specialization)
     import dataclasses
 
-    from dbo.moe.kernels import fused_experts as fe
-    from dbo.moe.kernels.fused_kernels import down_kernel, gate_up_kernel
-    from dbo.moe.kernels.fused_tiles import CONFIGS, DOWN_TAIL
+    from dbo.experts.kernels import fused_experts as fe
+    from dbo.experts.kernels.fused_kernels import down_kernel, gate_up_kernel
+    from dbo.experts.kernels.fused_tiles import CONFIGS, DOWN_TAIL
 
     x, w1, w2, weights, ids = _case(3000, 32, 8, 1024, 512, torch.bfloat16, seed=5)
     want = _apply(SwiGLUExperts(use_triton=False), x, w1, w2, weights, ids, True)
@@ -205,7 +200,7 @@ def test_route_order_both_sorts(m, n_local):
     # the counting sort with many chunks (72K and 520K pairs of 32 experts) and the radix sort
     # (72K pairs of 256 experts, 560K of 32): every local pair once, sorted by expert, the
     # experts' end rows; nothing read back
-    from dbo.moe.kernels.fused_route import route_order, uses_counting_sort
+    from dbo.experts.kernels.fused_route import route_order, uses_counting_sort
 
     ids = torch.randint(-1, n_local + 2, (m, 8), device="cuda", dtype=torch.int32,
                         generator=torch.Generator(device="cuda").manual_seed(m + n_local))
@@ -223,12 +218,12 @@ def test_route_order_both_sorts(m, n_local):
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton is not importable")
 def test_direct_launches_match_triton_launches(monkeypatch):
-    # the launcher called directly (dbo.moe.kernels.triton_launch) computes what kernel[grid] computes,
+    # the launcher called directly (dbo.kernels.triton_launch) computes what kernel[grid] computes,
     # across specializations (two sizes, a misaligned input), and is what runs after the first call.
     # At m=700 (175 rows per expert) the aligned input runs the split ws gate/up tile, which the
     # misaligned one cannot (the Triton tile): their float32 sums differ in order, not more
-    from dbo.moe.kernels import triton_launch
-    from dbo.moe.kernels.fused_experts import fused_swiglu_experts
+    from dbo.experts.kernels.fused_experts import fused_swiglu_experts
+    from dbo.kernels import triton_launch
 
     outs = {}
     for fast in ("0", "1"):
@@ -256,7 +251,7 @@ def test_direct_launches_match_triton_launches(monkeypatch):
 def test_misaligned_weights_skip_tma(inter):
     # weights that are views at a 2-byte offset cannot back a TMA descriptor: the fused kernels
     # read them through pointers instead, with the same numbers as the plain-torch steps
-    from dbo.moe.kernels.fused_experts import fused_swiglu_experts
+    from dbo.experts.kernels.fused_experts import fused_swiglu_experts
 
     x, w1, w2, weights, ids = _case(700, 8, 8, 1024, inter, torch.bfloat16, seed=inter)
     want = _apply(SwiGLUExperts(use_triton=False), x, w1, w2, weights, ids, True)
@@ -275,8 +270,8 @@ def test_sole_rows_written_by_the_down_kernel_are_the_same_bits(topk, n_local, r
     # the flat down kernel writing the rows of tokens with one local slot straight to the output
     # (weighted), the top-k sum leaving them alone: bit for bit what the top-k sum writes, with
     # tokens of no, one and several local slots; a top-k that is not a power of two
-    from dbo.moe.kernels.fused_experts import fused_swiglu_experts
-    from dbo.moe.kernels.fused_tiles import CONFIGS, FLAT_DOWN
+    from dbo.experts.kernels.fused_experts import fused_swiglu_experts
+    from dbo.experts.kernels.fused_tiles import CONFIGS, FLAT_DOWN
 
     g = torch.Generator(device="cuda").manual_seed(topk + n_local)
     m, hidden, inter = 3000, 1024, 256
@@ -314,8 +309,8 @@ def test_warp_specialized_gate_up_is_the_same_bits(block_m, inter, hidden, m, n_
     # the Gluon gate/up kernel (GemmConfig.ws) against the Triton kernel with the same blocks: the
     # same bits, whole calls (its map shared with the flat down kernel at 128 rows, with the sole
     # rows' marks), no host sync; and close to the plain-torch steps
-    from dbo.moe.kernels import fused_experts as fe
-    from dbo.moe.kernels.fused_tiles import FLAT_DOWN, GemmConfig
+    from dbo.experts.kernels import fused_experts as fe
+    from dbo.experts.kernels.fused_tiles import FLAT_DOWN, GemmConfig
 
     ws = GemmConfig(block_m, 128, 64, 8, 8, 4 if block_m == 128 else 5, ws=True)
     x, w1, w2, weights, ids = _case(m, n_local, 8, hidden, inter, dtype, seed=m + inter)
@@ -339,8 +334,8 @@ def test_warp_specialized_gate_up_is_the_same_bits(block_m, inter, hidden, m, n_
 def test_warp_specialized_gate_up_alone_with_empty_experts():
     # launch_gate_up with a ws tile and no map given (it builds its own): the local pairs' rows
     # of act equal the Triton kernel's, with experts of no rows and of one row
-    from dbo.moe.kernels import fused_experts as fe
-    from dbo.moe.kernels.fused_tiles import GemmConfig
+    from dbo.experts.kernels import fused_experts as fe
+    from dbo.experts.kernels.fused_tiles import GemmConfig
 
     ws = GemmConfig(128, 128, 64, 8, 8, 4, ws=True)
     x, w1, _, _, ids = _case(500, 24, 4, 1024, 256, torch.bfloat16, seed=3)
@@ -370,9 +365,9 @@ def test_split_last_round_of_the_warp_specialized_gate_up(block_m, shares, hidde
     # gives, rows past the local pairs untouched, the same bits call after call; over program
     # counts that leave no round partly filled (1), fewer tiles than programs, and partial rounds;
     # at hidden 128 (two K steps) no more shares than K steps
-    from dbo.moe.kernels import fused_experts as fe
-    from dbo.moe.kernels import gluon_gate_up as gg
-    from dbo.moe.kernels.fused_tiles import GemmConfig
+    from dbo.experts.kernels import fused_experts as fe
+    from dbo.experts.kernels import gluon_gate_up as gg
+    from dbo.experts.kernels.fused_tiles import GemmConfig
 
     x, w1, _, _, ids = _case(2500, 12, 8, hidden, 256, torch.bfloat16, seed=11)
     ws = GemmConfig(block_m, 128, 64, 8, 8, 4 if block_m == 128 else 5, ws=True)
@@ -401,8 +396,8 @@ def test_split_last_round_of_the_warp_specialized_gate_up(block_m, shares, hidde
 def test_split_gate_up_whole_call_matches_torch():
     # the table's split tile (few experts, I <= 256) through fused_swiglu_experts: no host sync,
     # close to the plain-torch steps, run to run the same bits
-    from dbo.moe.kernels import fused_experts as fe
-    from dbo.moe.kernels.fused_tiles import FLAT_DOWN, WS_UP64_SPLIT
+    from dbo.experts.kernels import fused_experts as fe
+    from dbo.experts.kernels.fused_tiles import FLAT_DOWN, WS_UP64_SPLIT
 
     x, w1, w2, weights, ids = _case(4000, 16, 8, 2048, 256, torch.bfloat16, seed=5)
     if not fe.runs_ws(WS_UP64_SPLIT, x, w1):
@@ -423,7 +418,7 @@ def separate_launches(x, w1, w2, tw, ids, out, configs, pairs, sole):
     """The fused call as it ran before ``fused_experts.tile_maps``: the gate/up and the down tile
     each build their map in a launch of their own, and the split's counters are zeroed by one
     (``sole``: the down kernel writes the rows of tokens with one local slot)."""
-    from dbo.moe.kernels import fused_experts as fe
+    from dbo.experts.kernels import fused_experts as fe
 
     m, topk = ids.shape
     n_experts, two_inter, _ = w1.shape
@@ -444,8 +439,8 @@ def test_one_map_launch_is_the_same_bits_as_separate_launches(up_name, sole):
     # fused_swiglu_experts builds the ws gate/up tile's map, the flat down tile's map (64 and 128
     # rows: two maps, or one), the sole rows' marks and the split's counters in one launch: the
     # same output bits as each built by its own launch, call after call (the counters re-zeroed)
-    from dbo.moe.kernels import fused_experts as fe
-    from dbo.moe.kernels import fused_tiles as ft
+    from dbo.experts.kernels import fused_experts as fe
+    from dbo.experts.kernels import fused_tiles as ft
 
     up = getattr(ft, up_name)
     x, w1, w2, weights, ids = _case(6000, 16, 8, 2048, 256, torch.bfloat16, seed=9)
@@ -469,8 +464,8 @@ def test_one_map_launch_is_the_same_bits_as_separate_launches(up_name, sole):
 def test_route_with_maps_equals_routing_then_maps(m, n_local):
     # the maps, marks and zeros from the counting sort's second launch (or, above its size, the
     # radix sort and then tile_maps) against route_order and tile_maps: the same values
-    from dbo.moe.kernels import fused_maps as fm
-    from dbo.moe.kernels import fused_route as fr
+    from dbo.experts.kernels import fused_maps as fm
+    from dbo.experts.kernels import fused_route as fr
 
     _, _, _, _, ids = _case(m, n_local, 8, 64, 64, torch.bfloat16, seed=m)
     pairs = ids.numel()
@@ -534,7 +529,7 @@ def test_batched_slabs_in_a_cuda_graph_follow_the_counts(cap, hidden, inter):
     # captured once, replayed with other counts: the graph reads them on the device (the second
     # shape takes the few-expert slab tiles, whose split gate/up tile zeroes its counters in the
     # graph)
-    from dbo.moe.kernels.batched import batched_swiglu_experts
+    from dbo.experts.kernels.batched import batched_swiglu_experts
 
     x, w1, w2, counts = _slabs(8, cap, hidden, inter, torch.bfloat16, seed=5)
     out = torch.zeros_like(x)
@@ -559,7 +554,7 @@ def test_batched_slabs_in_a_cuda_graph_follow_the_counts(cap, hidden, inter):
 @pytest.mark.skipif(not HAVE_TRITON, reason="needs Triton")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.float32])
 def test_move_rows_on_the_gpu_is_plain_indexing(dtype):
-    from dbo.moe.kernels.batched import move_rows
+    from dbo.kernels.row_copies import move_rows
 
     g = torch.Generator(device="cuda").manual_seed(1)
     src = torch.randn(4, 300, 7168 if dtype != torch.float32 else 56, device="cuda", generator=g).to(dtype)

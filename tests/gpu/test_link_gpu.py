@@ -11,9 +11,11 @@ import time
 import pytest
 import torch
 
+from dbo.backends.local import LocalPrepareAndFinalize
 from dbo.backends.simulated_link import SimulatedLink, SimulatedLinkPrepareAndFinalize, link_wait
 from dbo.backends.simulated_link import wall_wait as _wall_wait
-from dbo.moe import LocalPrepareAndFinalize, MoEKernel, SwiGLUExperts, make_expert_weights, topk_route
+from dbo.experts import SwiGLUExperts, make_expert_weights
+from dbo.moe import MoEKernel, topk_route
 from dbo.ubatch.context import run_ubatches
 from dbo.ubatch.streams import gpu_sleep
 

@@ -12,8 +12,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from dbo.backends.local import LocalPrepareAndFinalize
 from dbo.bench.syncs import format_sites, host_syncs, no_host_syncs
-from dbo.moe import ActivationFormat, ExpertTokensMetadata, LocalPrepareAndFinalize
+from dbo.moe import ActivationFormat, ExpertTokensMetadata
 from dbo.moe.merged import ExpertsInput, merge_inputs
 from dbo.testing.moe_cases import MoECase, case_inputs, check_case, run_case
 

@@ -1,4 +1,4 @@
-"""The merged expert schedule's segments on the GPU (dbo.moe.kernels.batched, dbo.moe.merged):
+"""The merged expert schedule's segments on the GPU (dbo.experts.kernels.batched, dbo.moe.merged):
 the compiled order and row-copy kernels against plain indexing, and the library's merged path
 (merge, SwiGLUExperts on the fused kernels, split) against one call per ubatch, with no host
 sync and under CUDA graph capture, bf16 and fp8 with DeepEP's column-major scales. Run on the
@@ -10,14 +10,11 @@ import pytest
 import torch
 
 from dbo.bench.syncs import no_host_syncs
-from dbo.moe import ActivationFormat, ExpertTokensMetadata, SwiGLUExperts, Workspace, relative_error
-from dbo.moe.experts import dequantize_blocks, swiglu_expert
-from dbo.moe.kernels.batched import (
-    batched_order,
-    batched_swiglu_experts,
-    copy_arrived_rows,
-    segment_bases,
-)
+from dbo.experts import SwiGLUExperts, relative_error
+from dbo.experts.kernels.batched import batched_order, batched_swiglu_experts, segment_bases
+from dbo.experts.swiglu import dequantize_blocks, swiglu_expert
+from dbo.kernels.row_copies import copy_arrived_rows
+from dbo.moe import ActivationFormat, ExpertTokensMetadata, Workspace
 from dbo.moe.merged import ExpertsInput, run_merged
 
 pytestmark = [pytest.mark.gpu,

@@ -1,7 +1,7 @@
 """Whole experts calls with the library's tile rule against another version of it, alternating.
 
-``--rule FILE`` is a copy of ``dbo/moe/kernels/fused_tiles.py`` from another revision (``git show
-REV:dbo/moe/kernels/fused_tiles.py > FILE``); its ``pick_configs`` (and ``pick_slab_configs``,
+``--rule FILE`` is a copy of ``dbo/experts/kernels/fused_tiles.py`` from another revision (``git show
+REV:dbo/experts/kernels/fused_tiles.py > FILE``); its ``pick_configs`` (and ``pick_slab_configs``,
 where it has one) stand in for the library's during the ``B`` calls. For each shape, STANDARD
 (``I:L:T``: ``T`` received tokens, top-8 of 256, device offsets) and low-latency slabs
 (``bI:L:T``: ``T`` tokens per rank of 2), both timed by :func:`dbo.bench.experts.command.time_experts`
@@ -25,8 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from dbo.bench.experts.command import add_limits, make_batched_case, make_case, time_experts  # noqa: E402
 from dbo.bench.limits import measure_device_limits  # noqa: E402
-from dbo.moe import SwiGLUExperts  # noqa: E402
-from dbo.moe.kernels import batched, fused_experts  # noqa: E402
+from dbo.experts import SwiGLUExperts  # noqa: E402
+from dbo.experts.kernels import batched, fused_experts  # noqa: E402
 
 
 class RuleExperts(SwiGLUExperts):

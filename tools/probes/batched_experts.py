@@ -10,7 +10,7 @@ GPU sleep (CUDA events, median):
 * ``split``: two calls, each on one ubatch's slabs (half the tokens), as the split schedule runs
   them; its floor is the limit with every weight read twice;
 * ``merged``: the merged schedule's experts as the library runs them at its rendezvous
-  (:func:`dbo.moe.merged.run_merged`: the merge, one :class:`dbo.moe.SwiGLUExperts` call, the
+  (:func:`dbo.moe.merged.run_merged`: the merge, one :class:`dbo.experts.SwiGLUExperts` call, the
   split): on the fused kernels the ubatches' slabs are segments of one flat buffer (only the
   rows that arrived copied in, nothing copied back);
 * ``merged_call``: that experts call alone, on the merged input;
@@ -40,17 +40,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tune_experts import alternating_ms  # noqa: E402
 
 from dbo.bench.limits import experts_cost, measure_device_limits  # noqa: E402
-from dbo.moe import (  # noqa: E402
-    ActivationFormat,
-    ExpertTokensMetadata,
-    SwiGLUExperts,
-    Workspace,
-    relative_error,
-)
-from dbo.moe.kernels.batched import batched_order, batched_swiglu_experts  # noqa: E402
-from dbo.moe.kernels.fused_experts import launch_down, launch_gate_up  # noqa: E402
-from dbo.moe.kernels.fused_tiles import GemmConfig as C  # noqa: E402
-from dbo.moe.kernels.fused_tiles import pick_slab_configs  # noqa: E402
+from dbo.experts import SwiGLUExperts, relative_error  # noqa: E402
+from dbo.experts.kernels.batched import batched_order, batched_swiglu_experts  # noqa: E402
+from dbo.experts.kernels.fused_experts import launch_down, launch_gate_up  # noqa: E402
+from dbo.experts.kernels.fused_tiles import GemmConfig as C  # noqa: E402
+from dbo.experts.kernels.fused_tiles import pick_slab_configs  # noqa: E402
+from dbo.moe import ActivationFormat, ExpertTokensMetadata, Workspace  # noqa: E402
 from dbo.moe.merged import ExpertsInput, merge_inputs, run_merged  # noqa: E402
 
 UP = [C(64, 128, 64, 8, 4, 5, tma=True), C(64, 64, 64, 8, 4, 5, tma=True),

@@ -2,7 +2,7 @@
 
     python3 tools/probes/breakdown_experts.py [--shapes I:L:T ...] [--json F]
 
-For each shape the library's :class:`dbo.moe.SwiGLUExperts` (device offsets, as the experts
+For each shape the library's :class:`dbo.experts.SwiGLUExperts` (device offsets, as the experts
 grid) is called ``--steps`` times, each call queued behind a GPU sleep (the benchmark's "GPU
 time"), under torch.profiler. From the trace, per call: the span from its first kernel's start
 to its last kernel's end, the kernels' summed time, the gaps (span - sum), and each kernel's
@@ -23,7 +23,8 @@ from torch.profiler import ProfilerActivity, profile
 from dbo.bench.experts.command import apply_experts, make_case
 from dbo.bench.limits import experts_cost, measure_device_limits
 from dbo.bench.timing import gpu_sleep
-from dbo.moe import SwiGLUExperts, Workspace
+from dbo.experts import SwiGLUExperts
+from dbo.moe import Workspace
 
 SHAPES = ["256:32:1024", "256:32:4096", "256:32:8192", "256:32:16384", "256:32:32768", "256:128:1024",
           "256:128:8192", "256:256:2048", "256:256:16384", "768:32:4096", "768:32:8192", "768:256:8192",

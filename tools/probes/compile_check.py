@@ -20,8 +20,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from dbo.moe.kernels import fused_experts as fe
-from dbo.moe.kernels import fused_kernels as fk
+from dbo.experts.kernels import fused_experts as fe
+from dbo.experts.kernels import fused_kernels as fk
 
 
 def _flat(bm, bn, bk, sole=False):

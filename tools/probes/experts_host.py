@@ -28,8 +28,9 @@ import torch
 
 from dbo.bench.experts.command import apply_experts, make_case
 from dbo.bench.limits import experts_cost, measure_device_limits
-from dbo.moe import SwiGLUExperts, Workspace
-from dbo.moe.kernels import fused_experts as fe
+from dbo.experts import SwiGLUExperts
+from dbo.experts.kernels import fused_experts as fe
+from dbo.moe import Workspace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tune_experts import median_ms  # noqa: E402
@@ -73,7 +74,7 @@ def graph_ms(fn, n: int = 30) -> float:
 def fused_steps(case, inter: int, local: int, persistent: bool = False) -> dict:
     """Each step of the fused path on ``case`` (routing, gate/up, down, top-k sum) as a call
     with its inputs and outputs allocated now (the tiles the library picks for the case's rows
-    per expert; ``persistent`` as :func:`dbo.moe.kernels.fused_tiles.prefer_persistent` says, or not)."""
+    per expert; ``persistent`` as :func:`dbo.experts.kernels.fused_tiles.prefer_persistent` says, or not)."""
     ids = case.ids
     m, topk = ids.shape
     order, offsets = fe.route_order(ids, local)

@@ -86,9 +86,10 @@ def experts_steps(tokens: int = 1024, inter: int = 256, local: int = 32) -> None
     from experts_host import fused_steps
 
     from dbo.bench.experts.command import apply_experts, make_case
-    from dbo.moe import SwiGLUExperts, Workspace
-    from dbo.moe.kernels import fused_experts as fe
-    from dbo.moe.kernels import triton_launch
+    from dbo.experts import SwiGLUExperts
+    from dbo.experts.kernels import fused_experts as fe
+    from dbo.kernels import triton_launch
+    from dbo.moe import Workspace
 
     case = make_case(tokens, 7168, inter, local)
     est = tokens * case.ids.shape[1] / 256

@@ -1,10 +1,10 @@
-"""Tile sweep of the fused experts' two grouped GEMMs (dbo.moe.kernels.fused_experts) on the GPU host.
+"""Tile sweep of the fused experts' two grouped GEMMs (dbo.experts.kernels.fused_experts) on the GPU host.
 
 For each shape (hidden 7168, top-8 of 256, I, local experts, tokens) it times every candidate
 tile of the gate/up GEMM and of the down GEMM alone (CUDA events, median), checks each
 candidate's output against the unfused reference on the first shape, and prints per shape the
 best tile, its time and its ratio to the GEMM's own limit (bandwidth and GEMM rate measured at
-the start of the run). The chosen tiles go into ``dbo.moe.kernels.fused_experts.CONFIGS``.
+the start of the run). The chosen tiles go into ``dbo.experts.kernels.fused_experts.CONFIGS``.
 
     python tools/probes/tune_experts.py --json $OUT/tune.json
 """
@@ -26,8 +26,8 @@ from dbo.bench import timing  # noqa: E402
 from dbo.bench.experts.command import make_case  # noqa: E402
 from dbo.bench.limits import measure_device_limits  # noqa: E402
 from dbo.bench.timing import gpu_sleep  # noqa: E402
-from dbo.moe import ActivationFormat, SwiGLUExperts, Workspace, relative_error  # noqa: E402
-from dbo.moe.kernels.fused_experts import (  # noqa: E402
+from dbo.experts import SwiGLUExperts, relative_error  # noqa: E402
+from dbo.experts.kernels.fused_experts import (  # noqa: E402
     GemmConfig,
     fused_swiglu_experts,
     launch_down,
@@ -35,8 +35,9 @@ from dbo.moe.kernels.fused_experts import (  # noqa: E402
     pick_configs,
     route_order,
 )
-from dbo.moe.kernels.fused_maps import MAP_GROUP_M  # noqa: E402
-from dbo.moe.kernels.fused_tiles import prefer_persistent  # noqa: E402
+from dbo.experts.kernels.fused_maps import MAP_GROUP_M  # noqa: E402
+from dbo.experts.kernels.fused_tiles import prefer_persistent  # noqa: E402
+from dbo.moe import ActivationFormat, Workspace  # noqa: E402
 
 C = GemmConfig
 UP = [C(64, 64, 64, 8, 4, 4), C(128, 128, 64, 8, 8, 4), C(128, 128, 64, 8, 8, 3),

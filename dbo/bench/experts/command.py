@@ -1,4 +1,4 @@
-"""The routed experts alone: :class:`dbo.moe.SwiGLUExperts` at the overlap benchmark's shapes.
+"""The routed experts alone: :class:`dbo.experts.SwiGLUExperts` at the overlap benchmark's shapes.
 
     python -m dbo.bench experts                      # CUDA: the default grid, a table
     python -m dbo.bench experts --intermediate 256 768 2048 --tokens 4096 --json out.json
@@ -41,7 +41,8 @@ from dbo.bench.cli import ArgumentParser, verdict
 from dbo.bench.experts.cases import BatchedCase, ExpertsCase, make_batched_case, make_case
 from dbo.bench.limits import DeviceLimits, experts_cost, measure_device_limits
 from dbo.bench.timing import gpu_sleep
-from dbo.moe import MoEExperts, SwiGLUExperts, Workspace
+from dbo.experts import SwiGLUExperts
+from dbo.moe import MoEExperts, Workspace
 
 __all__ = ["ExpertsCase", "BatchedCase", "make_case", "make_batched_case", "apply_experts", "experts_call",
            "time_experts", "run_grid", "add_limits", "format_rows", "limit_summary", "main"]

@@ -60,8 +60,8 @@ from dbo.bench.hf.model import (
 from dbo.bench.hf.prefill_table import logits_match, print_table, verdict_reason, write_json
 from dbo.bench.syncs import format_sites, host_syncs
 from dbo.bench.timing import median_ms
+from dbo.experts import relative_error
 from dbo.integrations.transformers import DBOPrefill, prefill_logits, prefill_split_config, use_backend
-from dbo.moe import relative_error
 from dbo.peers.collectives import all_reduce_max
 
 PROG = "hf-prefill"

@@ -7,7 +7,7 @@ backend through :class:`dbo.moe.MoEKernel`, a shared SwiGLU expert run while the
 flight). Every layer uses the same weights: the time is what matters, and one copy of a
 DeepSeek-V3-sized expert set (11 GB per rank at 128 local experts) is enough.
 
-The routed experts are the library's :class:`dbo.moe.SwiGLUExperts` (no host sync; on CUDA
+The routed experts are the library's :class:`dbo.experts.SwiGLUExperts` (no host sync; on CUDA
 grouped GEMMs and the Triton gather-reduce). What the benchmark swaps in to measure the parts:
 
 * :class:`IdentityExperts`: hands the received tokens straight to the combine ("communication

@@ -28,7 +28,8 @@ from dbo.bench.overlap.model import (
 )
 from dbo.bench.timing import Progress, measure
 from dbo.expert_schedule import ExpertSchedule, current_expert_schedule, use_expert_schedule
-from dbo.moe import MoEKernel, SwiGLUExperts, relative_error
+from dbo.experts import SwiGLUExperts, relative_error
+from dbo.moe import MoEKernel
 from dbo.overlap import overlapped_forward
 from dbo.peers.collectives import all_reduce_max
 from dbo.split import SplitConfig, plan_ubatches

@@ -2,7 +2,7 @@
 
 Two choices (:data:`EXPERTS_CHOICES`), both in both activation formats:
 
-- :class:`LibraryExperts` (``"library"``): dbo's :class:`~dbo.moe.SwiGLUExperts` on the
+- :class:`LibraryExperts` (``"library"``): dbo's :class:`~dbo.experts.SwiGLUExperts` on the
   module's own weights, read where they lie: transformers' fused ``gate_up_proj``
   ``[E, 2I, hidden]`` (gate rows first) and ``down_proj`` ``[E, hidden, I]`` are already
   ``w1`` / ``w2`` (no copy). Slots whose expert is on another rank (id ``-1``) are skipped, not
@@ -28,17 +28,17 @@ from typing import Any
 import torch
 
 from dbo.errors import DBOError
+from dbo.experts import SwiGLUExperts
+from dbo.experts.swiglu import dequantize_blocks
 from dbo.moe import (
     ActivationFormat,
     ExpertTokensMetadata,
     MoEExperts,
-    SwiGLUExperts,
     TopKWeightAndReduce,
     TopKWeightAndReduceDelegate,
     TopKWeightAndReduceNoOp,
     Workspace,
 )
-from dbo.moe.experts import dequantize_blocks
 from dbo.moe.validate import ACTIVATION_DTYPES
 
 __all__ = ["EXPERTS_CHOICES", "UnsupportedEPError", "ModelExperts", "LibraryExperts",
@@ -228,7 +228,7 @@ def _refusal(module: torch.nn.Module, problem: str) -> str:
 
 
 class LibraryExperts(SwiGLUExperts):
-    """dbo's :class:`~dbo.moe.SwiGLUExperts` on a transformers experts module's own weights.
+    """dbo's :class:`~dbo.experts.SwiGLUExperts` on a transformers experts module's own weights.
 
     ``gate_up_proj`` ``[E, 2I, hidden]`` (gate rows first) and ``down_proj`` ``[E, hidden, I]``
     are ``w1`` and ``w2`` as they are (no copy); they are read when the experts run (the local
@@ -240,7 +240,7 @@ class LibraryExperts(SwiGLUExperts):
 
     Args:
         module: the experts module (``num_experts`` = its local expert count).
-        swiglu_kwargs: passed to :class:`~dbo.moe.SwiGLUExperts` (``reduce_in_experts`` stays True).
+        swiglu_kwargs: passed to :class:`~dbo.experts.SwiGLUExperts` (``reduce_in_experts`` stays True).
 
     Raises:
         UnsupportedEPError: the module's layout is not one the library experts run
@@ -262,7 +262,7 @@ class LibraryExperts(SwiGLUExperts):
               activation_format: ActivationFormat, expert_tokens_meta: ExpertTokensMetadata | None,
               apply_router_weight_on_input: bool, workspace: Workspace,
               a1q_scale: torch.Tensor | None = None) -> torch.Tensor:
-        """See :meth:`dbo.moe.SwiGLUExperts.apply` (``w1``/``w2``/``workspace`` unused)."""
+        """See :meth:`dbo.experts.SwiGLUExperts.apply` (``w1``/``w2``/``workspace`` unused)."""
         del w1, w2, workspace
         with _local_params(self.module):
             gate_up, down = self.module.gate_up_proj, self.module.down_proj

@@ -22,7 +22,8 @@ from typing import Any
 import torch
 
 from dbo.backends import make_backend
-from dbo.moe import MoEKernel, PrepareAndFinalize, SwiGLUExperts
+from dbo.experts import SwiGLUExperts
+from dbo.moe import MoEKernel, PrepareAndFinalize
 from dbo.overlap import current_ubatch
 from dbo.split import mask_padding_routing
 from dbo.ubatch.context import dbo_region

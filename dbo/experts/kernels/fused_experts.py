@@ -4,13 +4,13 @@
 with ``e = topk_ids[m, s]``, ``[g_e; u_e] = w1[e]`` and ``d_e = w2[e]``.
 
 1. The (token, slot) pairs are sorted by local expert on the device: where the chunks'
-   histogram fits (:func:`dbo.moe.kernels.fused_route.uses_counting_sort`) a counting sort in two
+   histogram fits (:func:`dbo.experts.kernels.fused_route.uses_counting_sort`) a counting sort in two
    Triton launches (a histogram per chunk, then each pair's place), above it one 16-bit radix
    sort and a ``searchsorted`` for each expert's end row. Nothing is read back.
 2. ``gate_up``: a grouped GEMM whose prologue gathers each row's token from ``x`` (no gathered
    copy of the activations) and whose epilogue applies ``silu(gate) * up`` (no ``[R, 2I]``
    intermediate): it computes the gate and up tiles of the same columns side by side. From ~96
-   rows per expert on Hopper, a warp-specialized Gluon kernel (:mod:`dbo.moe.kernels.gluon_gate_up`,
+   rows per expert on Hopper, a warp-specialized Gluon kernel (:mod:`dbo.experts.kernels.gluon_gate_up`,
    ``GemmConfig.ws``) computes the same numbers (split along K in its last round: in another
    float32 order).
 3. ``down``: a grouped GEMM whose epilogue writes each row to its slot's place, ``y[m * topk +
@@ -26,12 +26,12 @@ A program finds its expert and its tile from the device offsets itself (a scan o
 expert's tiles do nothing. The flat down kernel, whose tiles are short (a few K steps at I <=
 768), and the Gluon gate/up kernel read their row tiles from a map instead (five scalar loads
 per tile where the scan costs five block-wide reductions), built with the sole rows' marks by
-the counting sort's second launch (:func:`dbo.moe.kernels.fused_route.route_with_maps`; after the radix
-sort, or without routing, one launch of :func:`dbo.moe.kernels.fused_maps.tile_maps`).
+the counting sort's second launch (:func:`dbo.experts.kernels.fused_route.route_with_maps`; after the radix
+sort, or without routing, one launch of :func:`dbo.experts.kernels.fused_maps.tile_maps`).
 Where that bound counts many more tiles than there are (without
 host counts, a small local share of the experts: at 32 of 256 local experts 7 of 8 programs
 had nothing to do) the GEMMs run persistent instead: one program per resident slot of the GPU,
-each walking every num_programs-th tile (:func:`dbo.moe.kernels.fused_tiles.prefer_persistent` says
+each walking every num_programs-th tile (:func:`dbo.experts.kernels.fused_tiles.prefer_persistent` says
 where that pays). Within an expert the tiles are visited in groups of ``group_m`` row blocks
 per column block, so that concurrent programs share weight tiles in L2 (the maps' groups are
 as equal as can be and never span two experts; the K-loop kernels' take ``group_m`` at a time).
@@ -39,7 +39,7 @@ as equal as can be and never span two experts; the K-loop kernels' take ``group_
 Both GEMMs' tiles are ``BLOCK_M`` rows of one expert; an expert's last tile, when its rows fit,
 runs as a smaller tile (``GemmConfig.tail_m``, or half of ``BLOCK_M``), so the rows past the
 expert's end cost no flops (at 128 rows per expert a 128-row tile computed 1.5x the rows).
-Tile sizes come from :mod:`dbo.moe.kernels.fused_tiles` (per bucket of rows per expert, intermediate
+Tile sizes come from :mod:`dbo.experts.kernels.fused_tiles` (per bucket of rows per expert, intermediate
 size and local experts, measured on an H200: see docs/performance.md); ``configs=`` overrides.
 """
 
@@ -47,10 +47,10 @@ from __future__ import annotations
 
 import torch
 
-from dbo.moe.kernels import gluon_gate_up
-from dbo.moe.kernels.fused_maps import block_e, tile_map, tile_maps
-from dbo.moe.kernels.fused_route import route_order, route_with_maps
-from dbo.moe.kernels.fused_tiles import (
+from dbo.experts.kernels import gluon_gate_up
+from dbo.experts.kernels.fused_maps import block_e, tile_map, tile_maps
+from dbo.experts.kernels.fused_route import route_order, route_with_maps
+from dbo.experts.kernels.fused_tiles import (
     CONFIGS,
     DOWN_TAIL,
     FP32_CONFIG,
@@ -61,8 +61,8 @@ from dbo.moe.kernels.fused_tiles import (
     prefer_persistent,
     prefer_sole,
 )
-from dbo.moe.kernels.gather_reduce import row_block
-from dbo.moe.kernels.triton_launch import Desc, cdiv, launch, next_pow2
+from dbo.experts.kernels.gather_reduce import row_block
+from dbo.kernels.triton_launch import Desc, cdiv, launch, next_pow2
 
 __all__ = ["GemmConfig", "CONFIGS", "FP32_CONFIG", "FUSED_MAX_ROWS_PER_EXPERT", "prefer_fused",
            "pick_configs", "fused_swiglu_experts", "route_order", "launch_gate_up", "launch_down",
@@ -74,7 +74,7 @@ try:
 except ImportError:  # the module is only used where Triton is importable
     triton = None
 else:
-    from dbo.moe.kernels.fused_kernels import (
+    from dbo.experts.kernels.fused_kernels import (
         down_flat_kernel,
         down_kernel,
         down_short_k_kernel,

@@ -1,6 +1,6 @@
-"""The experts' GPU kernels (Triton and Gluon) and their launch helpers.
+"""The experts' GPU kernels (Triton and Gluon).
 
-:mod:`dbo.moe.experts` (``SwiGLUExperts``) picks among them; nothing here knows about ubatches,
+:mod:`dbo.experts.swiglu` (``SwiGLUExperts``) picks among them; nothing here knows about ubatches,
 backends or the MoE layer's contract. Every module imports on a CPU-only install (without
 Triton the callers take the plain-torch path).
 
@@ -12,12 +12,16 @@ Triton the callers take the plain-torch path).
   each GEMM runs with, by shape (measured tables);
 * ``grouped_gemm`` (:func:`grouped_mm`) and ``gather_reduce`` (activation, row gather, weighted
   reduction): the unfused steps;
-* ``triton_launch``: launching Triton kernels with less host time.
+* ``batched``: the BATCHED_EXPERTS slabs (and the merged schedule's segments of them) on the
+  fused kernels.
+
+They launch through :mod:`dbo.kernels.triton_launch`, below them (the row copies of
+:mod:`dbo.kernels.row_copies` share it).
 """
 
-from dbo.moe.kernels.fused_experts import fused_swiglu_experts, prefer_fused
-from dbo.moe.kernels.gather_reduce import gather_reduce, gather_rows, silu_and_mul
-from dbo.moe.kernels.grouped_gemm import grouped_mm
+from dbo.experts.kernels.fused_experts import fused_swiglu_experts, prefer_fused
+from dbo.experts.kernels.gather_reduce import gather_reduce, gather_rows, silu_and_mul
+from dbo.experts.kernels.grouped_gemm import grouped_mm
 
 __all__ = ["fused_swiglu_experts", "prefer_fused", "grouped_mm", "gather_reduce", "gather_rows",
            "silu_and_mul"]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from dbo.moe.experts import swiglu_expert
+from dbo.experts.swiglu import swiglu_expert
 
 __all__ = ["reference_moe", "make_expert_weights", "local_expert_weights", "relative_error"]
 

@@ -3,7 +3,7 @@ tiles the GEMMs walk, on the device.
 
 :func:`route_order` returns each sorted row's pair and each expert's end row without reading
 anything back: up to ``ROUTE_MAX_PAIRS`` pairs a counting sort in two Triton launches, above it
-torch's radix sort on 16-bit keys and a ``searchsorted``. :func:`dbo.moe.kernels.fused_maps.tile_maps`
+torch's radix sort on 16-bit keys and a ``searchsorted``. :func:`dbo.experts.kernels.fused_maps.tile_maps`
 lists the experts' row tiles (for the flat down kernel and the warp-specialized gate/up kernel),
 marks the rows whose token has one local slot, and zeroes the split gate/up kernel's counters, in
 one launch; :func:`route_with_maps` does both, where the counting sort runs in its second launch.
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from dbo.moe.kernels.fused_maps import (
+from dbo.experts.kernels.fused_maps import (
     TILE_MAP_BLOCK,
     block_e,
     check_groups,
@@ -22,7 +22,7 @@ from dbo.moe.kernels.fused_maps import (
     tile_maps,
     zeroing,
 )
-from dbo.moe.kernels.triton_launch import cdiv, launch, next_pow2
+from dbo.kernels.triton_launch import cdiv, launch, next_pow2
 
 __all__ = ["ROUTE_CHUNK", "ROUTE_MAX_CELLS", "ROUTE_MAX_PAIRS", "route_order", "route_order_with_maps",
            "uses_counting_sort", "route_with_maps"]
@@ -35,7 +35,7 @@ except ImportError:  # the module is only used where Triton is importable
 
 
 if triton is not None:
-    from dbo.moe.kernels.fused_maps import map_tiles, mark_sole, zero_counters
+    from dbo.experts.kernels.fused_maps import map_tiles, mark_sole, zero_counters
 
     @triton.jit
     def _route_keys_kernel(ids_ptr, key_ptr, n, n_experts, BLOCK: tl.constexpr):
@@ -214,7 +214,7 @@ def route_with_maps(topk_ids: torch.Tensor, n_experts: int, block_ms: tuple[int,
     """:func:`route_order` and :func:`tile_maps` (``sole``: with the marks, ``dest``; ``groups``:
     each map's most row tiles per group): ``(order, offsets, maps, dest)``. Where the counting
     sort runs, its second launch builds the maps, the marks and the zeros too
-    (:func:`dbo.moe.kernels.fused_route.route_order_with_maps`): the same values in one launch fewer."""
+    (:func:`dbo.experts.kernels.fused_route.route_order_with_maps`): the same values in one launch fewer."""
     if uses_counting_sort(topk_ids.numel(), n_experts):
         maps = new_maps(block_ms, pairs, n_experts, topk_ids.device)
         dest = torch.empty(pairs, dtype=torch.int32, device=topk_ids.device) if sole else None

@@ -7,22 +7,18 @@ matmuls over the whole slab do ``cap / counts[e]`` times the work: on 4 ranks wi
 per rank the slab holds 512 rows per expert where about 128 arrive. Here the rows are sorted by
 expert already, so one launch (:func:`batched_order`) writes each sorted row's place in the
 slab and each expert's end row, the ``(order, offsets)`` pair of
-:func:`dbo.moe.kernels.fused_route.route_order`, and the fused gate/up and down GEMMs of
-:mod:`dbo.moe.kernels.fused_experts` run on it: their grid is bounded by the capacity, their
+:func:`dbo.experts.kernels.fused_route.route_order`, and the fused gate/up and down GEMMs of
+:mod:`dbo.experts.kernels.fused_experts` run on it: their grid is bounded by the capacity, their
 programs past the last expert's rows return at once, and the down GEMM writes each row back to
 its slab place (rows past an expert's count are left unwritten, as the layout allows).
 
 Segments (the merged schedule, :mod:`dbo.moe.merged`): several ubatches' slabs laid end to end
 in one flat buffer ``[sum_u L * cap_u, hidden]``, region ``u`` at row ``base_u = L * sum(cap_v,
-v < u)`` holding ubatch ``u``'s slab rows at the same places (:func:`copy_arrived_rows` copies
-only the rows that arrived there). :func:`batched_order` over the segments sorts expert ``e``'s
+v < u)`` holding ubatch ``u``'s slab rows at the same places (:func:`dbo.kernels.row_copies.copy_arrived_rows`
+copies only the rows that arrived there). :func:`batched_order` over the segments sorts expert ``e``'s
 rows as ubatch 0's, then ubatch 1's, ..., and :func:`segmented_swiglu_experts` runs the experts
 once over them: the down GEMM writes each row to its place in the flat output, whose region
 ``u`` is ubatch ``u``'s output slab as it is (a view, nothing copied back).
-
-:func:`move_rows` is the row copy of the merged schedule for experts that take one slab:
-``dst[dst_rows[i]] = src[src_rows[i]]`` for the pairs whose indices are both ``>= 0``, so that
-only the rows that arrived are copied, not the slabs.
 """
 
 from __future__ import annotations
@@ -31,32 +27,20 @@ from collections.abc import Sequence
 
 import torch
 
-from dbo.moe.base import segment_bases
-from dbo.moe.kernels.fused_experts import launch_down, launch_gate_up
-from dbo.moe.kernels.fused_maps import block_e
-from dbo.moe.kernels.fused_tiles import pick_slab_configs
-from dbo.moe.kernels.gather_reduce import use_triton_for
-from dbo.moe.kernels.triton_launch import cdiv, launch, next_pow2
+from dbo.experts.kernels.fused_experts import launch_down, launch_gate_up
+from dbo.experts.kernels.fused_maps import block_e
+from dbo.experts.kernels.fused_tiles import pick_slab_configs
+from dbo.kernels.triton_launch import cdiv, launch
+from dbo.moe.base import MAX_SEGMENTS, segment_bases
 
-__all__ = ["batched_order", "batched_swiglu_experts", "segmented_swiglu_experts", "copy_arrived_rows",
-           "segment_bases", "move_rows", "MAX_SEGMENTS", "MOVE_ROWS_PER_PROGRAM"]
+__all__ = ["batched_order", "batched_swiglu_experts", "segmented_swiglu_experts", "segment_bases",
+           "MAX_SEGMENTS"]
 
 try:
     import triton
     import triton.language as tl
 except ImportError:  # the module is only used where Triton is importable
     triton = None
-
-#: rows copied per program of :func:`move_rows` (the rows are short: a decode layer's slabs
-#: hold a few thousand)
-MOVE_ROWS_PER_PROGRAM = 4
-#: the most slabs :func:`batched_order` sorts in one launch (their capacities are scalar
-#: arguments of the kernel: a device tensor of them would be a host-to-device copy per call,
-#: which a CUDA graph cannot capture)
-MAX_SEGMENTS = 4
-#: rows of one program of :func:`copy_arrived_rows` (an expert's rows per ubatch at decode are
-#: a few dozen: a program past an expert's count returns at once)
-COPY_ROWS = 8
 
 if triton is not None:
 
@@ -96,37 +80,6 @@ if triton is not None:
             k -= n
         tl.store(order_ptr + r, dest, mask=r < n_rows)
 
-    @triton.jit
-    def _copy_arrived_kernel(src_ptr, dst_ptr, counts_ptr, cap, width, stride_e, stride_j, stride_c,
-                             row_blocks, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-        pid = tl.program_id(0)
-        e = pid // row_blocks
-        j0 = (pid % row_blocks) * BLOCK_R
-        count = tl.minimum(tl.load(counts_ptr + e).to(tl.int32), cap)
-        if j0 < count:  # the slab rows past the count did not arrive: nothing to read
-            j = j0 + tl.arange(0, BLOCK_R)
-            c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-            keep = (j < count)[:, None] & (c < width)[None, :]
-            e64 = e.to(tl.int64)
-            src = src_ptr + e64 * stride_e + j[:, None].to(tl.int64) * stride_j + c[None, :] * stride_c
-            dst = dst_ptr + (e64 * cap + j[:, None]) * width + c[None, :]
-            tl.store(dst, tl.load(src, mask=keep), mask=keep)
-
-    @triton.jit
-    def _move_rows_kernel(src_ptr, dst_ptr, src_rows_ptr, dst_rows_ptr, n, width,
-                          ROWS: tl.constexpr, BLOCK: tl.constexpr):
-        pid = tl.program_id(0)
-        for i in tl.static_range(ROWS):
-            j = pid * ROWS + i
-            if j < n:
-                s = tl.load(src_rows_ptr + j).to(tl.int64)
-                d = tl.load(dst_rows_ptr + j).to(tl.int64)
-                if (s >= 0) & (d >= 0):
-                    for c0 in range(0, width, BLOCK):
-                        c = c0 + tl.arange(0, BLOCK)
-                        keep = c < width
-                        v = tl.load(src_ptr + s * width + c, mask=keep)
-                        tl.store(dst_ptr + d * width + c, v, mask=keep)
 
 
 def batched_order(counts: torch.Tensor, cap: int | Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -197,7 +150,7 @@ def batched_swiglu_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, 
 
     ``rows_per_expert``: the caller's estimate of the rows that arrive per expert, for the tiles
     (default a quarter of ``cap``); ``configs``/``persistent``/``sm_carveout`` as for
-    :func:`dbo.moe.kernels.fused_experts.fused_swiglu_experts` (default persistent: the grid's
+    :func:`dbo.experts.kernels.fused_experts.fused_swiglu_experts` (default persistent: the grid's
     bound is the capacity, most of it empty). Returns ``out``; nothing waits for the GPU."""
     n_local, cap, hidden = x.shape
     _check_out(x, out)
@@ -240,75 +193,3 @@ def segmented_swiglu_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor
     order, offsets = batched_order(counts, caps)
     _experts(x, order, offsets, w1, w2, out, est, configs, persistent, sm_carveout)
     return out
-
-
-def copy_arrived_rows(src: torch.Tensor, dst: torch.Tensor, counts: torch.Tensor, *,
-                      use_triton: bool | None = None) -> torch.Tensor:
-    """``dst[e, :counts[e]] = src[e, :counts[e]]`` (each count clamped to the capacity) for the
-    slabs ``src`` ``[L, cap, ...]`` (any strides) and ``dst`` of the same shape and dtype
-    (contiguous); ``counts`` ``[L]`` int on the device. The rest of ``dst`` is left as it is,
-    or on the plain torch path (``use_triton`` False; default: Triton on CUDA) overwritten with
-    ``src`` (a whole-slab copy: no host sync either way). Triton: one launch, a program per
-    expert, block of rows and block of columns, returning at once past the count. Returns ``dst``."""
-    if src.shape != dst.shape or src.dtype != dst.dtype or src.dim() < 2:
-        raise ValueError(f"src and dst must be [L, cap, ...] of one shape and dtype, got "
-                         f"{tuple(src.shape)} {src.dtype} and {tuple(dst.shape)} {dst.dtype}")
-    if counts.numel() != src.shape[0]:
-        raise ValueError(f"{counts.numel()} counts for {src.shape[0]} experts' slabs")
-    if not dst.is_contiguous():
-        raise ValueError("dst must be contiguous")
-    if src.numel() == 0:
-        return dst
-    if not use_triton_for(src, use_triton):
-        return dst.copy_(src)
-    n_local, cap = src.shape[:2]
-    rows = src.view(n_local, cap, 1) if src.dim() == 2 else src.flatten(2)
-    flat_dst = dst.view(n_local, cap, -1)
-    if rows.element_size() == 1 and rows.is_floating_point():  # fp8: move bytes
-        rows, flat_dst = rows.view(torch.uint8), flat_dst.view(torch.uint8)
-    width = rows.shape[2]
-    block_c = min(next_pow2(width), max(16, 2048 // rows.element_size()))
-    row_blocks = cdiv(cap, COPY_ROWS)
-    launch(_copy_arrived_kernel, (n_local * row_blocks, cdiv(width, block_c)), (
-        rows, flat_dst, counts, cap, width, rows.stride(0), rows.stride(1), rows.stride(2),
-        row_blocks), dict(BLOCK_R=COPY_ROWS, BLOCK_C=block_c, num_warps=4))
-    return dst
-
-
-def move_rows(src: torch.Tensor, dst: torch.Tensor, src_rows: torch.Tensor, dst_rows: torch.Tensor,
-              *, row_dims: int = 1, use_triton: bool | None = None) -> torch.Tensor:
-    """``dst.view(-1, width)[dst_rows[i]] = src.view(-1, width)[src_rows[i]]`` for each ``i``
-    where both are ``>= 0``, the rows being the first ``row_dims`` dims flattened (``width``:
-    the elements past them); other rows of ``dst`` are left as they are. ``src_rows`` and
-    ``dst_rows``: int ``[N]`` on the device. Triton on CUDA, one launch, no host sync; plain
-    torch elsewhere (a boolean mask: it syncs). Returns ``dst``."""
-    if src_rows.shape != dst_rows.shape or src_rows.dim() != 1:
-        raise ValueError(f"src_rows and dst_rows must be equal 1-D, got {tuple(src_rows.shape)} "
-                         f"and {tuple(dst_rows.shape)}")
-    if src.dtype != dst.dtype:
-        raise ValueError(f"src is {src.dtype}, dst {dst.dtype}")
-    if not 1 <= row_dims <= min(src.dim(), dst.dim()):
-        raise ValueError(f"row_dims must be in 1..{min(src.dim(), dst.dim())}, got {row_dims}")
-    width = 1
-    for d in src.shape[row_dims:]:
-        width *= d
-    if tuple(dst.shape[row_dims:]) != tuple(src.shape[row_dims:]):
-        raise ValueError(f"rows of {tuple(src.shape[row_dims:])} cannot go to rows of "
-                         f"{tuple(dst.shape[row_dims:])}")
-    if not dst.is_contiguous():
-        raise ValueError("dst must be contiguous")
-    flat_src, flat_dst = src.reshape(-1, width).contiguous(), dst.view(-1, width)
-    if flat_src.element_size() == 1 and flat_src.is_floating_point():  # fp8: move bytes
-        flat_src, flat_dst = flat_src.view(torch.uint8), flat_dst.view(torch.uint8)
-    n = src_rows.numel()
-    if n == 0:
-        return dst
-    if not use_triton_for(src, use_triton):
-        keep = (src_rows >= 0) & (dst_rows >= 0)
-        flat_dst[dst_rows[keep].long()] = flat_src[src_rows[keep].long()]
-        return dst
-    block = min(1024, triton.next_power_of_2(width))
-    launch(_move_rows_kernel, (cdiv(n, MOVE_ROWS_PER_PROGRAM),), (
-        flat_src, flat_dst, src_rows.contiguous(), dst_rows.contiguous(), n, width), dict(
-        ROWS=MOVE_ROWS_PER_PROGRAM, BLOCK=block, num_warps=4))
-    return dst

@@ -1,4 +1,6 @@
-"""Launching the fused experts' Triton kernels with less host time.
+"""Launching Triton kernels with less host time (the fused experts', the row copies'), and
+whether a tensor's kernels run on Triton at all (:func:`use_triton_for`: on CUDA tensors where
+Triton is importable; the callers' plain-torch paths otherwise).
 
 ``kernel[grid](*args, **kwargs)`` costs 11-35 us of host time per launch on the GPU host
 (Triton 3.6: binding and specializing every argument, building the cache key from the options'
@@ -27,7 +29,15 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["Desc", "launch", "fast_launch_enabled", "clear_launch_cache", "cdiv", "next_pow2"]
+__all__ = ["HAVE_TRITON", "use_triton_for", "Desc", "launch", "fast_launch_enabled", "clear_launch_cache",
+           "cdiv", "next_pow2"]
+
+#: whether ``triton`` (and ``triton.language``, which the kernels' modules import) is importable
+try:
+    import triton.language  # noqa: F401
+    HAVE_TRITON = True
+except ImportError:  # CPU-only installs: the callers take their plain-torch paths
+    HAVE_TRITON = False
 
 try:
     import triton
@@ -53,6 +63,16 @@ def cdiv(a: int, b: int) -> int:
 def next_pow2(n: int) -> int:
     """The smallest power of two >= ``n`` (>= 1), for ints."""
     return 1 << max(0, n - 1).bit_length()
+
+
+def use_triton_for(t: torch.Tensor, use_triton: bool | None = None) -> bool:
+    """Whether the Triton kernels run on ``t``: ``use_triton`` if given (True raises when
+    Triton is missing), else on CUDA tensors when Triton is importable."""
+    if use_triton is None:
+        return HAVE_TRITON and t.is_cuda
+    if use_triton and not HAVE_TRITON:
+        raise ValueError("use_triton=True but triton is not importable (pip install triton)")
+    return use_triton
 
 
 class Desc(NamedTuple):

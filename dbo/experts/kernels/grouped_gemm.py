@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from dbo.moe.kernels.gather_reduce import use_triton_for
+from dbo.kernels.triton_launch import use_triton_for
 
 __all__ = ["grouped_mm", "grouped_mm_kernel"]
 

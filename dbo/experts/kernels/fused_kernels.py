@@ -1,4 +1,4 @@
-"""The fused experts' Triton kernels (:mod:`dbo.moe.kernels.fused_experts` launches them; its docstring
+"""The fused experts' Triton kernels (:mod:`dbo.experts.kernels.fused_experts` launches them; its docstring
 says what each computes): the tile table that each program reads from the device offsets, the
 gate/up grouped GEMM with the row gather and SiLU*up fused, the down grouped GEMM (a K-loop tile
 and a short-K tile for I <= 256) writing each row to its slot, and the top-k sum.
@@ -20,7 +20,7 @@ except ImportError:  # the module is only used where Triton is importable
 
 
 if triton is not None:
-    from dbo.moe.kernels.fused_maps import map_tile
+    from dbo.experts.kernels.fused_maps import map_tile
 
     @triton.jit
     def _tile_table(offs_ptr, n_experts, n_col_blocks, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):

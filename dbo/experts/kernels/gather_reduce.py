@@ -17,27 +17,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["HAVE_TRITON", "use_triton_for", "silu_and_mul", "gather_rows", "gather_reduce", "row_block"]
+from dbo.kernels.triton_launch import HAVE_TRITON, use_triton_for
+
+__all__ = ["silu_and_mul", "gather_rows", "gather_reduce", "row_block"]
 
 try:
     import triton
     import triton.language as tl
 except ImportError:  # CPU-only installs: the torch versions are used
     triton = None
-
-#: whether ``triton`` is importable
-HAVE_TRITON = triton is not None
-
-
-def use_triton_for(t: torch.Tensor, use_triton: bool | None = None) -> bool:
-    """Whether the Triton kernels run on ``t``: ``use_triton`` if given (True raises when
-    Triton is missing), else on CUDA tensors when Triton is importable."""
-    if use_triton is None:
-        return HAVE_TRITON and t.is_cuda
-    if use_triton and not HAVE_TRITON:
-        raise ValueError("use_triton=True but triton is not importable (pip install triton)")
-    return use_triton
-
 
 if HAVE_TRITON:
 
@@ -93,7 +81,7 @@ if HAVE_TRITON:
 def row_block(n: int, cap: int = 1024) -> int:
     """Columns of one program's share of a row of ``n`` elements: the row's power of two (at
     least 16), at most ``cap`` (the row-wise kernels here and the top-k sum of
-    :mod:`dbo.moe.kernels.fused_experts`)."""
+    :mod:`dbo.experts.kernels.fused_experts`)."""
     return cap if n >= cap else max(16, triton.next_power_of_2(n))
 
 

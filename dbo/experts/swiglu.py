@@ -3,19 +3,19 @@
 ``y = w2 @ (silu(g) * u)`` with ``[g; u] = w1 @ x``.
 
 STANDARD format: the (token, slot) pairs are sorted by local expert on the device
-(:mod:`dbo.moe.grouping`); two grouped GEMMs (:mod:`dbo.moe.kernels.grouped_gemm`: ``torch._grouped_mm``
-for bf16 on Hopper, a Triton grouped GEMM otherwise on CUDA) run on the per-expert end rows,
-which come from the backend's host-side counts when it has them
+(:mod:`dbo.experts.grouping`); two grouped GEMMs (:mod:`dbo.experts.kernels.grouped_gemm`:
+``torch._grouped_mm`` for bf16 on Hopper, a Triton grouped GEMM otherwise on CUDA) run on the
+per-expert end rows, which come from the backend's host-side counts when it has them
 (``ExpertTokensMetadata.expert_num_tokens_cpu``, DeepEP normal mode) or are computed on the
 device. Host counts must be exact (DeepEP's ``expert_alignment`` left at 1): they are trusted,
 since checking them would read the GPU. The activation is one fused kernel; each token's output
-is a gather-reduce of its slots' rows weighted by the router (:mod:`dbo.moe.kernels.gather_reduce`:
-Triton, float32 accumulation, no atomics). Nothing in :meth:`SwiGLUExperts.apply` reads the GPU
-back, so under DBO the CPU queues the other ubatch's work while these kernels run. On the CPU
-(and without Triton) the same steps run in plain torch.
+is a gather-reduce of its slots' rows weighted by the router
+(:mod:`dbo.experts.kernels.gather_reduce`: Triton, float32 accumulation, no atomics). Nothing in
+:meth:`SwiGLUExperts.apply` reads the GPU back, so under DBO the CPU queues the other ubatch's
+work while these kernels run. On the CPU (and without Triton) the same steps run in plain torch.
 
 BATCHED_EXPERTS format: on CUDA the fused kernels over the rows that arrived, with the counts
-read on the device (:mod:`dbo.moe.kernels.batched`; without Triton, or with ``batched_rows``,
+read on the device (:mod:`dbo.experts.kernels.batched`; without Triton, or with ``batched_rows``,
 two batched matmuls over each expert's slab); a loop over the experts that received tokens on
 the CPU. Under the merged expert schedule the fused kernels (on CUDA, or on the CPU with
 ``use_triton=True``: Triton's interpreter) take every ubatch's slab at once as segments of one
@@ -41,6 +41,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from dbo.experts.grouping import group_by_expert
+from dbo.experts.kernels.batched import batched_swiglu_experts, segmented_swiglu_experts
+from dbo.experts.kernels.fused_experts import fused_swiglu_experts, prefer_fused
+from dbo.experts.kernels.gather_reduce import gather_reduce, gather_rows, silu_and_mul
+from dbo.experts.kernels.grouped_gemm import grouped_mm
+from dbo.kernels.triton_launch import use_triton_for
 from dbo.moe.base import (
     ActivationFormat,
     BatchedSegments,
@@ -52,11 +58,6 @@ from dbo.moe.base import (
     TopKWeightAndReduceNoOp,
     Workspace,
 )
-from dbo.moe.grouping import group_by_expert
-from dbo.moe.kernels.batched import batched_swiglu_experts, segmented_swiglu_experts
-from dbo.moe.kernels.fused_experts import fused_swiglu_experts, prefer_fused
-from dbo.moe.kernels.gather_reduce import gather_reduce, gather_rows, silu_and_mul, use_triton_for
-from dbo.moe.kernels.grouped_gemm import grouped_mm
 from dbo.moe.validate import check_expert_weights
 from dbo.ubatch.sm import check_sm_carveout
 
@@ -109,10 +110,10 @@ class SwiGLUExperts(MoEExperts):
             place of the fused kernels over the rows that arrived. Only for a caller that knows
             no expert receives more; default None (the fused kernels where Triton runs, else
             the matmuls over whole slabs).
-        fused: STANDARD format with Triton: the fused kernels of :mod:`dbo.moe.kernels.fused_experts`
+        fused: STANDARD format with Triton: the fused kernels of :mod:`dbo.experts.kernels.fused_experts`
             (gather in the first GEMM's prologue, activation in its epilogue, slot scatter in
             the second's). Default: chosen per call by the estimated rows per expert
-            (:func:`dbo.moe.kernels.fused_experts.prefer_fused`: fused up to 768 rows per expert, and at
+            (:func:`dbo.experts.kernels.fused_experts.prefer_fused`: fused up to 768 rows per expert, and at
             any size for I <= 2048 or for at most 128 local experts, the unfused steps with
             CUTLASS's grouped GEMM above); True forces the fused kernels, False the unfused steps.
         num_global_experts: experts over all ranks, for that estimate without host counts

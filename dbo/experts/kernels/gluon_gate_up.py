@@ -1,5 +1,5 @@
 """The fused experts' gate/up GEMM as a warp-specialized Hopper kernel, written in Gluon
-(Triton's explicit-layout language), for :func:`dbo.moe.kernels.fused_experts.launch_gate_up` where the
+(Triton's explicit-layout language), for :func:`dbo.experts.kernels.fused_experts.launch_gate_up` where the
 tile says so (``GemmConfig.ws``).
 
 ``act[r] = silu(x[t] @ g_e.T) * (x[t] @ u_e.T)`` for each sorted row ``r`` of expert ``e``
@@ -21,7 +21,7 @@ issue the MMAs. Here one persistent program per SM splits that work between part
   tile it applies ``silu(gate) * up`` and stores the rows below the expert's end.
 
 The loads run up to ``STAGES`` K steps ahead, across tile boundaries (the next tile's loads go on
-under this tile's epilogue). The row tiles come from :func:`dbo.moe.kernels.fused_maps.tile_map`
+under this tile's epilogue). The row tiles come from :func:`dbo.experts.kernels.fused_maps.tile_map`
 (``BM`` rows of one expert; the flat down kernel reads the same map); tile ``t`` is row tile
 ``pid_m`` of column block ``pid_n``, the row tiles of a group of the map (of one expert) one after
 the other per column block in tile order.
@@ -42,14 +42,14 @@ per expert with few experts (fewer, larger tiles fill the last wave worse).
 
 It runs on a Hopper GPU where :func:`available` says so (Triton with Gluon's Hopper API,
 bf16/fp16, ``hidden % 64 == 0``, ``I % BN == 0``, 16-byte aligned contiguous operands);
-elsewhere the caller takes the Triton kernel (:func:`dbo.moe.kernels.fused_experts.runs_ws`).
+elsewhere the caller takes the Triton kernel (:func:`dbo.experts.kernels.fused_experts.runs_ws`).
 """
 
 from __future__ import annotations
 
 import torch
 
-from dbo.moe.kernels.triton_launch import Desc, cdiv, launch
+from dbo.kernels.triton_launch import Desc, cdiv, launch
 
 __all__ = ["available", "launch_gate_up_ws", "gate_up_ws_kernel"]
 
@@ -274,7 +274,7 @@ def launch_gate_up_ws(x: torch.Tensor, order: torch.Tensor, tiles: torch.Tensor,
                       act: torch.Tensor, topk: int, programs: int, *, block_m: int = 128, block_n: int = 128,
                       block_k: int = 64, stages: int = 4, load_warps: int = 4,
                       load_regs: int = 64, split: int = 0, counts: torch.Tensor | None = None) -> None:
-    """The gate/up GEMM into ``act`` over the row tiles of :func:`dbo.moe.kernels.fused_maps.tile_map`
+    """The gate/up GEMM into ``act`` over the row tiles of :func:`dbo.experts.kernels.fused_maps.tile_map`
     (``tiles``, built with ``block_m``; its groups set the tiles' order), with ``programs``
     persistent programs (one per SM at most: each takes a whole SM's shared memory). ``block_m``
     is 64 or 128 (one warpgroup per 64 rows). ``split`` >= 2: the last round's tiles split along

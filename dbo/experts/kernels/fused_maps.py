@@ -5,7 +5,7 @@ in groups that never span two experts, built on the device without reading anyth
 A map is int32 ``[1 + MAP_ENTRY * bound]``: ``[0]`` the row tiles' count, then per row tile (in
 expert order) its expert, first row, the expert's end row, its group's first row tile and the
 group's size. :func:`tile_maps` builds one or two maps (two tile heights or group sizes), the sole
-rows' marks and zeroed counters in one launch; the counting sort of :mod:`dbo.moe.kernels.fused_route`
+rows' marks and zeroed counters in one launch; the counting sort of :mod:`dbo.experts.kernels.fused_route`
 builds them in its second launch instead (its programs past the chunks run :func:`map_tiles`).
 The kernels find tile ``t``'s row tile and column block with ``map_tile``.
 """
@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from dbo.moe.kernels.fused_tiles import GemmConfig
-from dbo.moe.kernels.triton_launch import cdiv, launch, next_pow2
+from dbo.experts.kernels.fused_tiles import GemmConfig
+from dbo.kernels.triton_launch import cdiv, launch, next_pow2
 
 __all__ = ["MAP_ENTRY", "MAP_GROUP_M", "TILE_MAP_BLOCK", "SOLE_ROWS_BLOCK", "block_e", "tile_maps",
            "tile_map"]

@@ -1,4 +1,5 @@
-"""A single-rank prepare/finalize (no expert parallelism), in both activation formats.
+"""A single-rank prepare/finalize (no expert parallelism), in both activation formats: backend
+``local`` of the registry (:func:`make_prepare_finalize`), for a group of one rank.
 
 Useful to run :class:`dbo.moe.MoEKernel` without a process group, to test experts in the
 BATCHED_EXPERTS layout, and as the simplest example of the backend protocol: its async variant
@@ -8,6 +9,7 @@ returns ``(hook, receiver)`` pairs whose hooks do nothing but mark where a real 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -22,8 +24,9 @@ from dbo.moe.base import (
 )
 from dbo.moe.handles import PerUBatch
 from dbo.moe.validate import IdsRangeCheck, check_routing_inputs
+from dbo.peers.groups import group_size
 
-__all__ = ["LocalPrepareAndFinalize"]
+__all__ = ["LocalPrepareAndFinalize", "make_prepare_finalize"]
 
 
 @dataclass
@@ -152,3 +155,37 @@ class LocalPrepareAndFinalize(PrepareAndFinalize):
         acc = torch.zeros(h.num_tokens, output.shape[1], dtype=torch.float32, device=output.device)
         acc.index_add_(0, pairs // topk_ids.shape[1], y)
         output.copy_(acc)
+
+
+def make_prepare_finalize(group: Any = None, *, hidden: int, max_tokens_per_rank: int | None = None,
+                          num_experts: int, topk: int, dtype: torch.dtype = torch.float32,
+                          device: torch.device | str | None = None,
+                          activation_format: ActivationFormat | str = ActivationFormat.STANDARD,
+                          use_async: bool = True) -> LocalPrepareAndFinalize:
+    """Build a :class:`LocalPrepareAndFinalize` (the registry's one way to build a backend).
+
+    Args:
+        group: None, or a process group of one rank: every expert lives on this process.
+        max_tokens_per_rank: the most tokens in one call: the BATCHED_EXPERTS slab height (an
+            expert receives at most every token); None: each call's number of tokens.
+        hidden, num_experts, topk, dtype, device: unused (nothing is allocated ahead, any dtype
+            moves).
+        activation_format: STANDARD or BATCHED_EXPERTS (the enum or its value, ``"standard"``,
+            ``"batched_experts"``).
+        use_async: implement ``prepare_async``/``finalize_async`` with no-op hooks.
+
+    Raises:
+        ValueError: a group of more than one rank (nothing would reach the other ranks' experts),
+            or an unknown ``activation_format``.
+    """
+    del hidden, num_experts, topk, dtype, device
+    ranks = group_size(group)
+    if ranks != 1:
+        raise ValueError(f"backend 'local' runs on one rank (every expert on this process); the group "
+                         f"has {ranks} ranks: use an expert-parallel backend there")
+    try:
+        fmt = ActivationFormat(activation_format)
+    except ValueError:
+        raise ValueError(f"activation_format must be one of {[f.value for f in ActivationFormat]}, "
+                         f"got {activation_format!r}") from None
+    return LocalPrepareAndFinalize(fmt, max_num_tokens=max_tokens_per_rank, use_async=use_async)

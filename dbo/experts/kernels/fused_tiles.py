@@ -1,4 +1,4 @@
-"""The fused experts' tiles: which tile each grouped GEMM of :mod:`dbo.moe.kernels.fused_experts` runs
+"""The fused experts' tiles: which tile each grouped GEMM of :mod:`dbo.experts.kernels.fused_experts` runs
 with, by rows per expert and intermediate size, and when the fused kernels beat the unfused steps.
 
 The table comes from tile sweeps on an H200 (``tools/probes/tune_experts.py``: each GEMM alone,
@@ -45,7 +45,7 @@ class GemmConfig:
     #: the tiles (one per resident slot) or take one tile each (a tuned table's choice; the flat
     #: down tile is persistent always)
     persistent: bool | None = None
-    #: gate/up only: the warp-specialized Gluon kernel (:mod:`dbo.moe.kernels.gluon_gate_up`: a loader
+    #: gate/up only: the warp-specialized Gluon kernel (:mod:`dbo.experts.kernels.gluon_gate_up`: a loader
     #: partition and ``block_m // 64`` MMA warpgroups, one program per SM, ``num_stages`` slots;
     #: ``num_warps`` is not used) over the flat down kernel's row-tile map, where it runs
     #: (Hopper, bf16/fp16); elsewhere the Triton kernel with the same blocks and TMA
@@ -127,7 +127,7 @@ FEW_EXPERTS_DOWN = GemmConfig(64, 64, 256, 8, 4, 3, n_per_program=8)
 #: 64x128 five-stage tile up to 1024 rows and the 128-row tile with 32-row tails above
 #: (``pick_configs``; 0.82x and 0.88x the previous tiles at 259 and 2052 rows per expert)
 
-#: the warp-specialized Gluon gate/up tiles (:mod:`dbo.moe.kernels.gluon_gate_up`; on other GPUs than
+#: the warp-specialized Gluon gate/up tiles (:mod:`dbo.experts.kernels.gluon_gate_up`; on other GPUs than
 #: Hopper the Triton kernel with the same blocks): 128 rows from 1024 estimated rows per expert,
 #: and split from 96 to 192 (``WS_UP_SPLIT``), 64 rows (one MMA warpgroup, five slots) from 256,
 #: except with few experts at I <= 256, where the 128-row tile only pays from 2048 rows and the
@@ -255,7 +255,7 @@ def pick_configs(rows_per_expert: float, intermediate: int = 1 << 30,
 
 def pick_slab_configs(rows_per_expert: float, intermediate: int = 1 << 30,
                       local_experts: int | None = None) -> tuple[GemmConfig, GemmConfig]:
-    """The ``(gate_up, down)`` tiles on low-latency slabs (:mod:`dbo.moe.kernels.batched`): few
+    """The ``(gate_up, down)`` tiles on low-latency slabs (:mod:`dbo.experts.kernels.batched`): few
     experts at wide intermediates take the tiles of ``FLAT_DOWN_64``'s rule, every other size
     :func:`pick_configs`'."""
     rows = rows_per_expert
