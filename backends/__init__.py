@@ -92,8 +92,9 @@ def backend_spec(name: str, *, what: str = "backend") -> BackendSpec:
 
 def cpu_backends() -> list[str]:
     """Names of the backends that run on CPU (gloo) over a group of ranks (not the single-rank
-    ``local``)."""
-    return sorted(name for name, spec in BACKENDS.items() if not spec.gpu_only and not spec.single_rank)
+    ``local``, nor ``emulated``, which plays one rank of a group alone)."""
+    return sorted(name for name, spec in BACKENDS.items()
+                  if not spec.gpu_only and not spec.single_rank and not spec.emulated)
 
 
 def _factory(name: str) -> Callable[..., PrepareAndFinalize]:

@@ -38,13 +38,13 @@ def test_backend_registry_names_every_backend_module():
                      dtype=torch.float32, device=torch.device("cpu"))
 
 
-def _run_bench(tmp_path: Path, *args: str) -> dict:
+def _run_bench(tmp_path: Path, *args: str, nproc: int | None = 2) -> dict:
     out = tmp_path / "bundle"
     # torchrun's two ranks, forked from a process that has imported torch (dbo.testing.launch)
     argv = ["-m", "dbo.bench", "overlap", "--device", "cpu", "--quick", "--out", str(out), *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("DBO_DISABLE", None)
-    proc = run_entry(argv, nproc=2, cwd=tmp_path, env=env, timeout=120)
+    proc = run_entry(argv, nproc=nproc, cwd=tmp_path, env=env, timeout=120)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log
     assert "dbo bench_overlap: backend=" in proc.stdout, log
@@ -265,12 +265,13 @@ def test_bench_copy_engine_with_backend_opt(tmp_path):
 @pytest.mark.timeout(180)
 def test_bench_under_a_simulated_link(tmp_path):
     bundle = _run_bench(tmp_path, "--backend", "all2all", "--link", "1000,5000",
-                        "--remote-fraction", "0.875")
+                        "--remote-fraction", "0.875", "--link-order", "host")
     _check_structure(bundle, "all2all", [])
     sim = bundle["env"]["simulated_link"]
     from dbo.backends.simulated_link import wait_clock
 
     assert sim == {"gbps": 1000.0, "latency_us": 5000.0, "remote_fraction": 0.875,
+                   "combine_latency_us": None, "order": "host", "name": "",
                    "formula": "arrival >= send + latency_us + remote_fraction * bytes / gbps",
                    "wait_clock": wait_clock()}
     s = bundle["shapes"][0]["summary"]
@@ -316,3 +317,33 @@ def _check_grouped_modes(shape: dict) -> None:
              ("sbo_dbo_ms", "sbo+dbo"))
     timed = [(s[k], name) for k, name in names if s.get(k) is not None]
     assert s["best_schedule"] == min(timed)[1]
+
+
+@pytest.mark.timeout(180)
+def test_bench_as_one_emulated_rank_of_a_large_group(tmp_path):
+    # plain python (no torchrun): one process plays rank 3 of 16 in deepep_ll's layout under the
+    # NIC-like preset link; the model keeps 32 / 16 local experts
+    bundle = _run_bench(tmp_path, "--emulate-ep", "16", "--emulate-rank", "3", "--link", "deepep-ib",
+                        "--hidden", "2048", "--experts", "32", "--tokens", "16", "--modes", "serial", "dbo",
+                        "sbo_dbo", nproc=None)
+    assert bundle["args"]["backend"] == "emulated" and bundle["args"]["layout"] == "deepep_ll"
+    assert bundle["env"]["simulated_link"]["name"] == "deepep-ib"
+    assert bundle["env"]["simulated_link"]["order"] == "nic"
+    assert bundle["shapes"][0]["summary"]["serial_ms"] > 0
+
+
+@pytest.mark.parametrize("args,wanted", [
+    (["--emulate-ep", "1"], "at least 2 ranks"),
+    (["--emulate-ep", "16", "--emulate-rank", "16"], "--emulate-rank 16"),
+    (["--emulate-ep", "12"], "--gpus-per-host 8"),
+    (["--emulate-ep", "16", "--backend", "all2all"], "leave --backend out"),
+    (["--backend", "emulated"], "--emulate-ep N"),
+    (["--emulate-ep", "16", "--link", "nope"], "--link nope"),
+])
+def test_bad_emulation_options_are_one_line(args, wanted, capsys):
+    from dbo.bench.overlap.args import parse_args
+
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["--device", "cpu", *args])
+    assert exc.value.code == 2
+    assert wanted in capsys.readouterr().err

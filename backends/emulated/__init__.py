@@ -20,7 +20,7 @@ Build it like any backend::
 ``pf.num_dispatchers()`` is ``ep_size``, so the model keeps ``num_experts / ep_size`` local
 experts; a token's top-k over the ``num_experts`` global experts decides which of its pairs
 leave the rank. The layer's output equals a single-process MoE over the local experts with the
-ids :func:`~dbo.backends.emulated.buffer.remapped_ids` gives.
+ids :func:`dbo.moe.validate.stand_in_local_ids` gives.
 """
 
 from __future__ import annotations
@@ -41,10 +41,10 @@ from dbo.backends.deepep_ht import DeepEPHTPrepareAndFinalize
 from dbo.backends.deepep_ll import DeepEPLLPrepareAndFinalize, low_latency_hidden, low_latency_max_tokens
 from dbo.backends.simulated_link import SimulatedLink
 
-from .buffer import EmulatedBuffer, EmulatedGroup, remapped_ids
+from .buffer import EmulatedBuffer, EmulatedGroup
 
 __all__ = ["LAYOUTS", "EmulatedDeployments", "EMULATED", "EmulatedBuffer", "EmulatedGroup",
-           "remapped_ids", "make_prepare_finalize"]
+           "make_prepare_finalize"]
 
 #: the layouts an emulated rank moves its bytes in: the DeepEP backend that runs on it
 LAYOUTS = ("deepep_ll", "deepep_ht")

@@ -16,7 +16,7 @@ expert then gets ``T * topk / L`` rows on average, the rows a real rank computes
 ``src_info``; normal-mode rows with local top-k ids, ``-1`` elsewhere) are DeepEP's. The
 combine returns each row to its stand-in token, so the layer's output is that of a MoE whose
 token ``t`` uses local experts ``ids[t] % L`` with its router weights: the reference the tests
-hold it to (:func:`remapped_ids`).
+hold it to (:func:`dbo.moe.validate.stand_in_local_ids`).
 
 The bytes. Every call moves, on this device's memory, what the rank's GPU moves: the send side
 packs (the fp8 cast and scales of a low-latency dispatch, the rows per (token, expert) of a
@@ -48,8 +48,7 @@ from dbo.ubatch.streams import LogicalEvent, LogicalStream, current_logical_stre
 from ..fp8 import FP8_BLOCK, quantize_fp8_blocks
 from ..simulated_link import LinkServer, SimulatedLink
 
-__all__ = ["EmulatedGroup", "EmulatedBuffer", "EmulatedConfig", "EventOverlap", "remapped_ids",
-           "DISPATCH_PAIR_EXTRA_BYTES"]
+__all__ = ["EmulatedGroup", "EmulatedBuffer", "EmulatedConfig", "EventOverlap", "DISPATCH_PAIR_EXTRA_BYTES"]
 
 #: bytes DeepEP's low-latency dispatch sends per (token, expert) besides the row and its scales
 DISPATCH_PAIR_EXTRA_BYTES = 16
@@ -57,14 +56,6 @@ DISPATCH_PAIR_EXTRA_BYTES = 16
 
 def _nothing() -> None:
     return None
-
-
-def remapped_ids(topk_ids: torch.Tensor, num_experts: int, ep_size: int) -> torch.Tensor:
-    """The local expert each (token, expert) pair of the emulated rank computes: ``e % L``
-    (``-1`` stays ``-1``). A single-process MoE over the rank's ``L`` experts with these ids and
-    the same weights is what the emulated rank's layer equals."""
-    n_local = num_experts // ep_size
-    return torch.where(topk_ids >= 0, torch.remainder(topk_ids, n_local), -1)
 
 
 @dataclass(frozen=True)

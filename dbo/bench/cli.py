@@ -97,14 +97,20 @@ def verdict(prog: str, ok: bool, why: str) -> int:
 
 
 def add_link_arguments(p: argparse.ArgumentParser) -> None:
-    """``--link GBPS[,LATENCY_US]`` and ``--remote-fraction``: a benchmark's backends under a
+    """``--link``, ``--link-order`` and ``--remote-fraction``: a benchmark's backends under a
     simulated link (:mod:`dbo.backends.simulated_link`); read them with :func:`parse_link`."""
-    p.add_argument("--link", default=None, metavar="GBPS[,LATENCY_US]",
-                   help="hold every dispatch and combine back to a simulated link of GBPS GB/s per GPU "
-                        "and LATENCY_US (dbo.backends.simulated_link); the bytes still move")
-    p.add_argument("--remote-fraction", type=float, default=1.0,
+    p.add_argument("--link", default=None, metavar="PRESET|GBPS[,FIXED_US[,COMBINE_FIXED_US]]",
+                   help="hold every dispatch and combine back to a simulated link: a preset fitted to "
+                        "DeepEP's internode figures (deepep-ib: decode, deepep-ib-ht: prefill) or GBPS "
+                        "GB/s per GPU with a fixed cost per call (dbo.backends.simulated_link); the "
+                        "bytes still move")
+    p.add_argument("--link-order", choices=["nic", "host"], default="nic",
+                   help="with --link: nic serves each transfer when its data is ready, sharing the rate "
+                        "with those in flight; host queues them in the host's order at the full rate "
+                        "(how the link was modelled before)")
+    p.add_argument("--remote-fraction", type=float, default=None,
                    help="with --link: the share of the traffic that crosses the link (7/8 = 0.875 for "
-                        "8 GPUs a host; default 1)")
+                        "8 GPUs a host; default 1; an emulated rank counts it from the hosts)")
 
 
 def parse_link(p: argparse.ArgumentParser, args: argparse.Namespace) -> Any:
@@ -115,6 +121,9 @@ def parse_link(p: argparse.ArgumentParser, args: argparse.Namespace) -> Any:
     from dbo.backends.simulated_link import SimulatedLink
 
     try:
-        return SimulatedLink.parse(args.link, args.remote_fraction)
+        # an emulated rank counts its remote bytes itself (its option is --remote-fraction too)
+        emulated = getattr(args, "emulate_ep", None)
+        share = 1.0 if args.remote_fraction is None or emulated else args.remote_fraction
+        return SimulatedLink.parse(args.link, share, getattr(args, "link_order", "nic"))
     except ValueError as exc:
         p.error(f"--link {args.link}: {exc}")

@@ -17,6 +17,7 @@ __all__ = [
     "check_expert_weights",
     "contiguous_expert_map",
     "num_local_experts_for",
+    "stand_in_local_ids",
 ]
 
 #: activation dtypes the reference experts and the torch.distributed backends accept
@@ -155,3 +156,13 @@ def contiguous_expert_map(num_experts: int, world_size: int, rank: int,
     m = torch.full((num_experts,), -1, dtype=torch.int32, device=device)
     m[rank * n_local:(rank + 1) * n_local] = torch.arange(n_local, dtype=torch.int32, device=device)
     return m
+
+
+def stand_in_local_ids(topk_ids: torch.Tensor, num_experts: int, world_size: int) -> torch.Tensor:
+    """The local expert each (token, expert) pair is computed by on a rank whose own tokens stand
+    in for its peers' (the emulated rank, :mod:`dbo.backends.emulated`): a pair routed to global
+    expert ``e`` arrives "from" rank ``e // L`` at local expert ``e % L``, ``L = num_experts //
+    world_size``; ``-1`` stays ``-1``. A single-process MoE over that rank's ``L`` experts with
+    these ids and the same weights is what its layer computes."""
+    n_local = num_local_experts_for(num_experts, world_size)
+    return torch.where(topk_ids >= 0, torch.remainder(topk_ids, n_local), -1)

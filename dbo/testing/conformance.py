@@ -4,7 +4,9 @@ Every rank of a process group runs :func:`run_case` for the same :class:`Conform
 builds the backend with the user's factory, runs one MoE layer (:class:`dbo.moe.MoEKernel`
 with the reference SwiGLU experts) on this rank's tokens three ways and compares them:
 
-* ``reference``: :func:`dbo.experts.reference.reference_moe`, single process, float32, all experts;
+* ``reference``: :func:`dbo.experts.reference.reference_moe`, single process, float32, all experts
+  (a backend with ``emulated_ep = (N, r)``, one process playing rank ``r`` of ``N``: its local
+  experts with :func:`dbo.moe.validate.stand_in_local_ids`; it needs no process group);
 * ``serial``: the backend without DBO;
 * ``dbo``: the same tokens cut into ``num_ubatches`` ubatches (uneven sizes, some may be empty)
   run overlapped with :func:`dbo.run_ubatches`, outputs concatenated.
@@ -44,6 +46,7 @@ from dbo.experts.swiglu import SwiGLUExperts
 from dbo.moe.base import PrepareAndFinalize
 from dbo.moe.kernel import MoEKernel
 from dbo.moe.router import topk_route
+from dbo.moe.validate import stand_in_local_ids
 from dbo.ubatch.context import dbo_enabled, dbo_yield, run_ubatches
 from dbo.ubatch.trace import Trace
 
@@ -239,10 +242,12 @@ def run_case(factory: BackendFactory, case: ConformanceCase, *, device: str | to
              group: Any = None) -> CaseResult:
     """Run ``case`` on this rank (collective: every rank of ``group`` calls it) and compare."""
     device = torch.device(device)
-    rank = dist.get_rank(group)
-    world = dist.get_world_size(group)
-    x, weights, ids, w1, w2, w1_local, w2_local = _inputs(case, rank, world, device)
     backend = factory(case)
+    # a backend that plays rank r of N alone (dbo.backends.emulated) needs no process group:
+    # its own tokens stand in for its peers', so it computes its local experts' MoE of them
+    emulated = getattr(backend, "emulated_ep", None)
+    world, rank = emulated if emulated is not None else (dist.get_world_size(group), dist.get_rank(group))
+    x, weights, ids, w1, w2, w1_local, w2_local = _inputs(case, rank, world, device)
     sbo = case.expert_schedule == "sbo"
     grouped = case.expert_schedule in ("sbo", "sbo+dbo")
     pf = InterleavingBackend(backend) if case.force_interleave or grouped else backend
@@ -266,8 +271,13 @@ def run_case(factory: BackendFactory, case: ConformanceCase, *, device: str | to
             outs = run_ubatches(fns, token_offsets=bounds[:-1], trace=trace, device=device.type)
         return torch.cat(outs) if outs else x.new_empty(0, case.hidden)
 
-    ref = reference_moe(x, w1, w2, weights, ids,
-                        apply_router_weight_on_input=case.apply_router_weight_on_input)
+    if emulated is None:
+        ref = reference_moe(x, w1, w2, weights, ids,
+                            apply_router_weight_on_input=case.apply_router_weight_on_input)
+    else:
+        ref = reference_moe(x, w1_local, w2_local, weights,
+                            stand_in_local_ids(ids, case.num_experts, world),
+                            apply_router_weight_on_input=case.apply_router_weight_on_input)
     serial = layer(slice(None))
     trace = Trace()
     overlapped = dbo_run(trace)

@@ -46,6 +46,15 @@
 #                  ("256 2048") x TOKENS, compare, then decode with deepep_ll and 8 local experts
 #                  per rank (DECODE_TOKENS, CUDA graphs); LINK_ARGS adds options to the prefill runs
 #                  (e.g. "--dbo-sm-carveout none 8 16"); ~9 min for one link at 4 ranks
+#   emulated       one GPU as one rank of a large deployment (the emulated backend, dbo.backends.emulated):
+#                  its GPU tests (tests/gpu/test_emulated_gpu.py: the NIC-like link against its model, the
+#                  rank against the remapped reference, graph replay), the low-latency calls alone against
+#                  DeepEP's published table (tools/probes/emulated_comm.py), then decode at each of
+#                  EMU_EPS ("16 32 64 128 256") with deepep_ll's layout (DeepSeek-V3's layer: 256 experts
+#                  top-8, I=2048, one shared expert, 8 layers, CUDA graphs, every mode) under EMU_LINK
+#                  (deepep-ib) at EMU_TOKENS ("32 64 128 256 512"); EMU_ARGS (more options); EMU_PREFILL=1
+#                  adds prefill with deepep_ht's layout at EP EMU_PREFILL_EPS ("16 32 64"), T 4096 8192
+#                  16384 x I 256 2048, eager
 #   onerank        the one-rank overlap benchmark (naive: nothing to hide) at T 4096/16384 x
 #                  I 256/2048, and the decode sizes: what splitting alone costs
 #   hf:N           `dbo.bench hf-prefill`: a tiny DeepSeek-V3 smoke test, then Qwen3-30B-A3B at full size
@@ -239,6 +248,23 @@ for arg in "$@"; do
           --link "$l" --remote-fraction 0.875 --time-budget-s "${DECODE_BUDGET_S:-110}" --modes $all_modes ${DECODE_ARGS:-} \
           --out "$files/${l/,/_}/deepep_ll"
       done ;;
+    emulated)
+      run emulated-tests 200 $pytest_gpu tests/gpu/test_emulated_gpu.py
+      run emulated-comm 120 python3 tools/probes/emulated_comm.py --link "${EMU_LINK:-deepep-ib}" --json "$files/comm.json"
+      for ep in ${EMU_EPS:-16 32 64 128 256}; do
+        run "emulated-decode-$ep" "${EMU_CAP_S:-150}" python3 -m dbo.bench overlap --device cuda --emulate-ep "$ep" \
+          --link "${EMU_LINK:-deepep-ib}" --layers 8 --intermediate 2048 --tokens ${EMU_TOKENS:-32 64 128 256 512} \
+          --cuda-graph --modes $all_modes --profile-shape none --time-budget-s "${EMU_BUDGET_S:-120}" ${EMU_ARGS:-} \
+          --out "$files/decode_ep$ep"
+      done
+      if [ "${EMU_PREFILL:-0}" = 1 ]; then
+        for ep in ${EMU_PREFILL_EPS:-16 32 64}; do
+          run "emulated-prefill-$ep" "${EMU_CAP_S:-150}" python3 -m dbo.bench overlap --device cuda --emulate-ep "$ep" \
+            --emulate-layout deepep_ht --link "${EMU_PREFILL_LINK:-deepep-ib-ht}" --layers 8 --attn-width 1024 \
+            --intermediate ${EMU_INTER:-2048 256} --tokens ${EMU_PREFILL_TOKENS:-4096 8192 16384} --steps 6 \
+            --profile-shape none --time-budget-s "${EMU_BUDGET_S:-120}" ${EMU_ARGS:-} --out "$files/prefill_ep$ep"
+        done
+      fi ;;
     onerank)
       run onerank 240 $tr_ 1 -m dbo.bench overlap $ov_thin --backend naive --tokens 4096 16384 \
         --intermediate 256 2048 --time-budget-s 200 --out "$files/prefill"

@@ -121,7 +121,7 @@ def check_model_arguments(p: argparse.ArgumentParser, args: argparse.Namespace, 
     check_device(p, args.device)
     args.preset = args.preset or ("qwen3-30b-a3b" if cuda else "tiny-qwen3_moe")
     args.dtype = DTYPES[args.dtype or ("bfloat16" if cuda else "float32")]
-    if not 0.0 < args.remote_fraction <= 1.0:
+    if args.remote_fraction is not None and not 0.0 < args.remote_fraction <= 1.0:
         p.error(f"--remote-fraction {args.remote_fraction}: want a share in (0, 1]")
     args.link_text, args.link = args.link, parse_link(p, args)
     if args.save_checkpoint and args.checkpoint and args.checkpoint != args.save_checkpoint:

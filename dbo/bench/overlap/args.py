@@ -62,6 +62,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--backend", choices=sorted(BACKENDS), default=None,
                    help=f"default {DEFAULT_BACKEND['cuda']} on cuda, {DEFAULT_BACKEND['cpu']} on cpu")
     add_link_arguments(p)
+    p.add_argument("--emulate-ep", type=int, default=None, metavar="N",
+                   help="play one rank of an N-rank expert-parallel group on this one process (the "
+                        "emulated backend: DeepEP's layout, the rank's experts and bytes, no peers); "
+                        "run as plain python, not torchrun")
+    p.add_argument("--emulate-rank", type=int, default=0, help="with --emulate-ep: the rank played")
+    p.add_argument("--emulate-layout", choices=["deepep_ll", "deepep_ht"], default="deepep_ll",
+                   help="with --emulate-ep: the DeepEP layout the bytes move in (deepep_ll: decode, "
+                        "deepep_ht: prefill)")
+    p.add_argument("--gpus-per-host", type=int, default=8,
+                   help="with --emulate-ep: ranks per host; bytes to other hosts cross --link")
     p.add_argument("--backend-opt", action="append", default=[], metavar="KEY=VALUE",
                    help="a keyword argument of the backend's constructor (repeatable), e.g. "
                         "put_order=rank for copy_engine; ints, floats, true/false parsed")
@@ -137,6 +147,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         world = env_world_size()
     except ValueError as exc:
         p.error(str(exc))
+    emulate(p, args, world)
     check_device(p, args.device)
     resolve_defaults(args)
     check_backend_fits(p, args.backend, device=args.device, dtype=args.dtype,
@@ -157,7 +168,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--topk {args.topk}: must be <= --experts ({args.experts})")
     if args.sbo_groups < 1:
         p.error(f"--sbo-groups {args.sbo_groups}: must be >= 1")
-    check_experts_split(p, args.experts, world)
+    check_experts_split(p, args.experts, args.emulate_ep or world)
     if args.ll_rows not in ("masked", "auto", "full") and not args.ll_rows.isdigit():
         p.error(f"--ll-rows {args.ll_rows!r}: must be masked, auto, full or a number")
     if args.profile_shape not in ("auto", "none"):
@@ -189,17 +200,49 @@ def parse_backend_opts(opts: list[str]) -> dict[str, object]:
     return out
 
 
+def emulate(p: argparse.ArgumentParser, args: argparse.Namespace, world: int) -> None:
+    """``--emulate-ep N``: the emulated backend as rank ``--emulate-rank`` of N (checked here, in one
+    line each); its options join ``args.backend_kwargs``."""
+    if args.emulate_ep is None:
+        if args.backend == "emulated":
+            p.error("--backend emulated: give the group it stands for with --emulate-ep N")
+        return
+    if args.backend not in (None, "emulated"):
+        p.error(f"--emulate-ep with --backend {args.backend}: an emulated rank moves its bytes in "
+                "--emulate-layout (deepep_ll or deepep_ht); leave --backend out")
+    if world != 1:
+        p.error(f"--emulate-ep under a group of {world} ranks: run it as plain python (one process "
+                "plays the rank)")
+    if args.emulate_ep < 2:
+        p.error(f"--emulate-ep {args.emulate_ep}: an expert-parallel group has at least 2 ranks")
+    if not 0 <= args.emulate_rank < args.emulate_ep:
+        p.error(f"--emulate-rank {args.emulate_rank}: must be in [0, {args.emulate_ep})")
+    if args.gpus_per_host < 1 or (args.emulate_ep > args.gpus_per_host
+                                  and args.emulate_ep % args.gpus_per_host):
+        p.error(f"--gpus-per-host {args.gpus_per_host}: must be >= 1 and divide --emulate-ep "
+                f"{args.emulate_ep} when the group spans hosts")
+    if args.remote_fraction is not None and not 0.0 <= args.remote_fraction <= 1.0:
+        p.error(f"--remote-fraction {args.remote_fraction}: want a share in [0, 1]")
+    args.backend = "emulated"
+    args.backend_kwargs.update(ep_size=args.emulate_ep, rank=args.emulate_rank, layout=args.emulate_layout,
+                               gpus_per_host=args.gpus_per_host)
+    if args.remote_fraction is not None:
+        args.backend_kwargs["remote_fraction"] = args.remote_fraction
+
+
 def resolve_defaults(args: argparse.Namespace) -> None:
     """Fill the arguments left at None: tiny shapes on the CPU, DeepSeek-V3 sizes on GPUs."""
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.backend is None:
         args.backend = DEFAULT_BACKEND[args.device]
+    # the layout the bytes move in: the backend's, or the one an emulated rank moves them in
+    args.layout = args.emulate_layout if args.emulate_ep else args.backend
     cpu, quick = args.device == "cpu", args.quick
-    ll, ht = args.backend == "deepep_ll", args.backend == "deepep_ht"
+    ll, ht = args.layout == "deepep_ll", args.layout == "deepep_ht"
     if cpu:
         # DeepEP's combine is bf16 only (the --fake-deep-ep runs keep its checks)
-        dtype = "bfloat16" if args.backend.startswith("deepep") else "float32"
+        dtype = "bfloat16" if args.layout.startswith("deepep") else "float32"
         d = dict(dtype=dtype, hidden=128, experts=8, topk=2, attn_width=128, layers=2,
                  tokens=[64] if quick else [64, 256], intermediate=[64],
                  steps=3 if quick else 10, warmup=1, time_budget_s=0.0)
@@ -213,11 +256,11 @@ def resolve_defaults(args: argparse.Namespace) -> None:
         else:
             d.update(tokens=[4096] if quick else [1024, 4096, 16384],
                      intermediate=[512] if quick else [2048, 512])
-    d["num_sms"] = ([24] if quick else [24, 32, 48]) if ht and not cpu else []
+    d["num_sms"] = ([24] if quick else [24, 32, 48]) if ht and not cpu and not args.emulate_ep else []
     for k, v in d.items():
         if getattr(args, k, None) is None:
             setattr(args, k, v)
-    if not ht:
+    if not ht or args.emulate_ep:
         args.num_sms = []
     if args.dbo_sm_carveout is None:
         args.dbo_sm_carveout = [None]
@@ -312,7 +355,7 @@ def profile_target(args: argparse.Namespace) -> tuple[int, int] | None:
         return None
     if args.profile_shape == "auto":
         toks = sorted(args.tokens)
-        t = toks[-1] if args.backend == "deepep_ll" else toks[len(toks) // 2]
+        t = toks[-1] if args.layout == "deepep_ll" else toks[len(toks) // 2]
         return t, min(args.intermediate)
     t, i = args.profile_shape.split(":")
     return int(t), int(i)

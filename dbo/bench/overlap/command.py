@@ -87,6 +87,8 @@ def build_backend(args: argparse.Namespace, tokens: int, device: torch.device, d
 def run(args: argparse.Namespace, rank: int, world: int, device: torch.device, out_dir: Path,
         env: dict) -> dict:
     dtype = DTYPES[args.dtype]
+    # the expert-parallel group the model is built for: the process group, or the emulated one
+    ep_world, ep_rank = (args.emulate_ep, args.emulate_rank) if args.emulate_ep else (world, rank)
     budget = Budget(args.time_budget_s, device)
     progress = Progress(count_configs(args), enabled=rank == 0)
     warnings: list[str] = []
@@ -123,14 +125,14 @@ def run(args: argparse.Namespace, rank: int, world: int, device: torch.device, o
                              shared_intermediate=args.shared_intermediate or inter,
                              num_experts=args.experts, topk=args.topk, attn_width=args.attn_width,
                              layers=args.layers, dtype=dtype, attn_yield=args.attn_yield)
-            model = BenchModel(dims, rank, world, device, seed=args.seed)
+            model = BenchModel(dims, ep_rank, ep_world, device, seed=args.seed)
             benches: list[ShapeBench] = []
             for tokens in args.tokens:
                 backend = shared_backend
-                if args.backend == "deepep_ll" and tokens != max(args.tokens):
+                if args.layout == "deepep_ll" and tokens != max(args.tokens):
                     backend = build_backend(args, tokens, device, dtype)
                 dbo_backend = None
-                if args.backend == "deepep_ll":
+                if args.layout == "deepep_ll":
                     dbo_backend = build_backend(args, -(-tokens // 2), device, dtype)
                 sb = ShapeBench(args, model, backend, tokens, device, rank, progress, budget,
                                 dbo_backend)
@@ -139,7 +141,7 @@ def run(args: argparse.Namespace, rank: int, world: int, device: torch.device, o
                 sb.rec["limit_ms_per_layer"] = layer_limit_ms(
                     limits, tokens=tokens, hidden=dims.hidden, intermediate=inter,
                     shared_intermediate=dims.shared_intermediate, num_experts=dims.num_experts,
-                    topk=dims.topk, attn_width=dims.attn_width, world_size=world,
+                    topk=dims.topk, attn_width=dims.attn_width, world_size=ep_world,
                     dtype_bytes=torch.empty((), dtype=dtype).element_size())
                 if not budget.expired():
                     sb.reference()
@@ -153,7 +155,7 @@ def run(args: argparse.Namespace, rank: int, world: int, device: torch.device, o
                         time_wrapper(sb, SplitConfig(), decision_group, mode="wrapper_untuned")
                         restore_carveout(args, [sb])
                     if args.cuda_graph:
-                        if device.type == "cuda" and args.backend in GRAPH_BACKENDS:
+                        if device.type == "cuda" and args.layout in GRAPH_BACKENDS:
                             cuda_graph(sb)
                         else:
                             sb.rec["cuda_graph"] = {"ok": False, "error": "--cuda-graph needs "
@@ -163,7 +165,7 @@ def run(args: argparse.Namespace, rank: int, world: int, device: torch.device, o
                     sb.rec["skipped"] = "time budget"
                 backend.reset()
                 sb.pf_dbo.reset()
-                decode = args.backend == "deepep_ll"
+                decode = args.layout == "deepep_ll"
                 splits = local_vote(tokens, SplitConfig(), decode_only=decode).vote is Vote.YES
                 sb.rec["summary"] = summarize_shape(sb.rec, splits)
                 shapes.append(sb.rec)
@@ -260,7 +262,7 @@ def finish(bundle: dict, chrome: list[tuple[str, dict]], out_dir: Path, rank: in
         bundle["notes"] = [CPU_NOTE, *perf] if perf else []
     else:
         w.extend(perf)
-    bundle["crossover"] = _crossovers(bundle) if bundle["args"]["backend"] == "deepep_ll" else None
+    bundle["crossover"] = _crossovers(bundle) if bundle["args"].get("layout") == "deepep_ll" else None
     if rank != 0:
         return
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -240,6 +240,7 @@ class BenchModel:
             raise ValueError(f"num_experts ({dims.num_experts}) must be a multiple of the world size "
                              f"({world_size})")
         self.dims = dims
+        self.rank, self.world_size = rank, world_size
         h, dt = dims.hidden, dims.dtype
         gen = torch.Generator(device=device).manual_seed(seed)
         self.attn_norm = torch.ones(h, dtype=dt, device=device)

@@ -153,13 +153,22 @@ def _link(env: dict) -> str:
     sim = env.get("simulated_link")
     if not sim:
         return ""
-    return f" link={sim['gbps']:g}GB/s,{sim['latency_us']:g}us,remote={sim['remote_fraction']:.3f}"
+    fixed = f"{sim['latency_us']:g}us" if sim.get("combine_latency_us") is None else \
+        f"{sim['latency_us']:g}/{sim['combine_latency_us']:g}us"
+    name = f"{sim['name']}=" if sim.get("name") else ""
+    return (f" link={name}{sim['gbps']:g}GB/s,{fixed},{sim.get('order', 'host')},"
+            f"remote={sim['remote_fraction']:.3f}")
 
 
 def format_table(bundle: dict) -> str:
     """The short text table printed at the end (per-layer milliseconds)."""
     env, args = bundle["env"], bundle["args"]
-    lines = [f"dbo bench_overlap: backend={args['backend']} world={env.get('world_size')} "
+    where = f"world={env.get('world_size')}"
+    if args.get("emulate_ep"):
+        where = (f"emulated rank {args['emulate_rank']} of EP{args['emulate_ep']} "
+                 f"({args['emulate_layout']} layout, {args['gpus_per_host']} GPUs a host; not modelled: "
+                 "incast, congestion, stragglers, routing skew, DeepEP's SMs)")
+    lines = [f"dbo bench_overlap: backend={args['backend']} {where} "
              f"device={env.get('device_name')} layers/step={args['layers']} hidden={args['hidden']} "
              f"experts={args['experts']} top-{args['topk']} attn_width={args['attn_width']}{_link(env)}",
              f"times per layer in ms: median of {args['steps']} steps (step time = slowest rank); "

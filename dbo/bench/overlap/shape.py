@@ -293,11 +293,11 @@ class ShapeBench:
             return
         self.use(self.pf, "serial")
         routing = self.model.record_routing(self.x)
-        if self.args.backend in COMM_BYTES_BACKENDS:  # for the comm column's link limit
+        if self.args.layout in COMM_BYTES_BACKENDS:  # for the comm column's link limit
             dims = self.model.dims
-            world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+            world, rank = self.model.world_size, self.model.rank
             fp8 = bool(getattr(self.pf, "use_fp8_dispatch", False))
-            per_layer = [comm_bytes(self.args.backend, ids, world_size=world, rank=self.rank,
+            per_layer = [comm_bytes(self.args.layout, ids, world_size=world, rank=rank,
                                     num_experts=dims.num_experts, hidden=dims.hidden,
                                     elem_bytes=self.x.element_size(),
                                     dispatch_elem_bytes=FP8_DISPATCH_BYTES if fp8 else None)

@@ -38,7 +38,7 @@ def time_wrapper(sb: ShapeBench, config: SplitConfig, group: Any, rounds: int = 
         sb.progress.update(sb.label(mode) + " (skipped)")
         return
     fn = sb.adaptive_forward()
-    decode = sb.args.backend == "deepep_ll"
+    decode = sb.args.layout == "deepep_ll"
     if config.adaptive:
         w = DBOWrapper(fn, config, group=group, compute_sms=sb.args.dbo_compute_sms)
 
@@ -101,7 +101,7 @@ def tune_and_time_wrapper(args: argparse.Namespace, benches: list[ShapeBench], b
     def fn(x: torch.Tensor) -> torch.Tensor:
         return current[0](x)
 
-    decode = args.backend == "deepep_ll"
+    decode = args.layout == "deepep_ll"
     result = autotune_split_config(fn, make_inputs, sorted(by_tokens), decode_only=decode,
                                    group=group, warmup=args.warmup, steps=max(5, args.steps // 2),
                                    compute_sms=args.dbo_compute_sms)

@@ -1,0 +1,148 @@
+"""The emulated rank and the NIC-like link on one GPU: the flows' arrivals against the model
+(:func:`dbo.backends.simulated_link.nic.serve`), in the GPU's order and sharing the rate, eager
+and replayed from a CUDA graph; the emulated rank's layer against the single-process reference
+with the remapped routing, overlapped against plain, and a captured low-latency step against
+eager. Run on the GPU host: ``pytest tests/gpu/test_emulated_gpu.py``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dbo.backends import make_backend
+from dbo.backends.emulated import EMULATED
+from dbo.backends.simulated_link import SimulatedLink
+from dbo.backends.simulated_link import wall_wait as _wall_wait
+from dbo.backends.simulated_link.nic import NIC_GPU, Flow, serve
+from dbo.experts import SwiGLUExperts, reference_moe, relative_error
+from dbo.moe import MoEKernel
+from dbo.moe.validate import stand_in_local_ids
+from dbo.ubatch.context import run_ubatches
+from dbo.ubatch.streams import gpu_sleep
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+              pytest.mark.skipif(not _wall_wait.AVAILABLE, reason="needs Triton")]
+
+GBPS = 10.0  # 1e4 bytes per us: 1 MB = 100 us
+
+
+def _flows(readies_us: list[float], nbytes: list[float], fixed_us: float, order: list[int]) -> list[float]:
+    """Queue flows in host ``order``, flow i ready ``readies_us[i]`` after a common start (a GPU
+    sleep on a stream of its own); returns each flow's arrival after the start, ms -> us."""
+    dev = torch.device("cuda")
+    start = torch.cuda.Event(enable_timing=True)
+    side = [torch.cuda.Stream() for _ in readies_us]
+    torch.cuda.synchronize()
+    start.record()
+    dones: dict[int, torch.cuda.Event] = {}
+    for s in side:
+        s.wait_event(start)
+    for i in order:
+        with torch.cuda.stream(side[i]):
+            if readies_us[i] > 0:
+                gpu_sleep(readies_us[i] / 1e3)
+            ready = torch.cuda.Event()
+            ready.record()
+        done = NIC_GPU.flow(dev, ready, gbps=GBPS, fixed_us=fixed_us, nbytes=nbytes[i])
+        timed = torch.cuda.Event(enable_timing=True)
+        torch.cuda.current_stream().wait_event(done)
+        timed.record()
+        dones[i] = timed
+    torch.cuda.synchronize()
+    return [start.elapsed_time(dones[i]) * 1e3 for i in range(len(readies_us))]
+
+
+def test_flows_share_the_rate_and_start_when_ready_not_in_host_order():
+    _flows([0.0], [1e4], 0.0, [0])  # warm-up: compile
+    # two flows of 1 MB ready together: both at ~200 us (not 100 and 200)
+    got = _flows([0.0, 0.0], [1e6, 1e6], 20.0, [0, 1])
+    want = serve([Flow(0, 1e6, 20.0), Flow(0, 1e6, 20.0)], GBPS)
+    assert got == pytest.approx(want, rel=0.1, abs=15), (got, want)
+    # the host queues the late flow first: the early one still goes first, at the full rate
+    got = _flows([400.0, 0.0], [1e6, 1e6], 0.0, [0, 1])
+    want = serve([Flow(400, 1e6), Flow(0, 1e6)], GBPS)
+    assert got == pytest.approx(want, rel=0.1, abs=30), (got, want)
+    assert got[1] < got[0]
+
+
+def test_flows_replay_from_a_cuda_graph():
+    dev = torch.device("cuda")
+    count = torch.full((1,), 1000, dtype=torch.int64, device=dev)
+    stream = torch.cuda.Stream()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        ready = torch.cuda.Event()
+        ready.record()
+        NIC_GPU.flow(dev, ready, gbps=GBPS, fixed_us=10.0, count=count, bytes_per_count=1000.0)  # warm-up
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph, stream=stream):
+            ready = torch.cuda.Event()
+            ready.record()
+            done = NIC_GPU.flow(dev, ready, gbps=GBPS, fixed_us=10.0, count=count, bytes_per_count=1000.0)
+            torch.cuda.current_stream().wait_event(done)
+    times = []
+    for n in (1000, 3000):  # 1 MB then 3 MB, read from the device at each replay
+        count.fill_(n)
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    assert times[0] == pytest.approx(110, rel=0.15, abs=15), times
+    assert times[1] == pytest.approx(310, rel=0.15, abs=15), times
+
+
+def _layer(layout: str, n: int, t: int, link: SimulatedLink | None, seed: int = 0):
+    torch.manual_seed(seed)
+    hidden, inter, experts, topk = 2048, 256, 64, 8
+    n_local = experts // n
+    pf = make_backend("emulated", None, hidden=hidden, num_experts=experts, topk=topk, dtype=torch.bfloat16,
+                      device="cuda", max_tokens_per_rank=t, ep_size=n, rank=n - 1, layout=layout, link=link)
+    x = torch.randn(t, hidden, device="cuda", dtype=torch.bfloat16)
+    w1 = torch.randn(n_local, 2 * inter, hidden, device="cuda", dtype=torch.bfloat16) * 0.03
+    w2 = torch.randn(n_local, hidden, inter, device="cuda", dtype=torch.bfloat16) * 0.03
+    weights, ids = torch.topk(torch.softmax(torch.randn(t, experts, device="cuda"), -1), topk)
+    ids[1, 2] = -1
+    kernel = MoEKernel(pf, SwiGLUExperts())
+
+    def step(dbo: bool) -> torch.Tensor:
+        def call(lo, hi):
+            return kernel(x[lo:hi], w1, w2, weights[lo:hi], ids[lo:hi], global_num_experts=experts)
+        if not dbo:
+            return call(0, t)
+        return torch.cat(run_ubatches([lambda: call(0, t // 2), lambda: call(t // 2, t)]))
+
+    ref = reference_moe(x, w1, w2, weights, stand_in_local_ids(ids, experts, n))
+    return step, ref
+
+
+@pytest.mark.parametrize("layout", ["deepep_ll", "deepep_ht"])
+@pytest.mark.parametrize("n", [4, 32])
+def test_the_emulated_rank_is_a_real_moe_plain_and_overlapped(layout, n):
+    step, ref = _layer(layout, n, 64, SimulatedLink.parse("deepep-ib"))
+    plain = step(False)
+    assert relative_error(plain, ref) < 2e-2
+    assert relative_error(step(True), plain) < 1e-2
+    EMULATED.reset()
+
+
+def test_a_captured_low_latency_step_replays_as_eager():
+    step, ref = _layer("deepep_ll", 16, 64, SimulatedLink.parse("deepep-ib"))
+    eager = step(True)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step(True)  # warm-up on the capture stream
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph, stream=stream):
+            out = step(True)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+    assert relative_error(out, ref) < 2e-2
+    EMULATED.reset()

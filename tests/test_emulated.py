@@ -1,0 +1,132 @@
+"""The emulated rank on CPU: one process plays rank r of an N-rank group with DeepEP's
+low-latency and normal layouts, under the real DeepEP backends; its layer equals the
+single-process MoE of its local experts with the stand-in routing, plain and overlapped, over
+every expert schedule (the conformance suite), and the bytes it sends are those of the rank it
+plays."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, note, settings
+from hypothesis import strategies as st
+
+from dbo.backends import BACKENDS, make_backend
+from dbo.backends.emulated import EMULATED, EmulatedBuffer, EmulatedGroup
+from dbo.backends.simulated_link import SimulatedLink
+from dbo.experts import SwiGLUExperts, reference_moe, relative_error
+from dbo.moe import MoEKernel
+from dbo.moe.validate import stand_in_local_ids
+from dbo.testing.conformance import ConformanceCase, run_case
+from dbo.ubatch.context import run_ubatches
+
+HIDDEN = 2048  # the smallest hidden size DeepEP's low-latency kernels take
+
+
+@pytest.fixture(autouse=True)
+def _free_buffers():
+    yield
+    EMULATED.reset()
+
+
+def _backend(layout: str, n: int, experts: int, topk: int, tokens: int, rank: int = 0, **kw):
+    return make_backend("emulated", None, hidden=HIDDEN, num_experts=experts, topk=topk,
+                        dtype=torch.bfloat16, device="cpu", max_tokens_per_rank=max(tokens, 1),
+                        ep_size=n, rank=rank, layout=layout, **kw)
+
+
+@settings(max_examples=12, deadline=None)
+@given(layout=st.sampled_from(["deepep_ll", "deepep_ht"]), n=st.sampled_from([2, 4, 8, 16]),
+       n_local=st.sampled_from([1, 2, 4]), topk=st.integers(1, 6), tokens=st.integers(0, 12),
+       holes=st.integers(0, 4), seed=st.integers(0, 1000))
+def test_the_emulated_rank_is_its_local_experts_moe_plain_and_overlapped(layout, n, n_local, topk,
+                                                                        tokens, holes, seed):
+    experts = n * n_local
+    topk = min(topk, experts)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, HIDDEN, generator=g).to(torch.bfloat16)
+    w1 = (torch.randn(n_local, 64, HIDDEN, generator=g) * 0.05).to(torch.bfloat16)
+    w2 = (torch.randn(n_local, HIDDEN, 32, generator=g) * 0.05).to(torch.bfloat16)
+    weights, ids = torch.topk(torch.softmax(torch.randn(tokens, experts, generator=g), -1), topk)
+    for h in range(min(holes, tokens * topk)):  # pairs with no expert
+        ids.view(-1)[(h * 7) % (tokens * topk)] = -1
+    note(f"layout={layout} N={n} L={n_local} topk={topk} T={tokens} ids={ids.tolist()}")
+    EMULATED.reset()  # a buffer per shape, as a real group would make for another model
+    kernel = MoEKernel(_backend(layout, n, experts, topk, tokens, rank=seed % n), SwiGLUExperts())
+
+    def call(lo, hi):
+        return kernel(x[lo:hi], w1, w2, weights[lo:hi], ids[lo:hi], global_num_experts=experts)
+
+    plain = call(0, tokens)
+    ref = reference_moe(x, w1, w2, weights, stand_in_local_ids(ids, experts, n))
+    assert relative_error(plain, ref) < 2e-2
+    cut = tokens // 2
+    dbo = torch.cat(run_ubatches([lambda: call(0, cut), lambda: call(cut, tokens)]))
+    assert relative_error(dbo, plain) < 1e-2
+
+
+def _factory(case: ConformanceCase):
+    opts = dict(case.options)
+    return _backend(opts["layout"], opts["n"], case.num_experts, case.topk, max(case.num_tokens),
+                    rank=opts.get("rank", 0))
+
+
+@pytest.mark.parametrize("layout,schedule", [("deepep_ll", "split"), ("deepep_ll", "merged"),
+                                             ("deepep_ll", "sbo"), ("deepep_ll", "sbo+dbo"),
+                                             ("deepep_ht", "split"), ("deepep_ht", "merged")])
+def test_the_conformance_suite_passes_on_an_emulated_rank_without_a_process_group(layout, schedule):
+    for topk, tokens in ((2, 24), (4, 17), (2, 0)):
+        case = ConformanceCase(f"{layout} {schedule} k={topk} T={tokens}", (tokens,) * 4, HIDDEN, topk, 16,
+                               expert_schedule=schedule, sbo_groups=2, seed=topk + tokens,
+                               options=(("layout", layout), ("n", 4), ("rank", 3)))
+        result = run_case(_factory, case)
+        assert result.ok, result.problems
+
+
+def test_the_link_is_served_inside_and_counts_the_bytes_that_leave_the_host():
+    # 16 ranks over 2 hosts: rank 0's pairs for experts of ranks 8-15 leave the host
+    link = SimulatedLink(1.0, 0.0, combine_latency_us=0.0)  # 1 GB/s: 1 kB = 1 us
+    pf = _backend("deepep_ll", 16, 32, 2, 8, link=link)
+    assert type(pf).__name__ == "DeepEPLLPrepareAndFinalize"  # not wrapped: the link is inside
+    buf = pf.buffer
+    assert isinstance(buf, EmulatedBuffer) and buf.link is link
+    ids = torch.tensor([[0, 16], [2, 31], [20, 21], [1, 3]])  # remote pairs: 16, 31, 20, 21
+    rows, per_key, dest = buf._pair_rows(ids, 32, 16 * 8)
+    share = buf._remote_share()
+    assert float(share[dest].sum()) == 4.0
+    assert per_key.sum() == 8 and per_key.shape == (2, 16)
+    # the stand-in: pair (t, e) arrives from rank e // 2 at local expert e % 2
+    want = torch.zeros(2, 16, dtype=torch.int64)
+    for e in (0, 16, 2, 31, 20, 21, 1, 3):
+        want[e % 2, e // 2] += 1
+    assert torch.equal(per_key, want)
+    # each local expert's rows in (source rank, token) order, packed from the slab's start
+    assert sorted(rows.tolist()) == [0, 1, 2, 3, 128, 129, 130, 131]
+
+
+def test_normal_mode_sends_one_row_per_token_and_remote_host():
+    buf = EmulatedBuffer(EmulatedGroup(16, 0, 8), device="cpu")
+    in_rank = torch.zeros(3, 16, dtype=torch.bool)
+    in_rank[0, [1, 9, 10]] = True  # host 1 twice: one row over the link
+    in_rank[1, [2]] = True  # stays on the host
+    in_rank[2, [8, 15]] = True
+    assert float(buf._rows_off_host(in_rank)) == 2.0
+    shared = EmulatedBuffer(EmulatedGroup(4, 1, 8), device="cpu", remote_fraction=0.5)
+    assert float(shared._rows_off_host(in_rank[:, :4])) == 0.5  # (token 0, rank... ) rows to others x 0.5
+
+
+def test_bad_options_are_named():
+    assert BACKENDS["emulated"].serves_link and BACKENDS["emulated"].emulated
+    with pytest.raises(ValueError, match="layout"):
+        _backend("deepep_v2", 4, 8, 2, 8)
+    with pytest.raises(ValueError, match="ep_size"):
+        _backend("deepep_ll", 3, 8, 2, 8)
+    with pytest.raises(ValueError, match="ep_size"):
+        _backend("deepep_ll", 1, 8, 2, 8)
+    with pytest.raises(TypeError, match="bf16"):
+        make_backend("emulated", None, hidden=HIDDEN, num_experts=8, topk=2, dtype=torch.float32,
+                     device="cpu", max_tokens_per_rank=8, ep_size=4)
+    with pytest.raises(ValueError, match="rank"):
+        _backend("deepep_ll", 4, 8, 2, 8, rank=4)
+    with pytest.raises(ValueError, match="remote_fraction"):
+        _backend("deepep_ll", 4, 8, 2, 8, remote_fraction=1.5)
