@@ -58,6 +58,11 @@ def _nothing() -> None:
     return None
 
 
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t`` ``[M, H]`` as ``[M, H * itemsize]`` uint8 (a view)."""
+    return t.view(torch.uint8)
+
+
 @dataclass(frozen=True)
 class EmulatedGroup:
     """The stand-in of rank ``rank`` in a group of ``size`` ranks, ``gpus_per_host`` a host: what
@@ -389,7 +394,8 @@ class EmulatedBuffer:
 
             def receive() -> None:
                 held()
-                slot["x"].index_copy_(0, rows, q.index_select(0, tokens))
+                # (as bytes: CUDA has no fp8 index_copy)
+                slot["x"].view(torch.uint8).index_copy_(0, rows, _bytes(q).index_select(0, tokens))
                 if scales is not None:
                     slot["scales"].index_copy_(0, rows, scales.index_select(0, tokens))
                 slot["src_info"].index_copy_(0, rows, tokens.to(torch.int32))

@@ -37,8 +37,13 @@ if AVAILABLE:
 
     @triton.jit
     def _lock(state):
-        while tl.atomic_cas(state, 0, 1) != 0:
+        zero = tl.full((), 0, tl.int64)
+        while tl.atomic_cas(state, zero, zero + 1) != 0:
             pass
+
+    @triton.jit
+    def _unlock(state):
+        tl.atomic_xchg(state, tl.full((), 0, tl.int64))
 
     @triton.jit
     def _nic_flow_kernel(state, count_ptr, unit_q, rate_q, fixed_ns, poll_ns):
@@ -57,7 +62,7 @@ if AVAILABLE:
             tl.store(state + 1, n + 1)
             tl.store(state + 2, now)
             tl.store(state + 3, v)
-            tl.atomic_xchg(state, 0)
+            _unlock(state)
             target = v + need
             sending = 1
             while sending == 1:
@@ -72,7 +77,7 @@ if AVAILABLE:
                 tl.store(state + 1, n)
                 tl.store(state + 2, now)
                 tl.store(state + 3, v)
-                tl.atomic_xchg(state, 0)
+                _unlock(state)
                 if sending == 1:
                     # until this flow's end if no flow joins or leaves meanwhile, at most poll_ns
                     until = now + tl.minimum((target - v) * n // rate_q + 1, poll_ns)

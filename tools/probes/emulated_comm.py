@@ -4,8 +4,9 @@ EP 16/32/64/128/256 under a link, against DeepEP's published internode table.
 
     python tools/probes/emulated_comm.py [--link deepep-ib] [--steps 30] [--json OUT]
 
-Each figure is the median over ``--steps`` calls of one call's GPU time (CUDA events around it,
-the send and the receive in one call as DeepEP's test times them), uniform random routing.
+Each figure is the median over ``--steps`` replays of one call captured in a CUDA graph (CUDA
+events around the replay; the send and the receive in one call, as DeepEP's test times its
+kernels; no host launch time), uniform random routing.
 """
 
 from __future__ import annotations
@@ -24,11 +25,20 @@ from dbo.backends.simulated_link.presets import DEEPEP_LL_SHAPE, DEEPEP_LL_TABLE
 
 
 def _time(fn, steps: int) -> float:
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        fn()
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph, stream=stream):
+            fn()
+    torch.cuda.synchronize()
     times = []
     for _ in range(steps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        fn()
+        graph.replay()
         b.record()
         b.synchronize()
         times.append(a.elapsed_time(b) * 1e3)
