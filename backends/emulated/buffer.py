@@ -149,6 +149,8 @@ class _Streams:
         self.device = device
         self.comm: Any = (torch.cuda.Stream(device=device) if device.type == "cuda"
                           else LogicalStream("emulated deep_ep"))
+        #: the streams current when each open kernel began (what finish() joins)
+        self._callers: list[Any] = []
 
     def current(self) -> Any:
         if self.device.type == "cuda":
@@ -160,9 +162,16 @@ class _Streams:
         """Run the block on the comm stream after ``previous_event`` (else after the current
         stream), or on the current stream; yields the stream. No yield inside."""
         current = self.current()
-        if on_current:
-            yield current
-            return
+        self._callers.append(current)
+        try:
+            if on_current:
+                yield current
+                return
+            yield from self._on_comm(previous_event, current)
+        finally:
+            self._callers.pop()
+
+    def _on_comm(self, previous_event: Any, current: Any) -> Iterator[Any]:
         if previous_event is not None:
             ev = previous_event.event if isinstance(previous_event, EventOverlap) else previous_event
             _wait(self.comm, ev, self.device)
@@ -175,11 +184,11 @@ class _Streams:
             yield self.comm
 
     def finish(self, stream: Any, async_finish: bool, tensors: tuple = ()) -> EventOverlap:
-        """After a kernel on ``stream``: its event (``async_finish``), else the current stream
-        waits for it."""
+        """After a kernel on ``stream`` (inside :meth:`kernel`'s block): its event
+        (``async_finish``), else the stream that was current when the kernel began waits for it."""
         if async_finish:
             return EventOverlap(_Event(self.device, stream), tensors)
-        current = self.current()
+        current = self._callers[-1]
         if stream is not current:
             _wait(current, _Event(self.device, stream), self.device)
         return EventOverlap(None)
