@@ -95,9 +95,9 @@ class AllToAllPrepareAndFinalize(TorchDistPrepareAndFinalize):
             recv = torch.empty(sum(recv_counts), send.shape[1], dtype=torch.uint8, device=send.device)
             work = None
             if total:
-                work = dist.all_to_all_single(recv, send, output_split_sizes=recv_counts,
-                                              input_split_sizes=send_counts, group=self.group,
-                                              async_op=True)
+                work = self._start(lambda out, inp: dist.all_to_all_single(
+                    out, inp, output_split_sizes=recv_counts, input_split_sizes=send_counts,
+                    group=self.group, async_op=True), recv, send)
             pending = PendingWork([work], self._what("dispatch all-to-all"), self.timeout_s, self.nccl)
             comm.keep(send)
             comm.keep_for_compute(recv)
@@ -125,9 +125,9 @@ class AllToAllPrepareAndFinalize(TorchDistPrepareAndFinalize):
             back = torch.empty(h.send_idx.numel(), h.hidden, dtype=output.dtype, device=output.device)
             # a rank that sends and receives nothing still takes part: the collective is skipped
             # only when the whole group moved nothing, which every rank knows from prepare
-            work = dist.all_to_all_single(back, y, output_split_sizes=h.send_counts,
-                                          input_split_sizes=h.recv_counts, group=self.group,
-                                          async_op=True) if h.total else None
+            work = self._start(lambda out, inp: dist.all_to_all_single(
+                out, inp, output_split_sizes=h.send_counts, input_split_sizes=h.recv_counts,
+                group=self.group, async_op=True), back, y) if h.total else None
             pending = PendingWork([work], self._what("combine all-to-all"), self.timeout_s, self.nccl)
             comm.keep(y)
             comm.keep_for_compute(back)

@@ -104,7 +104,8 @@ class NaivePrepareAndFinalize(TorchDistPrepareAndFinalize):
                                device=send.device)
             work = None
             if max_m:
-                work = all_gather_single(recv, send, self.group, async_op=True)
+                work = self._start(lambda out, inp: all_gather_single(out, inp, self.group,
+                                                                      async_op=True), recv, send)
             pending = PendingWork([work], self._what("dispatch all-gather"), self.timeout_s, self.nccl)
             comm.keep(x, send)
             comm.keep_for_compute(recv)
@@ -127,7 +128,8 @@ class NaivePrepareAndFinalize(TorchDistPrepareAndFinalize):
             mine = torch.empty(h.max_tokens, h.hidden, dtype=output.dtype, device=output.device)
             work = None
             if h.max_tokens:
-                work = reduce_scatter_single(mine, y, self.group, async_op=True)
+                work = self._start(lambda out, inp: reduce_scatter_single(out, inp, self.group,
+                                                                          async_op=True), mine, y)
             pending = PendingWork([work], self._what("combine reduce-scatter"), self.timeout_s,
                                   self.nccl)
             comm.keep(y)

@@ -4,8 +4,11 @@
   blocking metadata exchange that also checks that every rank passed compatible arguments, and
   the stream protocol (NCCL: collectives on the comm stream; gloo: ``async_op`` work whose
   completion the recv hook waits for).
-* :class:`PendingWork`: async work handles waited on with a bounded timeout; a peer that fails
-  or stops turns into :class:`dbo.errors.CollectiveTimeoutError` instead of a hang.
+* :class:`PendingWork`: async work waited on with a bounded timeout; a peer that fails or stops
+  turns into :class:`dbo.errors.CollectiveTimeoutError` instead of a hang. Each collective is
+  started through :meth:`TorchDistPrepareAndFinalize._start` (a :class:`dbo.peers.work.LentWork`),
+  so on gloo its wait returns only once gloo's worker thread has freed the work: a program may
+  end right after its last MoE layer without gloo's thread aborting it at exit.
 * Row packing: tokens, routing ids and weights travel as one ``uint8`` tensor, so a dispatch
   is one collective, not three.
 
@@ -16,10 +19,9 @@ on every rank, so the order is the same everywhere even when two ubatches interl
 
 from __future__ import annotations
 
-import datetime
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -40,6 +42,7 @@ from dbo.moe.validate import (
     num_local_experts_for,
 )
 from dbo.peers.watchdog import resolve_timeout
+from dbo.peers.work import LentWork
 from dbo.ubatch.context import (
     dbo_current_ubatch_id,
 )
@@ -142,11 +145,13 @@ def unpack_rows(packed: torch.Tensor, specs: Sequence[tuple[int, torch.dtype]]) 
 class PendingWork:
     """Async collective work of one ubatch, waited for once with a bounded timeout.
 
-    ``what`` names the collective in errors. Under NCCL ``wait`` only makes the current stream
-    wait (it does not block the CPU); the process group's timeout and NCCL watchdog bound it.
+    ``works``: what :meth:`TorchDistPrepareAndFinalize._start` returned (``None`` entries are
+    skipped). ``what`` names the collective in errors. Under NCCL ``wait`` only makes the current
+    stream wait (it does not block the CPU); the process group's timeout and NCCL watchdog bound
+    it. Under gloo it returns once the data has arrived and gloo has freed the work.
     """
 
-    def __init__(self, works: Sequence[Any], what: str, timeout_s: float, nccl: bool):
+    def __init__(self, works: Sequence[LentWork | None], what: str, timeout_s: float, nccl: bool):
         self.works = [w for w in works if w is not None]
         self.what = what
         self.timeout_s = timeout_s
@@ -166,7 +171,7 @@ class PendingWork:
         for w in self.works:
             left = max(deadline - time.monotonic(), 0.001)
             try:
-                w.wait(timeout=datetime.timedelta(seconds=left))
+                w.wait(left)
             except Exception as exc:  # noqa: BLE001 - gloo raises plain RuntimeError/DistError
                 raise CollectiveTimeoutError(
                     f"{self.what} failed or did not complete within {timeout:.1f} s: a peer rank "
@@ -279,6 +284,12 @@ class TorchDistPrepareAndFinalize(PrepareAndFinalize):
             return a1
         return (a1.to(torch.float32) * topk_weights).to(a1.dtype)
 
+    def _start(self, issue: Callable[..., Any], *tensors: torch.Tensor) -> LentWork:
+        """Start a collective: ``issue(*views)`` with one view per tensor of ``tensors``
+        returns its work (``async_op=True``); see :class:`dbo.peers.work.LentWork`. Under
+        NCCL ``issue`` gets the tensors themselves."""
+        return LentWork(issue, tensors, lend=not self.nccl)
+
     # ---- the blocking metadata exchange -------------------------------------------------
 
     def _exchange_meta(self, a1: torch.Tensor, topk: int, num_experts: int,
@@ -299,7 +310,8 @@ class TorchDistPrepareAndFinalize(PrepareAndFinalize):
         mine = torch.tensor(row, dtype=torch.int64, device=device)
         table = torch.empty(self.world_size * len(row), dtype=torch.int64, device=device)
         what = self._what("metadata exchange")
-        work = all_gather_single(table, mine, self.group, async_op=True)
+        work = self._start(lambda out, inp: all_gather_single(out, inp, self.group, async_op=True),
+                           table, mine)
         PendingWork([work], what, self.timeout_s, self.nccl).wait()
         rows = table.view(self.world_size, len(row)).tolist()
         for col, key in enumerate(_META):

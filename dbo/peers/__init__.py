@@ -1,4 +1,5 @@
 """What ranks know of each other: host shared memory (:mod:`~dbo.peers.hostboard`), arrival
 counters (:mod:`~dbo.peers.arrival`), the vote through shared memory
-(:mod:`~dbo.peers.hostvote`), the timeout on every wait (:mod:`~dbo.peers.watchdog`) and the small
-collectives (:mod:`~dbo.peers.collectives`: group size, all-reduce MAX)."""
+(:mod:`~dbo.peers.hostvote`), the timeout on every wait (:mod:`~dbo.peers.watchdog`), the small
+collectives (:mod:`~dbo.peers.collectives`: group size, all-reduce MAX) and collective work that
+gloo has freed before its wait returns (:mod:`~dbo.peers.work`)."""

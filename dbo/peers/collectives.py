@@ -14,7 +14,6 @@ the wait.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -23,6 +22,7 @@ from dbo.errors import CollectiveTimeoutError
 from dbo.peers.groups import collective_device, group_rank, group_size
 from dbo.peers.hostvote import host_vote
 from dbo.peers.watchdog import current_timeout
+from dbo.peers.work import LentWork
 
 __all__ = ["group_size", "group_rank", "collective_device", "all_reduce_max"]
 
@@ -52,14 +52,19 @@ def all_reduce_max(values: Sequence[int] | Sequence[float], group: Any = None, *
     if device is None:
         device = collective_device(group)
     t = torch.tensor(values, dtype=torch.int64 if ints else torch.float64, device=device)
-    timeout_s = current_timeout()
-    if timeout_s is None or t.is_cuda:  # (a CUDA tensor: the GPU watchdog bounds the wait)
+    if t.is_cuda:  # the GPU watchdog bounds the wait
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
         return t.tolist()
-    work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group, async_op=True)
+    timeout_s = current_timeout()
+    # a LentWork: the wait returns once gloo's thread has freed the work, so a program may end
+    # right after this vote (dbo.peers.work says why that matters)
+    work = LentWork(lambda x: dist.all_reduce(x, op=dist.ReduceOp.MAX, group=group, async_op=True),
+                    [t])
     try:
-        done = work.wait(timeout=timedelta(seconds=timeout_s))
+        done = work.wait(timeout_s)
     except RuntimeError as exc:  # gloo raises on its timeout
+        if timeout_s is None:
+            raise
         raise CollectiveTimeoutError(
             f"{phase}: rank {dist.get_rank(group)} waited {timeout_s:.1f} s for its peers' "
             f"votes ({exc}); a peer died or fell out of step", phase=phase) from exc
