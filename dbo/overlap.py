@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from dbo.deployment import DeploymentConfig
 from dbo.expert_schedule import ExpertSchedule, use_expert_schedule
 from dbo.experts.swiglu import find_swiglu_experts
 from dbo.peers.watchdog import collective_timeout
@@ -257,7 +258,9 @@ class DBOWrapper(torch.nn.Module):
 
     Args:
         module_or_fn: the forward (an ``nn.Module`` or a callable).
-        config: the default :class:`SplitConfig`.
+        config: the default :class:`SplitConfig`, or a tuned deployment's
+            :class:`dbo.deployment.DeploymentConfig` (:func:`dbo.deployment.load_deployment_config`
+            reads one): its split config, and its ``sm_carveout`` unless ``sm_carveout`` is given.
         group: the process group that must agree on the split (default: the default group).
         agree: False skips the agreement all-reduce.
         trace: a default :class:`dbo.Trace` for every overlapped call.
@@ -277,7 +280,8 @@ class DBOWrapper(torch.nn.Module):
     """
 
     def __init__(self, module_or_fn: torch.nn.Module | Callable[..., Any],
-                 config: SplitConfig | None = None, *, group: Any = None, agree: bool = True,
+                 config: SplitConfig | DeploymentConfig | None = None, *, group: Any = None,
+                 agree: bool = True,
                  trace: Trace | None = None, comm_stream: Any = None,
                  sm_carveout: int | None = None, compute_sms: int | None = None,
                  timeout_s: float | None = None):
@@ -288,6 +292,10 @@ class DBOWrapper(torch.nn.Module):
             self.module = module_or_fn
         else:
             self._fn = module_or_fn
+        if isinstance(config, DeploymentConfig):  # a tuned deployment's file (dbo.deployment)
+            if sm_carveout is None:
+                sm_carveout = config.sm_carveout
+            config = config.split
         self.config = SplitConfig() if config is None else config
         self.group = group
         self.agree = agree

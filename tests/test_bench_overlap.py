@@ -325,7 +325,12 @@ def test_bench_as_one_emulated_rank_of_a_large_group(tmp_path):
     # NIC-like preset link; the model keeps 32 / 16 local experts
     bundle = _run_bench(tmp_path, "--emulate-ep", "16", "--emulate-rank", "3", "--link", "deepep-ib",
                         "--hidden", "2048", "--experts", "32", "--tokens", "16", "--modes", "serial", "dbo",
-                        "sbo_dbo", nproc=None)
+                        "sbo_dbo", "--save-config", str(tmp_path / "ep16.json"), nproc=None)
+    from dbo.deployment import load_deployment_config
+
+    tuned = load_deployment_config(tmp_path / "ep16.json")  # what the autotune chose for EP16
+    assert tuned.deployment["ep_size"] == 16 and tuned.deployment["link"]["name"] == "deepep-ib"
+    assert tuned.split.adaptive is False
     assert bundle["args"]["backend"] == "emulated" and bundle["args"]["layout"] == "deepep_ll"
     assert bundle["env"]["simulated_link"]["name"] == "deepep-ib"
     assert bundle["env"]["simulated_link"]["order"] == "nic"

@@ -1,99 +1,23 @@
-"""The benchmarks' and examples' front door: bad input answered in one line, a verdict at the end.
-
-A caller mistake (a bad option value, a missing file) ends a run with one line on stderr that
-names the bad value and what is allowed, and exit code 2: no usage block, no traceback. Checks
-that need the world size read torchrun's ``WORLD_SIZE`` before any process group exists, so
-under torchrun every rank fails the same check, exits 2 and none waits for a peer. A run that
-completes ends with one line on stdout, ``PROG: PASS: why`` or ``PROG: FAIL: why`` (exit code 0
-or 1).
-"""
+"""The benchmarks' command-line parts: the library's front door (:mod:`dbo.cli`: one-line errors
+for bad input, plain help, the verdict line, re-exported here) and the simulated-link options."""
 
 from __future__ import annotations
 
 import argparse
-import os
-import sys
-from typing import Any, NoReturn
+from typing import Any
 
-import torch
-
-from dbo.backends import BACKENDS, cpu_backends
+from dbo.cli import (
+    ArgumentParser,
+    check_at_least,
+    check_backend_fits,
+    check_device,
+    check_experts_split,
+    env_world_size,
+    verdict,
+)
 
 __all__ = ["ArgumentParser", "env_world_size", "check_at_least", "check_device", "check_experts_split",
-           "check_backend_fits", "verdict", "add_link_arguments", "parse_link"]
-
-
-class ArgumentParser(argparse.ArgumentParser):
-    """``argparse.ArgumentParser`` whose errors are one line on stderr and exit code 2.
-
-    :meth:`error` is also how an entry point rejects a value it checks after parsing.
-    """
-
-    def error(self, message: str) -> NoReturn:
-        sys.stderr.write(f"{self.prog}: {message}\n")
-        raise SystemExit(2)
-
-
-def env_world_size() -> int:
-    """The world size torchrun announces (``WORLD_SIZE``), 1 without torchrun; readable before
-    the process group exists."""
-    raw = os.environ.get("WORLD_SIZE", "1")
-    try:
-        world = int(raw)
-    except ValueError:
-        raise ValueError(f"WORLD_SIZE must be an integer >= 1, got {raw!r}") from None
-    if world < 1:
-        raise ValueError(f"WORLD_SIZE must be an integer >= 1, got {raw!r}")
-    return world
-
-
-def check_at_least(parser: argparse.ArgumentParser, args: argparse.Namespace, low: int,
-                   *names: str) -> None:
-    """``parser.error`` naming the first option of ``names`` (attribute names of ``args``) whose
-    value is below ``low``; a list value (``nargs``) is checked item by item."""
-    for name in names:
-        value = getattr(args, name)
-        for v in value if isinstance(value, list) else [value]:
-            if v < low:
-                parser.error(f"--{name.replace('_', '-')} {v}: must be >= {low}")
-
-
-def check_device(parser: argparse.ArgumentParser, device: str | None) -> None:
-    """``parser.error`` where ``device`` is "cuda" and this machine has no CUDA device. Call it
-    before any process group: without it every rank would fail in its CUDA set-up with a
-    traceback of its own."""
-    if device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: needs CUDA, and this machine has no CUDA device; use --device cpu")
-
-
-def check_backend_fits(parser: argparse.ArgumentParser, backend: str, *, device: str,
-                       dtype: str | None = None, fake_deep_ep: bool = False) -> None:
-    """``parser.error`` unless backend ``backend`` runs on ``device`` ("cpu" or "cuda") with
-    activations of ``dtype`` (a ``torch`` dtype name; None: not checked). ``fake_deep_ep``:
-    DeepEP's backends run on the CPU on dbo.testing's fake."""
-    spec = BACKENDS[backend]
-    if spec.gpu_only and device != "cuda" and not (fake_deep_ep and backend.startswith("deepep")):
-        parser.error(f"--backend {backend} needs --device cuda (on {device}: "
-                     f"{', '.join(cpu_backends())})")
-    if spec.bf16_only and dtype not in (None, "bfloat16"):
-        parser.error(f"--backend {backend} moves bfloat16 only, not --dtype {dtype} "
-                     "(add --dtype bfloat16)")
-
-
-def check_experts_split(parser: argparse.ArgumentParser, experts: int, world: int,
-                        option: str = "--experts") -> None:
-    """``parser.error`` unless ``experts`` routed experts split evenly over ``world`` ranks."""
-    if experts % world:
-        fit = max(world, experts // world * world)
-        parser.error(f"{option} {experts} is not a multiple of the world size {world} "
-                     f"(each rank holds experts/world of them; e.g. {option} {fit})")
-
-
-def verdict(prog: str, ok: bool, why: str) -> int:
-    """Print the run's last line, ``PROG: PASS: why`` or ``PROG: FAIL: why``; return the exit
-    code (0 or 1)."""
-    print(f"{prog}: {'PASS' if ok else 'FAIL'}: {why}", flush=True)
-    return 0 if ok else 1
+           "check_backend_fits", "verdict", "add_link_arguments", "parse_link", "check_writable_file"]
 
 
 def add_link_arguments(p: argparse.ArgumentParser) -> None:
@@ -127,3 +51,15 @@ def parse_link(p: argparse.ArgumentParser, args: argparse.Namespace) -> Any:
         return SimulatedLink.parse(args.link, share, getattr(args, "link_order", "nic"))
     except ValueError as exc:
         p.error(f"--link {args.link}: {exc}")
+
+
+def check_writable_file(parser: argparse.ArgumentParser, option: str, path: str) -> None:
+    """``parser.error`` unless ``path`` can be written as a file: not a folder, in a folder that
+    exists and is writable (checked before any work)."""
+    import os
+
+    if os.path.isdir(path):
+        parser.error(f"{option} {path}: is a folder, want a file")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        parser.error(f"{option} {path}: cannot write there (no such folder, or not writable)")

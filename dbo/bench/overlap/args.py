@@ -22,6 +22,7 @@ from dbo.bench.cli import (
     check_backend_fits,
     check_device,
     check_experts_split,
+    check_writable_file,
     env_world_size,
     parse_link,
 )
@@ -138,6 +139,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "exercises the code paths, the numbers mean nothing")
     p.add_argument("--time-budget-s", type=float, default=None,
                    help="skip what is left after this many seconds (default 280 on cuda, none on cpu)")
+    p.add_argument("--save-config", default=None, metavar="PATH",
+                   help="write the autotune's choice (thresholds, schedule, sbo groups, carve-out) and "
+                        "the deployment it was tuned for to PATH (JSON; DBOWrapper(model, "
+                        "dbo.deployment.load_deployment_config(PATH))); one --intermediate")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench_overlap_out", help="directory of the bundle")
     args = p.parse_args(argv)
@@ -169,6 +174,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.sbo_groups < 1:
         p.error(f"--sbo-groups {args.sbo_groups}: must be >= 1")
     check_experts_split(p, args.experts, args.emulate_ep or world)
+    if args.save_config:
+        if len(args.intermediate) != 1 or not args.autotune:
+            p.error(f"--save-config {args.save_config}: needs one --intermediate and the autotune "
+                    "(no --no-autotune)")
+        check_writable_file(p, "--save-config", args.save_config)
     if args.ll_rows not in ("masked", "auto", "full") and not args.ll_rows.isdigit():
         p.error(f"--ll-rows {args.ll_rows!r}: must be masked, auto, full or a number")
     if args.profile_shape not in ("auto", "none"):

@@ -73,6 +73,7 @@ from dbo.bench.overlap.report import format_table, summarize_shape, write_plot
 from dbo.bench.overlap.shape import Budget, ShapeBench
 from dbo.bench.overlap.wrapper import restore_carveout, time_wrapper, tune_and_time_wrapper
 from dbo.bench.timing import Progress
+from dbo.deployment import DeploymentConfig, save_deployment_config
 from dbo.split import SplitConfig, Vote, local_vote
 
 __all__ = ["run", "main"]
@@ -185,10 +186,35 @@ def run(args: argparse.Namespace, rank: int, world: int, device: torch.device, o
     if budget.hit:
         warnings.append(f"time budget of {args.time_budget_s:.0f} s reached: some configurations "
                         "were skipped (see 'skipped' in the JSON)")
+    configs = {k: v.pop("config", None) for k, v in tuned.items()}
+    if args.save_config and rank == 0:
+        save_tuned(args, env, configs, warnings, ep_world)
     bundle = {"schema": SCHEMA, "partial": False, "env": env, "args": _jsonable(vars(args)), "shapes": shapes,
               "autotune": {str(k): v for k, v in tuned.items()}, "warnings": warnings, "files": {}}
     finish(bundle, chrome, out_dir, rank)
     return bundle
+
+
+def save_tuned(args: argparse.Namespace, env: dict, configs: dict, warnings: list[str],
+               ep_world: int) -> None:
+    """``--save-config``: the autotune's config of the run's one intermediate size, with the
+    deployment it was tuned for (:mod:`dbo.deployment`)."""
+    config = configs.get(args.intermediate[0])
+    if config is None:
+        warnings.append(f"--save-config {args.save_config}: the autotune did not finish (time budget?); "
+                        "nothing written")
+        return
+    carveouts = [c for c in args.dbo_sm_carveout if c is not None]
+    deployment = {"ep_size": ep_world, "emulated_rank": args.emulate_rank if args.emulate_ep else None,
+                  "layout": args.layout, "backend": args.backend, "link": env.get("simulated_link"),
+                  "device": env.get("device_name"), "tokens": list(args.tokens),
+                  "intermediate": args.intermediate[0], "hidden": args.hidden, "experts": args.experts,
+                  "topk": args.topk, "argv": env.get("argv"), "time": env.get("time")}
+    save_deployment_config(args.save_config, DeploymentConfig(
+        config, sbo_groups=args.sbo_groups, sm_carveout=carveouts[0] if len(carveouts) == 1 else None,
+        deployment=deployment))
+    print(f"wrote the tuned config to {args.save_config} (DBOWrapper(model, "
+          f"load_deployment_config({args.save_config!r})))", flush=True)
 
 
 def _jsonable(d: dict) -> dict:

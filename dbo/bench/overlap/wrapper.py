@@ -111,7 +111,8 @@ def tune_and_time_wrapper(args: argparse.Namespace, benches: list[ShapeBench], b
     progress.update(f"I={ready[0].model.dims.intermediate} autotune")
     res.update(ok=True, decode_only=decode, threshold=result.threshold, schedule=result.schedule.value,
                never_split=result.threshold >= NEVER_SPLIT, margin=result.margin,
-               rows=[dataclasses.asdict(r) for r in result.rows], table=result.table())
+               rows=[dataclasses.asdict(r) for r in result.rows], table=result.table(),
+               config=result.config)
     for sb in ready:
         time_wrapper(sb, result.config, group)
         sb.pf.reset()
