@@ -1,0 +1,138 @@
+"""The front door of a command-line program built on dbo (the examples, the benchmarks): bad input
+answered in one line, plain help, a verdict at the end.
+
+A caller mistake (a bad option value, a missing file) ends a run with one line on stderr that
+names the bad value and what is allowed, and exit code 2: no usage block, no traceback. Checks
+that need the world size read torchrun's ``WORLD_SIZE`` before any process group exists, so
+under torchrun every rank fails the same check, exits 2 and none waits for a peer. A run that
+completes ends with one line on stdout, ``PROG: PASS: why`` or ``PROG: FAIL: why`` (exit code 0
+or 1). ``-h`` prints docstrings as plain text (no reStructuredText markup) and names a default
+only where it says something.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+from typing import NoReturn
+
+import torch
+
+from dbo.backends import BACKENDS, cpu_backends
+
+__all__ = ["ArgumentParser", "plain_text", "env_world_size", "check_at_least", "check_device",
+           "check_experts_split", "check_backend_fits", "verdict"]
+
+
+def plain_text(text: str) -> str:
+    """``text`` (a docstring) without its markup: ``:class:`x``` and ``:mod:`~a.x``` become
+    ``x`` / ``a.x``, double and single backticks are dropped, a trailing ``::`` (a literal block
+    follows) becomes ``:``."""
+    text = re.sub(r":[a-z]+:`~?([^`]+)`", r"\1", text)
+    text = text.replace("``", "")
+    text = re.sub(r"`([^`\n]+)`", r"\1", text)
+    return re.sub(r"::(\s*)$", r":\1", text, flags=re.M)
+
+
+class _PlainHelp(argparse.HelpFormatter):
+    """Help without markup. Under :class:`argparse.ArgumentDefaultsHelpFormatter` it adds
+    ``(default: X)`` only where X says something: not for None or an empty value, not for a flag
+    (``store_true``, ``store_false``: the flag is the other value), not where the help already
+    names a default."""
+
+    def _format_text(self, text: str) -> str:
+        return super()._format_text(plain_text(text))
+
+    def _expand_help(self, action: argparse.Action) -> str:
+        return plain_text(super()._expand_help(action))
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if not isinstance(self, argparse.ArgumentDefaultsHelpFormatter):
+            return text
+        empty = isinstance(action.default, (str, list, tuple)) and not action.default
+        if (action.default in (None, argparse.SUPPRESS) or empty or action.nargs == 0
+                or "default" in text or not action.option_strings):
+            return text
+        return f"{text} (default: %(default)s)" if text else "(default: %(default)s)"
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """``argparse.ArgumentParser`` whose errors are one line on stderr and exit code 2, and whose
+    help is plain text (see :func:`plain_text`; ``formatter_class`` is kept, markup removed).
+
+    :meth:`error` is also how an entry point rejects a value it checks after parsing.
+    """
+
+    def __init__(self, *args, formatter_class: type[argparse.HelpFormatter] = argparse.HelpFormatter,
+                 **kwargs) -> None:
+        plain = type(f"Plain{formatter_class.__name__}", (_PlainHelp, formatter_class), {})
+        super().__init__(*args, formatter_class=plain, **kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        sys.stderr.write(f"{self.prog}: {message}\n")
+        raise SystemExit(2)
+
+
+def env_world_size() -> int:
+    """The world size torchrun announces (``WORLD_SIZE``), 1 without torchrun; readable before
+    the process group exists."""
+    raw = os.environ.get("WORLD_SIZE", "1")
+    try:
+        world = int(raw)
+    except ValueError:
+        raise ValueError(f"WORLD_SIZE must be an integer >= 1, got {raw!r}") from None
+    if world < 1:
+        raise ValueError(f"WORLD_SIZE must be an integer >= 1, got {raw!r}")
+    return world
+
+
+def check_at_least(parser: argparse.ArgumentParser, args: argparse.Namespace, low: int,
+                   *names: str) -> None:
+    """``parser.error`` naming the first option of ``names`` (attribute names of ``args``) whose
+    value is below ``low``; a list value (``nargs``) is checked item by item."""
+    for name in names:
+        value = getattr(args, name)
+        for v in value if isinstance(value, list) else [value]:
+            if v < low:
+                parser.error(f"--{name.replace('_', '-')} {v}: must be >= {low}")
+
+
+def check_device(parser: argparse.ArgumentParser, device: str | None) -> None:
+    """``parser.error`` where ``device`` is "cuda" and this machine has no CUDA device. Call it
+    before any process group: without it every rank would fail in its CUDA set-up with a
+    traceback of its own."""
+    if device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: needs CUDA, and this machine has no CUDA device; use --device cpu")
+
+
+def check_backend_fits(parser: argparse.ArgumentParser, backend: str, *, device: str,
+                       dtype: str | None = None, fake_deep_ep: bool = False) -> None:
+    """``parser.error`` unless backend ``backend`` runs on ``device`` ("cpu" or "cuda") with
+    activations of ``dtype`` (a ``torch`` dtype name; None: not checked). ``fake_deep_ep``:
+    DeepEP's backends run on the CPU on dbo.testing's fake."""
+    spec = BACKENDS[backend]
+    if spec.gpu_only and device != "cuda" and not (fake_deep_ep and backend.startswith("deepep")):
+        parser.error(f"--backend {backend} needs --device cuda (on {device}: "
+                     f"{', '.join(cpu_backends())})")
+    if spec.bf16_only and dtype not in (None, "bfloat16"):
+        parser.error(f"--backend {backend} moves bfloat16 only, not --dtype {dtype} "
+                     "(add --dtype bfloat16)")
+
+
+def check_experts_split(parser: argparse.ArgumentParser, experts: int, world: int,
+                        option: str = "--experts") -> None:
+    """``parser.error`` unless ``experts`` routed experts split evenly over ``world`` ranks."""
+    if experts % world:
+        fit = max(world, experts // world * world)
+        parser.error(f"{option} {experts} is not a multiple of the world size {world} "
+                     f"(each rank holds experts/world of them; e.g. {option} {fit})")
+
+
+def verdict(prog: str, ok: bool, why: str) -> int:
+    """Print the run's last line, ``PROG: PASS: why`` or ``PROG: FAIL: why``; return the exit
+    code (0 or 1)."""
+    print(f"{prog}: {'PASS' if ok else 'FAIL'}: {why}", flush=True)
+    return 0 if ok else 1
