@@ -324,7 +324,7 @@ def test_gil_free_deadlines_of_several_threads_keep_the_earliest():
 def test_a_failed_rank_whose_cuda_context_is_lost_ends_at_once():
     # a trapped GPU wait leaves the CUDA context unusable: nothing to tear down, so the teardown
     # after the failure ends the process now (exit 1) instead of waiting out its deadline
-    code = ("import atexit, time\nimport torch\nimport dbo.bench.dist as d\n"
+    code = ("import atexit, time\nimport torch\nimport dbo.peers.process_group as d\n"
             "d.init_distributed('cpu')\n"
             "class Lost:\n    def query(self):\n"
             "        raise torch.AcceleratorError('CUDA error: unspecified launch failure')\n"
@@ -342,6 +342,6 @@ def test_a_failed_rank_whose_cuda_context_is_lost_ends_at_once():
 
 
 def test_cuda_context_lost_is_false_without_cuda():
-    from dbo.bench.dist import cuda_context_lost
+    from dbo.peers.process_group import cuda_context_lost
 
     assert cuda_context_lost() is False

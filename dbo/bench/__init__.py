@@ -18,9 +18,10 @@ A command of several modules is a package of its own (``overlap/``, ``experts/``
 command of one module, and the parts the commands share, stand here. The shared parts are
 reusable: :mod:`dbo.bench.timing` (a median timer, per-step GPU times over a group, launch time,
 host-sync detection), :mod:`dbo.bench.limits` (the hardware limits measured in the run),
-:mod:`dbo.bench.syncs` (host syncs, by call site), :mod:`dbo.bench.dist` (process group set-up
-and teardown), :mod:`dbo.bench.cli` (one-line errors for bad input, the verdict line),
-:mod:`dbo.bench.timeline` (a GPU trace drawn as SVG). So are the overlap command's
+:mod:`dbo.bench.syncs` (host syncs, by call site), :mod:`dbo.bench.cli` (the simulated-link
+options, beside the library's :mod:`dbo.cli`: one-line errors for bad input, the verdict line),
+:mod:`dbo.bench.timeline` (a GPU trace drawn as SVG, a trace file read plain or gzipped). Process
+group set-up and teardown are the library's (:mod:`dbo.peers.process_group`). So are the overlap command's
 :mod:`dbo.bench.overlap.report` (summaries, table, plot) and :mod:`dbo.bench.overlap.model` (the
 benchmark's model and its stand-ins).
 """

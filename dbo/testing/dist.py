@@ -159,7 +159,7 @@ def _worker(rank: int, world_size: int, backend: str, init_file: str, pg_timeout
                                                    f"result not picklable: {exc}",
                                                    traceback.format_exc())))
     job = fn = args = kwargs = value = out = None  # noqa: F841 - drop the last job's objects
-    gc.collect()  # backends and their pending work die before the group (dbo.bench.dist)
+    gc.collect()  # backends and their pending work die before the group (dbo.peers.process_group)
     with contextlib.suppress(Exception):  # the group may be broken after a fault test
         dist.destroy_process_group()
 

@@ -32,12 +32,12 @@ from pathlib import Path
 import torch
 
 from dbo.bench.cli import ArgumentParser, check_at_least
-from dbo.bench.dist import distributed
 from dbo.bench.hf.args import add_model_arguments, backend_name, check_model_arguments
 from dbo.bench.hf.model import backend_kwargs, load_checkpoint, save_checkpoint
 from dbo.integrations.transformers import use_backend
 from dbo.integrations.transformers.generate import greedy_generate
 from dbo.peers.collectives import all_reduce_max
+from dbo.peers.process_group import distributed
 from dbo.split import SplitConfig
 
 SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")

@@ -57,7 +57,6 @@ from pathlib import Path
 import torch
 
 from dbo.bench.cli import ArgumentParser, check_at_least, verdict
-from dbo.bench.dist import distributed
 from dbo.bench.hf.args import (
     add_model_arguments,
     backend_name,
@@ -75,6 +74,7 @@ from dbo.bench.hf.model import (
 from dbo.bench.timing import median_ms
 from dbo.integrations.transformers import use_backend
 from dbo.peers.collectives import all_reduce_max
+from dbo.peers.process_group import distributed
 from dbo.split import SplitConfig
 
 PROG = "hf-generate"

@@ -62,12 +62,12 @@ def worker(args: argparse.Namespace) -> None:
     from transformers import AutoModelForCausalLM
 
     import dbo.backends.torchdist  # noqa: F401  (binds its all-gather before the spy below)
-    from dbo.bench.dist import distributed
     from dbo.bench.hf.prefill_table import logits_match
     from dbo.experts import relative_error
     from dbo.integrations.transformers import DBOPrefill, prefill_logits, prefill_split_config
     from dbo.integrations.transformers.ep import ep_distributed_config
     from dbo.integrations.transformers.ep_model import expert_parallel_modules
+    from dbo.peers.process_group import distributed
 
     with distributed("cpu") as (rank, world, _):
         out = {"mode": args.mode, "rank": rank, "rss_after_imports_mib": rss_mib()}

@@ -40,7 +40,6 @@ import torch.distributed as dist
 
 from dbo.backends import cpu_backends
 from dbo.bench.cli import ArgumentParser, check_at_least, verdict
-from dbo.bench.dist import distributed
 from dbo.bench.hf.args import (
     add_model_arguments,
     backend_name,
@@ -63,6 +62,7 @@ from dbo.bench.timing import median_ms
 from dbo.experts import relative_error
 from dbo.integrations.transformers import DBOPrefill, prefill_logits, prefill_split_config, use_backend
 from dbo.peers.collectives import all_reduce_max
+from dbo.peers.process_group import distributed
 
 PROG = "hf-prefill"
 
