@@ -47,6 +47,8 @@ class BackendSpec:
             size is ``num_dispatchers()``, not the process group's.
         single_rank: runs on a group of one rank only (every expert on this process, nothing
             moves); :func:`cpu_backends` leaves it out.
+        slot_per_ubatch: keeps a buffer slot per ubatch id, so it is built for a number of
+            ubatches (:func:`make_backend`'s ``num_ubatches``) and refuses a run with more.
     """
 
     name: str
@@ -57,6 +59,7 @@ class BackendSpec:
     serves_link: bool = False
     emulated: bool = False
     single_rank: bool = False
+    slot_per_ubatch: bool = False
 
 
 BACKENDS: Mapping[str, BackendSpec] = MappingProxyType({
@@ -68,7 +71,7 @@ BACKENDS: Mapping[str, BackendSpec] = MappingProxyType({
     "deepep_v2": BackendSpec("deepep_v2", "deepep_v2", gpu_only=True, bf16_only=True,
                              needs_max_tokens=True),
     # zero-SM copy-engine puts on one host (host shared memory on CPU); its buffers size themselves
-    "copy_engine": BackendSpec("copy_engine", "copy_engine"),
+    "copy_engine": BackendSpec("copy_engine", "copy_engine", slot_per_ubatch=True),
     # one device as rank r of an N-rank group (dbo.backends.emulated), on CPU or one GPU
     "emulated": BackendSpec("emulated", "emulated", bf16_only=True, needs_max_tokens=True,
                             serves_link=True, emulated=True),
@@ -118,7 +121,7 @@ def backend_options(name: str) -> list[str] | None:
 
 def make_backend(name: str, group: Any, *, hidden: int, num_experts: int, topk: int,
                  dtype: torch.dtype, device: torch.device | str,
-                 max_tokens_per_rank: int | None = None, link: Any = None,
+                 max_tokens_per_rank: int | None = None, num_ubatches: int = 2, link: Any = None,
                  **kwargs: Any) -> PrepareAndFinalize:
     """Build backend ``name`` on ``group`` (None: the default group).
 
@@ -129,6 +132,9 @@ def make_backend(name: str, group: Any, *, hidden: int, num_experts: int, topk: 
         max_tokens_per_rank: the most tokens any rank sends in one call (needed by the
             backends with ``needs_max_tokens``; copy_engine allocates that much ahead and grows
             past it; ignored by the others).
+        num_ubatches: the most ubatches one run cuts a batch into; a backend with
+            ``slot_per_ubatch`` (copy_engine) is built with that many slots, the others take
+            any number.
         link: a :class:`dbo.backends.simulated_link.SimulatedLink`: the backend's arrivals held
             back to a slower link's time (the bytes still move through the backend).
         kwargs: backend-specific options (:func:`backend_options`), passed on unchanged.
@@ -150,7 +156,8 @@ def make_backend(name: str, group: Any, *, hidden: int, num_experts: int, topk: 
         if not isinstance(link, SimulatedLink):
             raise TypeError(f"link must be a SimulatedLink, got {type(link).__name__}")
         inner = make_backend(name, group, hidden=hidden, num_experts=num_experts, topk=topk, dtype=dtype,
-                             device=device, max_tokens_per_rank=max_tokens_per_rank, **kwargs)
+                             device=device, max_tokens_per_rank=max_tokens_per_rank,
+                             num_ubatches=num_ubatches, **kwargs)
         return SimulatedLinkPrepareAndFinalize(inner, link, name)
     options = backend_options(name)
     unknown = sorted(set(kwargs) - set(options)) if options is not None else []
@@ -162,5 +169,7 @@ def make_backend(name: str, group: Any, *, hidden: int, num_experts: int, topk: 
                          "sends in one MoE call: batch * seq of one ubatch)")
     if group is None:
         group = torch.distributed.group.WORLD  # DeepEP's Buffer needs the group object itself
+    if spec.slot_per_ubatch:
+        kwargs["num_ubatches"] = num_ubatches
     return _factory(name)(group, hidden=hidden, max_tokens_per_rank=max_tokens_per_rank,
                           num_experts=num_experts, topk=topk, dtype=dtype, device=device, **kwargs)

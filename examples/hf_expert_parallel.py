@@ -23,9 +23,8 @@ import sys
 
 import torch
 
+from dbo import cli
 from dbo.backends import cpu_backends
-from dbo.bench import cli
-from dbo.bench.dist import distributed
 from dbo.experts import relative_error
 from dbo.integrations.transformers import (
     DBOPrefill,
@@ -35,6 +34,7 @@ from dbo.integrations.transformers import (
 )
 from dbo.integrations.transformers.presets import TINY_FAMILIES, tiny_random_model
 from dbo.peers.collectives import all_reduce_max
+from dbo.peers.process_group import distributed
 
 PROG = "hf_expert_parallel.py"
 EXPERTS = 8  # the tiny models' routed experts per MoE layer

@@ -1,11 +1,13 @@
 """The README's main command: ``torchrun --nproc-per-node 2 examples/moe_overlap.py``, run as a
-subprocess (small sizes, one step) for each torch.distributed backend. It must report that the
-DBO output equals the serial one in its last line (a PASS verdict naming the trace), exit 0, and
-write a loadable Chrome trace. With ``DBO_DISABLE=1`` its last line must say that both runs were
-plain, and it writes no trace."""
+subprocess (small sizes, one step) for each torch.distributed backend, and with three ubatches on
+copy_engine (built for three). It must report that the DBO output equals the serial one in its
+last line (a PASS verdict naming the trace), say that on CPU its times show no overlap, exit 0,
+and write a loadable Chrome trace. With ``DBO_DISABLE=1`` its last line must say that both runs
+were plain, and it writes no trace. The examples import only the library's public names."""
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import subprocess
@@ -18,13 +20,15 @@ from dbo.testing.launch import run_entry
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(180)]
 
-DEMO = Path(__file__).resolve().parent.parent / "examples" / "moe_overlap.py"
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+DEMO = EXAMPLES / "moe_overlap.py"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
 
 
 @pytest.mark.parametrize("backend, extra, torchrun", [
     ("naive", [], True),  # the README's command itself
     ("all2all", ["--uneven"], False),
+    ("copy_engine", ["--ubatches", "3"], False),  # its buffers hold a slot per ubatch
 ])
 def test_demo_torchrun_two_ranks(tmp_path, backend, extra, torchrun):
     trace = tmp_path / "demo.trace.json"
@@ -42,6 +46,7 @@ def test_demo_torchrun_two_ranks(tmp_path, backend, extra, torchrun):
     assert f"backend={backend} world=2" in out, out
     assert "plan (rank 0): split(" in out, out
     assert "serial:" in out and "dbo:" in out, out
+    assert "on CPU the all-to-all takes the same cores as the compute, so nothing overlaps" in out, out
     last = proc.stdout.strip().splitlines()[-1]
     assert last.startswith("moe_overlap.py: PASS: DBO output matches serial output"), out
     assert last.endswith(f"trace of one overlapped step in {trace}"), out
@@ -67,3 +72,20 @@ def test_demo_with_dbo_disabled_says_both_runs_were_plain(tmp_path):
                            "set): both runs were plain and agree (rel err end to end 0.0e+00"), out
     assert last.endswith("; no overlapped trace written"), out
     assert "matches" not in last and not trace.exists(), out
+
+
+@pytest.mark.parametrize("example", sorted(EXAMPLES.glob("*.py")), ids=lambda p: p.name)
+def test_examples_import_only_public_library_names(example):
+    # an example is what a user copies: a name it needs is the library's, not the benchmarks'
+    bad = []
+    for node in ast.walk(ast.parse(example.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            modules, names = [node.module], [a.name for a in node.names]
+        elif isinstance(node, ast.Import):
+            modules, names = [a.name for a in node.names], []
+        else:
+            continue
+        dotted = [m for m in modules if m.startswith("dbo")]
+        bad += [m for m in dotted if m.startswith("dbo.bench") or any(p.startswith("_") for p in m.split("."))]
+        bad += [f"{node.module}.{n}" for n in names if dotted and n.startswith("_")]
+    assert not bad, f"{example.name} imports what is not the library's public API: {bad}"
