@@ -8,8 +8,10 @@ function is a cheap no-op, so backend code runs unchanged without DBO. Semantics
 
 The machinery lives behind this module: :mod:`dbo.ubatch.driver` (the greenlet driver loop, the
 thread-local slot that finds the active run), :mod:`dbo.ubatch.state` (:class:`UBatchContext`, one
-ubatch's streams, events and hook slot) and :mod:`dbo.ubatch.modes` (grad, inference and autocast
-state saved and restored at every switch). Only those modules import greenlet.
+ubatch's streams, events and hook slot), :mod:`dbo.ubatch.modes` (grad, inference and autocast
+state saved and restored at every switch) and :mod:`dbo.ubatch.mode_stacks` (torch's mode stacks,
+default device and saved-tensor hooks, likewise). Of these, only the driver and the state import
+greenlet.
 """
 
 from __future__ import annotations

@@ -6,7 +6,10 @@ Two rules, after SQLAlchemy's greenlet bridge and gevent's hub:
 * Only this module resumes a ubatch, through :meth:`Run._enter` (the loop in
   :meth:`Run.drive`) or the run's ``yield_current`` (built by :meth:`Run.make_yield`), and both
   save the thread state the last ubatch left (current stream, grad, inference and autocast
-  modes) and restore the next one's before the switch. A yield switches straight from the
+  modes, torch's mode stacks) and restore the next one's before the switch. The mode stacks
+  are off the thread while grad and inference modes change (the inference-mode guard restores
+  the dispatch-key set it was created with, which a dispatch mode's stack would otherwise be
+  out of step with), and whenever the driver itself runs. A yield switches straight from the
   yielding ubatch to the next one instead of bouncing through the driver greenlet: that would
   cost a second greenlet switch per yield (about 0.45 us each on the CPU machine, where the
   whole switch budget is 1.5 us). The driver greenlet (the caller) is the parent of every
@@ -37,6 +40,13 @@ from typing import Any
 import greenlet
 
 from dbo.errors import HookMisuseError, UBatchError
+from dbo.ubatch.mode_stacks import (
+    ModeStacks,
+    len_dispatch_stack,
+    len_function_stack,
+    saved_hooks_disabled,
+    top_saved_hooks,
+)
 from dbo.ubatch.modes import (
     ModeRestorer,
     capture_modes,
@@ -72,7 +82,7 @@ class Run:
     """One ``run_ubatches`` call: the contexts and the driver loop."""
 
     __slots__ = ("streams", "trace", "driver", "compute_key", "comm_key", "current_stream",
-                 "set_stream", "caller_modes", "modes", "in_hook", "live_count", "current",
+                 "set_stream", "caller_modes", "modes", "mode_stacks", "in_hook", "live_count", "current",
                  "contexts", "yield_current")
 
     def __init__(self, fns: Sequence[Callable[[], Any]], streams: StreamSet, comm_stream: Any,
@@ -94,8 +104,16 @@ class Run:
         events = streams.events(len(fns))
         self.contexts = [UBatchContext(self, i, fn, token_offsets[i], events[i])
                          for i, fn in enumerate(fns)]
-        # Last: it holds an inference-mode guard that only close() releases.
-        self.modes = ModeRestorer(self.caller_modes)
+        # Last: they take the caller's mode stacks off the thread (each ubatch starts with them)
+        # and hold an inference-mode guard, created with no stacks on, that only close() releases.
+        self.mode_stacks = ModeStacks()
+        try:
+            self.modes = ModeRestorer(self.caller_modes)
+        except BaseException:
+            self.mode_stacks.close()
+            raise
+        for c in self.contexts:
+            c.torch_stacks = self.mode_stacks.caller
         self.yield_current = self.make_yield()
 
     def next_live(self, idx: int) -> UBatchContext | None:
@@ -112,10 +130,14 @@ class Run:
     # `yield_current` (from the yielding ubatch's stack; see the module docstring for why).
 
     def _enter(self, ctx: UBatchContext, stream: Any, modes: int | tuple) -> Any:
-        """Restore ``ctx``'s thread state (the thread now holds ``stream``/``modes``) and
-        resume it."""
+        """Restore ``ctx``'s thread state (the thread now holds ``stream``/``modes`` and no mode
+        stacks) and resume it."""
         if ctx.modes != modes:
             self.modes.apply(ctx.modes, modes)
+        stacks = ctx.torch_stacks
+        if stacks is not None:
+            ctx.torch_stacks = None
+            self.mode_stacks.put(stacks)
         if ctx.stream_key != stream:
             self.set_stream(ctx.stream_key)
         self.current = ctx
@@ -136,6 +158,9 @@ class Run:
         current_stream = self.current_stream
         set_stream = self.set_stream
         apply_modes = self.modes.apply
+        take_stacks, put_stacks = self.mode_stacks.take, self.mode_stacks.put
+        function_modes, dispatch_modes, saved_hooks, hooks_off = (
+            len_function_stack, len_dispatch_stack, top_saved_hooks, saved_hooks_disabled)
         is_grad, is_inference, any_autocast = (
             is_grad_enabled, is_inference_mode_enabled, is_any_autocast_enabled)
         capture = capture_modes
@@ -149,6 +174,9 @@ class Run:
             ctx = run.current
             stream = ctx.stream_key = current_stream()
             modes = ctx.modes = capture() if any_autocast() else is_grad() | is_inference() << 1
+            if function_modes() or dispatch_modes() or saved_hooks(True) is not None \
+                    or hooks_off() is not None:
+                ctx.torch_stacks = take_stacks()
             trace = run.trace
             if trace is not None:
                 trace.record("suspend", ctx.id)
@@ -163,6 +191,10 @@ class Run:
                 nxt = ctxs[i]
             if nxt.modes != modes:
                 apply_modes(nxt.modes, modes)
+            stacks = nxt.torch_stacks
+            if stacks is not None:
+                nxt.torch_stacks = None
+                put_stacks(stacks)
             if nxt.stream_key != stream:
                 set_stream(nxt.stream_key)
             run.current = nxt
@@ -188,6 +220,7 @@ class Run:
             done = self.current  # the ubatch whose callable just returned or raised
             stream = done.stream_key = self.current_stream()
             modes = done.modes = capture_modes()
+            self.mode_stacks.clear()
             done.live = False
             self.live_count -= 1
             if status is FAILED:
@@ -229,9 +262,14 @@ class Run:
             c.live = True
             self.live_count = 1
             self.current = c
+            self.mode_stacks.clear()
             have = capture_modes()
             if have != c.modes:
                 self.modes.apply(c.modes, have)
+            stacks = c.torch_stacks
+            if stacks is not None:
+                c.torch_stacks = None
+                self.mode_stacks.put(stacks)
             self.streams.set_current(c.stream_key)
             if self.trace is not None:
                 self.trace.record("unwind", c.id)
@@ -247,6 +285,7 @@ class Run:
                 self.trace.record("unwound", c.id)
             c.live = False
             self.live_count = 0
+            self.mode_stacks.clear()
 
     def close(self) -> None:
         """Join the comm stream into the caller's stream and restore the caller's state."""
@@ -256,7 +295,9 @@ class Run:
         streams.record(end_ev, streams.stream(self.comm_key))
         streams.set_current(self.compute_key)
         streams.wait(streams.stream(self.compute_key), end_ev)
+        self.mode_stacks.clear()
         self.modes.close()
+        self.mode_stacks.close()
         self.current = None
 
 

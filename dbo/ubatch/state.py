@@ -49,20 +49,22 @@ class UBatchContext:
     shared by all ubatches of the run. ``compute_done_event`` / ``comm_done_event`` are this
     ubatch's own events (recorded by the ``*_sync`` switches and the yield-and-switch calls).
 
-    What the driver (:mod:`dbo.ubatch.driver`) reads and writes: ``modes`` and ``stream_key``,
-    the thread state saved when this ubatch was last switched away (fields, not methods: the
-    driver's switch reads and writes them on every yield, the hot path); ``started``, ``live``
-    and ``result``; ``hook_pending_in``, the ubatch whose slot holds the hook this one
-    registered and that has not run yet (run it with :meth:`run_hook_in`). Its greenlet only
-    through :meth:`resume`, :meth:`resumer`, :meth:`throw_exit` and :attr:`finished`; its hook
-    slot through :meth:`drop_hooks`.
+    What the driver (:mod:`dbo.ubatch.driver`) reads and writes: ``modes``, ``stream_key`` and
+    ``torch_stacks``, the thread state saved when this ubatch was last switched away (fields,
+    not methods: the driver's switch reads and writes them on every yield, the hot path;
+    ``torch_stacks``, what :meth:`dbo.ubatch.mode_stacks.ModeStacks.take` returned, is None while
+    the ubatch runs and whenever it holds no mode stacks); ``started``, ``live`` and
+    ``result``; ``hook_pending_in``, the ubatch whose slot holds the hook this one registered
+    and that has not run yet (run it with :meth:`run_hook_in`). Its greenlet only through
+    :meth:`resume`, :meth:`resumer`, :meth:`throw_exit` and :attr:`finished`; its hook slot
+    through :meth:`drop_hooks`.
     """
 
     __slots__ = (
         "id", "token_offset", "compute_stream", "comm_stream", "compute_done_event",
         "comm_done_event", "_run", "_streams", "_compute_key", "_comm_key", "_greenlet",
-        "modes", "stream_key", "_hook", "_hook_registrant", "hook_pending_in", "started",
-        "live", "result",
+        "modes", "stream_key", "torch_stacks", "_hook", "_hook_registrant", "hook_pending_in",
+        "started", "live", "result",
     )
 
     def __init__(self, run: RunView, idx: int, fn: Callable[[], Any], token_offset: int,
@@ -81,6 +83,7 @@ class UBatchContext:
         self._greenlet.gr_context = contextvars.copy_context()
         self.modes = run.caller_modes
         self.stream_key = run.compute_key
+        self.torch_stacks: Any = None
         self._hook: RecvHook | None = None
         self._hook_registrant = -1
         self.hook_pending_in: UBatchContext | None = None
