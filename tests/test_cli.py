@@ -16,12 +16,14 @@ import torch
 
 from dbo.backends import BACKENDS, cpu_backends
 from dbo.bench.__main__ import COMMANDS
+from dbo.bench.compare import format_comparison
 from dbo.bench.overlap.args import DEFAULT_BACKEND, parse_args
 from dbo.testing.launch import EntryRun, run_entry
 
 pytestmark = [pytest.mark.long_file, pytest.mark.timeout(120)]
 
-DEMO = str(Path(__file__).resolve().parent.parent / "examples" / "moe_overlap.py")
+ROOT = Path(__file__).resolve().parent.parent
+DEMO = str(ROOT / "examples" / "moe_overlap.py")
 BENCH = ["-m", "dbo.bench"]
 
 
@@ -69,6 +71,14 @@ def _one_line(proc: EntryRun, *wanted: str) -> str:
     (BENCH, ["switch", "--repeats", "0"], ["--repeats 0: must be >= 1"]),
     (BENCH, ["compare"], ["the following arguments are required: bundles"]),
     (BENCH, ["compare", "/nonexistent"], ["no such file or directory: /nonexistent", "bench_overlap.json"]),
+    # a file that is not a bundle is the wrong file: named, not skipped into a failed verdict
+    (BENCH, ["compare", str(ROOT / "README.md")], ["README.md is not an overlap bundle (not JSON",
+                                                   "want a bench_overlap.json"]),
+    (["-m", "dbo.bench.timeline"], [str(ROOT / "README.md"), "out.svg"],
+     ["README.md is not a JSON profiler trace"]),
+    # without CUDA, what is missing is CUDA (not a checkpoint for it)
+    pytest.param(BENCH, ["hf-generate", "--device", "cuda"], ["--device cuda: needs CUDA"],
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")),
 ])
 def test_bad_input_is_one_line_and_exit_code_2(tmp_path, entry, args, wanted):
     _one_line(_run(entry + args, tmp_path), *wanted)
@@ -136,3 +146,37 @@ def test_breakdown_that_hid_nothing_ends_in_fail(tmp_path):
     last = proc.stdout.strip().splitlines()[-1]
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert last.startswith("python -m dbo.bench breakdown: FAIL: the DBO step hid nothing")
+
+
+def test_help_lists_every_command_with_a_line():
+    asked = _run([*BENCH, "--help"], Path.cwd())
+    assert asked.returncode == 0, asked.stderr
+    for name, command in COMMANDS.items():
+        line = next((ln for ln in asked.stdout.splitlines() if ln.split()[:1] == [name]), None)
+        assert line is not None and line.split(None, 1)[1] == command.summary, asked.stdout
+
+
+HELPS = [[*BENCH, name, "-h"] for name in COMMANDS] + [
+    ["-m", "dbo.bench.timeline", "-h"], [DEMO, "-h"],
+    [str(ROOT / "examples" / "hf_expert_parallel.py"), "-h"]]
+
+
+def test_every_help_is_plain_text(tmp_path):
+    # docstrings and option help without reStructuredText, and no default that says nothing
+    # (None, an empty list, or the value a flag such as --no-autotune turns off)
+    for argv in HELPS:
+        run = _run(argv, tmp_path)
+        assert run.returncode == 0 and run.stdout.startswith("usage:"), (argv, run.stdout + run.stderr)
+        for bad in (":class:", ":mod:", ":func:", "``", "(default: None)", "(default: True)",
+                    "(default: False)", "(default: [])"):
+            assert bad not in run.stdout, (argv, bad, run.stdout)
+        assert not re.search(r"::$", run.stdout, re.M), (argv, run.stdout)
+
+
+def test_compare_names_its_ratio_for_what_it_is():
+    # best serial 12.28 ms, best DBO 9.95 ms: a speedup of 1.234x, headed as serial over DBO
+    row = {"tokens": 4096, "intermediate": 256, "serial_ms": 12.28, "serial_backend": "deepep_ht",
+           "dbo_ms": 9.95, "dbo_choice": "copy_engine/split", "speedup": 12.28 / 9.95, "comm_ms": {}}
+    head, _, cells = ([c.strip() for c in line.strip("|").split("|")]
+                      for line in format_comparison([row]).splitlines())
+    assert cells[head.index("speedup (best serial / best DBO)")] == "1.234x"

@@ -86,6 +86,7 @@ def test_examples_import_only_public_library_names(example):
         else:
             continue
         dotted = [m for m in modules if m.startswith("dbo")]
-        bad += [m for m in dotted if m.startswith("dbo.bench") or any(p.startswith("_") for p in m.split("."))]
+        bad += [m for m in dotted
+                if m.startswith("dbo.bench") or any(part.startswith("_") for part in m.split("."))]
         bad += [f"{node.module}.{n}" for n in names if dotted and n.startswith("_")]
     assert not bad, f"{example.name} imports what is not the library's public API: {bad}"

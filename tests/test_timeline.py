@@ -59,3 +59,22 @@ def test_what_cannot_be_drawn(tmp_path, capsys):
     good = tmp_path / "t.json"
     good.write_text(json.dumps(_trace()))
     assert main([str(good), str(tmp_path / "t.svg")]) == 0 and (tmp_path / "t.svg").exists()
+
+
+def test_gzipped_traces_are_read(tmp_path, capsys):
+    # the bundles under docs/results/ keep their traces gzipped
+    import gzip
+    from pathlib import Path
+
+    packed = tmp_path / "t.json.gz"
+    with gzip.open(packed, "wt") as f:
+        json.dump(_trace(), f)
+    assert main([str(packed), str(tmp_path / "t.svg")]) == 0, capsys.readouterr().err
+    texts = [t.text for t in ET.parse(tmp_path / "t.svg").iter("{http://www.w3.org/2000/svg}text")]
+    assert any(t.startswith("t (") for t in texts), texts  # the title: the name without .json.gz
+    shipped = Path(__file__).resolve().parents[1] / "docs/results/overlap_4gpu/gpu_trace_dbo.json.gz"
+    assert main([str(shipped), str(tmp_path / "dbo.svg")]) == 0, capsys.readouterr().err
+    ET.parse(tmp_path / "dbo.svg")
+    (tmp_path / "bad.json.gz").write_bytes(b"not gzip")
+    assert main([str(tmp_path / "bad.json.gz"), str(tmp_path / "bad.svg")]) == 2
+    assert "is not a JSON profiler trace" in capsys.readouterr().err

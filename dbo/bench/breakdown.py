@@ -11,13 +11,11 @@ overlap arithmetic: idle time removed, compute time added, and the share of the 
 from __future__ import annotations
 
 import argparse
-import gzip
-import json
 import os
-import zlib
 from collections import defaultdict
 
 from dbo.bench.cli import ArgumentParser, verdict
+from dbo.bench.timeline import read_chrome_trace
 
 __all__ = ["CATEGORIES", "breakdown", "main"]
 
@@ -49,17 +47,8 @@ CATEGORIES = (  # (name, substring of the kernel name), first match wins
 
 
 def _load(path: str) -> list[dict]:
-    opener = gzip.open if path.endswith(".gz") else open
-    try:
-        with opener(path, "rt") as f:
-            trace = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError, EOFError, gzip.BadGzipFile, zlib.error) as exc:
-        raise ValueError(f"{path} is not a JSON profiler trace ({exc})") from None
-    events = trace.get("traceEvents") if isinstance(trace, dict) else trace
-    if not isinstance(events, list):
-        raise ValueError(f"{path} is not a profiler trace (no traceEvents list)")
     gpu = ("kernel", "gpu_memcpy", "gpu_memset")
-    return [e for e in events if e.get("ph") == "X" and e.get("cat") in gpu]
+    return [e for e in read_chrome_trace(path)["traceEvents"] if e.get("ph") == "X" and e.get("cat") in gpu]
 
 
 def _category(name: str) -> str:

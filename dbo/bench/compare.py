@@ -1,13 +1,15 @@
 """The best overlapped step against the best serial step of ANY backend, from several overlap
-bundles of one run (``python -m dbo.bench overlap --out DIR`` per backend)::
+bundles of one run (``python -m dbo.bench overlap --out DIR`` per backend).
 
     python -m dbo.bench compare DIR_OR_JSON [DIR_OR_JSON ...] [--json OUT]
 
 Per shape (tokens, intermediate): the fastest serial step over the bundles (and its backend),
 the fastest DBO step over the bundles and schedules (split or merged; backend/schedule), and
-their ratio (best serial / best DBO: above 1 means overlap pays over the best plain choice), with
-each backend's comm time. Compare only bundles of one run on one machine. A path that holds no
-bundle is skipped with a line that says so; the verdict is FAIL when no bundle was left.
+the speedup, best serial time over best DBO time (above 1 means overlap pays over the best plain
+choice), with each backend's comm time. Compare only bundles of one run on one machine. A file
+that is not an overlap bundle, or a path that is not there, is bad input (one line, exit code
+2); a directory that holds no bundle is skipped with a line that says so, and the verdict is
+FAIL when no bundle was left.
 """
 
 from __future__ import annotations
@@ -32,9 +34,13 @@ def load_bundle(path: str | Path) -> dict:
         p = p / "bench_overlap.json"
     if not p.exists():
         raise FileNotFoundError(f"no overlap bundle at {p}")
-    bundle = json.loads(p.read_text())
-    if not str(bundle.get("schema", "")).startswith("dbo.bench_overlap/"):
-        raise ValueError(f"{p} is not an overlap bundle (schema {bundle.get('schema')!r})")
+    try:
+        bundle = json.loads(p.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{p} is not an overlap bundle (not JSON: {exc})") from None
+    schema = bundle.get("schema") if isinstance(bundle, dict) else None
+    if not str(schema or "").startswith("dbo.bench_overlap/"):
+        raise ValueError(f"{p} is not an overlap bundle (schema {schema!r})")
     return bundle
 
 
@@ -84,7 +90,7 @@ def format_comparison(rows: list[dict[str, Any]]) -> str:
     """A Markdown table of :func:`compare_bundles`'s rows."""
     backends = sorted({b for r in rows for b in r["comm_ms"]})
     head = ["T", "I", *(f"{b} comm" for b in backends), "best serial (backend)",
-            "best DBO (backend/schedule)", "best DBO / best serial"]
+            "best DBO (backend/schedule)", "speedup (best serial / best DBO)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = [str(r["tokens"]), str(r["intermediate"]), *(_f(r["comm_ms"].get(b)) for b in backends),
@@ -108,7 +114,9 @@ def main(argv: list[str] | None = None) -> int:
     for path in args.bundles:
         try:
             bundles.append(load_bundle(path))
-        except (OSError, ValueError) as exc:  # (json.JSONDecodeError is a ValueError)
+        except ValueError as exc:  # a file that is not a bundle: the caller named the wrong one
+            ap.error(f"{exc}; want a bench_overlap.json or the directory holding it")
+        except OSError as exc:  # a directory without a bundle (a run that ended early)
             print(f"skipped: {exc}")
     if not bundles:
         return verdict(PROG, False, f"no overlap bundle in {', '.join(args.bundles)}")

@@ -1,29 +1,33 @@
 """Which stream runs what, when: a GPU kernel trace drawn as an SVG timeline.
 
 The input is a torch.profiler Chrome trace (``prof.export_chrome_trace``; the overlap
-benchmark writes one per profiled step, ``gpu_trace_<mode>.json``). Each GPU stream is a lane;
+benchmark writes one per profiled step, ``gpu_trace_<mode>.json``), plain or gzipped
+(``.json.gz``, as the bundles under ``docs/results/`` keep them). Each GPU stream is a lane;
 each kernel or copy a box, coloured by what it does (:func:`kind_of`): the routed experts'
 GEMMs, other matmuls (attention stand-in, shared expert, router), communication (DeepEP's
 kernels, NCCL, copies between GPUs, symmetric-memory signals), waits, and the rest. Only a
 window of the step is drawn (default: the middle fifth, a layer or two of the steady state),
 so that the boxes stay wide enough to see.
 
-    python -m dbo.bench.timeline gpu_trace_dbo.json timeline_dbo.svg [--window 0.4 0.6]
+    python -m dbo.bench.timeline gpu_trace_dbo.json.gz timeline_dbo.svg [--window 0.4 0.6]
 
 No plotting library is needed: the SVG is written by hand.
 """
 
 from __future__ import annotations
 
-import argparse
+import gzip
 import html
 import json
 import sys
+import zlib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["KINDS", "kind_of", "gpu_events", "timeline_svg", "main"]
+from dbo.cli import ArgumentParser
+
+__all__ = ["KINDS", "kind_of", "read_chrome_trace", "gpu_events", "timeline_svg", "main"]
 
 #: the kinds of GPU work, their colours, in legend order
 KINDS = {
@@ -50,6 +54,27 @@ def kind_of(name: str, category: str = "kernel") -> str:
     if category == "gpu_memcpy":
         return "comm" if ("peer" in n or "dtod" in n) else "other"
     return "other"
+
+
+def read_chrome_trace(path: str | Path) -> dict[str, Any]:
+    """A Chrome trace file, plain JSON or gzipped (a name ending in ``.gz``), as
+    ``{"traceEvents": [...], ...}`` (a bare list of events is wrapped so).
+
+    Raises:
+        FileNotFoundError: no file at ``path``.
+        ValueError: not a (gzipped) JSON trace, or one without a ``traceEvents`` list.
+    """
+    opener = gzip.open if str(path).endswith(".gz") else open
+    try:
+        with opener(path, "rt") as f:
+            trace = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError, EOFError, gzip.BadGzipFile, zlib.error) as exc:
+        raise ValueError(f"{path} is not a JSON profiler trace ({exc})") from None
+    if isinstance(trace, list):
+        trace = {"traceEvents": trace}
+    if not isinstance(trace, dict) or not isinstance(trace.get("traceEvents"), list):
+        raise ValueError(f"{path} is not a profiler trace (no traceEvents list)")
+    return trace
 
 
 def gpu_events(trace: dict[str, Any]) -> list[dict[str, Any]]:
@@ -116,17 +141,18 @@ def timeline_svg(trace: dict[str, Any], *, window: Sequence[float] = (0.4, 0.6),
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m dbo.bench.timeline",
-                                description="draw a GPU kernel trace's streams as an SVG timeline")
-    p.add_argument("trace", help="a torch.profiler Chrome trace (JSON)")
+    p = ArgumentParser(prog="python -m dbo.bench.timeline",
+                       description="draw a GPU kernel trace's streams as an SVG timeline")
+    p.add_argument("trace", help="a torch.profiler Chrome trace (.json, or gzipped: .json.gz)")
     p.add_argument("svg", help="where to write the SVG")
     p.add_argument("--window", type=float, nargs=2, default=(0.4, 0.6), metavar=("START", "END"),
                    help="the fractions of the trace's span to draw (default 0.4 0.6)")
     p.add_argument("--title", default=None)
     args = p.parse_args(argv)
     try:
-        trace = json.loads(Path(args.trace).read_text())
-        svg = timeline_svg(trace, window=args.window, title=args.title or Path(args.trace).stem)
+        trace = read_chrome_trace(args.trace)
+        name = Path(args.trace).name.removesuffix(".gz").removesuffix(".json")
+        svg = timeline_svg(trace, window=args.window, title=args.title or name)
     except (OSError, ValueError) as exc:
         print(f"{p.prog}: {exc}", file=sys.stderr)
         return 2

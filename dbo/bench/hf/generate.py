@@ -56,7 +56,7 @@ from pathlib import Path
 
 import torch
 
-from dbo.bench.cli import ArgumentParser, check_at_least, verdict
+from dbo.bench.cli import ArgumentParser, check_at_least, check_device, verdict
 from dbo.bench.hf.args import (
     add_model_arguments,
     backend_name,
@@ -122,6 +122,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--modes: give plain too (every DBO row's tokens are checked against it)")
     # without either, a checkpoint of --preset for this run only (made once the group exists)
     a.temporary_checkpoint = not (a.checkpoint or a.save_checkpoint)
+    check_device(p, a.device)  # before the checkpoint's question, which a machine without CUDA cannot use
     if a.temporary_checkpoint and cuda:
         p.error("--device cuda: give --checkpoint DIR (or --save-checkpoint DIR to write one)")
     check_model_arguments(p, a, always_loads=True)
