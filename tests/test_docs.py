@@ -135,3 +135,17 @@ def test_every_runner_step_named_is_known():
 
 def test_the_pages_show_imports():
     assert sum(len(_imports(p.read_text())) for p in PAGES) >= 10
+
+
+def test_the_cpu_install_line_is_pytorchs_and_the_ci_follows_it():
+    # PyTorch's CPU wheel index, as PyTorch documents it for a machine without CUDA (a plain
+    # `torch` from PyPI is the CUDA build); .ci/run asks the same index for the same pin, and
+    # falls back to the plain pin only where that index cannot be reached
+    line = re.search(r"^pip install torch==(\S+) --index-url (\S+)", (ROOT / "README.md").read_text(), re.M)
+    assert line, "the README's first install line takes torch from PyTorch's CPU wheel index"
+    pin, index = line.groups()
+    assert index == "https://download.pytorch.org/whl/cpu"
+    ci = (ROOT / ".ci/run").read_text()
+    assert f"CPU_INDEX={index}\n" in ci, ci
+    assert f'pip install -q torch=={pin} --index-url "$CPU_INDEX"' in ci, ci
+    assert f"pip install -q torch=={pin}\n" in ci, ci  # the fallback

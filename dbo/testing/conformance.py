@@ -22,7 +22,7 @@ left behind). CPU (gloo) and CUDA (NCCL) alike.
 Use from pytest with :class:`dbo.testing.dist.DistWorld`::
 
     def make_backend(case):          # module level: it is pickled by reference
-        return MyPrepareAndFinalize(dist.group.WORLD, hidden=case.hidden, ...)
+        return MyPrepareAndFinalize(dist.group.WORLD, hidden_size=case.hidden, ...)
 
     def test_my_backend(world2):
         check_backend(world2, make_backend, default_cases(2))
