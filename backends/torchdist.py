@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.utils.weak import WeakIdKeyDictionary
 
 from dbo.errors import CollectiveTimeoutError
 from dbo.moe.base import (
@@ -216,7 +217,10 @@ class TorchDistPrepareAndFinalize(PrepareAndFinalize):
         self.check_inputs = check_inputs
         self._ids_check = IdsRangeCheck(check_ids_every_call)
         self.use_async = use_async
-        self._checked_maps: dict[int, int] = {}
+        # expert maps that passed the check -> (their _version then, num_experts): held weakly and
+        # compared by identity, so a map's entry dies with it (a new tensor that gets a freed
+        # map's id() is checked afresh)
+        self._checked_maps: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
     # ---- PrepareAndFinalize properties --------------------------------------------------
 
@@ -270,13 +274,14 @@ class TorchDistPrepareAndFinalize(PrepareAndFinalize):
         """``ValueError`` unless ``expert_map`` is None or the contiguous placement (rank ``r``
         holds ``[r * L, (r + 1) * L)``); a map already checked and not modified since is not
         read again (the check reads the device)."""
-        if expert_map is None or self._checked_maps.get(id(expert_map)) == expert_map._version:
+        if expert_map is None or \
+                self._checked_maps.get(expert_map) == (expert_map._version, num_experts):
             return
         want = contiguous_expert_map(num_experts, self.world_size, self.rank, expert_map.device)
         if expert_map.shape != want.shape or not torch.equal(expert_map.to(torch.int32), want):
             raise ValueError(f"expert_map: the {self.name} backend supports only the contiguous "
                              f"expert placement (rank r holds experts [r*L, (r+1)*L)); got {expert_map}")
-        self._checked_maps[id(expert_map)] = expert_map._version
+        self._checked_maps[expert_map] = (expert_map._version, num_experts)
 
     @staticmethod
     def _router_on_input(a1: torch.Tensor, topk_weights: torch.Tensor, on: bool) -> torch.Tensor:

@@ -145,3 +145,41 @@ def test_bad_input_raises_clear_errors(world2, backend):
         assert set(got) == set(want), (rank, got)
         for name, (etype, needle) in want.items():
             assert got[name][0] == etype and needle in got[name][1], (rank, name, got[name])
+
+
+@pytest.fixture
+def one_rank_group():
+    """A one-rank gloo group in this process (the expert-map check needs no peer)."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_expert_map_check_is_not_fooled_by_a_reused_id(one_rank_group):
+    # A map that passed the check is remembered; a new map that CPython puts at the freed one's
+    # address (same id(), both at version 0) must be checked afresh, and so must a remembered
+    # map used with another number of experts.
+    pf = AllToAllPrepareAndFinalize(timeout_s=20.0)
+    x, w = torch.randn(4, 16), torch.rand(4, 2)
+    ids = torch.tensor([[0, 1], [2, 3], [4, 5], [6, 7]])
+    for _ in range(200):
+        good = torch.tensor(list(range(8)), dtype=torch.int32)
+        pf.prepare(x, w, ids, 8, good, False)
+        pf.reset()
+        freed = id(good)
+        del good
+        bad = torch.tensor([7, 6, 5, 4, 3, 2, 1, 0], dtype=torch.int32)
+        if id(bad) == freed:
+            break
+    assert id(bad) == freed, "CPython never reused a freed tensor's address: the test proves nothing"
+    assert bad._version == 0
+    with pytest.raises(ValueError, match="expert_map"):
+        pf.prepare(x, w, ids, 8, bad, False)
+    good = torch.arange(8, dtype=torch.int32)
+    pf.prepare(x, w, ids, 8, good, False)
+    pf.reset()
+    with pytest.raises(ValueError, match="expert_map"):
+        pf.prepare(x, w, ids.mul(2), 16, good, False)
+
