@@ -89,8 +89,8 @@ class AllToAllPrepareAndFinalize(TorchDistPrepareAndFinalize):
         with self.comm_section(back="plain", enabled=self.nccl) as comm:
             rows = self._exchange_meta(x, topk, num_experts, apply_router_weight_on_input,
                                        extra=send_counts)
-            recv_counts = [r[6 + self.rank] for r in rows]
-            total = sum(sum(r[6:]) for r in rows)
+            recv_counts = [r.extra[self.rank] for r in rows]  # what each rank sends here
+            total = sum(sum(r.extra) for r in rows)
             self._handles.put(_A2AHandle(send_idx, send_counts, recv_counts, m, hidden, total))
             recv = torch.empty(sum(recv_counts), send.shape[1], dtype=torch.uint8, device=send.device)
             work = None

@@ -90,7 +90,7 @@ class NaivePrepareAndFinalize(TorchDistPrepareAndFinalize):
         # the count exchange blocks the CPU: yield first, so the other ubatch queues its compute
         with self.comm_section(back="plain", enabled=self.nccl) as comm:
             rows = self._exchange_meta(x, topk, num_experts, apply_router_weight_on_input)
-            max_m = max(r[0] for r in rows)
+            max_m = max(r.num_tokens for r in rows)
             self._handles.put(_NaiveHandle(m, max_m, hidden, x.dtype))
             ids = topk_ids.to(torch.int32)
             w = topk_weights

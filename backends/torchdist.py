@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -56,6 +56,8 @@ __all__ = [
     "all_gather_single",
     "reduce_scatter_single",
     "DTYPE_CODES",
+    "MetaRow",
+    "META_HEADER_LEN",
     "check_factory_dtype",
     "factory_for",
 ]
@@ -63,8 +65,34 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
-# metadata columns every rank sends in the first exchange of a step
-_META = ("num_tokens", "hidden", "topk", "dtype", "num_experts", "apply_router_weight_on_input")
+
+
+class MetaRow(NamedTuple):
+    """One rank's row of the metadata exchange of a step (all ints): the header every
+    torch.distributed backend sends, then the backend's own columns, ``extra`` (all2all's
+    rows for each destination rank, in rank order)."""
+
+    num_tokens: int
+    hidden: int
+    topk: int
+    dtype: int  #: ``DTYPE_CODES[a1.dtype]``, -1 for another dtype
+    num_experts: int
+    apply_router_weight_on_input: int
+    extra: tuple[int, ...] = ()
+
+    def as_list(self) -> list[int]:
+        """The row as it travels: the header, then ``extra``."""
+        return [*self[:META_HEADER_LEN], *self.extra]
+
+    @classmethod
+    def parse(cls, row: Sequence[int]) -> MetaRow:
+        """The inverse of :meth:`as_list`."""
+        return cls(*row[:META_HEADER_LEN], extra=tuple(row[META_HEADER_LEN:]))
+
+
+#: entries of a :class:`MetaRow`'s header, the columns before ``extra``
+META_HEADER_LEN = len(MetaRow._fields) - 1
+
 _META_NAMES = {
     "hidden": "a1 (hidden_states) hidden size",
     "topk": "topk (topk_ids.shape[1])",
@@ -298,19 +326,20 @@ class TorchDistPrepareAndFinalize(PrepareAndFinalize):
     # ---- the blocking metadata exchange -------------------------------------------------
 
     def _exchange_meta(self, a1: torch.Tensor, topk: int, num_experts: int,
-                       router_on_input: bool, extra: Sequence[int] = ()) -> list[list[int]]:
-        """All-gather ``[num_tokens, hidden, topk, dtype, num_experts, router_on_input, *extra]``
-        of every rank (blocking, bounded) and check that the ranks agree.
+                       router_on_input: bool, extra: Sequence[int] = ()) -> list[MetaRow]:
+        """All-gather every rank's :class:`MetaRow` (blocking, bounded) and check that the ranks
+        agree on the header (the token counts aside).
 
         Every rank sees the same table, so a disagreement raises the same ``ValueError`` on
         every rank and none is left waiting in a later collective.
         """
-        row = [a1.shape[0], a1.shape[1], topk, DTYPE_CODES.get(a1.dtype, -1), num_experts,
-               int(router_on_input), *extra]
+        meta = MetaRow(a1.shape[0], a1.shape[1], topk, DTYPE_CODES.get(a1.dtype, -1), num_experts,
+                       int(router_on_input), tuple(extra))
         if self.world_size == 1:
             # nothing to agree on, and over NCCL the exchange's read-back would make the host
             # wait for the GPU at every dispatch (a host-bound DBO step at one rank)
-            return [row]
+            return [meta]
+        row = meta.as_list()
         device = a1.device if self.nccl else torch.device("cpu")
         mine = torch.tensor(row, dtype=torch.int64, device=device)
         table = torch.empty(self.world_size * len(row), dtype=torch.int64, device=device)
@@ -318,11 +347,9 @@ class TorchDistPrepareAndFinalize(PrepareAndFinalize):
         work = self._start(lambda out, inp: all_gather_single(out, inp, self.group, async_op=True),
                            table, mine)
         PendingWork([work], what, self.timeout_s, self.nccl).wait()
-        rows = table.view(self.world_size, len(row)).tolist()
-        for col, key in enumerate(_META):
-            if key == "num_tokens":
-                continue
-            vals = [r[col] for r in rows]
+        rows = [MetaRow.parse(r) for r in table.view(self.world_size, len(row)).tolist()]
+        for key in _META_NAMES:
+            vals = [getattr(r, key) for r in rows]
             if len(set(vals)) > 1:
                 raise ValueError(f"{_META_NAMES[key]} differs across ranks: "
                                  + ", ".join(f"rank {i}={v}" for i, v in enumerate(vals)))

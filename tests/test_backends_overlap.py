@@ -14,6 +14,7 @@ import torch.distributed as dist
 import dbo
 from dbo.backends.all2all import AllToAllPrepareAndFinalize
 from dbo.backends.naive import NaivePrepareAndFinalize
+from dbo.backends.torchdist import META_HEADER_LEN, MetaRow
 from dbo.experts import SwiGLUExperts, relative_error
 from dbo.moe import MoEKernel, MoEProtocolError, TopKWeightAndReduceNoOp
 from dbo.testing.dist import DistWorld
@@ -183,3 +184,12 @@ def test_expert_map_check_is_not_fooled_by_a_reused_id(one_rank_group):
     with pytest.raises(ValueError, match="expert_map"):
         pf.prepare(x, w, ids.mul(2), 16, good, False)
 
+
+def test_metadata_rows_name_their_columns():
+    # all2all's send counts travel after the header every backend sends; they are read by name,
+    # so the header can grow without a backend reading a header field as a count
+    row = MetaRow(5, 16, 2, 0, 8, 1, extra=(3, 4))
+    assert row.as_list() == [5, 16, 2, 0, 8, 1, 3, 4]
+    assert MetaRow.parse(row.as_list()) == row
+    assert len(row.as_list()) - len(row.extra) == META_HEADER_LEN
+    assert MetaRow.parse([5, 16, 2, 0, 8, 1]).extra == ()
