@@ -338,6 +338,14 @@ class EmulatedBuffer:
             self._ll_slots[idx] = slot
         return slot
 
+    def _slot_of(self, src_info: torch.Tensor) -> dict[str, torch.Tensor] | None:
+        """The low-latency slot whose ``src_info`` the handle's is (None: a copy)."""
+        ptr = src_info.untyped_storage().data_ptr()
+        for slot in self._ll_slots:
+            if slot is not None and slot["src_info"].untyped_storage().data_ptr() == ptr:
+                return slot
+        return None
+
     def _pair_rows(self, topk_idx: torch.Tensor, num_experts: int, cap: int
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Where each (token, expert) pair lands in the slabs: its flat row ``le * cap + pos``
@@ -393,6 +401,9 @@ class EmulatedBuffer:
             else:
                 q, scales = x, None
             rows, per_key, dest = self._pair_rows(topk_idx, num_experts, cap)
+            # the combine of this dispatch finds its pairs' rows here (a group combine masks
+            # whole experts' ids, which moves no other pair's row)
+            slot["pair_rows"], slot["pair_dest"] = rows, dest
             pair_bytes = hidden * q.element_size() + (hidden // FP8_BLOCK * 4 if use_fp8 else 0) \
                 + DISPATCH_PAIR_EXTRA_BYTES
             share = self._remote_share()
@@ -446,7 +457,11 @@ class EmulatedBuffer:
         streams = self._streams
         with streams.kernel(None, on_current=return_recv_hook) as stream:
             # the send: each pair's expert output row, packed per (token, expert)
-            rows, _, dest = self._pair_rows(topk_idx, num_experts, cap)
+            slot = self._slot_of(handle[0])
+            if slot is not None and slot.get("pair_rows") is not None and slot["pair_rows"].numel() == t * k:
+                rows, dest = slot["pair_rows"], slot["pair_dest"]
+            else:  # a handle whose tensors were copied out of the buffer (sbo+dbo): the same rows again
+                rows, _, dest = self._pair_rows(topk_idx, num_experts, cap)
             # (a group's combine masks whole experts' ids: the others' rows do not move)
             flat = x.reshape(n_local * cap, hidden)
             valid = topk_idx.reshape(-1) >= 0
