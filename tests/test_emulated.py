@@ -91,8 +91,8 @@ def test_the_link_is_served_inside_and_counts_the_bytes_that_leave_the_host():
     buf = pf.buffer
     assert isinstance(buf, EmulatedBuffer) and buf.link is link
     ids = torch.tensor([[0, 16], [2, 31], [20, 21], [1, 3]])  # remote pairs: 16, 31, 20, 21
-    rows, per_key, dest = buf._pair_rows(ids, 32, 16 * 8)
-    share = buf._remote_share()
+    rows, per_key, dest = buf.pair_rows(ids, 32, 16 * 8)
+    share = buf.remote_share
     assert float(share[dest].sum()) == 4.0
     assert per_key.sum() == 8 and per_key.shape == (2, 16)
     # the stand-in: pair (t, e) arrives from rank e // 2 at local expert e % 2
@@ -110,9 +110,9 @@ def test_normal_mode_sends_one_row_per_token_and_remote_host():
     in_rank[0, [1, 9, 10]] = True  # host 1 twice: one row over the link
     in_rank[1, [2]] = True  # stays on the host
     in_rank[2, [8, 15]] = True
-    assert float(buf._rows_off_host(in_rank)) == 2.0
+    assert float(buf.rows_off_host(in_rank)) == 2.0
     shared = EmulatedBuffer(EmulatedGroup(4, 1, 8), device="cpu", remote_fraction=0.5)
-    assert float(shared._rows_off_host(in_rank[:, :4])) == 0.5  # (token 0, rank... ) rows to others x 0.5
+    assert float(shared.rows_off_host(in_rank[:, :4])) == 0.5  # (token 0, rank... ) rows to others x 0.5
 
 
 def test_bad_options_are_named():

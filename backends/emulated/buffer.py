@@ -174,9 +174,9 @@ class _Streams:
     def _on_comm(self, previous_event: Any, current: Any) -> Iterator[Any]:
         if previous_event is not None:
             ev = previous_event.event if isinstance(previous_event, EventOverlap) else previous_event
-            _wait(self.comm, ev, self.device)
+            _wait(self.comm, ev)
         else:
-            _wait(self.comm, _Event(self.device, current), self.device)
+            _wait(self.comm, _Event(self.device, current))
         if self.device.type == "cuda":
             with torch.cuda.stream(self.comm):
                 yield self.comm
@@ -190,15 +190,13 @@ class _Streams:
             return EventOverlap(_Event(self.device, stream), tensors)
         current = self._callers[-1]
         if stream is not current:
-            _wait(current, _Event(self.device, stream), self.device)
+            _wait(current, _Event(self.device, stream))
         return EventOverlap(None)
 
 
-def _wait(stream: Any, event: _Event, device: torch.device) -> None:
-    if device.type == "cuda":
-        stream.wait_event(event.event)
-    else:
-        stream.wait_event(event.event)
+def _wait(stream: Any, event: _Event) -> None:
+    """``stream`` (a CUDA or a logical stream) waits for ``event``."""
+    stream.wait_event(event.event)
 
 
 # ---- the buffer ----------------------------------------------------------------------------
@@ -239,6 +237,10 @@ class EmulatedBuffer:
         self._other_rank = (torch.arange(self.group_size) != self.rank).to(self.device)
         self._rank_host = hosts.to(self.device)
         self.num_hosts = int(hosts.max()) + 1
+        #: per destination rank, the share of its bytes that crosses the link: the ranks of other
+        #: hosts, or ``remote_fraction`` of every other rank's where it is given
+        self.remote_share = (self._other_rank.to(torch.float32) * remote_fraction if remote_fraction is not None
+                       else self._off_host.to(torch.float32))
         if self.num_hosts > 1 and self.group_size % group.gpus_per_host:
             raise ValueError(f"a group of {self.group_size} ranks over hosts of {group.gpus_per_host} GPUs: "
                              "the group size must be a multiple of gpus_per_host")
@@ -279,13 +281,6 @@ class EmulatedBuffer:
             raise RuntimeError("the emulated buffer was destroyed")
 
     # ---- the link ---------------------------------------------------------------------------
-
-    def _remote_share(self) -> torch.Tensor | float:
-        """Per destination rank, the share of its bytes that crosses the link: ``[N]`` float32,
-        or a constant where ``remote_fraction`` is given (of the bytes to other ranks)."""
-        if self.remote_fraction is not None:
-            return self._other_rank.to(torch.float32) * self.remote_fraction
-        return self._off_host.to(torch.float32)
 
     def _hold(self, phase: str, units: torch.Tensor, unit_bytes: float, fixed_us: float | None = None
               ) -> Callable[[], None]:
@@ -346,7 +341,7 @@ class EmulatedBuffer:
                 return slot
         return None
 
-    def _pair_rows(self, topk_idx: torch.Tensor, num_experts: int, cap: int
+    def pair_rows(self, topk_idx: torch.Tensor, num_experts: int, cap: int
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Where each (token, expert) pair lands in the slabs: its flat row ``le * cap + pos``
         (``L * cap`` for a pair with no expert), ``[T * k]`` int64; the pairs per (local expert,
@@ -400,13 +395,13 @@ class EmulatedBuffer:
                 q, scales = quantize_fp8_blocks(x)
             else:
                 q, scales = x, None
-            rows, per_key, dest = self._pair_rows(topk_idx, num_experts, cap)
+            rows, per_key, dest = self.pair_rows(topk_idx, num_experts, cap)
             # the combine of this dispatch finds its pairs' rows here (a group combine masks
             # whole experts' ids, which moves no other pair's row)
             slot["pair_rows"], slot["pair_dest"] = rows, dest
             pair_bytes = hidden * q.element_size() + (hidden // FP8_BLOCK * 4 if use_fp8 else 0) \
                 + DISPATCH_PAIR_EXTRA_BYTES
-            share = self._remote_share()
+            share = self.remote_share
             valid = topk_idx.reshape(-1) >= 0
             units = (torch.where(valid, share[dest], 0.0)).sum().reshape(1)
             tokens = torch.arange(t, device=x.device).repeat_interleave(k)
@@ -461,12 +456,12 @@ class EmulatedBuffer:
             if slot is not None and slot.get("pair_rows") is not None and slot["pair_rows"].numel() == t * k:
                 rows, dest = slot["pair_rows"], slot["pair_dest"]
             else:  # a handle whose tensors were copied out of the buffer (sbo+dbo): the same rows again
-                rows, _, dest = self._pair_rows(topk_idx, num_experts, cap)
+                rows, _, dest = self.pair_rows(topk_idx, num_experts, cap)
             # (a group's combine masks whole experts' ids: the others' rows do not move)
             flat = x.reshape(n_local * cap, hidden)
             valid = topk_idx.reshape(-1) >= 0
             wire = flat.index_select(0, torch.where(valid, rows, 0))
-            share = self._remote_share()
+            share = self.remote_share
             units = torch.where(valid, share[dest], 0.0).sum().reshape(1)
             held = self._hold("combine", units, hidden * 2)
             slots = torch.arange(t * k, device=x.device).view(t, k)
@@ -568,7 +563,7 @@ class EmulatedBuffer:
             send_q = q.clone()
             send_scales = None if scales is None else scales.clone()
             row_bytes = q.shape[1] * q.element_size() + (0 if scales is None else scales.shape[1] * 4)
-            units = self._rows_off_host(in_rank)
+            units = self.rows_off_host(in_rank)
             held = self._hold("dispatch", units, row_bytes, fixed_us=0.0)
             held()
             # the receive: the rows, their local top-k (-1 for experts of other ranks)
@@ -596,7 +591,7 @@ class EmulatedBuffer:
         streams = self._streams
         with streams.kernel(previous_event, on_current=False) as stream:
             send = x.clone()  # the rows pack into the send buffer
-            units = self._rows_off_host(handle.in_rank)
+            units = self.rows_off_host(handle.in_rank)
             held = self._hold("combine", units, x.shape[1] * x.element_size())
             held()
             acc = torch.zeros((handle.num_tokens, x.shape[1]), dtype=torch.float32, device=x.device)
@@ -605,7 +600,7 @@ class EmulatedBuffer:
             event = streams.finish(stream, async_finish, (x,))
         return combined, None, event
 
-    def _rows_off_host(self, in_rank: torch.Tensor) -> torch.Tensor:
+    def rows_off_host(self, in_rank: torch.Tensor) -> torch.Tensor:
         """The rows a normal-mode call sends over the link, ``[1]`` float32: one per (token,
         destination host other than this one) (DeepEP's RDMA path forwards inside a host over
         NVLink), or ``remote_fraction`` of the (token, other rank) rows where it is given."""
