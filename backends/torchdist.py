@@ -26,6 +26,7 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d
 from torch.utils.weak import WeakIdKeyDictionary
 
 from dbo.errors import CollectiveTimeoutError
@@ -102,9 +103,14 @@ _META_NAMES = {
 }
 
 
-# torch 2.13 renamed these (the old names warn); older torch has only the old names
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# torch 2.13 renamed these (the old names warn); older torch has only the old names. Taken from
+# the module that defines them, not from torch.distributed's namespace, so that a counter put
+# into the namespace (dbo.integrations.transformers.fsdp.count_all_gathered_bytes) neither
+# counts dbo's own collectives nor stays bound here, whichever is imported first.
+_all_gather_single = getattr(distributed_c10d, "all_gather_single", None) \
+    or distributed_c10d.all_gather_into_tensor
+_reduce_scatter_single = getattr(distributed_c10d, "reduce_scatter_single", None) \
+    or distributed_c10d.reduce_scatter_tensor
 
 
 def all_gather_single(output: torch.Tensor, inp: torch.Tensor, group: Any, async_op: bool) -> Any:

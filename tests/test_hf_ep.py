@@ -313,6 +313,7 @@ def _memory_job(path: str) -> dict:
 
     from dbo.integrations.transformers import prefill_logits
     from dbo.integrations.transformers.ep import prepare_for_overlap
+    from dbo.integrations.transformers.fsdp import count_all_gathered_bytes
 
     def local(p):
         return p.to_local() if isinstance(p, DTensor) else p
@@ -323,35 +324,16 @@ def _memory_job(path: str) -> dict:
 
     full = _load(path, None)
     model = _load(path, "dbo_all2all")
-    import dbo.backends.torchdist  # noqa: F401  (binds its own all-gather now: not counted below)
-
-    gathers = []
-    # FSDP2 all-gathers through one of these (all_gather_single in torch 2.13)
-    names = [n for n in ("all_gather_single", "all_gather_into_tensor") if hasattr(dist, n)]
-    reals = {n: getattr(dist, n) for n in names}
-
-    def spy(real):
-        def gather(out, inp, *args, **kwargs):
-            gathers.append(out.numel() * out.element_size())
-            return real(out, inp, *args, **kwargs)
-        return gather
-
     ids, mask = _inputs(dist.get_rank(), 7)
     gathered = []
-    for n in names:
-        setattr(dist, n, spy(reals[n]))
-    try:
-        with torch.no_grad():
-            for _ in range(2):  # the first forward keeps the dense weights whole: nothing gathered after it
-                gathers.clear()
-                prefill_logits(model, ids, mask)
-                gathered.append(sum(gathers))
+    with count_all_gathered_bytes() as gathers, torch.no_grad():
+        for _ in range(2):  # the first forward keeps the dense weights whole: nothing gathered after it
             gathers.clear()
-            prepare_for_overlap(model)  # already done at the first forward: a no-op
+            prefill_logits(model, ids, mask)
             gathered.append(sum(gathers))
-    finally:
-        for n in names:
-            setattr(dist, n, reals[n])
+        gathers.clear()
+        prepare_for_overlap(model)  # already done at the first forward: a no-op
+        gathered.append(sum(gathers))
     dense = {n: p for n, p in model.named_parameters() if ".experts." not in n}
     full_dense = dict(full.named_parameters())
     return {

@@ -61,12 +61,12 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
-    import dbo.backends.torchdist  # noqa: F401  (binds its all-gather before the spy below)
     from dbo.bench.hf.prefill_table import logits_match
     from dbo.experts import relative_error
     from dbo.integrations.transformers import DBOPrefill, prefill_logits, prefill_split_config
     from dbo.integrations.transformers.ep import ep_distributed_config
     from dbo.integrations.transformers.ep_model import expert_parallel_modules
+    from dbo.integrations.transformers.fsdp import count_all_gathered_bytes
     from dbo.peers.process_group import distributed
 
     with distributed("cpu") as (rank, world, _):
@@ -90,24 +90,17 @@ def worker(args: argparse.Namespace) -> None:
         with torch.inference_mode():
             if args.mode == "ep":
                 # as transformers loaded it: the first forward gathers the dense weights once
-                gathered = []
-                real = dist.all_gather_single
-
-                def spy(output, inp, *a, **k):
-                    gathered.append(output.numel() * output.element_size())
-                    return real(output, inp, *a, **k)
-
-                dist.all_gather_single = spy
-                t0 = time.perf_counter()
-                prefill_logits(model, ids, logits_to_keep=1)
-                out["first_forward_s"] = time.perf_counter() - t0
-                out["first_forward_gathered_bytes"] = sum(gathered)
-                gathered.clear()
-                out["layers_through_dbo"] = len(expert_parallel_modules(model))
-                t0 = time.perf_counter()
-                logits = DBOPrefill(model, prefill_split_config(adaptive=False), logits_to_keep=1)(ids)
-                out["dbo_gathered_bytes"] = sum(gathered)
-                dist.all_gather_single = real
+                with count_all_gathered_bytes() as gathered:
+                    t0 = time.perf_counter()
+                    prefill_logits(model, ids, logits_to_keep=1)
+                    out["first_forward_s"] = time.perf_counter() - t0
+                    out["first_forward_gathered_bytes"] = sum(gathered)
+                    gathered.clear()
+                    out["layers_through_dbo"] = len(expert_parallel_modules(model))
+                    t0 = time.perf_counter()
+                    logits = DBOPrefill(model, prefill_split_config(adaptive=False),
+                                        logits_to_keep=1)(ids)
+                    out["dbo_gathered_bytes"] = sum(gathered)
             else:
                 t0 = time.perf_counter()
                 logits = prefill_logits(model, ids, logits_to_keep=1)

@@ -37,11 +37,14 @@ from __future__ import annotations
 
 import logging
 import weakref
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import torch
 
-__all__ = ["prepare_for_overlap", "prepare_at_first_forward", "pending_first_forward"]
+__all__ = ["prepare_for_overlap", "prepare_at_first_forward", "pending_first_forward",
+           "count_all_gathered_bytes", "ALL_GATHER_NAMES"]
 
 logger = logging.getLogger(__name__)
 
@@ -199,3 +202,38 @@ def _before_forward(module: torch.nn.Module, args: Any) -> None:
         _hook.remove()
         _hook = None
     return None
+
+
+#: the all-gathers FSDP2 calls by these names in ``torch.distributed`` (``all_gather_single``
+#: from torch 2.13 on, ``all_gather_into_tensor`` before)
+ALL_GATHER_NAMES = ("all_gather_single", "all_gather_into_tensor")
+
+
+@contextmanager
+def count_all_gathered_bytes() -> Iterator[list[int]]:
+    """Count what is all-gathered through ``torch.distributed``'s ``ALL_GATHER_NAMES`` (FSDP2's
+    gathers of the dense weights) while the block runs.
+
+    Yields a list that gets the output's size in bytes of each call. The names are put back on
+    the way out, also when the block raises. dbo's own backends are not counted: they call
+    ``torch.distributed.distributed_c10d`` directly (:mod:`dbo.backends.torchdist`), whichever
+    module was imported first.
+    """
+    import torch.distributed as dist
+
+    counted: list[int] = []
+
+    def counting(real: Any) -> Any:
+        def gather(output: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            counted.append(output.numel() * output.element_size())
+            return real(output, *args, **kwargs)
+
+        return gather
+
+    with ExitStack() as restore:
+        for name in ALL_GATHER_NAMES:
+            real = getattr(dist, name, None)
+            if real is not None:
+                setattr(dist, name, counting(real))
+                restore.callback(setattr, dist, name, real)
+        yield counted
