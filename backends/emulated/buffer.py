@@ -239,8 +239,8 @@ class EmulatedBuffer:
         self.num_hosts = int(hosts.max()) + 1
         #: per destination rank, the share of its bytes that crosses the link: the ranks of other
         #: hosts, or ``remote_fraction`` of every other rank's where it is given
-        self.remote_share = (self._other_rank.to(torch.float32) * remote_fraction if remote_fraction is not None
-                       else self._off_host.to(torch.float32))
+        self.remote_share = (self._off_host.to(torch.float32) if remote_fraction is None
+                             else self._other_rank.to(torch.float32) * remote_fraction)
         if self.num_hosts > 1 and self.group_size % group.gpus_per_host:
             raise ValueError(f"a group of {self.group_size} ranks over hosts of {group.gpus_per_host} GPUs: "
                              "the group size must be a multiple of gpus_per_host")
