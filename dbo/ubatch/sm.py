@@ -12,7 +12,8 @@ Two ways to leave SMs to the communication kernels, both checked and applied her
   ``torch._grouped_mm`` read torch's experimental carve-out, which the block sets; dbo's
   persistent expert kernels take the same number as an argument
   (``SwiGLUExperts.sm_carveout``, which the overlapped forward sets on the model's experts for
-  its run: :func:`dbo.experts.swiglu.experts_sm_carveout`).
+  its run: :func:`dbo.run_options.leave_sms_free` over the experts that
+  :func:`dbo.experts.swiglu.find_swiglu_experts` finds).
 * ``compute_sms=N`` (:func:`compute_on_sms`): the compute runs on a green context of ``N`` SMs.
 
 :func:`compute_on_sms` makes the caller's work inside the block run on a green-context stream

@@ -6,7 +6,7 @@ with a bare "unspecified launch failure" that says nothing of the peer. :func:`n
 turns such an error, raised inside its block, into the
 :class:`~dbo.errors.CollectiveTimeoutError` that names the wait (the CUDA error as its cause);
 :class:`~dbo.integrations.transformers.DBOPrefill` and
-:func:`~dbo.integrations.transformers.greedy_generate` run inside one. A prefill returns before
+:func:`~dbo.integrations.transformers.generate.greedy_generate` run inside one. A prefill returns before
 its GPU work ends, so a wait that fails late in it would fail at the caller's next CUDA call,
 outside the block: ``DBOPrefill`` (``sync_faults=True``, the default) waits for the stream at its
 end where such a wait can trap. The process must end after either: the GPU cannot run anything
