@@ -50,7 +50,9 @@ class RunOptions:
 
 
 def run_device(t: torch.Tensor) -> torch.device | str:
-    # the inputs' device, not run_ubatches' default (CUDA whenever available)
+    """The device the ubatches of a call on ``t`` run on: ``t``'s own (CUDA, with its index),
+    or the CPU stand-in for any other (run_ubatches' default only knows whether the process
+    uses CUDA, not where these inputs are)."""
     return t.device if t.device.type == "cuda" else "cpu"
 
 

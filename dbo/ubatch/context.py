@@ -34,6 +34,7 @@ from dbo.ubatch.trace import Trace
 __all__ = [
     "UBatchContext",
     "run_ubatches",
+    "default_run_device",
     "active_run",
     "dbo_enabled",
     "dbo_num_ubatches",
@@ -84,8 +85,10 @@ def run_ubatches(
             :class:`dbo.ubatch.streams.LogicalStream` on the CPU stand-in.
         token_offsets: each ubatch's first row in the parent batch (default all 0).
         trace: a :class:`dbo.ubatch.trace.Trace` to record into.
-        device: ``"cuda"`` (the current CUDA device) or ``"cpu"`` (the stand-in). Default:
-            the device of ``comm_stream`` if given, else CUDA when available, else CPU.
+        device: ``"cuda"`` (the current CUDA device) or ``"cpu"`` (the stand-in): where the
+            ubatches' work runs. Default (:func:`default_run_device`): the device of
+            ``comm_stream`` if given, else CUDA when this process already uses it, else the
+            CPU stand-in.
         compute_sms: run the compute stream on a CUDA green context of this many SMs, so the
             others stay free for the communication kernels on the comm stream (see
             :func:`dbo.ubatch.sm.compute_on_sms`); None (default): the caller's stream.
@@ -116,16 +119,23 @@ def run_ubatches(
             raise UBatchCountError(f"token_offsets has {len(offsets)} entries for {len(fns)} "
                                    "ubatches")
     if device is None:
-        if comm_stream is not None and isinstance(comm_stream, torch.cuda.Stream):
-            device = comm_stream.device
-        elif comm_stream is None and torch.cuda.is_available():
-            device = "cuda"
-        else:
-            device = "cpu"
+        device = default_run_device(comm_stream)
     if compute_sms is None:
         return _run_to_completion(fns, STREAM_POOL.get(device), comm_stream, offsets, trace)
     with compute_on_sms(compute_sms, torch.device(device)):  # which checks compute_sms
         return _run_to_completion(fns, STREAM_POOL.get(device), comm_stream, offsets, trace)
+
+
+def default_run_device(comm_stream: Any = None) -> str | torch.device:
+    """The device :func:`run_ubatches` runs on when it is not told: ``comm_stream``'s (a
+    ``torch.cuda.Stream``'s device; the CPU stand-in for a ``LogicalStream``); else CUDA when
+    this process already uses it (CUDA is initialized: it has made CUDA tensors or streams);
+    else the CPU stand-in, so that CPU work on a machine with a GPU neither starts a CUDA
+    context nor runs on CUDA streams. Ubatches whose work is the process's first on CUDA must
+    pass ``device="cuda"``."""
+    if comm_stream is not None:
+        return comm_stream.device if isinstance(comm_stream, torch.cuda.Stream) else "cpu"
+    return "cuda" if torch.cuda.is_initialized() else "cpu"
 
 
 def active_run() -> Any:
