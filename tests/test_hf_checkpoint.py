@@ -285,3 +285,65 @@ def test_a_rank_that_fails_to_write_fails_every_rank(world, tmp_path):
     assert errs[0].startswith("RuntimeError") and "rank 1 failed while writing its shards" in errs[0], errs
     assert errs[1].startswith("OSError") and "No space left" in errs[1], errs
     assert not (tmp_path / "ckpt" / "config.json").exists()
+
+
+# ---- the check before an expert-parallel load finds the model through transformers -----------
+
+
+@pytest.fixture
+def one_rank_mesh():
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1, 1), mesh_dim_names=("ep", "tp"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_transformers_still_has_the_ep_builder_the_check_reads():
+    # Nothing public hands an EP implementation its model: the check reads it off transformers'
+    # call that builds them. Pinned here, so that a rename upstream fails this test loudly.
+    import importlib
+    import inspect
+
+    pytest.importorskip("transformers.distributed.expert_parallel", reason="transformers < 5.23")
+    from dbo.integrations.transformers.checkpoint import EP_BUILDER
+
+    module, function, argument = EP_BUILDER
+    builder = getattr(importlib.import_module(module), function, None)
+    assert builder is not None, (f"transformers {transformers.__version__} has no {module}.{function}: "
+                                 "find what builds the EP implementations now and update EP_BUILDER")
+    params = list(inspect.signature(builder).parameters)
+    assert params[:1] == [argument], (f"{module}.{function} takes {params}, no longer the model as "
+                                      f"{argument!r}: update EP_BUILDER")
+
+
+def test_the_check_runs_while_transformers_builds_the_ep_implementations(tmp_path, one_rank_mesh):
+    # transformers' own builder with dbo's implementation, on a model whose checkpoint lists a
+    # shard that is absent: the check stops it before any weight is read
+    import importlib
+
+    pytest.importorskip("transformers.distributed.expert_parallel", reason="transformers < 5.23")
+    from transformers import AutoModelForCausalLM
+
+    import dbo.integrations.transformers  # noqa: F401  (registers dbo's EP implementations)
+    from dbo.errors import CheckpointError
+    from dbo.integrations.transformers.checkpoint import EP_BUILDER
+
+    index = {"metadata": {}, "weight_map": {"lm_head.weight": "model-00001-of-00001.safetensors"}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    model = AutoModelForCausalLM.from_config(tiny_config("qwen3_moe"))
+    model.config.name_or_path = str(tmp_path)
+    plan = {n: "ep_dispatch_experts" for n, _ in model.named_modules() if n.endswith("mlp.experts")}
+    builder = getattr(importlib.import_module(EP_BUILDER[0]), EP_BUILDER[1])
+    with pytest.raises(CheckpointError, match="model-00001-of-00001.safetensors .* absent"):
+        builder(model, one_rank_mesh["ep"], one_rank_mesh["tp"], plan, ep_implementation="dbo_all2all")
+
+
+def test_the_check_warns_where_it_finds_no_model_being_distributed():
+    from dbo.integrations.transformers.checkpoint import check_checkpoint_being_loaded
+
+    with pytest.warns(RuntimeWarning, match="the checkpoint is not checked"):
+        check_checkpoint_being_loaded(8)

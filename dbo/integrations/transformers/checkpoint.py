@@ -44,10 +44,13 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import importlib
+import inspect
 import json
 import math
 import re
 import sys
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -355,13 +358,24 @@ def check_checkpoint(directory: str | Path, num_experts: int, group: Any = None)
                               "names the file or key); no rank loads it")
 
 
+#: what transformers calls the function that builds the EP implementations, and its argument
+#: that holds the model (nothing public hands the model to an implementation):
+#: tests/test_hf_checkpoint.py pins both against the installed transformers
+EP_BUILDER = ("transformers.distributed.expert_parallel", "apply_expert_parallelism", "model")
+
+
 def _model_being_distributed() -> torch.nn.Module | None:
-    # transformers builds an EP implementation with the experts module alone; the model (and on
-    # its config the checkpoint path) is a local of its caller, apply_expert_parallelism(model, ...)
+    """The model whose EP implementations transformers is building (the caller's caller's ...
+    call of ``EP_BUILDER``), or None outside such a call or without that function."""
+    module, function, argument = EP_BUILDER
+    try:
+        builder = inspect.unwrap(getattr(importlib.import_module(module), function))
+    except (ImportError, AttributeError):
+        return None
     frame = sys._getframe(1)
     while frame is not None:
-        if frame.f_code.co_name == "apply_expert_parallelism":
-            model = frame.f_locals.get("model")
+        if frame.f_code is builder.__code__:
+            model = frame.f_locals.get(argument)
             return model if isinstance(model, torch.nn.Module) else None
         frame = frame.f_back
     return None
@@ -372,14 +386,20 @@ def check_checkpoint_being_loaded(num_experts: int, group: Any = None) -> None:
     distributed_config=...)`` is loading, called while transformers builds the model's
     expert-parallel implementations (before any weight is read): once per model, at its first
     experts module. Collective over ``group``, as every rank builds the same modules in order.
-    Does nothing outside such a load, for a checkpoint that is not a local directory (a Hub id),
-    or on a transformers version that builds the implementations elsewhere.
+    Does nothing for a checkpoint that is not a local directory (a Hub id) or a model that is
+    not loaded from one; warns (the check is off) where it finds no model being distributed:
+    called outside transformers' ``EP_BUILDER``, or a transformers that renamed it.
 
     Raises:
         CheckpointError: as :func:`check_checkpoint`.
     """
     model = _model_being_distributed()
-    if model is None or getattr(model, "_dbo_checkpoint_checked", False):
+    if model is None:
+        warnings.warn(f"no model is being distributed by {'.'.join(EP_BUILDER[:2])}({EP_BUILDER[2]}, "
+                      "...) on the stack (called elsewhere, or transformers renamed it): the "
+                      "checkpoint is not checked before loading", RuntimeWarning, stacklevel=2)
+        return
+    if getattr(model, "_dbo_checkpoint_checked", False):
         return
     model._dbo_checkpoint_checked = True
     path = getattr(getattr(model, "config", None), "name_or_path", None)
