@@ -35,20 +35,19 @@ only while they copy).
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from dbo.experts.kernels.gather_reduce import gather_reduce
-from dbo.ubatch.streams import LogicalEvent, LogicalStream, current_logical_stream
 
 from ..fp8 import FP8_BLOCK, quantize_fp8_blocks
 from ..simulated_link import LinkServer, SimulatedLink
+from .streams import EventOverlap, StreamEvent, Streams
 
-__all__ = ["EmulatedGroup", "EmulatedBuffer", "EmulatedConfig", "EventOverlap", "DISPATCH_PAIR_EXTRA_BYTES"]
+__all__ = ["EmulatedGroup", "EmulatedBuffer", "EmulatedConfig", "DISPATCH_PAIR_EXTRA_BYTES"]
 
 #: bytes DeepEP's low-latency dispatch sends per (token, expert) besides the row and its scales
 DISPATCH_PAIR_EXTRA_BYTES = 16
@@ -100,105 +99,6 @@ class EmulatedConfig:
         return 0
 
 
-# ---- streams and events: CUDA, or the CPU stand-in's logical ones --------------------------
-
-
-class _Event:
-    def __init__(self, device: torch.device, stream: Any = None):
-        self.cuda = device.type == "cuda"
-        if self.cuda:
-            self.event = torch.cuda.Event()
-            self.event.record(stream)
-        else:
-            self.event = LogicalEvent("emulated deep_ep")
-            self.event.record(stream if stream is not None else current_logical_stream())
-
-    def current_stream_wait(self) -> None:
-        if self.cuda:
-            torch.cuda.current_stream().wait_event(self.event)
-        else:
-            current_logical_stream().wait_event(self.event)
-
-
-class EventOverlap:
-    """``deep_ep.EventOverlap``: an event (or None) and the tensors kept alive until it is waited
-    on."""
-
-    def __init__(self, event: _Event | None = None, extra_tensors: tuple | None = None):
-        self.event = event
-        self.extra_tensors = extra_tensors
-
-    def current_stream_wait(self) -> None:
-        if self.event is None:
-            raise RuntimeError("EventOverlap.current_stream_wait() on an event that was not captured "
-                               "(async_finish was not set)")
-        self.event.current_stream_wait()
-
-    def __enter__(self) -> EventOverlap:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.event is not None:
-            self.event.current_stream_wait()
-
-
-class _Streams:
-    """The buffer's own comm stream and the stream bookkeeping of one DeepEP call."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.comm: Any = (torch.cuda.Stream(device=device) if device.type == "cuda"
-                          else LogicalStream("emulated deep_ep"))
-        #: the streams current when each open kernel began (what finish() joins)
-        self._callers: list[Any] = []
-
-    def current(self) -> Any:
-        if self.device.type == "cuda":
-            return torch.cuda.current_stream(self.device)
-        return current_logical_stream()
-
-    @contextlib.contextmanager
-    def kernel(self, previous_event: Any, on_current: bool) -> Iterator[Any]:
-        """Run the block on the comm stream after ``previous_event`` (else after the current
-        stream), or on the current stream; yields the stream. No yield inside."""
-        current = self.current()
-        self._callers.append(current)
-        try:
-            if on_current:
-                yield current
-                return
-            yield from self._on_comm(previous_event, current)
-        finally:
-            self._callers.pop()
-
-    def _on_comm(self, previous_event: Any, current: Any) -> Iterator[Any]:
-        if previous_event is not None:
-            ev = previous_event.event if isinstance(previous_event, EventOverlap) else previous_event
-            _wait(self.comm, ev)
-        else:
-            _wait(self.comm, _Event(self.device, current))
-        if self.device.type == "cuda":
-            with torch.cuda.stream(self.comm):
-                yield self.comm
-        else:
-            yield self.comm
-
-    def finish(self, stream: Any, async_finish: bool, tensors: tuple = ()) -> EventOverlap:
-        """After a kernel on ``stream`` (inside :meth:`kernel`'s block): its event
-        (``async_finish``), else the stream that was current when the kernel began waits for it."""
-        if async_finish:
-            return EventOverlap(_Event(self.device, stream), tensors)
-        current = self._callers[-1]
-        if stream is not current:
-            _wait(current, _Event(self.device, stream))
-        return EventOverlap(None)
-
-
-def _wait(stream: Any, event: _Event) -> None:
-    """``stream`` (a CUDA or a logical stream) waits for ``event``."""
-    stream.wait_event(event.event)
-
-
 # ---- the buffer ----------------------------------------------------------------------------
 
 
@@ -227,7 +127,7 @@ class EmulatedBuffer:
         self.link = link
         self._server = LinkServer(link) if link is not None else None
         self.remote_fraction = remote_fraction
-        self._streams = _Streams(self.device)
+        self._streams = Streams(self.device)
         self._ll_slots: list[dict[str, torch.Tensor] | None] = [None, None]
         self._ll_next = 0
         self._ll_layout: tuple | None = None
@@ -268,7 +168,7 @@ class EmulatedBuffer:
 
     def capture(self) -> EventOverlap:
         """An event on the current stream (``Buffer.capture``)."""
-        return EventOverlap(_Event(self.device, self._streams.current()))
+        return EventOverlap(StreamEvent(self.device, self._streams.current()))
 
     def destroy(self) -> None:
         if not self.explicitly_destroy:
@@ -543,7 +443,7 @@ class EmulatedBuffer:
             notify()
             host = torch.empty(counts.shape, dtype=torch.int64, pin_memory=q.is_cuda)
             host.copy_(counts, non_blocking=q.is_cuda)
-            ready = _Event(self.device, stream)
+            ready = StreamEvent(self.device, stream)
             if q.is_cuda:
                 ready.event.synchronize()  # DeepEP's host wait for the received counts
             got = host.tolist()
