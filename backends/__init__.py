@@ -22,7 +22,7 @@ import torch
 from dbo.moe.base import PrepareAndFinalize
 
 __all__ = ["BackendSpec", "BACKENDS", "FACTORY_ARGS", "backend_spec", "backend_options",
-           "make_backend", "cpu_backends"]
+           "make_backend", "cpu_backends", "describe_backend"]
 
 #: the keyword arguments every ``make_prepare_finalize`` takes, besides ``group`` and options
 FACTORY_ARGS = ("hidden", "max_tokens_per_rank", "num_experts", "topk", "dtype", "device")
@@ -58,6 +58,7 @@ class BackendSpec:
     needs_max_tokens: bool = False
     serves_link: bool = False
     emulated: bool = False
+    run_on_gpus: bool = True
     single_rank: bool = False
     slot_per_ubatch: bool = False
 
@@ -69,7 +70,7 @@ BACKENDS: Mapping[str, BackendSpec] = MappingProxyType({
     "deepep_ll": BackendSpec("deepep_ll", "deepep_ll", gpu_only=True, bf16_only=True,
                              needs_max_tokens=True),
     "deepep_v2": BackendSpec("deepep_v2", "deepep_v2", gpu_only=True, bf16_only=True,
-                             needs_max_tokens=True),
+                             needs_max_tokens=True, run_on_gpus=False),
     # zero-SM copy-engine puts on one host (host shared memory on CPU); its buffers size themselves
     "copy_engine": BackendSpec("copy_engine", "copy_engine", slot_per_ubatch=True),
     # one device as rank r of an N-rank group (dbo.backends.emulated), on CPU or one GPU
@@ -89,8 +90,15 @@ def backend_spec(name: str, *, what: str = "backend") -> BackendSpec:
     """
     spec = BACKENDS.get(name) if isinstance(name, str) else None
     if spec is None:
-        raise ValueError(f"unknown {what} {name!r}; choose from {sorted(BACKENDS)}")
+        listed = ", ".join(describe_backend(n) for n in sorted(BACKENDS))
+        raise ValueError(f"unknown {what} {name!r}; choose from {listed}")
     return spec
+
+
+def describe_backend(name: str) -> str:
+    """``name``, with ``" (not yet run on GPUs)"`` for a backend only tested against its
+    library's documented API (``deepep_v2``)."""
+    return name if backend_spec(name).run_on_gpus else f"{name} (not yet run on GPUs)"
 
 
 def cpu_backends() -> list[str]:

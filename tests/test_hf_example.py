@@ -172,7 +172,7 @@ def test_hf_generate_agrees_with_generate(tmp_path):
 BAD = [
     (["hf-prefill", "--checkpoint", "/nonexistent"], "--checkpoint /nonexistent: no such directory"),
     (["hf-prefill", "--layers", "-1"], "--layers -1: must be >= 1"),
-    (["hf-prefill", "--backend", "nope"], "unknown backend 'nope'; choose from ['all2all', "),
+    (["hf-prefill", "--backend", "nope"], "unknown backend 'nope'; choose from all2all, "),
     (["hf-prefill", "--shape", "4y3"], "--shape: '4y3': want BATCHxSEQ"),
     (["hf-prefill", "--backend", "deepep_ht"], "--backend deepep_ht needs --device cuda"),
     (["hf-generate", "--backend", "all2all/nope"], "unknown backend 'nope'; choose from"),

@@ -319,7 +319,7 @@ def test_backend_registry_checks():
 def test_use_backend_refuses_a_bad_name_first_and_a_model_that_is_not_expert_parallel():
     import torch
 
-    from dbo.backends import BACKENDS
+    from dbo.backends import BACKENDS, describe_backend
     from dbo.integrations.transformers import use_backend
     from dbo.integrations.transformers.presets import causal_lm_class, tiny_config
 
@@ -327,7 +327,8 @@ def test_use_backend_refuses_a_bad_name_first_and_a_model_that_is_not_expert_par
         model = causal_lm_class("qwen3_moe")(tiny_config("qwen3_moe"))
     with pytest.raises(ValueError) as bad:
         use_backend(model, "nope")
-    assert str(bad.value) == f"unknown backend 'nope'; choose from {sorted(BACKENDS)}"
+    listed = ", ".join(map(describe_backend, sorted(BACKENDS)))
+    assert str(bad.value) == f"unknown backend 'nope'; choose from {listed}"
     with pytest.raises(ValueError, match="Qwen3MoeForCausalLM is not expert-parallel with dbo"):
         use_backend(model, "naive")
 

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 import dbo
-from dbo.backends import BACKENDS, backend_options
+from dbo.backends import BACKENDS, backend_options, describe_backend
 from dbo.bench.cli import (
     ArgumentParser,
     add_link_arguments,
@@ -61,7 +61,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                    "layer (run under torchrun)",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--backend", choices=sorted(BACKENDS), default=None,
-                   help=f"default {DEFAULT_BACKEND['cuda']} on cuda, {DEFAULT_BACKEND['cpu']} on cpu")
+                   help=f"default {DEFAULT_BACKEND['cuda']} on cuda, {DEFAULT_BACKEND['cpu']} on cpu; "
+                        + ", ".join(describe_backend(n) for n in sorted(BACKENDS)
+                                    if not BACKENDS[n].run_on_gpus))
     add_link_arguments(p)
     p.add_argument("--emulate-ep", type=int, default=None, metavar="N",
                    help="play one rank of an N-rank expert-parallel group on this one process (the "
