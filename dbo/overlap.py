@@ -253,8 +253,13 @@ class DBOWrapper(torch.nn.Module):
     False) a batch the plan splits is not simply overlapped: at each size bucket the first calls
     run plainly and with each expert schedule in turn, timed, and the bucket keeps the fastest
     (an overlapped schedule only if it beats the plain forward by 2%), measured again every
-    thousand calls (:class:`dbo.split.online.OnlineChoice`, in :attr:`online`; the choices are
-    logged, and ``online.table()`` lists them). A call given ``plan=`` runs that plan as it is.
+    thousand calls (:class:`dbo.split.online.OnlineChoice`, in :attr:`online`). With the default
+    candidates a bucket decides after 16 calls (``online.calls_to_decide``): four candidates, each
+    one warm-up and three timed calls. Meanwhile ``last_plan.detail`` says so (``"measuring ~4096
+    tokens: call 5 of 16, split (warm-up)"``; an unsplit call's ``last_plan.reason`` is
+    ``SplitReason.MEASURING``) and ``online.table()`` lists the timings so far; each decision is
+    one WARNING line on the ``dbo.split.online`` logger. A call given ``plan=`` runs that plan
+    as it is.
 
     Args:
         module_or_fn: the forward (an ``nn.Module`` or a callable).
@@ -368,13 +373,18 @@ class DBOWrapper(torch.nn.Module):
         if self.online is None:
             self.online = OnlineChoice(group=self.group, agree=self.agree)
 
+        online = self.online
+
         def call(schedule: ExpertSchedule) -> Any:
+            measuring = online.progress(plan)  # this call's place in the measurement, if any
             if not schedule.splits:
-                p = no_split_plan(num_tokens, SplitReason.MEASURED,
-                                  f"the unsplit {schedule} forward measured fastest at this size",
-                                  expert_schedule=schedule)
+                p = no_split_plan(num_tokens,
+                                  SplitReason.MEASURED if measuring is None else SplitReason.MEASURING,
+                                  measuring or f"the unsplit {schedule} forward measured fastest "
+                                  f"at this size", expert_schedule=schedule)
             else:
-                p = dataclasses.replace(plan, expert_schedule=schedule)
+                p = dataclasses.replace(plan, expert_schedule=schedule,
+                                        detail=measuring or f"{schedule} measured fastest at this size")
             return self._run(p, tensors, num_tokens, kwargs, options)
 
         return self.online.run(plan, call, device=tensors[0].device)

@@ -3,6 +3,8 @@ keeps the faster, on one rank with an injected clock and on a gloo group of 2 ra
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from dbo.expert_schedule import ExpertSchedule
@@ -152,3 +154,59 @@ def test_ranks_agree_on_the_slowest_rank_timings():
     assert slow[0][1] == slow[1][1] == pytest.approx({"plain": 10.0, "split": 12.0})
     assert [r[2] for r in slow] == [["plain", "plain"]] * 2
     assert [r[0] for r in fast] == ["split", "split"]
+
+
+def test_a_measuring_bucket_says_which_call_it_is_on_and_shows_its_timings_so_far():
+    run = FakeRun({PLAIN: 10.0, SPLIT: 8.0})
+    choice = OnlineChoice((PLAIN, SPLIT), trials=2, clock=run.clock)
+    plan = _plan(4096)
+    assert choice.progress(plan) is None and choice.table() == ""
+    choice.run(plan, run)
+    assert choice.progress(plan) == "measuring ~4096 tokens: call 1 of 6, plain (warm-up)"
+    assert "no timed call yet" in choice.table()
+    _drive(choice, run, plan, 3)  # plain's two timed calls, then split's warm-up
+    assert choice.progress(plan) == "measuring ~4096 tokens: call 4 of 6, split (warm-up)"
+    assert choice.table() == ("~4096 tokens: plain 10.000 ms (2 of 2 timed) "
+                              "-> measuring (call 4 of 6)")
+    choice.run(plan, run)
+    assert choice.progress(plan) == "measuring ~4096 tokens: call 5 of 6, split (timed 1 of 2)"
+    assert "split 8.000 ms (1 of 2 timed)" in choice.table()
+    choice.run(plan, run)
+    assert choice.progress(plan) is None  # decided
+    assert choice.table() == "~4096 tokens: plain 10.000 ms, split 8.000 ms -> split"
+
+
+def test_inside_the_call_the_progress_describes_that_call():
+    run = FakeRun({PLAIN: 10.0, SPLIT: 8.0})
+    choice = OnlineChoice((PLAIN, SPLIT), trials=1, clock=run.clock)
+    plan = _plan(4096)
+    seen = []
+
+    def call(schedule: ExpertSchedule) -> str:
+        seen.append(choice.progress(plan))
+        return run(schedule)
+
+    _drive(choice, call, plan, choice.calls_to_decide + 1)
+    assert seen == [f"measuring ~4096 tokens: call {i + 1} of 4, {c} ({k})" for i, (c, k) in
+                    enumerate([("plain", "warm-up"), ("plain", "timed 1 of 1"),
+                               ("split", "warm-up"), ("split", "timed 1 of 1")])] + [None]
+
+
+def test_a_decision_is_one_warning_line_and_a_recheck_that_keeps_it_is_quiet(caplog):
+    run = FakeRun({PLAIN: 10.0, SPLIT: 8.0})
+    choice = OnlineChoice((PLAIN, SPLIT), trials=1, recheck_calls=2, clock=run.clock)
+    plan = _plan(4096)
+    with caplog.at_level(logging.INFO, logger="dbo.split.online"):
+        _drive(choice, run, plan, choice.calls_to_decide)
+        warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+        assert [r.name for r in warnings] == ["dbo.split.online"]
+        assert warnings[0].getMessage() == "dbo chose ~4096 tokens: plain 10.000 ms, split 8.000 ms -> split"
+        caplog.clear()
+        _drive(choice, run, plan, 2 + choice.calls_to_decide)  # on its choice, then a recheck
+        assert choice.buckets[size_bucket(plan)].decisions == 2
+        assert [r.levelno for r in caplog.records] == [logging.INFO]
+        caplog.clear()
+        run.costs_ms[SPLIT] = 15.0  # the choice changes: said aloud again
+        _drive(choice, run, plan, 2 + choice.calls_to_decide)
+        assert [r.levelno for r in caplog.records] == [logging.WARNING]
+        assert caplog.records[0].getMessage().endswith("-> plain")

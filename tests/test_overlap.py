@@ -433,6 +433,28 @@ def test_an_untuned_wrapper_keeps_what_it_measured_faster(ubatch_ms, kept):
         assert wrapper.last_plan.reason is SplitReason.MEASURED
 
 
+def test_an_adaptive_wrapper_says_while_it_measures_which_bucket_and_call(caplog):
+    clock = _CostClock(plain_ms=10.0, ubatch_ms=3.0)
+    wrapper = DBOWrapper(clock.forward, SplitConfig(prefill_token_threshold=8), agree=False)
+    x = torch.randn(16, 4)
+    wrapper(x)  # the default candidates: four blocks of a warm-up and three timed calls
+    assert wrapper.online.calls_to_decide == 16
+    assert wrapper.last_plan.reason is SplitReason.MEASURING
+    assert wrapper.last_plan.detail == "measuring ~16 tokens: call 1 of 16, plain (warm-up)"
+    for _ in range(4):
+        wrapper(x)
+    assert wrapper.last_plan.split
+    assert wrapper.last_plan.detail == "measuring ~16 tokens: call 5 of 16, split (warm-up)"
+    assert "plain" in wrapper.online.table() and "measuring (call 5 of 16)" in wrapper.online.table()
+    with caplog.at_level(logging.WARNING, logger="dbo.split.online"):
+        for _ in range(11):
+            wrapper(x)
+    assert [r.getMessage()[:13] for r in caplog.records] == ["dbo chose ~16"]
+    assert "measuring" not in wrapper.online.table()
+    wrapper(x)
+    assert "measured fastest" in wrapper.last_plan.detail
+
+
 def test_an_adaptive_wrapper_given_a_plan_runs_it_as_it_is():
     wrapper = DBOWrapper(lambda x: x + 1, SplitConfig(prefill_token_threshold=8), agree=False)
     x = torch.randn(16, 4)

@@ -18,6 +18,12 @@ count alone, and the agreement happens at the same call everywhere.
 Timing adds no host sync to a call: on CUDA each timed call records two events on the current
 stream, read once at the decision (by then they have completed, or the read waits for the
 last); on CPU the calls are synchronous and a clock is read around them.
+
+What it does can be watched: :meth:`OnlineChoice.progress` says which bucket is measuring and
+which call of how many, :meth:`OnlineChoice.table` lists the timings so far and the choices,
+and each decision is one WARNING line on this module's logger (``dbo.split.online``; rank 0 of
+the group at WARNING, the other ranks, which decide alike, at INFO, every rank at WARNING with
+``agree=False``; a recheck that keeps its choice at INFO), so it prints under Python's default logging.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import torch
 
 from dbo.expert_schedule import ExpertSchedule, parse_expert_schedule
 from dbo.peers.collectives import all_reduce_max
+from dbo.peers.groups import group_rank
 from dbo.split.types import UBatchPlan
 
 __all__ = ["OnlineChoice", "BucketChoice", "size_bucket"]
@@ -78,6 +85,10 @@ class _Timer:
             return float(self.start.elapsed_time(self.end))
         return (self.t1 - self.t0) * 1e3
 
+    def done(self) -> bool:
+        """True when :meth:`ms` can be read without waiting for the device."""
+        return self.end is None or self.end.query()
+
 
 @dataclass
 class BucketChoice:
@@ -90,6 +101,7 @@ class BucketChoice:
         chosen: the candidate kept, or None while measuring.
         medians_ms: each candidate's median at the last decision (the slowest rank's).
         decisions: how many times the bucket has decided.
+        chosen_before: the choice a recheck under way started from (None before the first).
     """
 
     bucket: int
@@ -97,11 +109,24 @@ class BucketChoice:
     chosen: ExpertSchedule | None = None
     medians_ms: dict[ExpertSchedule, float] = field(default_factory=dict)
     decisions: int = 0
+    chosen_before: ExpertSchedule | None = field(default=None, repr=False)
     timers: dict[ExpertSchedule, list[_Timer]] = field(default_factory=dict, repr=False)
 
     def describe(self) -> str:
+        """The last decision: each candidate's median and the choice."""
         times = ", ".join(f"{c.value} {ms:.3f} ms" for c, ms in self.medians_ms.items())
         return f"~{self.bucket} tokens: {times} -> {self.chosen.value if self.chosen else '?'}"
+
+    def describe_measuring(self, trials: int, calls_to_decide: int) -> str:
+        """The round of measurement under way: each candidate's median so far (of its timed
+        calls whose timing can be read without waiting for the device) and the call count."""
+        parts = []
+        for c, timers in self.timers.items():
+            ready = [t.ms() for t in timers if t.done()]
+            median = f"{statistics.median(ready):.3f} ms" if ready else "pending"
+            parts.append(f"{c.value} {median} ({len(timers)} of {trials} timed)")
+        times = ", ".join(parts) if parts else "no timed call yet"
+        return f"~{self.bucket} tokens: {times} -> measuring (call {self.calls} of {calls_to_decide})"
 
 
 class OnlineChoice:
@@ -156,6 +181,19 @@ class OnlineChoice:
         b = self.buckets.get(size_bucket(plan))
         return None if b is None else b.chosen
 
+    def progress(self, plan: UBatchPlan) -> str | None:
+        """What the latest call of ``plan``'s bucket was, while the bucket measures (None once it
+        has chosen, or before its first call): ``"measuring ~4096 tokens: call 5 of 16, split
+        (warm-up)"``. Read inside the ``call`` given to :meth:`run`, it describes that call."""
+        b = self.buckets.get(size_bucket(plan))
+        if b is None or b.chosen is not None or b.calls == 0:
+            return None
+        block = 1 + self.trials
+        i = b.calls - 1
+        kind = "warm-up" if i % block == 0 else f"timed {i % block} of {self.trials}"
+        return (f"measuring ~{b.bucket} tokens: call {b.calls} of {self.calls_to_decide}, "
+                f"{self.candidates[i // block].value} ({kind})")
+
     def run(self, plan: UBatchPlan, call: Callable[[ExpertSchedule], Any],
             device: torch.device | None = None) -> Any:
         """Run one call of a split ``plan``: ``call(schedule)`` runs the forward plainly
@@ -167,7 +205,8 @@ class OnlineChoice:
             if self.recheck_calls is None or b.calls < self.recheck_calls:
                 b.calls += 1
                 return call(b.chosen)
-            b.chosen, b.calls = None, 0  # measure again, each candidate's block from its warm-up
+            # measure again, each candidate's block from its warm-up
+            b.chosen_before, b.chosen, b.calls = b.chosen, None, 0
         return self._measure(b, call, device)
 
     def _measure(self, b: BucketChoice, call: Callable[[ExpertSchedule], Any],
@@ -197,11 +236,23 @@ class OnlineChoice:
         medians = dict(zip(self.candidates, agreed, strict=True))
         plain = medians[ExpertSchedule.PLAIN]
         best = min((c for c in self.candidates if c is not ExpertSchedule.PLAIN), key=medians.get)
+        previous = b.chosen_before
         b.chosen = best if medians[best] < plain * (1 - self.margin) else ExpertSchedule.PLAIN
         b.medians_ms, b.calls, b.timers = medians, 0, {}
         b.decisions += 1
-        logger.info("dbo chose %s", b.describe())
+        # one line a user sees under default logging: the first choice and a changed one, from
+        # rank 0 when the ranks agree (the others would only repeat it), else from every rank
+        loud = (previous is None or previous is not b.chosen) and (
+            not self.agree or group_rank(self.group) == 0)
+        logger.log(logging.WARNING if loud else logging.INFO, "dbo chose %s", b.describe())
 
     def table(self) -> str:
-        """One line per decided bucket: the medians and the choice."""
-        return "\n".join(b.describe() for _, b in sorted(self.buckets.items()) if b.decisions)
+        """One line per bucket: a decided bucket's medians and choice, a measuring bucket's
+        medians so far and its call count (reads no timing that would wait for the device)."""
+        lines = []
+        for _, b in sorted(self.buckets.items()):
+            if b.chosen is None:
+                lines.append(b.describe_measuring(self.trials, self.calls_to_decide))
+            else:
+                lines.append(b.describe())
+        return "\n".join(lines)

@@ -38,6 +38,7 @@ class SplitReason(str, enum.Enum):
     EMPTY = "empty"  #: no rank of the group has a token
     DISAGREEMENT = "disagreement"  #: this rank wanted to split, another rank did not
     MEASURED = "measured"  #: the wrapper measured the plain forward faster at this size
+    MEASURING = "measuring"  #: the wrapper is timing the candidates at this size; this call runs unsplit
     MEMORY = "memory"  #: this rank had less device memory free than SplitConfig.min_free_bytes
 
 
