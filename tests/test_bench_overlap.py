@@ -352,3 +352,27 @@ def test_bad_emulation_options_are_one_line(args, wanted, capsys):
         parse_args(["--device", "cpu", *args])
     assert exc.value.code == 2
     assert wanted in capsys.readouterr().err
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(180)
+def test_bench_under_dbo_disable_says_dbo_was_off(tmp_path):
+    out = tmp_path / "bundle"
+    argv = ["-m", "dbo.bench", "overlap", "--device", "cpu", "--quick", "--out", str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DBO_DISABLE": "1"}
+    proc = run_entry(argv, nproc=2, cwd=tmp_path, env=env, timeout=120)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log
+    lines = proc.stdout.strip().splitlines()
+    # the table says so above its rows, and its DBO speedups and choices read "off"
+    head = lines.index(next(ln for ln in lines if ln.startswith("tokens ") and "speedup" in ln))
+    assert lines[head - 1].startswith("DBO_DISABLE=1: DBO was disabled"), log
+    row = lines[head + 1].split()
+    cols = lines[head].split()
+    assert row[cols.index("speedup") - 1] == "off" and row[-1] == "off", log  # "x link": two words
+    assert "DBO_DISABLE=1: no DBO schedule could be timed" in proc.stdout, log
+    assert lines[-1].startswith("python -m dbo.bench overlap: PASS: DBO_DISABLE=1: DBO was disabled"), log
+    assert "serial and DBO outputs" not in lines[-1], log
+    bundle = json.loads((out / "bench_overlap.json").read_text())
+    assert bundle["env"]["dbo_disabled"] is True
+    assert all(sh["plan"].startswith("plain") for sh in bundle["shapes"]), bundle["shapes"][0]["plan"]

@@ -175,6 +175,11 @@ def format_table(bundle: dict) -> str:
              "cfg sN = DeepEP SMs, kN = DBO SM carve-out; dbo = split schedule, merged = one "
              "experts call per layer (m-cmp: its compute alone), sbo = unsplit, shared experts "
              "beside the dispatch, a combine per expert group"]
+    off = bool(env.get("dbo_disabled"))
+    if off:
+        lines.append("DBO_DISABLE=1: DBO was disabled in this run; every plan was unsplit, so the "
+                     "DBO columns (dbo, dbo-cmp, wrap, untun, merged, m-cmp) timed the plain forward "
+                     "and their speedups read 'off'")
     head = (f"{'tokens':>6} {'I':>5} {'compute':>8} {'comm':>7} {'x link':>6} {'comm%':>5} {'serial':>7} "
             f"{'[cfg]':>8} "
             f"{'dbo':>7} {'[cfg]':>8} {'speedup':>7} {'eff':>5} {'dbo-cmp':>7} {'peak':>5} {'peak+':>5} "
@@ -188,13 +193,13 @@ def format_table(bundle: dict) -> str:
             f"{_f(s.get('comm_ms')):>7} {_f(s.get('comm_x_link')):>6} "
             f"{_f(None if share is None else 100 * share, '.0f'):>5} "
             f"{_f(s.get('serial_ms')):>7} {s.get('serial_config', '-'):>8} {_f(s.get('dbo_ms')):>7} "
-            f"{s.get('dbo_config', '-'):>8} {_f(s.get('speedup'), '.3f'):>7} "
-            f"{_f(s.get('efficiency')):>5} {_f(s.get('dbo_compute_ms')):>7} "
+            f"{s.get('dbo_config', '-'):>8} {'off' if off else _f(s.get('speedup'), '.3f'):>7} "
+            f"{'off' if off else _f(s.get('efficiency')):>5} {_f(s.get('dbo_compute_ms')):>7} "
             f"{_f(s.get('peak_ratio')):>5} {_f(s.get('peak_extra_ratio')):>5} "
             f"{_f(s.get('wrapper_vs_serial'), '.3f'):>5} {_f(s.get('untuned_wrapper_vs_serial'), '.3f'):>5} "
             f"{_f(s.get('merged_ms')):>7} "
             f"{_f(s.get('merged_compute_ms')):>7} {_f(s.get('sbo_ms')):>7} "
-            f"{s.get('best_schedule') or '-':>6}")
+            f"{'off' if off else s.get('best_schedule') or '-':>6}")
     if any((sh.get("summary") or {}).get("per_num_sms") for sh in bundle["shapes"]):
         lines.append("DeepEP SM count (Buffer.set_num_sms): comm alone, best serial/DBO at that count, "
                      "speedup and efficiency against the best serial overall")
@@ -204,7 +209,8 @@ def format_table(bundle: dict) -> str:
             for r in (sh.get("summary") or {}).get("per_num_sms", []):
                 lines.append(f"{sh['tokens']:>6} {sh['intermediate']:>5} {r['num_sms']:>4} "
                              f"{_f(r['comm_ms']):>7} {_f(r['serial_ms']):>7} {_f(r['dbo_ms']):>7} "
-                             f"{r['dbo_config']:>8} {_f(r['speedup'], '.3f'):>7} {_f(r['efficiency']):>5}")
+                             f"{r['dbo_config']:>8} {'off' if off else _f(r['speedup'], '.3f'):>7} "
+                             f"{'off' if off else _f(r['efficiency']):>5}")
     graphs = [sh for sh in bundle["shapes"] if sh.get("cuda_graph")]
     if graphs:
         lines.append("CUDA graph (whole step captured; per layer ms): eager serial/DBO, replayed "
@@ -251,7 +257,7 @@ def format_table(bundle: dict) -> str:
             lines.append(f"{sh['tokens']:>6} {sh['intermediate']:>5} {_f(s.get('comm_ms')):>7} "
                          f"{_f(None if mb is None else mb / 1e6, '.1f'):>7} {_f(s.get('link_ms')):>7} "
                          f"{_f(s.get('comm_x_link')):>6}")
-    for cross in bundle.get("crossover") or []:
+    for cross in [] if off else bundle.get("crossover") or []:
         lines.append(f"I={cross['intermediate']}: DBO faster than serial from "
                      f"{cross.get('eager', '-')} tokens/rank on (eager), {cross.get('graph', '-')} "
                      "(CUDA graph); None: at no size of the grid")
@@ -260,7 +266,8 @@ def format_table(bundle: dict) -> str:
             lines.append(f"I={inter}: autotune {tuned.get('error', 'failed')}")
             continue
         lines.append(f"I={inter}: dbo.autotune (per step, both ranks' slowest; 'wrap' above is the "
-                     "wrapper measured with this config):")
+                     "wrapper measured with this config"
+                     + ("; DBO_DISABLE=1: no DBO schedule could be timed" if off else "") + "):")
         lines.extend("  " + ln for ln in tuned["table"].splitlines())
     for w in bundle.get("warnings", []):
         lines.append(f"WARNING: {w}")
@@ -312,7 +319,8 @@ def _draw(plt: Any, bundle: dict, path: str) -> None:
         ys = [(sh.get("cuda_graph") or {}).get("graph_serial_over_dbo") for sh in shapes]
         ax.plot(x, [float("nan") if y is None else y for y in ys], "s-", label="CUDA graph")
     ax.axhline(1.0, color="gray", lw=0.8)
-    ax.set_title("speedup = serial / DBO")
+    ax.set_title("speedup = serial / DBO" + (" (DBO_DISABLE=1: DBO was off)"
+                                             if bundle["env"].get("dbo_disabled") else ""))
     ax.set_xticks(x, labels, fontsize=8)
     ax.legend(fontsize=8)
     ax = axes[1]
