@@ -99,6 +99,22 @@ def test_hf_prefill_without_unconverted_has_no_footnote(tmp_path):
     assert out.strip().splitlines()[-1].startswith("hf-prefill: PASS: DBO matches plain on every row"), out
 
 
+def test_hf_prefill_under_dbo_disable_says_dbo_was_off(tmp_path):
+    out_json = tmp_path / "prefill.json"
+    run = run_entry([*BENCH, "hf-prefill", "--backend", "naive", "--shape", "2x4", "--steps", "1",
+                     "--warmup", "0", "--json", str(out_json)], nproc=2, cwd=tmp_path,
+                    env={**_env(), "DBO_DISABLE": "1"}, timeout=150)
+    out = run.stdout
+    assert run.returncode == 0, out + run.stderr
+    assert "DBO_DISABLE=1: DBO was disabled in this run" in out, out
+    row = next(ln for ln in out.splitlines() if ln.startswith("| naive |"))
+    assert "| off |" in row and not re.search(r"\d\.\d\dx", row), row
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("hf-prefill: PASS: DBO_DISABLE=1: DBO was disabled"), out
+    assert "DBO matches plain" not in out, out
+    assert json.loads(out_json.read_text())["dbo_disabled"] is True
+
+
 def test_hf_prefill_loads_a_checkpoint(tmp_path):
     # --save-checkpoint writes a tiny Mixtral (every rank its share); it is then loaded
     # expert-parallel through from_pretrained with dbo's backends as transformers' EP

@@ -21,7 +21,8 @@ ubatches of sequences), for each ``--backend`` (switched with
 ``--warmup``, :func:`dbo.bench.timing.median_ms`; the slowest rank), checks that DBO gives the
 plain run's logits (of the last ``--logits-to-keep`` positions;
 :func:`dbo.bench.hf.prefill_table.logits_match` says how close counts as equal in bfloat16) and
-prints a markdown table, then one verdict line (exit 1 where a row's logits differ).
+prints a markdown table, then one verdict line (exit 1 where a row's logits differ). Under
+``DBO_DISABLE=1`` the DBO rows run the plain forward: the table and the verdict say so.
 ``--unconverted`` also times the original model (all experts on every rank, no communication)
 where it fits, and compares its logits with the expert-parallel model's.
 """
@@ -63,6 +64,7 @@ from dbo.experts import relative_error
 from dbo.integrations.transformers import DBOPrefill, prefill_logits, prefill_split_config, use_backend
 from dbo.peers.collectives import all_reduce_max
 from dbo.peers.process_group import distributed
+from dbo.split import dbo_disabled_by_env
 
 PROG = "hf-prefill"
 
@@ -296,11 +298,12 @@ def run(args: argparse.Namespace, rank: int, world: int, device: torch.device) -
     inputs = {shape: torch.randint(0, config.vocab_size, shape, generator=g).to(device)
               for shape in args.shape}
     rows: list[dict] = []
+    disabled = dbo_disabled_by_env()  # every plan unsplit: the DBO rows run the plain forward
 
     def on_row(row: dict) -> None:
         rows.append(row)
         if rank == 0:
-            write_json(args, config, world, device, rows)  # a later timeout keeps these
+            write_json(args, config, world, device, rows, disabled)  # a later timeout keeps these
 
     anchor = _anchor_rows(args, inputs, device, rows) if args.hf_all_to_all else {}
     t0 = time.perf_counter()
@@ -329,9 +332,9 @@ def run(args: argparse.Namespace, rank: int, world: int, device: torch.device) -
             _unconverted_rows(args, inputs, plain_logits, device, on_row)
     if rank != 0:
         return 0 if all(r["ok"] is not False for r in rows) else 1
-    print_table(args, config, world, build_s, rows, device)
-    write_json(args, config, world, device, rows)
-    return verdict(PROG, *verdict_reason(rows, args.json))
+    print_table(args, config, world, build_s, rows, device, disabled)
+    write_json(args, config, world, device, rows, disabled)
+    return verdict(PROG, *verdict_reason(rows, args.json, disabled))
 
 
 def main(argv: list[str] | None = None) -> int:

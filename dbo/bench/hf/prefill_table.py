@@ -45,9 +45,11 @@ def _header(args: argparse.Namespace, config: Any, world: int, build_s: float, d
 
 
 def print_table(args: argparse.Namespace, config: Any, world: int, build_s: float, rows: list[dict],
-                device: torch.device) -> None:
+                device: torch.device, dbo_disabled: bool = False) -> None:
     """Print the header line and the markdown table of ``rows`` (rank 0 calls it). Peak memory
-    is a column on CUDA only; the footnote on the unconverted model only where it ran."""
+    is a column on CUDA only; the footnote on the unconverted model only where it ran.
+    ``dbo_disabled`` (``DBO_DISABLE`` was set): the DBO rows ran the plain forward; a line above
+    the table says so and their speedups read ``off``."""
     cuda = device.type == "cuda"
     per = "GPU" if cuda else "rank"
     anchor = any(r.get("rel_vs_a2a") is not None for r in rows)
@@ -56,6 +58,9 @@ def print_table(args: argparse.Namespace, config: Any, world: int, build_s: floa
     cols += ["peak GiB plain / DBO"] if cuda else []
     cols += ["rel vs a2a"] if anchor else []
     print("\n" + _header(args, config, world, build_s, device) + "\n")
+    if dbo_disabled:
+        print("DBO_DISABLE=1: DBO was disabled in this run; the DBO columns timed the plain forward "
+              "and their speedups read 'off'\n")
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))
     for r in rows:
@@ -67,7 +72,7 @@ def print_table(args: argparse.Namespace, config: Any, world: int, build_s: floa
         cells = [r["backend"], f"{r['batch']} x {r['seq']}", f"{r['plain_ms']:.1f}",
                  "" if dbo is None else f"{dbo:.1f}", f"{tokens / r['plain_ms'] * 1e3:,.0f}",
                  "" if dbo is None else f"{tokens / dbo * 1e3:,.0f}",
-                 "" if dbo is None else f"{r['plain_ms'] / dbo:.2f}x",
+                 "" if dbo is None else "off" if dbo_disabled else f"{r['plain_ms'] / dbo:.2f}x",
                  f"{r['rel_err']:.1e}" + ("" if r["ok"] in (None, True) else " MISMATCH"),
                  f"{r['top1_agree']:.2f}"]
         if cuda:
@@ -83,18 +88,22 @@ def print_table(args: argparse.Namespace, config: Any, world: int, build_s: floa
 
 
 def write_json(args: argparse.Namespace, config: Any, world: int, device: torch.device,
-               rows: list[dict]) -> None:
-    """Write the rows so far to ``--json`` (call it on rank 0; a later failure keeps them)."""
+               rows: list[dict], dbo_disabled: bool = False) -> None:
+    """Write the rows so far to ``--json`` (call it on rank 0; a later failure keeps them);
+    ``dbo_disabled``: ``DBO_DISABLE`` was set (the DBO rows ran the plain forward)."""
     if not args.json:
         return
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     Path(args.json).write_text(json.dumps(dict(
         preset=args.preset, checkpoint=args.checkpoint, layers=config.num_hidden_layers, world=world,
-        device=name, dtype=str(args.dtype), steps=args.steps, rows=rows), indent=1))
+        device=name, dtype=str(args.dtype), steps=args.steps, dbo_disabled=dbo_disabled, rows=rows),
+        indent=1))
 
 
-def verdict_reason(rows: list[dict], json_path: str | None) -> tuple[bool, str]:
-    """(passed, why) for the run's last line: every checked row's logits matched."""
+def verdict_reason(rows: list[dict], json_path: str | None,
+                   dbo_disabled: bool = False) -> tuple[bool, str]:
+    """(passed, why) for the run's last line: every checked row's logits matched.
+    ``dbo_disabled``: ``DBO_DISABLE`` was set, which the line then says first."""
     dbo_rows = [r for r in rows if r["dbo_ms"] is not None]
     other = [r for r in rows if r["dbo_ms"] is None and r["ok"] is not None]
     bad = [r for r in rows if r["ok"] is False]
@@ -103,7 +112,10 @@ def verdict_reason(rows: list[dict], json_path: str | None) -> tuple[bool, str]:
         names = ", ".join(f"{r['backend']} {r['batch']}x{r['seq']} (rel err {r['rel_err']:.1e}, top-1 "
                           f"agree {r['top1_agree']:.2f})" for r in bad)
         return False, f"logits differ on {len(bad)} of {len(dbo_rows) + len(other)} rows: {names}{wrote}"
-    why = f"DBO matches plain on every row (max rel err {max(r['rel_err'] for r in dbo_rows):.1e})"
+    err = max(r["rel_err"] for r in dbo_rows)
+    why = (f"DBO_DISABLE=1: DBO was disabled, every DBO row ran the plain forward (max rel err "
+           f"{err:.1e} against plain)" if dbo_disabled else
+           f"DBO matches plain on every row (max rel err {err:.1e})")
     if other:
         why += (f"; the unconverted model matches the converted one (max rel err "
                 f"{max(r['rel_err'] for r in other):.1e})")
