@@ -16,6 +16,7 @@ import argparse
 import os
 import re
 import sys
+import tempfile
 from typing import NoReturn
 
 import torch
@@ -23,7 +24,8 @@ import torch
 from dbo.backends import BACKENDS, cpu_backends
 
 __all__ = ["ArgumentParser", "plain_text", "env_world_size", "check_at_least", "check_device",
-           "check_experts_split", "check_backend_fits", "verdict"]
+           "check_experts_split", "check_backend_fits", "check_writable_file", "check_writable_folder",
+           "verdict"]
 
 
 def plain_text(text: str) -> str:
@@ -129,6 +131,44 @@ def check_experts_split(parser: argparse.ArgumentParser, experts: int, world: in
         fit = max(world, experts // world * world)
         parser.error(f"{option} {experts} is not a multiple of the world size {world} "
                      f"(each rank holds experts/world of them; e.g. {option} {fit})")
+
+
+def check_writable_file(parser: argparse.ArgumentParser, option: str, path: str) -> None:
+    """``parser.error`` unless ``path`` can be written as a file: not a folder, in a folder that
+    exists and takes a new file (tried with a temporary file, removed at once: permission bits
+    say nothing for root or for /proc). Call it before any work, and before the process group."""
+    if os.path.isdir(path):
+        parser.error(f"{option} {path}: is a folder, want a file")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        parser.error(f"{option} {path}: cannot write there: no folder {folder}")
+    if not _takes_files(folder):
+        parser.error(f"{option} {path}: cannot write there: {folder} is not writable")
+
+
+def check_writable_folder(parser: argparse.ArgumentParser, option: str, path: str) -> None:
+    """``parser.error`` unless ``path`` is a writable folder or one that can be made: not an
+    existing file, and its nearest existing ancestor a folder that takes new entries (tried with a
+    temporary folder, removed at once; nothing of ``path`` is created). Call it before any work."""
+    full = os.path.abspath(path)
+    if os.path.exists(full) and not os.path.isdir(full):
+        parser.error(f"{option} {path}: exists and is not a folder, want a folder")
+    ancestor = full
+    while not os.path.exists(ancestor):
+        ancestor = os.path.dirname(ancestor)
+    if not os.path.isdir(ancestor):
+        parser.error(f"{option} {path}: cannot make it: {ancestor} is a file")
+    if not _takes_files(ancestor):
+        parser.error(f"{option} {path}: cannot write there: {ancestor} is not writable")
+
+
+def _takes_files(folder: str) -> bool:
+    """Whether a new folder can be made in ``folder`` (and removed again)."""
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".dbo-check-", dir=folder))
+    except OSError:
+        return False
+    return True
 
 
 def verdict(prog: str, ok: bool, why: str) -> int:

@@ -65,6 +65,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     cli.check_backend_fits(p, a.backend, device=a.device, dtype=a.dtype)
     cli.check_experts_split(p, a.experts, cli.env_world_size())  # before the group: every rank exits 2
     cli.check_device(p, a.device)
+    if a.trace:
+        cli.check_writable_file(p, "--trace", a.trace)
     return a
 
 

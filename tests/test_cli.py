@@ -25,6 +25,8 @@ pytestmark = [pytest.mark.long_file, pytest.mark.timeout(120)]
 ROOT = Path(__file__).resolve().parent.parent
 DEMO = str(ROOT / "examples" / "moe_overlap.py")
 BENCH = ["-m", "dbo.bench"]
+README = str(ROOT / "README.md")
+NOWHERE = "/proc/nope/x.json"  # no such folder, and none can be made there
 
 
 def _env(env: dict[str, str]) -> dict[str, str]:
@@ -79,9 +81,45 @@ def _one_line(proc: EntryRun, *wanted: str) -> str:
     # without CUDA, what is missing is CUDA (not a checkpoint for it)
     pytest.param(BENCH, ["hf-generate", "--device", "cuda"], ["--device cuda: needs CUDA"],
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")),
+    # outputs are checked before any work: a place that cannot be written, a file for a folder
+    *[(entry, [*args, option, path], [f"{option} {path}: {problem}"])
+      for entry, args, option, path, problem in [
+        ([DEMO], [], "--trace", NOWHERE, "cannot write there"),
+        (BENCH, ["overlap", "--device", "cpu"], "--out", README, "exists and is not a folder"),
+        (BENCH, ["overlap", "--device", "cpu"], "--out", "/proc/nope", "cannot write there"),
+        (BENCH, ["overlap", "--device", "cpu", "--intermediate", "64"], "--save-config", NOWHERE,
+         "cannot write there"),
+        (BENCH, ["overlap", "--device", "cpu", "--intermediate", "64"], "--save-config", str(ROOT),
+         "is a folder, want a file"),
+        (BENCH, ["switch"], "--json", NOWHERE, "cannot write there"),
+        (BENCH, ["compare", str(ROOT)], "--json", NOWHERE, "cannot write there"),
+        (BENCH, ["experts"], "--json", NOWHERE, "cannot write there"),
+        (BENCH, ["hf-prefill"], "--json", NOWHERE, "cannot write there"),
+        (BENCH, ["hf-prefill"], "--profile", README, "exists and is not a folder"),
+        (BENCH, ["hf-prefill"], "--save-checkpoint", README, "exists and is not a folder"),
+        (BENCH, ["hf-generate"], "--json", NOWHERE, "cannot write there"),
+        (BENCH, ["hf-load"], "--dir", README, "exists and is not a folder"),
+        (BENCH, ["hf-load"], "--dir", "/proc/nope", "cannot write there"),
+        (BENCH, ["hf-load", "--dir", "ckpt"], "--json", NOWHERE, "cannot write there"),
+    ]],
+    (["-m", "dbo.bench.timeline"], [README, "/proc/nope/x.svg"],
+     ["svg /proc/nope/x.svg: cannot write there"]),
 ])
 def test_bad_input_is_one_line_and_exit_code_2(tmp_path, entry, args, wanted):
     _one_line(_run(entry + args, tmp_path), *wanted)
+
+
+def test_output_checks_accept_what_can_be_written_and_leave_nothing_behind(tmp_path):
+    from dbo.cli import ArgumentParser, check_writable_file, check_writable_folder
+
+    p = ArgumentParser(prog="t")
+    check_writable_file(p, "--json", str(tmp_path / "x.json"))
+    check_writable_folder(p, "--out", str(tmp_path))
+    check_writable_folder(p, "--out", str(tmp_path / "a" / "b"))  # made by the run, not by the check
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(SystemExit) as exc:
+        check_writable_file(p, "--json", "/proc/x.json")  # the folder exists and takes no files
+    assert exc.value.code == 2
 
 
 def test_experts_that_do_not_split_over_the_world_are_refused_before_the_group(tmp_path):

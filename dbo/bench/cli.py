@@ -12,12 +12,15 @@ from dbo.cli import (
     check_backend_fits,
     check_device,
     check_experts_split,
+    check_writable_file,
+    check_writable_folder,
     env_world_size,
     verdict,
 )
 
 __all__ = ["ArgumentParser", "env_world_size", "check_at_least", "check_device", "check_experts_split",
-           "check_backend_fits", "verdict", "add_link_arguments", "parse_link", "check_writable_file"]
+           "check_backend_fits", "verdict", "add_link_arguments", "parse_link", "check_writable_file",
+           "check_writable_folder"]
 
 
 def add_link_arguments(p: argparse.ArgumentParser) -> None:
@@ -51,15 +54,3 @@ def parse_link(p: argparse.ArgumentParser, args: argparse.Namespace) -> Any:
         return SimulatedLink.parse(args.link, share, getattr(args, "link_order", "nic"))
     except ValueError as exc:
         p.error(f"--link {args.link}: {exc}")
-
-
-def check_writable_file(parser: argparse.ArgumentParser, option: str, path: str) -> None:
-    """``parser.error`` unless ``path`` can be written as a file: not a folder, in a folder that
-    exists and is writable (checked before any work)."""
-    import os
-
-    if os.path.isdir(path):
-        parser.error(f"{option} {path}: is a folder, want a file")
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
-        parser.error(f"{option} {path}: cannot write there (no such folder, or not writable)")

@@ -19,7 +19,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from dbo.bench.cli import ArgumentParser, verdict
+from dbo.bench.cli import ArgumentParser, check_writable_file, verdict
 
 __all__ = ["load_bundle", "label", "compare_bundles", "format_comparison", "main"]
 
@@ -110,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     if missing:
         ap.error(f"no such file or directory: {', '.join(missing)} (a bench_overlap.json or the "
                  "directory holding it)")
+    if args.json:
+        check_writable_file(ap, "--json", args.json)
     bundles = []
     for path in args.bundles:
         try:

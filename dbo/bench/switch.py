@@ -22,7 +22,7 @@ import time
 import torch
 
 from dbo import dbo_yield, run_ubatches
-from dbo.bench.cli import ArgumentParser, check_device, verdict
+from dbo.bench.cli import ArgumentParser, check_device, check_writable_file, verdict
 
 __all__ = ["bench_dbo", "bench_threads", "bench_greenlet_floor", "main", "TARGET_US", "TARGET_RATIO"]
 
@@ -98,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
     check_device(ap, args.device)
+    if args.json:
+        check_writable_file(ap, "--json", args.json)
     bench_dbo(1000, args.device)  # warm-up: streams, events, code paths
     bench_threads(1000, args.device)
     dbo_us, thr_us, floor_us = [], [], []

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from dbo.cli import ArgumentParser
+from dbo.cli import ArgumentParser, check_writable_file
 
 __all__ = ["KINDS", "kind_of", "read_chrome_trace", "gpu_events", "timeline_svg", "main"]
 
@@ -149,6 +149,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="the fractions of the trace's span to draw (default 0.4 0.6)")
     p.add_argument("--title", default=None)
     args = p.parse_args(argv)
+    check_writable_file(p, "svg", args.svg)
     try:
         trace = read_chrome_trace(args.trace)
         name = Path(args.trace).name.removesuffix(".gz").removesuffix(".json")

@@ -37,7 +37,7 @@ from collections.abc import Callable
 
 import torch
 
-from dbo.bench.cli import ArgumentParser, verdict
+from dbo.bench.cli import ArgumentParser, check_writable_file, verdict
 from dbo.bench.experts.cases import BatchedCase, ExpertsCase, make_batched_case, make_case
 from dbo.bench.limits import DeviceLimits, experts_cost, measure_device_limits
 from dbo.bench.timing import gpu_sleep
@@ -323,6 +323,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.layout == "batched" and a.topk > min(a.local_experts) * a.ranks:
         p.error(f"--topk {a.topk} is more than the {min(a.local_experts) * a.ranks} experts of "
                 f"--local-experts {min(a.local_experts)} x --ranks {a.ranks}")
+    if a.json:
+        check_writable_file(p, "--json", a.json)
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU; none here")
     limits = measure_device_limits(held_s=a.held_s)

@@ -24,6 +24,8 @@ from dbo.bench.cli import (
     check_at_least,
     check_backend_fits,
     check_device,
+    check_writable_file,
+    check_writable_folder,
     env_world_size,
     parse_link,
 )
@@ -119,6 +121,8 @@ def check_model_arguments(p: argparse.ArgumentParser, args: argparse.Namespace, 
     if args.layers is not None:
         check_at_least(p, args, 1, "layers")
     check_device(p, args.device)
+    if args.json:
+        check_writable_file(p, "--json", args.json)
     args.preset = args.preset or ("qwen3-30b-a3b" if cuda else "tiny-qwen3_moe")
     args.dtype = DTYPES[args.dtype or ("bfloat16" if cuda else "float32")]
     if args.remote_fraction is not None and not 0.0 < args.remote_fraction <= 1.0:
@@ -128,9 +132,7 @@ def check_model_arguments(p: argparse.ArgumentParser, args: argparse.Namespace, 
         p.error(f"--checkpoint {args.checkpoint} and --save-checkpoint {args.save_checkpoint}: give one "
                 "(--save-checkpoint writes the checkpoint it then loads)")
     if args.save_checkpoint:
-        target = Path(args.save_checkpoint)
-        if target.exists() and not target.is_dir():
-            p.error(f"--save-checkpoint {args.save_checkpoint}: exists and is not a directory")
+        check_writable_folder(p, "--save-checkpoint", args.save_checkpoint)
         args.checkpoint = args.save_checkpoint
         args.config = model_config(args.preset, args.layers)
     elif args.checkpoint:

@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 
 from dbo.backends import cpu_backends
-from dbo.bench.cli import ArgumentParser, check_at_least, verdict
+from dbo.bench.cli import ArgumentParser, check_at_least, check_writable_file, check_writable_folder, verdict
 from dbo.bench.hf.args import PRESET_CHOICES, backend_name, model_config, num_routed_experts
 
 PROG = "hf-load"
@@ -200,7 +200,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--backend {args.backend}: hf-load runs on CPU, where these run: {' '.join(cpu_backends())}")
     path = Path(args.dir)
     if path.exists() and not path.is_dir():
-        p.error(f"--dir {args.dir}: exists and is not a directory")
+        p.error(f"--dir {args.dir}: exists and is not a folder, want a folder")
     if (path / "config.json").is_file():
         from transformers import AutoConfig
 
@@ -211,6 +211,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if experts is None or experts % args.ranks:
         p.error(f"--ranks {args.ranks}: the checkpoint's {experts} routed experts do not split evenly; "
                 "give a number of ranks that divides it")
+    check_writable_folder(p, "--dir", args.dir)
+    if args.json:
+        check_writable_file(p, "--json", args.json)
     return args
 
 

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from dbo.backends import cpu_backends
-from dbo.bench.cli import ArgumentParser, check_at_least, verdict
+from dbo.bench.cli import ArgumentParser, check_at_least, check_writable_folder, verdict
 from dbo.bench.hf.args import (
     add_model_arguments,
     backend_name,
@@ -134,6 +134,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if getattr(args, name) is not None:
             check_at_least(p, args, low, name)
     check_model_arguments(p, args)
+    if args.profile:
+        check_writable_folder(p, "--profile", args.profile)
     cuda = args.device == "cuda"
     args.backend = args.backend or (["deepep_ht", "all2all"] if cuda else cpu_backends())
     check_backends(p, args.backend, args)

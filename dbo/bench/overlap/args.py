@@ -23,6 +23,7 @@ from dbo.bench.cli import (
     check_device,
     check_experts_split,
     check_writable_file,
+    check_writable_folder,
     env_world_size,
     parse_link,
 )
@@ -181,6 +182,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--save-config {args.save_config}: needs one --intermediate and the autotune "
                     "(no --no-autotune)")
         check_writable_file(p, "--save-config", args.save_config)
+    check_writable_folder(p, "--out", args.out)
     if args.ll_rows not in ("masked", "auto", "full") and not args.ll_rows.isdigit():
         p.error(f"--ll-rows {args.ll_rows!r}: must be masked, auto, full or a number")
     if args.profile_shape not in ("auto", "none"):
