@@ -1,5 +1,6 @@
-"""Shared test set-up: hypothesis profiles, the no-state-left-behind check, and how many
-pytest-xdist workers ``-n auto`` (pyproject's addopts) starts."""
+"""Shared test set-up: hypothesis profiles, the no-state-left-behind check, the worlds of
+ranks a module's tests share, and how many pytest-xdist workers ``-n auto`` (pyproject's
+addopts) starts."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import dbo
 from dbo.backends.deepep.buffer import BUFFER_CACHE
 from dbo.peers.watchdog import WATCHDOG
 from dbo.split import FALLBACK_LOG
+from dbo.testing.dist import DistWorld
 from dbo.ubatch.streams import current_logical_stream
 
 settings.register_profile("default", max_examples=100, deadline=None)
@@ -64,6 +66,44 @@ def _no_run_left_behind():
     assert len(BUFFER_CACHE) == 0, "a test left DeepEP buffers in the process-wide cache"
     assert len(WATCHDOG) == 0, "a test left GPU waits with the process-wide watchdog"
     FALLBACK_LOG.reset()  # each test sees each fallback reason logged afresh
+
+
+@pytest.fixture(scope="module")
+def worlds():
+    """``worlds(n, **options)``: a started ``DistWorld(n, **options)``, one per size and options
+    for the module's tests to share, closed after its last test (killed where
+    ``kill_on_close=True``: a fault test may leave a rank that would not answer a polite stop)."""
+    made: dict[tuple, tuple[DistWorld, bool]] = {}
+
+    def get(n: int, *, kill_on_close: bool = False, **options) -> DistWorld:
+        key = (n, tuple(sorted(options.items())))
+        if key not in made:
+            world = DistWorld(n, **options)
+            world.start()
+            made[key] = world, kill_on_close
+        return made[key][0]
+
+    yield get
+    for world, kill in made.values():
+        world.close(kill=kill)
+
+
+def _world_options(request: pytest.FixtureRequest) -> dict:
+    marker = request.node.get_closest_marker("dist_world")
+    return dict(marker.kwargs) if marker else {}
+
+
+@pytest.fixture(scope="module")
+def world2(worlds, request):
+    """The module's 2-rank world; a module passes options to it (``DistWorld``'s and
+    ``kill_on_close``) as ``pytestmark = pytest.mark.dist_world(pg_timeout_s=60.0)``."""
+    return worlds(2, **_world_options(request))
+
+
+@pytest.fixture(scope="module")
+def world3(worlds, request):
+    """The module's 3-rank world, with the options of its ``dist_world`` mark."""
+    return worlds(3, **_world_options(request))
 
 
 @pytest.fixture(scope="session")

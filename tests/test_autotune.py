@@ -28,7 +28,7 @@ from dbo.autotune import (
 from dbo.expert_schedule import ExpertSchedule, current_expert_schedule
 from dbo.split import plan_ubatches
 from dbo.testing.clock import VirtualClock
-from dbo.testing.dist import DistJobError, DistWorld
+from dbo.testing.dist import DistJobError
 
 FIXED_S = 0.002
 PER_TOKEN_S = 1e-5  # communication and compute each
@@ -322,12 +322,6 @@ def test_a_clock_that_is_not_callable_is_a_type_error():
 # ---- two ranks over gloo: the same answer everywhere, and mismatches fail on every rank -------
 
 
-@pytest.fixture(scope="module")
-def world():
-    with DistWorld(2) as w:
-        yield w
-
-
 def _tune_job(counts_by_rank: list[list[int]]) -> tuple:
     import torch.distributed as dist
 
@@ -349,8 +343,8 @@ def _tune_job(counts_by_rank: list[list[int]]) -> tuple:
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(120)
-def test_ranks_get_the_same_answer(world):
-    (thr0, rows0), (thr1, rows1) = world.run(_tune_job, [[8, 64], [8, 64]])
+def test_ranks_get_the_same_answer(world2):
+    (thr0, rows0), (thr1, rows1) = world2.run(_tune_job, [[8, 64], [8, 64]])
     assert thr0 == thr1 and rows0 == rows1
     # the slowest rank's time: rank 1 spends 2 ms per call (rank 0 1 ms)
     assert all(r.serial_ms == pytest.approx(2.0, abs=1e-5) for r in rows0), rows0
@@ -358,9 +352,9 @@ def test_ranks_get_the_same_answer(world):
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(120)
-def test_different_token_counts_fail_on_every_rank(world):
+def test_different_token_counts_fail_on_every_rank(world2):
     with pytest.raises(DistJobError) as info:
-        world.run(_tune_job, [[8, 64], [8, 128]])
+        world2.run(_tune_job, [[8, 64], [8, 128]])
     assert [o.ok for o in info.value.outcomes] == [False, False]
     assert all("different token_counts" in o.error for o in info.value.outcomes)
 
@@ -383,5 +377,5 @@ def _never_job() -> list[float]:
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(120)
-def test_a_never_split_config_issues_no_collective(world):
-    assert world.run(_never_job, timeout_s=30) == [[3.0], [3.0]]
+def test_a_never_split_config_issues_no_collective(world2):
+    assert world2.run(_never_job, timeout_s=30) == [[3.0], [3.0]]

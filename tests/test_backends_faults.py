@@ -18,22 +18,13 @@ from dbo.backends.all2all import AllToAllPrepareAndFinalize
 from dbo.backends.naive import NaivePrepareAndFinalize
 from dbo.experts import SwiGLUExperts
 from dbo.moe import MoEKernel
-from dbo.testing.dist import DistWorld
 from dbo.testing.moe_cases import MoECase, case_inputs
 from dbo.ubatch.context import dbo_current_ubatch_id, run_ubatches
 
-pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(60)]
+pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(60), pytest.mark.dist_world(kill_on_close=True)]
 
 BACKENDS = {"naive": NaivePrepareAndFinalize, "all2all": AllToAllPrepareAndFinalize}
 TIMEOUT_S = 1.5
-
-
-@pytest.fixture(scope="module")
-def world2():
-    w = DistWorld(2)
-    w.start()
-    yield w
-    w.close(kill=True)
 
 
 def _faulty_step(backend: str, mode: str, use_dbo: bool, fail_rank: int) -> dict:

@@ -12,7 +12,6 @@ import torch.distributed as dist
 
 from dbo.backends.all2all import AllToAllPrepareAndFinalize
 from dbo.backends.naive import NaivePrepareAndFinalize
-from dbo.testing.dist import DistWorld
 from dbo.testing.moe_cases import check_case, standard_cases
 
 pytestmark = [
@@ -20,15 +19,10 @@ pytestmark = [
     pytest.mark.multiproc,
     pytest.mark.timeout(300),
     pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"),
+    pytest.mark.dist_world(backend="nccl", pg_timeout_s=120.0),
 ]
 
 BACKENDS = {"naive": NaivePrepareAndFinalize, "all2all": AllToAllPrepareAndFinalize}
-
-
-@pytest.fixture(scope="module")
-def world2():
-    with DistWorld(2, backend="nccl", pg_timeout_s=120.0) as w:
-        yield w
 
 
 def _check_cases(backend: str, use_async: bool) -> list[str]:

@@ -15,27 +15,11 @@ from hypothesis import strategies as st
 
 from dbo.backends.all2all import AllToAllPrepareAndFinalize
 from dbo.backends.naive import NaivePrepareAndFinalize
-from dbo.testing.dist import DistWorld
 from dbo.testing.moe_cases import MoECase, check_case, standard_cases
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(120)]
 
 BACKENDS = {"naive": NaivePrepareAndFinalize, "all2all": AllToAllPrepareAndFinalize}
-
-
-@pytest.fixture(scope="module")
-def worlds():
-    made: dict[int, DistWorld] = {}
-
-    def get(n: int) -> DistWorld:
-        if n not in made:
-            made[n] = DistWorld(n)
-            made[n].start()
-        return made[n]
-
-    yield get
-    for w in made.values():
-        w.close()
 
 
 def _check_cases(cases: list[MoECase], backend: str, use_async: bool) -> list[tuple]:

@@ -17,19 +17,12 @@ from dbo.backends.naive import NaivePrepareAndFinalize
 from dbo.backends.torchdist import META_HEADER_LEN, MetaRow
 from dbo.experts import SwiGLUExperts, relative_error
 from dbo.moe import MoEKernel, MoEProtocolError, TopKWeightAndReduceNoOp
-from dbo.testing.dist import DistWorld
 from dbo.testing.moe_cases import MoECase, case_inputs, run_case
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(90)]
 
 BACKENDS = {"naive": NaivePrepareAndFinalize, "all2all": AllToAllPrepareAndFinalize}
 COMPUTE_REGIONS = ("attention", "experts", "shared_experts")
-
-
-@pytest.fixture(scope="module")
-def world2():
-    with DistWorld(2) as w:
-        yield w
 
 
 def _traced_step(backend: str, layers: int) -> tuple[list[tuple[int, str, int, str]], float]:

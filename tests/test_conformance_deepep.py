@@ -13,16 +13,9 @@ import pytest
 import torch.distributed as dist
 
 from dbo.testing.conformance import check_backend, default_cases, with_options
-from dbo.testing.dist import DistWorld
 from dbo.testing.fake_deep_ep import ensure_fake_deep_ep
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(120)]
-
-
-@pytest.fixture(scope="module")
-def world2():
-    with DistWorld(2) as w:
-        yield w
 
 
 def _make(case):

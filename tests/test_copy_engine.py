@@ -21,18 +21,6 @@ from dbo.testing.dist import DistWorld
 pytestmark = [pytest.mark.long_file, pytest.mark.multiproc, pytest.mark.timeout(180)]
 
 
-@pytest.fixture(scope="module")
-def world2():
-    with DistWorld(2) as w:
-        yield w
-
-
-@pytest.fixture(scope="module")
-def world3():
-    with DistWorld(3) as w:
-        yield w
-
-
 def _make(case):
     from dbo.backends.copy_engine import make_prepare_finalize
 

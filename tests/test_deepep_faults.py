@@ -19,23 +19,15 @@ from pathlib import Path
 
 import pytest
 
-from dbo.testing.dist import DistWorld
 from dbo.testing.fake_deep_ep import ensure_fake_deep_ep
 from dbo.testing.faults import FAULT_EXIT_CODE, faulty_step
 
-pytestmark = [pytest.mark.long_file, pytest.mark.multiproc, pytest.mark.timeout(90)]
+pytestmark = [pytest.mark.long_file, pytest.mark.multiproc, pytest.mark.timeout(90),
+              pytest.mark.dist_world(kill_on_close=True)]
 
 TIMEOUT_S = 1.5
 PHASE = {"exit_before_dispatch": "dispatch", "stall": "dispatch", "exit_before_combine": "combine",
          "exit_after_send": "combine"}
-
-
-@pytest.fixture(scope="module")
-def world2():
-    w = DistWorld(2)
-    w.start()
-    yield w
-    w.close(kill=True)
 
 
 def _job(kind: str, fault: str, use_dbo: bool, fail_rank: int) -> dict:

@@ -17,18 +17,11 @@ from dbo.experts.swiglu import SwiGLUExperts
 from dbo.moe.kernel import MoEKernel
 from dbo.moe.router import topk_route
 from dbo.moe.weight_and_reduce import TopKWeightAndReduceContiguous, TopKWeightAndReduceNoOp
-from dbo.testing.dist import DistWorld
 from dbo.testing.fake_deep_ep import FakeDeepEPError, ensure_fake_deep_ep
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(120)]
 
 E, H, K = 8, 256, 2
-
-
-@pytest.fixture(scope="module")
-def world2():
-    with DistWorld(2) as w:
-        yield w
 
 
 def _backend(kind: str, api: str = "v1", **kw):

@@ -24,7 +24,6 @@ import torch
 import torch.distributed as dist
 
 from dbo import run_ubatches
-from dbo.testing.dist import DistWorld
 from dbo.testing.fake_deep_ep import Buffer as FakeBuffer
 from dbo.testing.fake_deep_ep import ensure_fake_deep_ep
 from dbo.testing.fake_deep_ep_v2 import ElasticBuffer as FakeElasticBuffer
@@ -227,12 +226,6 @@ def _record(kind: str, api: str, options: dict) -> list:
         setattr(mod, cls_name, real_cls)
         deepep_buffer.BUFFER_CACHE.reset()
     return log
-
-
-@pytest.fixture(scope="module")
-def world2():
-    with DistWorld(2) as w:
-        yield w
 
 
 @pytest.mark.multiproc

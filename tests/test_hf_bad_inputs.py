@@ -47,13 +47,12 @@ BACKEND = os.environ.get("DBO_TEST_DIST_BACKEND", "gloo")
 
 
 @pytest.fixture(scope="module")
-def world():
+def world(worlds):
     if BACKEND == "nccl" and torch.cuda.device_count() < 2:
         pytest.skip("DBO_TEST_DIST_BACKEND=nccl needs 2 GPUs")
     # the group's own timeout is well above the test's bound: a rank left waiting in a
     # collective must be released by the library's agreement, not by the group giving up
-    with DistWorld(2, backend=BACKEND, pg_timeout_s=10 * EXPECTED_S) as w:
-        yield w
+    return worlds(2, backend=BACKEND, pg_timeout_s=10 * EXPECTED_S)
 
 
 @pytest.fixture(scope="module")

@@ -16,8 +16,6 @@ import json
 
 import pytest
 
-from dbo.testing.dist import DistWorld
-
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
@@ -26,7 +24,7 @@ import torch  # noqa: E402
 from dbo.integrations.transformers.checkpoint import checkpoint_shards, write_random_checkpoint  # noqa: E402
 from dbo.integrations.transformers.presets import tiny_config  # noqa: E402
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.dist_world(pg_timeout_s=60.0)]
 
 FAMILIES = ("qwen3_moe", "deepseek_v3")
 TOL = 1e-5  # float32, relative to the largest logit
@@ -187,12 +185,6 @@ def test_caller_mistakes(tmp_path):
 # ---- 2 gloo ranks ---------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def world():
-    with DistWorld(2, pg_timeout_s=60.0) as w:
-        yield w
-
-
 def _write_job(directory: str, family: str) -> list[str]:
     from pathlib import Path
 
@@ -230,9 +222,9 @@ def _logits_job(directory: str) -> float:
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize("family", FAMILIES)
-def test_two_ranks_write_what_one_writes(world, tmp_path, family):
+def test_two_ranks_write_what_one_writes(world2, tmp_path, family):
     one = _write_job(str(tmp_path / "one"), family)
-    assert world.run(_write_job, str(tmp_path / "two"), family) == [one, one]
+    assert world2.run(_write_job, str(tmp_path / "two"), family) == [one, one]
     a, b = _files(tmp_path / "one"), _files(tmp_path / "two")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     index = "model.safetensors.index.json"
@@ -242,12 +234,12 @@ def test_two_ranks_write_what_one_writes(world, tmp_path, family):
 
 
 @pytest.mark.multiproc
-def test_expert_parallel_load_gives_the_whole_models_logits(world, tmp_path):
+def test_expert_parallel_load_gives_the_whole_models_logits(world2, tmp_path):
     pytest.importorskip("accelerate")
     pytest.importorskip("transformers.distributed.expert_parallel", reason="transformers < 5.23")
     path = str(tmp_path / "ckpt")
-    world.run(_write_ckpt_job, path)
-    errs = world.run(_logits_job, path, timeout_s=120)
+    world2.run(_write_ckpt_job, path)
+    errs = world2.run(_logits_job, path, timeout_s=120)
     assert max(errs) <= TOL, errs
 
 
@@ -279,9 +271,9 @@ def _write_with_a_failing_rank_job(directory: str) -> str:
 
 
 @pytest.mark.multiproc
-def test_a_rank_that_fails_to_write_fails_every_rank(world, tmp_path):
+def test_a_rank_that_fails_to_write_fails_every_rank(world2, tmp_path):
     path = str(tmp_path / "ckpt")
-    errs = world.run(_write_with_a_failing_rank_job, path, timeout_s=60)
+    errs = world2.run(_write_with_a_failing_rank_job, path, timeout_s=60)
     assert errs[0].startswith("RuntimeError") and "rank 1 failed while writing its shards" in errs[0], errs
     assert errs[1].startswith("OSError") and "No space left" in errs[1], errs
     assert not (tmp_path / "ckpt" / "config.json").exists()

@@ -16,26 +16,18 @@ from __future__ import annotations
 
 import pytest
 
-from dbo.testing.dist import DistWorld
-
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 ep_module = pytest.importorskip("transformers.distributed.expert_parallel",
                                 reason="transformers < 5.23 has no EP implementation interface")
 
-pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(240), pytest.mark.dist_world(pg_timeout_s=60.0)]
 
 FAMILIES = ("qwen3_moe", "mixtral", "deepseek_v3")
 BACKENDS = ("naive", "all2all")
 CLASSES = {"naive": "NaivePrepareAndFinalize", "all2all": "AllToAllPrepareAndFinalize",
            "copy_engine": "CopyEnginePrepareAndFinalize"}
 TOL = 1e-5  # float32, relative to the largest logit of real tokens
-
-
-@pytest.fixture(scope="module")
-def world():
-    with DistWorld(2, pg_timeout_s=60.0) as w:
-        yield w
 
 
 def _tiny_model(family: str, seed: int):
@@ -122,8 +114,8 @@ def _logits_job(path: str, backends: tuple[str, ...], seed: int) -> dict:
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_loaded_logits_equal_full_model_and_transformers_ep(world, checkpoints, family):
-    results = world.run(_logits_job, checkpoints[family], BACKENDS, 0, timeout_s=180)
+def test_loaded_logits_equal_full_model_and_transformers_ep(world2, checkpoints, family):
+    results = world2.run(_logits_job, checkpoints[family], BACKENDS, 0, timeout_s=180)
     layers = 2  # MoE layers (DeepSeek-V3's tiny config has one dense layer before them)
     for rank, r in enumerate(results):
         assert r["theirs_err"] <= TOL, f"rank {rank}: transformers' EP != full ({r['theirs_err']:.1e})"
@@ -137,9 +129,9 @@ def test_loaded_logits_equal_full_model_and_transformers_ep(world, checkpoints, 
             assert b["backend"] == CLASSES[backend]
 
 
-def test_fused_layout_checkpoint(world, checkpoints):
+def test_fused_layout_checkpoint(world2, checkpoints):
     # the in-memory key layout loads expert-parallel too, with the same weights as the Hub layout
-    fused = world.run(_logits_job, checkpoints["qwen3_moe_fused"], ("all2all",), 0, timeout_s=120)
+    fused = world2.run(_logits_job, checkpoints["qwen3_moe_fused"], ("all2all",), 0, timeout_s=120)
     for r in fused:
         assert r["theirs_err"] <= TOL and r["all2all"]["dbo_err"] <= TOL, r
 
@@ -166,8 +158,8 @@ def _generate_job(path: str, backend: str, new_tokens: int) -> dict:
 
 @pytest.mark.parametrize("family, backend", [("qwen3_moe", "all2all"), ("mixtral", "naive"),
                                              ("deepseek_v3", "copy_engine")])
-def test_greedy_generation_equals_generate(world, checkpoints, family, backend):
-    for rank, r in enumerate(world.run(_generate_job, checkpoints[family], backend, 4, timeout_s=180)):
+def test_greedy_generation_equals_generate(world2, checkpoints, family, backend):
+    for rank, r in enumerate(world2.run(_generate_job, checkpoints[family], backend, 4, timeout_s=180)):
         assert r["split"], f"rank {rank}"
         assert r["plain_ok"], f"rank {rank}: greedy tokens (no DBO) != generate()"
         assert r["dbo_ok"], f"rank {rank}: DBO greedy tokens != generate()"
@@ -191,9 +183,9 @@ def _autotune_job(path: str, margin: float) -> dict:
 
 
 @pytest.mark.parametrize("margin", [0.0, 0.99])
-def test_prefill_autotune_keeps_its_choice(world, checkpoints, margin):
+def test_prefill_autotune_keeps_its_choice(world2, checkpoints, margin):
     # margin 0.99: DBO would have to be 100x faster, so the prefill falls back to plain
-    for r in world.run(_autotune_job, checkpoints["qwen3_moe"], margin, timeout_s=180):
+    for r in world2.run(_autotune_job, checkpoints["qwen3_moe"], margin, timeout_s=180):
         assert r["rows"] == [2, 4] and r["config"] == r["threshold"], r
         assert r["split"] == (r["threshold"] <= 4), r
         if margin > 0.5:
@@ -251,9 +243,9 @@ def _decode_backend_job(path: str, new_tokens: int) -> dict:
     return out
 
 
-def test_generation_moves_decode_steps_through_the_decode_backend(world, checkpoints):
+def test_generation_moves_decode_steps_through_the_decode_backend(world2, checkpoints):
     new_tokens, layers = 4, 2
-    for rank, r in enumerate(world.run(_decode_backend_job, checkpoints["qwen3_moe"], new_tokens,
+    for rank, r in enumerate(world2.run(_decode_backend_job, checkpoints["qwen3_moe"], new_tokens,
                                        timeout_s=180)):
         assert r["kinds"] == ("AllToAllPrepareAndFinalize", "CopyEnginePrepareAndFinalize"), r
         rows = r["rows"]
@@ -297,10 +289,10 @@ def _use_backend_job(path: str) -> dict:
     return out
 
 
-def test_use_backend_switches_a_loaded_model(world, checkpoints):
+def test_use_backend_switches_a_loaded_model(world2, checkpoints):
     # loaded with dbo_naive, switched with use_backend (the benchmarks' route): every experts
     # module on copy_engine from its next call, DBO's logits equal the plain forward's
-    for r in world.run(_use_backend_job, checkpoints["mixtral"], timeout_s=120):
+    for r in world2.run(_use_backend_job, checkpoints["mixtral"], timeout_s=120):
         assert r["kinds"] == ["CopyEnginePrepareAndFinalize"], r
         assert r["split"] and r["err"] <= 1e-5, r
         assert r["refused"].startswith("group: a model loaded with ep_distributed_config"), r
@@ -346,8 +338,8 @@ def _memory_job(path: str) -> dict:
     }
 
 
-def test_each_rank_holds_half_the_experts_and_gathers_dense_weights_once(world, checkpoints):
-    for rank, r in enumerate(world.run(_memory_job, checkpoints["qwen3_moe"], timeout_s=120)):
+def test_each_rank_holds_half_the_experts_and_gathers_dense_weights_once(world2, checkpoints):
+    for rank, r in enumerate(world2.run(_memory_job, checkpoints["qwen3_moe"], timeout_s=120)):
         assert r["experts_bytes"] * 2 == r["full_experts_bytes"], f"rank {rank}: {r}"
         assert r["experts_after_forward"] == r["experts_bytes"], f"rank {rank}: {r}"
         assert r["dense_whole"], f"rank {rank}: a dense weight is still sharded after the first forward"

@@ -15,14 +15,12 @@ from __future__ import annotations
 
 import pytest
 
-from dbo.testing.dist import DistWorld
-
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 ep_module = pytest.importorskip("transformers.distributed.expert_parallel",
                                 reason="transformers < 5.23 has no EP implementation interface")
 
-pytestmark = [pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.timeout(240), pytest.mark.dist_world(pg_timeout_s=60.0)]
 
 BACKENDS = ("naive", "all2all", "copy_engine")
 FAMILIES = ("qwen3_moe", "mixtral", "deepseek_v3")
@@ -42,12 +40,6 @@ def _experts_module(family: str, seed: int = 0):
 
 
 # ---- 2 ranks -------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def world():
-    with DistWorld(2, pg_timeout_s=60.0) as w:
-        yield w
 
 
 @pytest.fixture(scope="module")
@@ -156,8 +148,8 @@ def _choice_job(path: str, backend: str) -> dict:
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_library_experts_equal_model_experts_and_unsharded(world, checkpoint, backend):
-    for rank, r in enumerate(world.run(_choice_job, checkpoint, backend, timeout_s=180)):
+def test_library_experts_equal_model_experts_and_unsharded(world2, checkpoint, backend):
+    for rank, r in enumerate(world2.run(_choice_job, checkpoint, backend, timeout_s=180)):
         where = f"rank {rank} dbo_{backend}: {r}"
         layers = list(r["default"])
         assert len(layers) == 2 and all(name.endswith("mlp.experts") for name in layers), where

@@ -16,24 +16,16 @@ from __future__ import annotations
 
 import pytest
 
-from dbo.testing.dist import DistWorld
-
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 pytest.importorskip("transformers.distributed.expert_parallel",
                     reason="transformers < 5.23 has no EP implementation interface")
 
-pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(240), pytest.mark.dist_world(pg_timeout_s=60.0)]
 
 BACKENDS = ("naive", "all2all", "copy_engine")
 TOL = 1e-5   # float32, against the unsharded model, relative to the largest logit of real tokens
 SAME = 1e-6  # the same loaded model, another autograd mode or another call
-
-
-@pytest.fixture(scope="module")
-def world():
-    with DistWorld(2, pg_timeout_s=60.0) as w:
-        yield w
 
 
 @pytest.fixture(scope="module")
@@ -90,8 +82,8 @@ def _first_forward_job(path: str, backends: tuple[str, ...]) -> dict:
     return out
 
 
-def test_first_forward_under_inference_mode(world, checkpoint):
-    for rank, r in enumerate(world.run(_first_forward_job, checkpoint, BACKENDS, timeout_s=180)):
+def test_first_forward_under_inference_mode(world2, checkpoint):
+    for rank, r in enumerate(world2.run(_first_forward_job, checkpoint, BACKENDS, timeout_s=180)):
         for backend, b in r.items():
             where = f"rank {rank} dbo_{backend}: {b}"
             assert b["pending_after_load"] and not b["pending_after_forward"], where
@@ -153,8 +145,8 @@ def _calls_job(path: str, backend: str, new_tokens: int) -> dict:
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_generate_greedy_and_prefill_first_under_inference_mode(world, checkpoint, backend):
-    for rank, r in enumerate(world.run(_calls_job, checkpoint, backend, 3, timeout_s=180)):
+def test_generate_greedy_and_prefill_first_under_inference_mode(world2, checkpoint, backend):
+    for rank, r in enumerate(world2.run(_calls_job, checkpoint, backend, 3, timeout_s=180)):
         where = f"rank {rank} dbo_{backend}: {r}"
         assert r["generate_ok"], where
         assert r["greedy_after_generate"] == (True, True, True), where
@@ -217,8 +209,8 @@ def _forward_order_job(path: str) -> list[int]:
     return sizes
 
 
-def test_forwards_without_autograd_leave_no_forward_order_behind(world, checkpoint):
+def test_forwards_without_autograd_leave_no_forward_order_behind(world2, checkpoint):
     # FSDP records each unit's forward for a backward that inference never runs: left alone, the
     # record grows by one entry per unit per forward, without bound
-    for rank, sizes in enumerate(world.run(_forward_order_job, checkpoint, timeout_s=120)):
+    for rank, sizes in enumerate(world2.run(_forward_order_job, checkpoint, timeout_s=120)):
         assert sizes == [0, 0, 0, 0], f"rank {rank}: {sizes}"

@@ -12,23 +12,15 @@ import pytest
 from hypothesis import given, note, settings
 from hypothesis import strategies as st
 
-from dbo.testing.dist import DistWorld
-
 transformers = pytest.importorskip("transformers")
 
-pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(240), pytest.mark.dist_world(pg_timeout_s=60.0)]
 
 FAMILIES = ("qwen3_moe", "mixtral", "deepseek_v3")
 BACKENDS = ("naive", "all2all", "copy_engine")
 
 
 TOL = 1e-4  # float32 end to end, relative to the largest logit
-
-
-@pytest.fixture(scope="module")
-def world():
-    with DistWorld(2, pg_timeout_s=60.0) as w:
-        yield w
 
 
 def _inputs(rank: int, batches: list[int], seq: int, pads: list[list[int]], seed: int):
@@ -141,9 +133,9 @@ def _check(results: list[dict], *, split: bool | None = True) -> None:
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("family", FAMILIES)
-def test_converted_equals_original(world, family, backend):
+def test_converted_equals_original(world2, family, backend):
     # odd batch sizes, different on each rank, some left-padded sequences
-    results = world.run(_hf_job, family, backend, [3, 5], 7, [[0, 3, 0], [2, 0, 0, 6, 1]], 2, 0,
+    results = world2.run(_hf_job, family, backend, [3, 5], 7, [[0, 3, 0], [2, 0, 0, 6, 1]], 2, 0,
                         timeout_s=120)
     _check(results)
     assert results[0]["padded"] == results[1]["padded"] == 3
@@ -154,10 +146,10 @@ def test_converted_equals_original(world, family, backend):
 
 @pytest.mark.parametrize("backend", ("naive", "all2all"))
 @pytest.mark.parametrize("family", FAMILIES)
-def test_merged_expert_schedule(world, family, backend):
+def test_merged_expert_schedule(world2, family, backend):
     # the merged schedule through SplitConfig: one experts call per MoE layer over both
     # ubatches' rows, the same logits as the original model
-    results = world.run(_hf_job, family, backend, [3, 5], 7, [[0, 3, 0], [2, 0, 0, 6, 1]], 2, 0,
+    results = world2.run(_hf_job, family, backend, [3, 5], 7, [[0, 3, 0], [2, 0, 0, 6, 1]], 2, 0,
                         None, "merged", timeout_s=120)
     _check(results)
     for r in results:
@@ -168,10 +160,10 @@ def test_merged_expert_schedule(world, family, backend):
 
 @pytest.mark.parametrize("switch_to, cls", [("all2all", "AllToAllPrepareAndFinalize"),
                                              ("copy_engine", "CopyEnginePrepareAndFinalize")])
-def test_use_backend_switches_a_converted_model(world, switch_to, cls):
+def test_use_backend_switches_a_converted_model(world2, switch_to, cls):
     # converted with naive, switched with use_backend: every block on the new backend, the
     # same logits as the original model plain and overlapped; a decode backend is refused
-    results = world.run(_hf_job, "mixtral", "naive", [3, 5], 7, [[0, 3, 0], [2, 0, 0, 6, 1]], 2, 0,
+    results = world2.run(_hf_job, "mixtral", "naive", [3, 5], 7, [[0, 3, 0], [2, 0, 0, 6, 1]], 2, 0,
                         None, "split", switch_to, timeout_s=120)
     _check(results)
     for r in results:
@@ -180,25 +172,25 @@ def test_use_backend_switches_a_converted_model(world, switch_to, cls):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_rank_with_only_padding_sequences(world, family):
+def test_rank_with_only_padding_sequences(world2, family):
     # rank 1 has nothing to do: it still runs (the MoE layers are collective) on padding sequences
-    results = world.run(_hf_job, family, "all2all", [4, 2], 6, [[1, 0, 0, 2], [6, 6]], 2, 1,
+    results = world2.run(_hf_job, family, "all2all", [4, 2], 6, [[1, 0, 0, 2], [6, 6]], 2, 1,
                         timeout_s=120)
     _check(results)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_ubatch_of_padding_rows(world, backend):
+def test_ubatch_of_padding_rows(world2, backend):
     # rank 0 has one sequence: its second ubatch is all padding rows (padded to rank 1's 2)
     slices = [[(0, 1), (1, 1)], [(0, 2), (2, 4)]]
-    results = world.run(_hf_job, "deepseek_v3", backend, [1, 4], 5, [[0], [0, 2, 0, 0]], 1, 2,
+    results = world2.run(_hf_job, "deepseek_v3", backend, [1, 4], 5, [[0], [0, 2, 0, 0]], 1, 2,
                         slices, timeout_s=120)
     _check(results)
     assert [r["padded"] for r in results] == [2, 2]
 
 
-def test_below_threshold_runs_plain_everywhere(world):
-    results = world.run(_hf_job, "qwen3_moe", "all2all", [1, 4], 5, [[0], [0] * 4], 2, 3,
+def test_below_threshold_runs_plain_everywhere(world2):
+    results = world2.run(_hf_job, "qwen3_moe", "all2all", [1, 4], 5, [[0], [0] * 4], 2, 3,
                         timeout_s=120)
     _check(results, split=False)
     assert [r["reason"] for r in results] == ["below_threshold", "disagreement"]
@@ -207,7 +199,7 @@ def test_below_threshold_runs_plain_everywhere(world):
 # each example is a 2-rank job (~0.3 s): a tenth of the profile's examples (ci: 6)
 @settings(max_examples=max(3, settings().max_examples // 10))
 @given(data=st.data())
-def test_random_batch_shapes(world, data):
+def test_random_batch_shapes(world2, data):
     family = data.draw(st.sampled_from(FAMILIES), label="family")
     backend = data.draw(st.sampled_from(BACKENDS), label="backend")
     seq = data.draw(st.integers(1, 9), label="seq")
@@ -216,7 +208,7 @@ def test_random_batch_shapes(world, data):
             for r, b in enumerate(batches)]
     min_sequences = data.draw(st.integers(1, 3), label="min_sequences")
     note(f"{family} {backend} batches={batches} seq={seq} pads={pads} min_seq={min_sequences}")
-    results = world.run(_hf_job, family, backend, batches, seq, pads, min_sequences, 4, timeout_s=120)
+    results = world2.run(_hf_job, family, backend, batches, seq, pads, min_sequences, 4, timeout_s=120)
     # whether it splits is the planner's policy; whatever it chose must give the same logits
     _check(results, split=None if min(batches) >= min_sequences else False)
 
@@ -258,11 +250,11 @@ def _generate_job(family: str, backend: str, batches: list[int], pads: list[list
 
 @pytest.mark.parametrize("family, backend", [("qwen3_moe", "all2all"), ("mixtral", "naive"),
                                              ("deepseek_v3", "all2all")])
-def test_greedy_generation_with_kv_cache(world, family, backend):
+def test_greedy_generation_with_kv_cache(world2, family, backend):
     # the prefill split; the decode steps plain over the joined caches (the default), or split
     # as the prefill with one KV cache per ubatch (split_decode=True); ranks of 3 and 5
     # sequences, so rank 0's ubatches carry padding rows that the join drops
-    results = world.run(_generate_job, family, backend, [3, 5], [[0, 4, 0], [2, 0, 0, 5, 0]], 4, 5,
+    results = world2.run(_generate_job, family, backend, [3, 5], [[0, 4, 0], [2, 0, 0, 5, 0]], 4, 5,
                         timeout_s=120)
     for rank, r in enumerate(results):
         assert r["split"], f"rank {rank}: {r['reason']}"

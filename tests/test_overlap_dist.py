@@ -7,15 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from dbo.testing.dist import DistWorld
-
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(150)]
-
-@pytest.fixture(scope="module")
-def world():
-    with DistWorld(2) as w:
-        yield w
-
 
 def _overlap_job(backend: str, tokens: list[int], dtype_name: str, threshold: int) -> dict:
     import torch
@@ -74,8 +66,8 @@ CASES = [
 
 
 @pytest.mark.parametrize("backend, tokens, dtype", CASES)
-def test_overlapped_moe_equals_plain(world, backend, tokens, dtype):
-    results = world.run(_overlap_job, backend, tokens, dtype, 0, timeout_s=90)
+def test_overlapped_moe_equals_plain(world2, backend, tokens, dtype):
+    results = world2.run(_overlap_job, backend, tokens, dtype, 0, timeout_s=90)
     limit = 1e-5 if dtype == "float32" else 2e-2
     for rank, r in enumerate(results):
         assert r["shape_ok"], f"rank {rank}"
@@ -85,8 +77,8 @@ def test_overlapped_moe_equals_plain(world, backend, tokens, dtype):
     assert results[0]["padded"] == results[1]["padded"] == (max(tokens) + 1) // 2
 
 
-def test_rank_below_threshold_falls_back_everywhere(world):
-    results = world.run(_overlap_job, "naive", [48, 8], "float32", 16, timeout_s=90)
+def test_rank_below_threshold_falls_back_everywhere(world2):
+    results = world2.run(_overlap_job, "naive", [48, 8], "float32", 16, timeout_s=90)
     assert [r["split"] for r in results] == [False, False]
     assert [r["reason"] for r in results] == ["disagreement", "below_threshold"]
     assert all(r["rel"] == 0.0 and r["events"] == [] for r in results)

@@ -25,7 +25,6 @@ from dbo.moe.errors import MoEProtocolError
 from dbo.moe.kernel import expert_groups
 from dbo.split import SplitReason, UBatchPlan, no_split_plan, plan_ubatches
 from dbo.testing.conformance import check_backend, default_cases, with_options
-from dbo.testing.dist import DistWorld
 from dbo.testing.fake_deep_ep import ensure_fake_deep_ep
 from dbo.testing.moe_cases import check_case, standard_cases
 
@@ -232,14 +231,6 @@ def test_wrapper_runs_sbo_unsplit_and_matches_plain():
 
 
 # ---- multi-rank: the fake DeepEP low-latency backend (per-group combines) and gloo -------------
-
-
-@pytest.fixture(scope="module")
-def world2():
-    w = DistWorld(2)
-    w.start()
-    yield w
-    w.close()
 
 
 def _make_ll(case):

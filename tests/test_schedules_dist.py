@@ -18,28 +18,12 @@ import torch.distributed as dist
 from dbo.backends.all2all import AllToAllPrepareAndFinalize
 from dbo.backends.naive import NaivePrepareAndFinalize
 from dbo.testing.conformance import check_backend, default_cases, with_options
-from dbo.testing.dist import DistWorld
 from dbo.testing.fake_deep_ep import ensure_fake_deep_ep
 from dbo.testing.moe_cases import MoECase, check_case, standard_cases
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(180)]
 
 BACKENDS = {"naive": NaivePrepareAndFinalize, "all2all": AllToAllPrepareAndFinalize}
-
-
-@pytest.fixture(scope="module")
-def worlds():
-    made: dict[int, DistWorld] = {}
-
-    def get(n: int) -> DistWorld:
-        if n not in made:
-            made[n] = DistWorld(n)
-            made[n].start()
-        return made[n]
-
-    yield get
-    for w in made.values():
-        w.close()
 
 
 def _check_cases(cases: list[MoECase], backend: str, use_async: bool, num_ubatches: int) -> list[tuple]:

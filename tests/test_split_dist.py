@@ -28,12 +28,6 @@ pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(120)]
 WORLD = 2
 
 
-@pytest.fixture(scope="module")
-def world():
-    with DistWorld(WORLD) as w:
-        yield w
-
-
 def _plans_job(cases: list[dict]) -> list[tuple]:
     """Plan every case on this rank; a case gives per-rank tokens and switches."""
     import torch.distributed as dist
@@ -91,8 +85,8 @@ case_strategy = st.fixed_dictionaries({
 
 @settings(max_examples=4)
 @given(cases=st.lists(case_strategy, min_size=10, max_size=20))
-def test_ranks_agree(world, cases):
-    per_rank = world.run(_plans_job, cases)
+def test_ranks_agree(world2, cases):
+    per_rank = world2.run(_plans_job, cases)
     for i, case in enumerate(cases):
         got = [per_rank[r][i] for r in range(WORLD)]
         note(f"case {i}: {case} -> {got}")
@@ -119,8 +113,8 @@ def _examples_job() -> list[tuple]:
     return out
 
 
-def test_examples(world):
-    r0, r1 = world.run(_examples_job)
+def test_examples(world2):
+    r0, r1 = world2.run(_examples_job)
     # uneven: the smaller rank pads to the larger rank's ubatch size
     assert r0[0] == (((0, 50), (50, 100)), 50, "split") and r1[0] == (((0, 15), (15, 30)), 50, "split")
     # an empty rank abstains and runs padding only
@@ -142,8 +136,8 @@ def _mismatch_job() -> str:
     return "no error"
 
 
-def test_num_ubatches_mismatch_raises_on_every_rank(world):
-    msgs = world.run(_mismatch_job)
+def test_num_ubatches_mismatch_raises_on_every_rank(world2):
+    msgs = world2.run(_mismatch_job)
     assert all("num_ubatches differs across ranks" in m for m in msgs), msgs
 
 
@@ -212,8 +206,8 @@ EXPECTED = {
 }
 
 
-def test_each_agreement_rule(world):
-    per_rank = world.run(_rules_job, RULE_CASES)
+def test_each_agreement_rule(world2):
+    per_rank = world2.run(_rules_job, RULE_CASES)
     for i, (name, _, _) in enumerate(RULE_CASES):
         got = [per_rank[r][i][:3] for r in range(WORLD)]
         assert got == EXPECTED[name], f"{name}: {got}"
@@ -233,8 +227,8 @@ def _config_mismatch_job() -> str:
     return "no error"
 
 
-def test_config_mismatch_raises_on_every_rank(world):
-    msgs = world.run(_config_mismatch_job)
+def test_config_mismatch_raises_on_every_rank(world2):
+    msgs = world2.run(_config_mismatch_job)
     assert all("SplitConfig differs across ranks" in m for m in msgs), msgs
 
 
@@ -298,8 +292,8 @@ def _vote_paths_job() -> tuple:
     return out[0] == out[1], board is not None, out[0]
 
 
-def test_the_shared_memory_vote_decides_as_gloo(world):
-    results = world.run(_vote_paths_job)
+def test_the_shared_memory_vote_decides_as_gloo(world2):
+    results = world2.run(_vote_paths_job)
     assert all(same and board for same, board, _ in results), results
     splits = [split for split, _ in results[0][2]]
     assert any(splits) and not all(splits), splits  # both outcomes among the cases
@@ -327,8 +321,8 @@ def _private_shm_job(base: str) -> tuple:
     return private is None, shared is not None, sorted(os.listdir(own))
 
 
-def test_the_board_falls_back_where_the_ranks_do_not_share_memory(world, tmp_path):
-    out = world.run(_private_shm_job, str(tmp_path))
+def test_the_board_falls_back_where_the_ranks_do_not_share_memory(world2, tmp_path):
+    out = world2.run(_private_shm_job, str(tmp_path))
     assert all(private_none and shared_ok and files == [] for private_none, shared_ok, files in out), out
 
 
@@ -395,7 +389,7 @@ def _gpu_group_vote_job() -> tuple:
     return voted, floats
 
 
-def test_a_vote_of_ranks_on_one_host_skips_the_groups_device(world):
-    results = world.run(_gpu_group_vote_job)
+def test_a_vote_of_ranks_on_one_host_skips_the_groups_device(world2):
+    results = world2.run(_gpu_group_vote_job)
     assert all(voted == [1, 5, 7] for voted, _ in results), results
     assert all(floats == "the vote went to the GPU" for _, floats in results), results
