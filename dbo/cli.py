@@ -25,7 +25,7 @@ from dbo.backends import BACKENDS, cpu_backends
 
 __all__ = ["ArgumentParser", "plain_text", "env_world_size", "check_at_least", "check_device",
            "check_experts_split", "check_backend_fits", "check_writable_file", "check_writable_folder",
-           "verdict"]
+           "available_memory_bytes", "check_memory_fits", "verdict"]
 
 
 def plain_text(text: str) -> str:
@@ -160,6 +160,43 @@ def check_writable_folder(parser: argparse.ArgumentParser, option: str, path: st
         parser.error(f"{option} {path}: cannot make it: {ancestor} is a file")
     if not _takes_files(ancestor):
         parser.error(f"{option} {path}: cannot write there: {ancestor} is not writable")
+
+
+def available_memory_bytes(device: str) -> int | None:
+    """The memory a run on ``device`` can still take, in bytes: on "cuda" the free memory of this
+    rank's GPU (``LOCAL_RANK``, 0 without torchrun; ``torch.cuda.mem_get_info``), on "cpu" the
+    available RAM (psutil where installed, else the free pages ``os.sysconf`` reports); None
+    where it cannot be read."""
+    try:
+        if device == "cuda":
+            if not torch.cuda.is_available():
+                return None
+            return int(torch.cuda.mem_get_info(int(os.environ.get("LOCAL_RANK", "0")))[0])
+        try:
+            import psutil
+        except ImportError:
+            return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        return int(psutil.virtual_memory().available)
+    except (OSError, ValueError, RuntimeError):
+        return None
+
+
+def check_memory_fits(parser: argparse.ArgumentParser, what: str, need_bytes: int, device: str) -> None:
+    """``parser.error`` where ``need_bytes`` (a lower bound of what ``what``, an option and its
+    value, needs on each rank) is more than :func:`available_memory_bytes` of ``device``: one line
+    with both figures, before the model is built (an allocator traceback per rank otherwise)."""
+    have = available_memory_bytes(device)
+    if have is not None and need_bytes > have:
+        parser.error(f"{what}: needs at least {_bytes(need_bytes)} a rank, and {device} has "
+                     f"{_bytes(have)} available")
+
+
+def _bytes(n: int) -> str:
+    """``n`` bytes in the largest unit that keeps it >= 1 (``"102.4 GB"``)."""
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
 
 
 def _takes_files(folder: str) -> bool:

@@ -104,6 +104,11 @@ def _one_line(proc: EntryRun, *wanted: str) -> str:
     ]],
     (["-m", "dbo.bench.timeline"], [README, "/proc/nope/x.svg"],
      ["svg /proc/nope/x.svg: cannot write there"]),
+    # a shape that cannot fit is named with what it needs and what the device has, before the model
+    (BENCH, ["overlap", "--device", "cpu", "--tokens", "100000000000"],
+     ["--tokens 100000000000 (--hidden 128", "needs at least 204.8 TB a rank, and cpu has"]),
+    (BENCH, ["hf-prefill", "--shape", "1000000x1000000"],
+     ["--shape 1000000x1000000 (hidden size", "TB a rank, and cpu has"]),
 ])
 def test_bad_input_is_one_line_and_exit_code_2(tmp_path, entry, args, wanted):
     _one_line(_run(entry + args, tmp_path), *wanted)
@@ -120,6 +125,12 @@ def test_output_checks_accept_what_can_be_written_and_leave_nothing_behind(tmp_p
     with pytest.raises(SystemExit) as exc:
         check_writable_file(p, "--json", "/proc/x.json")  # the folder exists and takes no files
     assert exc.value.code == 2
+
+
+def test_available_memory_is_read_on_the_cpu():
+    from dbo.cli import available_memory_bytes
+
+    assert available_memory_bytes("cpu") > 2**20
 
 
 def test_experts_that_do_not_split_over_the_world_are_refused_before_the_group(tmp_path):

@@ -12,6 +12,7 @@ from dbo.cli import (
     check_backend_fits,
     check_device,
     check_experts_split,
+    check_memory_fits,
     check_writable_file,
     check_writable_folder,
     env_world_size,
@@ -20,7 +21,7 @@ from dbo.cli import (
 
 __all__ = ["ArgumentParser", "env_world_size", "check_at_least", "check_device", "check_experts_split",
            "check_backend_fits", "verdict", "add_link_arguments", "parse_link", "check_writable_file",
-           "check_writable_folder"]
+           "check_writable_folder", "check_memory_fits"]
 
 
 def add_link_arguments(p: argparse.ArgumentParser) -> None:

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from dbo.backends import cpu_backends
-from dbo.bench.cli import ArgumentParser, check_at_least, check_writable_folder, verdict
+from dbo.bench.cli import ArgumentParser, check_at_least, check_memory_fits, check_writable_folder, verdict
 from dbo.bench.hf.args import (
     add_model_arguments,
     backend_name,
@@ -140,6 +140,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.backend = args.backend or (["deepep_ht", "all2all"] if cuda else cpu_backends())
     check_backends(p, args.backend, args)
     args.shape = args.shape or ([(8, 2048), (16, 4096)] if cuda else [(4, 32)])
+    batch, seq = max(args.shape, key=lambda shape: shape[0] * shape[1])
+    hidden = getattr(args.config, "hidden_size", None)
+    if hidden:  # at least two hidden states of the largest shape (a layer's input and output)
+        check_memory_fits(p, f"--shape {batch}x{seq} (hidden size {hidden})",
+                          2 * batch * seq * hidden * args.dtype.itemsize, args.device)
     if args.tune_sm_carveout is not None and "auto" not in args.expert_schedule:
         p.error(f"--tune-sm-carveout {args.tune_sm_carveout}: goes with --expert-schedule auto")
     if not args.checkpoint:

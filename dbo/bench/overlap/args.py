@@ -22,6 +22,7 @@ from dbo.bench.cli import (
     check_backend_fits,
     check_device,
     check_experts_split,
+    check_memory_fits,
     check_writable_file,
     check_writable_folder,
     env_world_size,
@@ -177,6 +178,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.sbo_groups < 1:
         p.error(f"--sbo-groups {args.sbo_groups}: must be >= 1")
     check_experts_split(p, args.experts, args.emulate_ep or world)
+    check_memory_fits(p, f"--tokens {max(args.tokens)} (--hidden {args.hidden}, --intermediate "
+                         f"{max(args.intermediate)}, --topk {args.topk}, --layers {args.layers})",
+                      overlap_bytes_at_least(args, world), args.device)
     if args.save_config:
         if len(args.intermediate) != 1 or not args.autotune:
             p.error(f"--save-config {args.save_config}: needs one --intermediate and the autotune "
@@ -191,6 +195,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--profile-shape {args.profile_shape!r}: must be TOKENS:INTERMEDIATE, auto "
                     "or none")
     return args
+
+
+def overlap_bytes_at_least(args: argparse.Namespace, world: int) -> int:
+    """A lower bound of a rank's memory for the largest shape: its tokens in, out and dispatched
+    (``topk`` copies), and its share of every layer's expert weights (three ``hidden x
+    intermediate`` matrices an expert)."""
+    elem = DTYPES[args.dtype].itemsize
+    tokens = max(args.tokens) * args.hidden * elem * (2 + args.topk)
+    experts = args.experts // (args.emulate_ep or world)
+    weights = args.layers * experts * 3 * args.hidden * max(args.intermediate) * elem
+    return tokens + weights
 
 
 def parse_backend_opts(opts: list[str]) -> dict[str, object]:
