@@ -18,6 +18,7 @@ from dbo.backends.all2all import AllToAllPrepareAndFinalize
 from dbo.backends.naive import NaivePrepareAndFinalize
 from dbo.experts import SwiGLUExperts
 from dbo.moe import MoEKernel
+from dbo.testing.faults import check_survivor, error_chain
 from dbo.testing.moe_cases import MoECase, case_inputs
 from dbo.ubatch.context import dbo_current_ubatch_id, run_ubatches
 
@@ -55,11 +56,7 @@ def _faulty_step(backend: str, mode: str, use_dbo: bool, fail_rank: int) -> dict
         else:
             layers(0, 8)
     except BaseException as exc:  # noqa: BLE001 - reported to the test
-        chain, e = [], exc
-        while e is not None:
-            chain.append((type(e).__name__, str(e)))
-            e = e.__cause__
-        return {"ok": False, "chain": chain, "elapsed_s": time.monotonic() - t0}
+        return {"ok": False, "chain": error_chain(exc), "elapsed_s": time.monotonic() - t0}
     return {"ok": True, "chain": [], "elapsed_s": time.monotonic() - t0}
 
 
@@ -78,17 +75,9 @@ def test_peer_failure_is_a_bounded_clear_error(world2, backend, mode, use_dbo, f
                                        timeout_s=30)
     finally:
         world2.restart()
-    healthy = outcomes[1 - fail_rank]
-    assert healthy.ok, healthy.traceback
-    res = healthy.value
-    assert not res["ok"], "the healthy rank finished a step its peer abandoned"
-    names = [n for n, _ in res["chain"]]
-    assert "CollectiveTimeoutError" in names, res["chain"]
-    if use_dbo:
-        assert names[0] == "UBatchError", res["chain"]
-    msg = dict(res["chain"])["CollectiveTimeoutError"]
+    chain = check_survivor(outcomes[1 - fail_rank], use_dbo=use_dbo, timeout_s=TIMEOUT_S)
+    msg = dict(chain)["CollectiveTimeoutError"]
     assert f"{backend} " in msg and "peer rank failed or stopped" in msg, msg
-    assert res["elapsed_s"] < 10 * TIMEOUT_S, res  # about TIMEOUT_S; 10x for a loaded machine
     failed = outcomes[fail_rank]
     if mode == "exit":
         assert failed.exitcode == 3, failed

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from dbo.testing.fake_deep_ep import ensure_fake_deep_ep
-from dbo.testing.faults import FAULT_EXIT_CODE, faulty_step
+from dbo.testing.faults import FAULT_EXIT_CODE, check_survivor, faulty_step
 
 pytestmark = [pytest.mark.long_file, pytest.mark.multiproc, pytest.mark.timeout(90),
               pytest.mark.dist_world(kill_on_close=True)]
@@ -51,15 +51,9 @@ def test_dead_or_stalled_peer_is_a_named_bounded_error(world2, kind, fault, use_
         outcomes = world2.run_outcomes(_job, kind, fault, use_dbo, fail_rank, timeout_s=45)
     finally:
         world2.restart()
-    survivor = outcomes[1 - fail_rank]
-    assert survivor.ok, survivor.traceback
-    res = survivor.value
-    assert not res["ok"], "a survivor finished a step its peer abandoned"
-    names = [n for n, _ in res["chain"]]
-    assert names[-1] == "CollectiveTimeoutError", res["chain"]
-    if use_dbo:
-        assert names[0] == "UBatchError", res["chain"]  # the failing ubatch unwound the other
-    msg = res["chain"][-1][1]
+    chain = check_survivor(outcomes[1 - fail_rank], use_dbo=use_dbo, timeout_s=TIMEOUT_S)
+    assert chain[-1][0] == "CollectiveTimeoutError", chain
+    msg = chain[-1][1]
     # serial: the very launch the peer never reached; under DBO the other ubatch's next launch
     # may come first in the schedule
     phase = PHASE[fault] if not use_dbo else "(dispatch|combine)"
@@ -67,7 +61,6 @@ def test_dead_or_stalled_peer_is_a_named_bounded_error(world2, kind, fault, use_
     ubatch = "0" if not use_dbo else "[01]"
     assert re.match(f"deepep_{kind} {phase} of ubatch {ubatch} on rank {1 - fail_rank}: "
                     f"rank {fail_rank} did not arrive within {TIMEOUT_S:.1f} s", msg), msg
-    assert res["elapsed_s"] < 10 * TIMEOUT_S, res  # about TIMEOUT_S; 10x for a loaded machine
     failed = outcomes[fail_rank]
     if fault == "stall":
         # the stalled rank comes back, finds the survivor gone, and fails the same way

@@ -45,7 +45,7 @@ import torch.distributed as dist
 from dbo.ubatch.context import run_ubatches
 
 __all__ = ["FAULTS", "FAULT_EXIT_CODE", "Fault", "faulty_step", "error_chain",
-           "make_deepep_backend", "per_launch_check_cost"]
+           "make_deepep_backend", "per_launch_check_cost", "check_survivor"]
 
 FAULTS = ("none", "slow", "stall", "exit_before_dispatch", "exit_after_send",
           "exit_before_combine", "gpu_stall", "stall_before_combine", "gpu_stall_before_combine",
@@ -216,6 +216,26 @@ def error_chain(exc: BaseException | None) -> list[tuple[str, str]]:
         chain.append((type(exc).__name__, str(exc)))
         exc = exc.__cause__
     return chain
+
+
+def check_survivor(outcome: Any, *, use_dbo: bool, timeout_s: float) -> list[tuple[str, str]]:
+    """What a fault test asks of a rank whose peer failed: its job returned (no crash, no hang)
+    the result of a step that failed (a dict with ``ok``, ``chain`` as :func:`error_chain` gives
+    it, and ``elapsed_s``, as :func:`faulty_step` returns), with a ``CollectiveTimeoutError`` in
+    its chain, under DBO a ``UBatchError`` at its head (the failing ubatch unwound the other),
+    in about ``timeout_s`` (10x slack for a loaded machine). ``outcome``: the rank's
+    :class:`dbo.testing.dist.RankOutcome`. Returns the chain; raises ``AssertionError``."""
+    if not outcome.ok:
+        raise AssertionError(outcome.traceback)
+    res = outcome.value
+    if res["ok"]:
+        raise AssertionError("a surviving rank finished a step its peer abandoned")
+    names = [name for name, _ in res["chain"]]
+    if "CollectiveTimeoutError" not in names or (use_dbo and names[0] != "UBatchError"):
+        raise AssertionError(res["chain"])
+    if not res["elapsed_s"] < 10 * timeout_s:
+        raise AssertionError(res)
+    return res["chain"]
 
 
 def fault_inputs(rank: int, tokens: int, device: torch.device) -> tuple[torch.Tensor, ...]:
