@@ -10,28 +10,11 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-import torch.distributed as dist
 
 from dbo.testing.conformance import check_backend, default_cases, with_options
-from dbo.testing.fake_deep_ep import ensure_fake_deep_ep
+from dbo.testing.fake_deep_ep import fake_deepep_case_backend
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(120)]
-
-
-def _make(case):
-    opts = dict(case.options)
-    backend = opts.pop("backend")
-    ensure_fake_deep_ep(opts.pop("api", "v1"))
-    if backend == "ht":
-        from dbo.backends import deepep_ht as mod
-    elif backend == "ll":
-        from dbo.backends import deepep_ll as mod
-    else:
-        from dbo.backends import deepep_v2 as mod
-    return mod.make_prepare_finalize(dist.group.WORLD, hidden=case.hidden,
-                                     max_tokens_per_rank=case.max_tokens_per_rank,
-                                     num_experts=case.num_experts, topk=case.topk, dtype=case.dtype,
-                                     device="cpu", **opts)
 
 
 def _cases(**options):
@@ -49,7 +32,7 @@ def test_deepep_ht_conformance(world2):
                      backend="ht", use_fp8_dispatch=True),
         with_options(dataclasses.replace(base, name="sync finish"), backend="ht", async_finish=False),
     ]
-    results = check_backend(world2, _make, cases)
+    results = check_backend(world2, fake_deepep_case_backend, cases)
     assert all(r.yields > 0 for r in results)  # dispatch and combine yield before launching
 
 
@@ -67,7 +50,7 @@ def test_deepep_ll_conformance(world2):
                                          hidden=200, tol_ref=6e-2),
                      backend="ll", use_fp8_dispatch=True, dequantize_received=False),
     ]
-    results = check_backend(world2, _make, cases)
+    results = check_backend(world2, fake_deepep_case_backend, cases)
     # two ubatches, each registers a dispatch and a combine hook: all ran
     assert all(r.hooks_registered == 4 == r.hooks_run for r in results)
 
@@ -80,4 +63,4 @@ def test_deepep_v2_conformance(world2, api, mode):
         base = default_cases(2)[2]
         cases.append(with_options(dataclasses.replace(base, name="expert_alignment 4"), backend="v2",
                                   api=api, mode=mode, expert_alignment=4))
-    check_backend(world2, _make, cases)
+    check_backend(world2, fake_deepep_case_backend, cases)

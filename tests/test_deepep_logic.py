@@ -17,7 +17,7 @@ from dbo.experts.swiglu import SwiGLUExperts
 from dbo.moe.kernel import MoEKernel
 from dbo.moe.router import topk_route
 from dbo.moe.weight_and_reduce import TopKWeightAndReduceContiguous, TopKWeightAndReduceNoOp
-from dbo.testing.fake_deep_ep import FakeDeepEPError, ensure_fake_deep_ep
+from dbo.testing.fake_deep_ep import FakeDeepEPError, ensure_fake_deep_ep, fake_deepep_backend
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(120)]
 
@@ -25,16 +25,9 @@ E, H, K = 8, 256, 2
 
 
 def _backend(kind: str, api: str = "v1", **kw):
-    ensure_fake_deep_ep(api)
-    if kind == "ht":
-        from dbo.backends import deepep_ht as mod
-    elif kind == "ll":
-        from dbo.backends import deepep_ll as mod
-    else:
-        from dbo.backends import deepep_v2 as mod
     kw.setdefault("max_tokens_per_rank", 16)
-    return mod.make_prepare_finalize(dist.group.WORLD, hidden=H, num_experts=E, topk=K,
-                                     dtype=torch.bfloat16, device="cpu", **kw)
+    return fake_deepep_backend(kind, api=api, hidden=H, num_experts=E, topk=K,
+                               dtype=torch.bfloat16, device="cpu", **kw)
 
 
 def _inputs(n: int = 16, seed: int = 0):

@@ -25,7 +25,7 @@ from dbo.moe.errors import MoEProtocolError
 from dbo.moe.kernel import expert_groups
 from dbo.split import SplitReason, UBatchPlan, no_split_plan, plan_ubatches
 from dbo.testing.conformance import check_backend, default_cases, with_options
-from dbo.testing.fake_deep_ep import ensure_fake_deep_ep
+from dbo.testing.fake_deep_ep import ensure_fake_deep_ep, fake_deepep_case_backend
 from dbo.testing.moe_cases import check_case, standard_cases
 
 
@@ -234,13 +234,7 @@ def test_wrapper_runs_sbo_unsplit_and_matches_plain():
 
 
 def _make_ll(case):
-    opts = dict(case.options)
-    ensure_fake_deep_ep("v1")
-    from dbo.backends import deepep_ll as mod
-    return mod.make_prepare_finalize(dist.group.WORLD, hidden=case.hidden,
-                                     max_tokens_per_rank=case.max_tokens_per_rank,
-                                     num_experts=case.num_experts, topk=case.topk, dtype=case.dtype,
-                                     device="cpu", **opts)
+    return fake_deepep_case_backend(case, "ll")
 
 
 def _make_ll_fresh(case):

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from dbo.backends.all2all import AllToAllPrepareAndFinalize
 from dbo.backends.naive import NaivePrepareAndFinalize
 from dbo.testing.conformance import check_backend, default_cases, with_options
-from dbo.testing.fake_deep_ep import ensure_fake_deep_ep
+from dbo.testing.fake_deep_ep import fake_deepep_case_backend
 from dbo.testing.moe_cases import MoECase, check_case, standard_cases
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(180)]
@@ -51,20 +51,6 @@ def test_merged_matches_plain_on_gloo(worlds, ws, num_ubatches, backend, use_asy
     assert not bad, "\n".join(bad)
 
 
-def _make_deepep(case):
-    opts = dict(case.options)
-    backend = opts.pop("backend")
-    ensure_fake_deep_ep("v1")
-    if backend == "ht":
-        from dbo.backends import deepep_ht as mod
-    else:
-        from dbo.backends import deepep_ll as mod
-    return mod.make_prepare_finalize(dist.group.WORLD, hidden=case.hidden,
-                                     max_tokens_per_rank=case.max_tokens_per_rank,
-                                     num_experts=case.num_experts, topk=case.topk, dtype=case.dtype,
-                                     device="cpu", **opts)
-
-
 def _merged(cases):
     return [dataclasses.replace(c, name=f"{c.name} merged", expert_schedule="merged") for c in cases]
 
@@ -74,7 +60,7 @@ def test_merged_on_fake_deepep_ht(worlds):
     base = default_cases(2)[1]
     cases += _merged([with_options(dataclasses.replace(base, name="fp8", tol_ref=6e-2),
                                    backend="ht", use_fp8_dispatch=True)])
-    check_backend(worlds(2), _make_deepep, cases)
+    check_backend(worlds(2), fake_deepep_case_backend, cases)
 
 
 def test_merged_on_fake_deepep_ll(worlds):
@@ -84,7 +70,7 @@ def test_merged_on_fake_deepep_ll(worlds):
     base = default_cases(2)[1]
     cases += [with_options(dataclasses.replace(base, name="fp8 kept", hidden=2048, tol_ref=6e-2),
                            backend="ll", use_fp8_dispatch=True, dequantize_received=False)]
-    results = check_backend(worlds(2), _make_deepep, _merged(cases))
+    results = check_backend(worlds(2), fake_deepep_case_backend, _merged(cases))
     assert all(r.hooks_registered == 4 == r.hooks_run for r in results)
 
 

@@ -1,7 +1,8 @@
 """A test double of ``deep_ep`` for CPU tests: DeepEP's ``Buffer`` (normal and low-latency modes)
 with the real Python signatures, handles and return shapes, moving CPU tensors over a gloo
-process group with ``torch.distributed``, and the module facade (:func:`make_fake_deep_ep`,
-:func:`install_fake_deep_ep`, :func:`ensure_fake_deep_ep`).
+process group with ``torch.distributed``, the module facade (:func:`make_fake_deep_ep`,
+:func:`install_fake_deep_ep`, :func:`ensure_fake_deep_ep`), and our DeepEP backends built on it
+(:func:`fake_deepep_backend`, :func:`fake_deepep_case_backend`).
 
 This module holds the normal mode; the low-latency mode is :mod:`dbo.testing.fake_deep_ep_ll`,
 the v2 buffers :mod:`dbo.testing.fake_deep_ep_v2`, and what they share
@@ -67,6 +68,8 @@ __all__ = [
     "make_fake_deep_ep",
     "install_fake_deep_ep",
     "ensure_fake_deep_ep",
+    "fake_deepep_backend",
+    "fake_deepep_case_backend",
     "exchange_rows",
     "to_bytes",
     "from_bytes",
@@ -355,3 +358,38 @@ def ensure_fake_deep_ep(api: str = "v1") -> types.ModuleType:
         sys.modules["deep_ep"] = mod
         BUFFER_CACHE.reset()
     return mod
+
+
+# ---- our backends on the fake -------------------------------------------------------------
+
+#: the DeepEP backends by the kind the tests name them with
+DEEPEP_BACKEND_MODULES = {"ht": "dbo.backends.deepep_ht", "ll": "dbo.backends.deepep_ll",
+                          "v2": "dbo.backends.deepep_v2"}
+
+
+def fake_deepep_backend(kind: str, *, api: str = "v1", **options: Any) -> Any:
+    """Our ``deepep_<kind>`` backend (``kind``: ``"ht"``, ``"ll"`` or ``"v2"``) over the default
+    process group, on the fake ``deep_ep`` of ``api`` (made this process's by
+    :func:`ensure_fake_deep_ep`). ``options``: the backend's ``make_prepare_finalize`` keywords
+    (``hidden``, ``num_experts``, ``topk``, ``dtype``, ``device``, ...)."""
+    import importlib
+
+    import torch.distributed as dist
+
+    if kind not in DEEPEP_BACKEND_MODULES:
+        raise ValueError(f"kind must be one of {sorted(DEEPEP_BACKEND_MODULES)}, got {kind!r}")
+    ensure_fake_deep_ep(api)
+    mod = importlib.import_module(DEEPEP_BACKEND_MODULES[kind])
+    return mod.make_prepare_finalize(dist.group.WORLD, **options)
+
+
+def fake_deepep_case_backend(case: Any, kind: str | None = None) -> Any:
+    """A :mod:`dbo.testing.conformance` factory: :func:`fake_deepep_backend` on CPU with the
+    case's shapes. ``case.options`` may name the ``backend`` kind (else ``kind``) and the
+    fake's ``api`` (default ``"v1"``); the rest are the backend's keywords."""
+    opts = dict(case.options)
+    kind = opts.pop("backend", kind)
+    return fake_deepep_backend(kind, api=opts.pop("api", "v1"), hidden=case.hidden,
+                               max_tokens_per_rank=case.max_tokens_per_rank,
+                               num_experts=case.num_experts, topk=case.topk, dtype=case.dtype,
+                               device="cpu", **opts)
