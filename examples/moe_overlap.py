@@ -67,6 +67,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     cli.check_device(p, a.device)
     if a.trace:
         cli.check_writable_file(p, "--trace", a.trace)
+    # at least the tokens in, out and dispatched (topk copies), before anything is built
+    need = a.tokens * a.hidden * DTYPES[a.dtype].itemsize * (2 + a.topk)
+    cli.check_memory_fits(p, f"--tokens {a.tokens} (--hidden {a.hidden})", need, a.device)
     return a
 
 

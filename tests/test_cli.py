@@ -107,6 +107,7 @@ def _one_line(proc: EntryRun, *wanted: str) -> str:
     # a shape that cannot fit is named with what it needs and what the device has, before the model
     (BENCH, ["overlap", "--device", "cpu", "--tokens", "100000000000"],
      ["--tokens 100000000000 (--hidden 128", "needs at least 204.8 TB a rank, and cpu has"]),
+    ([DEMO], ["--tokens", "100000000000"], ["--tokens 100000000000 (--hidden 256)", "TB a rank"]),
     (BENCH, ["hf-prefill", "--shape", "1000000x1000000"],
      ["--shape 1000000x1000000 (hidden size", "TB a rank, and cpu has"]),
 ])
