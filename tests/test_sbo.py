@@ -25,7 +25,7 @@ from dbo.moe.errors import MoEProtocolError
 from dbo.moe.kernel import expert_groups
 from dbo.split import SplitReason, UBatchPlan, no_split_plan, plan_ubatches
 from dbo.testing.conformance import check_backend, default_cases, with_options
-from dbo.testing.fake_deep_ep import ensure_fake_deep_ep, fake_deepep_case_backend
+from dbo.testing.fake_deep_ep import fake_deepep_backend, fake_deepep_case_backend
 from dbo.testing.moe_cases import check_case, standard_cases
 
 
@@ -269,13 +269,11 @@ def test_grouped_schedules_on_fake_deepep_ll_match_plain(world2, schedule):
 
 
 def _group_misuse() -> str:
-    ensure_fake_deep_ep("v1")
-    from dbo.backends import deepep_ll as mod
     from dbo.backends.deepep.buffer import BUFFER_CACHE
     from dbo.moe.weight_and_reduce import TopKWeightAndReduceDelegate
     BUFFER_CACHE.reset()  # the worker's earlier cases sized the shared buffer otherwise
-    pf = mod.make_prepare_finalize(dist.group.WORLD, hidden=128, max_tokens_per_rank=4,
-                                   num_experts=8, topk=2, dtype=torch.bfloat16, device="cpu")
+    pf = fake_deepep_backend("ll", hidden=128, max_tokens_per_rank=4, num_experts=8, topk=2,
+                             dtype=torch.bfloat16, device="cpu")
     x = torch.randn(4, 128).to(torch.bfloat16)
     weights, ids = topk_route(torch.randn(4, 8), 2, ids_dtype=torch.int64)
     prep = pf.prepare(x, weights, ids, 8, None, False)
@@ -321,8 +319,6 @@ def test_sbo_on_gloo_matches_plain(world2, backend, schedule):
 
 
 def _carveouts_seen() -> list:
-    ensure_fake_deep_ep("v1")
-    from dbo.backends import deepep_ll as mod
     from dbo.backends.deepep.buffer import BUFFER_CACHE
     BUFFER_CACHE.reset()
     seen = []
@@ -332,8 +328,8 @@ def _carveouts_seen() -> list:
             seen.append(self.sm_carveout)
             return super().apply(*args, **kwargs)
 
-    pf = mod.make_prepare_finalize(dist.group.WORLD, hidden=128, max_tokens_per_rank=8,
-                                   num_experts=8, topk=2, dtype=torch.bfloat16, device="cpu")
+    pf = fake_deepep_backend("ll", hidden=128, max_tokens_per_rank=8, num_experts=8, topk=2,
+                             dtype=torch.bfloat16, device="cpu")
     kernel = MoEKernel(pf, Recording(sm_carveout=3))
     kernel.sbo_sm_carveout = 7
     g = torch.Generator().manual_seed(dist.get_rank())
