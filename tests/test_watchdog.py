@@ -227,6 +227,16 @@ def _run(code: str) -> tuple[EntryRun, float]:
     return proc, time.monotonic() - t0
 
 
+def _run_to_the_deadline(code: str, stamp: str = "Timeout") -> EntryRun:
+    """``_run(code)``, which a deadline must end: exit 1, ``stamp`` (faulthandler's
+    ``Timeout (h:mm:ss``) on stderr, well within 30 s (an interpreter start and a deadline of a
+    few seconds, far from the held call's minutes)."""
+    proc, took = _run(code)
+    assert proc.returncode == 1 and stamp in proc.stderr, proc
+    assert took < 30, took
+    return proc
+
+
 def test_gil_free_deadline_ends_a_call_that_holds_the_gil():
     from dbo.peers.watchdog import gil_free_deadline
 
@@ -234,10 +244,8 @@ def test_gil_free_deadline_ends_a_call_that_holds_the_gil():
         pass
     code = ("from dbo.peers.watchdog import gil_free_deadline\n"
             "with gil_free_deadline(0.5):\n" + textwrap.indent(_HOLDS_THE_GIL, "    "))
-    proc, took = _run(code)
-    assert proc.returncode == 1, proc
-    assert "Timeout (0:00:00" in proc.stderr and "<module>" in proc.stderr, proc.stderr
-    assert took < 30, took  # interpreter start + 0.5 s, far from the regex's minutes
+    proc = _run_to_the_deadline(code, "Timeout (0:00:00")
+    assert "<module>" in proc.stderr, proc.stderr
 
 
 def test_a_call_in_a_named_frame_is_named_in_the_deadlines_stacks():
@@ -248,11 +256,9 @@ def test_a_call_in_a_named_frame_is_named_in_the_deadlines_stacks():
             "with gil_free_deadline(0.5):\n"
             "    call_in_named_frame('deepep_ht dispatch of ubatch 0 on rank 0: a peer did not arrive',\n"
             "                        re.match, r'(a+)+$', 'a' * 60 + 'b')\n")
-    proc, took = _run(code)
-    assert proc.returncode == 1 and "Timeout (0:00:00" in proc.stderr, proc
+    proc = _run_to_the_deadline(code, "Timeout (0:00:00")
     assert ('File "[dbo watchdog] deepep_ht dispatch of ubatch 0 on rank 0: a peer did not arrive", '
             "line 2 in named_wait") in proc.stderr, proc.stderr
-    assert took < 30, took
 
 
 def test_gil_free_deadlines_nest_and_a_finished_block_gives_the_outer_one_back():
@@ -274,9 +280,7 @@ def test_teardown_deadline_ends_a_teardown_that_holds_the_gil():
     # the Python timer cannot run while the GIL is held: the GIL-free deadline, 2 s later, can
     code = ("from dbo.peers.watchdog import teardown_deadline\n"
             "with teardown_deadline(0.3, 'freeing the buffers'):\n" + textwrap.indent(_HOLDS_THE_GIL, "    "))
-    proc, took = _run(code)
-    assert proc.returncode == 1 and "Timeout (0:00:02" in proc.stderr, proc
-    assert took < 30, took
+    _run_to_the_deadline(code, "Timeout (0:00:02")
 
 
 def test_end_process_within_ends_even_the_interpreters_shutdown():
@@ -286,9 +290,8 @@ def test_end_process_within_ends_even_the_interpreters_shutdown():
             "end_process_within(1.0)\n"
             "with gil_free_deadline(30.0):\n    pass\n"  # an inner block does not lift it
             "print('results written', flush=True)\n")
-    proc, took = _run(code)
-    assert proc.returncode == 1 and "results written" in proc.stdout and "Timeout" in proc.stderr, proc
-    assert took < 30, took
+    proc = _run_to_the_deadline(code)
+    assert "results written" in proc.stdout, proc
 
 
 def test_gil_free_deadline_with_a_replaced_stderr():
@@ -297,9 +300,7 @@ def test_gil_free_deadline_with_a_replaced_stderr():
     code = ("import io, sys\nfrom dbo.peers.watchdog import gil_free_deadline\n"
             "sys.stderr = io.StringIO()\n"
             "with gil_free_deadline(0.5):\n" + textwrap.indent(_HOLDS_THE_GIL, "    "))
-    proc, took = _run(code)
-    assert proc.returncode == 1 and "Timeout" in proc.stderr, proc
-    assert took < 30, took
+    _run_to_the_deadline(code)
 
 
 def test_gil_free_deadlines_of_several_threads_keep_the_earliest():
@@ -316,9 +317,7 @@ def test_gil_free_deadlines_of_several_threads_keep_the_earliest():
             "with gil_free_deadline(1.5):\n"
             "    close.set()\n"
             "    closed.wait()\n" + textwrap.indent(_HOLDS_THE_GIL, "    "))
-    proc, took = _run(code)
-    assert proc.returncode == 1 and "Timeout (0:00:01" in proc.stderr, proc
-    assert took < 30, took
+    _run_to_the_deadline(code, "Timeout (0:00:01")
 
 
 def test_a_failed_rank_whose_cuda_context_is_lost_ends_at_once():
