@@ -45,6 +45,7 @@ from dbo.experts.kernels.gather_reduce import gather_reduce
 
 from ..fp8 import FP8_BLOCK, quantize_fp8_blocks
 from ..simulated_link import LinkServer, SimulatedLink
+from . import ll_kernels
 from .streams import EventOverlap, StreamEvent, Streams
 
 __all__ = ["EmulatedGroup", "EmulatedBuffer", "EmulatedConfig", "DISPATCH_PAIR_EXTRA_BYTES"]
@@ -141,6 +142,8 @@ class EmulatedBuffer:
         #: hosts, or ``remote_fraction`` of every other rank's where it is given
         self.remote_share = (self._off_host.to(torch.float32) if remote_fraction is None
                              else self._other_rank.to(torch.float32) * remote_fraction)
+        #: the same x 1024, as the flows count bytes (int64 ``[N]``)
+        self.share_q = self._quantized(self.remote_share)
         if self.num_hosts > 1 and self.group_size % group.gpus_per_host:
             raise ValueError(f"a group of {self.group_size} ranks over hosts of {group.gpus_per_host} GPUs: "
                              "the group size must be a multiple of gpus_per_host")
@@ -182,22 +185,40 @@ class EmulatedBuffer:
 
     # ---- the link ---------------------------------------------------------------------------
 
-    def _hold(self, phase: str, units: torch.Tensor, unit_bytes: float, fixed_us: float | None = None
+    def _hold(self, phase: str, units_q: torch.Tensor, unit_bytes: float, fixed_us: float | None = None
               ) -> Callable[[], None]:
-        """Queue a flow of ``units * unit_bytes`` bytes (``units``: a one-element float32 tensor on
-        the device, counted from the routing) ready at this point of the current stream; returns
-        what its receiver calls first. ``fixed_us``: instead of the phase's fixed cost."""
+        """Queue a flow of ``units_q / 1024 * unit_bytes`` bytes (``units_q``: a one-element int64
+        tensor on the device, counted from the routing in 1/1024 units) ready at this point of the
+        current stream; returns what its receiver calls first. ``fixed_us``: instead of the
+        phase's fixed cost."""
         if self._server is None:
             return _nothing
         start = self._server.start(self.device)
-        count = torch.round(units * 1024).to(torch.int64)  # in 1/1024 units: the flow kernel's integers
-        wait = self._server.hold(start, self.device, phase, count=count,
+        wait = self._server.hold(start, self.device, phase, count=units_q,
                                  bytes_per_count=unit_bytes / 1024, fixed_us=fixed_us)
 
         def held() -> None:
             wait()
-            count.data_ptr()  # (the closure keeps the count alive until the flow arrived)
+            units_q.data_ptr()  # (the closure keeps the count alive until the flow arrived)
         return held
+
+    @staticmethod
+    def _quantized(units: torch.Tensor) -> torch.Tensor:
+        """``units`` ``[1]`` float32 as the flows count them: int64, in 1/1024 units."""
+        return torch.round(units * 1024).to(torch.int64)
+
+    def remote_units(self, topk_idx: torch.Tensor, n_local: int, dest: torch.Tensor | None = None
+                     ) -> torch.Tensor:
+        """The (token, expert) pairs of ``topk_idx`` ``[T, k]`` that leave the host, each weighted
+        by its destination's share of bytes that cross the link, in 1/1024 units: ``[1]`` int64
+        (a low-latency call sends one message per pair). ``dest``: the pairs' destination ranks
+        ``[T * k]``, where known."""
+        if dest is None and ll_kernels.usable(topk_idx):
+            return ll_kernels.ll_remote_units(topk_idx, self.share_q, n_local)
+        if dest is None:
+            dest = torch.div(topk_idx.clamp(min=0), n_local, rounding_mode="floor").reshape(-1)
+        valid = topk_idx.reshape(-1) >= 0
+        return torch.where(valid, self.share_q[dest], 0).sum().reshape(1)
 
     # ---- low-latency mode ---------------------------------------------------------------------
 
@@ -291,32 +312,36 @@ class EmulatedBuffer:
         streams = self._streams
         with streams.kernel(None, on_current=return_recv_hook) as stream:
             # the send: the fp8 cast once per token, where each pair lands, the bytes that leave
-            if use_fp8:
-                q, scales = quantize_fp8_blocks(x)
-            else:
-                q, scales = x, None
-            rows, per_key, dest = self.pair_rows(topk_idx, num_experts, cap)
-            # the combine of this dispatch finds its pairs' rows here (a group combine masks
-            # whole experts' ids, which moves no other pair's row)
-            slot["pair_rows"], slot["pair_dest"] = rows, dest
-            pair_bytes = hidden * q.element_size() + (hidden // FP8_BLOCK * 4 if use_fp8 else 0) \
+            pair_bytes = hidden * (1 if use_fp8 else 2) + (hidden // FP8_BLOCK * 4 if use_fp8 else 0) \
                 + DISPATCH_PAIR_EXTRA_BYTES
-            share = self.remote_share
-            valid = topk_idx.reshape(-1) >= 0
-            units = (torch.where(valid, share[dest], 0.0)).sum().reshape(1)
-            tokens = torch.arange(t, device=x.device).repeat_interleave(k)
+            fused = ll_kernels.usable(x)
+            if fused:
+                q, scales, rows, rows0, units = ll_kernels.ll_send(
+                    x, topk_idx, self.share_q, slot, n=n, n_local=n_local, cap=cap, use_fp8=use_fp8)
+            else:
+                q, scales = quantize_fp8_blocks(x) if use_fp8 else (x, None)
+                rows, per_key, dest = self.pair_rows(topk_idx, num_experts, cap)
+                rows0 = torch.where(topk_idx.reshape(-1) >= 0, rows, 0)
+                units = self.remote_units(topk_idx, n_local, dest)
+                slot["count"].copy_(per_key.sum(1))
+                begin = torch.cumsum(per_key, 1) - per_key
+                slot["layout_range"].copy_((begin << 32) | per_key)
+            # the combine of this dispatch finds its pairs' rows here (a group combine
+            # masks whole experts' ids, which moves no other pair's row)
+            slot["pair_rows"] = rows0
             held = self._hold("dispatch", units, pair_bytes)
 
             def receive() -> None:
                 held()
-                # (as bytes: CUDA has no fp8 index_copy)
-                slot["x"].view(torch.uint8).index_copy_(0, rows, _bytes(q).index_select(0, tokens))
-                if scales is not None:
-                    slot["scales"].index_copy_(0, rows, scales.index_select(0, tokens))
-                slot["src_info"].index_copy_(0, rows, tokens.to(torch.int32))
-                slot["count"].copy_(per_key.sum(1))
-                begin = torch.cumsum(per_key, 1) - per_key
-                slot["layout_range"].copy_((begin << 32) | per_key)
+                if fused:
+                    ll_kernels.ll_unpack(q, scales, rows, k, slot)
+                else:
+                    tokens = torch.arange(t, device=x.device).repeat_interleave(k)
+                    # (as bytes: CUDA has no fp8 index_copy)
+                    slot["x"].view(torch.uint8).index_copy_(0, rows, _bytes(q).index_select(0, tokens))
+                    if scales is not None:
+                        slot["scales"].index_copy_(0, rows, scales.index_select(0, tokens))
+                    slot["src_info"].index_copy_(0, rows, tokens.to(torch.int32))
                 if cumulative_local_expert_recv_stats is not None:
                     cumulative_local_expert_recv_stats.add_(slot["count"])
 
@@ -354,15 +379,14 @@ class EmulatedBuffer:
             # the send: each pair's expert output row, packed per (token, expert)
             slot = self._slot_of(handle[0])
             if slot is not None and slot.get("pair_rows") is not None and slot["pair_rows"].numel() == t * k:
-                rows, dest = slot["pair_rows"], slot["pair_dest"]
+                rows0 = slot["pair_rows"]
             else:  # a handle whose tensors were copied out of the buffer (sbo+dbo): the same rows again
-                rows, _, dest = self.pair_rows(topk_idx, num_experts, cap)
-            # (a group's combine masks whole experts' ids: the others' rows do not move)
-            flat = x.reshape(n_local * cap, hidden)
-            valid = topk_idx.reshape(-1) >= 0
-            wire = flat.index_select(0, torch.where(valid, rows, 0))
-            share = self.remote_share
-            units = torch.where(valid, share[dest], 0.0).sum().reshape(1)
+                rows, _, _ = self.pair_rows(topk_idx, num_experts, cap)
+                rows0 = torch.where(topk_idx.reshape(-1) >= 0, rows, 0)
+            # (a group's combine masks whole experts' ids: the others' rows do not move, and the
+            # bytes are its own pairs')
+            wire = x.reshape(n_local * cap, hidden).index_select(0, rows0)
+            units = self.remote_units(topk_idx, n_local)
             held = self._hold("combine", units, hidden * 2)
             slots = torch.arange(t * k, device=x.device).view(t, k)
             weights = topk_weights.to(torch.float32)
@@ -438,7 +462,7 @@ class EmulatedBuffer:
             per_expert.index_add_(0, local_ids.reshape(-1),
                                   torch.ones(t * k, dtype=torch.int64, device=q.device))
             counts = torch.cat([num_recv, per_expert[:-1]])
-            notify = self._hold("notify", torch.zeros(1, device=q.device), 0.0,
+            notify = self._hold("notify", torch.zeros(1, dtype=torch.int64, device=q.device), 0.0,
                                 fixed_us=None if self.link is None else self.link.fixed_us("dispatch"))
             notify()
             host = torch.empty(counts.shape, dtype=torch.int64, pin_memory=q.is_cuda)
@@ -463,7 +487,7 @@ class EmulatedBuffer:
             send_q = q.clone()
             send_scales = None if scales is None else scales.clone()
             row_bytes = q.shape[1] * q.element_size() + (0 if scales is None else scales.shape[1] * 4)
-            units = self.rows_off_host(in_rank)
+            units = self._quantized(self.rows_off_host(in_rank))
             held = self._hold("dispatch", units, row_bytes, fixed_us=0.0)
             held()
             # the receive: the rows, their local top-k (-1 for experts of other ranks)
@@ -491,7 +515,7 @@ class EmulatedBuffer:
         streams = self._streams
         with streams.kernel(previous_event, on_current=False) as stream:
             send = x.clone()  # the rows pack into the send buffer
-            units = self.rows_off_host(handle.in_rank)
+            units = self._quantized(self.rows_off_host(handle.in_rank))
             held = self._hold("combine", units, x.shape[1] * x.element_size())
             held()
             acc = torch.zeros((handle.num_tokens, x.shape[1]), dtype=torch.float32, device=x.device)

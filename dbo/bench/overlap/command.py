@@ -114,6 +114,11 @@ def run(args: argparse.Namespace, rank: int, world: int, device: torch.device, o
         print(link.describe(), flush=True)
     sim = getattr(args, "link_model", None)
     env["simulated_link"] = None if sim is None else sim.as_dict()
+    if sim is not None and args.emulate_ep:
+        # an emulated rank counts the remote bytes itself: from the hosts, or --remote-fraction
+        env["simulated_link"]["remote_fraction"] = (
+            args.remote_fraction if args.remote_fraction is not None
+            else 1.0 - min(args.gpus_per_host, args.emulate_ep) / args.emulate_ep)
     if sim is not None and rank == 0:
         print(sim.describe(), flush=True)
     target = profile_target(args)

@@ -1,0 +1,209 @@
+"""The emulated low-latency calls' GPU work in three kernels, as DeepEP's is in two per call.
+
+A DeepEP low-latency dispatch is one send kernel (the fp8 cast of each token, the messages per
+(token, expert) pair) and one receive kernel (the pairs into the experts' slabs); a combine is
+one send kernel (each pair's expert row into the send buffer) and one receive kernel (the
+weighted sum per token). Written as torch ops, the emulation's bookkeeping alone (where each
+pair lands, the counts, the bytes that leave the host) is some fifty small kernels per call, whose
+launches and gaps would be timed as communication. Here:
+
+* :func:`ll_send` is one launch: its first program routes (counts per (local expert, source
+  rank) key, their offsets, each pair's row by an atomic cursor, the bytes that leave the host in
+  1/1024 units), the others cast one token each to fp8 with its per-128 scales (or copy it).
+* :func:`ll_unpack` is one launch: each program copies one pair's row and scales into its slab
+  row and writes its ``src_info``.
+* :func:`ll_remote_units` is one launch: the bytes a combine sends off the host (a group
+  combine masks whole experts, so it counts its own pairs).
+
+The torch route (:meth:`EmulatedBuffer.pair_rows`) is the reference the GPU test holds these to;
+the pairs of one (local expert, source rank) key take their rows in atomic order, not token order
+(DeepEP's receive order is not the token order either). Needs Triton and CUDA
+(:data:`AVAILABLE`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+
+    AVAILABLE = True
+except ImportError:  # pragma: no cover - the CPU install has no Triton
+    AVAILABLE = False
+
+__all__ = ["AVAILABLE", "usable", "ll_send", "ll_unpack", "ll_remote_units"]
+
+#: the fp8 cast's block, as :mod:`dbo.backends.fp8`'s
+_BLOCK = 128
+_FP8_MAX = 448.0
+
+
+def usable(t: torch.Tensor) -> bool:
+    """Whether the kernels run for tensors like ``t`` (CUDA, with Triton)."""
+    return AVAILABLE and t.is_cuda
+
+
+if AVAILABLE:
+    @triton.jit
+    def _route(topk_ptr, share_ptr, hist_ptr, cursor_ptr, rows_ptr, rows0_ptr, count_ptr,
+               layout_ptr, units_ptr, num_pairs, n, n_local, cap,
+               E_PAD: tl.constexpr, L_PAD: tl.constexpr, PAIRS: tl.constexpr):
+        # key = local expert * n + source rank: the pairs of one key are contiguous in its slab
+        e = tl.arange(0, E_PAD)
+        num_keys = n_local * n
+        tl.store(hist_ptr + e, tl.zeros([E_PAD], tl.int32), mask=e < num_keys)
+        tl.debug_barrier()
+        units = tl.zeros([PAIRS], tl.int64)
+        for start in range(0, num_pairs, PAIRS):
+            p = start + tl.arange(0, PAIRS)
+            ids = tl.load(topk_ptr + p, mask=p < num_pairs, other=-1)
+            valid = ids >= 0
+            safe = tl.where(valid, ids, 0)
+            dest = safe // n_local
+            key = (safe % n_local) * n + dest
+            tl.atomic_add(hist_ptr + key, tl.full([PAIRS], 1, tl.int32), mask=valid)
+            units += tl.where(valid, tl.load(share_ptr + dest, mask=valid, other=0), 0)
+        tl.store(units_ptr, tl.sum(units, 0))
+        tl.debug_barrier()
+        hist = tl.load(hist_ptr + e, mask=e < num_keys, other=0, volatile=True)
+        excl = tl.cumsum(hist, 0) - hist
+        tl.store(cursor_ptr + e, excl, mask=e < num_keys)
+        tl.debug_barrier()
+        # each key's first row inside its expert's slab; each expert's rows and per-rank ranges
+        first = tl.load(cursor_ptr + (e // n) * n, mask=e < num_keys, other=0, volatile=True)
+        begin = excl - first
+        tl.store(layout_ptr + e, (begin.to(tl.int64) << 32) | hist.to(tl.int64), mask=e < num_keys)
+        le = tl.arange(0, L_PAD)
+        lo = tl.load(cursor_ptr + le * n, mask=le < n_local, other=0, volatile=True)
+        hi = tl.load(cursor_ptr + le * n + n - 1, mask=le < n_local, other=0, volatile=True) \
+            + tl.load(hist_ptr + le * n + n - 1, mask=le < n_local, other=0, volatile=True)
+        tl.store(count_ptr + le, hi - lo, mask=le < n_local)
+        tl.debug_barrier()
+        tl.store(cursor_ptr + e, begin, mask=e < num_keys)
+        tl.debug_barrier()
+        for start in range(0, num_pairs, PAIRS):
+            p = start + tl.arange(0, PAIRS)
+            ids = tl.load(topk_ptr + p, mask=p < num_pairs, other=-1)
+            valid = ids >= 0
+            safe = tl.where(valid, ids, 0)
+            local = safe % n_local
+            key = local * n + safe // n_local
+            pos = tl.atomic_add(cursor_ptr + key, tl.full([PAIRS], 1, tl.int32), mask=valid)
+            row = local.to(tl.int64) * cap + pos.to(tl.int64)
+            spare = (cap * n_local).to(tl.int64)
+            tl.store(rows_ptr + p, tl.where(valid, row, spare), mask=p < num_pairs)
+            tl.store(rows0_ptr + p, tl.where(valid, row, 0), mask=p < num_pairs)
+
+    @triton.jit
+    def _send(x_ptr, q_ptr, scales_ptr, topk_ptr, share_ptr, hist_ptr, cursor_ptr, rows_ptr,
+              rows0_ptr, count_ptr, layout_ptr, units_ptr, num_pairs, n, n_local, cap, hidden,
+              FP8: tl.constexpr, E_PAD: tl.constexpr, L_PAD: tl.constexpr, PAIRS: tl.constexpr,
+              BLOCKS: tl.constexpr):
+        pid = tl.program_id(0)
+        if pid == 0:
+            _route(topk_ptr, share_ptr, hist_ptr, cursor_ptr, rows_ptr, rows0_ptr, count_ptr,
+                   layout_ptr, units_ptr, num_pairs, n, n_local, cap, E_PAD, L_PAD, PAIRS)
+        elif FP8:
+            t = (pid - 1).to(tl.int64)
+            b = tl.arange(0, BLOCKS)[:, None]
+            c = tl.arange(0, 128)[None, :]
+            mask = (b * 128 < hidden) & (c < 128)
+            v = tl.load(x_ptr + t * hidden + b * 128 + c, mask=mask, other=0.0).to(tl.float32)
+            amax = tl.maximum(tl.max(tl.abs(v), 1), 1e-4)
+            scale = amax / 448.0
+            q = tl.clamp(v / scale[:, None], -448.0, 448.0)
+            tl.store(q_ptr + t * hidden + b * 128 + c, q.to(tl.float8e4nv), mask=mask)
+            bb = tl.arange(0, BLOCKS)
+            tl.store(scales_ptr + t * (hidden // 128) + bb, scale, mask=bb * 128 < hidden)
+
+    @triton.jit
+    def _unpack(q_ptr, scales_ptr, rows_ptr, src_ptr, slab_ptr, slab_scales_ptr, k, row_bytes,
+                num_scales, SCALES: tl.constexpr, BYTES: tl.constexpr, S_PAD: tl.constexpr):
+        p = tl.program_id(0)
+        token = p // k
+        row = tl.load(rows_ptr + p)
+        for off in range(0, row_bytes, BYTES):
+            o = off + tl.arange(0, BYTES)
+            m = o < row_bytes
+            tl.store(slab_ptr + row * row_bytes + o,
+                     tl.load(q_ptr + token.to(tl.int64) * row_bytes + o, mask=m), mask=m)
+        if SCALES:
+            s = tl.arange(0, S_PAD)
+            m = s < num_scales
+            tl.store(slab_scales_ptr + row * num_scales + s,
+                     tl.load(scales_ptr + token.to(tl.int64) * num_scales + s, mask=m), mask=m)
+        tl.store(src_ptr + row, token.to(tl.int32))
+
+    @triton.jit
+    def _units(topk_ptr, share_ptr, units_ptr, num_pairs, n_local, PAIRS: tl.constexpr):
+        units = tl.zeros([PAIRS], tl.int64)
+        for start in range(0, num_pairs, PAIRS):
+            p = start + tl.arange(0, PAIRS)
+            ids = tl.load(topk_ptr + p, mask=p < num_pairs, other=-1)
+            valid = ids >= 0
+            dest = tl.where(valid, ids, 0) // n_local
+            units += tl.where(valid, tl.load(share_ptr + dest, mask=valid, other=0), 0)
+        tl.store(units_ptr, tl.sum(units, 0))
+
+
+def ll_send(x: torch.Tensor, topk_idx: torch.Tensor, share_q: torch.Tensor, slot: dict[str, torch.Tensor],
+            *, n: int, n_local: int, cap: int, use_fp8: bool
+            ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The send of a low-latency dispatch, one launch. ``x`` ``[T, hidden]`` bf16, ``topk_idx``
+    ``[T, k]`` int64 (``-1``: no expert), ``share_q`` ``[n]`` int64 (each destination rank's share
+    of its bytes that crosses the link, x 1024). Writes the slot's ``count`` ``[L]`` int32 and
+    ``layout_range`` ``[L, n]`` int64 (DeepEP's ``(begin << 32) | count``). Returns ``(q, scales,
+    rows, rows0, units_q)``: the send buffer (``[T, hidden]`` fp8 and ``[T, hidden / 128]``
+    float32 with ``use_fp8``, else ``x`` and None); each pair's slab row ``[T * k]`` int64
+    (``L * cap`` for no expert), the same with 0 for no expert, and the pairs that leave the
+    host x 1024, ``[1]`` int64."""
+    t, k = topk_idx.shape
+    hidden = x.shape[1]
+    dev = x.device
+    num_keys = n_local * n
+    hist = torch.empty(num_keys, dtype=torch.int32, device=dev)
+    cursor = torch.empty(num_keys, dtype=torch.int32, device=dev)
+    rows = torch.empty(t * k, dtype=torch.int64, device=dev)
+    rows0 = torch.empty(t * k, dtype=torch.int64, device=dev)
+    units = torch.empty(1, dtype=torch.int64, device=dev)
+    x = x.contiguous()
+    if use_fp8:
+        q = torch.empty((t, hidden), dtype=torch.float8_e4m3fn, device=dev)
+        scales = torch.empty((t, hidden // _BLOCK), dtype=torch.float32, device=dev)
+    else:
+        q, scales = x, None
+    _send[(1 + (t if use_fp8 else 0),)](
+        x, q, scales if scales is not None else units, topk_idx.contiguous(), share_q, hist, cursor,
+        rows, rows0, slot["count"], slot["layout_range"], units, t * k, n, n_local, cap, hidden,
+        FP8=use_fp8, E_PAD=triton.next_power_of_2(num_keys), L_PAD=triton.next_power_of_2(n_local),
+        PAIRS=1024, BLOCKS=triton.next_power_of_2(max(hidden // _BLOCK, 1)), num_warps=4)
+    return q, scales, rows, rows0, units
+
+
+def ll_unpack(q: torch.Tensor, scales: torch.Tensor | None, rows: torch.Tensor, k: int,
+              slot: dict[str, torch.Tensor]) -> None:
+    """The receive of a low-latency dispatch, one launch: pair ``p`` (token ``p // k``) of the
+    send buffer ``q`` ``[T, hidden]`` (and ``scales``) into slab row ``rows[p]`` of the slot's
+    ``x`` (and ``scales``), its token into ``src_info``."""
+    num_pairs = rows.numel()
+    if num_pairs == 0:
+        return
+    row_bytes = q.shape[1] * q.element_size()
+    num_scales = 0 if scales is None else scales.shape[1]
+    slab = slot["x"].view(torch.uint8)
+    slab_scales = slot["scales"] if scales is not None else slot["src_info"]
+    _unpack[(num_pairs,)](
+        q.view(torch.uint8), scales if scales is not None else slot["src_info"], rows, slot["src_info"],
+        slab, slab_scales, k, row_bytes, max(num_scales, 1), SCALES=scales is not None,
+        BYTES=min(4096, triton.next_power_of_2(row_bytes)), S_PAD=triton.next_power_of_2(max(num_scales, 1)),
+        num_warps=4)
+
+
+def ll_remote_units(topk_idx: torch.Tensor, share_q: torch.Tensor, n_local: int) -> torch.Tensor:
+    """The pairs of ``topk_idx`` ``[T, k]`` that leave the host, x 1024 (``share_q`` per
+    destination rank), ``[1]`` int64, one launch."""
+    units = torch.empty(1, dtype=torch.int64, device=topk_idx.device)
+    _units[(1,)](topk_idx.contiguous(), share_q, units, topk_idx.numel(), n_local, PAIRS=1024, num_warps=4)
+    return units
