@@ -30,6 +30,8 @@ def _breakdown(tmp_path, serial: list[dict], dbo: list[dict], gz: bool = False) 
     out = run.stdout
     rows = {}
     for line in out.splitlines()[1:-2]:  # the last two: the overlap arithmetic, the verdict
+        if line.endswith(":"):  # a heading
+            continue
         *label, a, b, r = line.split()
         rows[" ".join(label)] = (float(a), float(b), float(r))
     return rows, out
@@ -65,3 +67,27 @@ def test_the_simulated_links_waits_are_not_the_compute_stream(tmp_path):
     assert rows["compute stream idle"][:2] == (3.0, 2.5), out
     assert rows["kernels: link wait (simulated)"][:2] == (3.0, 3.0), out
     assert rows["kernels: fused experts"][:2] == (2.0, 2.0), out  # the library's kernel names
+
+
+def _call(name: str, ts: float, dur: float, tid: int = 1) -> dict:
+    return {"ph": "X", "cat": "cuda_runtime", "name": name, "ts": ts, "dur": dur, "pid": 0, "tid": tid}
+
+
+def test_the_host_time_splits_into_launches_waits_and_python(tmp_path):
+    gpu = [_k("cutlass_gemm", 7, 0, 4000), _k("deep_ep::dispatch", 20, 4000, 2000),
+           _k("cutlass_gemm", 7, 6000, 1000)]
+    # the step's thread: 10 ms from its first to last event, 3 ms launching, 4 ms waiting on an
+    # event, 0.5 ms recording events; a second thread's calls are not the step's
+    serial = gpu + [_call("cudaLaunchKernel", 0, 1000), _call("cuLaunchKernelEx", 2000, 2000),
+                    _call("cudaEventSynchronize", 5000, 4000), _call("cudaEventRecord", 9500, 500),
+                    _call("cudaLaunchKernel", 0, 300, tid=2)]
+    dbo = [_k("cutlass_gemm", 7, 0, 5000), _k("deep_ep::dispatch", 20, 1000, 2000)] + [
+        _call("cudaLaunchKernel", 0, 2000), _call("cudaStreamSynchronize", 2000, 2000),
+                 _call("cudaGraphLaunch", 4000, 1000)]
+    rows, out = _breakdown(tmp_path, serial, dbo)
+    assert "host (the thread that ran the step):" in out
+    assert rows["span"][:2] == (10.0, 5.0)
+    assert rows["launches"][:2] == (3.0, 3.0)
+    assert rows["waits on the GPU"][:2] == (4.0, 2.0)
+    assert rows["other CUDA calls"][:2] == (0.5, 0.0)
+    assert rows["Python and dispatch"][:2] == (2.5, 0.0)

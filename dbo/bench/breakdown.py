@@ -5,7 +5,9 @@
 step, the GPU time of each kernel category, the busy and idle time of the compute stream (the stream
 with the most kernel time, past DeepEP's and the simulated link's) and the step's span, then the
 overlap arithmetic: idle time removed, compute time added, and the share of the serial step's idle
-(its communication) that was hidden. The verdict: PASS when the DBO step hid some of it.
+(its communication) that was hidden, and where the host's time of the step went (:func:`host_split`:
+kernel launches, waits on the GPU, other CUDA calls, and the rest: Python and torch's dispatch).
+The verdict: PASS when the DBO step hid some of it.
 """
 
 from __future__ import annotations
@@ -17,14 +19,14 @@ from collections import defaultdict
 from dbo.bench.cli import ArgumentParser, verdict
 from dbo.bench.timeline import read_chrome_trace
 
-__all__ = ["CATEGORIES", "breakdown", "main"]
+__all__ = ["CATEGORIES", "HOST_PARTS", "breakdown", "host_split", "main"]
 
 PROG = "python -m dbo.bench breakdown"
 
 #: the simulated link's modelled waits, on a link stream of their own (never the compute stream):
 #: the global-timer wait (``dbo.backends.simulated_link.wall_wait``), or torch's cycle-counting
 #: spin kernel without Triton
-LINK_WAITS = ("_wait_wall_kernel", "spin_kernel")
+LINK_WAITS = ("_wait_wall_kernel", "_nic_flow_kernel", "spin_kernel")
 
 CATEGORIES = (  # (name, substring of the kernel name), first match wins
     ("DeepEP", "deep_ep"),
@@ -44,6 +46,41 @@ CATEGORIES = (  # (name, substring of the kernel name), first match wins
     ("gather-reduce", "gather_reduce"),
     ("index_add", "indexFunc"),
 )
+
+
+#: the host's CUDA calls by what they cost it, (part, substring of the call's name), first match
+#: wins; the host's time outside them is Python and torch's own dispatch
+HOST_PARTS = (
+    ("launches", "Launch"),  # cudaLaunchKernel(ExC), cuLaunchKernel(Ex), cudaGraphLaunch
+    ("waits on the GPU", "Synchronize"),  # cudaEventSynchronize, cudaStreamSynchronize, ...
+    ("waits on the GPU", "cudaMemcpy "),  # a blocking copy (the async ones are "cudaMemcpyAsync")
+    ("other CUDA calls", ""),
+)
+
+
+def host_split(path: str) -> dict[str, float]:
+    """Where the host's time of one trace's step went, ms: ``span`` (the main thread's first to
+    last event), each :data:`HOST_PARTS` part (the CUDA runtime and driver calls' time), and
+    ``Python and dispatch`` (the rest). Reads the busiest host thread (the one that ran the
+    step). Empty where the trace holds no CUDA calls."""
+    events = [e for e in read_chrome_trace(path)["traceEvents"] if e.get("ph") == "X"]
+    calls = [e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")]
+    if not calls:
+        return {}
+    per_thread: dict[tuple, float] = defaultdict(float)
+    for e in calls:
+        per_thread[(e.get("pid"), e.get("tid"))] += e["dur"]
+    main = max(per_thread, key=per_thread.get)
+    mine = [e for e in events if (e.get("pid"), e.get("tid")) == main]
+    span = (max(e["ts"] + e["dur"] for e in mine) - min(e["ts"] for e in mine)) / 1000
+    parts: dict[str, float] = {name: 0.0 for name, _ in HOST_PARTS}
+    for e in calls:
+        if (e.get("pid"), e.get("tid")) != main:
+            continue
+        name = next(part for part, key in HOST_PARTS if key in e["name"])
+        parts[name] += e["dur"] / 1000
+    parts["Python and dispatch"] = max(span - sum(parts.values()), 0.0)
+    return {"span": span, **parts}
 
 
 def _load(path: str) -> list[dict]:
@@ -122,6 +159,13 @@ def main(argv: list[str] | None = None) -> int:
     for name, x, y in rows:
         ratio = f"{y / x:10.2f}" if x else f"{'-':>10}"
         print(f"{name:32} {x:10.2f} {y:10.2f} {ratio}")
+    hs, hd = host_split(a.serial), host_split(a.dbo)
+    if hs and hd:
+        print("host (the thread that ran the step):")
+        for part in ("span", *dict.fromkeys(name for name, _ in HOST_PARTS), "Python and dispatch"):
+            x, y = hs[part], hd[part]
+            ratio = f"{y / x:10.2f}" if x else f"{'-':>10}"
+            print(f"{'  ' + part:32} {x:10.2f} {y:10.2f} {ratio}")
     removed = s["compute_idle"] - d["compute_idle"]
     added = d["compute_busy"] - s["compute_busy"]
     hidden = removed - added
