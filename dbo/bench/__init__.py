@@ -22,8 +22,9 @@ host-sync detection), :mod:`dbo.bench.limits` (the hardware limits measured in t
 options, beside the library's :mod:`dbo.cli`: one-line errors for bad input, the verdict line),
 :mod:`dbo.bench.timeline` (a GPU trace drawn as SVG, a trace file read plain or gzipped). Process
 group set-up and teardown are the library's (:mod:`dbo.peers.process_group`). So are the overlap command's
-:mod:`dbo.bench.overlap.report` (summaries, table, plot) and :mod:`dbo.bench.overlap.model` (the
-benchmark's model and its stand-ins).
+:mod:`dbo.bench.overlap.record` (what a run measured, its bundle's JSON read back),
+:mod:`dbo.bench.overlap.report` (table, plot) and :mod:`dbo.bench.overlap.model` (the benchmark's
+model and its stand-ins).
 """
 
 __all__: list[str] = []

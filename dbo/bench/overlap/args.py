@@ -1,4 +1,6 @@
-"""The overlap benchmark's command line, defaults, process group and environment record."""
+"""The overlap benchmark's command line: the parser, the defaults per device, and the one place the
+parsed line becomes :class:`~dbo.bench.overlap.options.OverlapOptions`; the run's environment
+record and DeepEP's set-up before any buffer exists."""
 
 from __future__ import annotations
 
@@ -14,11 +16,10 @@ from typing import Any
 import torch
 
 import dbo
-from dbo.backends import BACKENDS, backend_options, describe_backend
+from dbo.backends import BACKENDS, describe_backend
 from dbo.bench.cli import (
     ArgumentParser,
     add_link_arguments,
-    check_at_least,
     check_backend_fits,
     check_device,
     check_experts_split,
@@ -28,21 +29,21 @@ from dbo.bench.cli import (
     env_world_size,
     parse_link,
 )
+from dbo.bench.overlap.options import (
+    DEFAULT_BACKEND,
+    DEFAULT_MODES,
+    DTYPES,
+    MODES,
+    TOLERANCE,
+    OverlapOptions,
+    portable,
+)
 
-__all__ = ["DTYPES", "TOLERANCE", "MODES", "SCHEMA", "PROG", "DEFAULT_BACKEND", "parse_args",
-           "resolve_defaults", "portable", "collect_env", "configure_deepep", "count_configs",
-           "profile_target"]
+__all__ = ["DTYPES", "TOLERANCE", "MODES", "PROG", "DEFAULT_BACKEND", "parse_args",
+           "options_from", "defaults", "parse_backend_opts", "portable", "collect_env",
+           "configure_deepep"]
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
-MODES = ("compute", "dbo_compute", "merged_compute", "comm", "serial", "dbo", "merged", "sbo", "sbo_dbo")
-#: what runs unless --modes says otherwise (sbo and sbo+dbo pay in decode only: the decode steps
-#: ask for them)
-DEFAULT_MODES = MODES[:-2]
-SCHEMA = "dbo.bench_overlap/2"  # 2: one expert implementation (no expert_chunks)
 PROG = "python -m dbo.bench overlap"
-#: the backend when --backend is not given, per device (the CPU one must be in cpu_backends())
-DEFAULT_BACKEND = {"cuda": "deepep_ht", "cpu": "all2all"}
 
 
 # ---- arguments ------------------------------------------------------------------------------
@@ -57,7 +58,9 @@ def _opt_int(v: str) -> int | None:
     return n
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> OverlapOptions:
+    """The options of command line ``argv`` (default ``sys.argv[1:]``); bad input ends the
+    program in one line, exit code 2."""
     p = ArgumentParser(prog=PROG,
                        description="How much of the all-to-all dual-batch overlap hides, per MoE "
                                    "layer (run under torchrun)",
@@ -150,62 +153,60 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench_overlap_out", help="directory of the bundle")
     args = p.parse_args(argv)
+    check_device(p, args.device)
     try:
-        args.backend_kwargs = parse_backend_opts(args.backend_opt)
-        args.link_model = parse_link(p, args)
         world = env_world_size()
+        opts = options_from(args, world, link=parse_link(p, args))
     except ValueError as exc:
         p.error(str(exc))
-    emulate(p, args, world)
-    check_device(p, args.device)
-    resolve_defaults(args)
-    check_backend_fits(p, args.backend, device=args.device, dtype=args.dtype,
-                       fake_deep_ep=args.fake_deep_ep)
-    options = backend_options(args.backend)
-    unknown = [k for k in args.backend_kwargs if options is not None and k not in options]
-    if unknown:
-        p.error(f"--backend-opt {unknown[0]}: {args.backend} has no such option (its options: "
-                f"{', '.join(options) or 'none'})")
-    check_at_least(p, args, 1, "hidden", "experts", "topk", "attn_width", "layers", "steps",
-                   "intermediate")
-    check_at_least(p, args, 0, "warmup")
-    check_at_least(p, args, 2, "tokens")  # two ubatches
-    odd = [s for s in args.num_sms if s % 2]
-    if odd:
-        p.error(f"--num-sms {odd[0]}: must be even (DeepEP)")
-    if args.topk > args.experts:
-        p.error(f"--topk {args.topk}: must be <= --experts ({args.experts})")
-    if args.sbo_groups < 1:
-        p.error(f"--sbo-groups {args.sbo_groups}: must be >= 1")
-    check_experts_split(p, args.experts, args.emulate_ep or world)
-    check_memory_fits(p, f"--tokens {max(args.tokens)} (--hidden {args.hidden}, --intermediate "
-                         f"{max(args.intermediate)}, --topk {args.topk}, --layers {args.layers})",
-                      overlap_bytes_at_least(args, world), args.device)
-    if args.save_config:
-        if len(args.intermediate) != 1 or not args.autotune:
-            p.error(f"--save-config {args.save_config}: needs one --intermediate and the autotune "
-                    "(no --no-autotune)")
-        check_writable_file(p, "--save-config", args.save_config)
-    check_writable_folder(p, "--out", args.out)
-    if args.ll_rows not in ("masked", "auto", "full") and not args.ll_rows.isdigit():
-        p.error(f"--ll-rows {args.ll_rows!r}: must be masked, auto, full or a number")
-    if args.profile_shape not in ("auto", "none"):
-        t, sep, i = args.profile_shape.partition(":")
-        if not (sep and t.isdigit() and i.isdigit()):
-            p.error(f"--profile-shape {args.profile_shape!r}: must be TOKENS:INTERMEDIATE, auto "
-                    "or none")
-    return args
+    check_backend_fits(p, opts.backend, device=opts.device, dtype=opts.dtype,
+                       fake_deep_ep=opts.fake_deep_ep)
+    check_experts_split(p, opts.experts, opts.ep_group(0, world)[1])
+    check_memory_fits(p, f"--tokens {max(opts.tokens)} (--hidden {opts.hidden}, --intermediate "
+                         f"{max(opts.intermediate)}, --topk {opts.topk}, --layers {opts.layers})",
+                      opts.bytes_at_least(world), opts.device)
+    if opts.save_config:
+        check_writable_file(p, "--save-config", opts.save_config)
+    check_writable_folder(p, "--out", opts.out)
+    return opts
 
 
-def overlap_bytes_at_least(args: argparse.Namespace, world: int) -> int:
-    """A lower bound of a rank's memory for the largest shape: its tokens in, out and dispatched
-    (``topk`` copies), and its share of every layer's expert weights (three ``hidden x
-    intermediate`` matrices an expert)."""
-    elem = DTYPES[args.dtype].itemsize
-    tokens = max(args.tokens) * args.hidden * elem * (2 + args.topk)
-    experts = args.experts // (args.emulate_ep or world)
-    weights = args.layers * experts * 3 * args.hidden * max(args.intermediate) * elem
-    return tokens + weights
+def options_from(args: argparse.Namespace, world: int, link: Any = None) -> OverlapOptions:
+    """The one place a parsed command line becomes :class:`OverlapOptions`: ``--backend-opt``
+    parsed, an emulated rank's backend and options, the defaults of the device filled in
+    (:func:`defaults`). ``world``: the process group's size; ``link``: ``--link``'s
+    ``SimulatedLink`` (None without it).
+
+    Raises:
+        ValueError: a bad value or combination, in one line naming the option.
+    """
+    values = dict(vars(args))
+    values["backend_kwargs"] = parse_backend_opts(args.backend_opt)
+    values["link_model"] = link
+    if args.emulate_ep is not None:
+        if world != 1:
+            raise ValueError(f"--emulate-ep under a group of {world} ranks: run it as plain python "
+                             "(one process plays the rank)")
+        # a --backend other than emulated is refused by the options, in their words
+        values["backend"] = args.backend or "emulated"
+        values["backend_kwargs"].update(ep_size=args.emulate_ep, rank=args.emulate_rank,
+                                        layout=args.emulate_layout, gpus_per_host=args.gpus_per_host)
+        if args.remote_fraction is not None:
+            values["backend_kwargs"]["remote_fraction"] = args.remote_fraction
+    if values["device"] is None:
+        values["device"] = "cuda" if torch.cuda.is_available() else "cpu"
+    if values["backend"] is None:
+        values["backend"] = DEFAULT_BACKEND[values["device"]]
+    layout = args.emulate_layout if args.emulate_ep else values["backend"]
+    for k, v in defaults(values["device"], layout, quick=args.quick,
+                         emulated=args.emulate_ep is not None).items():
+        if values.get(k) is None:
+            values[k] = v
+    if layout != "deepep_ht" or args.emulate_ep:
+        values["num_sms"] = []  # DeepEP's SM count is normal mode's, on a real group
+    if values["dbo_sm_carveout"] is None:
+        values["dbo_sm_carveout"] = [None]
+    return OverlapOptions(**values)
 
 
 def parse_backend_opts(opts: list[str]) -> dict[str, object]:
@@ -229,93 +230,40 @@ def parse_backend_opts(opts: list[str]) -> dict[str, object]:
     return out
 
 
-def emulate(p: argparse.ArgumentParser, args: argparse.Namespace, world: int) -> None:
-    """``--emulate-ep N``: the emulated backend as rank ``--emulate-rank`` of N (checked here, in one
-    line each); its options join ``args.backend_kwargs``."""
-    if args.emulate_ep is None:
-        if args.backend == "emulated":
-            p.error("--backend emulated: give the group it stands for with --emulate-ep N")
-        return
-    if args.backend not in (None, "emulated"):
-        p.error(f"--emulate-ep with --backend {args.backend}: an emulated rank moves its bytes in "
-                "--emulate-layout (deepep_ll or deepep_ht); leave --backend out")
-    if world != 1:
-        p.error(f"--emulate-ep under a group of {world} ranks: run it as plain python (one process "
-                "plays the rank)")
-    if args.emulate_ep < 2:
-        p.error(f"--emulate-ep {args.emulate_ep}: an expert-parallel group has at least 2 ranks")
-    if not 0 <= args.emulate_rank < args.emulate_ep:
-        p.error(f"--emulate-rank {args.emulate_rank}: must be in [0, {args.emulate_ep})")
-    if args.gpus_per_host < 1 or (args.emulate_ep > args.gpus_per_host
-                                  and args.emulate_ep % args.gpus_per_host):
-        p.error(f"--gpus-per-host {args.gpus_per_host}: must be >= 1 and divide --emulate-ep "
-                f"{args.emulate_ep} when the group spans hosts")
-    if args.remote_fraction is not None and not 0.0 <= args.remote_fraction <= 1.0:
-        p.error(f"--remote-fraction {args.remote_fraction}: want a share in [0, 1]")
-    args.backend = "emulated"
-    args.backend_kwargs.update(ep_size=args.emulate_ep, rank=args.emulate_rank, layout=args.emulate_layout,
-                               gpus_per_host=args.gpus_per_host)
-    if args.remote_fraction is not None:
-        args.backend_kwargs["remote_fraction"] = args.remote_fraction
-
-
-def resolve_defaults(args: argparse.Namespace) -> None:
-    """Fill the arguments left at None: tiny shapes on the CPU, DeepSeek-V3 sizes on GPUs."""
-    if args.device is None:
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    if args.backend is None:
-        args.backend = DEFAULT_BACKEND[args.device]
-    # the layout the bytes move in: the backend's, or the one an emulated rank moves them in
-    args.layout = args.emulate_layout if args.emulate_ep else args.backend
-    cpu, quick = args.device == "cpu", args.quick
-    ll, ht = args.layout == "deepep_ll", args.layout == "deepep_ht"
+def defaults(device: str, layout: str, *, quick: bool, emulated: bool) -> dict[str, Any]:
+    """The values of the options left out: tiny shapes on the CPU, DeepSeek-V3 sizes on GPUs
+    (``layout``: the layout the bytes move in; ``quick``: a small grid)."""
+    cpu = device == "cpu"
+    ll, ht = layout == "deepep_ll", layout == "deepep_ht"
     if cpu:
         # DeepEP's combine is bf16 only (the --fake-deep-ep runs keep its checks)
-        dtype = "bfloat16" if args.layout.startswith("deepep") else "float32"
-        d = dict(dtype=dtype, hidden=128, experts=8, topk=2, attn_width=128, layers=2,
-                 tokens=[64] if quick else [64, 256], intermediate=[64],
-                 steps=3 if quick else 10, warmup=1, time_budget_s=0.0)
+        dtype = "bfloat16" if layout.startswith("deepep") else "float32"
+        d: dict[str, Any] = dict(dtype=dtype, hidden=128, experts=8, topk=2, attn_width=128, layers=2,
+                                 tokens=[64] if quick else [64, 256], intermediate=[64],
+                                 steps=3 if quick else 10, warmup=1, time_budget_s=0.0)
     else:
         # decode steps are short: more layers per step (the CUDA graph captures "several")
         d = dict(dtype="bfloat16", hidden=7168, experts=256, topk=8, attn_width=4096,
-                 layers=4 if ll else 2,
-                 steps=20, warmup=3, time_budget_s=280.0)
+                 layers=4 if ll else 2, steps=20, warmup=3, time_budget_s=280.0)
         if ll:
             d.update(tokens=[64, 256] if quick else [32, 64, 128, 256, 512], intermediate=[2048])
         else:
             d.update(tokens=[4096] if quick else [1024, 4096, 16384],
                      intermediate=[512] if quick else [2048, 512])
-    d["num_sms"] = ([24] if quick else [24, 32, 48]) if ht and not cpu and not args.emulate_ep else []
-    for k, v in d.items():
-        if getattr(args, k, None) is None:
-            setattr(args, k, v)
-    if not ht or args.emulate_ep:
-        args.num_sms = []
-    if args.dbo_sm_carveout is None:
-        args.dbo_sm_carveout = [None]
+    d["num_sms"] = ([24] if quick else [24, 32, 48]) if ht and not cpu and not emulated else []
+    return d
 
 
 # ---- process group and environment ---------------------------------------------------------
 
 
-def portable(arg: str, out: str) -> str:
-    """``arg`` (a value, or ``--flag=value``) with an absolute path written relative to the
-    working directory or the output folder ``out``, else by its last part: bundles are shared
-    (docs/results/) and name no machine's paths."""
-    flag, eq, value = arg.partition("=") if arg.startswith("-") else ("", "", arg)
-    path = Path(value)
-    if not path.is_absolute():
-        return arg
-    bases = (Path.cwd(), Path(out).resolve())
-    base = next((b for b in bases if path.is_relative_to(b)), None)
-    return flag + eq + (str(path.relative_to(base)) if base else path.name)
-
-
-def collect_env(args: argparse.Namespace, device: torch.device, world: int) -> dict[str, Any]:
+def collect_env(device: torch.device, world: int, *, backend: str, out: str) -> dict[str, Any]:
+    """The bundle's ``env``: versions, the device, the relevant environment variables, the
+    command line (paths relative to the working directory or the bundle's folder ``out``)."""
     # no hostname, and argv's paths made portable: bundles are shared (docs/results/)
     env: dict[str, Any] = {
         "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "argv": [portable(a, args.out) for a in sys.argv], "python": platform.python_version(),
+        "argv": [portable(a, out) for a in sys.argv], "python": platform.python_version(),
         "torch": torch.__version__, "torch_cuda": torch.version.cuda, "world_size": world,
         "dbo": getattr(dbo, "__version__", None),
         "env_vars": {k: v for k, v in sorted(os.environ.items())
@@ -333,7 +281,7 @@ def collect_env(args: argparse.Namespace, device: torch.device, world: int) -> d
                    gpu_memory_bytes=props.total_memory, nccl=".".join(map(str, torch.cuda.nccl.version())))
     else:
         env.update(device_name=f"cpu ({os.cpu_count()} cores)", sm_count=None)
-    if args.backend.startswith("deepep"):
+    if backend.startswith("deepep"):
         from dbo.backends.deepep.buffer import detect_deep_ep_api
         env["deep_ep"] = detect_deep_ep_api().describe()
     for mod in ("matplotlib", "tqdm"):
@@ -345,46 +293,22 @@ def collect_env(args: argparse.Namespace, device: torch.device, world: int) -> d
     return env
 
 
-def configure_deepep(args: argparse.Namespace) -> dict[str, Any]:
-    """Before any DeepEP buffer exists: size it for the largest SM count and token count.
-    Returns what it found and changed (for the bundle's environment)."""
+def configure_deepep(backend: str, tokens: tuple[int, ...], num_sms: tuple[int, ...]) -> dict[str, Any]:
+    """Before any DeepEP buffer exists: size it for the largest of ``num_sms`` (DeepEP normal
+    mode's SM counts) and of ``tokens`` (per rank). Returns what it found and changed (for the
+    bundle's environment)."""
     found: dict[str, Any] = {}
-    if args.backend == "deepep_ll":
-        need = (max(args.tokens) + 1) * 2
+    if backend == "deepep_ll":
+        need = (max(tokens) + 1) * 2
         if int(os.environ.get("NVSHMEM_QP_DEPTH", "1024")) < need:
             # DeepEP asserts NVSHMEM_QP_DEPTH >= (max_tokens_per_rank + 1) * 2 (default 1024)
             os.environ["NVSHMEM_QP_DEPTH"] = str(1 << (need - 1).bit_length())
             found["set_NVSHMEM_QP_DEPTH"] = os.environ["NVSHMEM_QP_DEPTH"]
-    if args.backend == "deepep_ht":
+    if backend == "deepep_ht":
         from dbo.backends.deepep.buffer import detect_deep_ep_api
         api = detect_deep_ep_api()
         found["deep_ep_default_num_sms"] = api.buffer_cls.num_sms
-        if args.num_sms:
+        if num_sms:
             # the normal-mode buffer is sized by Buffer.num_sms when created: size it for the most
-            api.buffer_cls.set_num_sms(max(args.num_sms))
+            api.buffer_cls.set_num_sms(max(num_sms))
     return found
-
-
-def count_configs(args: argparse.Namespace) -> int:
-    s = max(1, len(args.num_sms))
-    per = {"compute": 1, "dbo_compute": 1, "merged_compute": 1, "comm": s, "serial": s,
-           "dbo": s * len(args.dbo_sm_carveout), "merged": s * len(args.dbo_sm_carveout), "sbo": s,
-           "sbo_dbo": s}
-    n = sum(per[m] for m in args.modes) + 1  # +1: traces
-    if args.cuda_graph:
-        n += 1
-    if args.autotune:
-        # the untuned wrapper, and the wrapper with the tuned config (the tuning: one more per size)
-        n += 2
-    return n * len(args.tokens) * len(args.intermediate) + (len(args.intermediate) if args.autotune else 0)
-
-
-def profile_target(args: argparse.Namespace) -> tuple[int, int] | None:
-    if args.profile_shape == "none":
-        return None
-    if args.profile_shape == "auto":
-        toks = sorted(args.tokens)
-        t = toks[-1] if args.layout == "deepep_ll" else toks[len(toks) // 2]
-        return t, min(args.intermediate)
-    t, i = args.profile_shape.split(":")
-    return int(t), int(i)

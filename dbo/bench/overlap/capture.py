@@ -34,7 +34,7 @@ def traces(sb: ShapeBench, profile: bool, out_dir: Path) -> dict | None:
     sb.dbo(trace=trace)
     files = {}
     if profile and sb.device.type == "cuda":
-        extra = [m for m in ("merged", "sbo", "sbo_dbo") if m in sb.args.modes]
+        extra = [m for m in ("merged", "sbo", "sbo_dbo") if m in sb.opts.modes]
         for mode in ("dbo", "serial", *extra):
             sb.use_best(mode)
             fn = sb.step(mode)
@@ -49,7 +49,7 @@ def traces(sb: ShapeBench, profile: bool, out_dir: Path) -> dict | None:
                     prof.__enter__()
                 except Exception as exc:  # noqa: BLE001 - a profile is a bonus, never fatal
                     prof = None
-                    sb.rec["warnings"].append(f"torch.profiler failed: {type(exc).__name__}: {exc}")
+                    sb.rec.warnings.append(f"torch.profiler failed: {type(exc).__name__}: {exc}")
             fn()  # every rank runs the step: its collectives must match
             torch.cuda.synchronize()
             if prof is not None:
@@ -60,11 +60,11 @@ def traces(sb: ShapeBench, profile: bool, out_dir: Path) -> dict | None:
                     files[f"gpu_trace_{mode}"] = path.name
                     svg = out_dir / f"timeline_{mode}.svg"
                     svg.write_text(timeline_svg(json.loads(path.read_text()),
-                                                title=f"{sb.label(mode)}, {sb.args.backend}"))
+                                                title=f"{sb.label(mode)}, {sb.opts.backend}"))
                     files[f"timeline_{mode}"] = svg.name
                 except Exception as exc:  # noqa: BLE001
-                    sb.rec["warnings"].append(f"torch.profiler failed: {type(exc).__name__}: {exc}")
-    sb.rec["trace_files"] = files
+                    sb.rec.warnings.append(f"torch.profiler failed: {type(exc).__name__}: {exc}")
+    sb.rec.trace_files = files
     sb.progress.update(sb.label("traces"))
     return trace.to_chrome() if sb.rank == 0 else None
 
@@ -73,7 +73,7 @@ def _capture(sb: ShapeBench, mode: str, res: dict[str, Any], graphs: list[Any]) 
     sb.use_best(mode)
     fn = sb.step(mode)
     eager = fn()
-    res[f"eager_{mode}_ms"] = measure(fn, warmup=1, steps=sb.args.steps, device=sb.device,
+    res[f"eager_{mode}_ms"] = measure(fn, warmup=1, steps=sb.opts.steps, device=sb.device,
                                       memory=False).median_ms / sb.layers
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -91,11 +91,11 @@ def _capture(sb: ShapeBench, mode: str, res: dict[str, Any], graphs: list[Any]) 
     res[f"{mode}_replay_rel_err"] = max_rel_error(static_out, eager, sb.device)
     res[f"{mode}_replay_bitwise_equal"] = bool(
         all_reduce_max([0.0 if torch.equal(static_out, eager) else 1.0])[0] == 0.0)
-    timing = measure(g.replay, warmup=2, steps=sb.args.steps, device=sb.device)
+    timing = measure(g.replay, warmup=2, steps=sb.opts.steps, device=sb.device)
     res[f"graph_{mode}_ms"] = timing.median_ms / sb.layers
     res[f"graph_{mode}_timing"] = timing.to_json()
     if res[f"{mode}_replay_rel_err"] > sb.tol:
-        sb.rec["warnings"].append(f"T={sb.T}: the replayed {mode} graph differs from "
+        sb.rec.warnings.append(f"T={sb.T}: the replayed {mode} graph differs from "
                                   f"eager (rel err {res[f'{mode}_replay_rel_err']:.3e})")
     return static_out
 
@@ -120,7 +120,7 @@ def cuda_graph(sb: ShapeBench) -> None:
     eager. The merged and sbo captures are optional (``--modes``): where one fails, the serial
     and DBO figures stand."""
     res: dict[str, Any] = {"ok": False}
-    sb.rec["cuda_graph"] = res
+    sb.rec.cuda_graph = res
     if sb.budget.expired():
         res["error"] = "skipped: time budget"
         sb.progress.update(sb.label("cuda graph") + " (skipped)")
@@ -137,10 +137,10 @@ def cuda_graph(sb: ShapeBench) -> None:
             res["ok"] = True
         except Exception as exc:  # noqa: BLE001 - report what prevented capture, keep the bundle
             res["error"] = f"{type(exc).__name__}: {exc}"
-            sb.rec["warnings"].append(f"T={sb.T}: CUDA graph capture/replay failed: {res['error']}")
+            sb.rec.warnings.append(f"T={sb.T}: CUDA graph capture/replay failed: {res['error']}")
             _clean_after_failed_capture(sb, res, "error")
         for extra in ("merged", "sbo", "sbo_dbo"):  # the other schedules, where asked for and time allows
-            if not res["ok"] or extra not in sb.args.modes or sb.budget.expired():
+            if not res["ok"] or extra not in sb.opts.modes or sb.budget.expired():
                 continue
             try:
                 out = _capture(sb, extra, res, graphs)
@@ -149,7 +149,7 @@ def cuda_graph(sb: ShapeBench) -> None:
                     res[f"{extra}_vs_serial_rel_err"] = max_rel_error(out, outs["serial"], sb.device)
             except Exception as exc:  # noqa: BLE001 - these figures are extra
                 res[f"{extra}_error"] = f"{type(exc).__name__}: {exc}"
-                sb.rec["warnings"].append(f"T={sb.T}: {extra} CUDA graph failed: {res[extra + '_error']}")
+                sb.rec.warnings.append(f"T={sb.T}: {extra} CUDA graph failed: {res[extra + '_error']}")
                 _clean_after_failed_capture(sb, res, f"{extra}_error")
     finally:
         graphs.clear()

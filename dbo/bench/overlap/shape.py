@@ -8,7 +8,6 @@ tuned config. The CUDA-graph and trace captures are in :mod:`dbo.bench.overlap.c
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import time
 from collections.abc import Callable
@@ -18,7 +17,6 @@ import torch
 
 import dbo
 from dbo.backends.fp8 import FP8_DISPATCH_BYTES
-from dbo.bench.overlap.args import TOLERANCE
 from dbo.bench.overlap.link import COMM_BYTES_BACKENDS, LinkLimits, comm_bytes
 from dbo.bench.overlap.model import (
     BenchModel,
@@ -26,6 +24,9 @@ from dbo.bench.overlap.model import (
     RecordingPrepareAndFinalize,
     ReplayPrepareAndFinalize,
 )
+from dbo.bench.overlap.options import OverlapOptions
+from dbo.bench.overlap.record import Check, Measurement, ShapeRecord
+from dbo.bench.overlap.summary import best_measurement
 from dbo.bench.timing import Progress, measure
 from dbo.expert_schedule import ExpertSchedule, current_expert_schedule, use_expert_schedule
 from dbo.experts import SwiGLUExperts, relative_error
@@ -54,19 +55,19 @@ class Budget:
         return self.hit
 
 
-def compare(out: torch.Tensor, ref: torch.Tensor, device: torch.device) -> dict[str, float]:
-    """``rel``: ||out - ref|| / ||ref||; ``token_median``: the median over tokens of each
-    token's relative error (MAX over ranks). In bf16 a one-ulp difference between a ubatch's
-    and the whole batch's matmuls can flip a near-tie in a later layer's top-k routing and
-    change that token's output entirely; the median ignores those few tokens, not a broken
-    step (which breaks most of them)."""
+def compare(out: torch.Tensor, ref: torch.Tensor, device: torch.device) -> Check:
+    """``out`` ``[M, hidden]`` against ``ref`` (same shape): ``rel`` = ||out - ref|| / ||ref||;
+    ``token_median``: the median over tokens of each token's relative error (MAX over ranks).
+    In bf16 a one-ulp difference between a ubatch's and the whole batch's matmuls can flip a
+    near-tie in a later layer's top-k routing and change that token's output entirely; the
+    median ignores those few tokens, not a broken step (which breaks most of them)."""
     o, r = out.to(torch.float64), ref.to(torch.float64)
     tok = torch.linalg.vector_norm(o - r, dim=-1) / torch.linalg.vector_norm(r, dim=-1).clamp_min(1e-30)
     med = tok.median().item() if tok.numel() else 0.0
     if not torch.isfinite(o).all():
         med = float("inf")
     rel, med = all_reduce_max([relative_error(out, ref), med])
-    return {"rel": rel, "token_median": med}
+    return Check(rel, med)
 
 
 def max_rel_error(out: torch.Tensor, ref: torch.Tensor, device: torch.device) -> float:
@@ -100,25 +101,23 @@ class SMs:
 
 
 class ShapeBench:
-    """Every measurement of one (tokens, intermediate) shape on an existing model."""
+    """Every measurement of one (tokens, intermediate) shape on an existing model, into
+    :attr:`rec` (a :class:`~dbo.bench.overlap.record.ShapeRecord`)."""
 
-    def __init__(self, args: argparse.Namespace, model: BenchModel, backend: Any, tokens: int,
+    def __init__(self, opts: OverlapOptions, model: BenchModel, backend: Any, tokens: int,
                  device: torch.device, rank: int, progress: Progress, budget: Budget,
                  dbo_backend: Any = None):
-        self.args, self.model, self.pf, self.T = args, model, backend, tokens
+        self.opts, self.model, self.pf, self.T = opts, model, backend, tokens
         #: the backend of the DBO runs: deepep_ll's is sized for one ubatch (its capacity is the
         #: most tokens one dispatch sends), as an engine running DBO would size it
         self.pf_dbo = backend if dbo_backend is None else dbo_backend
         self.device, self.rank, self.progress, self.budget = device, rank, progress, budget
         self.layers = model.dims.layers
-        self.tol = TOLERANCE[model.dims.dtype]
+        self.tol = opts.tolerance
         self.sms = SMs(backend)
-        self.rec: dict[str, Any] = {"backend": args.backend, "tokens": tokens,
-                                    "intermediate": model.dims.intermediate,
-                                    "shared_intermediate": model.dims.shared_intermediate,
-                                    "layers": self.layers, "measurements": [], "checks": {},
-                                    "warnings": []}
-        g = torch.Generator(device=device).manual_seed(args.seed * 7919 + rank + 1)
+        self.rec = ShapeRecord(backend=opts.backend, tokens=tokens, intermediate=model.dims.intermediate,
+                               shared_intermediate=model.dims.shared_intermediate, layers=self.layers)
+        g = torch.Generator(device=device).manual_seed(opts.seed * 7919 + rank + 1)
         self.x = torch.randn(tokens, model.dims.hidden, generator=g, device=device,
                              dtype=torch.float32).to(model.dims.dtype)
         self.plan = plan_ubatches(tokens, SplitConfig(num_ubatches=2, decode_token_threshold=1,
@@ -129,7 +128,7 @@ class ShapeBench:
         self.plan_sbo_dbo = dataclasses.replace(self.plan, expert_schedule=ExpertSchedule.SBO_DBO)
         #: the library's experts; on deepep_ll with the row bound of each mode (see reference());
         #: their persistent grids leave --sm-carveout SMs free, as cuBLAS does
-        self.experts = SwiGLUExperts(sm_carveout=args.sm_carveout)
+        self.experts = SwiGLUExperts(sm_carveout=opts.sm_carveout)
         self.rows: dict[str, int | None] = {"serial": None, "dbo": None, "merged": None}
         self.carveout: int | None = None  #: the DBO runs' sm_carveout
         self.batched = backend.activation_format.name == "BATCHED_EXPERTS"
@@ -143,12 +142,12 @@ class ShapeBench:
 
     def dbo(self, trace: dbo.Trace | None = None) -> torch.Tensor:
         return overlapped_forward(self.model, self.x, plan=self.plan, trace=trace,
-                                  sm_carveout=self.carveout, compute_sms=self.args.dbo_compute_sms)
+                                  sm_carveout=self.carveout, compute_sms=self.opts.dbo_compute_sms)
 
     def merged(self, trace: dbo.Trace | None = None) -> torch.Tensor:
         """The DBO step with the merged expert schedule."""
         return overlapped_forward(self.model, self.x, plan=self.plan_merged, trace=trace,
-                                  sm_carveout=self.carveout, compute_sms=self.args.dbo_compute_sms)
+                                  sm_carveout=self.carveout, compute_sms=self.opts.dbo_compute_sms)
 
     def sbo(self) -> torch.Tensor:
         """The unsplit step with the ``sbo`` expert schedule (single-batch overlap)."""
@@ -160,13 +159,13 @@ class ShapeBench:
         """The DBO step with the ``sbo+dbo`` expert schedule (each ubatch laid out as sbo)."""
         self._group_options()
         return overlapped_forward(self.model, self.x, plan=self.plan_sbo_dbo, trace=trace,
-                                  sm_carveout=self.carveout, compute_sms=self.args.dbo_compute_sms)
+                                  sm_carveout=self.carveout, compute_sms=self.opts.dbo_compute_sms)
 
     def _group_options(self) -> None:
         # the grouped schedules' settings, on whichever kernels the step runs
         for kernel in self.model.kernels:
-            kernel.sbo_sm_carveout = self.args.sbo_sm_carveout
-            kernel.sbo_groups = self.args.sbo_groups
+            kernel.sbo_sm_carveout = self.opts.sbo_sm_carveout
+            kernel.sbo_groups = self.opts.sbo_groups
 
     def use(self, backend: Any, mode: str) -> None:
         if mode.startswith(("dbo", "merged", "sbo_dbo")) and backend is self.pf:
@@ -184,30 +183,27 @@ class ShapeBench:
 
     def run_config(self, mode: str, sms: int | None, step: Callable[[], Any],
                    check: Callable[[torch.Tensor], None] | None = None,
-                   carveout: int | None = None) -> dict | None:
-        entry = {"mode": mode, "num_sms": sms, "sm_carveout": carveout}
+                   carveout: int | None = None) -> Measurement | None:
         if self.budget.expired():
-            entry["skipped"] = "time budget"
-            self.rec["measurements"].append(entry)
+            self.rec.measurements.append(Measurement(mode, sms, carveout, skipped="time budget"))
             self.progress.update(self.label(mode, sms, carveout) + " (skipped)")
             return None
         if check is not None:
             check(step())
-        timing = measure(step, warmup=self.args.warmup, steps=self.args.steps, device=self.device)
-        entry["timing"] = timing.to_json()
-        self.rec["measurements"].append(entry)
+        timing = measure(step, warmup=self.opts.warmup, steps=self.opts.steps, device=self.device)
+        entry = Measurement(mode, sms, carveout, timing)
+        self.rec.measurements.append(entry)
         self.progress.update(self.label(mode, sms, carveout))
         return entry
 
     def check_against(self, ref: torch.Tensor, name: str) -> Callable[[torch.Tensor], None]:
         def check(out: torch.Tensor) -> None:
             err = compare(out, ref, self.device)
-            self.rec["checks"][name] = err
-            if not err["token_median"] <= self.tol:
-                self.rec["warnings"].append(
-                    f"T={self.T} I={self.model.dims.intermediate}: {name} differs from the serial "
-                    f"output (median token rel err {err['token_median']:.3e} > {self.tol:g}; "
-                    f"overall {err['rel']:.3e})")
+            self.rec.checks[name] = err
+            if not err.ok(self.tol):
+                self.rec.warnings.append(
+                    f"{self.rec.label}: {name} differs from the serial output (median token rel "
+                    f"err {err.token_median:.3e} > {self.tol:g}; overall {err.rel:.3e})")
         return check
 
     # -- phases --
@@ -231,39 +227,39 @@ class ShapeBench:
 
     def reference(self) -> None:
         """Serial and DBO outputs; the LL row bound; their agreement."""
-        self.sms.set(self.args.num_sms[0] if self.args.num_sms else None)
+        self.sms.set(self.opts.num_sms[0] if self.opts.num_sms else None)
         self.use(self.pf, "serial")
         self.serial()  # warm-up (the LL buffer layout, cuBLAS handles)
         self.dbo()
-        if self.batched and self.args.ll_rows == "auto":
+        if self.batched and self.opts.ll_rows == "auto":
             # the merged call's slab holds both ubatches' rows of an expert
             for mode, fn, pf, calls in (("serial", self.serial, self.pf, 1),
                                         ("dbo", self.dbo, self.pf_dbo, 1),
                                         ("merged", self.merged, self.pf_dbo, 2)):
                 cap = pf.max_num_tokens_per_rank() * pf.num_dispatchers() * calls
                 self.rows[mode] = _round_rows(self._rows_received(pf, fn, mode), cap)
-        elif self.batched and self.args.ll_rows == "full":
+        elif self.batched and self.opts.ll_rows == "full":
             cap = self.pf.max_num_tokens_per_rank() * self.pf.num_dispatchers()
             self.rows = {"serial": cap, "dbo": cap, "merged": 2 * cap}
-        elif self.batched and self.args.ll_rows != "masked":
-            n = int(self.args.ll_rows)
+        elif self.batched and self.opts.ll_rows != "masked":
+            n = int(self.opts.ll_rows)
             self.rows = {"serial": n, "dbo": n, "merged": 2 * n}
-        self.rec["ll_rows"] = dict(self.rows) if self.batched else None
+        self.rec.ll_rows = dict(self.rows) if self.batched else None
         self.use(self.pf, "serial")
         self.ref = self.serial()
         self.use(self.pf, "dbo")
         self.ref_dbo = self.dbo()
         self.check_against(self.ref, "dbo_vs_serial")(self.ref_dbo)
-        if "merged" in self.args.modes or "merged_compute" in self.args.modes:
+        if "merged" in self.opts.modes or "merged_compute" in self.opts.modes:
             self.use(self.pf, "merged")
             self.check_against(self.ref, "merged_vs_serial")(self.merged())
-        if "sbo_dbo" in self.args.modes:
+        if "sbo_dbo" in self.opts.modes:
             self.use(self.pf, "sbo_dbo")
             self.check_against(self.ref, "sbo_dbo_vs_serial")(self.sbo_dbo())
-        self.rec["plan"] = str(self.plan)
+        self.rec.plan = str(self.plan)
 
     def compute_alone(self) -> None:
-        modes = self.args.modes
+        modes = self.opts.modes
         if not {"compute", "dbo_compute", "merged_compute"} & set(modes):
             return
         records: dict[str, dict] = {}
@@ -289,64 +285,63 @@ class ShapeBench:
         records.clear()
 
     def comm_alone(self) -> None:
-        if "comm" not in self.args.modes:
+        if "comm" not in self.opts.modes:
             return
         self.use(self.pf, "serial")
         routing = self.model.record_routing(self.x)
-        if self.args.layout in COMM_BYTES_BACKENDS:  # for the comm column's link limit
+        if self.opts.layout in COMM_BYTES_BACKENDS:  # for the comm column's link limit
             dims = self.model.dims
             world, rank = self.model.world_size, self.model.rank
             fp8 = bool(getattr(self.pf, "use_fp8_dispatch", False))
-            per_layer = [comm_bytes(self.args.layout, ids, world_size=world, rank=rank,
+            per_layer = [comm_bytes(self.opts.layout, ids, world_size=world, rank=rank,
                                     num_experts=dims.num_experts, hidden=dims.hidden,
                                     elem_bytes=self.x.element_size(),
                                     dispatch_elem_bytes=FP8_DISPATCH_BYTES if fp8 else None)
                          for _, _, ids in routing]
-            self.rec["comm_bytes_per_layer"] = sum(per_layer) / len(per_layer)
+            self.rec.comm_bytes_per_layer = sum(per_layer) / len(per_layer)
             if self.link is not None:
-                self.rec["link_ms_per_layer"] = self.link.time_ms(self.rec["comm_bytes_per_layer"])
+                self.rec.link_ms_per_layer = self.link.time_ms(self.rec.comm_bytes_per_layer)
         ident = IdentityExperts()
         kernels = [MoEKernel(self.pf, ident) for _ in range(self.layers)]
         step = self.model.comm_step(kernels, routing)
-        for s in self.args.num_sms or [None]:
+        for s in self.opts.num_sms or [None]:
             self.sms.set(s)
             self.run_config("comm", s, step)
 
     def serial_and_dbo(self) -> None:
-        for s in self.args.num_sms or [None]:
+        for s in self.opts.num_sms or [None]:
             self.sms.set(s)
-            if "serial" in self.args.modes:
+            if "serial" in self.opts.modes:
                 self.use(self.pf, "serial")
                 self.run_config("serial", s, self.serial, self.check_against(self.ref, f"serial_s{s}"))
-            if "dbo" in self.args.modes:
-                for k in self.args.dbo_sm_carveout:
+            if "dbo" in self.opts.modes:
+                for k in self.opts.dbo_sm_carveout:
                     self.use(self.pf_dbo, "dbo")
                     self.carveout = k
                     name = f"dbo_s{s}" + ("" if k is None else f"_k{k}")
                     self.run_config("dbo", s, self.dbo, self.check_against(self.ref, name), carveout=k)
                 self.carveout = None
-            if "sbo" in self.args.modes:  # unsplit: the serial step's backend and rows
+            if "sbo" in self.opts.modes:  # unsplit: the serial step's backend and rows
                 self.use(self.pf, "serial")
                 self.run_config("sbo", s, self.sbo, self.check_against(self.ref, f"sbo_s{s}"))
-            if "merged" in self.args.modes:
-                for k in self.args.dbo_sm_carveout:
+            if "merged" in self.opts.modes:
+                for k in self.opts.dbo_sm_carveout:
                     self.use(self.pf_dbo, "merged")
                     self.carveout = k
                     name = f"merged_s{s}" + ("" if k is None else f"_k{k}")
                     self.run_config("merged", s, self.merged, self.check_against(self.ref, name),
                                     carveout=k)
                 self.carveout = None
-            if "sbo_dbo" in self.args.modes:
+            if "sbo_dbo" in self.opts.modes:
                 self.use(self.pf_dbo, "sbo_dbo")
                 self.run_config("sbo_dbo", s, self.sbo_dbo, self.check_against(self.ref, f"sbo_dbo_s{s}"))
 
     def best(self, mode: str) -> tuple[int | None, int | None]:
         """The DeepEP SM count and SM carve-out of the fastest ``mode`` run."""
-        cands = [m for m in self.rec["measurements"] if m["mode"] == mode and m.get("timing")]
-        if not cands:
-            return (self.args.num_sms[0] if self.args.num_sms else None), None
-        m = min(cands, key=lambda m: m["timing"]["median_ms"])
-        return m["num_sms"], m.get("sm_carveout")
+        m = best_measurement(self.rec.measurements, mode)
+        if m is None:
+            return (self.opts.num_sms[0] if self.opts.num_sms else None), None
+        return m.num_sms, m.sm_carveout
 
     def step(self, mode: str) -> Callable[[], torch.Tensor]:
         """The step of ``mode``: "serial", "dbo", "merged", "sbo" or "sbo_dbo"."""
@@ -379,9 +374,9 @@ class ShapeBench:
         model, experts, sms = self.model, self.experts, self.sms
         # the best DBO run's carve-out, set per call (the global setting is one int; every
         # call sets it, so it cannot go stale between plain and overlapped calls)
-        cv_ser = self.args.sm_carveout
+        cv_ser = self.opts.sm_carveout
         carve = (torch._C._set_sm_carveout_experimental
-                 if self.args.dbo_sm_carveout != [None] else None)
+                 if self.opts.dbo_sm_carveout != (None,) else None)
 
         def fn(x: torch.Tensor) -> torch.Tensor:
             in_dbo = dbo.dbo_enabled()

@@ -4,7 +4,6 @@ over the measured token counts, each alternated with the best serial configurati
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 from collections.abc import Callable
 from typing import Any
@@ -12,8 +11,10 @@ from typing import Any
 import torch
 
 from dbo.autotune import NEVER_SPLIT, autotune_split_config
-from dbo.bench.overlap.report import summarize_shape
+from dbo.bench.overlap.options import OverlapOptions
+from dbo.bench.overlap.record import AutotuneRecord, Measurement
 from dbo.bench.overlap.shape import Budget, ShapeBench
+from dbo.bench.overlap.summary import summarize
 from dbo.bench.timing import Progress, measure
 from dbo.overlap import DBOWrapper, overlapped_forward
 from dbo.split import SplitConfig, Vote, local_vote
@@ -34,13 +35,13 @@ def time_wrapper(sb: ShapeBench, config: SplitConfig, group: Any, rounds: int = 
     that first makes its measured choice (``online_choice`` in the record), then is timed."""
     paired_mode = "serial_paired" + mode[len("wrapper"):]
     if sb.budget.expired():
-        sb.rec["measurements"].append({"mode": mode, "skipped": "time budget"})
+        sb.rec.measurements.append(Measurement(mode, skipped="time budget"))
         sb.progress.update(sb.label(mode) + " (skipped)")
         return
     fn = sb.adaptive_forward()
-    decode = sb.args.layout == "deepep_ll"
+    decode = sb.opts.decode
     if config.adaptive:
-        w = DBOWrapper(fn, config, group=group, compute_sms=sb.args.dbo_compute_sms)
+        w = DBOWrapper(fn, config, group=group, compute_sms=sb.opts.dbo_compute_sms)
 
         def wrapped() -> torch.Tensor:
             return w(sb.x, decode_only=decode)
@@ -49,46 +50,45 @@ def time_wrapper(sb: ShapeBench, config: SplitConfig, group: Any, rounds: int = 
         plan = w.plan(sb.T, decode_only=decode)
         while plan.split and (w.online is None or w.online.choice(plan) is None):
             wrapped()  # the wrapper's measuring calls, before it is timed
-        sb.rec["online_choice"] = (None if not plan.split else
+        sb.rec.online_choice = (None if not plan.split else
                                {"chose": w.online.choice(plan).value, "table": w.online.table()})
     else:
         def wrapped() -> torch.Tensor:
             return overlapped_forward(fn, sb.x, config=config, decode_only=decode, group=group,
-                                      compute_sms=sb.args.dbo_compute_sms)
+                                      compute_sms=sb.opts.dbo_compute_sms)
 
         sb.check_against(sb.ref, mode)(wrapped())
     best: dict[str, Any] = {}
     pair = [(paired_mode, lambda: fn(sb.x)), (mode, wrapped)]
     for r in range(rounds):
         for name, step in (pair if r % 2 == 0 else pair[::-1]):  # neither always goes first
-            t = measure(step, warmup=sb.args.warmup, steps=sb.args.steps, device=sb.device)
+            t = measure(step, warmup=sb.opts.warmup, steps=sb.opts.steps, device=sb.device)
             if name not in best or t.median_ms < best[name].median_ms:
                 best[name] = t
     for name, t in best.items():
-        sb.rec["measurements"].append({"mode": name, "num_sms": None, "sm_carveout": None,
-                                       "rounds": rounds, "timing": t.to_json()})
+        sb.rec.measurements.append(Measurement(name, timing=t, rounds=rounds))
     sb.progress.update(sb.label(mode))
 
 
-def restore_carveout(args: argparse.Namespace, benches: list[ShapeBench]) -> None:
-    """Put the run's SM carve-out back (torch's and the experts'): the adaptive forward sets
-    each call's own."""
-    if args.dbo_sm_carveout != [None]:
-        torch._C._set_sm_carveout_experimental(args.sm_carveout)
+def restore_carveout(benches: list[ShapeBench], sm_carveout: int | None,
+                     dbo_sm_carveout: tuple[int | None, ...]) -> None:
+    """Put the run's SM carve-out ``sm_carveout`` back (torch's and the experts'): the adaptive
+    forward sets each call's own where the DBO runs tried carve-outs (``dbo_sm_carveout``)."""
+    if dbo_sm_carveout != (None,):
+        torch._C._set_sm_carveout_experimental(sm_carveout)
         for sb in benches:
-            sb.experts.sm_carveout = args.sm_carveout
+            sb.experts.sm_carveout = sm_carveout
 
 
-def tune_and_time_wrapper(args: argparse.Namespace, benches: list[ShapeBench], budget: Budget,
-                          progress: Progress, group: Any) -> dict:
+def tune_and_time_wrapper(opts: OverlapOptions, benches: list[ShapeBench], budget: Budget,
+                          progress: Progress, group: Any) -> tuple[AutotuneRecord, SplitConfig | None]:
     """dbo.autotune over the measured token counts of one model, then the wrapper with the
-    tuned config at every shape; each shape's summary is recomputed with that wrapper time."""
-    ready = [sb for sb in benches if "skipped" not in sb.rec and hasattr(sb, "ref")]
-    res: dict[str, Any] = {"ok": False}
+    tuned config at every shape; each shape's summary is recomputed with that wrapper time.
+    Returns the autotune's record and the config it tuned (None where it did not run)."""
+    ready = [sb for sb in benches if sb.rec.skipped is None and hasattr(sb, "ref")]
     if budget.expired() or not ready:
-        res["error"] = "skipped: time budget" if ready else "no measured shape"
         progress.update("autotune (skipped)")
-        return res
+        return AutotuneRecord(ok=False, error="skipped: time budget" if ready else "no measured shape"), None
     by_tokens = {sb.T: sb for sb in ready}
 
     forwards = {t: sb.adaptive_forward() for t, sb in by_tokens.items()}
@@ -101,24 +101,23 @@ def tune_and_time_wrapper(args: argparse.Namespace, benches: list[ShapeBench], b
     def fn(x: torch.Tensor) -> torch.Tensor:
         return current[0](x)
 
-    decode = args.layout == "deepep_ll"
+    decode = opts.decode
     result = autotune_split_config(fn, make_inputs, sorted(by_tokens), decode_only=decode,
-                                   group=group, warmup=args.warmup, steps=max(5, args.steps // 2),
-                                   compute_sms=args.dbo_compute_sms)
+                                   group=group, warmup=opts.warmup, steps=max(5, opts.steps // 2),
+                                   compute_sms=opts.dbo_compute_sms)
     for sb in ready:
         sb.pf.reset()
         sb.pf_dbo.reset()
     progress.update(f"I={ready[0].model.dims.intermediate} autotune")
-    res.update(ok=True, decode_only=decode, threshold=result.threshold, schedule=result.schedule.value,
-               never_split=result.threshold >= NEVER_SPLIT, margin=result.margin,
-               rows=[dataclasses.asdict(r) for r in result.rows], table=result.table(),
-               config=result.config)
+    res = AutotuneRecord(ok=True, decode_only=decode, threshold=result.threshold,
+                         schedule=result.schedule.value, never_split=result.threshold >= NEVER_SPLIT,
+                         margin=result.margin, rows=tuple(dataclasses.asdict(r) for r in result.rows),
+                         table=result.table())
     for sb in ready:
         time_wrapper(sb, result.config, group)
         sb.pf.reset()
         sb.pf_dbo.reset()
         splits = local_vote(sb.T, result.config, decode_only=decode).vote is Vote.YES
-        sb.rec["summary"] = summarize_shape(sb.rec, splits)
-        sb.rec["summary"]["wrapper_config"] = "autotuned"
-    restore_carveout(args, ready)
-    return res
+        sb.rec.summary = summarize(sb.rec, splits, wrapper_config="autotuned")
+    restore_carveout(ready, opts.sm_carveout, opts.dbo_sm_carveout)
+    return res, result.config
