@@ -6,26 +6,41 @@ names the bad value and what is allowed, and exit code 2: no usage block, no tra
 that need the world size read torchrun's ``WORLD_SIZE`` before any process group exists, so
 under torchrun every rank fails the same check, exits 2 and none waits for a peer. A run that
 completes ends with one line on stdout, ``PROG: PASS: why`` or ``PROG: FAIL: why`` (exit code 0
-or 1). ``-h`` prints docstrings as plain text (no reStructuredText markup) and names a default
-only where it says something.
+or 1). Ctrl-C ends a run that :func:`run_main` runs with one
+line, ``PROG: interrupted (Ctrl-C)``, and exit code 130. ``-h`` prints docstrings as plain text
+(no reStructuredText markup) and names a default only where it says something.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
+import signal
 import sys
 import tempfile
+import threading
+from collections.abc import Callable
 from typing import NoReturn
 
 import torch
 
 from dbo.backends import BACKENDS, cpu_backends
+from dbo.peers.deadline import end_process_within
 
 __all__ = ["ArgumentParser", "plain_text", "env_world_size", "check_at_least", "check_device",
            "check_experts_split", "check_backend_fits", "check_writable_file", "check_writable_folder",
-           "available_memory_bytes", "check_memory_fits", "verdict"]
+           "available_memory_bytes", "check_memory_fits", "verdict", "run_main",
+           "INTERRUPTED_EXIT_CODE", "INTERRUPT_GRACE_S"]
+
+#: the exit code of a run that Ctrl-C (SIGINT) ended, as a shell reports a process that SIGINT
+#: killed (128 + 2)
+INTERRUPTED_EXIT_CODE = 130
+
+#: seconds from an interrupted run's clean-up (its ``finally`` blocks, the process group's
+#: teardown) to the end of the process, whatever still runs
+INTERRUPT_GRACE_S = 30.0
 
 
 def plain_text(text: str) -> str:
@@ -213,3 +228,46 @@ def verdict(prog: str, ok: bool, why: str) -> int:
     code (0 or 1)."""
     print(f"{prog}: {'PASS' if ok else 'FAIL'}: {why}", flush=True)
     return 0 if ok else 1
+
+
+def run_main(prog: str, main: Callable[[], int | None]) -> int:
+    """Run an entry point's ``main`` (its arguments bound) and return its exit code (None: 0),
+    where Ctrl-C ends it with one line and exit code :data:`INTERRUPTED_EXIT_CODE`.
+
+    The first SIGINT raises :class:`KeyboardInterrupt` where the run is, so that its ``finally``
+    blocks and context managers clean up (the process group's teardown, temporary files and
+    folders, a launched process stopped); later ones (torchrun's agent forwards the terminal's
+    Ctrl-C to every rank, which has had it already; a second Ctrl-C) are ignored while they do.
+    The run then ends with ``PROG: interrupted (Ctrl-C)`` on stderr from the process that speaks
+    for the group (rank 0 under torchrun, its ``RANK``; the other ranks end silently), and the
+    process ends within :data:`INTERRUPT_GRACE_S` whatever is still running. An exception raised after the
+    SIGINT (a collective broken by a peer that left on its own Ctrl-C) is part of the
+    interruption, not an error of its own. Outside the main thread, where no signal handler can
+    be set, ``main`` runs as it is.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return main() or 0
+    interrupted = False
+
+    def on_sigint(signum: int, frame: object) -> None:
+        nonlocal interrupted
+        if not interrupted:
+            interrupted = True
+            raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        return main() or 0
+    except BaseException:
+        if not interrupted:
+            raise
+        end_process_within(INTERRUPT_GRACE_S)
+        if os.environ.get("RANK", "0") == "0":
+            with contextlib.suppress(OSError, ValueError):  # a closed or broken stream
+                sys.stdout.flush()
+                sys.stderr.write(f"{prog}: interrupted (Ctrl-C)\n")
+                sys.stderr.flush()
+        return INTERRUPTED_EXIT_CODE
+    finally:
+        if not interrupted:
+            signal.signal(signal.SIGINT, previous)

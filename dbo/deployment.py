@@ -22,6 +22,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from dbo.files import write_whole
 from dbo.split import SplitConfig
 
 __all__ = ["DeploymentConfig", "save_deployment_config", "load_deployment_config", "SCHEMA"]
@@ -70,13 +71,9 @@ class DeploymentConfig:
 
 
 def save_deployment_config(path: str | os.PathLike, config: DeploymentConfig) -> None:
-    """Write ``config`` to ``path`` as JSON (a temporary file renamed into place: a reader never
-    sees half of it)."""
-    tmp = f"{os.fspath(path)}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(config.as_dict(), f, indent=1)
-        f.write("\n")
-    os.replace(tmp, path)
+    """Write ``config`` to ``path`` as JSON (:func:`dbo.files.write_whole`: a reader never sees
+    half of it)."""
+    write_whole(path, json.dumps(config.as_dict(), indent=1) + "\n")
 
 
 def load_deployment_config(path: str | os.PathLike) -> DeploymentConfig:

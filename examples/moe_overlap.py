@@ -190,4 +190,4 @@ def run(args: argparse.Namespace, rank: int, world: int, device: torch.device) -
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run_main(PROG, main))

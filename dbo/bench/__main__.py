@@ -6,6 +6,8 @@ import importlib
 import sys
 from dataclasses import dataclass
 
+from dbo.cli import run_main
+
 
 @dataclass(frozen=True)
 class Command:
@@ -60,7 +62,9 @@ def main(argv: list[str] | None = None) -> int:
         (sys.stdout if argv else sys.stderr).write(usage())  # asked for (-h), or no command given
         return 0 if argv else 2
     module = importlib.import_module(COMMANDS[argv[0]].module)
-    return module.main(argv[1:]) or 0
+    # Ctrl-C: one line, exit code 130 (the command's name as its verdict line gives it)
+    return run_main(getattr(module, "PROG", f"python -m dbo.bench {argv[0]}"),
+                    lambda: module.main(argv[1:]))
 
 
 if __name__ == "__main__":

@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from collections import defaultdict
 
 from dbo.bench.cli import ArgumentParser, verdict
 from dbo.bench.timeline import read_chrome_trace
+from dbo.cli import run_main
 
 __all__ = ["CATEGORIES", "HOST_PARTS", "breakdown", "host_split", "main"]
 
@@ -183,4 +185,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(run_main(PROG, main))

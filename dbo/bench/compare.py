@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from dbo.bench.cli import ArgumentParser, check_writable_file, verdict
+from dbo.files import write_whole
 
 __all__ = ["load_bundle", "label", "compare_bundles", "format_comparison", "main"]
 
@@ -129,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     print("per layer, ms (one run; compare bundles of one run only)")
     print(format_comparison(rows))
     if args.json:
-        Path(args.json).write_text(json.dumps({"rows": rows}, indent=1))
+        write_whole(args.json, json.dumps({"rows": rows}, indent=1))
     both = [r for r in rows if r["speedup"] is not None]
     if not both:
         return verdict(PROG, False, f"{len(bundles)} bundle(s), but no shape has both a serial and "

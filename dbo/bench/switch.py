@@ -23,6 +23,8 @@ import torch
 
 from dbo import dbo_yield, run_ubatches
 from dbo.bench.cli import ArgumentParser, check_device, check_writable_file, verdict
+from dbo.cli import run_main
+from dbo.files import write_whole
 
 __all__ = ["bench_dbo", "bench_threads", "bench_greenlet_floor", "main", "TARGET_US", "TARGET_RATIO"]
 
@@ -128,8 +130,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{res['greenlet_floor_us_median']:>18.3f}")
     print(f"dbo is {res['ratio_median']:.1f}x cheaper per switch (medians)")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=2)
+        write_whole(args.json, json.dumps(res, indent=2))
     ok = res["dbo_us_median"] <= TARGET_US and res["ratio_median"] >= TARGET_RATIO
     return verdict(PROG, ok, f"a dbo switch costs {res['dbo_us_median']:.2f} us, "
                              f"{res['ratio_median']:.1f}x cheaper than a thread hand-off (targets: "
@@ -137,4 +138,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(PROG, main))

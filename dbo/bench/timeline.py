@@ -25,7 +25,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from dbo.cli import ArgumentParser, check_writable_file
+from dbo.cli import ArgumentParser, check_writable_file, run_main
+from dbo.files import write_whole
 
 __all__ = ["KINDS", "kind_of", "read_chrome_trace", "gpu_events", "timeline_svg", "main"]
 
@@ -157,10 +158,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (OSError, ValueError) as exc:
         print(f"{p.prog}: {exc}", file=sys.stderr)
         return 2
-    Path(args.svg).write_text(svg)
+    write_whole(args.svg, svg)
     print(f"{p.prog}: wrote {args.svg}")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main("python -m dbo.bench.timeline", main))

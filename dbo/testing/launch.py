@@ -7,7 +7,7 @@ wants the entry point's behaviour, not the imports: :func:`run_entry` starts eac
 fork of multiprocessing's forkserver (the one :class:`dbo.testing.dist.DistWorld` uses, started
 with :data:`FORKSERVER_PRELOAD` imported), so a run costs what its ``main`` costs.
 
-``run_entry(argv, *, nproc=None, cwd=None, env=None, timeout=120.0) -> EntryRun``
+``run_entry(argv, *, nproc=None, cwd=None, env=None, timeout=120.0, interrupt=None) -> EntryRun``
     ``argv`` is what follows ``python``: ``["-m", module, *args]``, ``["-c", code, *args]`` or
     ``[script, *args]``. ``nproc=None``: one process, as ``python ARGV``. ``nproc=N``: N ranks with
     the environment torchrun gives them (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
@@ -19,6 +19,11 @@ with :data:`FORKSERVER_PRELOAD` imported), so a run costs what its ``main`` cost
     stdout and stderr collected (the ranks' interleaved, as under torchrun). Returns an
     :class:`EntryRun`; raises :class:`subprocess.TimeoutExpired` once every process (and
     whatever it started) is killed, if they had not all ended within ``timeout`` seconds.
+    ``interrupt``: Ctrl-C in the middle of the run, SIGINT to every process and what it started,
+    as a terminal sends it to its foreground processes, once the output holds ``interrupt`` (a
+    string) or ``interrupt`` seconds (a number) after every process has started; under ``nproc``
+    a second SIGINT follows, as torchrun's agent forwards the Ctrl-C it got, and the ranks are
+    left to end by themselves (no SIGTERM on the first to end).
 
 What differs from a process of its own: the modules of :data:`FORKSERVER_PRELOAD` were imported
 once, under the server's environment (so a variable that torch reads at import, other than
@@ -213,8 +218,21 @@ class ForkedProcess:
         self.send_signal(signal.SIGTERM)
 
 
+def _time_to_interrupt(when: str | float, started: float, out_path: str, err_path: str) -> bool:
+    """Whether :func:`run_entry`'s ``interrupt`` is due: its text in the output so far, or its
+    seconds since ``started``."""
+    if not isinstance(when, str):
+        return time.monotonic() - started >= when
+    for path in (out_path, err_path):
+        with open(path, errors="replace") as f:
+            if when in f.read():
+                return True
+    return False
+
+
 def run_entry(argv: list[str], *, nproc: int | None = None, cwd: str | os.PathLike | None = None,
-              env: dict[str, str] | None = None, timeout: float = 120.0) -> EntryRun:
+              env: dict[str, str] | None = None, timeout: float = 120.0,
+              interrupt: str | float | None = None) -> EntryRun:
     """Run ``argv`` as ``python ARGV`` (``nproc=None``) or as torchrun's ``nproc`` ranks; see the
     module doc."""
     if not argv:
@@ -248,17 +266,26 @@ def run_entry(argv: list[str], *, nproc: int | None = None, cwd: str | os.PathLi
         codes: list[int | None] = [None] * ranks
         first_failed: int | None = None
         term_at: float | None = None
-        deadline = time.monotonic() + timeout
+        started = time.monotonic()
+        deadline = started + timeout
+        interrupted = False
         try:
             while any(c is None for c in codes):
+                if interrupt is not None and not interrupted and _time_to_interrupt(
+                        interrupt, started, out_path, err_path):
+                    interrupted = True
+                    for _ in range(1 if nproc is None else 2):  # the terminal's, then the agent's
+                        for q in procs:
+                            q.send_signal(signal.SIGINT)
+                        time.sleep(0.1)
                 for i, p in enumerate(procs):
                     if codes[i] is None and p.poll() is not None:
                         codes[i] = p.returncode
                         if codes[i] != 0 and first_failed is None:
                             first_failed = codes[i]
-                            term_at = time.monotonic()
-                            for q in procs:  # as torchrun's agent: the others are stopped
-                                q.terminate()
+                            term_at = None if interrupted else time.monotonic()
+                            for q in procs if not interrupted else ():
+                                q.terminate()  # as torchrun's agent: the others are stopped
                 now = time.monotonic()
                 if term_at is not None and now > term_at + _TERM_GRACE_S:
                     for q in procs:

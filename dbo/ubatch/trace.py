@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from dbo.files import write_whole
+
 __all__ = ["Trace", "TraceEvent", "EVENT_KINDS"]
 
 #: kinds of :class:`TraceEvent`, in the order a reader meets them
@@ -189,6 +191,4 @@ class Trace:
 
     def write_chrome(self, path: str | Path) -> Path:
         """Write :meth:`to_chrome` to ``path`` (open it at https://ui.perfetto.dev)."""
-        p = Path(path)
-        p.write_text(json.dumps(self.to_chrome()))
-        return p
+        return write_whole(path, json.dumps(self.to_chrome()))

@@ -41,7 +41,9 @@ from dbo.bench.cli import ArgumentParser, check_writable_file, verdict
 from dbo.bench.experts.cases import BatchedCase, ExpertsCase, make_batched_case, make_case
 from dbo.bench.limits import DeviceLimits, experts_cost, measure_device_limits
 from dbo.bench.timing import gpu_sleep
+from dbo.cli import run_main
 from dbo.experts import SwiGLUExperts
+from dbo.files import write_whole
 from dbo.moe import MoEExperts, Workspace
 
 __all__ = ["ExpertsCase", "BatchedCase", "make_case", "make_batched_case", "apply_experts", "experts_call",
@@ -356,8 +358,8 @@ def main(argv: list[str] | None = None) -> int:
           f"last columns: time over the first implementation's")
     print(format_rows(rows, next(iter(impls))))
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"limits": limits.as_dict(), "rows": rows, "summary": limit_summary(rows)}, f, indent=1)
+        write_whole(a.json, json.dumps({"limits": limits.as_dict(), "rows": rows,
+                                        "summary": limit_summary(rows)}, indent=1))
     worst = max((res["rel_err"] for r in rows for res in r["results"].values()), default=0.0)
     first = next(iter(impls))
     speed = (f"{first} at {limit_summary(rows)[first]['geomean_x_limit']:.2f}x the limit "
@@ -368,4 +370,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(PROG, main))

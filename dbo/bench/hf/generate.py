@@ -52,7 +52,6 @@ import shutil
 import statistics
 import sys
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
@@ -72,6 +71,8 @@ from dbo.bench.hf.model import (
     shared_temporary_dir,
 )
 from dbo.bench.timing import median_ms
+from dbo.cli import run_main
+from dbo.files import write_whole
 from dbo.integrations.transformers import use_backend
 from dbo.peers.collectives import all_reduce_max
 from dbo.peers.process_group import distributed
@@ -351,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
             if rank == 0:
                 print_table(a, rows, world, device)
                 if a.json:
-                    Path(a.json).write_text(json.dumps({
+                    write_whole(a.json, json.dumps({
                         "model": model_name(a), "world": world, "batch": a.batch, "prompt": a.prompt,
                         "new_tokens": a.new_tokens, "rows": rows}, indent=1))
                 verdict(PROG, ok, why)
@@ -362,4 +363,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(PROG, main))

@@ -29,9 +29,11 @@ prefill gathered nothing, and (``--check``) its logits match the plain model's.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
+import signal
 import subprocess
 import sys
 import time
@@ -40,6 +42,8 @@ from pathlib import Path
 from dbo.backends import cpu_backends
 from dbo.bench.cli import ArgumentParser, check_at_least, check_writable_file, check_writable_folder, verdict
 from dbo.bench.hf.args import PRESET_CHOICES, backend_name, model_config, num_routed_experts
+from dbo.cli import run_main
+from dbo.files import write_whole
 
 PROG = "hf-load"
 
@@ -117,7 +121,7 @@ def worker(args: argparse.Namespace) -> None:
         rows: list = [None] * world
         dist.all_gather_object(rows, out)
         if rank == 0:
-            Path(args.out).write_text(json.dumps(rows))
+            write_whole(args.out, json.dumps(rows))
 
 
 def launch(args: argparse.Namespace, mode: str, out: Path) -> list[dict]:
@@ -128,11 +132,31 @@ def launch(args: argparse.Namespace, mode: str, out: Path) -> list[dict]:
     if args.check:
         cmd.append("--check")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    # a session of its own: a Ctrl-C reaches it once, from here, and torchrun stops its ranks
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate()
+    except BaseException:
+        stop_launched(proc)
+        raise
     if proc.returncode != 0:
-        sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-8000:])
+        sys.stderr.write(stdout[-4000:] + stderr[-8000:])
         raise SystemExit(f"{PROG}: {mode} failed (exit {proc.returncode}); its output is above")
     return json.loads(out.read_text())
+
+
+def stop_launched(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
+    """Stop a launched torchrun and its ranks: SIGINT to torchrun (its agent passes it on to each
+    rank and waits for them), then, past ``grace_s``, SIGKILL to its whole session."""
+    with contextlib.suppress(ProcessLookupError):
+        proc.send_signal(signal.SIGINT)
+    try:
+        proc.communicate(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
 
 
 def report(rows: list[dict], size_gb: float, args: argparse.Namespace) -> None:
@@ -236,10 +260,10 @@ def main(argv: list[str] | None = None) -> int:
     report(rows, size, args)
     ok, why = check_rows(rows, args)
     if args.json:
-        Path(args.json).write_text(json.dumps({"size_gb": size, "ranks": args.ranks, "backend": args.backend,
+        write_whole(args.json, json.dumps({"size_gb": size, "ranks": args.ranks, "backend": args.backend,
                                                "rows": rows}, indent=1))
     return verdict(PROG, ok, why)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(PROG, main))

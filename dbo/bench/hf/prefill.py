@@ -60,7 +60,9 @@ from dbo.bench.hf.model import (
 from dbo.bench.hf.prefill_table import logits_match, print_table, verdict_reason, write_json
 from dbo.bench.syncs import format_sites, host_syncs
 from dbo.bench.timing import median_ms
+from dbo.cli import run_main
 from dbo.experts import relative_error
+from dbo.files import whole_file
 from dbo.integrations.transformers import DBOPrefill, prefill_logits, prefill_split_config, use_backend
 from dbo.peers.collectives import all_reduce_max
 from dbo.peers.process_group import distributed
@@ -186,7 +188,8 @@ def _profile_step(fn: Callable[[], object], path: Path, rank: int, device: torch
         fn()
         torch.cuda.synchronize()
     path.parent.mkdir(parents=True, exist_ok=True)
-    prof.export_chrome_trace(str(path))
+    with whole_file(path) as tmp:
+        prof.export_chrome_trace(str(tmp))
 
 
 def _anchor_rows(args: argparse.Namespace, inputs: dict, device: torch.device, rows: list[dict]) -> dict:
@@ -351,4 +354,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(PROG, main))

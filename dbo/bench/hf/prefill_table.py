@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 from typing import Any
 
 import torch
+
+from dbo.files import write_whole
 
 __all__ = ["logits_match", "print_table", "write_json", "verdict_reason"]
 
@@ -94,7 +95,7 @@ def write_json(args: argparse.Namespace, config: Any, world: int, device: torch.
     if not args.json:
         return
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    Path(args.json).write_text(json.dumps(dict(
+    write_whole(args.json, json.dumps(dict(
         preset=args.preset, checkpoint=args.checkpoint, layers=config.num_hidden_layers, world=world,
         device=name, dtype=str(args.dtype), steps=args.steps, dbo_disabled=dbo_disabled, rows=rows),
         indent=1))

@@ -15,6 +15,7 @@ import dbo
 from dbo.bench.overlap.shape import ShapeBench, max_rel_error
 from dbo.bench.timeline import timeline_svg
 from dbo.bench.timing import measure
+from dbo.files import whole_file, write_whole
 from dbo.peers.collectives import all_reduce_max
 
 __all__ = ["traces", "cuda_graph", "GRAPH_BACKENDS"]
@@ -56,11 +57,12 @@ def traces(sb: ShapeBench, profile: bool, out_dir: Path) -> dict | None:
                 try:
                     prof.__exit__(None, None, None)
                     out_dir.mkdir(parents=True, exist_ok=True)
-                    prof.export_chrome_trace(str(path))
+                    with whole_file(path) as tmp:
+                        prof.export_chrome_trace(str(tmp))
                     files[f"gpu_trace_{mode}"] = path.name
                     svg = out_dir / f"timeline_{mode}.svg"
-                    svg.write_text(timeline_svg(json.loads(path.read_text()),
-                                                title=f"{sb.label(mode)}, {sb.opts.backend}"))
+                    write_whole(svg, timeline_svg(json.loads(path.read_text()),
+                                                 title=f"{sb.label(mode)}, {sb.opts.backend}"))
                     files[f"timeline_{mode}"] = svg.name
                 except Exception as exc:  # noqa: BLE001
                     sb.rec.warnings.append(f"torch.profiler failed: {type(exc).__name__}: {exc}")

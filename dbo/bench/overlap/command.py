@@ -66,7 +66,9 @@ from dbo.bench.overlap.shape import Budget, ShapeBench
 from dbo.bench.overlap.summary import summarize
 from dbo.bench.overlap.wrapper import restore_carveout, time_wrapper, tune_and_time_wrapper
 from dbo.bench.timing import Progress
+from dbo.cli import run_main
 from dbo.deployment import DeploymentConfig, save_deployment_config
+from dbo.files import write_whole
 from dbo.split import DISABLE_ENV_VAR, SplitConfig, Vote, dbo_disabled_by_env, local_vote
 
 __all__ = ["run", "main"]
@@ -81,7 +83,7 @@ def build_backend(opts: OverlapOptions, tokens: int, device: torch.device, dtype
 
 def _write(result: OverlapResult, out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "bench_overlap.json").write_text(json.dumps(result.to_json(), indent=1, default=str))
+    write_whole(out_dir / "bench_overlap.json", json.dumps(result.to_json(), indent=1, default=str))
 
 
 def run(opts: OverlapOptions, rank: int, world: int, device: torch.device, out_dir: Path,
@@ -306,7 +308,7 @@ def finish(result: OverlapResult, chrome: list[tuple[str, dict]], out_dir: Path,
                     e["args"] = {"name": f"{name} (one DBO step, rank 0)"}
                 events.append(e)
         path = out_dir / "bench_overlap.trace.json"
-        path.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ns"}))
+        write_whole(path, json.dumps({"traceEvents": events, "displayTimeUnit": "ns"}))
         files["trace"] = path.name
     for sh in result.shapes:
         files.update(sh.trace_files)
@@ -382,4 +384,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(PROG, main))

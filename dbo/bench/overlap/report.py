@@ -11,6 +11,7 @@ from typing import Any
 
 from dbo.bench.limits import rate_text
 from dbo.bench.overlap.record import OverlapResult
+from dbo.files import whole_file
 
 __all__ = ["format_table", "write_plot"]
 
@@ -201,5 +202,6 @@ def _draw(plt: Any, result: OverlapResult, path: str) -> None:
     fig.suptitle(f"dbo DBO vs serial, {result.options.backend}, {result.env.get('device_name')} "
                  f"x{result.env.get('world_size')}", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    with whole_file(path) as tmp:
+        fig.savefig(tmp, dpi=110, format="png")
     plt.close(fig)
