@@ -130,3 +130,42 @@ def test_bad_options_are_named():
         _backend("deepep_ll", 4, 8, 2, 8, rank=4)
     with pytest.raises(ValueError, match="remote_fraction"):
         _backend("deepep_ll", 4, 8, 2, 8, remote_fraction=1.5)
+
+
+@settings(max_examples=6, deadline=None)
+@given(imbalance=st.sampled_from([1.25, 1.5, 2.0, 3.0]), tokens=st.integers(1, 12), seed=st.integers(0, 100))
+def test_a_hot_rank_computes_more_rows_and_sends_more_bytes_with_the_same_output(imbalance, tokens, seed):
+    n, experts, topk = 4, 16, 2
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, HIDDEN, generator=g).to(torch.bfloat16)
+    w1 = (torch.randn(4, 64, HIDDEN, generator=g) * 0.05).to(torch.bfloat16)
+    w2 = (torch.randn(4, HIDDEN, 32, generator=g) * 0.05).to(torch.bfloat16)
+    weights, ids = torch.topk(torch.softmax(torch.randn(tokens, experts, generator=g), -1), topk)
+    outs, rows, sent = {}, {}, {}
+    for f in (1.0, imbalance):
+        EMULATED.reset()
+        pf = _backend("deepep_ll", n, experts, topk, tokens, rank=1, imbalance=f)
+        buf = pf.buffer
+        kernel = MoEKernel(pf, SwiGLUExperts())
+
+        def call(lo, hi, kernel=kernel):
+            return kernel(x[lo:hi], w1, w2, weights[lo:hi], ids[lo:hi], global_num_experts=experts)
+        outs[f] = call(0, tokens)
+        rows[f] = int(buf._ll_slots[buf._ll_next ^ 1]["count"].sum())  # the slot that call used
+        sent[f] = int(buf.remote_units(ids, experts // n, extra=buf.extra_pairs(tokens * topk)))
+        cut = tokens // 2
+        outs[(f, "dbo")] = torch.cat(run_ubatches([lambda c=call, m=cut: c(0, m),
+                                                   lambda c=call, m=cut: c(m, tokens)]))
+    assert torch.equal(outs[imbalance], outs[1.0])  # the extra rows are not summed into its tokens
+    assert relative_error(outs[(imbalance, "dbo")], outs[1.0]) < 1e-2
+    extra = round((imbalance - 1) * tokens * topk)
+    note(f"rows {rows} sent {sent} extra {extra}")
+    assert rows[1.0] == tokens * topk and rows[imbalance] == tokens * topk + extra
+    assert sent[imbalance] * tokens * topk == sent[1.0] * (tokens * topk + extra) or sent[1.0] == 0
+
+
+def test_imbalance_is_checked():
+    with pytest.raises(ValueError, match="imbalance"):
+        _backend("deepep_ll", 4, 8, 2, 8, imbalance=0.5)
+    with pytest.raises(ValueError, match="deepep_ll"):
+        _backend("deepep_ht", 4, 8, 2, 8, imbalance=1.5)

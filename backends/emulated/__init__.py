@@ -73,11 +73,12 @@ class EmulatedDeployments:
 EMULATED = EmulatedDeployments()
 
 
-def _api(device: torch.device, link: SimulatedLink | None, remote_fraction: float | None) -> DeepEPApi:
+def _api(device: torch.device, link: SimulatedLink | None, remote_fraction: float | None,
+         imbalance: float) -> DeepEPApi:
     class Buffer(EmulatedBuffer):
         def __init__(self, group: Any, *args: Any, **kwargs: Any):
             super().__init__(group, *args, device=device, link=link, remote_fraction=remote_fraction,
-                             **kwargs)
+                             imbalance=imbalance, **kwargs)
 
     return DeepEPApi(module=None, version="emulated", buffer_cls=Buffer, v2_cls=None)  # type: ignore[arg-type]
 
@@ -97,6 +98,7 @@ def make_prepare_finalize(
     link: SimulatedLink | None = None,
     gpus_per_host: int = 8,
     remote_fraction: float | None = None,
+    imbalance: float = 1.0,
     use_fp8_dispatch: bool = False,
     dequantize_received: bool = True,
     timeout_s: float = 60.0,
@@ -115,6 +117,10 @@ def make_prepare_finalize(
         gpus_per_host: ranks per host; bytes to ranks of other hosts cross the link.
         remote_fraction: instead, this share of the bytes to every other rank crosses it (to
             stand for a group that fits one host, as the link model on real groups does).
+        imbalance: the rank played is the hottest one after load balancing: it receives this
+            many times a rank's mean rows (max / mean, >= 1; the deepep_ll layout). The extra
+            rows cross the link, are computed by its experts and go back; its own tokens'
+            output is unchanged.
         use_fp8_dispatch, dequantize_received, timeout_s: as for the DeepEP backend of ``layout``.
 
     Raises:
@@ -130,15 +136,19 @@ def make_prepare_finalize(
         raise TypeError(f"emulated: link must be a SimulatedLink, got {type(link).__name__}")
     if remote_fraction is not None and not 0.0 <= remote_fraction <= 1.0:
         raise ValueError(f"emulated: remote_fraction must be in [0, 1], got {remote_fraction!r}")
+    if isinstance(imbalance, bool) or not isinstance(imbalance, (int, float)) or not imbalance >= 1.0:
+        raise ValueError(f"emulated: imbalance must be a number >= 1 (max / mean rows), got {imbalance!r}")
+    if imbalance != 1.0 and layout != "deepep_ll":
+        raise ValueError(f"emulated: imbalance is modelled for the deepep_ll layout, not {layout}")
     if not isinstance(ep_size, int) or ep_size < 2 or num_experts % ep_size:
         raise ValueError(f"emulated: ep_size must be an int >= 2 that divides num_experts={num_experts}, "
                          f"got {ep_size!r}")
     dev = torch.device(device if device is not None else "cpu")
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
-    key = (ep_size, rank, gpus_per_host, str(dev), link, remote_fraction)
+    key = (ep_size, rank, gpus_per_host, str(dev), link, remote_fraction, float(imbalance))
     grp = EMULATED.group(key, ep_size, rank, gpus_per_host)
-    api = _api(dev, link, remote_fraction)
+    api = _api(dev, link, remote_fraction, float(imbalance))
     if layout == "deepep_ll":
         if max_tokens_per_rank is None:
             raise ValueError("emulated: the deepep_ll layout needs max_tokens_per_rank")

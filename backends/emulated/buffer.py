@@ -107,7 +107,10 @@ class EmulatedBuffer:
     """``deep_ep.Buffer`` for rank ``group.rank()`` of ``group.size()`` on ``device`` (see the
     module docstring). ``link``: the link the rank's off-host bytes cross (None: they arrive at
     once); ``remote_fraction``: the share of the bytes to other ranks that crosses it, where the
-    group fits one host (None: counted from the hosts, ``gpus_per_host`` ranks each)."""
+    group fits one host (None: counted from the hosts, ``gpus_per_host`` ranks each);
+    ``imbalance``: the rank is the hottest one, receiving this many times a rank's mean (>= 1;
+    low-latency mode): the extra pairs, copies of its own first pairs in turn, cross the link,
+    fill the slabs and go back in the combine, and are not summed into its tokens."""
 
     #: no NVSHMEM queue pairs to run out of
     nvshmem_qp_depth = 1 << 30
@@ -115,7 +118,8 @@ class EmulatedBuffer:
     def __init__(self, group: EmulatedGroup, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
                  low_latency_mode: bool = False, num_qps_per_rank: int = 1,
                  explicitly_destroy: bool = False, *, device: torch.device | str = "cpu",
-                 link: SimulatedLink | None = None, remote_fraction: float | None = None):
+                 link: SimulatedLink | None = None, remote_fraction: float | None = None,
+                 imbalance: float = 1.0):
         if not isinstance(group, EmulatedGroup):
             raise TypeError(f"an EmulatedBuffer takes an EmulatedGroup, got {type(group).__name__}")
         del num_nvl_bytes, num_rdma_bytes, num_qps_per_rank
@@ -128,6 +132,11 @@ class EmulatedBuffer:
         self.link = link
         self._server = LinkServer(link) if link is not None else None
         self.remote_fraction = remote_fraction
+        if isinstance(imbalance, bool) or not isinstance(imbalance, (int, float)) or not imbalance >= 1.0:
+            raise ValueError(f"imbalance must be a number >= 1 (max / mean rows), got {imbalance!r}")
+        if imbalance != 1.0 and not low_latency_mode:
+            raise ValueError("imbalance is modelled for the low-latency layout only")
+        self.imbalance = float(imbalance)
         self._streams = Streams(self.device)
         self._ll_slots: list[dict[str, torch.Tensor] | None] = [None, None]
         self._ll_next = 0
@@ -207,14 +216,28 @@ class EmulatedBuffer:
         """``units`` ``[1]`` float32 as the flows count them: int64, in 1/1024 units."""
         return torch.round(units * 1024).to(torch.int64)
 
-    def remote_units(self, topk_idx: torch.Tensor, n_local: int, dest: torch.Tensor | None = None
-                     ) -> torch.Tensor:
-        """The (token, expert) pairs of ``topk_idx`` ``[T, k]`` that leave the host, each weighted
-        by its destination's share of bytes that cross the link, in 1/1024 units: ``[1]`` int64
-        (a low-latency call sends one message per pair). ``dest``: the pairs' destination ranks
-        ``[T * k]``, where known."""
+    def extra_pairs(self, pairs: int) -> int:
+        """The pairs a rank of :attr:`imbalance` receives beyond ``pairs``, its own."""
+        return round((self.imbalance - 1.0) * pairs)
+
+    @staticmethod
+    def _with_extra(topk_idx: torch.Tensor, extra: int) -> torch.Tensor:
+        """``topk_idx``'s pairs and ``extra`` copies of its first ones in turn, ``[T * k + extra, 1]``."""
+        ids = topk_idx.reshape(-1)
+        if extra and ids.numel():
+            ids = ids[torch.arange(ids.numel() + extra, device=ids.device) % ids.numel()]
+        return ids.view(-1, 1)
+
+    def remote_units(self, topk_idx: torch.Tensor, n_local: int, dest: torch.Tensor | None = None, *,
+                     extra: int = 0) -> torch.Tensor:
+        """The (token, expert) pairs of ``topk_idx`` ``[T, k]`` (and ``extra`` copies of its first
+        ones in turn) that leave the host, each weighted by its destination's share of bytes that
+        cross the link, in 1/1024 units: ``[1]`` int64 (a low-latency call sends one message per
+        pair). ``dest``: the pairs' destination ranks ``[T * k]``, where known."""
         if dest is None and ll_kernels.usable(topk_idx):
-            return ll_kernels.ll_remote_units(topk_idx, self.share_q, n_local)
+            return ll_kernels.ll_remote_units(topk_idx, self.share_q, n_local, extra)
+        if extra:
+            topk_idx = self._with_extra(topk_idx, extra)
         if dest is None:
             dest = torch.div(topk_idx.clamp(min=0), n_local, rounding_mode="floor").reshape(-1)
         valid = topk_idx.reshape(-1) >= 0
@@ -315,14 +338,17 @@ class EmulatedBuffer:
             pair_bytes = hidden * (1 if use_fp8 else 2) + (hidden // FP8_BLOCK * 4 if use_fp8 else 0) \
                 + DISPATCH_PAIR_EXTRA_BYTES
             fused = ll_kernels.usable(x)
+            extra = self.extra_pairs(t * k)
             if fused:
                 q, scales, rows, rows0, units = ll_kernels.ll_send(
-                    x, topk_idx, self.share_q, slot, n=n, n_local=n_local, cap=cap, use_fp8=use_fp8)
+                    x, topk_idx, self.share_q, slot, n=n, n_local=n_local, cap=cap, use_fp8=use_fp8,
+                    extra=extra)
             else:
                 q, scales = quantize_fp8_blocks(x) if use_fp8 else (x, None)
-                rows, per_key, dest = self.pair_rows(topk_idx, num_experts, cap)
-                rows0 = torch.where(topk_idx.reshape(-1) >= 0, rows, 0)
-                units = self.remote_units(topk_idx, n_local, dest)
+                ids = self._with_extra(topk_idx, extra)
+                rows, per_key, dest = self.pair_rows(ids, num_experts, cap)
+                rows0 = torch.where(ids.reshape(-1) >= 0, rows, 0)
+                units = self.remote_units(ids, n_local, dest)
                 slot["count"].copy_(per_key.sum(1))
                 begin = torch.cumsum(per_key, 1) - per_key
                 slot["layout_range"].copy_((begin << 32) | per_key)
@@ -336,7 +362,7 @@ class EmulatedBuffer:
                 if fused:
                     ll_kernels.ll_unpack(q, scales, rows, k, slot)
                 else:
-                    tokens = torch.arange(t, device=x.device).repeat_interleave(k)
+                    tokens = torch.arange(t * k + extra, device=x.device) % max(t * k, 1) // k
                     # (as bytes: CUDA has no fp8 index_copy)
                     slot["x"].view(torch.uint8).index_copy_(0, rows, _bytes(q).index_select(0, tokens))
                     if scales is not None:
@@ -378,15 +404,18 @@ class EmulatedBuffer:
         with streams.kernel(None, on_current=return_recv_hook) as stream:
             # the send: each pair's expert output row, packed per (token, expert)
             slot = self._slot_of(handle[0])
-            if slot is not None and slot.get("pair_rows") is not None and slot["pair_rows"].numel() == t * k:
+            extra = self.extra_pairs(t * k)
+            if slot is not None and slot.get("pair_rows") is not None \
+                    and slot["pair_rows"].numel() == t * k + extra:
                 rows0 = slot["pair_rows"]
             else:  # a handle whose tensors were copied out of the buffer (sbo+dbo): the same rows again
-                rows, _, _ = self.pair_rows(topk_idx, num_experts, cap)
-                rows0 = torch.where(topk_idx.reshape(-1) >= 0, rows, 0)
+                ids = self._with_extra(topk_idx, extra)
+                rows, _, _ = self.pair_rows(ids, num_experts, cap)
+                rows0 = torch.where(ids.reshape(-1) >= 0, rows, 0)
             # (a group's combine masks whole experts' ids: the others' rows do not move, and the
-            # bytes are its own pairs')
+            # bytes are its own pairs'); the extra pairs go back to their ranks, not summed here
             wire = x.reshape(n_local * cap, hidden).index_select(0, rows0)
-            units = self.remote_units(topk_idx, n_local)
+            units = self.remote_units(topk_idx, n_local, extra=extra)
             held = self._hold("combine", units, hidden * 2)
             slots = torch.arange(t * k, device=x.device).view(t, k)
             weights = topk_weights.to(torch.float32)

@@ -48,7 +48,7 @@ def usable(t: torch.Tensor) -> bool:
 if AVAILABLE:
     @triton.jit
     def _route(topk_ptr, share_ptr, hist_ptr, cursor_ptr, rows_ptr, rows0_ptr, count_ptr,
-               layout_ptr, units_ptr, num_pairs, n, n_local, cap,
+               layout_ptr, units_ptr, num_pairs, src_pairs, n, n_local, cap,
                E_PAD: tl.constexpr, L_PAD: tl.constexpr, PAIRS: tl.constexpr):
         # key = local expert * n + source rank: the pairs of one key are contiguous in its slab
         e = tl.arange(0, E_PAD)
@@ -58,7 +58,7 @@ if AVAILABLE:
         units = tl.zeros([PAIRS], tl.int64)
         for start in range(0, num_pairs, PAIRS):
             p = start + tl.arange(0, PAIRS)
-            ids = tl.load(topk_ptr + p, mask=p < num_pairs, other=-1)
+            ids = tl.load(topk_ptr + p % src_pairs, mask=p < num_pairs, other=-1)
             valid = ids >= 0
             safe = tl.where(valid, ids, 0)
             dest = safe // n_local
@@ -85,7 +85,7 @@ if AVAILABLE:
         tl.debug_barrier()
         for start in range(0, num_pairs, PAIRS):
             p = start + tl.arange(0, PAIRS)
-            ids = tl.load(topk_ptr + p, mask=p < num_pairs, other=-1)
+            ids = tl.load(topk_ptr + p % src_pairs, mask=p < num_pairs, other=-1)
             valid = ids >= 0
             safe = tl.where(valid, ids, 0)
             local = safe % n_local
@@ -98,13 +98,13 @@ if AVAILABLE:
 
     @triton.jit
     def _send(x_ptr, q_ptr, scales_ptr, topk_ptr, share_ptr, hist_ptr, cursor_ptr, rows_ptr,
-              rows0_ptr, count_ptr, layout_ptr, units_ptr, num_pairs, n, n_local, cap, hidden,
+              rows0_ptr, count_ptr, layout_ptr, units_ptr, num_pairs, src_pairs, n, n_local, cap, hidden,
               FP8: tl.constexpr, E_PAD: tl.constexpr, L_PAD: tl.constexpr, PAIRS: tl.constexpr,
               BLOCKS: tl.constexpr):
         pid = tl.program_id(0)
         if pid == 0:
             _route(topk_ptr, share_ptr, hist_ptr, cursor_ptr, rows_ptr, rows0_ptr, count_ptr,
-                   layout_ptr, units_ptr, num_pairs, n, n_local, cap, E_PAD, L_PAD, PAIRS)
+                   layout_ptr, units_ptr, num_pairs, src_pairs, n, n_local, cap, E_PAD, L_PAD, PAIRS)
         elif FP8:
             t = (pid - 1).to(tl.int64)
             b = tl.arange(0, BLOCKS)[:, None]
@@ -119,10 +119,10 @@ if AVAILABLE:
             tl.store(scales_ptr + t * (hidden // 128) + bb, scale, mask=bb * 128 < hidden)
 
     @triton.jit
-    def _unpack(q_ptr, scales_ptr, rows_ptr, src_ptr, slab_ptr, slab_scales_ptr, k, row_bytes,
+    def _unpack(q_ptr, scales_ptr, rows_ptr, src_ptr, slab_ptr, slab_scales_ptr, k, src_pairs, row_bytes,
                 num_scales, SCALES: tl.constexpr, BYTES: tl.constexpr, S_PAD: tl.constexpr):
         p = tl.program_id(0)
-        token = p // k
+        token = (p % src_pairs) // k
         row = tl.load(rows_ptr + p)
         for off in range(0, row_bytes, BYTES):
             o = off + tl.arange(0, BYTES)
@@ -137,11 +137,11 @@ if AVAILABLE:
         tl.store(src_ptr + row, token.to(tl.int32))
 
     @triton.jit
-    def _units(topk_ptr, share_ptr, units_ptr, num_pairs, n_local, PAIRS: tl.constexpr):
+    def _units(topk_ptr, share_ptr, units_ptr, num_pairs, src_pairs, n_local, PAIRS: tl.constexpr):
         units = tl.zeros([PAIRS], tl.int64)
         for start in range(0, num_pairs, PAIRS):
             p = start + tl.arange(0, PAIRS)
-            ids = tl.load(topk_ptr + p, mask=p < num_pairs, other=-1)
+            ids = tl.load(topk_ptr + p % src_pairs, mask=p < num_pairs, other=-1)
             valid = ids >= 0
             dest = tl.where(valid, ids, 0) // n_local
             units += tl.where(valid, tl.load(share_ptr + dest, mask=valid, other=0), 0)
@@ -149,24 +149,29 @@ if AVAILABLE:
 
 
 def ll_send(x: torch.Tensor, topk_idx: torch.Tensor, share_q: torch.Tensor, slot: dict[str, torch.Tensor],
-            *, n: int, n_local: int, cap: int, use_fp8: bool
+            *, n: int, n_local: int, cap: int, use_fp8: bool, extra: int = 0
             ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The send of a low-latency dispatch, one launch. ``x`` ``[T, hidden]`` bf16, ``topk_idx``
-    ``[T, k]`` int64 (``-1``: no expert), ``share_q`` ``[n]`` int64 (each destination rank's share
-    of its bytes that crosses the link, x 1024). Writes the slot's ``count`` ``[L]`` int32 and
-    ``layout_range`` ``[L, n]`` int64 (DeepEP's ``(begin << 32) | count``). Returns ``(q, scales,
-    rows, rows0, units_q)``: the send buffer (``[T, hidden]`` fp8 and ``[T, hidden / 128]``
-    float32 with ``use_fp8``, else ``x`` and None); each pair's slab row ``[T * k]`` int64
-    (``L * cap`` for no expert), the same with 0 for no expert, and the pairs that leave the
-    host x 1024, ``[1]`` int64."""
+    """The send of a low-latency dispatch, one launch.
+
+    ``x`` ``[T, hidden]`` bf16; ``topk_idx`` ``[T, k]`` int64 (``-1``: no expert); ``share_q``
+    ``[n]`` int64, each destination rank's share of its bytes that crosses the link, x 1024;
+    ``extra``: pairs that arrive beyond the rank's own, copies of its first ones in turn (the
+    peers' pairs a hot rank receives). Writes the slot's ``count`` ``[L]`` int32 and
+    ``layout_range`` ``[L, n]`` int64 (DeepEP's ``(begin << 32) | count``).
+
+    Returns ``(q, scales, rows, rows0, units_q)``: the send buffer (``[T, hidden]`` fp8 and
+    ``[T, hidden / 128]`` float32 with ``use_fp8``, else ``x`` and None); each pair's slab row,
+    ``[T * k + extra]`` int64 (``L * cap`` for no expert); the same with 0 for no expert; the
+    pairs that leave the host x 1024, ``[1]`` int64.
+    """
     t, k = topk_idx.shape
     hidden = x.shape[1]
     dev = x.device
     num_keys = n_local * n
     hist = torch.empty(num_keys, dtype=torch.int32, device=dev)
     cursor = torch.empty(num_keys, dtype=torch.int32, device=dev)
-    rows = torch.empty(t * k, dtype=torch.int64, device=dev)
-    rows0 = torch.empty(t * k, dtype=torch.int64, device=dev)
+    rows = torch.empty(t * k + extra, dtype=torch.int64, device=dev)
+    rows0 = torch.empty(t * k + extra, dtype=torch.int64, device=dev)
     units = torch.empty(1, dtype=torch.int64, device=dev)
     x = x.contiguous()
     if use_fp8:
@@ -176,7 +181,8 @@ def ll_send(x: torch.Tensor, topk_idx: torch.Tensor, share_q: torch.Tensor, slot
         q, scales = x, None
     _send[(1 + (t if use_fp8 else 0),)](
         x, q, scales if scales is not None else units, topk_idx.contiguous(), share_q, hist, cursor,
-        rows, rows0, slot["count"], slot["layout_range"], units, t * k, n, n_local, cap, hidden,
+        rows, rows0, slot["count"], slot["layout_range"], units, t * k + extra, max(t * k, 1), n, n_local,
+        cap, hidden,
         FP8=use_fp8, E_PAD=triton.next_power_of_2(num_keys), L_PAD=triton.next_power_of_2(n_local),
         PAIRS=1024, BLOCKS=triton.next_power_of_2(max(hidden // _BLOCK, 1)), num_warps=4)
     return q, scales, rows, rows0, units
@@ -184,7 +190,7 @@ def ll_send(x: torch.Tensor, topk_idx: torch.Tensor, share_q: torch.Tensor, slot
 
 def ll_unpack(q: torch.Tensor, scales: torch.Tensor | None, rows: torch.Tensor, k: int,
               slot: dict[str, torch.Tensor]) -> None:
-    """The receive of a low-latency dispatch, one launch: pair ``p`` (token ``p // k``) of the
+    """The receive of a low-latency dispatch, one launch: pair ``p`` (token ``p % (T * k) // k``) of the
     send buffer ``q`` ``[T, hidden]`` (and ``scales``) into slab row ``rows[p]`` of the slot's
     ``x`` (and ``scales``), its token into ``src_info``."""
     num_pairs = rows.numel()
@@ -196,14 +202,17 @@ def ll_unpack(q: torch.Tensor, scales: torch.Tensor | None, rows: torch.Tensor, 
     slab_scales = slot["scales"] if scales is not None else slot["src_info"]
     _unpack[(num_pairs,)](
         q.view(torch.uint8), scales if scales is not None else slot["src_info"], rows, slot["src_info"],
-        slab, slab_scales, k, row_bytes, max(num_scales, 1), SCALES=scales is not None,
+        slab, slab_scales, k, max(q.shape[0] * k, 1), row_bytes, max(num_scales, 1),
+        SCALES=scales is not None,
         BYTES=min(4096, triton.next_power_of_2(row_bytes)), S_PAD=triton.next_power_of_2(max(num_scales, 1)),
         num_warps=4)
 
 
-def ll_remote_units(topk_idx: torch.Tensor, share_q: torch.Tensor, n_local: int) -> torch.Tensor:
-    """The pairs of ``topk_idx`` ``[T, k]`` that leave the host, x 1024 (``share_q`` per
-    destination rank), ``[1]`` int64, one launch."""
+def ll_remote_units(topk_idx: torch.Tensor, share_q: torch.Tensor, n_local: int, extra: int = 0
+                    ) -> torch.Tensor:
+    """The pairs of ``topk_idx`` ``[T, k]`` and ``extra`` copies of its first pairs in turn that
+    leave the host, x 1024 (``share_q`` per destination rank), ``[1]`` int64, one launch."""
     units = torch.empty(1, dtype=torch.int64, device=topk_idx.device)
-    _units[(1,)](topk_idx.contiguous(), share_q, units, topk_idx.numel(), n_local, PAIRS=1024, num_warps=4)
+    _units[(1,)](topk_idx.contiguous(), share_q, units, topk_idx.numel() + extra, max(topk_idx.numel(), 1),
+                 n_local, PAIRS=1024, num_warps=4)
     return units

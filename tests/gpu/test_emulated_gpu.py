@@ -162,24 +162,26 @@ def test_a_captured_low_latency_step_replays_as_eager():
     EMULATED.reset()
 
 
-@pytest.mark.parametrize("n,experts,t,k", [(16, 256, 128, 8), (4, 16, 9, 3), (256, 256, 33, 8)])
-def test_the_fused_low_latency_kernels_route_as_the_torch_ops(n, experts, t, k):
+@pytest.mark.parametrize("n,experts,t,k,extra",
+                         [(16, 256, 128, 8, 0), (4, 16, 9, 3, 20), (256, 256, 33, 8, 0)])
+def test_the_fused_low_latency_kernels_route_as_the_torch_ops(n, experts, t, k, extra):
     from dbo.backends.emulated import ll_kernels
     from dbo.backends.emulated.buffer import EmulatedBuffer, EmulatedGroup
     from dbo.backends.fp8 import quantize_fp8_blocks
 
     torch.manual_seed(n)
     buf = EmulatedBuffer(EmulatedGroup(n, 1, 8), low_latency_mode=True, device="cuda")
-    n_local, max_tokens, hidden = experts // n, t + 3, 7168
+    n_local, max_tokens, hidden = experts // n, 2 * t + 3, 7168
     cap = n * max_tokens
     x = torch.randn(t, hidden, device="cuda", dtype=torch.bfloat16)
     ids = torch.stack([torch.randperm(experts)[:k] for _ in range(t)]).to("cuda")
     ids[0, 0] = -1
     slot = buf._ll_slot(max_tokens, hidden, experts, True)
     q, scales, rows, rows0, units = ll_kernels.ll_send(x, ids, buf.share_q, slot, n=n, n_local=n_local,
-                                                       cap=cap, use_fp8=True)
-    ref_rows, per_key, dest = buf.pair_rows(ids, experts, cap)
-    assert units.item() == buf.remote_units(ids, n_local, dest).item() > 0
+                                                       cap=cap, use_fp8=True, extra=extra)
+    all_ids = buf._with_extra(ids, extra)  # the hot rank's extra pairs: its first ones again
+    ref_rows, per_key, dest = buf.pair_rows(all_ids, experts, cap)
+    assert units.item() == buf.remote_units(all_ids, n_local, dest).item() > 0
     assert torch.equal(slot["count"].long(), per_key.sum(1))
     begin = torch.cumsum(per_key, 1) - per_key
     assert torch.equal(slot["layout_range"], (begin << 32) | per_key)
@@ -189,9 +191,9 @@ def test_the_fused_low_latency_kernels_route_as_the_torch_ops(n, experts, t, k):
     assert torch.equal(scales, ref_scales)
     assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8))
     ll_kernels.ll_unpack(q, scales, rows, k, slot)
-    tokens = torch.arange(t, device="cuda").repeat_interleave(k)
-    valid = ids.reshape(-1) >= 0
+    tokens = torch.arange(t * k + extra, device="cuda") % (t * k) // k
+    valid = all_ids.reshape(-1) >= 0
     assert torch.equal(slot["x"].view(torch.uint8)[rows[valid]], q.view(torch.uint8)[tokens[valid]])
     assert torch.equal(slot["scales"][rows[valid]], scales[tokens[valid]])
     assert torch.equal(slot["src_info"][rows[valid]].long(), tokens[valid])
-    assert ll_kernels.ll_remote_units(ids, buf.share_q, n_local).item() == units.item()
+    assert ll_kernels.ll_remote_units(ids, buf.share_q, n_local, extra).item() == units.item()
