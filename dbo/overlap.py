@@ -13,11 +13,13 @@ Padding rows must route to no expert. Code inside the forward finds its ubatch w
 :func:`mask_current_padding`; each ubatch has its own value because every ubatch runs in its
 own copy of the caller's ``contextvars`` context.
 
-SMs for the communication: ``sm_carveout=N`` leaves ``N`` SMs free in the overlapped runs' matmuls:
-torch's carve-out for cuBLAS (:func:`dbo.ubatch.sm.sm_carveout`) and the ``sm_carveout`` of every
-:class:`dbo.experts.SwiGLUExperts` that :func:`dbo.experts.swiglu.find_swiglu_experts` finds in the
-forward (its persistent grids), both set for the run and restored after it. ``compute_sms=N``
-runs the compute on a green context of ``N`` SMs (:func:`dbo.ubatch.sm.compute_on_sms`).
+How a call runs is one :class:`RunOptions` (``options=``, or the same fields as loose keywords),
+set for the call on entry and restored on exit (:meth:`RunOptions.applied`). SMs for the
+communication: ``sm_carveout=N`` leaves ``N`` SMs free in the overlapped runs' matmuls: torch's
+carve-out for cuBLAS and that of every :class:`dbo.experts.SwiGLUExperts` the forward calls
+(its persistent grids, wherever the model keeps them), both through
+:func:`dbo.ubatch.sm.sm_carveout`. ``compute_sms=N`` runs the compute on a green context of
+``N`` SMs (:func:`dbo.ubatch.sm.compute_on_sms`).
 
 CUDA graphs: given a precomputed ``plan=``, nothing on this path syncs with the host. Slicing
 and padding use Python ints from the plan, the merge is one ``torch.cat`` per output, and the
@@ -37,10 +39,9 @@ from typing import Any
 import torch
 
 from dbo.deployment import DeploymentConfig
-from dbo.expert_schedule import ExpertSchedule, use_expert_schedule
-from dbo.experts.swiglu import find_swiglu_experts
+from dbo.expert_schedule import ExpertSchedule
 from dbo.peers.watchdog import collective_timeout
-from dbo.run_options import RunOptions, leave_sms_free, run_device
+from dbo.run_options import RunOptions, run_device
 from dbo.split import (
     SplitConfig,
     SplitReason,
@@ -133,6 +134,7 @@ def overlapped_forward(
     sm_carveout: int | None = None,
     compute_sms: int | None = None,
     timeout_s: float | None = None,
+    options: RunOptions | None = None,
 ) -> Any:
     """``fn(*tensors, **fn_kwargs)``, run as overlapped ubatches when the plan splits.
 
@@ -150,16 +152,17 @@ def overlapped_forward(
         trace: a :class:`dbo.Trace` that records the overlapped run.
         comm_stream: the comm stream for ``run_ubatches`` (default: its own).
         fn_kwargs: keyword arguments given unchanged to every call of ``fn``.
-        sm_carveout: SMs the matmuls leave free while the ubatches run: torch's carve-out
-            (:func:`dbo.ubatch.sm.sm_carveout`) and that of ``fn``'s experts
-            (:func:`dbo.experts.swiglu.find_swiglu_experts`); None (default) leaves both alone. A
-            plain (unsplit) call runs without it.
+        sm_carveout: SMs the matmuls leave free while the ubatches run: torch's carve-out and
+            that of every :class:`dbo.experts.SwiGLUExperts` ``fn`` calls
+            (:func:`dbo.ubatch.sm.sm_carveout`); None (default) leaves both alone. A plain
+            (unsplit) call runs without it.
         compute_sms: run the ubatches' compute on a CUDA green context of this many SMs,
             leaving the others to the communication kernels (see
             :func:`dbo.ubatch.sm.compute_on_sms`); None (default) uses every SM. A plain call
             runs without it.
         timeout_s: the longest wait for a peer rank in every backend called by ``fn``, split
             or not (:func:`dbo.peers.watchdog.collective_timeout`); None keeps each backend's own.
+        options: the five above as one :class:`RunOptions` (then leave them out).
 
     The plan's ``expert_schedule`` (from ``config.expert_schedule`` when the plan is decided
     here) is set for the ubatches (:func:`dbo.expert_schedule.use_expert_schedule`): with
@@ -171,32 +174,30 @@ def overlapped_forward(
 
     Raises:
         ValueError/TypeError: inputs that are not token-major, a plan for another size, a bad
-            ``sm_carveout``, ``compute_sms`` or ``timeout_s``.
+            ``sm_carveout``, ``compute_sms`` or ``timeout_s``; ``options`` together with one of
+            them (``TypeError``).
         dbo.UBatchError: a ubatch raised (``__cause__`` is its exception; a peer that did not
             arrive in time: :class:`dbo.errors.CollectiveTimeoutError`).
         dbo.errors.CollectiveTimeoutError: the same, in a plain (unsplit) call.
         dbo.ubatch.sm.SMPartitionUnsupportedError: ``compute_sms`` without green contexts.
     """
     num_tokens = check_token_major(tensors)
-    options = RunOptions(trace, comm_stream, sm_carveout, compute_sms, timeout_s)
+    options = RunOptions.given(options, trace=trace, comm_stream=comm_stream, sm_carveout=sm_carveout,
+                               compute_sms=compute_sms, timeout_s=timeout_s)
     if plan is None:
-        with collective_timeout(timeout_s):  # the vote waits for the peers too
+        with collective_timeout(options.timeout_s):  # the vote waits for the peers too
             plan = plan_ubatches(num_tokens, config, request_token_counts=request_token_counts,
                                  decode_only=decode_only, group=group, agree=agree)
-    return _run_plan(fn, tensors, num_tokens, plan, dict(fn_kwargs or {}), options,
-                     lambda: find_swiglu_experts(fn))
+    return _run_plan(fn, tensors, num_tokens, plan, dict(fn_kwargs or {}), options)
 
 
 def _run_plan(fn: Callable[..., Any], tensors: Sequence[torch.Tensor], num_tokens: int,
-              plan: UBatchPlan, kwargs: dict[str, Any], options: RunOptions,
-              find_experts: Callable[[], list]) -> Any:
-    """:func:`overlapped_forward` once the plan is known. ``find_experts()``: the forward's
-    SwiGLUExperts (called only when ``options.sm_carveout`` is set)."""
+              plan: UBatchPlan, kwargs: dict[str, Any], options: RunOptions) -> Any:
+    """:func:`overlapped_forward` once the plan is known."""
     if plan.num_tokens != num_tokens:
         raise ValueError(f"plan is for {plan.num_tokens} tokens, the inputs have {num_tokens}")
-    timeout_s, trace = options.timeout_s, options.trace
     if not plan.split:  # plain, or sbo: the MoE kernels overlap within the one batch
-        with collective_timeout(timeout_s), use_expert_schedule(plan.expert_schedule):
+        with options.applied(plan.expert_schedule, overlapped=False):
             return fn(*tensors, **kwargs)
 
     inputs = split_inputs(plan, tensors)
@@ -213,14 +214,11 @@ def _run_plan(fn: Callable[..., Any], tensors: Sequence[torch.Tensor], num_token
 
         return run
 
-    device = run_device(tensors[0])
-    if trace is not None:
-        trace.meta["expert_schedule"] = plan.expert_schedule.value
-    with leave_sms_free(find_experts, options.sm_carveout), use_expert_schedule(plan.expert_schedule), \
-            collective_timeout(timeout_s):
-        outputs = run_ubatches([body(i) for i in range(n)], comm_stream=options.comm_stream,
-                               token_offsets=plan.token_offsets, trace=trace,
-                               device=device, compute_sms=options.compute_sms)
+    if options.trace is not None:
+        options.trace.meta["expert_schedule"] = plan.expert_schedule.value
+    with options.applied(plan.expert_schedule, overlapped=True):
+        outputs = run_ubatches([body(i) for i in range(n)], token_offsets=plan.token_offsets,
+                               device=run_device(tensors[0]), **options.ubatch_args())
     return merge_outputs(plan, outputs)
 
 
@@ -270,17 +268,17 @@ class DBOWrapper(torch.nn.Module):
         agree: False skips the agreement all-reduce.
         trace: a default :class:`dbo.Trace` for every overlapped call.
         comm_stream: passed to ``run_ubatches``.
-        sm_carveout: SMs the matmuls (torch's and the wrapped module's experts') leave free in
+        sm_carveout: SMs the matmuls (torch's and the wrapped forward's experts') leave free in
             overlapped calls, as in :func:`overlapped_forward`; an attribute, checked when set.
-            The experts are found once, at the first overlapped call, and again after the
-            attribute is set (set it again after replacing the model's experts).
         compute_sms: SMs of the green context the overlapped calls compute on (see
             :func:`dbo.ubatch.sm.compute_on_sms`); an attribute, checked when set, the green
             context created on first use.
         timeout_s: the longest wait for a peer rank in the backends, as in
             :func:`overlapped_forward` (None: each backend's own).
+        options: the five above as one :class:`RunOptions` (then leave them out); with a
+            deployment ``config``, its ``sm_carveout`` fills an ``sm_carveout`` left None.
 
-    The last five are one :class:`RunOptions` (:attr:`options`); each is also an attribute that
+    The five are one :class:`RunOptions` (:attr:`options`); each is also an attribute that
     replaces it with the new value, checked.
     """
 
@@ -289,8 +287,10 @@ class DBOWrapper(torch.nn.Module):
                  agree: bool = True,
                  trace: Trace | None = None, comm_stream: Any = None,
                  sm_carveout: int | None = None, compute_sms: int | None = None,
-                 timeout_s: float | None = None):
+                 timeout_s: float | None = None, options: RunOptions | None = None):
         super().__init__()
+        options = RunOptions.given(options, trace=trace, comm_stream=comm_stream, sm_carveout=sm_carveout,
+                                   compute_sms=compute_sms, timeout_s=timeout_s)
         if not callable(module_or_fn):
             raise TypeError(f"module_or_fn must be callable, got {type(module_or_fn).__name__}")
         if isinstance(module_or_fn, torch.nn.Module):
@@ -298,15 +298,14 @@ class DBOWrapper(torch.nn.Module):
         else:
             self._fn = module_or_fn
         if isinstance(config, DeploymentConfig):  # a tuned deployment's file (dbo.deployment)
-            if sm_carveout is None:
-                sm_carveout = config.sm_carveout
+            if options.sm_carveout is None:
+                options = dataclasses.replace(options, sm_carveout=config.sm_carveout)
             config = config.split
         self.config = SplitConfig() if config is None else config
         self.group = group
         self.agree = agree
         #: how the overlapped calls run (the attributes below read and replace it)
-        self.options = RunOptions(trace, comm_stream, sm_carveout, compute_sms, timeout_s)
-        self._found_experts: list | None = None
+        self.options = options
         self.last_plan: UBatchPlan | None = None
         #: the measured choice between plain and overlapped per size bucket (``config.adaptive``)
         self.online: OnlineChoice | None = None
@@ -319,24 +318,8 @@ class DBOWrapper(torch.nn.Module):
     comm_stream = _RunOption("The comm stream given to ``run_ubatches`` (None: its own).")
     timeout_s = _RunOption("The longest wait for a peer rank in the backends (None: each backend's own).")
     compute_sms = _RunOption("SMs of the overlapped calls' green context (None: every SM).")
-
-    @property
-    def sm_carveout(self) -> int | None:
-        """SMs left free in the overlapped calls (None: torch's and the experts' own setting)."""
-        return self.options.sm_carveout
-
-    @sm_carveout.setter
-    def sm_carveout(self, value: int | None) -> None:
-        self.options = dataclasses.replace(self.options, sm_carveout=value)
-        self._found_experts = None  # found again at the next overlapped call
-
-    def _experts(self) -> list:
-        """The wrapped forward's SwiGLUExperts, found at the first overlapped call with a
-        carve-out (a walk over the model's modules: milliseconds for a large model) and kept
-        until ``sm_carveout`` is set again."""
-        if self._found_experts is None:
-            self._found_experts = find_swiglu_experts(self.fn)
-        return self._found_experts
+    sm_carveout = _RunOption("SMs left free in the overlapped calls (None: torch's and the "
+                             "experts' own setting).")
 
     def plan(self, num_tokens: int, *, request_token_counts: Sequence[int] | None = None,
              decode_only: bool | None = None, need_bytes: int | None = None) -> UBatchPlan:
@@ -365,7 +348,7 @@ class DBOWrapper(torch.nn.Module):
     def _run(self, plan: UBatchPlan, tensors: Sequence[torch.Tensor], num_tokens: int,
              kwargs: dict[str, Any], options: RunOptions) -> Any:
         self.last_plan = plan
-        return _run_plan(self.fn, tensors, num_tokens, plan, kwargs, options, self._experts)
+        return _run_plan(self.fn, tensors, num_tokens, plan, kwargs, options)
 
     def _measured(self, plan: UBatchPlan, tensors: Sequence[torch.Tensor], num_tokens: int,
                   kwargs: dict[str, Any], options: RunOptions) -> Any:

@@ -325,7 +325,7 @@ def _carveouts_seen() -> list:
 
     class Recording(SwiGLUExperts):
         def apply(self, *args, **kwargs):
-            seen.append(self.sm_carveout)
+            seen.append(self.carveout_in_force())  # the run's value, else the attribute
             return super().apply(*args, **kwargs)
 
     pf = fake_deepep_backend("ll", hidden=128, max_tokens_per_rank=8, num_experts=8, topk=2,
@@ -340,7 +340,7 @@ def _carveouts_seen() -> list:
     try:
         with use_expert_schedule("sbo"):
             kernel(x, w1[local], w2[local], weights, ids, global_num_experts=8)
-        return [*seen, kernel.experts.sm_carveout]
+        return [*seen, kernel.experts.sm_carveout]  # the attribute itself is never written
     finally:
         pf.reset()
         BUFFER_CACHE.reset()

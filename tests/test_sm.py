@@ -1,5 +1,6 @@
-"""The SM carve-out travels as an argument: from the overlapped forward to the model's experts, from
-the experts to the fused kernels' launches, and from there to the persistent grid's size.
+"""The SM carve-out travels one way: from the overlapped forward's run to every experts object it
+calls (a context variable, wherever the model keeps them), from the experts to the fused kernels'
+launches as an argument, and from there to the persistent grid's size.
 
 CPU only: the launches are replaced by recorders (the GPU side, a persistent grid of ``SMs - N``
 programs, is :func:`persistent_grid`'s arithmetic, checked here on a stand-in device).
@@ -209,6 +210,29 @@ def test_the_carveout_is_restored_when_a_ubatch_fails(recorder):
         overlapped_forward(Failing(experts), torch.randn(8, 16), config=ALWAYS, agree=False,
                            sm_carveout=4)
     assert [s[1] for s in recorder.seen] == [4, 4]
+    assert experts.sm_carveout is None and torch_carveout() == before
+
+
+def test_experts_two_levels_below_an_attribute_get_the_runs_carveout(recorder):
+    # the model keeps its MoE layer inside a plain object inside another: no search of its
+    # modules finds the experts, and the run's carve-out reaches them all the same
+    experts = SwiGLUExperts(use_triton=True, fused=True)
+    layer = _MoEModel(experts)
+
+    class Deep(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.stack = SimpleNamespace(blocks=[SimpleNamespace(moe=layer.forward)])
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.stack.blocks[0].moe(x)
+
+    model = Deep()
+    assert find_swiglu_experts(model) == []
+    before = torch_carveout()
+    out = overlapped_forward(model, torch.randn(8, 16), config=ALWAYS, agree=False, sm_carveout=16)
+    assert out.shape == (8, 16)
+    assert recorder.seen == [(True, 16, 16)] * 2
     assert experts.sm_carveout is None and torch_carveout() == before
 
 

@@ -34,8 +34,10 @@ from dbo.autotune.timing import MEMORY_MARGIN, device_of, time_ms, transient_byt
 from dbo.expert_schedule import ExpertSchedule, parse_expert_schedule
 from dbo.overlap import overlapped_forward
 from dbo.peers.collectives import all_reduce_max, group_size
+from dbo.peers.watchdog import collective_timeout
+from dbo.run_options import RunOptions
 from dbo.split import NEVER_SPLIT, SplitConfig, no_split_plan, plan_ubatches
-from dbo.ubatch.sm import check_compute_sms, check_sm_carveout
+from dbo.ubatch.sm import check_sm_carveout
 
 __all__ = [
     "NEVER_SPLIT",
@@ -231,6 +233,7 @@ def autotune_split_config(
                                                  ExpertSchedule.SBO),
     sm_carveouts: Sequence[int | None] | None = None,
     clock: Callable[[], float] = time.perf_counter,
+    options: RunOptions | None = None,
 ) -> AutotuneResult:
     """Time ``fn`` plainly and overlapped at each token count; return a tuned config.
 
@@ -267,6 +270,9 @@ def autotune_split_config(
             work is synchronized before each reading). Tests pass a deterministic one
             (:class:`dbo.testing.clock.VirtualClock`) whose time moves only when the forward
             says it spends time.
+        options: how the timed calls run, one :class:`dbo.RunOptions` (the wrapper's
+            ``options``), in place of ``sm_carveout`` and ``compute_sms``; its ``timeout_s``
+            bounds every timed call, its ``trace`` records the overlapped ones.
 
     Returns:
         :class:`AutotuneResult`; ``.config`` is what to give the wrapper: the tuned threshold
@@ -277,7 +283,8 @@ def autotune_split_config(
         ValueError: an empty or non-positive ``token_counts``, bad ``steps``/``rounds``, or
             ``schedules``, or ranks that were given different ``token_counts``/``steps``/
             ``rounds``/``schedules``.
-        TypeError: a ``clock`` that is not callable.
+        TypeError: a ``clock`` that is not callable; ``options`` with ``sm_carveout`` or
+            ``compute_sms``.
     """
     config = SplitConfig() if config is None else config
     counts = [int(t) for t in token_counts]
@@ -289,11 +296,13 @@ def autotune_split_config(
         raise TypeError(f"clock must be callable (returns seconds, like time.perf_counter), got {clock!r}")
     if not 0 <= margin < 1:
         raise ValueError(f"margin must be in [0, 1), got {margin!r}")
-    check_sm_carveout(sm_carveout)
-    carveouts = [sm_carveout] if sm_carveouts is None else [check_sm_carveout(k) for k in sm_carveouts]
+    options = RunOptions.given(options, sm_carveout=sm_carveout, compute_sms=compute_sms)
+    carveouts = [options.sm_carveout] if sm_carveouts is None else \
+        [check_sm_carveout(k) for k in sm_carveouts]
     if not carveouts or len(set(carveouts)) != len(carveouts):
         raise ValueError(f"sm_carveouts must be distinct and not empty, got {sm_carveouts!r}")
-    check_compute_sms(compute_sms)
+    # the runs of each carve-out (a plain call runs without one)
+    runs = [dataclasses.replace(options, sm_carveout=k) for k in carveouts]
     wanted = {parse_expert_schedule(s) for s in schedules}
     if not wanted or ExpertSchedule.PLAIN in wanted:
         raise ValueError(f"schedules must name 'split', 'merged', 'sbo' or 'sbo+dbo' (the plain "
@@ -327,22 +336,25 @@ def autotune_split_config(
         plain = sbo_ms = float("inf")
         unsplit = no_split_plan(t, expert_schedule=ExpertSchedule.SBO)
         best = dict.fromkeys(keys, float("inf"))
+        def plain_call(x=inputs):
+            with collective_timeout(options.timeout_s):
+                return fn(*x, **kwargs)
+
         for r in range(rounds):
-            plain = min(plain, time_ms(lambda x=inputs: fn(*x, **kwargs), warmup, steps, device,
-                                        clock))
+            plain = min(plain, time_ms(plain_call, warmup, steps, device, clock))
             if r == 0:  # one more call, once: what the plain call needs per row
-                per_row = max(per_row, -(-transient_bytes(lambda x=inputs: fn(*x, **kwargs), device) // t))
+                per_row = max(per_row, -(-transient_bytes(plain_call, device) // t))
             if sbo:
                 sbo_ms = min(sbo_ms, time_ms(
-                    lambda x=inputs, u=unsplit: overlapped_forward(fn, *x, plan=u, fn_kwargs=kwargs),
+                    lambda x=inputs, u=unsplit: overlapped_forward(fn, *x, plan=u, fn_kwargs=kwargs,
+                                                                   options=options),
                     warmup, steps, device, clock))
             for (s, k) in keys if plan.split else ():
                 if s not in dbo_schedules:
                     continue
                 p = dataclasses.replace(plan, expert_schedule=s)
                 def step(x=inputs, p=p, k=k):
-                    return overlapped_forward(fn, *x, plan=p, fn_kwargs=kwargs,
-                                              sm_carveout=carveouts[k], compute_sms=compute_sms)
+                    return overlapped_forward(fn, *x, plan=p, fn_kwargs=kwargs, options=runs[k])
                 best[(s, k)] = min(best[(s, k)], time_ms(step, warmup, steps, device, clock))
                 if r == 0:  # one more call, once: its peak does not change between rounds
                     transient[s] = max(transient.get(s, 0), transient_bytes(step, device))

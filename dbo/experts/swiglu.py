@@ -24,9 +24,11 @@ and write each row's output to its place there, so that no row is moved back; el
 segments are run one slab at a time.
 
 Persistent grids and the SM carve-out: the fused kernels' persistent GEMMs size their grid to
-the device's SMs less ``SwiGLUExperts.sm_carveout``, passed down to the launch as an argument.
-The overlapped forward sets it for its runs on every SwiGLUExperts of the model it runs
-(:func:`find_swiglu_experts`), with torch's carve-out for cuBLAS (:func:`dbo.ubatch.sm.sm_carveout`).
+the device's SMs less the carve-out in force at the call, passed down to the launch as an
+argument: the run's (:func:`dbo.ubatch.sm.current_experts_sm_carveout`, set by the overlapped
+forward's ``sm_carveout`` together with torch's carve-out for cuBLAS), else
+``SwiGLUExperts.sm_carveout``. The run's value reaches every SwiGLUExperts its forward calls,
+wherever the model keeps them.
 
 fp8 inputs: a backend that hands over fp8 activations with DeepEP's block scales (one float32
 scale per 128 hidden elements, ``a1q_scale``) gets them dequantized to the weights' dtype before
@@ -59,7 +61,7 @@ from dbo.moe.base import (
     Workspace,
 )
 from dbo.moe.validate import check_expert_weights
-from dbo.ubatch.sm import check_sm_carveout
+from dbo.ubatch.sm import check_sm_carveout, current_experts_sm_carveout
 
 __all__ = ["SwiGLUExperts", "swiglu_expert", "dequantize_blocks", "FP8_SCALE_BLOCK",
            "find_swiglu_experts"]
@@ -120,9 +122,10 @@ class SwiGLUExperts(MoEExperts):
             (``M * topk * local / global`` pairs); :class:`MoEKernel` sets it on every call.
             Unknown: every slot is counted as local (an overestimate).
         sm_carveout: SMs the fused kernels' persistent grids leave free for kernels on other
-            streams (the other ubatch's communication); None (default): they use every SM. The
-            overlapped forward (:func:`dbo.overlapped_forward` and the wrappers built on it)
-            sets the attribute to its own ``sm_carveout`` for its runs and puts this value back.
+            streams (the other ubatch's communication); None (default): they use every SM. A
+            carve-out set for a run (the overlapped forward's ``sm_carveout``, or a
+            :func:`dbo.ubatch.sm.experts_sm_carveout` block) takes its place while it is in
+            force; the attribute itself is never written.
     """
 
     def __init__(self, *, reduce_in_experts: bool = True, use_grouped_mm: bool | None = None,
@@ -192,7 +195,7 @@ class SwiGLUExperts(MoEExperts):
             return fused_swiglu_experts(
                 x, w1, w2, weights, topk_ids, out=out, reduce=self.reduce_in_experts,
                 max_local_pairs=None if host is None else pairs, rows_per_expert=pairs / n_local,
-                bounds=self._bounds_for(n_local, x.device), sm_carveout=self.sm_carveout)
+                bounds=self._bounds_for(n_local, x.device), sm_carveout=self.carveout_in_force())
         groups = group_by_expert(topk_ids, n_local, host) if m else None
         if groups is None or groups.num_rows == 0:
             return out.zero_()
@@ -218,6 +221,11 @@ class SwiGLUExperts(MoEExperts):
         # a CPU tensor reaches here only with use_triton=True (Triton's interpreter): fused
         return self.fused is True or not x.is_cuda or x.element_size() > 2 \
             or prefer_fused(rows_per_expert, inter, n_local)
+
+    def carveout_in_force(self) -> int | None:
+        """The SMs this call's persistent grids leave free: the run's carve-out where one is
+        set (:func:`dbo.ubatch.sm.current_experts_sm_carveout`), else :attr:`sm_carveout`."""
+        return current_experts_sm_carveout(self.sm_carveout)
 
     def note_global_num_experts(self, num_experts: int) -> None:
         self.num_global_experts = num_experts
@@ -272,7 +280,7 @@ class SwiGLUExperts(MoEExperts):
         est = None if topk_ids is None else topk_ids.numel() / n_local
         if self._fused_slabs(x):
             return segmented_swiglu_experts(x, w1, w2, seg.counts, seg.caps, out=out,
-                                            rows_per_expert=est, sm_carveout=self.sm_carveout)
+                                            rows_per_expert=est, sm_carveout=self.carveout_in_force())
         for u, cap in enumerate(seg.caps):  # one slab at a time, each into its region of out
             rows = slice(bases[u], bases[u + 1])
             self._slabs(x[rows].view(n_local, cap, hidden), w1, w2, seg.counts[:, u], None,
@@ -287,7 +295,7 @@ class SwiGLUExperts(MoEExperts):
             # the rows that arrived only (the counts stay on the device); rows past them are
             # left unwritten, which finalize ignores
             return batched_swiglu_experts(x, w1, w2, counts, out=out, rows_per_expert=est,
-                                          sm_carveout=self.sm_carveout)
+                                          sm_carveout=self.carveout_in_force())
         if x.is_cuda:
             # padded rows compute garbage, which finalize ignores; two launches beat a loop
             rows = max_tokens if self.batched_rows is None else min(self.batched_rows, max_tokens)
@@ -312,6 +320,9 @@ class SwiGLUExperts(MoEExperts):
 
 def find_swiglu_experts(model: Any) -> list[SwiGLUExperts]:
     """The distinct :class:`SwiGLUExperts` that ``model`` runs, where dbo's MoE layers keep them.
+
+    For inspection only: the overlapped forward's carve-out reaches the experts without it
+    (:func:`dbo.ubatch.sm.current_experts_sm_carveout`).
 
     ``model``: an ``nn.Module`` (each of its modules is searched), a bound method of one (its
     module), or any other object (searched itself). An object's attributes are searched one

@@ -31,8 +31,8 @@ queued, so each combine is in flight beside the other ubatch's work and this uba
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from collections.abc import Callable
+from contextlib import ExitStack
 from typing import Any
 
 import torch
@@ -57,6 +57,7 @@ from dbo.ubatch.context import (
     dbo_register_recv_hook,
     dbo_yield,
 )
+from dbo.ubatch.sm import experts_sm_carveout
 
 __all__ = ["MoEKernel", "SBO_GROUPS", "expert_groups"]
 
@@ -90,21 +91,6 @@ def _complete(res: Any, recv_region: str) -> Any:
         receiver = res
     with dbo_region(recv_region):
         return receiver()
-
-
-@contextmanager
-def _experts_carveout(experts: MoEExperts, carveout: int | None) -> Iterator[None]:
-    """``experts.sm_carveout`` set to ``carveout`` within the block (nothing when either is
-    missing)."""
-    if carveout is None or not hasattr(experts, "sm_carveout"):
-        yield
-        return
-    before = experts.sm_carveout
-    experts.sm_carveout = carveout
-    try:
-        yield
-    finally:
-        experts.sm_carveout = before
 
 
 class MoEKernel:
@@ -148,10 +134,10 @@ class MoEKernel:
         #: groups of local experts under the ``sbo`` schedule (see the module docstring)
         self.sbo_groups = SBO_GROUPS
         #: SMs the experts' persistent kernels leave free while a group's combine is in flight
-        #: under ``sbo`` (the experts of every group but the first; experts with an
-        #: ``sm_carveout`` attribute, as :class:`dbo.experts.SwiGLUExperts`), so that a combine
-        #: whose kernel needs SMs (DeepEP's low-latency one over NVLink) runs beside them;
-        #: None leaves the experts' own setting
+        #: under ``sbo`` (the experts of every group but the first, through
+        #: :func:`dbo.ubatch.sm.experts_sm_carveout`, which :class:`dbo.experts.SwiGLUExperts`
+        #: reads), so that a combine whose kernel needs SMs (DeepEP's low-latency one over
+        #: NVLink) runs beside them; None leaves the run's or the experts' own setting
         self.sbo_sm_carveout: int | None = None
 
     def workspace(self) -> Workspace:
@@ -307,7 +293,7 @@ class MoEKernel:
     __call__ = forward
 
     def _beside_a_combine(self, active: bool):
-        return _experts_carveout(self.experts, self.sbo_sm_carveout if active else None)
+        return experts_sm_carveout(self.sbo_sm_carveout if active else None)
 
     def _grouped_combines(self, inp: ExpertsInput, groups: list[tuple[int, int]],
                           apply: Callable[..., torch.Tensor],

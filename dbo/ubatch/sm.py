@@ -10,10 +10,10 @@ Two ways to leave SMs to the communication kernels, both checked and applied her
 
 * ``sm_carveout=N`` (:func:`sm_carveout`): the matmuls leave ``N`` SMs free. cuBLASLt and
   ``torch._grouped_mm`` read torch's experimental carve-out, which the block sets; dbo's
-  persistent expert kernels take the same number as an argument
-  (``SwiGLUExperts.sm_carveout``, which the overlapped forward sets on the model's experts for
-  its run: :func:`dbo.run_options.leave_sms_free` over the experts that
-  :func:`dbo.experts.swiglu.find_swiglu_experts` finds).
+  persistent expert kernels read the same number from a context variable the block sets too
+  (:func:`current_experts_sm_carveout`, read by :class:`dbo.experts.SwiGLUExperts` at each
+  launch, wherever the experts sit in a model). The overlapped forward enters the block around
+  its run (:meth:`dbo.run_options.RunOptions.applied`); nothing else writes torch's setting.
 * ``compute_sms=N`` (:func:`compute_on_sms`): the compute runs on a green context of ``N`` SMs.
 
 :func:`compute_on_sms` makes the caller's work inside the block run on a green-context stream
@@ -28,6 +28,7 @@ torch 2.11).
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import logging
 import threading
 from collections.abc import Iterator
@@ -45,6 +46,8 @@ __all__ = [
     "check_sm_carveout",
     "check_compute_sms",
     "sm_carveout",
+    "experts_sm_carveout",
+    "current_experts_sm_carveout",
     "compute_on_sms",
 ]
 
@@ -91,6 +94,43 @@ def _check_num_sms(num_sms: Any, least: int, want: str) -> int | None:
     return num_sms
 
 
+#: the experts' carve-out in force (None: each experts object's own); a context variable, so a
+#: value set around ``run_ubatches`` reaches every ubatch of that run and nothing else
+_EXPERTS_CARVEOUT: contextvars.ContextVar[int | None] = contextvars.ContextVar(
+    "dbo_experts_sm_carveout", default=None)
+
+
+def current_experts_sm_carveout(default: int | None = None) -> int | None:
+    """The SMs dbo's persistent expert kernels leave free here: the innermost
+    :func:`sm_carveout` or :func:`experts_sm_carveout` block's, else ``default`` (the experts'
+    own ``sm_carveout``)."""
+    value = _EXPERTS_CARVEOUT.get()
+    return default if value is None else value
+
+
+@contextlib.contextmanager
+def experts_sm_carveout(num_sms: int | None) -> Iterator[None]:
+    """Within the block (in this context, and in the ubatches of a run started inside it), dbo's
+    persistent expert kernels leave ``num_sms`` SMs free (:func:`current_experts_sm_carveout`);
+    torch's setting is left alone. The previous value is restored on exit. ``None`` does
+    nothing.
+
+    Unlike torch's process-wide carve-out, this one is per context: a block inside a ubatch
+    that spans a yield does not reach the other ubatch.
+
+    Raises:
+        ValueError: ``num_sms`` is negative or not an int.
+    """
+    if check_sm_carveout(num_sms) is None:
+        yield
+        return
+    token = _EXPERTS_CARVEOUT.set(num_sms)
+    try:
+        yield
+    finally:
+        _EXPERTS_CARVEOUT.reset(token)
+
+
 @contextlib.contextmanager
 def sm_carveout(num_sms: int | None) -> Iterator[None]:
     """Leave ``num_sms`` SMs to other kernels in the matmuls launched inside the block.
@@ -99,9 +139,13 @@ def sm_carveout(num_sms: int | None) -> Iterator[None]:
     matmuls target that many fewer SMs, and the persistent CUTLASS kernels of
     ``torch._grouped_mm`` size their grid to the rest. Under DBO this keeps SMs free for the
     other ubatch's communication kernels (DeepEP's normal mode runs on ``Buffer.num_sms`` SMs),
-    which otherwise wait for a persistent GEMM to finish. The previous value is restored on exit.
-    ``None`` does nothing. dbo's own persistent expert kernels do not read this setting: they
-    take the carve-out as an argument (``SwiGLUExperts(sm_carveout=...)``).
+    which otherwise wait for a persistent GEMM to finish. dbo's own persistent expert kernels
+    get the same number (:func:`experts_sm_carveout`). Both previous values are restored on exit
+    (also on an exception). ``None`` does nothing.
+
+    torch's setting is process-wide: enter the block around a whole run (as the overlapped
+    forward does), never inside a ubatch across a yield, where the ubatches' exits would
+    restore it out of order.
 
     Raises:
         ValueError: ``num_sms`` is negative or not an int.
@@ -118,7 +162,8 @@ def sm_carveout(num_sms: int | None) -> Iterator[None]:
     previous = getter()
     setter(num_sms)
     try:
-        yield
+        with experts_sm_carveout(num_sms):
+            yield
     finally:
         setter(previous)
 
