@@ -49,6 +49,18 @@ class BackendSpec:
             moves); :func:`cpu_backends` leaves it out.
         slot_per_ubatch: keeps a buffer slot per ubatch id, so it is built for a number of
             ubatches (:func:`make_backend`'s ``num_ubatches``) and refuses a run with more.
+        run_on_gpus: has run on GPUs; False for a backend only tested against its library's
+            documented API (``deepep_v2``), which :func:`describe_backend` says wherever
+            backends are listed.
+        uses_deep_ep: built on DeepEP's buffers (needs ``deep_ep``; on the CPU only on
+            :mod:`dbo.testing.fake_deep_ep`, which stands in for it).
+        low_latency: DeepEP's low-latency kind, made for decode: a fixed buffer of
+            ``max_tokens_per_rank`` per call, the BATCHED_EXPERTS layout, a receive hook in
+            place of a stream switch (the benchmarks size and run its shapes as decode steps).
+        sets_num_sms: its kernels run on a number of SMs fixed when its buffer is made
+            (DeepEP's normal mode, ``Buffer.set_num_sms``), a number the benchmarks sweep.
+        graph_capturable: nothing in its dispatch or combine waits for the GPU on the host, so
+            a whole step can be captured in a CUDA graph (deepep_ht reads its receive counts).
     """
 
     name: str
@@ -61,18 +73,25 @@ class BackendSpec:
     run_on_gpus: bool = True
     single_rank: bool = False
     slot_per_ubatch: bool = False
+    uses_deep_ep: bool = False
+    low_latency: bool = False
+    sets_num_sms: bool = False
+    graph_capturable: bool = False
 
 
 BACKENDS: Mapping[str, BackendSpec] = MappingProxyType({
     "naive": BackendSpec("naive", "naive"),
     "all2all": BackendSpec("all2all", "all2all"),
-    "deepep_ht": BackendSpec("deepep_ht", "deepep_ht", gpu_only=True, bf16_only=True),
+    "deepep_ht": BackendSpec("deepep_ht", "deepep_ht", gpu_only=True, bf16_only=True,
+                             uses_deep_ep=True, sets_num_sms=True),
     "deepep_ll": BackendSpec("deepep_ll", "deepep_ll", gpu_only=True, bf16_only=True,
-                             needs_max_tokens=True),
+                             needs_max_tokens=True, uses_deep_ep=True, low_latency=True,
+                             graph_capturable=True),
     "deepep_v2": BackendSpec("deepep_v2", "deepep_v2", gpu_only=True, bf16_only=True,
-                             needs_max_tokens=True, run_on_gpus=False),
+                             needs_max_tokens=True, run_on_gpus=False, uses_deep_ep=True),
     # zero-SM copy-engine puts on one host (host shared memory on CPU); its buffers size themselves
-    "copy_engine": BackendSpec("copy_engine", "copy_engine", slot_per_ubatch=True),
+    "copy_engine": BackendSpec("copy_engine", "copy_engine", slot_per_ubatch=True,
+                               graph_capturable=True),
     # one device as rank r of an N-rank group (dbo.backends.emulated), on CPU or one GPU
     "emulated": BackendSpec("emulated", "emulated", bf16_only=True, needs_max_tokens=True,
                             serves_link=True, emulated=True),

@@ -131,7 +131,7 @@ def check_backend_fits(parser: argparse.ArgumentParser, backend: str, *, device:
     activations of ``dtype`` (a ``torch`` dtype name; None: not checked). ``fake_deep_ep``:
     DeepEP's backends run on the CPU on dbo.testing's fake."""
     spec = BACKENDS[backend]
-    if spec.gpu_only and device != "cuda" and not (fake_deep_ep and backend.startswith("deepep")):
+    if spec.gpu_only and device != "cuda" and not (fake_deep_ep and spec.uses_deep_ep):
         parser.error(f"--backend {backend} needs --device cuda (on {device}: "
                      f"{', '.join(cpu_backends())})")
     if spec.bf16_only and dtype not in (None, "bfloat16"):

@@ -26,7 +26,7 @@ from torch.utils.benchmark import Timer
 
 import dbo
 from dbo import cli
-from dbo.backends import BACKENDS, make_backend
+from dbo.backends import BACKENDS, describe_backend, make_backend
 from dbo.experts import SwiGLUExperts, local_expert_weights, make_expert_weights, relative_error
 from dbo.moe import MoEKernel, PrepareAndFinalize, topk_route
 from dbo.overlap import mask_current_padding
@@ -42,7 +42,9 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = cli.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--backend", choices=sorted(BACKENDS), default="naive")
+    p.add_argument("--backend", choices=sorted(BACKENDS), default="naive",
+                   help=", ".join(describe_backend(n) for n in sorted(BACKENDS)
+                                  if not BACKENDS[n].run_on_gpus))
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cpu: gloo; cuda: NCCL")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     p.add_argument("--tokens", type=int, default=256, help="tokens per rank")

@@ -202,7 +202,7 @@ def options_from(args: argparse.Namespace, world: int, link: Any = None) -> Over
                          emulated=args.emulate_ep is not None).items():
         if values.get(k) is None:
             values[k] = v
-    if layout != "deepep_ht" or args.emulate_ep:
+    if not BACKENDS[layout].sets_num_sms or args.emulate_ep:
         values["num_sms"] = []  # DeepEP's SM count is normal mode's, on a real group
     if values["dbo_sm_carveout"] is None:
         values["dbo_sm_carveout"] = [None]
@@ -234,10 +234,11 @@ def defaults(device: str, layout: str, *, quick: bool, emulated: bool) -> dict[s
     """The values of the options left out: tiny shapes on the CPU, DeepSeek-V3 sizes on GPUs
     (``layout``: the layout the bytes move in; ``quick``: a small grid)."""
     cpu = device == "cpu"
-    ll, ht = layout == "deepep_ll", layout == "deepep_ht"
+    spec = BACKENDS[layout]
+    ll, ht = spec.low_latency, spec.sets_num_sms
     if cpu:
         # DeepEP's combine is bf16 only (the --fake-deep-ep runs keep its checks)
-        dtype = "bfloat16" if layout.startswith("deepep") else "float32"
+        dtype = "bfloat16" if spec.bf16_only else "float32"
         d: dict[str, Any] = dict(dtype=dtype, hidden=128, experts=8, topk=2, attn_width=128, layers=2,
                                  tokens=[64] if quick else [64, 256], intermediate=[64],
                                  steps=3 if quick else 10, warmup=1, time_budget_s=0.0)
@@ -281,7 +282,7 @@ def collect_env(device: torch.device, world: int, *, backend: str, out: str) -> 
                    gpu_memory_bytes=props.total_memory, nccl=".".join(map(str, torch.cuda.nccl.version())))
     else:
         env.update(device_name=f"cpu ({os.cpu_count()} cores)", sm_count=None)
-    if backend.startswith("deepep"):
+    if BACKENDS[backend].uses_deep_ep:
         from dbo.backends.deepep.buffer import detect_deep_ep_api
         env["deep_ep"] = detect_deep_ep_api().describe()
     for mod in ("matplotlib", "tqdm"):
@@ -298,13 +299,14 @@ def configure_deepep(backend: str, tokens: tuple[int, ...], num_sms: tuple[int, 
     mode's SM counts) and of ``tokens`` (per rank). Returns what it found and changed (for the
     bundle's environment)."""
     found: dict[str, Any] = {}
-    if backend == "deepep_ll":
+    spec = BACKENDS[backend]
+    if spec.uses_deep_ep and spec.low_latency:
         need = (max(tokens) + 1) * 2
         if int(os.environ.get("NVSHMEM_QP_DEPTH", "1024")) < need:
             # DeepEP asserts NVSHMEM_QP_DEPTH >= (max_tokens_per_rank + 1) * 2 (default 1024)
             os.environ["NVSHMEM_QP_DEPTH"] = str(1 << (need - 1).bit_length())
             found["set_NVSHMEM_QP_DEPTH"] = os.environ["NVSHMEM_QP_DEPTH"]
-    if backend == "deepep_ht":
+    if spec.uses_deep_ep and spec.sets_num_sms:
         from dbo.backends.deepep.buffer import detect_deep_ep_api
         api = detect_deep_ep_api()
         found["deep_ep_default_num_sms"] = api.buffer_cls.num_sms

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 import dbo
+from dbo.backends import BACKENDS
 from dbo.bench.overlap.shape import ShapeBench, max_rel_error
 from dbo.bench.timeline import timeline_svg
 from dbo.bench.timing import measure
@@ -22,7 +23,7 @@ __all__ = ["traces", "cuda_graph", "GRAPH_BACKENDS"]
 
 #: the backends whose whole step a CUDA graph can hold: no host wait on the GPU inside a step
 #: (deepep_ht's dispatch reads its receive counts on the host)
-GRAPH_BACKENDS = ("deepep_ll", "copy_engine")
+GRAPH_BACKENDS = tuple(name for name, spec in BACKENDS.items() if spec.graph_capturable)
 
 
 def traces(sb: ShapeBench, profile: bool, out_dir: Path) -> dict | None:

@@ -51,7 +51,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dbo.backends import make_backend
+from dbo.backends import BACKENDS, make_backend
 from dbo.bench.cli import verdict
 from dbo.bench.dist import distributed
 from dbo.bench.limits import layer_limit_ms, measure_device_limits
@@ -356,7 +356,7 @@ def judge(result: OverlapResult, out_dir: Path) -> tuple[bool, str]:
 
 def main(argv: list[str] | None = None) -> int:
     opts = parse_args(argv)
-    if opts.backend.startswith("deepep"):
+    if BACKENDS[opts.backend].uses_deep_ep:
         from dbo.backends.deepep.buffer import DeepEPNotInstalledError, import_deep_ep
 
         if opts.fake_deep_ep:

@@ -129,8 +129,10 @@ class OverlapOptions:
 
     @property
     def decode(self) -> bool:
-        """Decode steps (the low-latency layout): split decisions are the decode thresholds."""
-        return self.layout == "deepep_ll"
+        """Decode steps (a low-latency layout): split decisions are the decode thresholds."""
+        from dbo.backends import BACKENDS
+
+        return BACKENDS[self.layout].low_latency
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -268,11 +270,14 @@ class OverlapOptions:
                                  "TOKENS:INTERMEDIATE, auto or none")
 
     def _check_emulation(self) -> None:
+        from dbo.backends import BACKENDS
+
+        emulated = BACKENDS[self.backend].emulated  # checked by _check
         if self.emulate_ep is None:
-            if self.backend == "emulated":
+            if emulated:
                 raise ValueError("--backend emulated: give the group it stands for with --emulate-ep N")
             return
-        if self.backend != "emulated":
+        if not emulated:
             raise ValueError(f"--emulate-ep with --backend {self.backend}: an emulated rank moves its "
                              "bytes in --emulate-layout (deepep_ll or deepep_ht); leave --backend out")
         if self.emulate_ep < 2:
