@@ -152,3 +152,19 @@ def test_a_deployments_carveout_fills_the_options_left_without_one():
     assert DBOWrapper(torch.nn.Identity(), cfg, options=RunOptions(timeout_s=1.0)).options == \
         RunOptions(sm_carveout=8, timeout_s=1.0)
     assert DBOWrapper(torch.nn.Identity(), cfg, options=RunOptions(sm_carveout=2)).sm_carveout == 2
+
+
+def test_only_the_sm_module_writes_torchs_carveout():
+    # torch's carve-out is process-wide: one place sets it, around a whole run, and restores it
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    writers = set()
+    for folder in ("dbo", "backends", "examples", "tools"):
+        for path in (root / folder).rglob("*.py"):
+            tree = ast.parse(path.read_text(), str(path))
+            if any(isinstance(n, ast.Attribute) and n.attr == "_set_sm_carveout_experimental"
+                   for n in ast.walk(tree)):
+                writers.add(path.relative_to(root).as_posix())
+    assert writers == {"dbo/ubatch/sm.py"}

@@ -43,6 +43,7 @@ __all__ = [
     "PartitionPool",
     "PARTITIONS",
     "green_contexts_supported",
+    "torch_sm_carveout_supported",
     "check_sm_carveout",
     "check_compute_sms",
     "sm_carveout",
@@ -67,6 +68,12 @@ def green_contexts_supported() -> bool:
     except ImportError:
         return False
     return bool(getattr(green_contexts, "SUPPORTED", False))
+
+
+def torch_sm_carveout_supported() -> bool:
+    """True when this torch has the experimental SM carve-out that :func:`sm_carveout` sets."""
+    return hasattr(torch._C, "_set_sm_carveout_experimental") and \
+        hasattr(torch._C, "_get_sm_carveout_experimental")
 
 
 def check_sm_carveout(num_sms: Any) -> int | None:
@@ -154,11 +161,10 @@ def sm_carveout(num_sms: int | None) -> Iterator[None]:
     if check_sm_carveout(num_sms) is None:
         yield
         return
-    setter = getattr(torch._C, "_set_sm_carveout_experimental", None)
-    getter = getattr(torch._C, "_get_sm_carveout_experimental", None)
-    if setter is None or getter is None:
+    if not torch_sm_carveout_supported():
         raise RuntimeError(f"sm_carveout={num_sms}: torch {torch.__version__} has no "
                            "_set_sm_carveout_experimental")
+    setter, getter = torch._C._set_sm_carveout_experimental, torch._C._get_sm_carveout_experimental
     previous = getter()
     setter(num_sms)
     try:

@@ -64,12 +64,13 @@ from dbo.bench.overlap.record import OverlapResult, ShapeRecord
 from dbo.bench.overlap.report import format_table, write_plot
 from dbo.bench.overlap.shape import Budget, ShapeBench
 from dbo.bench.overlap.summary import summarize
-from dbo.bench.overlap.wrapper import restore_carveout, time_wrapper, tune_and_time_wrapper
+from dbo.bench.overlap.wrapper import time_wrapper, tune_and_time_wrapper
 from dbo.bench.timing import Progress
 from dbo.cli import run_main
 from dbo.deployment import DeploymentConfig, save_deployment_config
 from dbo.files import write_whole
 from dbo.split import DISABLE_ENV_VAR, SplitConfig, Vote, dbo_disabled_by_env, local_vote
+from dbo.ubatch.sm import sm_carveout, torch_sm_carveout_supported
 
 __all__ = ["run", "main"]
 
@@ -96,12 +97,8 @@ def run(opts: OverlapOptions, rank: int, world: int, device: torch.device, out_d
     budget = Budget(opts.time_budget_s, device)
     progress = Progress(opts.config_count(), enabled=rank == 0)
     result = OverlapResult(opts, env, partial=True)
-    if opts.sm_carveout is not None:
-        setter = getattr(torch._C, "_set_sm_carveout_experimental", None)
-        if setter is None:
-            result.warnings.append("--sm-carveout: this torch has no _set_sm_carveout_experimental")
-        else:
-            setter(opts.sm_carveout)
+    if opts.sm_carveout is not None and not torch_sm_carveout_supported():  # main() sets it
+        result.warnings.append("--sm-carveout: this torch has no _set_sm_carveout_experimental")
     # one backend for every shape, except deepep_ll whose capacity is the batch: the first one
     # built is the largest, so the shared DeepEP buffer is sized once
     shared_backend = build_backend(opts, max(opts.tokens), device, dtype)
@@ -162,7 +159,6 @@ def run(opts: OverlapOptions, rank: int, world: int, device: torch.device, out_d
                         chrome.append((f"{opts.backend} T={tokens} I={inter}", trace))
                     if opts.autotune:  # the untuned wrapper: the default config, adaptive
                         time_wrapper(sb, SplitConfig(), decision_group, mode="wrapper_untuned")
-                        restore_carveout([sb], opts.sm_carveout, opts.dbo_sm_carveout)
                     if opts.cuda_graph:
                         if device.type == "cuda" and opts.layout in GRAPH_BACKENDS:
                             cuda_graph(sb)
@@ -374,7 +370,9 @@ def main(argv: list[str] | None = None) -> int:
         env["deepep_setup"] = deepep_setup
         # DBO_DISABLE makes every plan unsplit: the DBO rows then time the plain forward
         env["dbo_disabled"] = dbo_disabled_by_env()
-        with torch.inference_mode():
+        # --sm-carveout for the whole run (torch's and the experts'); a DBO run's own replaces it
+        carve = opts.sm_carveout if torch_sm_carveout_supported() else None
+        with torch.inference_mode(), sm_carveout(carve):
             result = run(opts, rank, world, device, out_dir, env)
         ok, why = judge(result, out_dir)
         if rank == 0:

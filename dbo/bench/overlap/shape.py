@@ -363,27 +363,20 @@ class ShapeBench:
 
         The kernels of both configurations are built once here and swapped in per call, so a
         call costs what the serial and DBO measurements cost (a fresh ``MoEKernel`` per call
-        would allocate its per-ubatch workspaces again every step).
+        would allocate its per-ubatch workspaces again every step). The best DBO run's SM
+        carve-out is not set here but by the overlapped run (its ``sm_carveout``: ``best("dbo")[1]``).
         """
-        (s_ser, _), (s_dbo, cv_dbo) = self.best("serial"), self.best("dbo")
+        (s_ser, _), (s_dbo, _) = self.best("serial"), self.best("dbo")
         self.use(self.pf, "serial")
         k_ser = self.model.kernels
         self.use(self.pf, "dbo")
         k_dbo = self.model.kernels
         rows_ser, rows_dbo, rows_merged = self.rows["serial"], self.rows["dbo"], self.rows["merged"]
         model, experts, sms = self.model, self.experts, self.sms
-        # the best DBO run's carve-out, set per call (the global setting is one int; every
-        # call sets it, so it cannot go stale between plain and overlapped calls)
-        cv_ser = self.opts.sm_carveout
-        carve = (torch._C._set_sm_carveout_experimental
-                 if self.opts.dbo_sm_carveout != (None,) else None)
 
         def fn(x: torch.Tensor) -> torch.Tensor:
             in_dbo = dbo.dbo_enabled()
             sms.set(s_dbo if in_dbo else s_ser)  # a no-op unless it changes
-            if carve is not None:  # cuBLAS's, and the experts' persistent grids'
-                carve(cv_dbo if in_dbo else cv_ser)
-                experts.sm_carveout = cv_dbo if in_dbo else cv_ser
             model.kernels = k_dbo if in_dbo else k_ser
             merged = in_dbo and current_expert_schedule() is ExpertSchedule.MERGED
             experts.batched_rows = rows_merged if merged else rows_dbo if in_dbo else rows_ser

@@ -19,7 +19,7 @@ from dbo.bench.timing import Progress, measure
 from dbo.overlap import DBOWrapper, overlapped_forward
 from dbo.split import SplitConfig, Vote, local_vote
 
-__all__ = ["time_wrapper", "restore_carveout", "tune_and_time_wrapper"]
+__all__ = ["time_wrapper", "tune_and_time_wrapper"]
 
 
 def time_wrapper(sb: ShapeBench, config: SplitConfig, group: Any, rounds: int = 3,
@@ -40,8 +40,12 @@ def time_wrapper(sb: ShapeBench, config: SplitConfig, group: Any, rounds: int = 
         return
     fn = sb.adaptive_forward()
     decode = sb.opts.decode
+    # the overlapped calls run with the best DBO run's carve-out (torch's and the experts'),
+    # set for each call and restored after it; the plain ones with the run's --sm-carveout
+    carveout = sb.best("dbo")[1]
     if config.adaptive:
-        w = DBOWrapper(fn, config, group=group, compute_sms=sb.opts.dbo_compute_sms)
+        w = DBOWrapper(fn, config, group=group, compute_sms=sb.opts.dbo_compute_sms,
+                       sm_carveout=carveout)
 
         def wrapped() -> torch.Tensor:
             return w(sb.x, decode_only=decode)
@@ -55,7 +59,7 @@ def time_wrapper(sb: ShapeBench, config: SplitConfig, group: Any, rounds: int = 
     else:
         def wrapped() -> torch.Tensor:
             return overlapped_forward(fn, sb.x, config=config, decode_only=decode, group=group,
-                                      compute_sms=sb.opts.dbo_compute_sms)
+                                      compute_sms=sb.opts.dbo_compute_sms, sm_carveout=carveout)
 
         sb.check_against(sb.ref, mode)(wrapped())
     best: dict[str, Any] = {}
@@ -68,16 +72,6 @@ def time_wrapper(sb: ShapeBench, config: SplitConfig, group: Any, rounds: int = 
     for name, t in best.items():
         sb.rec.measurements.append(Measurement(name, timing=t, rounds=rounds))
     sb.progress.update(sb.label(mode))
-
-
-def restore_carveout(benches: list[ShapeBench], sm_carveout: int | None,
-                     dbo_sm_carveout: tuple[int | None, ...]) -> None:
-    """Put the run's SM carve-out ``sm_carveout`` back (torch's and the experts'): the adaptive
-    forward sets each call's own where the DBO runs tried carve-outs (``dbo_sm_carveout``)."""
-    if dbo_sm_carveout != (None,):
-        torch._C._set_sm_carveout_experimental(sm_carveout)
-        for sb in benches:
-            sb.experts.sm_carveout = sm_carveout
 
 
 def tune_and_time_wrapper(opts: OverlapOptions, benches: list[ShapeBench], budget: Budget,
@@ -102,9 +96,11 @@ def tune_and_time_wrapper(opts: OverlapOptions, benches: list[ShapeBench], budge
         return current[0](x)
 
     decode = opts.decode
+    # the overlapped runs' carve-out: the shapes' best DBO one, or each of theirs where they differ
+    carveouts = list(dict.fromkeys(sb.best("dbo")[1] for sb in ready))
     result = autotune_split_config(fn, make_inputs, sorted(by_tokens), decode_only=decode,
                                    group=group, warmup=opts.warmup, steps=max(5, opts.steps // 2),
-                                   compute_sms=opts.dbo_compute_sms)
+                                   compute_sms=opts.dbo_compute_sms, sm_carveouts=carveouts)
     for sb in ready:
         sb.pf.reset()
         sb.pf_dbo.reset()
@@ -119,5 +115,4 @@ def tune_and_time_wrapper(opts: OverlapOptions, benches: list[ShapeBench], budge
         sb.pf_dbo.reset()
         splits = local_vote(sb.T, result.config, decode_only=decode).vote is Vote.YES
         sb.rec.summary = summarize(sb.rec, splits, wrapper_config="autotuned")
-    restore_carveout(ready, opts.sm_carveout, opts.dbo_sm_carveout)
     return res, result.config
