@@ -168,3 +168,17 @@ def test_only_the_sm_module_writes_torchs_carveout():
                    for n in ast.walk(tree)):
                 writers.add(path.relative_to(root).as_posix())
     assert writers == {"dbo/ubatch/sm.py"}
+
+
+def test_a_prefill_takes_the_run_options_as_the_wrapper_does():
+    pytest.importorskip("transformers")
+    from dbo.integrations.transformers import DBOPrefill
+    from dbo.integrations.transformers.presets import causal_lm_class, tiny_config
+
+    with torch.device("meta"):
+        model = causal_lm_class("mixtral")(tiny_config("mixtral"))
+    options = RunOptions(sm_carveout=4, timeout_s=2.0)
+    by_keywords = DBOPrefill(model, sm_carveout=4, timeout_s=2.0)
+    assert by_keywords.wrapper.options == DBOPrefill(model, options=options).wrapper.options == options
+    with pytest.raises(TypeError, match="not both"):
+        DBOPrefill(model, options=RunOptions(), timeout_s=1.0)

@@ -9,6 +9,7 @@ logits are merged in order. :func:`prefill_logits` is the plain prefill it overl
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,6 +21,7 @@ from dbo.integrations.transformers.ep_model import expert_parallel_group
 from dbo.integrations.transformers.faults import named_device_faults
 from dbo.integrations.transformers.moe_block import routing_token_mask
 from dbo.overlap import DBOWrapper
+from dbo.run_options import RunOptions
 from dbo.split import SplitConfig, UBatchPlan
 
 __all__ = ["prefill_split_config", "prefill_logits", "DBOPrefill"]
@@ -75,6 +77,8 @@ class DBOPrefill(torch.nn.Module):
         logits_to_keep, mask_padding_tokens: as in :func:`prefill_logits`.
         sm_carveout, trace, timeout_s: as in :class:`dbo.DBOWrapper` (``timeout_s`` bounds
             every wait for a peer rank in the model's backends during the call).
+        options: the run's options as one :class:`dbo.RunOptions` (then leave out the three
+            above), as :class:`dbo.DBOWrapper` takes them.
         sync_faults: where a backend waits for its peers inside GPU kernels that trap after the
             timeout (copy_engine on CUDA), wait for the GPU at the end of each call, so that a
             peer that died or stalled late in the call shows here as the named
@@ -86,7 +90,7 @@ class DBOPrefill(torch.nn.Module):
     def __init__(self, model: torch.nn.Module, config: SplitConfig | None = None, *, group: Any = None,
                  logits_to_keep: int = 0, mask_padding_tokens: bool = True,
                  sm_carveout: int | None = None, trace: Any = None, timeout_s: float | None = None,
-                 sync_faults: bool = True):
+                 sync_faults: bool = True, options: RunOptions | None = None):
         super().__init__()
         self.model = prepare_for_overlap(model)
         if group is None:
@@ -96,7 +100,7 @@ class DBOPrefill(torch.nn.Module):
         self.sync_faults = bool(sync_faults)
         self.wrapper = DBOWrapper(self._forward, prefill_split_config() if config is None else config,
                                   group=group, sm_carveout=sm_carveout, trace=trace,
-                                  timeout_s=timeout_s)
+                                  timeout_s=timeout_s, options=options)
         #: device memory per token (of ``input_ids``) that the plain prefill needs, with the
         #: autotune's margin; 0: unknown. Where set (:meth:`autotune` sets it on CUDA), a call for
         #: which a rank has less free raises DeviceMemoryError on every rank before it starts
@@ -123,8 +127,9 @@ class DBOPrefill(torch.nn.Module):
 
         ``sm_carveouts`` (e.g. ``(None, 16)``) measures the overlapped runs with each SM
         carve-out and keeps the one that pays (as the prefill's ``sm_carveout`` from then on);
-        None times them with the prefill's own ``sm_carveout``. The plain call's device memory
-        it measures (``AutotuneResult.plain_bytes_per_row``, CUDA only) sets
+        None times them with the prefill's own ``sm_carveout``. The timed calls run with the
+        prefill's other options too (its ``timeout_s``; not its trace). The plain call's device
+        memory it measures (``AutotuneResult.plain_bytes_per_row``, CUDA only) sets
         :attr:`plain_bytes_per_token`.
 
         Returns:
@@ -146,8 +151,8 @@ class DBOPrefill(torch.nn.Module):
         result = autotune_split_config(self._forward, make_inputs, batch_sizes, decode_only=False,
                                        config=self.wrapper.config, group=self.wrapper.group,
                                        warmup=warmup, steps=steps, rounds=rounds, margin=margin,
-                                       sm_carveout=self.wrapper.sm_carveout, schedules=schedules,
-                                       sm_carveouts=sm_carveouts)
+                                       options=dataclasses.replace(self.wrapper.options, trace=None),
+                                       schedules=schedules, sm_carveouts=sm_carveouts)
         self.wrapper.config = result.config
         self.wrapper.sm_carveout = result.sm_carveout
         self.plain_bytes_per_token = -(-result.plain_bytes_per_row // seq_len)  # rows: sequences
