@@ -1,12 +1,15 @@
 """The fake ``deep_ep`` modules form a tree: a shared core, one module per mode, the facade on top.
 
 The import graph is read with ``ast`` (function-level imports included, so a lazy import that
-closes a circle is caught too), and each module is imported first in a fresh interpreter.
+closes a circle is caught too), and each module is imported first in a fresh interpreter: a fork
+of one interpreter that has imported torch and nothing of dbo (a circle among dbo's modules shows
+there as in ``python -c``, without the seconds of importing torch once per module).
 """
 
 from __future__ import annotations
 
 import ast
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -63,25 +66,51 @@ def test_fake_import_graph_has_no_cycle():
         visit(name, ())
 
 
+#: forks one child per module named in argv; each imports it first and prints the first name of
+#: its ``__all__``; answers ``{name: [returncode, stdout, stderr]}`` as JSON
+FORK_IMPORTS = """
+import json
+import os
+import sys
+import tempfile
+import torch
+assert not any(m == "dbo" or m.startswith("dbo.") for m in sys.modules), "dbo imported before the fork"
+results = {}
+with tempfile.TemporaryDirectory() as tmp:
+    for name in sys.argv[1:]:
+        out, err = (os.path.join(tmp, name + ext) for ext in (".out", ".err"))
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                for fd, path in ((1, out), (2, err)):
+                    os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+                m = __import__("dbo.testing." + name, fromlist=["__all__"])
+                print(sorted(m.__all__)[0])
+                code = 0
+            except BaseException:
+                import traceback
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+        results[name] = [code, open(out).read(), open(err).read()]
+print(json.dumps(results))
+"""
+
+
 @pytest.fixture(scope="module")
 def fresh_imports() -> dict[str, tuple[int, str, str]]:
     """``(returncode, stdout, stderr)`` of importing each fake module first in a fresh
-    interpreter; the interpreters run at once, since each spends seconds importing torch."""
-    procs = {name: subprocess.Popen([sys.executable, "-c", f"import dbo.testing.{name} as m; "
-                                     "print(sorted(m.__all__)[0])"],
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for name in FAKES}
-    out = {}
-    try:
-        for name, p in procs.items():
-            stdout, stderr = p.communicate(timeout=120)
-            out[name] = (p.returncode, stdout, stderr)
-        return out
-    finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
+    interpreter (forked from one that has imported torch alone)."""
+    proc = subprocess.run([sys.executable, "-c", FORK_IMPORTS, *FAKES], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return {name: tuple(r) for name, r in json.loads(proc.stdout.strip().splitlines()[-1]).items()}
 
 
 @pytest.mark.parametrize("name", FAKES)
