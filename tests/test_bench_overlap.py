@@ -123,10 +123,17 @@ def _check_structure(bundle: dict, backend: str, sms: list[int], extra_modes: tu
         assert all(r["merged_ms"] > 0 for r in tuned["rows"])
 
 
+@pytest.fixture(scope="module")
+def naive_run(tmp_path_factory) -> tuple[Path, dict]:
+    """The folder and the bundle of one default run on the naive backend, which two tests read."""
+    folder = tmp_path_factory.mktemp("naive")
+    return folder, _run_bench(folder, "--backend", "naive")
+
+
 @pytest.mark.multiproc
 @pytest.mark.timeout(180)
-def test_bench_naive_cpu_bundle(tmp_path):
-    bundle = _run_bench(tmp_path, "--backend", "naive")
+def test_bench_naive_cpu_bundle(naive_run):
+    tmp_path, bundle = naive_run
     _check_structure(bundle, "naive", [])
     assert bundle["shapes"][0]["tokens"] == 64
     link = bundle["env"]["link"]
@@ -278,12 +285,14 @@ def test_bench_under_a_simulated_link(tmp_path):
     assert s["comm_ms"] >= 2 * 5.0  # a dispatch and a combine per layer, each past its latency
 
 
-def test_cuda_graph_rows_in_the_table(tmp_path):
+@pytest.mark.multiproc
+@pytest.mark.timeout(180)
+def test_cuda_graph_rows_in_the_table(naive_run):
     # the CUDA-graph table (filled on GPUs only) renders the merged and sbo captures where there are,
     # a dash where it failed, and a failed capture's error
     from dbo.bench.overlap.report import format_table
 
-    bundle = _run_bench(tmp_path, "--backend", "naive")
+    bundle = naive_run[1]
     shape = bundle["shapes"][0]
     graph = {"ok": True, "eager_serial_ms": 2.0, "eager_dbo_ms": 3.0, "graph_serial_ms": 1.0,
              "graph_dbo_ms": 0.9, "graph_dbo_over_serial": 0.9, "dbo_replay_equals_eager": True}
