@@ -40,7 +40,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 __all__ = ["ExpertSchedule", "parse_expert_schedule", "current_expert_schedule",
-           "use_expert_schedule"]
+           "use_expert_schedule", "current_sbo_groups", "use_sbo_groups", "check_sbo_groups"]
 
 
 class ExpertSchedule(str, enum.Enum):
@@ -106,3 +106,34 @@ def use_expert_schedule(schedule: ExpertSchedule | str) -> Iterator[ExpertSchedu
         yield value
     finally:
         _SCHEDULE.reset(token)
+
+
+_SBO_GROUPS: contextvars.ContextVar[int | None] = contextvars.ContextVar("dbo_sbo_groups", default=None)
+
+
+def check_sbo_groups(groups: int | None) -> None:
+    """Raises ``ValueError`` unless ``groups`` is None or an int >= 1."""
+    if groups is not None and (isinstance(groups, bool) or not isinstance(groups, int) or groups < 1):
+        raise ValueError(f"sbo_groups must be None or an int >= 1, got {groups!r}")
+
+
+def current_sbo_groups() -> int | None:
+    """The expert groups of the grouped schedules (``sbo``, ``sbo+dbo``) set for this context, or
+    None: each MoE kernel's own :attr:`dbo.moe.MoEKernel.sbo_groups`."""
+    return _SBO_GROUPS.get()
+
+
+@contextmanager
+def use_sbo_groups(groups: int | None) -> Iterator[int | None]:
+    """Within the block (and its ubatches), the grouped schedules combine in ``groups`` expert
+    groups in every MoE kernel (None: each kernel's own); restored on exit.
+
+    Raises:
+        ValueError: not None or an int >= 1.
+    """
+    check_sbo_groups(groups)
+    token = _SBO_GROUPS.set(groups)
+    try:
+        yield groups
+    finally:
+        _SBO_GROUPS.reset(token)

@@ -263,7 +263,8 @@ class DBOWrapper(torch.nn.Module):
         module_or_fn: the forward (an ``nn.Module`` or a callable).
         config: the default :class:`SplitConfig`, or a tuned deployment's
             :class:`dbo.deployment.DeploymentConfig` (:func:`dbo.deployment.load_deployment_config`
-            reads one): its split config, and its ``sm_carveout`` unless ``sm_carveout`` is given.
+            reads one): its split config, and its ``sm_carveout`` and ``sbo_groups`` where the
+            run options leave them None.
         group: the process group that must agree on the split (default: the default group).
         agree: False skips the agreement all-reduce.
         trace: a default :class:`dbo.Trace` for every overlapped call.
@@ -275,8 +276,9 @@ class DBOWrapper(torch.nn.Module):
             context created on first use.
         timeout_s: the longest wait for a peer rank in the backends, as in
             :func:`overlapped_forward` (None: each backend's own).
-        options: the five above as one :class:`RunOptions` (then leave them out); with a
-            deployment ``config``, its ``sm_carveout`` fills an ``sm_carveout`` left None.
+        options: the five above as one :class:`RunOptions` (then leave them out), which also
+            holds ``sbo_groups``; with a deployment ``config``, its ``sm_carveout`` and
+            ``sbo_groups`` fill those left None.
 
     The five are one :class:`RunOptions` (:attr:`options`); each is also an attribute that
     replaces it with the new value, checked.
@@ -300,6 +302,8 @@ class DBOWrapper(torch.nn.Module):
         if isinstance(config, DeploymentConfig):  # a tuned deployment's file (dbo.deployment)
             if options.sm_carveout is None:
                 options = dataclasses.replace(options, sm_carveout=config.sm_carveout)
+            if options.sbo_groups is None:
+                options = dataclasses.replace(options, sbo_groups=config.sbo_groups)
             config = config.split
         self.config = SplitConfig() if config is None else config
         self.group = group

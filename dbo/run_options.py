@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from dbo.expert_schedule import ExpertSchedule, use_expert_schedule
+from dbo.expert_schedule import ExpertSchedule, check_sbo_groups, use_expert_schedule, use_sbo_groups
 from dbo.peers.watchdog import check_timeout, collective_timeout
 from dbo.ubatch.sm import check_compute_sms, check_sm_carveout, sm_carveout
 from dbo.ubatch.trace import Trace
@@ -28,7 +28,7 @@ from dbo.ubatch.trace import Trace
 __all__ = ["RunOptions", "run_device"]
 
 #: the fields of :class:`RunOptions`, the loose keywords the entry points also take
-RUN_OPTION_NAMES = ("trace", "comm_stream", "sm_carveout", "compute_sms", "timeout_s")
+RUN_OPTION_NAMES = ("trace", "comm_stream", "sm_carveout", "compute_sms", "timeout_s", "sbo_groups")
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,9 @@ class RunOptions:
             call runs without it.
         timeout_s: the longest wait for a peer rank in every backend, split or not; None keeps
             each backend's own.
+        sbo_groups: the expert groups the grouped schedules (``sbo``, ``sbo+dbo``) combine in,
+            in every MoE kernel the call runs; None keeps each kernel's own
+            (:attr:`dbo.moe.MoEKernel.sbo_groups`).
     """
 
     trace: Trace | None = None
@@ -53,8 +56,10 @@ class RunOptions:
     sm_carveout: int | None = None
     compute_sms: int | None = None
     timeout_s: float | None = None
+    sbo_groups: int | None = None
 
     def __post_init__(self) -> None:
+        check_sbo_groups(self.sbo_groups)
         check_sm_carveout(self.sm_carveout)
         check_compute_sms(self.compute_sms)
         check_timeout(self.timeout_s)
@@ -87,7 +92,8 @@ class RunOptions:
     def applied(self, expert_schedule: ExpertSchedule | str, *, overlapped: bool) -> Iterator[None]:
         """For the block, one call's settings that travel by context: ``expert_schedule``
         (:func:`dbo.expert_schedule.use_expert_schedule`), :attr:`timeout_s`
-        (:func:`dbo.peers.watchdog.collective_timeout`) and, for an ``overlapped`` call,
+        (:func:`dbo.peers.watchdog.collective_timeout`), :attr:`sbo_groups`
+        (:func:`dbo.expert_schedule.use_sbo_groups`) and, for an ``overlapped`` call,
         :attr:`sm_carveout` (:func:`dbo.ubatch.sm.sm_carveout`: torch's for cuBLAS, and that of
         dbo's experts). Each is restored on exit, also on an exception. The other fields go to
         ``run_ubatches`` (:meth:`ubatch_args`).
@@ -99,6 +105,7 @@ class RunOptions:
             if overlapped:
                 stack.enter_context(sm_carveout(self.sm_carveout))
             stack.enter_context(use_expert_schedule(expert_schedule))
+            stack.enter_context(use_sbo_groups(self.sbo_groups))
             stack.enter_context(collective_timeout(self.timeout_s))
             yield
 

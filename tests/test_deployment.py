@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from dbo import DBOWrapper
+from dbo import DBOWrapper, RunOptions
 from dbo.deployment import DeploymentConfig, load_deployment_config, save_deployment_config
 from dbo.split import NEVER_SPLIT, SplitConfig
 
@@ -41,3 +41,41 @@ def test_what_is_not_a_config_is_named(tmp_path):
         load_deployment_config(bad)
     with pytest.raises(ValueError, match="sbo_groups"):
         DeploymentConfig(SplitConfig(), sbo_groups=0)
+
+
+def test_the_deployments_sbo_groups_reach_every_moe_kernel_of_the_run():
+    from dbo.backends import make_backend
+    from dbo.backends.emulated import EMULATED
+    from dbo.expert_schedule import current_sbo_groups, use_expert_schedule, use_sbo_groups
+    from dbo.experts import SwiGLUExperts, relative_error
+    from dbo.moe import MoEKernel
+
+    seen = []
+    cfg = DeploymentConfig(SplitConfig(adaptive=False), sbo_groups=4)
+    DBOWrapper(lambda x: seen.append(current_sbo_groups()) or x, cfg, agree=False)(torch.zeros(4, 8))
+    assert seen == [4] and current_sbo_groups() is None
+    assert DBOWrapper(torch.nn.Identity(), cfg).options.sbo_groups == 4
+    # a kernel under the sbo schedule combines once per group the run sets, whatever its own
+    hidden, experts, topk, t = 2048, 16, 2, 12
+    pf = make_backend("emulated", None, hidden=hidden, num_experts=experts, topk=topk, dtype=torch.bfloat16,
+                      device="cpu", max_tokens_per_rank=t, ep_size=2, layout="deepep_ll")
+    kernel = MoEKernel(pf, SwiGLUExperts())
+    combines = []
+    real = pf.buffer.low_latency_combine
+    pf.buffer.low_latency_combine = lambda *a, **k: combines.append(1) or real(*a, **k)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(t, hidden, generator=g).to(torch.bfloat16)
+    w1 = (torch.randn(8, 64, hidden, generator=g) * 0.05).to(torch.bfloat16)
+    w2 = (torch.randn(8, hidden, 32, generator=g) * 0.05).to(torch.bfloat16)
+    weights, ids = torch.topk(torch.softmax(torch.randn(t, experts, generator=g), -1), topk)
+    plain = kernel(x, w1, w2, weights, ids, global_num_experts=experts)
+    outs = {}
+    for groups in (None, 4):
+        combines.clear()
+        with use_expert_schedule("sbo"), use_sbo_groups(groups):
+            outs[groups] = kernel(x, w1, w2, weights, ids, global_num_experts=experts)
+        assert len(combines) == (kernel.sbo_groups if groups is None else groups)
+        assert relative_error(outs[groups], plain) < 1e-2
+    EMULATED.reset()
+    with pytest.raises(ValueError, match="sbo_groups"):
+        RunOptions(sbo_groups=0)

@@ -150,7 +150,7 @@ def test_a_deployments_carveout_fills_the_options_left_without_one():
 
     cfg = DeploymentConfig(ALWAYS, sm_carveout=8)
     assert DBOWrapper(torch.nn.Identity(), cfg, options=RunOptions(timeout_s=1.0)).options == \
-        RunOptions(sm_carveout=8, timeout_s=1.0)
+        RunOptions(sm_carveout=8, timeout_s=1.0, sbo_groups=cfg.sbo_groups)
     assert DBOWrapper(torch.nn.Identity(), cfg, options=RunOptions(sm_carveout=2)).sm_carveout == 2
 
 

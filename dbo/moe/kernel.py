@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from dbo.expert_schedule import ExpertSchedule, current_expert_schedule
+from dbo.expert_schedule import ExpertSchedule, current_expert_schedule, current_sbo_groups
 from dbo.moe.base import (
     ActivationFormat,
     ExpertTokensMetadata,
@@ -247,7 +247,7 @@ class MoEKernel:
                 **scale,
             )
 
-        groups = (expert_groups(prep.a1q.shape[0], self.sbo_groups)
+        groups = (expert_groups(prep.a1q.shape[0], current_sbo_groups() or self.sbo_groups)
                   if grouped and fmt is ActivationFormat.BATCHED_EXPERTS and pf.supports_expert_groups()
                   else ())
         if len(groups) > 1:
