@@ -10,6 +10,7 @@ a peer.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import tempfile
@@ -21,7 +22,6 @@ import torch
 from dbo.backends import backend_spec
 from dbo.bench.cli import (
     add_link_arguments,
-    check_at_least,
     check_backend_fits,
     check_device,
     check_writable_file,
@@ -29,13 +29,13 @@ from dbo.bench.cli import (
     env_world_size,
     parse_link,
 )
+from dbo.bench.hf.options import DTYPES, ModelOptions
 from dbo.integrations.transformers.presets import PRESETS, TINY_FAMILIES, preset_config, tiny_config
 
-__all__ = ["DTYPES", "PRESET_CHOICES", "backend_name", "add_model_arguments", "check_model_arguments",
-           "default_checkpoint",
-           "check_backends", "num_routed_experts", "model_config"]
+__all__ = ["DTYPES", "PRESET_CHOICES", "backend_name", "add_model_arguments", "model_options", "check_model",
+           "check_model_arguments", "default_checkpoint", "default_checkpoint_dir", "check_backends",
+           "num_routed_experts", "model_config"]
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 PRESET_CHOICES = sorted(PRESETS) + [f"tiny-{f}" for f in TINY_FAMILIES]
 
 
@@ -108,68 +108,93 @@ def _checkpoint_config(p: argparse.ArgumentParser, where: str) -> Any:
             log.setLevel(level)
 
 
-def check_model_arguments(p: argparse.ArgumentParser, args: argparse.Namespace, *,
-                          always_loads: bool = False) -> None:
-    """Fill the device-dependent defaults of :func:`add_model_arguments`'s options and check them
-    (``p.error`` on the first bad one). Sets ``args.dtype`` (a torch dtype), ``args.config``
-    (the model's config), ``args.link`` (a ``SimulatedLink`` or None; ``args.link_text`` keeps
-    the option's text) and ``args.checkpoint`` (``--save-checkpoint``'s directory where given).
-    A run that loads a checkpoint expert-parallel (``--checkpoint``, ``--save-checkpoint``, or
-    every run where ``always_loads``) needs 2 or more ranks: at one rank transformers loads a
-    model whole, and dbo's implementations would not run."""
-    cuda = args.device == "cuda"
-    if args.layers is not None:
-        check_at_least(p, args, 1, "layers")
+def model_options(p: argparse.ArgumentParser, args: argparse.Namespace) -> ModelOptions:
+    """:func:`add_model_arguments`' options as a :class:`ModelOptions` value, the device's
+    defaults filled in (``p.error`` on a bad value: a bad ``--layers``, ``--remote-fraction`` or
+    ``--link``, both checkpoint options naming different directories, ``--device cuda`` without
+    CUDA). What needs the files or the group (its config, its experts over the ranks) is
+    :func:`check_model`'s."""
     check_device(p, args.device)
-    if args.json:
-        check_writable_file(p, "--json", args.json)
-    args.preset = args.preset or ("qwen3-30b-a3b" if cuda else "tiny-qwen3_moe")
-    args.dtype = DTYPES[args.dtype or ("bfloat16" if cuda else "float32")]
-    if args.remote_fraction is not None and not 0.0 < args.remote_fraction <= 1.0:
-        p.error(f"--remote-fraction {args.remote_fraction}: want a share in (0, 1]")
-    args.link_text, args.link = args.link, parse_link(p, args)
-    if args.save_checkpoint and args.checkpoint and args.checkpoint != args.save_checkpoint:
-        p.error(f"--checkpoint {args.checkpoint} and --save-checkpoint {args.save_checkpoint}: give one "
-                "(--save-checkpoint writes the checkpoint it then loads)")
-    if args.save_checkpoint:
-        check_writable_folder(p, "--save-checkpoint", args.save_checkpoint)
-        args.checkpoint = args.save_checkpoint
-        args.config = model_config(args.preset, args.layers)
-    elif args.checkpoint:
-        args.config = _checkpoint_config(p, args.checkpoint)
+    cuda = args.device == "cuda"
+    try:
+        model = ModelOptions(
+            device=args.device, preset=args.preset or ("qwen3-30b-a3b" if cuda else "tiny-qwen3_moe"),
+            layers=args.layers, dtype=DTYPES[args.dtype or ("bfloat16" if cuda else "float32")],
+            checkpoint=args.checkpoint or args.save_checkpoint, save_checkpoint=args.save_checkpoint,
+            link=args.link, link_order=args.link_order, remote_fraction=args.remote_fraction,
+            seed=args.seed, json=args.json)
+    except ValueError as exc:
+        p.error(str(exc))
+    return dataclasses.replace(model, link_model=parse_link(p, args))
+
+
+def check_model(p: argparse.ArgumentParser, model: ModelOptions, *,
+                always_loads: bool = False) -> ModelOptions:
+    """``model`` with its ``config`` (the preset's, or read from ``--checkpoint``), after the
+    checks of what it will write and need (``p.error`` on the first that fails): ``--json`` and
+    ``--save-checkpoint`` writable, routed experts found and split evenly over the ranks. A run
+    that loads a checkpoint expert-parallel (``--checkpoint``, ``--save-checkpoint``, or every
+    run where ``always_loads``) needs 2 or more ranks: at one rank transformers loads a model
+    whole, and dbo's implementations would not run."""
+    if model.json:
+        check_writable_file(p, "--json", model.json)
+    if model.save_checkpoint:
+        check_writable_folder(p, "--save-checkpoint", model.save_checkpoint)
+        config = model_config(model.preset, model.layers)
+    elif model.checkpoint:
+        config = _checkpoint_config(p, model.checkpoint)
     else:
-        args.config = model_config(args.preset, args.layers)
-    experts = num_routed_experts(args.config)
+        config = model_config(model.preset, model.layers)
+    experts = num_routed_experts(config)
     if experts is None:
-        p.error(f"{args.checkpoint or args.preset}: {type(args.config).__name__} names no routed "
+        p.error(f"{model.checkpoint or model.preset}: {type(config).__name__} names no routed "
                 "experts; dbo runs Qwen3-MoE, Mixtral and DeepSeek-V3 models")
     world = env_world_size()
-    if world < 2 and (always_loads or args.checkpoint):
-        given = "--save-checkpoint" if args.save_checkpoint else "--checkpoint"
-        what = "loading the checkpoint" if always_loads else f"{given} {args.checkpoint}: loading it"
+    if world < 2 and (always_loads or model.checkpoint):
+        given = "--save-checkpoint" if model.save_checkpoint else "--checkpoint"
+        what = "loading the checkpoint" if always_loads else f"{given} {model.checkpoint}: loading it"
         p.error(f"{what} expert-parallel needs 2 or more ranks (torchrun --nproc-per-node N ...); at one "
                 "rank transformers loads a model whole")
     if experts % world:
-        p.error(f"{args.checkpoint or args.preset}: its {experts} routed experts do not split evenly "
+        p.error(f"{model.checkpoint or model.preset}: its {experts} routed experts do not split evenly "
                 f"over {world} ranks; run a number of ranks that divides {experts}")
+    return dataclasses.replace(model, config=config)
+
+
+def check_model_arguments(p: argparse.ArgumentParser, args: argparse.Namespace, *,
+                          always_loads: bool = False) -> None:
+    """For scripts that keep the parsed ``argparse.Namespace`` (the GPU runners, the probes):
+    :func:`model_options` and :func:`check_model`, their results written back onto ``args``
+    (``args.dtype`` a torch dtype, ``args.config``, ``args.link`` the ``SimulatedLink`` with
+    ``args.link_text`` its text, ``args.checkpoint`` ``--save-checkpoint``'s directory where
+    given). The benchmarks' commands use the value itself."""
+    model = check_model(p, model_options(p, args), always_loads=always_loads)
+    args.preset, args.dtype, args.config = model.preset, model.dtype, model.config
+    args.checkpoint = model.checkpoint
+    args.link_text, args.link = model.link, model.link_model
 
 
 def default_checkpoint(args: argparse.Namespace, tag: str) -> None:
-    """Without ``--checkpoint``: ``--preset`` written once with random weights to a directory under
-    the system's temp dir (named after ``tag``, the preset, its layers and dtype) and reused while
-    it holds a ``config.json`` (``args.checkpoint``, and ``args.save_checkpoint`` until then)."""
+    """Without ``--checkpoint``: ``--preset`` written once with random weights to
+    :func:`default_checkpoint_dir` and reused while it holds a ``config.json``
+    (``args.checkpoint``, and ``args.save_checkpoint`` until then)."""
     if args.checkpoint:
         return
-    dtype = str(args.dtype).removeprefix("torch.")
-    args.checkpoint = os.path.join(tempfile.gettempdir(),
-                                   f"dbo-{tag}-{args.preset}-{args.config.num_hidden_layers}l-{dtype}")
+    args.checkpoint = default_checkpoint_dir(tag, args.preset, args.config.num_hidden_layers, args.dtype)
     if not (Path(args.checkpoint) / "config.json").is_file():
         args.save_checkpoint = args.checkpoint
 
 
-def check_backends(p: argparse.ArgumentParser, names: list[str], args: argparse.Namespace) -> None:
+def default_checkpoint_dir(tag: str, preset: str, layers: int, dtype: torch.dtype) -> str:
+    """A directory under the system's temp dir named after ``tag``, the preset, its layers and
+    dtype: where a run without ``--checkpoint`` keeps the preset it writes once."""
+    name = str(dtype).removeprefix("torch.")
+    return os.path.join(tempfile.gettempdir(), f"dbo-{tag}-{preset}-{layers}l-{name}")
+
+
+def check_backends(p: argparse.ArgumentParser, names: list[str], args: Any) -> None:
     """``p.error`` for a backend of ``names`` that cannot run on ``args.device`` with ``args.dtype``
-    (a torch dtype)."""
+    (a torch dtype): ``args`` is a :class:`ModelOptions` or a namespace with those two."""
     for name in names:
         check_backend_fits(p, name, device=args.device, dtype=str(args.dtype).removeprefix("torch."))
 

@@ -55,13 +55,8 @@ from collections.abc import Callable
 
 import torch
 
-from dbo.bench.cli import ArgumentParser, check_at_least, check_device, verdict
-from dbo.bench.hf.args import (
-    add_model_arguments,
-    backend_name,
-    check_backends,
-    check_model_arguments,
-)
+from dbo.bench.cli import ArgumentParser, verdict
+from dbo.bench.hf.args import add_model_arguments, backend_name, check_backends, check_model, model_options
 from dbo.bench.hf.generate_table import model_name, print_table, verdict_reason
 from dbo.bench.hf.model import (
     backend_kwargs,
@@ -70,6 +65,7 @@ from dbo.bench.hf.model import (
     save_checkpoint,
     shared_temporary_dir,
 )
+from dbo.bench.hf.options import GENERATE_MODES, GenerateOptions
 from dbo.bench.timing import median_ms
 from dbo.cli import run_main
 from dbo.files import write_whole
@@ -80,9 +76,7 @@ from dbo.split import SplitConfig
 
 PROG = "hf-generate"
 #: option -> (row name, prefill overlapped, every decode step overlapped, decode from a CUDA graph)
-MODES = {"plain": ("plain", False, False, False), "dbo-prefill": ("DBO prefill", True, False, False),
-         "dbo": ("DBO", True, True, False), "graph": ("plain, graph decode", False, False, True),
-         "dbo-prefill-graph": ("DBO prefill, graph decode", True, False, True)}
+MODES = GENERATE_MODES
 DEFAULT_MODES = ("plain", "dbo-prefill", "dbo")
 
 
@@ -93,7 +87,13 @@ def _backend_pair(text: str) -> tuple[str, str | None]:
     return backend_name(prefill), backend_name(decode) if decode else None
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def _given(value: int | None, default: int) -> int:
+    return default if value is None else value
+
+
+def parse_args(argv: list[str] | None = None) -> GenerateOptions:
+    """The options of command line ``argv`` (default ``sys.argv[1:]``); bad input ends the
+    program in one line, exit code 2."""
     p = ArgumentParser(prog=f"python -m dbo.bench {PROG}", description=__doc__.split("\n\n")[0])
     add_model_arguments(p, without_checkpoint="on CPU, --preset written with random weights to a "
                                               "temporary directory, removed at the end; on CUDA, give "
@@ -115,25 +115,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="leave out transformers' generate() with cache_implementation='static' (its "
                         "static cache, compiled on CUDA)")
     a = p.parse_args(argv)
-    cuda = a.device == "cuda"
-    given = [n for n in ("batch", "prompt", "new_tokens") if getattr(a, n) is not None]
-    check_at_least(p, a, 1, *given, "steps")
-    check_at_least(p, a, 0, "warmup")
-    if "plain" not in a.modes:
-        p.error("--modes: give plain too (every DBO row's tokens are checked against it)")
-    # without either, a checkpoint of --preset for this run only (made once the group exists)
-    a.temporary_checkpoint = not (a.checkpoint or a.save_checkpoint)
-    check_device(p, a.device)  # before the checkpoint's question, which a machine without CUDA cannot use
-    if a.temporary_checkpoint and cuda:
-        p.error("--device cuda: give --checkpoint DIR (or --save-checkpoint DIR to write one)")
-    check_model_arguments(p, a, always_loads=True)
-    a.batch = a.batch or (64 if cuda else 4)
-    a.prompt = a.prompt or (512 if cuda else 8)
-    a.new_tokens = a.new_tokens or (64 if cuda else 4)
-    a.pairs = a.backend or ([("copy_engine", None), ("deepep_ht", "deepep_ll")] if cuda
-                            else [("all2all", None), ("copy_engine", None)])
-    check_backends(p, [name for pair in a.pairs for name in pair if name], a)
-    return a
+    model = model_options(p, a)
+    cuda = model.device == "cuda"
+    try:
+        # without either checkpoint option, a checkpoint of --preset for this run only (made once
+        # the group exists)
+        opts = GenerateOptions(
+            model=model, pairs=a.backend or ([("copy_engine", None), ("deepep_ht", "deepep_ll")] if cuda
+                                            else [("all2all", None), ("copy_engine", None)]),
+            batch=_given(a.batch, 64 if cuda else 4), prompt=_given(a.prompt, 512 if cuda else 8),
+            new_tokens=_given(a.new_tokens, 64 if cuda else 4), steps=a.steps, warmup=a.warmup,
+            modes=a.modes, static=a.static, temporary_checkpoint=not model.checkpoint)
+    except ValueError as exc:
+        p.error(str(exc))
+    opts = opts.with_model(check_model(p, model, always_loads=True))
+    check_backends(p, [name for pair in opts.pairs for name in pair if name], opts.model)
+    return opts
 
 
 def _agreement(got: torch.Tensor, want: torch.Tensor, prompt: int) -> tuple[float, float, float]:
@@ -238,14 +235,14 @@ HF_RUNS = {"eager": ("transformers generate (all_to_all)", {}),
            "static": ("transformers generate, static cache (all_to_all)", {"cache_implementation": "static"})}
 
 
-def transformers_generate(a: argparse.Namespace, ids: torch.Tensor, mask: torch.Tensor,
+def transformers_generate(a: GenerateOptions, ids: torch.Tensor, mask: torch.Tensor,
                          device: torch.device) -> dict[str, tuple[float, float, torch.Tensor] | str]:
     """transformers' ``generate()`` on the checkpoint loaded with its own ``all_to_all``, eager and
     (``--static``) with its static cache: per :data:`HF_RUNS` key, (median ms of the whole call,
     of a one-token call, the last call's ids), or the one line of the error it raised (every rank
     runs the same calls, so a refusal is every rank's). The model is freed on return, before
     dbo's is loaded."""
-    ref = load_hf_all_to_all(a.checkpoint, a.dtype, device)
+    ref = load_hf_all_to_all(a.model.checkpoint, a.model.dtype, device)
     out: dict[str, tuple[float, float, torch.Tensor] | str] = {}
     with torch.no_grad():  # transformers' own EP fails under inference_mode
         for key in ("eager", "static") if a.static else ("eager",):
@@ -267,13 +264,14 @@ def transformers_generate(a: argparse.Namespace, ids: torch.Tensor, mask: torch.
     return out
 
 
-def run(a: argparse.Namespace, rank: int, world: int, device: torch.device) -> list[dict]:
+def run(a: GenerateOptions, rank: int, world: int, device: torch.device) -> list[dict]:
     from dbo.integrations.transformers.generate import greedy_generate
 
-    if a.save_checkpoint:
-        save_checkpoint(a.config, a.save_checkpoint, a.dtype, device, a.seed, rank)
+    m = a.model
+    if m.save_checkpoint:
+        save_checkpoint(m.config, m.save_checkpoint, m.dtype, device, m.seed, rank)
     g = torch.Generator().manual_seed(1234 + rank)
-    ids = torch.randint(0, a.config.vocab_size, (a.batch, a.prompt), generator=g).to(device)
+    ids = torch.randint(0, m.config.vocab_size, (a.batch, a.prompt), generator=g).to(device)
     mask = torch.ones_like(ids)
     new = a.batch * a.new_tokens
     rows: list[dict] = []
@@ -301,15 +299,15 @@ def run(a: argparse.Namespace, rank: int, world: int, device: torch.device) -> l
     if device.type == "cuda":
         torch.cuda.empty_cache()
 
-    model = load_checkpoint(a.checkpoint, a.dtype, device, backend=a.pairs[0][0])
+    model = load_checkpoint(m.checkpoint, m.dtype, device, backend=a.pairs[0][0])
     plain_cfg = SplitConfig(enabled=False)
     dbo_cfg = SplitConfig(prefill_token_threshold=2, decode_token_threshold=2)
     with torch.inference_mode():
         for prefill, decode in a.pairs:
             decode_kw = None if decode is None else backend_kwargs(decode, max_tokens_per_rank=a.batch,
-                                                                    link=a.link)
+                                                                    link=m.link_model)
             use_backend(model, prefill, decode_backend=decode, decode_backend_kwargs=decode_kw,
-                        **backend_kwargs(prefill, max_tokens_per_rank=a.batch * a.prompt, link=a.link))
+                        **backend_kwargs(prefill, max_tokens_per_rank=a.batch * a.prompt, link=m.link_model))
             label = prefill if decode is None else f"{prefill}/{decode}"
             modes = tuple((name, dbo_cfg if split else plain_cfg, every, graph)
                           for k, (name, split, every, graph) in MODES.items() if k in a.modes)
@@ -343,16 +341,16 @@ def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     made: str | None = None  # the temporary checkpoint, on the rank that made it
     try:
-        with distributed(a.device) as (rank, world, device):
+        with distributed(a.model.device) as (rank, world, device):
             if a.temporary_checkpoint:
-                a.checkpoint = a.save_checkpoint = shared_temporary_dir("dbo-hf-generate-")
-                made = a.checkpoint if rank == 0 else None
+                a = a.with_model(a.model.written_to(shared_temporary_dir("dbo-hf-generate-"), write=True))
+                made = a.model.checkpoint if rank == 0 else None
             rows = run(a, rank, world, device)
             ok, why = verdict_reason(a, rows)
             if rank == 0:
                 print_table(a, rows, world, device)
-                if a.json:
-                    write_whole(a.json, json.dumps({
+                if a.model.json:
+                    write_whole(a.model.json, json.dumps({
                         "model": model_name(a), "world": world, "batch": a.batch, "prompt": a.prompt,
                         "new_tokens": a.new_tokens, "rows": rows}, indent=1))
                 verdict(PROG, ok, why)

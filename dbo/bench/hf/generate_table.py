@@ -5,9 +5,9 @@ faster of transformers' two ``generate()`` rows that dbo's speed-ups are quoted 
 
 from __future__ import annotations
 
-import argparse
-
 import torch
+
+from dbo.bench.hf.options import GenerateOptions
 
 __all__ = ["TF_SLACK", "fastest_generate_ms", "verdict_reason", "model_name", "print_table"]
 
@@ -21,15 +21,17 @@ def fastest_generate_ms(rows: list[dict]) -> float:
     return min(r["ms"] for r in rows if r.get("mode", "").startswith("hf-") and "ms" in r)
 
 
-def verdict_reason(a: argparse.Namespace, rows: list[dict]) -> tuple[bool, str]:
+def verdict_reason(a: GenerateOptions, rows: list[dict]) -> tuple[bool, str]:
+    """(passed, why) for the run's last line: every DBO row's tokens are its plain row's (see
+    :mod:`dbo.bench.hf.generate`)."""
     dbo_rows = [r for r in rows if r.get("mode") not in (None, "plain", "hf-eager", "hf-static")]
-    fp32 = a.dtype == torch.float32
+    fp32 = a.model.dtype == torch.float32
     # every row's new tokens must be the teacher-forced forward's choices, up to near ties, as
     # nearly as the plain row's are: that checks each decode step, not the first token only
     plain_tf = min((r["teacher_forced"] for r in rows if r.get("mode") == "plain"), default=1.0)
     bad = [r for r in dbo_rows if (r["same_plain"] < 1.0 if fp32 else r["first_plain"] < 0.75)
            or r["teacher_forced"] < min(plain_tf, 1.0) - TF_SLACK]
-    wrote = f"; wrote {a.json}" if a.json else ""
+    wrote = f"; wrote {a.model.json}" if a.model.json else ""
     if not dbo_rows:
         return True, f"plain rows only{wrote}"
     if bad:
@@ -47,18 +49,19 @@ def verdict_reason(a: argparse.Namespace, rows: list[dict]) -> tuple[bool, str]:
                   f"{wrote}")
 
 
-def model_name(a: argparse.Namespace) -> str:
+def model_name(a: GenerateOptions) -> str:
     """The model the run decoded: the preset where this run wrote it, else the checkpoint."""
-    if a.temporary_checkpoint or a.save_checkpoint:
-        where = "" if a.temporary_checkpoint else f", written to {a.save_checkpoint}"
-        return f"{a.preset} ({a.config.num_hidden_layers} layers, random weights{where})"
-    return f"{a.checkpoint} ({a.config.model_type})"
+    m = a.model
+    if a.temporary_checkpoint or m.save_checkpoint:
+        where = "" if a.temporary_checkpoint else f", written to {m.save_checkpoint}"
+        return f"{m.preset} ({m.config.num_hidden_layers} layers, random weights{where})"
+    return f"{m.checkpoint} ({m.config.model_type})"
 
 
-def print_table(a: argparse.Namespace, rows: list[dict], world: int, device: torch.device) -> None:
+def print_table(a: GenerateOptions, rows: list[dict], world: int, device: torch.device) -> None:
     per = "GPU" if device.type == "cuda" else "rank"
     print(f"\n{model_name(a)}: batch {a.batch} x prompt {a.prompt} + {a.new_tokens} new tokens per rank, "
-          f"{world} ranks, {str(a.dtype).removeprefix('torch.')}; ms per call (prefill included), slowest "
+          f"{world} ranks, {a.model.dtype_name}; ms per call (prefill included), slowest "
           f"rank; prefill ms = the same call with one new token; new tokens/s per {per} = new tokens / "
           "time; agreement with generate(): sequences identical to the end / mean share of new tokens "
           "before the first difference; teacher-forced: share of the new tokens that one plain forward "

@@ -30,6 +30,7 @@ where it fits, and compares its logits with the expert-parallel model's.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import sys
 import time
@@ -40,13 +41,8 @@ import torch
 import torch.distributed as dist
 
 from dbo.backends import cpu_backends
-from dbo.bench.cli import ArgumentParser, check_at_least, check_memory_fits, check_writable_folder, verdict
-from dbo.bench.hf.args import (
-    add_model_arguments,
-    backend_name,
-    check_backends,
-    check_model_arguments,
-)
+from dbo.bench.cli import ArgumentParser, check_memory_fits, check_writable_folder, verdict
+from dbo.bench.hf.args import add_model_arguments, backend_name, check_backends, check_model, model_options
 from dbo.bench.hf.model import (
     backend_kwargs,
     build_model,
@@ -57,7 +53,15 @@ from dbo.bench.hf.model import (
     reset_peak,
     save_checkpoint,
 )
-from dbo.bench.hf.prefill_table import logits_match, print_table, verdict_reason, write_json
+from dbo.bench.hf.options import EP_EXPERTS, EXPERT_SCHEDULES, PrefillOptions
+from dbo.bench.hf.prefill_table import (
+    PrefillResult,
+    PrefillRow,
+    logits_match,
+    print_table,
+    verdict_reason,
+    write_json,
+)
 from dbo.bench.syncs import format_sites, host_syncs
 from dbo.bench.timing import median_ms
 from dbo.cli import run_main
@@ -91,7 +95,9 @@ def _carveout(text: str) -> int | None:
     return value
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> PrefillOptions:
+    """The options of command line ``argv`` (default ``sys.argv[1:]``); bad input ends the
+    program in one line, exit code 2."""
     p = ArgumentParser(prog=f"python -m dbo.bench {PROG}", description=__doc__.split("\n\n")[0])
     add_model_arguments(p)
     p.add_argument("--backend", nargs="+", type=backend_name, default=None,
@@ -109,7 +115,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tune-sm-carveout", nargs="+", type=_carveout, default=None, metavar="N|none",
                    help="with --expert-schedule auto: the SM carve-outs the autotune tries (e.g. "
                         "none 16); it keeps the one that pays")
-    p.add_argument("--expert-schedule", nargs="+", choices=["split", "merged", "auto"], default=["split"],
+    p.add_argument("--expert-schedule", nargs="+", choices=EXPERT_SCHEDULES, default=["split"],
                    help="DBO's expert schedules to time, a row each (merged: one experts call per layer "
                         "over both ubatches' rows; auto: DBOPrefill.autotune at each shape picks split, "
                         "merged or plain; default: split)")
@@ -126,35 +132,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="with --checkpoint: first load it with transformers' own all_to_all EP "
                         "implementation and time its plain prefill; every other row's logits are "
                         "compared with it (column 'rel vs a2a')")
-    p.add_argument("--ep-experts", nargs="+", default=None, choices=["auto", "library", "model"],
+    p.add_argument("--ep-experts", nargs="+", default=None, choices=EP_EXPERTS,
                    help="with --checkpoint: the experts that run on what arrives, each timed (library: "
                         "dbo's on the model's weights; model: the model's own module; default: auto)")
     args = p.parse_args(argv)
-    check_at_least(p, args, 1, "steps")
-    check_at_least(p, args, 0, "warmup", "logits_to_keep")
-    for name, low in (("max_tokens_per_rank", 1), ("sm_carveout", 0)):
-        if getattr(args, name) is not None:
-            check_at_least(p, args, low, name)
-    check_model_arguments(p, args)
-    if args.profile:
-        check_writable_folder(p, "--profile", args.profile)
-    cuda = args.device == "cuda"
-    args.backend = args.backend or (["deepep_ht", "all2all"] if cuda else cpu_backends())
-    check_backends(p, args.backend, args)
-    args.shape = args.shape or ([(8, 2048), (16, 4096)] if cuda else [(4, 32)])
-    batch, seq = max(args.shape, key=lambda shape: shape[0] * shape[1])
-    hidden = getattr(args.config, "hidden_size", None)
+    model = model_options(p, args)
+    cuda = model.device == "cuda"
+    try:
+        opts = PrefillOptions(
+            model=model, backends=args.backend or (["deepep_ht", "all2all"] if cuda else cpu_backends()),
+            shapes=args.shape or ([(8, 2048), (16, 4096)] if cuda else [(4, 32)]), steps=args.steps,
+            warmup=args.warmup, logits_to_keep=args.logits_to_keep, unconverted=args.unconverted,
+            sm_carveout=args.sm_carveout, tune_sm_carveout=args.tune_sm_carveout,
+            expert_schedules=args.expert_schedule, max_tokens_per_rank=args.max_tokens_per_rank,
+            profile=args.profile, find_syncs=args.find_syncs, hf_all_to_all=args.hf_all_to_all,
+            ep_experts=args.ep_experts)
+    except ValueError as exc:
+        p.error(str(exc))
+    opts = dataclasses.replace(opts, model=check_model(p, model))
+    if opts.profile:
+        check_writable_folder(p, "--profile", opts.profile)
+    check_backends(p, list(opts.backends), opts.model)
+    batch, seq = max(opts.shapes, key=lambda shape: shape[0] * shape[1])
+    hidden = getattr(opts.model.config, "hidden_size", None)
     if hidden:  # at least two hidden states of the largest shape (a layer's input and output)
         check_memory_fits(p, f"--shape {batch}x{seq} (hidden size {hidden})",
-                          2 * batch * seq * hidden * args.dtype.itemsize, args.device)
-    if args.tune_sm_carveout is not None and "auto" not in args.expert_schedule:
-        p.error(f"--tune-sm-carveout {args.tune_sm_carveout}: goes with --expert-schedule auto")
-    if not args.checkpoint:
-        for flag, given in (("--hf-all-to-all", args.hf_all_to_all), ("--ep-experts", args.ep_experts)):
-            if given:
-                p.error(f"{flag}: needs a loaded model; give --checkpoint DIR or --save-checkpoint DIR")
-    args.ep_experts = args.ep_experts or ["auto"]
-    return args
+                          2 * batch * seq * hidden * opts.model.dtype.itemsize, opts.model.device)
+    return opts
 
 
 def _agreement(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -162,11 +166,11 @@ def _agreement(got: torch.Tensor, want: torch.Tensor) -> float:
     return (got[:, -1].argmax(-1) == want[:, -1].argmax(-1)).float().mean().item()
 
 
-def _timed(fn: Callable[[], object], args: argparse.Namespace,
+def _timed(fn: Callable[[], object], opts: PrefillOptions,
            device: torch.device) -> tuple[float, float | None]:
     """(median ms of ``fn`` on this rank, its peak GPU memory in GiB or None on the CPU)."""
     reset_peak(device)
-    ms = median_ms(fn, steps=args.steps, warmup=args.warmup, device=device)
+    ms = median_ms(fn, steps=opts.steps, warmup=opts.warmup, device=device)
     return ms, peak_gib(device)
 
 
@@ -192,165 +196,172 @@ def _profile_step(fn: Callable[[], object], path: Path, rank: int, device: torch
         prof.export_chrome_trace(str(tmp))
 
 
-def _anchor_rows(args: argparse.Namespace, inputs: dict, device: torch.device, rows: list[dict]) -> dict:
+def _anchor_rows(opts: PrefillOptions, inputs: dict, device: torch.device, rows: list[PrefillRow]) -> dict:
     """``--hf-all-to-all``: transformers' own expert-parallel model, a row per shape; returns its
     logits per shape (what every other row is compared with)."""
-    ref = load_hf_all_to_all(args.checkpoint, args.dtype, device)
-    anchor, keep = {}, args.logits_to_keep
+    ref = load_hf_all_to_all(opts.model.checkpoint, opts.model.dtype, device)
+    anchor, keep = {}, opts.logits_to_keep
     with torch.no_grad():  # transformers' EP fails under inference_mode (its DTensor experts)
         for shape, ids in inputs.items():
             anchor[shape] = prefill_logits(ref, ids, logits_to_keep=keep).cpu()
-            t, peak = _timed(lambda ids=ids, m=ref: prefill_logits(m, ids, logits_to_keep=keep), args, device)
+            t, peak = _timed(lambda ids=ids, m=ref: prefill_logits(m, ids, logits_to_keep=keep), opts, device)
             t, peak = all_reduce_max([t, peak or 0.0], phase=PROG)
-            rows.append(dict(backend="hf all_to_all", batch=shape[0], seq=shape[1], plain_ms=t, dbo_ms=None,
-                             rel_err=0.0, top1_agree=1.0, ok=None, split="",
-                             plain_peak_gib=peak if device.type == "cuda" else None, dbo_peak_gib=None,
-                             rel_vs_a2a=0.0))
+            rows.append(PrefillRow(backend="hf all_to_all", batch=shape[0], seq=shape[1], plain_ms=t,
+                                   dbo_ms=None, rel_err=0.0, top1_agree=1.0, ok=None, split="",
+                                   plain_peak_gib=peak if device.type == "cuda" else None, rel_vs_a2a=0.0))
     del ref
     gc.collect()
     return anchor
 
 
-def _backend_rows(args, model, backend: str, choice: str | None, inputs: dict, anchor: dict,
+def _backend_rows(opts: PrefillOptions, model, backend: str, choice: str | None, inputs: dict, anchor: dict,
                   plain_logits: dict, device: torch.device, rank: int,
-                  on_row: Callable[[dict], None]) -> None:
+                  on_row: Callable[[PrefillRow], None]) -> None:
     """Time and check plain and DBO (per expert schedule) at every shape on ``backend``."""
-    keep, cuda, multi = args.logits_to_keep, device.type == "cuda", len(args.expert_schedule) > 1
-    max_tokens = args.max_tokens_per_rank or max(b * s for b, s in args.shape)
-    use_backend(model, backend, **backend_kwargs(backend, max_tokens_per_rank=max_tokens, link=args.link))
+    keep, cuda, multi = opts.logits_to_keep, device.type == "cuda", len(opts.expert_schedules) > 1
+    max_tokens = opts.max_tokens_per_rank or opts.largest_batch_tokens
+    use_backend(model, backend, **backend_kwargs(backend, max_tokens_per_rank=max_tokens,
+                                                 link=opts.model.link_model))
     # adaptive=False: each row times the schedule it names ("auto" is the autotune's choice)
     runners = {sched: DBOPrefill(model, prefill_split_config(
         2, adaptive=False, **({} if sched == "auto" else {"expert_schedule": sched})),
-        logits_to_keep=keep, sm_carveout=args.sm_carveout) for sched in args.expert_schedule}
+        logits_to_keep=keep, sm_carveout=opts.sm_carveout) for sched in opts.expert_schedules}
     for shape, ids in inputs.items():
         plain = prefill_logits(model, ids, logits_to_keep=keep)
         plain_logits.setdefault(shape, plain.cpu())
         vs_a2a = relative_error(plain, anchor[shape].to(device)) if shape in anchor else -1.0
         t_plain, peak_plain = _timed(lambda ids=ids: prefill_logits(model, ids, logits_to_keep=keep),
-                                     args, device)
+                                     opts, device)
         for sched, run_dbo in runners.items():
             tuned = None
             if sched == "auto":  # the plain, split and merged prefill timed at this shape
                 tuned = run_dbo.autotune(ids.shape[1], [ids.shape[0]], vocab_size=model.config.vocab_size,
-                                         warmup=args.warmup, steps=args.steps,
-                                         sm_carveouts=args.tune_sm_carveout)
+                                         warmup=opts.warmup, steps=opts.steps,
+                                         sm_carveouts=opts.tune_sm_carveout)
             got = run_dbo(ids)
             rel, agree = relative_error(got, plain), _agreement(got, plain)
-            t_dbo, peak_dbo = _timed(lambda ids=ids, r=run_dbo: r(ids), args, device)
+            t_dbo, peak_dbo = _timed(lambda ids=ids, r=run_dbo: r(ids), opts, device)
             t_p, t_d, rel, neg_agree, p_plain, p_dbo, vs = all_reduce_max(
                 [t_plain, t_dbo, rel, -agree, peak_plain or 0.0, peak_dbo or 0.0, vs_a2a], phase=PROG)
             label = backend if not multi else f"{backend}/{sched}"
             if tuned is not None:
                 picked = tuned.schedule.value
                 label += f" ({picked})" if multi else f"/auto ({picked})"
-            if choice is not None and len(args.ep_experts) > 1:
+            if choice is not None and len(opts.experts_choices) > 1:
                 label = f"{label} ({choice} experts)"
-            on_row(dict(backend=label, batch=shape[0], seq=shape[1], plain_ms=t_p, dbo_ms=t_d, rel_err=rel,
-                        top1_agree=-neg_agree, ok=logits_match(rel, -neg_agree, args.dtype),
-                        split=str(run_dbo.last_plan), expert_schedule=sched,
-                        autotune=None if tuned is None else {
-                            "choice": tuned.schedule.value, "plain_ms": tuned.rows[0].serial_ms,
-                            "split_ms": tuned.rows[0].dbo_ms, "merged_ms": tuned.rows[0].merged_ms,
-                            "sm_carveout": tuned.sm_carveout},
-                        plain_peak_gib=p_plain if cuda else None, dbo_peak_gib=p_dbo if cuda else None,
-                        rel_vs_a2a=None if vs < 0 else vs))
-    ids = inputs[args.shape[-1]]
+            on_row(PrefillRow(backend=label, batch=shape[0], seq=shape[1], plain_ms=t_p, dbo_ms=t_d,
+                              rel_err=rel, top1_agree=-neg_agree,
+                              ok=logits_match(rel, -neg_agree, opts.model.dtype),
+                              split=str(run_dbo.last_plan), expert_schedule=sched,
+                              autotune=None if tuned is None else {
+                                  "choice": tuned.schedule.value, "plain_ms": tuned.rows[0].serial_ms,
+                                  "split_ms": tuned.rows[0].dbo_ms, "merged_ms": tuned.rows[0].merged_ms,
+                                  "sm_carveout": tuned.sm_carveout},
+                              plain_peak_gib=p_plain if cuda else None, dbo_peak_gib=p_dbo if cuda else None,
+                              rel_vs_a2a=None if vs < 0 else vs))
+    ids = inputs[opts.shapes[-1]]
     steps = {"plain": lambda: prefill_logits(model, ids, logits_to_keep=keep)}
     steps.update({f"dbo/{s}": (lambda r=r: r(ids)) for s, r in runners.items()})
-    if args.find_syncs and cuda:  # every rank steps (collectives); rank 0 prints
+    if opts.find_syncs and cuda:  # every rank steps (collectives); rank 0 prints
         for name, step in steps.items():
             with host_syncs() as sites:
                 step()
             if rank == 0:
                 print(f"host syncs, {backend} {name}, shape {ids.shape[0]}x{ids.shape[1]}: "
                       f"{sum(site.count for site in sites)}\n" + format_sites(sites), flush=True)
-    if args.profile:
-        where = Path(args.profile) / backend
+    if opts.profile:
+        where = Path(opts.profile) / backend
         _profile_step(steps["plain"], where / "gpu_trace_serial.json", rank, device)
-        _profile_step(steps[f"dbo/{args.expert_schedule[0]}"], where / "gpu_trace_dbo.json", rank, device)
+        _profile_step(steps[f"dbo/{opts.expert_schedules[0]}"], where / "gpu_trace_dbo.json", rank, device)
     reset_layers(model)
 
 
-def _unconverted_rows(args, inputs: dict, plain_logits: dict, device: torch.device,
-                      on_row: Callable[[dict], None]) -> None:
+def _unconverted_rows(opts: PrefillOptions, inputs: dict, plain_logits: dict, device: torch.device,
+                      on_row: Callable[[PrefillRow], None]) -> None:
     """``--unconverted``: the whole model on every rank, where every rank can hold it."""
+    m = opts.model
     try:
-        full = load_checkpoint(args.checkpoint, args.dtype, device, backend=None) if args.checkpoint \
-            else build_model(args.preset, args.config, args.dtype, device, seed=args.seed, convert=False)
+        full = load_checkpoint(m.checkpoint, m.dtype, device, backend=None) if m.checkpoint \
+            else build_model(m.preset, m.config, m.dtype, device, seed=m.seed, convert=False)
         built = 1.0
     except torch.OutOfMemoryError:
         full, built = None, 0.0
     if device.type == "cuda":
         torch.cuda.empty_cache()
     if all_reduce_max([-built], phase=PROG)[0] < 0:  # every rank built it (else all skip it together)
-        keep = args.logits_to_keep
+        keep = opts.logits_to_keep
         for shape, ids in inputs.items():
             out = prefill_logits(full, ids, logits_to_keep=keep)
             want = plain_logits[shape].to(device)
             rel, agree = relative_error(want, out), _agreement(want, out)
-            t = median_ms(lambda ids=ids: prefill_logits(full, ids, logits_to_keep=keep), steps=args.steps,
-                          warmup=args.warmup, device=device)
+            t = median_ms(lambda ids=ids: prefill_logits(full, ids, logits_to_keep=keep), steps=opts.steps,
+                          warmup=opts.warmup, device=device)
             t, rel, neg_agree = all_reduce_max([t, rel, -agree], phase=PROG)
-            on_row(dict(backend="unconverted", batch=shape[0], seq=shape[1], plain_ms=t, dbo_ms=None,
-                        rel_err=rel, top1_agree=-neg_agree, ok=logits_match(rel, -neg_agree, args.dtype),
-                        split=""))
+            on_row(PrefillRow(backend="unconverted", batch=shape[0], seq=shape[1], plain_ms=t, dbo_ms=None,
+                              rel_err=rel, top1_agree=-neg_agree,
+                              ok=logits_match(rel, -neg_agree, m.dtype), split=""))
     else:
-        on_row(dict(backend="unconverted", batch=0, seq=0, plain_ms=None, dbo_ms=None, rel_err=None,
-                    top1_agree=None, ok=None, split="out of memory"))
+        on_row(PrefillRow(backend="unconverted", batch=0, seq=0, plain_ms=None, dbo_ms=None, rel_err=None,
+                          top1_agree=None, ok=None, split="out of memory"))
 
 
-def run(args: argparse.Namespace, rank: int, world: int, device: torch.device) -> int:
+def run(opts: PrefillOptions, rank: int, world: int, device: torch.device) -> int:
     """Build or load the model, time every row, print the table (rank 0); returns the exit code."""
-    config = args.config
-    if args.save_checkpoint:
-        save_checkpoint(config, args.save_checkpoint, args.dtype, device, args.seed, rank)
-    g = torch.Generator().manual_seed(args.seed * 7919 + rank)
+    m = opts.model
+    config = m.config
+    if m.save_checkpoint:
+        save_checkpoint(config, m.save_checkpoint, m.dtype, device, m.seed, rank)
+    g = torch.Generator().manual_seed(m.seed * 7919 + rank)
     inputs = {shape: torch.randint(0, config.vocab_size, shape, generator=g).to(device)
-              for shape in args.shape}
-    rows: list[dict] = []
-    disabled = dbo_disabled_by_env()  # every plan unsplit: the DBO rows run the plain forward
+              for shape in opts.shapes}
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    # DBO_DISABLE: every plan unsplit, the DBO rows run the plain forward
+    result = PrefillResult(preset=m.preset, checkpoint=m.checkpoint, layers=config.num_hidden_layers,
+                           world=world, device=name, dtype=str(m.dtype), steps=opts.steps,
+                           dbo_disabled=dbo_disabled_by_env())
 
-    def on_row(row: dict) -> None:
-        rows.append(row)
+    def on_row(row: PrefillRow) -> None:
+        result.rows.append(row)
         if rank == 0:
-            write_json(args, config, world, device, rows, disabled)  # a later timeout keeps these
+            write_json(result, m.json)  # a later timeout keeps these
 
-    anchor = _anchor_rows(args, inputs, device, rows) if args.hf_all_to_all else {}
+    anchor = _anchor_rows(opts, inputs, device, result.rows) if opts.hf_all_to_all else {}
     t0 = time.perf_counter()
-    if args.checkpoint:
-        model = load_checkpoint(args.checkpoint, args.dtype, device, backend=args.backend[0])
+    if m.checkpoint:
+        model = load_checkpoint(m.checkpoint, m.dtype, device, backend=opts.backends[0])
         config = model.config
     else:
-        model = build_model(args.preset, config, args.dtype, device, seed=args.seed, convert=True)
+        model = build_model(m.preset, config, m.dtype, device, seed=m.seed, convert=True)
     build_s = time.perf_counter() - t0
     plain_logits: dict = {}
-    choices = args.ep_experts if args.checkpoint else [None]
     with torch.inference_mode():
-        for choice in choices:
+        for choice in opts.experts_choices:
             if choice is not None:
                 from dbo.integrations.transformers.ep_model import switch_ep_experts
 
                 switch_ep_experts(model, choice)
-            for backend in args.backend:
-                _backend_rows(args, model, backend, choice, inputs, anchor, plain_logits, device, rank,
+            for backend in opts.backends:
+                _backend_rows(opts, model, backend, choice, inputs, anchor, plain_logits, device, rank,
                               on_row)
-        if args.unconverted:
+        if opts.unconverted:
             del model
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-            _unconverted_rows(args, inputs, plain_logits, device, on_row)
+            _unconverted_rows(opts, inputs, plain_logits, device, on_row)
     if rank != 0:
-        return 0 if all(r["ok"] is not False for r in rows) else 1
-    print_table(args, config, world, build_s, rows, device, disabled)
-    write_json(args, config, world, device, rows, disabled)
-    return verdict(PROG, *verdict_reason(rows, args.json, disabled))
+        return 0 if all(r.ok is not False for r in result.rows) else 1
+    result.layers = config.num_hidden_layers
+    print_table(result, cuda=device.type == "cuda", hidden=config.hidden_size, build_s=build_s,
+                link="" if m.link_model is None else m.link_model.describe())
+    write_json(result, m.json)
+    return verdict(PROG, *verdict_reason(result.rows, m.json, result.dbo_disabled))
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    with distributed(args.device) as (rank, world, device):
-        return run(args, rank, world, device)
+    opts = parse_args(argv)
+    with distributed(opts.model.device) as (rank, world, device):
+        return run(opts, rank, world, device)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,82 @@
+"""The transformers benchmarks' options values (bad combinations are a ValueError naming the
+option) and hf-prefill's record (its JSON, read back, writes the same JSON)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from dbo.bench.hf.options import GenerateOptions, ModelOptions, PrefillOptions
+from dbo.bench.hf.prefill_table import PrefillResult, PrefillRow, verdict_reason
+
+MODEL = ModelOptions(device="cpu", preset="tiny-qwen3_moe", dtype=torch.float32)
+LOADED = dataclasses.replace(MODEL, checkpoint="ckpt")
+
+
+def _prefill(**changes) -> PrefillOptions:
+    return PrefillOptions(**{"model": MODEL, "backends": ("naive",), "shapes": ((4, 32),), **changes})
+
+
+def _generate(**changes) -> GenerateOptions:
+    return GenerateOptions(**{"model": MODEL, "pairs": [("all2all", None)], "batch": 4, "prompt": 8,
+                              "new_tokens": 4, **changes})
+
+
+@pytest.mark.parametrize("build, message", [
+    (lambda: dataclasses.replace(MODEL, layers=0), "--layers 0: must be >= 1"),
+    (lambda: dataclasses.replace(MODEL, remote_fraction=0.0), "--remote-fraction 0.0: want a share"),
+    (lambda: dataclasses.replace(MODEL, dtype=torch.float16), "--dtype torch.float16"),
+    (lambda: dataclasses.replace(MODEL, checkpoint="a", save_checkpoint="b"),
+     "--checkpoint a and --save-checkpoint b: give one"),
+    (lambda: _prefill(steps=0), "--steps 0: must be >= 1"),
+    (lambda: _prefill(logits_to_keep=-1), "--logits-to-keep -1: must be >= 0"),
+    (lambda: _prefill(shapes=((4, 0),)), "--shape 4x0: want BATCHxSEQ"),
+    (lambda: _prefill(backends=()), "--backend: want at least one backend"),
+    (lambda: _prefill(expert_schedules=("fast",)), "--expert-schedule fast"),
+    (lambda: _prefill(tune_sm_carveout=(None, 16)), "--tune-sm-carveout [None, 16]: goes with "
+                                                   "--expert-schedule auto"),
+    (lambda: _prefill(hf_all_to_all=True), "--hf-all-to-all: needs a loaded model"),
+    (lambda: _prefill(ep_experts=("model",)), "--ep-experts: needs a loaded model"),
+    (lambda: _prefill(model=LOADED, ep_experts=("mine",)), "--ep-experts mine"),
+    (lambda: _generate(new_tokens=0), "--new-tokens 0: must be >= 1"),
+    (lambda: _generate(modes=["dbo"]), "--modes: give plain too"),
+    (lambda: _generate(modes=["plain", "fast"]), "--modes plain fast"),
+    (lambda: _generate(model=dataclasses.replace(MODEL, device="cuda"), temporary_checkpoint=True),
+     "--device cuda: give --checkpoint DIR"),
+])
+def test_the_options_refuse_what_no_run_can_honour(build, message):
+    with pytest.raises(ValueError) as exc:
+        build()
+    assert message in str(exc.value) and "\n" not in str(exc.value)
+
+
+def test_the_options_values_hold_the_defaults_the_commands_use():
+    opts = _prefill(shapes=[[4, 32], [2, 64]])
+    assert opts.shapes == ((4, 32), (2, 64)) and opts.largest_batch_tokens == 128
+    assert opts.experts_choices == (None,)  # a built model: the library's experts
+    assert _prefill(model=LOADED).experts_choices == ("auto",)
+    written = MODEL.written_to("/tmp/x", write=True)
+    assert written.checkpoint == written.save_checkpoint == "/tmp/x" and MODEL.checkpoint is None
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        opts.steps = 2  # type: ignore[misc]
+
+
+def test_the_prefill_record_round_trips_to_the_same_json():
+    result = PrefillResult(preset="tiny-qwen3_moe", checkpoint=None, layers=2, world=2, device="CPU",
+                           dtype=str(torch.float32), steps=5)
+    result.rows.append(PrefillRow(backend="naive", batch=4, seq=8, plain_ms=1.0, dbo_ms=0.9, rel_err=1e-7,
+                                  top1_agree=1.0, ok=True, split="split(2)", expert_schedule="auto",
+                                  autotune={"choice": "split", "plain_ms": 1.0, "split_ms": 0.9,
+                                            "merged_ms": 0.95, "sm_carveout": None}))
+    result.rows.append(PrefillRow(backend="unconverted", batch=0, seq=0, plain_ms=None, dbo_ms=None,
+                                  rel_err=None, top1_agree=None, ok=None, split="out of memory"))
+    doc = json.loads(json.dumps(result.to_json()))
+    assert set(doc) == {"preset", "checkpoint", "layers", "world", "device", "dtype", "steps",
+                        "dbo_disabled", "rows"}
+    assert doc["dtype"] == "torch.float32" and doc["rows"][0]["autotune"]["choice"] == "split"
+    assert json.loads(json.dumps(PrefillResult.from_json(doc).to_json())) == doc
+    # the verdict reads the records or their JSON alike
+    assert verdict_reason(result.rows, None) == verdict_reason(doc["rows"], None)
