@@ -4,23 +4,30 @@ answered in one line, plain help, a verdict at the end.
 A caller mistake (a bad option value, a missing file) ends a run with one line on stderr that
 names the bad value and what is allowed, and exit code 2: no usage block, no traceback. Checks
 that need the world size read torchrun's ``WORLD_SIZE`` before any process group exists, so
-under torchrun every rank fails the same check, exits 2 and none waits for a peer. A run that
-completes ends with one line on stdout, ``PROG: PASS: why`` or ``PROG: FAIL: why`` (exit code 0
-or 1). Ctrl-C ends a run that :func:`run_main` runs with one
+under torchrun every rank fails the same check, exits 2 and none waits for a peer; rank 0 says
+why (:func:`refuse`). A run that completes ends with one line on stdout, ``PROG: PASS: why`` or
+``PROG: FAIL: why`` (exit code 0 or 1). Ctrl-C ends a run that :func:`run_main` runs with one
 line, ``PROG: interrupted (Ctrl-C)``, and exit code 130. ``-h`` prints docstrings as plain text
 (no reStructuredText markup) and names a default only where it says something.
+
+Under torchrun rank 0 speaks for the group (:func:`speaks_for_group`): its messages, tables,
+progress bars and verdict are the run's; another rank prints only an error of its own
+(:func:`quiet_other_ranks`).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import os
 import re
 import signal
 import sys
 import tempfile
 import threading
+import time
+import warnings
 from collections.abc import Callable
 from typing import NoReturn
 
@@ -31,16 +38,61 @@ from dbo.peers.deadline import end_process_within
 
 __all__ = ["ArgumentParser", "plain_text", "env_world_size", "check_at_least", "check_device",
            "check_experts_split", "check_backend_fits", "check_writable_file", "check_writable_folder",
-           "available_memory_bytes", "check_memory_fits", "verdict", "run_main",
-           "INTERRUPTED_EXIT_CODE", "INTERRUPT_GRACE_S"]
+           "available_memory_bytes", "check_memory_fits", "verdict", "run_main", "speaks_for_group",
+           "refuse", "quiet_other_ranks", "INTERRUPTED_EXIT_CODE", "INTERRUPT_GRACE_S",
+           "REFUSAL_GRACE_S"]
 
 #: the exit code of a run that Ctrl-C (SIGINT) ended, as a shell reports a process that SIGINT
 #: killed (128 + 2)
 INTERRUPTED_EXIT_CODE = 130
 
+#: seconds a rank other than 0 that refuses its input waits for torchrun to stop it (rank 0 failed
+#: the same check, said why and exited) before it says why itself (the check failed on it alone)
+REFUSAL_GRACE_S = 10.0
+
 #: seconds from an interrupted run's clean-up (its ``finally`` blocks, the process group's
 #: teardown) to the end of the process, whatever still runs
 INTERRUPT_GRACE_S = 30.0
+
+
+def speaks_for_group() -> bool:
+    """Whether this process speaks for the run: rank 0 under torchrun (its ``RANK``, readable
+    before any process group exists), any process without torchrun. Tables, progress bars,
+    messages and verdicts come from it alone; another rank prints only an error of its own."""
+    return os.environ.get("RANK", "0") == "0"
+
+
+def refuse(prog: str, message: str) -> NoReturn:
+    """End the run for a caller mistake: ``PROG: message`` on stderr, one line, exit code 2.
+
+    Under torchrun rank 0 says it. Another rank, which found the same mistake (the checks read
+    the options and the environment, the same on every rank), waits up to :data:`REFUSAL_GRACE_S`
+    for torchrun to stop it once rank 0 has exited; still running after that, the mistake was its
+    own, and it says so itself (``PROG: rank N: message``).
+    """
+    if not speaks_for_group():
+        time.sleep(REFUSAL_GRACE_S)
+        message = f"rank {os.environ.get('RANK')}: {message}"
+    sys.stderr.write(f"{prog}: {message}\n")
+    sys.stderr.flush()
+    raise SystemExit(2)
+
+
+def quiet_other_ranks() -> None:
+    """On a rank other than 0 (:func:`speaks_for_group`), leave the talking to rank 0: Python
+    warnings ignored, the ``dbo`` and ``transformers`` loggers at ERROR, transformers' progress
+    bars (its "Loading weights") off. An error of this rank's own (an ERROR line, a traceback, a
+    refusal) still prints. :func:`run_main` calls it; a program of its own calls it before its
+    work. Nothing changes on rank 0 or without torchrun."""
+    if speaks_for_group():
+        return
+    warnings.simplefilter("ignore")
+    for name in ("dbo", "transformers"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    hf_logging = sys.modules.get("transformers.utils.logging")
+    if hf_logging is not None:  # imported by the program (its bars are on by default)
+        hf_logging.disable_progress_bar()
+    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"  # for a transformers imported later
 
 
 def plain_text(text: str) -> str:
@@ -89,8 +141,7 @@ class ArgumentParser(argparse.ArgumentParser):
         super().__init__(*args, formatter_class=plain, **kwargs)
 
     def error(self, message: str) -> NoReturn:
-        sys.stderr.write(f"{self.prog}: {message}\n")
-        raise SystemExit(2)
+        refuse(self.prog, message)
 
 
 def env_world_size() -> int:
@@ -239,12 +290,13 @@ def run_main(prog: str, main: Callable[[], int | None]) -> int:
     folders, a launched process stopped); later ones (torchrun's agent forwards the terminal's
     Ctrl-C to every rank, which has had it already; a second Ctrl-C) are ignored while they do.
     The run then ends with ``PROG: interrupted (Ctrl-C)`` on stderr from the process that speaks
-    for the group (rank 0 under torchrun, its ``RANK``; the other ranks end silently), and the
-    process ends within :data:`INTERRUPT_GRACE_S` whatever is still running. An exception raised after the
+    for the group (:func:`speaks_for_group`; the other ranks end silently), and the process
+    ends within :data:`INTERRUPT_GRACE_S` whatever is still running. An exception raised after the
     SIGINT (a collective broken by a peer that left on its own Ctrl-C) is part of the
     interruption, not an error of its own. Outside the main thread, where no signal handler can
-    be set, ``main`` runs as it is.
+    be set, ``main`` runs as it is. Before ``main``: :func:`quiet_other_ranks`.
     """
+    quiet_other_ranks()
     if threading.current_thread() is not threading.main_thread():
         return main() or 0
     interrupted = False
@@ -262,7 +314,7 @@ def run_main(prog: str, main: Callable[[], int | None]) -> int:
         if not interrupted:
             raise
         end_process_within(INTERRUPT_GRACE_S)
-        if os.environ.get("RANK", "0") == "0":
+        if speaks_for_group():
             with contextlib.suppress(OSError, ValueError):  # a closed or broken stream
                 sys.stdout.flush()
                 sys.stderr.write(f"{prog}: interrupted (Ctrl-C)\n")

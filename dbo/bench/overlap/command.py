@@ -66,7 +66,7 @@ from dbo.bench.overlap.shape import Budget, ShapeBench
 from dbo.bench.overlap.summary import summarize
 from dbo.bench.overlap.wrapper import time_wrapper, tune_and_time_wrapper
 from dbo.bench.timing import Progress
-from dbo.cli import run_main
+from dbo.cli import refuse, run_main
 from dbo.deployment import DeploymentConfig, save_deployment_config
 from dbo.files import write_whole
 from dbo.split import DISABLE_ENV_VAR, SplitConfig, Vote, dbo_disabled_by_env, local_vote
@@ -95,7 +95,6 @@ def run(opts: OverlapOptions, rank: int, world: int, device: torch.device, out_d
     dtype = opts.torch_dtype
     ep_rank, ep_world = opts.ep_group(rank, world)
     budget = Budget(opts.time_budget_s, device)
-    progress = Progress(opts.config_count(), enabled=rank == 0)
     result = OverlapResult(opts, env, partial=True)
     if opts.sm_carveout is not None and not torch_sm_carveout_supported():  # main() sets it
         result.warnings.append("--sm-carveout: this torch has no _set_sm_carveout_experimental")
@@ -119,6 +118,8 @@ def run(opts: OverlapOptions, rank: int, world: int, device: torch.device, out_d
             else 1.0 - min(opts.gpus_per_host, opts.emulate_ep) / opts.emulate_ep)
     if sim is not None and rank == 0:
         print(sim.describe(), flush=True)
+    # the bar starts once the lines above are out: nothing else prints until it closes
+    progress = Progress(opts.config_count(), enabled=rank == 0)
     target = opts.profiled_shape()
     chrome = []
     configs: dict[int, SplitConfig | None] = {}
@@ -361,8 +362,7 @@ def main(argv: list[str] | None = None) -> int:
         try:  # before the group: every rank stops here alike
             import_deep_ep()
         except DeepEPNotInstalledError as exc:
-            sys.stderr.write(f"{PROG}: --backend {opts.backend}: {exc}\n")
-            return 2
+            refuse(PROG, f"--backend {opts.backend}: {exc}")
     deepep_setup = configure_deepep(opts.backend, opts.tokens, opts.num_sms)
     out_dir = Path(opts.out)
     with distributed(opts.device) as (rank, world, device):
