@@ -75,3 +75,14 @@ def test_bench_overlap_sizes_a_low_latency_backend_as_decode_by_its_trait(monkey
     for backend, decode in (("fast", True), ("deepep_ht", False)):
         opts = overlap_options.OverlapOptions(backend=backend, device="cpu", **defaults(backend, "cpu"))
         assert opts.decode is decode
+
+
+def test_bench_overlap_lists_deepep_v2_as_not_yet_run_on_gpus(capsys):
+    from dbo.bench.overlap.options import OverlapOptions
+
+    values = overlap_args.defaults("cpu", "all2all", quick=True, emulated=False)
+    with pytest.raises(ValueError, match=r"--backend nope: unknown .*deepep_v2 \(not yet run on GPUs\)"):
+        OverlapOptions(backend="nope", device="cpu", **values)
+    with pytest.raises(SystemExit):
+        overlap_args.parse_args(["--help"])
+    assert "deepep_v2 (not yet run on GPUs)" in " ".join(capsys.readouterr().out.split())

@@ -221,10 +221,11 @@ class OverlapOptions:
     # ---- validation ------------------------------------------------------------------------
 
     def _check(self) -> None:
-        from dbo.backends import BACKENDS, backend_options
+        from dbo.backends import BACKENDS, backend_options, describe_backend
 
         if self.backend not in BACKENDS:
-            raise ValueError(f"--backend {self.backend}: unknown (backends: {', '.join(sorted(BACKENDS))})")
+            listed = ", ".join(describe_backend(n) for n in sorted(BACKENDS))
+            raise ValueError(f"--backend {self.backend}: unknown (backends: {listed})")
         for name, value, allowed in (("device", self.device, ("cpu", "cuda")),
                                      ("dtype", self.dtype, tuple(DTYPES)),
                                      ("link_order", self.link_order, ("nic", "host")),
