@@ -58,19 +58,21 @@ def use_backend(model: torch.nn.Module, name: str, *, group: Any = None,
     Args:
         model: a converted model or one loaded with dbo's EP implementations.
         name: a key of :data:`dbo.backends.BACKENDS`; checked once, before anything changes.
-        group: a converted model's expert-parallel group (None: the default group); a loaded
-            model keeps the group it was loaded on, so leave it None there.
-        decode_backend, decode_backend_kwargs: a loaded model only: the backend (and its
-            options) of the calls made inside
-            :func:`~dbo.integrations.transformers.decode_phase.decode_phase`, as
+        group: a converted model's expert-parallel group (None: the group it was converted over,
+            a process group or an :class:`~dbo.backends.emulated.EmulatedGroup`); a loaded model
+            keeps the group it was loaded on, so leave it None there.
+        decode_backend, decode_backend_kwargs: the backend (and its options) of the calls made
+            inside :func:`~dbo.integrations.transformers.decode_phase.decode_phase` (DeepEP's
+            low-latency kernels after a high-throughput prefill; None: ``name`` there too), as
             :func:`~dbo.integrations.transformers.ep_model.switch_ep_backend` takes them.
         options: the backend's options (``max_tokens_per_rank=``, ``link=``, ``timeout_s=``, ...),
             as :func:`dbo.backends.make_backend` takes them.
 
     Raises:
         ValueError: unknown ``name`` or ``decode_backend`` (the message lists the known ones); a
-            model that is not expert-parallel with dbo; ``decode_backend`` for a converted model
-            or ``group`` for a loaded one.
+            model that is not expert-parallel with dbo; ``group`` for a loaded one; a backend that
+            cannot run over a converted model's group (the emulated one over a process group, or
+            another over an emulated group).
     """
     backend_spec(name)
     layers = expert_parallel_layers(model)

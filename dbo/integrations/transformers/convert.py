@@ -29,6 +29,7 @@ import torch
 
 from dbo.backends import backend_spec, make_backend
 from dbo.errors import DBOError
+from dbo.integrations.transformers.emulated import backend_group_options, ep_rank_size
 from dbo.integrations.transformers.moe_block import ExpertParallelMoE
 
 __all__ = [
@@ -108,15 +109,6 @@ def find_moe_blocks(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, 
     return found
 
 
-def _group_rank_size(group: Any) -> tuple[int, int]:
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError("convert_to_expert_parallel needs an initialized torch.distributed "
-                           "process group (a group of one is fine)")
-    return dist.get_rank(group), dist.get_world_size(group)
-
-
 def _expert_weights(name: str, block: torch.nn.Module,
                     family: MoEFamily) -> tuple[torch.Tensor, torch.Tensor]:
     experts = getattr(block, family.experts_attr)
@@ -152,7 +144,10 @@ def convert_to_expert_parallel(model: torch.nn.Module, group: Any = None, backen
     Args:
         model: a transformers MoE model (``...ForCausalLM`` or its base model) whose MoE blocks
             are in :data:`FAMILIES`.
-        group: the expert-parallel process group (None: the default group).
+        group: the expert-parallel process group (None: the default group), or an
+            :class:`~dbo.backends.emulated.EmulatedGroup`: this process plays rank ``r`` of ``N``
+            alone, with the ``emulated`` backend and no process group
+            (:mod:`~dbo.integrations.transformers.emulated`).
         backend: a name in :data:`dbo.backends.BACKENDS`.
         max_tokens_per_rank: most tokens a rank sends through one MoE call (one ubatch's
             ``batch * seq``); needed by the low-latency backends.
@@ -166,12 +161,14 @@ def convert_to_expert_parallel(model: torch.nn.Module, group: Any = None, backen
     Raises:
         UnsupportedModelError: the model's MoE blocks are of an unsupported class (the message
             names it and the supported ones) or use non-SwiGLU experts.
-        ValueError: the expert count is not a multiple of the group size; unknown backend.
-        RuntimeError: torch.distributed is not initialised.
+        ValueError: the expert count is not a multiple of the group size; unknown backend; the
+            emulated backend without an EmulatedGroup, or an EmulatedGroup with another backend.
+        RuntimeError: torch.distributed is not initialised (and ``group`` is no EmulatedGroup).
     """
     backend_spec(backend)
     blocks = find_moe_blocks(model)
-    rank, world = _group_rank_size(group)
+    backend_group, backend_kwargs = backend_group_options(backend, group, backend_kwargs)
+    rank, world = ep_rank_size(group)
     config = getattr(model, "config", None)
     for name, block, family in blocks:
         gate_up, down = _expert_weights(name, block, family)
@@ -188,12 +185,12 @@ def convert_to_expert_parallel(model: torch.nn.Module, group: Any = None, backen
         topk = int(getattr(router, "top_k", 0) or getattr(block, "top_k", 0))
         if topk <= 0:
             raise UnsupportedModelError(f"{name}: cannot find the router's top_k")
-        pf = make_backend(backend, group, hidden=hidden, num_experts=num_experts, topk=topk,
+        pf = make_backend(backend, backend_group, hidden=hidden, num_experts=num_experts, topk=topk,
                           dtype=gate_up.dtype, device=gate_up.device,
                           max_tokens_per_rank=max_tokens_per_rank, **backend_kwargs)
         shared = getattr(block, family.shared_attr) if family.shared_attr else None
         new = ExpertParallelMoE(router, w1, w2, pf, num_experts=num_experts, first_expert=lo,
-                                topk=topk, shared_experts=shared, family=family.name)
+                                topk=topk, shared_experts=shared, family=family.name, group=group)
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, attr, new)

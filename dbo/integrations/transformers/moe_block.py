@@ -23,6 +23,8 @@ import torch
 
 from dbo.backends import make_backend
 from dbo.experts import SwiGLUExperts
+from dbo.integrations.transformers.decode_phase import checked_decode_kwargs, decoding
+from dbo.integrations.transformers.emulated import backend_group_options
 from dbo.moe import MoEKernel, PrepareAndFinalize
 from dbo.overlap import current_ubatch
 from dbo.split import mask_padding_routing
@@ -101,11 +103,18 @@ class ExpertParallelMoE(torch.nn.Module):
         shared_experts: optional module ``[M, hidden] -> [M, hidden]`` added to the output
             (run while the combine is in flight).
         family: a name for ``repr`` (the model family).
+        group: the expert-parallel group the experts were sliced for (None: the default group;
+            an :class:`~dbo.backends.emulated.EmulatedGroup`: one rank played alone), on which
+            :meth:`switch_backend` builds its backends.
+
+    Inside :func:`~dbo.integrations.transformers.decode_phase.decode_phase` the block runs its
+    decode backend where :meth:`switch_backend` gave it one (DeepEP's low-latency kernels for the
+    decode steps after a high-throughput prefill), else its backend.
     """
 
     def __init__(self, router: torch.nn.Module, w1: torch.Tensor, w2: torch.Tensor,
                  backend: PrepareAndFinalize, *, num_experts: int, first_expert: int, topk: int,
-                 shared_experts: torch.nn.Module | None = None, family: str = ""):
+                 shared_experts: torch.nn.Module | None = None, family: str = "", group: Any = None):
         super().__init__()
         if w1.dim() != 3 or w2.dim() != 3 or w1.shape[0] != w2.shape[0]:
             raise ValueError(f"w1 {tuple(w1.shape)} and w2 {tuple(w2.shape)} must be "
@@ -118,32 +127,52 @@ class ExpertParallelMoE(torch.nn.Module):
         self.first_expert = first_expert
         self.topk = topk
         self.family = family
+        self.group = group
+        self.decode_kernel: MoEKernel | None = None
         self.use_backend(backend)
 
     def switch_backend(self, name: str, *, group: Any = None, decode_backend: str | None = None,
                        decode_backend_kwargs: dict[str, Any] | None = None,
                        max_tokens_per_rank: int | None = None, **options: Any) -> None:
         """Run the routed experts through a new backend ``name`` (a key of
-        :data:`dbo.backends.BACKENDS`) on ``group`` (None: the default group), built now with
-        ``options``: collective where the backend is. The model-facing entry is
+        :data:`dbo.backends.BACKENDS`) on ``group`` (None: the group the block was converted
+        over), built now with ``options``: collective where the backend is. With
+        ``decode_backend``, the calls made inside
+        :func:`~dbo.integrations.transformers.decode_phase.decode_phase` go through that backend
+        (built now with ``decode_backend_kwargs``; a backend sized by its tokens per call gets
+        :data:`~dbo.integrations.transformers.decode_phase.DEEPEP_LL_MAX_TOKENS` unless told);
+        without, through ``name`` too. The model-facing entry is
         :func:`dbo.integrations.transformers.use_backend`.
 
         Raises:
-            ValueError: ``decode_backend``: a converted model runs one backend.
+            ValueError: unknown backend or decode backend; a backend that cannot run over the
+                group (:func:`~dbo.integrations.transformers.emulated.backend_group_options`).
         """
-        if decode_backend is not None or decode_backend_kwargs:
-            raise ValueError(f"decode_backend={decode_backend!r}: a converted model runs one backend; "
-                             "a prefill/decode pair needs a model loaded with ep_distributed_config(...)")
-        self.use_backend(make_backend(name, group, hidden=self.w1.shape[2], num_experts=self.num_experts,
-                                      topk=self.topk, dtype=self.w1.dtype, device=self.w1.device,
-                                      max_tokens_per_rank=max_tokens_per_rank, **options))
+        group = self.group if group is None else group
+        decode_kwargs = checked_decode_kwargs(decode_backend, decode_backend_kwargs)
+        backend = self._make_backend(name, group, dict(options, max_tokens_per_rank=max_tokens_per_rank))
+        decode = None if decode_backend is None else self._make_backend(decode_backend, group, decode_kwargs)
+        self.use_backend(backend, decode_backend=decode)
 
-    def use_backend(self, backend: PrepareAndFinalize) -> None:
-        """Run the routed experts through ``backend`` from now on (a fresh kernel)."""
-        self.ids_dtype = backend.topk_indices_dtype() or torch.int64
+    def _make_backend(self, name: str, group: Any, options: dict[str, Any]) -> PrepareAndFinalize:
+        group, options = backend_group_options(name, group, options)
+        return make_backend(name, group, hidden=self.w1.shape[2], num_experts=self.num_experts,
+                            topk=self.topk, dtype=self.w1.dtype, device=self.w1.device, **options)
+
+    def use_backend(self, backend: PrepareAndFinalize, *,
+                    decode_backend: PrepareAndFinalize | None = None) -> None:
+        """Run the routed experts through ``backend`` from now on (a fresh kernel), and inside
+        :func:`~dbo.integrations.transformers.decode_phase.decode_phase` through
+        ``decode_backend`` (None: ``backend`` there too)."""
+        self.kernel, self.ids_dtype = self._kernel_of(backend)
+        self.decode_kernel, self.decode_ids_dtype = (None, None) if decode_backend is None \
+            else self._kernel_of(decode_backend)
+
+    def _kernel_of(self, backend: PrepareAndFinalize) -> tuple[MoEKernel, torch.dtype]:
         shared: Callable[[torch.Tensor], torch.Tensor] | None = (
             None if self.shared_experts is None else self._shared)
-        self.kernel = MoEKernel(backend, SwiGLUExperts(), shared_experts=shared)
+        return (MoEKernel(backend, SwiGLUExperts(), shared_experts=shared),
+                backend.topk_indices_dtype() or torch.int64)
 
     @property
     def num_local_experts(self) -> int:
@@ -161,18 +190,25 @@ class ExpertParallelMoE(torch.nn.Module):
         """``hidden_states`` ``[..., hidden]`` (the model's dtype) -> same shape and dtype."""
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
+        kernel, ids_dtype = self.kernel, self.ids_dtype
+        if self.decode_kernel is not None and decoding():
+            kernel, ids_dtype = self.decode_kernel, self.decode_ids_dtype
         with dbo_region("router"):
             _, weights, ids = self.gate(x)
-            ids, weights = mask_routing(ids.to(self.ids_dtype), weights.to(torch.float32))
-        out = self.kernel(x, self.w1, self.w2, weights, ids, global_num_experts=self.num_experts)
+            ids, weights = mask_routing(ids.to(ids_dtype), weights.to(torch.float32))
+        out = kernel(x, self.w1, self.w2, weights, ids, global_num_experts=self.num_experts)
         return out.view(shape)
 
     def reset(self) -> None:
-        """Drop per-ubatch state in the kernel and backend (after a failed step)."""
+        """Drop per-ubatch state in the kernels and backends (after a failed step)."""
         self.kernel.reset()
+        if self.decode_kernel is not None:
+            self.decode_kernel.reset()
 
     def extra_repr(self) -> str:
         lo, hi = self.expert_range
         return (f"family={self.family!r}, experts={lo}..{hi - 1} of {self.num_experts}, "
                 f"backend={type(self.kernel.prepare_finalize).__name__}, "
+                + (f"decode_backend={type(self.decode_kernel.prepare_finalize).__name__}, "
+                   if self.decode_kernel is not None else "") +
                 f"shared={self.shared_experts is not None}")
