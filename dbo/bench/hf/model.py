@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from dbo.backends import BACKENDS
+from dbo.backends.emulated import EmulatedGroup
 from dbo.bench.limits import rate_text
 from dbo.integrations.transformers import convert_to_expert_parallel
 from dbo.integrations.transformers.checkpoint import write_random_checkpoint
@@ -32,7 +33,7 @@ from dbo.integrations.transformers.moe_block import ExpertParallelMoE
 from dbo.integrations.transformers.presets import PRESETS, causal_lm_class
 from dbo.peers.collectives import all_reduce_max
 
-__all__ = ["family", "materialise", "build_model", "save_checkpoint", "shared_temporary_dir",
+__all__ = ["family", "materialise", "build_model", "alone", "save_checkpoint", "shared_temporary_dir",
            "load_checkpoint", "load_hf_all_to_all", "backend_kwargs", "reset_layers", "peak_gib",
            "reset_peak"]
 
@@ -79,15 +80,21 @@ def materialise(model: torch.nn.Module, device: torch.device, seed: int, std: fl
 
 
 def build_model(preset: str, config: Any, dtype: torch.dtype, device: torch.device, *, seed: int,
-                convert: bool) -> torch.nn.Module:
+                convert: bool, group: Any = None) -> torch.nn.Module:
     """``preset``'s causal LM of ``config`` in ``dtype`` on ``device``, in eval mode, with seeded
-    random weights; ``convert``: expert-parallel over the default group (its backend ``naive``
-    until :func:`~dbo.integrations.transformers.use_backend` picks one), else whole."""
+    random weights; ``convert``: expert-parallel over ``group`` (None: the default group; its
+    backend ``naive`` until :func:`~dbo.integrations.transformers.use_backend` picks one; an
+    :class:`~dbo.backends.emulated.EmulatedGroup`: that rank's experts only, with no process
+    group, its backend ``emulated``), else whole."""
     with torch.device("meta"):
         model = causal_lm_class(family(preset))(config)
     model = model.to(dtype).eval()
     if convert:  # on meta: slicing the experts allocates nothing
-        convert_to_expert_parallel(model, None, backend="naive")
+        if isinstance(group, EmulatedGroup):
+            convert_to_expert_parallel(model, group, backend="emulated", layout="deepep_ht",
+                                       max_tokens_per_rank=1)
+        else:
+            convert_to_expert_parallel(model, group, backend="naive")
     materialise(model, device, seed, getattr(config, "initializer_range", 0.02))
     return model
 
@@ -116,6 +123,16 @@ def shared_temporary_dir(prefix: str) -> str:
     path = [tempfile.mkdtemp(prefix=prefix) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(path, src=0)
     return str(path[0])
+
+
+def alone(device: str) -> torch.device:
+    """The device of a run with no process group (an emulated rank): the CPU, or the current GPU
+    (made current, as a rank's is)."""
+    if device != "cuda":
+        return torch.device("cpu")
+    dev = torch.device("cuda", torch.cuda.current_device())
+    torch.cuda.set_device(dev)
+    return dev
 
 
 def reset_peak(device: torch.device) -> None:
