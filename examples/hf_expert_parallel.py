@@ -35,6 +35,7 @@ from dbo.integrations.transformers import (
 from dbo.integrations.transformers.presets import TINY_FAMILIES, tiny_random_model
 from dbo.peers.collectives import all_reduce_max
 from dbo.peers.process_group import distributed
+from dbo.split import SplitReason
 
 PROG = "hf_expert_parallel.py"
 EXPERTS = 8  # the tiny models' routed experts per MoE layer
@@ -68,11 +69,15 @@ def run(args: argparse.Namespace, rank: int) -> int:
         plain = prefill_logits(model, ids)
         overlapped = prefill(ids)
     # the worst rank's numbers: every rank reaches the same verdict
-    err, unsplit = all_reduce_max([relative_error(overlapped, plain), float(not prefill.last_plan.split)])
-    ok = err <= 1e-4 and not unsplit
+    plan = prefill.last_plan  # plain where nothing was split (DBO_DISABLE=1, for one)
+    err, unsplit = all_reduce_max([relative_error(overlapped, plain), float(not plan.split)])
+    disabled = plan.reason is SplitReason.DISABLED  # DBO turned off on purpose: both runs plain
+    ok = err <= 1e-4 and (not unsplit or disabled)
     why = (f"DBOPrefill's logits {'equal' if err <= 1e-4 else 'differ from'} the plain forward's on every "
            f"rank (rel err {err:.1e}, tolerance 1e-4; {args.family}, backend {args.backend}"
-           f"{', but a rank ran it unsplit' if unsplit else ''})")
+           f"{', but a rank ran it unsplit' if unsplit and not disabled else ''})")
+    if disabled:
+        why = f"nothing was overlapped ({plan.reason.value}: {plan.detail}): both runs were plain; {why}"
     return cli.verdict(PROG, ok, why) if rank == 0 else int(not ok)
 
 

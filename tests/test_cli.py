@@ -232,3 +232,21 @@ def test_compare_names_its_ratio_for_what_it_is():
     head, _, cells = ([c.strip() for c in line.strip("|").split("|")]
                       for line in format_comparison([row]).splitlines())
     assert cells[head.index("speedup (best serial / best DBO)")] == "1.234x"
+
+
+def test_compare_leaves_out_the_dbo_rows_of_a_bundle_made_under_dbo_disable(tmp_path):
+    def bundle(backend: str, disabled: bool, dbo_ms: float) -> dict:
+        return {"schema": "dbo.bench_overlap/1", "args": {"backend": backend},
+                "env": {"dbo_disabled": disabled}, "shapes": [{"tokens": 64, "intermediate": 64, "summary": {
+                    "serial_ms": 10.0, "dbo_ms": dbo_ms, "merged_ms": None, "comm_ms": 2.0}}]}
+
+    for name, disabled, dbo_ms in (("on", False, 8.0), ("off", True, 5.0)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "bench_overlap.json").write_text(json.dumps(bundle(name, disabled, dbo_ms)))
+    run = _run([*BENCH, "compare", "on", "off"], tmp_path)
+    assert run.returncode == 0, run.stdout + run.stderr
+    lines = run.stdout.splitlines()
+    assert lines[0].startswith("DBO_DISABLE=1 when off ran: DBO was disabled there"), run.stdout
+    row = next(ln for ln in lines if ln.startswith("| 64 | 64 |"))
+    assert "8.00 (on/split)" in row and "1.250x" in row, row  # the disabled bundle's 5.0 is not DBO's
+    assert lines[-1].startswith("python -m dbo.bench compare: PASS: DBO_DISABLE=1 when off ran"), run.stdout

@@ -11,6 +11,7 @@ import os
 import re
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -241,6 +242,37 @@ def test_bad_input_under_torchrun_is_rank_0s_line(tmp_path):
     codes = re.findall(r"exitcode  : (-?\d+)", err)
     assert len(codes) == 2 and "2" in codes and set(codes) <= {"2", "-15"}, err
     assert "dbo/" not in err.replace("-m dbo.bench", ""), err  # no traceback through dbo's code
+
+
+def test_hf_generate_under_dbo_disable_marks_its_dbo_rows_and_speaks_once(tmp_path):
+    out_json = tmp_path / "generate.json"
+    run = run_entry([*BENCH, "hf-generate", "--backend", "all2all", "--no-static", "--steps", "1",
+                     "--warmup", "0", "--json", str(out_json)], nproc=2, cwd=tmp_path,
+                    env={**_env(), "DBO_DISABLE": "1"}, timeout=150)
+    out = run.stdout
+    assert run.returncode == 0, out + run.stderr
+    assert "DBO_DISABLE=1: DBO was disabled in this run" in out, out
+    rows = [ln for ln in out.splitlines() if ln.startswith("| dbo greedy_generate")]
+    dbo_rows = [ln for ln in rows if "DBO" in ln.split("|")[1]]
+    assert dbo_rows and all("(ran plain: DBO_DISABLE=1)" in ln for ln in dbo_rows), out
+    assert not any("ran plain" in ln for ln in rows if ln not in dbo_rows), out  # the plain rows are plain
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("hf-generate: PASS: DBO_DISABLE=1: DBO was disabled"), out
+    assert json.loads(out_json.read_text())["dbo_disabled"] is True
+    # rank 0 speaks for the group: every row and line once, the loading bars of its loads only
+    lines = [ln for ln in out.splitlines() if ln.strip() and not ln.startswith("|---")]
+    assert [ln for ln, n in Counter(lines).items() if n > 1] == [], out
+    loads = sum(ln.startswith("load (") for ln in lines)
+    assert loads >= 1 and run.stderr.count("Loading weights: 100%") == loads, run.stderr
+
+
+def test_example_under_dbo_disable_says_nothing_was_overlapped(tmp_path):
+    env_run = run_entry([str(ROOT / "examples" / "hf_expert_parallel.py")], cwd=tmp_path,
+                        env={**_env(), "DBO_DISABLE": "1"}, timeout=150)
+    last = env_run.stdout.strip().splitlines()[-1]
+    assert env_run.returncode == 0, env_run.stdout + env_run.stderr
+    assert last.startswith("hf_expert_parallel.py: PASS: nothing was overlapped (disabled: DBO_DISABLE "
+                           "is set): both runs were plain"), last
 
 
 def test_hf_prefill_help_names_the_real_defaults():

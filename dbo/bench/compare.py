@@ -6,7 +6,9 @@ bundles of one run (``python -m dbo.bench overlap --out DIR`` per backend).
 Per shape (tokens, intermediate): the fastest serial step over the bundles (and its backend),
 the fastest DBO step over the bundles and schedules (split or merged; backend/schedule), and
 the speedup, best serial time over best DBO time (above 1 means overlap pays over the best plain
-choice), with each backend's comm time. Compare only bundles of one run on one machine. A file
+choice), with each backend's comm time. A bundle made under ``DBO_DISABLE=1`` timed the plain
+forward in its DBO rows: they are left out of the best DBO, and the table and the verdict say
+so. Compare only bundles of one run on one machine. A file
 that is not an overlap bundle, or a path that is not there, is bad input (one line, exit code
 2); a directory that holds no bundle is skipped with a line that says so, and the verdict is
 FAIL when no bundle was left.
@@ -22,7 +24,7 @@ from typing import Any
 from dbo.bench.cli import ArgumentParser, check_writable_file, verdict
 from dbo.files import write_whole
 
-__all__ = ["load_bundle", "label", "compare_bundles", "format_comparison", "main"]
+__all__ = ["load_bundle", "label", "dbo_disabled", "compare_bundles", "format_comparison", "main"]
 
 _DBO_SCHEDULES = (("split", "dbo_ms"), ("merged", "merged_ms"))
 PROG = "python -m dbo.bench compare"
@@ -51,11 +53,17 @@ def label(bundle: dict) -> str:
     return bundle["args"]["backend"] + (f"[{','.join(opts)}]" if opts else "")
 
 
+def dbo_disabled(bundle: dict) -> bool:
+    """Whether ``bundle`` was made under ``DBO_DISABLE=1`` (its DBO rows timed the plain forward)."""
+    return bool((bundle.get("env") or {}).get("dbo_disabled"))
+
+
 def compare_bundles(bundles: list[dict]) -> list[dict[str, Any]]:
     """One row per (tokens, intermediate) seen in any bundle, sorted; ``None`` where no bundle
     measured that part. Each row: ``tokens``, ``intermediate``, ``serial_ms``/``serial_backend``,
     ``dbo_ms``/``dbo_choice`` (``backend/schedule``), ``speedup`` (serial / DBO) and
-    ``comm_ms`` (backend -> ms per layer)."""
+    ``comm_ms`` (backend -> ms per layer). A bundle made under ``DBO_DISABLE=1``
+    (:func:`dbo_disabled`) gives its serial and comm times only."""
     if not bundles:
         raise ValueError("compare_bundles needs at least one bundle")
     rows: dict[tuple[int, int], dict[str, Any]] = {}
@@ -72,7 +80,7 @@ def compare_bundles(bundles: list[dict]) -> list[dict[str, Any]]:
             t = s.get("serial_ms")
             if t is not None and (row["serial_ms"] is None or t < row["serial_ms"]):
                 row["serial_ms"], row["serial_backend"] = t, backend
-            for schedule, field in _DBO_SCHEDULES:
+            for schedule, field in () if dbo_disabled(bundle) else _DBO_SCHEDULES:
                 t = s.get(field)
                 if t is not None and (row["dbo_ms"] is None or t < row["dbo_ms"]):
                     row["dbo_ms"], row["dbo_choice"] = t, f"{backend}/{schedule}"
@@ -127,16 +135,22 @@ def main(argv: list[str] | None = None) -> int:
         for inter, tuned in (b.get("autotune") or {}).items():
             print(f"{label(b)} I={inter}: autotune chose {tuned.get('schedule')}")
     rows = compare_bundles(bundles)
+    off = [label(b) for b in bundles if dbo_disabled(b)]
+    off_why = (f"DBO_DISABLE=1 when {', '.join(off)} ran: DBO was disabled there, its DBO rows timed "
+               "the plain forward and are left out of the best DBO" if off else "")
+    if off:
+        print(off_why)
     print("per layer, ms (one run; compare bundles of one run only)")
     print(format_comparison(rows))
     if args.json:
         write_whole(args.json, json.dumps({"rows": rows}, indent=1))
     both = [r for r in rows if r["speedup"] is not None]
+    off_why += "; " if off else ""
     if not both:
-        return verdict(PROG, False, f"{len(bundles)} bundle(s), but no shape has both a serial and "
-                                    "a DBO time")
+        return verdict(PROG, False, f"{off_why}{len(bundles)} bundle(s), but no shape has both a "
+                                    "serial and a DBO time")
     best = max(both, key=lambda r: r["speedup"])
     wins = sum(r["speedup"] > 1 for r in both)
-    return verdict(PROG, True, f"{len(bundles)} bundle(s), {len(both)} shape(s) compared: the best "
+    return verdict(PROG, True, f"{off_why}{len(bundles)} bundle(s), {len(both)} shape(s) compared: the best "
                                f"DBO beats the best serial at {wins} of them (best {best['speedup']:.3f}x "
                                f"at T={best['tokens']} I={best['intermediate']}, {best['dbo_choice']})")

@@ -72,7 +72,7 @@ from dbo.files import write_whole
 from dbo.integrations.transformers import use_backend
 from dbo.peers.collectives import all_reduce_max
 from dbo.peers.process_group import distributed
-from dbo.split import SplitConfig
+from dbo.split import DISABLE_ENV_VAR, SplitConfig, dbo_disabled_by_env
 
 PROG = "hf-generate"
 #: option -> (row name, prefill overlapped, every decode step overlapped, decode from a CUDA graph)
@@ -319,7 +319,7 @@ def run(a: GenerateOptions, rank: int, world: int, device: torch.device) -> list
                 model, ids, mask, max_new_tokens=1, config=split)) for name, split, *_ in modes},
                 a.steps, 1, device)
             plain = last["plain"][0]
-            for name, *_ in modes:
+            for name, cfg, *_ in modes:
                 got, plan = last[name]
                 same, prefix, _ = _agreement(got, want, a.prompt)
                 vs_plain = _agreement(got, plain, a.prompt)
@@ -329,7 +329,9 @@ def run(a: GenerateOptions, rank: int, world: int, device: torch.device) -> list
                 ms, lo, hi, pre_ms, *neg = all_reduce_max(
                     [statistics.median(t), min(t), max(t), statistics.median(pt), -same, -prefix,
                      *(-v for v in vs_plain), -tf], phase=PROG)
-                _add_row(rows, rank, dict(run=f"dbo greedy_generate {label} {name}", mode=name, ms=ms,
+                # DBO_DISABLE makes every plan unsplit: the DBO rows then time the plain forward
+                off = f" (ran plain: {DISABLE_ENV_VAR}=1)" if cfg is dbo_cfg and dbo_disabled_by_env() else ""
+                _add_row(rows, rank, dict(run=f"dbo greedy_generate {label} {name}{off}", mode=name, ms=ms,
                                           ms_min=lo, ms_max=hi, rounds=len(t), prefill_ms=pre_ms,
                                           tok_s=new / ms * 1e3, same=-neg[0], prefix=-neg[1],
                                           same_plain=-neg[2], prefix_plain=-neg[3], first_plain=-neg[4],
@@ -346,13 +348,14 @@ def main(argv: list[str] | None = None) -> int:
                 a = a.with_model(a.model.written_to(shared_temporary_dir("dbo-hf-generate-"), write=True))
                 made = a.model.checkpoint if rank == 0 else None
             rows = run(a, rank, world, device)
-            ok, why = verdict_reason(a, rows)
+            disabled = dbo_disabled_by_env()
+            ok, why = verdict_reason(a, rows, disabled)
             if rank == 0:
-                print_table(a, rows, world, device)
+                print_table(a, rows, world, device, disabled)
                 if a.model.json:
                     write_whole(a.model.json, json.dumps({
                         "model": model_name(a), "world": world, "batch": a.batch, "prompt": a.prompt,
-                        "new_tokens": a.new_tokens, "rows": rows}, indent=1))
+                        "new_tokens": a.new_tokens, "dbo_disabled": disabled, "rows": rows}, indent=1))
                 verdict(PROG, ok, why)
     finally:
         if made is not None:  # after the group's teardown: every rank is done with its files

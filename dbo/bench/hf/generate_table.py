@@ -21,9 +21,10 @@ def fastest_generate_ms(rows: list[dict]) -> float:
     return min(r["ms"] for r in rows if r.get("mode", "").startswith("hf-") and "ms" in r)
 
 
-def verdict_reason(a: GenerateOptions, rows: list[dict]) -> tuple[bool, str]:
+def verdict_reason(a: GenerateOptions, rows: list[dict], dbo_disabled: bool = False) -> tuple[bool, str]:
     """(passed, why) for the run's last line: every DBO row's tokens are its plain row's (see
-    :mod:`dbo.bench.hf.generate`)."""
+    :mod:`dbo.bench.hf.generate`). ``dbo_disabled``: ``DBO_DISABLE`` was set (the DBO rows ran
+    the plain forward), which the line then says first."""
     dbo_rows = [r for r in rows if r.get("mode") not in (None, "plain", "hf-eager", "hf-static")]
     fp32 = a.model.dtype == torch.float32
     # every row's new tokens must be the teacher-forced forward's choices, up to near ties, as
@@ -32,6 +33,14 @@ def verdict_reason(a: GenerateOptions, rows: list[dict]) -> tuple[bool, str]:
     bad = [r for r in dbo_rows if (r["same_plain"] < 1.0 if fp32 else r["first_plain"] < 0.75)
            or r["teacher_forced"] < min(plain_tf, 1.0) - TF_SLACK]
     wrote = f"; wrote {a.model.json}" if a.model.json else ""
+    off = ("DBO_DISABLE=1: DBO was disabled, every DBO row ran the plain forward (what follows "
+           "checks plain against plain); " if dbo_disabled else "")
+    ok, why = _verdict(rows, dbo_rows, plain_tf, bad, fp32, wrote)
+    return ok, off + why
+
+
+def _verdict(rows: list[dict], dbo_rows: list[dict], plain_tf: float, bad: list[dict], fp32: bool,
+             wrote: str) -> tuple[bool, str]:
     if not dbo_rows:
         return True, f"plain rows only{wrote}"
     if bad:
@@ -58,8 +67,14 @@ def model_name(a: GenerateOptions) -> str:
     return f"{m.checkpoint} ({m.config.model_type})"
 
 
-def print_table(a: GenerateOptions, rows: list[dict], world: int, device: torch.device) -> None:
+def print_table(a: GenerateOptions, rows: list[dict], world: int, device: torch.device,
+                dbo_disabled: bool = False) -> None:
+    """The rows as a table (rank 0); ``dbo_disabled``: a line above it says that the DBO rows
+    (marked 'ran plain') timed the plain forward."""
     per = "GPU" if device.type == "cuda" else "rank"
+    if dbo_disabled:
+        print("\nDBO_DISABLE=1: DBO was disabled in this run; the DBO rows (marked 'ran plain') timed "
+              "the plain forward, and their speed says nothing about DBO")
     print(f"\n{model_name(a)}: batch {a.batch} x prompt {a.prompt} + {a.new_tokens} new tokens per rank, "
           f"{world} ranks, {a.model.dtype_name}; ms per call (prefill included), slowest "
           f"rank; prefill ms = the same call with one new token; new tokens/s per {per} = new tokens / "
