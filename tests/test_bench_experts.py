@@ -166,3 +166,21 @@ def test_the_batched_grid_compares_the_rows_that_arrived():
     assert got.shape == (int(case.counts.sum()), 32) and relative_error(got, want) < 1e-5
     with pytest.raises(ValueError, match="layout"):
         run_grid(impls, hidden=[32], intermediate=[16], tokens=[4], local_experts=[4], layout="packed")
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(tokens=(8, 0)), "--tokens must be positive, got [8, 0]"),
+    (dict(steps=0), "--ranks, --steps and --topk must be positive"),
+    (dict(layout="batched", topk=9), "--topk 9 is more than the 8 experts of --local-experts 4 x --ranks 2"),
+    (dict(layout="packed"), "--layout packed"),
+    (dict(timing=("device", "warm")), "--timing device warm"),
+    (dict(held_s=-1.0), "--held-s -1.0"),
+])
+def test_the_options_refuse_what_no_run_can_honour(changes, message):
+    from dbo.bench.experts.options import ExpertsOptions
+
+    base = dict(intermediate=(16,), tokens=(8,), local_experts=(4,), topk=3)
+    assert ExpertsOptions(**base).timing == ("device", "idle")
+    with pytest.raises(ValueError) as exc:
+        ExpertsOptions(**{**base, **changes})
+    assert message in str(exc.value) and "\n" not in str(exc.value)

@@ -39,6 +39,7 @@ import torch
 
 from dbo.bench.cli import ArgumentParser, check_writable_file, verdict
 from dbo.bench.experts.cases import BatchedCase, ExpertsCase, make_batched_case, make_case
+from dbo.bench.experts.options import DEFAULT_GRID, LAYOUTS, TIMINGS, ExpertsOptions
 from dbo.bench.limits import DeviceLimits, experts_cost, measure_device_limits
 from dbo.bench.timing import gpu_sleep
 from dbo.cli import run_main
@@ -47,15 +48,10 @@ from dbo.files import write_whole
 from dbo.moe import MoEExperts, Workspace
 
 __all__ = ["ExpertsCase", "BatchedCase", "make_case", "make_batched_case", "apply_experts", "experts_call",
-           "time_experts", "run_grid", "add_limits", "format_rows", "limit_summary", "main"]
+           "time_experts", "run_grid", "add_limits", "format_rows", "limit_summary", "parse_args", "main"]
 
 PROG = "python -m dbo.bench experts"
 EXPERTS_TOLERANCE = 2e-2  #: bf16: the largest relative error between implementations' outputs
-#: the layouts a case can have: a backend's STANDARD tokens, or low-latency BATCHED_EXPERTS slabs
-LAYOUTS = ("standard", "batched")
-#: each layout's default grid: (intermediate, tokens, local experts)
-DEFAULT_GRID = {"standard": ([256, 768, 2048], [1024 << i for i in range(7)], [32, 128, 256]),
-                "batched": ([2048], [64, 256, 512], [8, 32, 128])}
 
 
 class _Stopwatch:
@@ -286,7 +282,9 @@ def format_rows(rows: list[dict], baseline: str) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> ExpertsOptions:
+    """The options of command line ``argv`` (default ``sys.argv[1:]``); bad input ends the
+    program in one line, exit code 2."""
     p = ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     p.add_argument("--layout", choices=LAYOUTS, default="standard",
                    help="standard: the tokens a normal-mode or torch.distributed backend delivers; "
@@ -305,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="time only the library's experts (not also the unfused steps)")
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--timing", nargs="+", choices=["device", "idle"], default=["device", "idle"],
+    p.add_argument("--timing", nargs="+", choices=TIMINGS, default=list(TIMINGS),
                    help="device: each call queued behind a GPU sleep (the GPU's time, as inside a "
                         "forward); idle: each call after a host sync (an isolated call's latency, "
                         "its launches included; reported as NAME" + IDLE_SUFFIX + ")")
@@ -315,50 +313,52 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None, help="also write the rows here")
     a = p.parse_args(argv)
     inter, tokens, local = DEFAULT_GRID[a.layout]
-    a.intermediate, a.tokens, a.local_experts = (a.intermediate or inter, a.tokens or tokens,
-                                                 a.local_experts or local)
-    for name in ("hidden", "intermediate", "tokens", "local_experts"):
-        if min(getattr(a, name)) < 1:
-            p.error(f"--{name.replace('_', '-')} must be positive, got {getattr(a, name)}")
-    if a.ranks < 1 or a.steps < 1 or a.topk < 1:
-        p.error(f"--ranks, --steps and --topk must be positive, got {a.ranks}, {a.steps}, {a.topk}")
-    if a.layout == "batched" and a.topk > min(a.local_experts) * a.ranks:
-        p.error(f"--topk {a.topk} is more than the {min(a.local_experts) * a.ranks} experts of "
-                f"--local-experts {min(a.local_experts)} x --ranks {a.ranks}")
-    if a.json:
-        check_writable_file(p, "--json", a.json)
+    try:
+        opts = ExpertsOptions(layout=a.layout, hidden=a.hidden, intermediate=a.intermediate or inter,
+                              tokens=a.tokens or tokens, local_experts=a.local_experts or local,
+                              ranks=a.ranks, baseline_only=a.baseline_only, topk=a.topk, steps=a.steps,
+                              timing=a.timing, held_s=a.held_s, json=a.json)
+    except ValueError as exc:
+        p.error(str(exc))
+    if opts.json:
+        check_writable_file(p, "--json", opts.json)
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU; none here")
-    limits = measure_device_limits(held_s=a.held_s)
+    return opts
+
+
+def main(argv: list[str] | None = None) -> int:
+    opts = parse_args(argv)
+    limits = measure_device_limits(held_s=opts.held_s)
     print(limits.describe(), flush=True)
-    if a.layout == "batched":
+    if opts.layout == "batched":
         # the fused kernels over the rows that arrived, against two batched matmuls over the
         # whole slabs (what the experts run without Triton)
         impls = {"library": (SwiGLUExperts(), False)}
-        if not a.baseline_only:
+        if not opts.baseline_only:
             impls["slab bmm"] = (SwiGLUExperts(use_triton=False), False)
-        what = (f"low-latency slabs of {a.ranks} ranks' tokens, top-{a.topk} of local experts x "
-                f"{a.ranks}, counts on the device")
+        what = (f"low-latency slabs of {opts.ranks} ranks' tokens, top-{opts.topk} of local experts x "
+                f"{opts.ranks}, counts on the device")
     else:
         # what MoEKernel tells the experts: 256 experts over all ranks (a local share for the
         # kernel choice without host counts)
         impls = {"library, offsets": (SwiGLUExperts(num_global_experts=256), False)}
-        if not a.baseline_only:
+        if not opts.baseline_only:
             impls["unfused, offsets"] = (SwiGLUExperts(fused=False), False)
-        what = f"top-{a.topk} of 256 experts, device offsets"
+        what = f"top-{opts.topk} of 256 experts, device offsets"
     with torch.inference_mode():
-        rows = run_grid(impls, hidden=a.hidden, intermediate=a.intermediate, tokens=a.tokens,
-                        local_experts=a.local_experts, topk=a.topk, steps=a.steps,
-                        log=lambda s: print(s, flush=True), timings=tuple(a.timing), layout=a.layout,
-                        ranks=a.ranks)
+        rows = run_grid(impls, hidden=opts.hidden, intermediate=opts.intermediate, tokens=opts.tokens,
+                        local_experts=opts.local_experts, topk=opts.topk, steps=opts.steps,
+                        log=lambda s: print(s, flush=True), timings=opts.timing, layout=opts.layout,
+                        ranks=opts.ranks)
     add_limits(rows, limits)
-    print(f"dbo.bench experts: {torch.cuda.get_device_name()}, bf16, {what}, median of {a.steps} "
+    print(f"dbo.bench experts: {torch.cuda.get_device_name()}, bf16, {what}, median of {opts.steps} "
           f"apply() calls (CUDA events: NAME = queued behind a GPU sleep, the GPU's time; "
           f"NAME{IDLE_SUFFIX} = after a host sync, an isolated call's latency); {limits.describe()}; "
           f"last columns: time over the first implementation's")
     print(format_rows(rows, next(iter(impls))))
-    if a.json:
-        write_whole(a.json, json.dumps({"limits": limits.as_dict(), "rows": rows,
+    if opts.json:
+        write_whole(opts.json, json.dumps({"limits": limits.as_dict(), "rows": rows,
                                         "summary": limit_summary(rows)}, indent=1))
     worst = max((res["rel_err"] for r in rows for res in r["results"].values()), default=0.0)
     first = next(iter(impls))
