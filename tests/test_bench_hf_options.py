@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from dbo.bench.hf.options import GenerateOptions, ModelOptions, PrefillOptions
+from dbo.bench.hf.options import GenerateOptions, LoadOptions, ModelOptions, PrefillOptions
 from dbo.bench.hf.prefill_table import PrefillResult, PrefillRow, verdict_reason
 
 MODEL = ModelOptions(device="cpu", preset="tiny-qwen3_moe", dtype=torch.float32)
@@ -46,6 +46,9 @@ def _generate(**changes) -> GenerateOptions:
     (lambda: _generate(modes=["plain", "fast"]), "--modes plain fast"),
     (lambda: _generate(model=dataclasses.replace(MODEL, device="cuda"), temporary_checkpoint=True),
      "--device cuda: give --checkpoint DIR"),
+    (lambda: LoadOptions(dir="ckpt", ranks=0), "--ranks 0: must be >= 1"),
+    (lambda: LoadOptions(dir="ckpt", backend="deepep_ll"), "--backend deepep_ll: hf-load runs on CPU"),
+    (lambda: LoadOptions(dir="ckpt", worker=True, mode="ep"), "--worker: wants --mode plain or ep"),
 ])
 def test_the_options_refuse_what_no_run_can_honour(build, message):
     with pytest.raises(ValueError) as exc:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import resource
@@ -40,8 +41,9 @@ import time
 from pathlib import Path
 
 from dbo.backends import cpu_backends
-from dbo.bench.cli import ArgumentParser, check_at_least, check_writable_file, check_writable_folder, verdict
+from dbo.bench.cli import ArgumentParser, check_writable_file, check_writable_folder, verdict
 from dbo.bench.hf.args import PRESET_CHOICES, backend_name, model_config, num_routed_experts
+from dbo.bench.hf.options import LoadOptions
 from dbo.cli import run_main
 from dbo.files import write_whole
 
@@ -59,7 +61,7 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def worker(args: argparse.Namespace) -> None:
+def worker(args: LoadOptions) -> None:
     """One rank of one mode (under torchrun): load, prefill, write every rank's numbers (rank 0)."""
     import torch
     import torch.distributed as dist
@@ -124,7 +126,7 @@ def worker(args: argparse.Namespace) -> None:
             write_whole(args.out, json.dumps(rows))
 
 
-def launch(args: argparse.Namespace, mode: str, out: Path) -> list[dict]:
+def launch(args: LoadOptions, mode: str, out: Path) -> list[dict]:
     """Run ``mode`` on ``--ranks`` fresh processes; their rows."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.ranks),
            "-m", "dbo.bench", PROG, "--worker", "--mode", mode, "--dir", args.dir, "--out", str(out),
@@ -159,7 +161,7 @@ def stop_launched(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
         proc.communicate()
 
 
-def report(rows: list[dict], size_gb: float, args: argparse.Namespace) -> None:
+def report(rows: list[dict], size_gb: float, args: LoadOptions) -> None:
     print(f"\n{args.dir}: {size_gb:.2f} GB of bf16 safetensors, {args.ranks} gloo ranks on CPU, "
           f"backend {args.backend}; prefill of {args.batch}x{args.seq} tokens per rank\n")
     print("| mode | rank | load s | RSS after imports MiB | peak RSS after load MiB | peak RSS after "
@@ -180,7 +182,7 @@ def report(rows: list[dict], size_gb: float, args: argparse.Namespace) -> None:
                   f"top-1 agreement {r['top1_agree']:.2f}")
 
 
-def check_rows(rows: list[dict], args: argparse.Namespace) -> tuple[bool, str]:
+def check_rows(rows: list[dict], args: LoadOptions) -> tuple[bool, str]:
     """(passed, why): every ep rank holds 1/ranks of the routed experts, its overlapped prefill
     gathered nothing and (``--check``) its logits match the plain model's."""
     plain = [r for r in rows if r["mode"] == "plain"]
@@ -201,7 +203,9 @@ def check_rows(rows: list[dict], args: argparse.Namespace) -> tuple[bool, str]:
                   f"gathered nothing{checked}{wrote}")
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> LoadOptions:
+    """The options of command line ``argv`` (default ``sys.argv[1:]``); bad input ends the
+    program in one line, exit code 2."""
     p = ArgumentParser(prog=f"python -m dbo.bench {PROG}", description=__doc__.split("\n\n")[0])
     p.add_argument("--dir", required=True, help="the checkpoint (written here if it has none)")
     p.add_argument("--preset", choices=PRESET_CHOICES, default="qwen3-30b-a3b",
@@ -218,27 +222,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--mode", choices=["plain", "ep"], default=None, help=argparse.SUPPRESS)
     p.add_argument("--out", default=None, help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    check_at_least(p, args, 1, "layers", "ranks", "batch", "seq")
-    if args.backend not in cpu_backends():
-        p.error(f"--backend {args.backend}: hf-load runs on CPU, where these run: {' '.join(cpu_backends())}")
+    try:
+        args = LoadOptions(**vars(p.parse_args(argv)))
+    except ValueError as exc:
+        p.error(str(exc))
     path = Path(args.dir)
     if path.exists() and not path.is_dir():
         p.error(f"--dir {args.dir}: exists and is not a folder, want a folder")
     if (path / "config.json").is_file():
         from transformers import AutoConfig
 
-        args.config = AutoConfig.from_pretrained(path)
+        config = AutoConfig.from_pretrained(path)
     else:
-        args.config = model_config(args.preset, args.layers)
-    experts = num_routed_experts(args.config)
+        config = model_config(args.preset, args.layers)
+    experts = num_routed_experts(config)
     if experts is None or experts % args.ranks:
         p.error(f"--ranks {args.ranks}: the checkpoint's {experts} routed experts do not split evenly; "
                 "give a number of ranks that divides it")
     check_writable_folder(p, "--dir", args.dir)
     if args.json:
         check_writable_file(p, "--json", args.json)
-    return args
+    return dataclasses.replace(args, config=config)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,6 +1,7 @@
 """What the transformers benchmarks are asked for, as frozen, validated values: the model and
-where it runs (:class:`ModelOptions`, shared), and each command's own options
-(:class:`PrefillOptions` for ``hf-prefill``, :class:`GenerateOptions` for ``hf-generate``).
+where it runs (:class:`ModelOptions`, shared by ``hf-prefill`` and ``hf-generate``), and each
+command's own options (:class:`PrefillOptions`, :class:`GenerateOptions`, :class:`LoadOptions`
+for ``hf-load``).
 
 The command lines build them (:func:`dbo.bench.hf.args.model_options`, and each command's
 ``parse_args``); a value no run could honour is a ``ValueError`` in one line naming the option.
@@ -16,7 +17,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["DTYPES", "ModelOptions", "PrefillOptions", "GenerateOptions", "EXPERT_SCHEDULES",
+__all__ = ["DTYPES", "ModelOptions", "PrefillOptions", "GenerateOptions", "LoadOptions", "EXPERT_SCHEDULES",
            "EP_EXPERTS", "GENERATE_MODES"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -198,3 +199,42 @@ class GenerateOptions:
 
     def with_model(self, model: ModelOptions) -> GenerateOptions:
         return dataclasses.replace(self, model=model)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoadOptions:
+    """``hf-load``'s options (see its module): the checkpoint ``dir`` (``preset`` with ``layers``
+    decoder layers written there where it has none), ``ranks`` processes per mode, the ``ep``
+    mode's ``backend``, a prefill of ``batch`` x ``seq`` tokens per rank, ``check`` (compare the
+    DBO logits with the plain model's), and ``config`` (the checkpoint's or the preset's). A
+    launched rank has ``worker`` set, its ``mode`` (``plain`` or ``ep``) and ``out`` (where rank 0
+    writes the rows).
+
+    Raises:
+        ValueError: a bad value or combination, in one line naming the option.
+    """
+
+    dir: str
+    preset: str = "qwen3-30b-a3b"
+    layers: int = 2
+    ranks: int = 2
+    backend: str = "all2all"
+    batch: int = 2
+    seq: int = 16
+    check: bool = False
+    seed: int = 0
+    json: str | None = None
+    worker: bool = False
+    mode: str | None = None
+    out: str | None = None
+    config: Any = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        from dbo.backends import cpu_backends
+
+        _at_least(1, layers=self.layers, ranks=self.ranks, batch=self.batch, seq=self.seq)
+        if self.backend not in cpu_backends():
+            raise ValueError(f"--backend {self.backend}: hf-load runs on CPU, where these run: "
+                             f"{' '.join(cpu_backends())}")
+        if self.worker and (self.mode not in ("plain", "ep") or not self.out):
+            raise ValueError(f"--worker: wants --mode plain or ep (got {self.mode}) and --out")
