@@ -203,13 +203,8 @@ class EmulatedBuffer:
         if self._server is None:
             return _nothing
         start = self._server.start(self.device)
-        wait = self._server.hold(start, self.device, phase, count=units_q,
+        return self._server.hold(start, self.device, phase, count=units_q,
                                  bytes_per_count=unit_bytes / 1024, fixed_us=fixed_us)
-
-        def held() -> None:
-            wait()
-            units_q.data_ptr()  # (the closure keeps the count alive until the flow arrived)
-        return held
 
     @staticmethod
     def _quantized(units: torch.Tensor) -> torch.Tensor:

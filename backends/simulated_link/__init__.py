@@ -232,7 +232,7 @@ class LinkServer:
              fixed_us: float | None = None) -> Callable[[], None]:
         """Queue a flow of ``phase`` ready at ``start`` with ``nbytes`` remote bytes, or
         ``count * bytes_per_count`` with ``count`` a one-element int64 tensor counted on the
-        device (the caller keeps it alive until the flow arrived), and the phase's fixed cost (or
+        device (kept from reuse until the flow has read it), and the phase's fixed cost (or
         ``fixed_us``). Returns the receiver's wait."""
         link = self.link
         fixed = link.fixed_us(phase) if fixed_us is None else fixed_us

@@ -163,7 +163,7 @@ class NicGpu:
 
         Its bytes are ``nbytes`` (known on the host), or ``count * bytes_per_count`` with
         ``count`` a one-element int64 tensor on the device (counted there, read when the flow
-        starts). ``count`` must stay alive until the flow is done (the caller keeps it).
+        starts; its memory is kept from reuse until the flow has read it).
         ``host_order``: queue it behind the flows queued before it in this mode instead (one
         queue in the host's order, each flow at the full rate in turn).
         """
@@ -179,6 +179,10 @@ class NicGpu:
             count_t, unit = self._one[idx], nbytes
         else:
             count_t, unit = count, bytes_per_count
+            # the flow reads the count on the link stream, later than its maker's stream may
+            # free and reuse its memory: a reused count is a garbage byte count, a flow that
+            # never ends
+            count.record_stream(stream)
         stream.wait_event(ready)
         with torch.cuda.stream(stream):  # no yield inside
             wall_wait.nic_flow(state, count_t, unit_q=round(unit * 1024),

@@ -109,6 +109,28 @@ def test_flows_replay_from_a_cuda_graph():
     assert medians[1] - medians[0] == pytest.approx(200, rel=0.05), medians
 
 
+def test_a_device_count_freed_by_its_maker_is_not_reused_before_the_flow_reads_it():
+    import time
+
+    dev = torch.device("cuda")
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        gpu_sleep(20.0)  # the flow starts 20 ms from now
+        ready = torch.cuda.Event()
+        ready.record()
+    count = torch.full((1,), 1024, dtype=torch.int64, device=dev)  # 1 kB
+    done = NIC_GPU.flow(dev, ready, gbps=GBPS, fixed_us=0.0, count=count, bytes_per_count=1.0)
+    del count
+    # the allocator would hand the freed block to the next allocation of this stream: a count of
+    # 2**40 kB, a flow of days
+    junk = torch.full((1,), 2**40, dtype=torch.int64, device=dev)
+    deadline = time.monotonic() + 5.0
+    while not done.query() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert done.query(), "the flow read a reused count"
+    del junk
+
+
 def _layer(layout: str, n: int, t: int, link: SimulatedLink | None, seed: int = 0):
     torch.manual_seed(seed)
     hidden, inter, experts, topk = 2048, 256, 64, 8
