@@ -21,11 +21,14 @@ import torch
 
 from dbo.moe.base import PrepareAndFinalize
 
-__all__ = ["BackendSpec", "BACKENDS", "FACTORY_ARGS", "backend_spec", "backend_options",
+__all__ = ["BackendSpec", "BACKENDS", "FACTORY_ARGS", "TRAFFIC", "backend_spec", "backend_options",
            "make_backend", "cpu_backends", "describe_backend"]
 
 #: the keyword arguments every ``make_prepare_finalize`` takes, besides ``group`` and options
 FACTORY_ARGS = ("hidden", "max_tokens_per_rank", "num_experts", "topk", "dtype", "device")
+
+#: the ways a backend's activations move between ranks (:attr:`BackendSpec.traffic`)
+TRAFFIC = ("per_rank", "per_expert", "to_every_rank", "gather")
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,13 @@ class BackendSpec:
             (DeepEP's normal mode, ``Buffer.set_num_sms``), a number the benchmarks sweep.
         graph_capturable: nothing in its dispatch or combine waits for the GPU on the host, so
             a whole step can be captured in a CUDA graph (deepep_ht reads its receive counts).
+        traffic: how its activations move between ranks, one of :data:`TRAFFIC` (the bytes
+            per layer the benchmarks count, ``dbo.bench.overlap.link.comm_bytes``): ``"per_rank"``
+            one copy of a token per remote rank that holds one of its experts, there and back;
+            ``"per_expert"`` one copy per remote expert; ``"to_every_rank"`` every token and its
+            routing row to every peer, a partial sum back to its owner; ``"gather"`` an
+            all-gather and a reduce-scatter of every token. None: not counted that way (one
+            rank, or a backend that counts its own bytes).
     """
 
     name: str
@@ -77,21 +87,27 @@ class BackendSpec:
     low_latency: bool = False
     sets_num_sms: bool = False
     graph_capturable: bool = False
+    traffic: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.traffic is not None and self.traffic not in TRAFFIC:
+            raise ValueError(f"traffic must be one of {TRAFFIC} or None, got {self.traffic!r}")
 
 
 BACKENDS: Mapping[str, BackendSpec] = MappingProxyType({
-    "naive": BackendSpec("naive", "naive"),
-    "all2all": BackendSpec("all2all", "all2all"),
+    "naive": BackendSpec("naive", "naive", traffic="gather"),
+    "all2all": BackendSpec("all2all", "all2all", traffic="per_rank"),
     "deepep_ht": BackendSpec("deepep_ht", "deepep_ht", gpu_only=True, bf16_only=True,
-                             uses_deep_ep=True, sets_num_sms=True),
+                             uses_deep_ep=True, sets_num_sms=True, traffic="per_rank"),
     "deepep_ll": BackendSpec("deepep_ll", "deepep_ll", gpu_only=True, bf16_only=True,
                              needs_max_tokens=True, uses_deep_ep=True, low_latency=True,
-                             graph_capturable=True),
+                             graph_capturable=True, traffic="per_expert"),
     "deepep_v2": BackendSpec("deepep_v2", "deepep_v2", gpu_only=True, bf16_only=True,
-                             needs_max_tokens=True, run_on_gpus=False, uses_deep_ep=True),
+                             needs_max_tokens=True, run_on_gpus=False, uses_deep_ep=True,
+                             traffic="per_rank"),
     # zero-SM copy-engine puts on one host (host shared memory on CPU); its buffers size themselves
     "copy_engine": BackendSpec("copy_engine", "copy_engine", slot_per_ubatch=True,
-                               graph_capturable=True),
+                               graph_capturable=True, traffic="to_every_rank"),
     # one device as rank r of an N-rank group (dbo.backends.emulated), on CPU or one GPU
     "emulated": BackendSpec("emulated", "emulated", bf16_only=True, needs_max_tokens=True,
                             serves_link=True, emulated=True),

@@ -86,3 +86,22 @@ def test_bench_overlap_lists_deepep_v2_as_not_yet_run_on_gpus(capsys):
     with pytest.raises(SystemExit):
         overlap_args.parse_args(["--help"])
     assert "deepep_v2 (not yet run on GPUs)" in " ".join(capsys.readouterr().out.split())
+
+
+def test_the_bench_counts_a_backends_bytes_by_its_traffic(monkeypatch):
+    import torch
+
+    from dbo.bench.overlap import link
+
+    ids = torch.tensor([[0, 2, 3], [5, 7, -1]])
+    kw = dict(world_size=4, rank=0, num_experts=8, hidden=10, elem_bytes=2)
+    mine = {f"mine_{t}": BackendSpec(f"mine_{t}", "all2all", traffic=t)
+            for t in ("per_rank", "per_expert", "to_every_rank", "gather")}
+    _with(monkeypatch, link, **mine)
+    for like, traffic in (("all2all", "per_rank"), ("deepep_ll", "per_expert"),
+                          ("copy_engine", "to_every_rank"), ("naive", "gather")):
+        assert link.comm_bytes(f"mine_{traffic}", ids, **kw) == link.comm_bytes(like, ids, **kw)
+    with pytest.raises(ValueError, match="knows"):
+        link.comm_bytes("local", ids, **kw)  # one rank: nothing moves
+    with pytest.raises(ValueError, match="traffic"):
+        BackendSpec("bad", "all2all", traffic="carrier pigeon")

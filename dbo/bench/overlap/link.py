@@ -9,7 +9,8 @@ The compute columns of the overlap benchmark are read against the device's limit
   (on CUDA); the rate is the bytes one rank sends to its peers over the slowest rank's time. On
   the CPU it is a gloo ``all_to_all_single`` of the same bytes, a stand-in with the same shape;
 * the **bytes each backend moves** per layer out of one rank (:func:`comm_bytes`), dispatch plus
-  combine, from the layer's routing (remote = on another rank):
+  combine, from the layer's routing (remote = on another rank), by the way its activations move
+  (``BackendSpec.traffic``):
 
   ====================  ======================================================================
   backend               bytes out of a rank per layer
@@ -41,12 +42,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dbo.backends import BACKENDS
 from dbo.bench.limits import rate_text
 from dbo.peers.collectives import collective_device
 
 __all__ = ["LinkLimits", "measure_link", "comm_bytes", "COMM_BYTES_BACKENDS"]
 
-COMM_BYTES_BACKENDS = ("copy_engine", "naive", "all2all", "deepep_ht", "deepep_v2", "deepep_ll")
+#: the backends whose bytes :func:`comm_bytes` counts: those whose traffic is a known pattern
+COMM_BYTES_BACKENDS = tuple(name for name, spec in BACKENDS.items() if spec.traffic is not None)
 
 
 @dataclass(frozen=True)
@@ -160,7 +163,9 @@ def comm_bytes(backend: str, topk_ids: torch.Tensor, *, world_size: int, rank: i
         dispatch_elem_bytes: bytes per element of the dispatch where it differs (an fp8
             dispatch: ``1 + 4 / 128`` with its block scales); the combine keeps ``elem_bytes``.
     """
-    if backend not in COMM_BYTES_BACKENDS:
+    spec = BACKENDS.get(backend)
+    traffic = None if spec is None else spec.traffic
+    if traffic is None:
         raise ValueError(f"comm_bytes knows {COMM_BYTES_BACKENDS}, not {backend!r}")
     if topk_ids.dim() != 2:
         raise ValueError(f"topk_ids must be [tokens, topk], got shape {tuple(topk_ids.shape)}")
@@ -170,14 +175,14 @@ def comm_bytes(backend: str, topk_ids: torch.Tensor, *, world_size: int, rank: i
     row = hidden * elem_bytes
     # a row there and back: the dispatch's (maybe narrower) and the combine's
     both = round(hidden * (elem_bytes if dispatch_elem_bytes is None else dispatch_elem_bytes)) + row
-    if backend == "copy_engine":
+    if traffic == "to_every_rank":
         return (world_size - 1) * tokens * (both + 2 * topk * 4)
-    if backend == "naive":
+    if traffic == "gather":
         return (world_size - 1) * tokens * both
     ids = topk_ids.to(torch.int64)
     owner = torch.div(ids, num_experts // world_size, rounding_mode="floor")
     remote = (ids >= 0) & (owner != rank)
-    if backend == "deepep_ll":
+    if traffic == "per_expert":
         return int(remote.sum()) * both
     hits = torch.zeros(tokens, world_size, dtype=torch.int32, device=ids.device)
     hits.scatter_add_(1, owner.clamp(0, world_size - 1), remote.to(torch.int32))
