@@ -73,8 +73,9 @@ def test_peer_failure_is_a_bounded_clear_error(world2, backend, mode, use_dbo, f
     try:
         outcomes = world2.run_outcomes(_faulty_step, backend, mode, use_dbo, fail_rank,
                                        timeout_s=30)
+        step_s = time.monotonic() - t0
     finally:
-        world2.restart()
+        world2.restart()  # not timed: starting two ranks on a loaded machine is not the step
     chain = check_survivor(outcomes[1 - fail_rank], use_dbo=use_dbo, timeout_s=TIMEOUT_S)
     msg = dict(chain)["CollectiveTimeoutError"]
     assert f"{backend} " in msg and "peer rank failed or stopped" in msg, msg
@@ -83,4 +84,4 @@ def test_peer_failure_is_a_bounded_clear_error(world2, backend, mode, use_dbo, f
         assert failed.exitcode == 3, failed
     else:
         assert failed.ok and not failed.value["ok"], failed
-    assert time.monotonic() - t0 < 30
+    assert step_s < 30
