@@ -1,6 +1,6 @@
 """Shared test set-up: hypothesis profiles, the no-state-left-behind check, the worlds of
-ranks a module's tests share, and how many pytest-xdist workers ``-n auto`` (pyproject's
-addopts) starts."""
+ranks a module's tests share, how many pytest-xdist workers ``-n auto`` (pyproject's
+addopts) starts, and each worker's forkserver started before its first test."""
 
 from __future__ import annotations
 
@@ -53,6 +53,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     workers (``--dist loadfile``) take files in this order, so the longest start at once and the
     run does not end on one worker alone with one of them."""
     items.sort(key=lambda item: item.get_closest_marker("long_file") is None)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """An xdist worker (the whole suite) starts the forkserver of dbo.testing.launch and DistWorld
+    and waits until it has forked once, before its first test: the server imports torch and
+    transformers (seconds of CPU, minutes on a loaded machine), which would otherwise count
+    against the time limit of whichever test first starts a rank."""
+    if not hasattr(session.config, "workerinput") or not session.items:
+        return
+    from dbo.testing.launch import forkserver_context
+
+    first = forkserver_context().Process(target=os.getpid)
+    first.start()
+    first.join()
 
 
 @pytest.fixture(autouse=True)
