@@ -12,8 +12,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -21,6 +19,7 @@ import pytest
 
 from dbo.testing.fake_deep_ep import ensure_fake_deep_ep
 from dbo.testing.faults import FAULT_EXIT_CODE, check_survivor, faulty_step
+from dbo.testing.launch import run_entry
 
 pytestmark = [pytest.mark.long_file, pytest.mark.multiproc, pytest.mark.timeout(90),
               pytest.mark.dist_world(kill_on_close=True)]
@@ -89,11 +88,12 @@ EXPECTED_RUN_S = 40
 @pytest.mark.timeout(3 * EXPECTED_RUN_S)
 def test_fault_table_at_four_ranks_every_survivor_names_the_last_rank(tmp_path):
     out = tmp_path / "faults.json"
-    argv = [sys.executable, str(RUNNER), "--fork-ranks", "--fake", "--nproc", "4", "--timeout",
+    # the runner forked from the preloaded launcher forks its ranks from itself
+    argv = [str(RUNNER), "--fork-ranks", "--fake", "--nproc", "4", "--timeout",
             str(TIMEOUT_S), "--backends", "ht", "--modes", "dbo", "--only", "exit_before_dispatch", "slow",
             "--parallel", "1", "--json", str(out)]
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=2.5 * EXPECTED_RUN_S,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = run_entry(argv, cwd=tmp_path, timeout=2.5 * EXPECTED_RUN_S,
+                     env={**os.environ, "OMP_NUM_THREADS": "1"})
     log = proc.stdout[-6000:] + proc.stderr[-3000:]
     assert out.exists(), log
     table = json.loads(out.read_text())

@@ -13,14 +13,13 @@ on a loaded 2-core machine, every bound is 10x the time expected.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from dbo.testing.faults import FAULT_EXIT_CODE
+from dbo.testing.launch import run_entry
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -43,12 +42,13 @@ pytestmark = [pytest.mark.long_file, pytest.mark.multiproc,
 
 def test_dead_or_stalled_peer_is_a_named_error_and_no_process_is_left(tmp_path):
     out = tmp_path / "hf_faults.json"
-    argv = [sys.executable, str(RUNNER), "--fork-ranks", "--device", "cpu", "--timeout",
+    # the runner forked from the preloaded launcher forks its ranks from itself
+    argv = [str(RUNNER), "--fork-ranks", "--device", "cpu", "--timeout",
             str(TIMEOUT_S), "--parallel", "2", "--case-limit", str(10 * EXPECTED_RUN_S), "--json", str(out)]
     for where, fault in CASES:
         argv += ["--case", f"dbo_copy_engine:{where}:{fault}"]
     t0 = time.monotonic()
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=10 * EXPECTED_RUN_S)
+    proc = run_entry(argv, cwd=tmp_path, timeout=10 * EXPECTED_RUN_S)
     log = proc.stdout[-6000:] + proc.stderr[-3000:]
     assert out.exists(), log
     rows = json.loads(out.read_text())["cases"]

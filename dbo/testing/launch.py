@@ -28,8 +28,10 @@ with :data:`FORKSERVER_PRELOAD` imported), so a run costs what its ``main`` cost
 What differs from a process of its own: the modules of :data:`FORKSERVER_PRELOAD` were imported
 once, under the server's environment (so a variable that torch reads at import, other than
 ``OMP_NUM_THREADS``, which is applied with ``torch.set_num_threads``, keeps the server's value);
-what an entry point imports beyond them it imports itself. Tests of how torchrun itself reports
-a failure (its per-rank summary) or of what is left of the process tree run torchrun.
+what an entry point imports beyond them it imports itself. An entry point run this way that
+starts processes of its own as :class:`ForkedProcess` (the fault runners' ``--fork-ranks``) forks
+them from itself, without a second server. Tests of how torchrun itself reports a failure (its
+per-rank summary) or of what is left of the process tree run torchrun.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -65,6 +68,11 @@ FORKSERVER_PRELOAD = [
 
 #: seconds between a rank's failure and SIGKILL to the ranks that ignored the SIGTERM
 _TERM_GRACE_S = 5.0
+
+#: True in a process that :func:`_start` runs: a fork of the server, which has imported what the
+#: server had; the :class:`ForkedProcess` es it starts while it has one thread fork from it
+#: directly, not from a new server (a new server is a new interpreter that imports it all again)
+_forked_from_server = False
 
 
 def forkserver_context():
@@ -139,6 +147,8 @@ def _start(argv: list[str], env: dict[str, str], cwd: str, out_path: str, err_pa
     """The forked process: its own process group (setsid: a kill reaches what it starts),
     output to the shared files, the given directory and environment, then ``argv``; exits with
     its status."""
+    global _forked_from_server
+    _forked_from_server = True
     os.setsid()
     for fd, path in ((1, out_path), (2, err_path)):
         f = os.open(path, os.O_WRONLY | os.O_APPEND)
@@ -176,7 +186,9 @@ class ForkedProcess:
     """``python ARGV`` started as a fork of the forkserver, with the handful of
     :class:`subprocess.Popen`'s methods that waiting for a rank needs (``pid``, ``poll``, ``wait``,
     ``kill``, ``returncode``). Its stdout and stderr append to ``stdout_path`` and ``stderr_path``
-    (which must exist; they may be one file)."""
+    (which must exist; they may be one file). In a process that is itself such a fork (an entry
+    point that :func:`run_entry` runs, starting its own ranks), it forks that process, which has
+    imported what the server had, while that process has one thread."""
 
     def __init__(self, argv: list[str], *, stdout_path: str, stderr_path: str,
                  cwd: str | os.PathLike | None = None, env: dict[str, str] | None = None,
@@ -186,7 +198,11 @@ class ForkedProcess:
         if argv[0] in ("-m", "-c") and len(argv) < 2:
             raise ValueError(f"argv {argv!r}: {argv[0]} needs its argument")
         self.args = list(argv)
-        self._proc = forkserver_context().Process(
+        import multiprocessing as mp
+
+        ctx = (mp.get_context("fork") if _forked_from_server and threading.active_count() == 1
+               else forkserver_context())
+        self._proc = ctx.Process(
             target=_start, name=name,
             args=(self.args, dict(os.environ if env is None else env),
                   os.fspath(cwd) if cwd is not None else os.getcwd(), stdout_path, stderr_path))
