@@ -55,12 +55,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items.sort(key=lambda item: item.get_closest_marker("long_file") is None)
 
 
+#: names in a test module that start processes from the forkserver
+_FORKING_NAMES = ("run_entry", "ForkedProcess", "DistWorld", "forkserver_context")
+
+
+def _forks(item: pytest.Item) -> bool:
+    module = getattr(item, "module", None)
+    return "worlds" in getattr(item, "fixturenames", ()) or any(
+        hasattr(module, name) for name in _FORKING_NAMES)
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """An xdist worker (the whole suite) starts the forkserver of dbo.testing.launch and DistWorld
-    and waits until it has forked once, before its first test: the server imports torch and
-    transformers (seconds of CPU, minutes on a loaded machine), which would otherwise count
-    against the time limit of whichever test first starts a rank."""
-    if not hasattr(session.config, "workerinput") or not session.items:
+    """Where a collected test starts processes from the forkserver of dbo.testing.launch and
+    DistWorld, the server is started, and waited for until it has forked once, before the first
+    test: it imports torch and transformers (seconds of CPU, minutes on a loaded machine), which
+    would otherwise count against the time limit of whichever test first starts a rank."""
+    if not any(_forks(item) for item in session.items):
         return
     from dbo.testing.launch import forkserver_context
 
