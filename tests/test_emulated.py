@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, note, settings
+from hypothesis import example, given, note, settings
 from hypothesis import strategies as st
 
 from dbo.backends import BACKENDS, make_backend
@@ -134,6 +134,7 @@ def test_bad_options_are_named():
 
 @settings(max_examples=6, deadline=None)
 @given(imbalance=st.sampled_from([1.25, 1.5, 2.0, 3.0]), tokens=st.integers(1, 12), seed=st.integers(0, 100))
+@example(imbalance=3.0, tokens=1, seed=1)  # a token's pairs three times over in one expert's slab
 def test_a_hot_rank_computes_more_rows_and_sends_more_bytes_with_the_same_output(imbalance, tokens, seed):
     n, experts, topk = 4, 16, 2
     g = torch.Generator().manual_seed(seed)

@@ -25,6 +25,7 @@ ids :func:`dbo.moe.validate.stand_in_local_ids` gives.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -152,6 +153,9 @@ def make_prepare_finalize(
     if layout == "deepep_ll":
         if max_tokens_per_rank is None:
             raise ValueError("emulated: the deepep_ll layout needs max_tokens_per_rank")
+        # a hot rank's extra pairs repeat its own at most ceil(imbalance) times over: its slabs
+        # hold that many times a rank's (a real one's peers send it that many more tokens)
+        max_tokens_per_rank *= math.ceil(imbalance)
         req = BufferRequest(BufferMode.LOW_LATENCY, low_latency_hidden(hidden),
                             low_latency_max_tokens(max_tokens_per_rank, ep_size), num_experts, topk,
                             use_fp8_dispatch)
