@@ -79,3 +79,16 @@ def test_the_deployments_sbo_groups_reach_every_moe_kernel_of_the_run():
     EMULATED.reset()
     with pytest.raises(ValueError, match="sbo_groups"):
         RunOptions(sbo_groups=0)
+
+
+def test_a_prefill_takes_a_deployment_as_the_wrapper_does():
+    pytest.importorskip("transformers")
+    from dbo.integrations.transformers import DBOPrefill
+    from dbo.integrations.transformers.presets import causal_lm_class, tiny_config
+
+    with torch.device("meta"):
+        model = causal_lm_class("mixtral")(tiny_config("mixtral"))
+    split = SplitConfig(prefill_token_threshold=4096, expert_schedule="merged", adaptive=False)
+    prefill = DBOPrefill(model, DeploymentConfig(split, sbo_groups=4, sm_carveout=8))
+    assert prefill.wrapper.config == split
+    assert prefill.wrapper.options == RunOptions(sm_carveout=8, sbo_groups=4)

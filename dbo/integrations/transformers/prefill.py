@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from dbo.autotune import AutotuneResult, autotune_split_config
+from dbo.deployment import DeploymentConfig
 from dbo.integrations.transformers.ep import prepare_for_overlap
 from dbo.integrations.transformers.ep_model import expert_parallel_group
 from dbo.integrations.transformers.faults import named_device_faults
@@ -71,7 +72,9 @@ class DBOPrefill(torch.nn.Module):
 
     Args:
         model: the model (converted with :func:`convert_to_expert_parallel`).
-        config: the split; default :func:`prefill_split_config` (split from 2 sequences).
+        config: the split; default :func:`prefill_split_config` (split from 2 sequences). A
+            tuned deployment's :class:`dbo.deployment.DeploymentConfig` gives its split config,
+            SM carve-out and sbo groups, as for :class:`dbo.DBOWrapper`.
         group: the expert-parallel group (agrees on the split; default: the group of a model
             loaded with dbo's expert-parallel implementations, else the default group).
         logits_to_keep, mask_padding_tokens: as in :func:`prefill_logits`.
@@ -87,7 +90,8 @@ class DBOPrefill(torch.nn.Module):
             as a plain forward does).
     """
 
-    def __init__(self, model: torch.nn.Module, config: SplitConfig | None = None, *, group: Any = None,
+    def __init__(self, model: torch.nn.Module, config: SplitConfig | DeploymentConfig | None = None, *,
+                 group: Any = None,
                  logits_to_keep: int = 0, mask_padding_tokens: bool = True,
                  sm_carveout: int | None = None, trace: Any = None, timeout_s: float | None = None,
                  sync_faults: bool = True, options: RunOptions | None = None):
