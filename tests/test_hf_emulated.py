@@ -3,9 +3,14 @@ over an :class:`~dbo.backends.emulated.EmulatedGroup` (no process group), it hol
 experts, prefills through the emulated backend in DeepEP's high-throughput layout and decodes
 through its low-latency layout inside ``decode_phase``; ``DBOPrefill`` and ``greedy_generate``
 (with and without ``cuda_graph``) give the plain run's output, which is that of the whole model
-with the stand-in routing (token ``t`` to experts ``r * L + ids[t] % L``)."""
+with the stand-in routing (token ``t`` to experts ``r * L + ids[t] % L``). Then the entry points,
+``python -m dbo.bench hf-prefill|hf-generate --emulate-ep N``, as plain python."""
 
 from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -150,3 +155,95 @@ def test_an_emulated_group_runs_the_emulated_backend_only():
         use_backend(converted, "emulated", layout="deepep_ht", max_tokens_per_rank=8, ep_size=8)
     with pytest.raises(ValueError, match="runs the emulated backend"):
         use_backend(converted, "naive")
+
+
+# ---- the entry points, as plain python --------------------------------------------------------
+
+BENCH = ["-m", "dbo.bench"]
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("DBO_DISABLE", "WORLD_SIZE", "RANK")}
+    return {**env, "OMP_NUM_THREADS": "1"}
+
+
+def _run(argv: list[str], cwd: Path):
+    from dbo.testing.launch import run_entry
+
+    run = run_entry([*BENCH, *argv], nproc=None, cwd=cwd, env=_env(), timeout=150)
+    assert run.returncode == 0, run.stdout + run.stderr
+    return run.stdout
+
+
+@pytest.mark.multiproc
+def test_hf_prefill_as_one_emulated_rank(tmp_path):
+    out = _run(["hf-prefill", "--emulate-ep", "4", "--emulate-rank", "1", "--gpus-per-host", "2",
+                "--link", "50,5", "--shape", "4x8", "--steps", "1", "--warmup", "0",
+                "--expert-schedule", "split", "merged", "--json", "p.json"], tmp_path)
+    assert "one CPU as the emulated rank 1 of EP4 (2 GPUs a host: 0.500 of its bytes leave the host" in out
+    assert out.strip().splitlines()[-1].startswith("hf-prefill: PASS: DBO matches plain on every row"), out
+    record = json.loads((tmp_path / "p.json").read_text())
+    assert record["emulated"] == {"ep_size": 4, "rank": 1, "gpus_per_host": 2, "remote_fraction": None,
+                                  "link": "50,5"}
+    assert [r["backend"] for r in record["rows"]] == ["emulated deepep_ht/split", "emulated deepep_ht/merged"]
+    assert all(r["ok"] and r["split"].startswith("split(") for r in record["rows"]), record["rows"]
+
+
+@pytest.mark.multiproc
+def test_hf_generate_as_one_emulated_rank(tmp_path):
+    out = _run(["hf-generate", "--emulate-ep", "4", "--emulate-rank", "3", "--link", "50,5",
+                "--batch", "4", "--prompt", "6", "--new-tokens", "3", "--steps", "1", "--warmup", "0",
+                "--modes", "plain", "dbo-prefill", "dbo", "graph", "--json", "g.json"], tmp_path)
+    assert out.strip().splitlines()[-1].startswith("hf-generate: PASS: every DBO run's first new token"), out
+    assert "fastest overlapped run: " in out
+    record = json.loads((tmp_path / "g.json").read_text())
+    assert record["emulated"]["ep_size"] == 4 and record["emulated"]["rank"] == 3
+    rows = record["rows"]
+    assert [r["mode"] for r in rows] == ["plain", "DBO prefill", "DBO", "plain, graph decode"]
+    assert all(r["run"].startswith("dbo greedy_generate emulated deepep_ht/deepep_ll") for r in rows)
+    assert all(r["same_plain"] == 1.0 for r in rows), rows
+
+
+BAD = [
+    (["hf-prefill", "--emulate-ep", "3"], "--emulate-ep 3: tiny-qwen3_moe's 8 routed experts do not "
+                                          "split evenly over 3 ranks"),
+    (["hf-prefill", "--emulate-ep", "1"], "--emulate-ep 1: an expert-parallel group has at least 2 ranks"),
+    (["hf-prefill", "--emulate-ep", "4", "--emulate-rank", "4"], "--emulate-rank 4: must be in [0, 4)"),
+    (["hf-prefill", "--emulate-ep", "16", "--gpus-per-host", "3", "--preset", "qwen3-30b-a3b", "--layers",
+      "1"], "--gpus-per-host 3: must be >= 1 and divide --emulate-ep 16"),
+    (["hf-prefill", "--emulate-ep", "4", "--backend", "all2all"], "--backend all2all with --emulate-ep"),
+    (["hf-prefill", "--emulate-ep", "4", "--dtype", "float32"],
+     "--dtype float32 with --emulate-ep 4: an emulated rank moves bfloat16"),
+    (["hf-prefill", "--emulate-ep", "4", "--unconverted"], "--unconverted with --emulate-ep 4"),
+    (["hf-prefill", "--emulate-ep", "4", "--save-checkpoint", "ckpt"],
+     "--save-checkpoint with --emulate-ep 4: an emulated rank builds --preset"),
+    (["hf-generate", "--emulate-ep", "4", "--backend", "deepep_ht/deepep_ll"],
+     "--backend deepep_ht with --emulate-ep"),
+    (["hf-generate", "--emulate-ep", "5"], "--emulate-ep 5: tiny-qwen3_moe's 8 routed experts"),
+]
+
+
+@pytest.mark.parametrize("argv, message", BAD, ids=[" ".join(a) for a, _ in BAD])
+def test_bad_emulation_is_one_line(tmp_path, monkeypatch, capsys, argv, message):
+    from dbo.bench.__main__ import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(SystemExit) as exc:
+        main(list(argv))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exc.value.code == 2 and len(err) == 1, err
+    assert err[0].startswith(f"python -m dbo.bench {argv[0]}: ") and message in err[0], err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("command", ["hf-prefill", "hf-generate"])
+def test_emulation_under_torchrun_is_refused(monkeypatch, capsys, command):
+    from dbo.bench.__main__ import main
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit) as exc:
+        main([command, "--emulate-ep", "4"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exc.value.code == 2 and len(err) == 1, err
+    assert "--emulate-ep 4 under a group of 2 ranks: run it as plain python" in err[0], err

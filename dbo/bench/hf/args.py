@@ -68,6 +68,16 @@ def add_model_arguments(p: argparse.ArgumentParser, *,
                    help="DIR: first write --preset with random weights there (every rank its share: "
                         "dbo.integrations.transformers.checkpoint) and load it as --checkpoint")
     add_link_arguments(p)
+    p.add_argument("--emulate-ep", type=int, default=None, metavar="N",
+                   help="play one rank of an N-rank expert-parallel group on this one process, as plain "
+                        "python (no torchrun, no process group): the model holds that rank's experts, "
+                        "random weights; the emulated backend moves the rank's bytes in DeepEP's "
+                        "high-throughput layout for the prefill and its low-latency one for the decode "
+                        "steps, over --link; the rank's own tokens stand in for its peers'")
+    p.add_argument("--emulate-rank", type=int, default=0,
+                   help="with --emulate-ep: the rank played (default: 0)")
+    p.add_argument("--gpus-per-host", type=int, default=8,
+                   help="with --emulate-ep: ranks per host; bytes to other hosts cross --link (default: 8)")
     p.add_argument("--seed", type=int, default=0, help="(default: 0)")
     p.add_argument("--json", default=None, help="write the results here (rank 0)")
 
@@ -116,13 +126,16 @@ def model_options(p: argparse.ArgumentParser, args: argparse.Namespace) -> Model
     :func:`check_model`'s."""
     check_device(p, args.device)
     cuda = args.device == "cuda"
+    emulate = getattr(args, "emulate_ep", None)
     try:
+        # an emulated rank moves its bytes in DeepEP's layouts, which carry bf16
         model = ModelOptions(
             device=args.device, preset=args.preset or ("qwen3-30b-a3b" if cuda else "tiny-qwen3_moe"),
-            layers=args.layers, dtype=DTYPES[args.dtype or ("bfloat16" if cuda else "float32")],
+            layers=args.layers, dtype=DTYPES[args.dtype or ("bfloat16" if cuda or emulate else "float32")],
             checkpoint=args.checkpoint or args.save_checkpoint, save_checkpoint=args.save_checkpoint,
             link=args.link, link_order=args.link_order, remote_fraction=args.remote_fraction,
-            seed=args.seed, json=args.json)
+            seed=args.seed, json=args.json, emulate_ep=emulate,
+            emulate_rank=getattr(args, "emulate_rank", 0), gpus_per_host=getattr(args, "gpus_per_host", 8))
     except ValueError as exc:
         p.error(str(exc))
     return dataclasses.replace(model, link_model=parse_link(p, args))
@@ -132,7 +145,8 @@ def check_model(p: argparse.ArgumentParser, model: ModelOptions, *,
                 always_loads: bool = False) -> ModelOptions:
     """``model`` with its ``config`` (the preset's, or read from ``--checkpoint``), after the
     checks of what it will write and need (``p.error`` on the first that fails): ``--json`` and
-    ``--save-checkpoint`` writable, routed experts found and split evenly over the ranks. A run
+    ``--save-checkpoint`` writable, routed experts found and split evenly over the ranks (or over
+    ``--emulate-ep``'s group, which runs as plain python, not under torchrun). A run
     that loads a checkpoint expert-parallel (``--checkpoint``, ``--save-checkpoint``, or every
     run where ``always_loads``) needs 2 or more ranks: at one rank transformers loads a model
     whole, and dbo's implementations would not run."""
@@ -150,6 +164,15 @@ def check_model(p: argparse.ArgumentParser, model: ModelOptions, *,
         p.error(f"{model.checkpoint or model.preset}: {type(config).__name__} names no routed "
                 "experts; dbo runs Qwen3-MoE, Mixtral and DeepSeek-V3 models")
     world = env_world_size()
+    if model.emulate_ep is not None:  # one process plays the rank: no group, no checkpoint
+        n = model.emulate_ep
+        if world > 1:
+            p.error(f"--emulate-ep {n} under a group of {world} ranks: run it as plain python (one "
+                    "process plays the rank, no torchrun)")
+        if experts % n:
+            p.error(f"--emulate-ep {n}: {model.preset}'s {experts} routed experts do not split evenly "
+                    f"over {n} ranks; give a group size that divides {experts}")
+        return dataclasses.replace(model, config=config)
     if world < 2 and (always_loads or model.checkpoint):
         given = "--save-checkpoint" if model.save_checkpoint else "--checkpoint"
         what = "loading the checkpoint" if always_loads else f"{given} {model.checkpoint}: loading it"

@@ -5,6 +5,9 @@ with its own ``all_to_all`` expert parallelism beside dbo's ``greedy_generate`` 
     torchrun --nproc-per-node 4 -m dbo.bench hf-generate --device cuda --preset qwen3-30b-a3b \\
         --save-checkpoint /tmp/q48 --batch 64 --prompt 512 --new-tokens 64 \\
         --backend copy_engine deepep_ht/deepep_ll
+    # one GPU as rank 0 of EP 16 (plain python: the emulated backend, no process group)
+    python -m dbo.bench hf-generate --device cuda --preset qwen3-30b-a3b --emulate-ep 16 \
+        --link deepep-ib --batch 64 --prompt 512 --new-tokens 64 --modes plain graph dbo-prefill-graph dbo
 
 Both loads read a checkpoint: ``--checkpoint DIR``, or ``--preset`` written with random weights to
 ``--save-checkpoint DIR`` or, without either (CPU only), to a temporary directory removed at the
@@ -41,6 +44,16 @@ round, for ``--steps`` rounds; each row gives its median and its spread (fastest
 call), and the same for the prefill calls. A fixed order (plain, then DBO prefill, then DBO, each
 over all its calls) charges whatever drifts over the minutes of a run (the allocator's cache
 growing, the GPU's clocks) to the rows in turn.
+
+``--emulate-ep N`` (plain ``python``, one process, no process group) plays rank
+``--emulate-rank`` of an ``N``-rank group: the model is ``--preset`` built with random weights
+holding that rank's ``E / N`` experts (no checkpoint), and the ``emulated`` backend
+(:mod:`dbo.backends.emulated`) moves the rank's bytes over ``--link`` in DeepEP's
+high-throughput layout for the prompt and its low-latency one inside the decode steps, as the
+``deepep_ht/deepep_ll`` pair does; its own tokens stand in for its peers'. There is no
+``generate()`` row (transformers' expert parallelism needs a process group): agreement is
+against the plain row, and the table ends with the fastest overlapped row against the plain
+and plain graph rows.
 """
 
 from __future__ import annotations
@@ -59,13 +72,15 @@ from dbo.bench.cli import ArgumentParser, verdict
 from dbo.bench.hf.args import add_model_arguments, backend_name, check_backends, check_model, model_options
 from dbo.bench.hf.generate_table import model_name, print_table, verdict_reason
 from dbo.bench.hf.model import (
+    alone,
     backend_kwargs,
+    build_model,
     load_checkpoint,
     load_hf_all_to_all,
     save_checkpoint,
     shared_temporary_dir,
 )
-from dbo.bench.hf.options import GENERATE_MODES, GenerateOptions
+from dbo.bench.hf.options import EMULATED_BACKEND, GENERATE_MODES, GenerateOptions
 from dbo.bench.timing import median_ms
 from dbo.cli import run_main
 from dbo.files import write_whole
@@ -121,11 +136,14 @@ def parse_args(argv: list[str] | None = None) -> GenerateOptions:
         # without either checkpoint option, a checkpoint of --preset for this run only (made once
         # the group exists)
         opts = GenerateOptions(
-            model=model, pairs=a.backend or ([("copy_engine", None), ("deepep_ht", "deepep_ll")] if cuda
-                                            else [("all2all", None), ("copy_engine", None)]),
+            model=model, pairs=a.backend or (
+                [(EMULATED_BACKEND, EMULATED_BACKEND)] if model.emulate_ep is not None
+                else [("copy_engine", None), ("deepep_ht", "deepep_ll")] if cuda
+                else [("all2all", None), ("copy_engine", None)]),
             batch=_given(a.batch, 64 if cuda else 4), prompt=_given(a.prompt, 512 if cuda else 8),
             new_tokens=_given(a.new_tokens, 64 if cuda else 4), steps=a.steps, warmup=a.warmup,
-            modes=a.modes, static=a.static, temporary_checkpoint=not model.checkpoint)
+            modes=a.modes, static=a.static,
+            temporary_checkpoint=not model.checkpoint and model.emulate_ep is None)
     except ValueError as exc:
         p.error(str(exc))
     opts = opts.with_model(check_model(p, model, always_loads=True))
@@ -265,8 +283,6 @@ def transformers_generate(a: GenerateOptions, ids: torch.Tensor, mask: torch.Ten
 
 
 def run(a: GenerateOptions, rank: int, world: int, device: torch.device) -> list[dict]:
-    from dbo.integrations.transformers.generate import greedy_generate
-
     m = a.model
     if m.save_checkpoint:
         save_checkpoint(m.config, m.save_checkpoint, m.dtype, device, m.seed, rank)
@@ -276,6 +292,9 @@ def run(a: GenerateOptions, rank: int, world: int, device: torch.device) -> list
     new = a.batch * a.new_tokens
     rows: list[dict] = []
 
+    if m.emulate_ep is not None:  # no generate() row: transformers' EP needs a process group
+        model = build_model(m.preset, m.config, m.dtype, device, seed=m.seed, convert=True, group=m.emulated)
+        return _dbo_rows(a, model, ids, mask, None, rank, rows)
     hf = transformers_generate(a, ids, mask, device)
     ms, pre_ms, want = hf["eager"]
     ms, pre_ms = all_reduce_max([ms, pre_ms], phase=PROG)
@@ -300,15 +319,32 @@ def run(a: GenerateOptions, rank: int, world: int, device: torch.device) -> list
         torch.cuda.empty_cache()
 
     model = load_checkpoint(m.checkpoint, m.dtype, device, backend=a.pairs[0][0])
+    return _dbo_rows(a, model, ids, mask, want, rank, rows)
+
+
+def _dbo_rows(a: GenerateOptions, model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor,
+              want: torch.Tensor | None, rank: int, rows: list[dict]) -> list[dict]:
+    """The rows of dbo's ``greedy_generate`` per backend pair and mode; agreement against
+    ``want`` (``generate()``'s tokens; None: the plain row's)."""
+    from dbo.integrations.transformers.generate import greedy_generate
+
+    m, device, new = a.model, ids.device, a.batch * a.new_tokens
     plain_cfg = SplitConfig(enabled=False)
     dbo_cfg = SplitConfig(prefill_token_threshold=2, decode_token_threshold=2)
     with torch.inference_mode():
         for prefill, decode in a.pairs:
-            decode_kw = None if decode is None else backend_kwargs(decode, max_tokens_per_rank=a.batch,
-                                                                    link=m.link_model)
-            use_backend(model, prefill, decode_backend=decode, decode_backend_kwargs=decode_kw,
-                        **backend_kwargs(prefill, max_tokens_per_rank=a.batch * a.prompt, link=m.link_model))
-            label = prefill if decode is None else f"{prefill}/{decode}"
+            if m.emulate_ep is not None:  # the prompt in DeepEP's high-throughput layout, decode low-latency
+                use_backend(model, prefill, decode_backend=decode,
+                            decode_backend_kwargs=m.emulated_backend_kwargs("deepep_ll", a.batch),
+                            **m.emulated_backend_kwargs("deepep_ht", a.batch * a.prompt))
+                label = "emulated deepep_ht/deepep_ll"
+            else:
+                decode_kw = None if decode is None else backend_kwargs(decode, max_tokens_per_rank=a.batch,
+                                                                        link=m.link_model)
+                use_backend(model, prefill, decode_backend=decode, decode_backend_kwargs=decode_kw,
+                            **backend_kwargs(prefill, max_tokens_per_rank=a.batch * a.prompt,
+                                             link=m.link_model))
+                label = prefill if decode is None else f"{prefill}/{decode}"
             modes = tuple((name, dbo_cfg if split else plain_cfg, every, graph)
                           for k, (name, split, every, graph) in MODES.items() if k in a.modes)
             times, last = interleaved_ms({name: (
@@ -321,7 +357,7 @@ def run(a: GenerateOptions, rank: int, world: int, device: torch.device) -> list
             plain = last["plain"][0]
             for name, cfg, *_ in modes:
                 got, plan = last[name]
-                same, prefix, _ = _agreement(got, want, a.prompt)
+                same, prefix, _ = _agreement(got, plain if want is None else want, a.prompt)
                 vs_plain = _agreement(got, plain, a.prompt)
                 tf = teacher_forced_share(model, got, a.prompt, max_tokens=a.batch * a.prompt)
                 t, pt = times[name], pre_times[name]
@@ -339,8 +375,25 @@ def run(a: GenerateOptions, rank: int, world: int, device: torch.device) -> list
     return rows
 
 
+def _write_json(a: GenerateOptions, rows: list[dict], world: int, disabled: bool) -> None:
+    if a.model.json:
+        write_whole(a.model.json, json.dumps({
+            "model": model_name(a), "world": world, "batch": a.batch, "prompt": a.prompt,
+            "new_tokens": a.new_tokens, "dbo_disabled": disabled, "emulated": a.model.emulation_record(),
+            "rows": rows}, indent=1))
+
+
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
+    if a.model.emulate_ep is not None:  # one process plays the rank: no process group
+        device = alone(a.model.device)
+        rows = run(a, 0, 1, device)
+        disabled = dbo_disabled_by_env()
+        ok, why = verdict_reason(a, rows, disabled)
+        print_table(a, rows, 1, device, disabled)
+        _write_json(a, rows, 1, disabled)
+        verdict(PROG, ok, why)
+        return 0 if ok else 1
     made: str | None = None  # the temporary checkpoint, on the rank that made it
     try:
         with distributed(a.model.device) as (rank, world, device):
@@ -352,10 +405,7 @@ def main(argv: list[str] | None = None) -> int:
             ok, why = verdict_reason(a, rows, disabled)
             if rank == 0:
                 print_table(a, rows, world, device, disabled)
-                if a.model.json:
-                    write_whole(a.model.json, json.dumps({
-                        "model": model_name(a), "world": world, "batch": a.batch, "prompt": a.prompt,
-                        "new_tokens": a.new_tokens, "dbo_disabled": disabled, "rows": rows}, indent=1))
+                _write_json(a, rows, world, disabled)
                 verdict(PROG, ok, why)
     finally:
         if made is not None:  # after the group's teardown: every rank is done with its files

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from dbo.bench.hf.options import GenerateOptions
+from dbo.bench.hf.options import GenerateOptions, describe_emulated
 
 __all__ = ["TF_SLACK", "fastest_generate_ms", "verdict_reason", "model_name", "print_table"]
 
@@ -59,8 +59,11 @@ def _verdict(rows: list[dict], dbo_rows: list[dict], plain_tf: float, bad: list[
 
 
 def model_name(a: GenerateOptions) -> str:
-    """The model the run decoded: the preset where this run wrote it, else the checkpoint."""
+    """The model the run decoded: the preset where this run wrote or built it (an emulated
+    rank), else the checkpoint."""
     m = a.model
+    if m.emulate_ep is not None:
+        return f"{m.preset} ({m.config.num_hidden_layers} layers, random weights)"
     if a.temporary_checkpoint or m.save_checkpoint:
         where = "" if a.temporary_checkpoint else f", written to {m.save_checkpoint}"
         return f"{m.preset} ({m.config.num_hidden_layers} layers, random weights{where})"
@@ -75,12 +78,19 @@ def print_table(a: GenerateOptions, rows: list[dict], world: int, device: torch.
     if dbo_disabled:
         print("\nDBO_DISABLE=1: DBO was disabled in this run; the DBO rows (marked 'ran plain') timed "
               "the plain forward, and their speed says nothing about DBO")
+    record = a.model.emulation_record()
+    if record is None:
+        where, against = f"{world} ranks", "generate()"
+    else:
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+        where, against = describe_emulated(record, name), "the plain row"
+    link = "" if a.model.link_model is None else f"; {a.model.link_model.describe()}"
     print(f"\n{model_name(a)}: batch {a.batch} x prompt {a.prompt} + {a.new_tokens} new tokens per rank, "
-          f"{world} ranks, {a.model.dtype_name}; ms per call (prefill included), slowest "
-          f"rank; prefill ms = the same call with one new token; new tokens/s per {per} = new tokens / "
-          "time; agreement with generate(): sequences identical to the end / mean share of new tokens "
-          "before the first difference; teacher-forced: share of the new tokens that one plain forward "
-          "over the whole sequences also picks (up to near ties)\n")
+          f"{where}, {a.model.dtype_name}{link}; ms per call (prefill included), slowest rank; prefill ms = "
+          f"the same call with one new token; new tokens/s per {per} = new tokens / time; agreement with "
+          f"{against}: sequences identical to the end / mean share of new tokens before the first "
+          "difference; teacher-forced: share of the new tokens that one plain forward over the whole "
+          "sequences also picks (up to near ties)\n")
     print(f"| run | ms | fastest-slowest call | prefill ms | new tokens/s per {per} | identical "
           "| before 1st diff | identical to plain | teacher-forced |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -92,9 +102,28 @@ def print_table(a: GenerateOptions, rows: list[dict], world: int, device: torch.
         tf = f"{r['teacher_forced']:.3f}" if "teacher_forced" in r else "-"
         print(f"| {r['run']} | {r['ms']:.1f} | {spread} | {r['prefill_ms']:.1f} | {r['tok_s']:,.0f} "
               f"| {r['same']:.2f} | {r['prefix']:.2f} | {r.get('same_plain', 1.0):.2f} | {tf} |")
+    if record is not None:
+        _print_overlapped_against_plain(rows)
+        return
     fastest = fastest_generate_ms(rows)
     best = min((r for r in rows if r.get("mode") not in (None, "hf-eager", "hf-static") and "ms" in r),
                key=lambda r: r["ms"], default=None)
     if best is not None:
         print(f"\nfastest dbo run: {best['run']}, {fastest / best['ms']:.2f}x the faster of transformers' "
               f"generate() rows ({fastest:.1f} ms)")
+
+
+def _print_overlapped_against_plain(rows: list[dict]) -> None:
+    """An emulated rank's last lines: the fastest overlapped row against the plain row, and
+    against the plain graph row where it ran (there is no generate() row to quote)."""
+    plain_modes = ("plain", "plain, graph decode")
+    timed = {r["mode"]: r for r in rows if "ms" in r}
+    overlapped = [r for r in timed.values() if r["mode"] not in plain_modes]
+    if not overlapped:
+        return
+    best = min(overlapped, key=lambda r: r["ms"])
+    print()
+    for mode in plain_modes:
+        if mode in timed:
+            print(f"fastest overlapped run: {best['run']}, {timed[mode]['ms'] / best['ms']:.2f}x "
+                  f"{timed[mode]['run']} ({timed[mode]['ms']:.1f} ms)")

@@ -17,8 +17,10 @@ from typing import Any
 
 import torch
 
+from dbo.backends.emulated import EmulatedGroup
+
 __all__ = ["DTYPES", "ModelOptions", "PrefillOptions", "GenerateOptions", "LoadOptions", "EXPERT_SCHEDULES",
-           "EP_EXPERTS", "GENERATE_MODES"]
+           "EP_EXPERTS", "GENERATE_MODES", "EMULATED_BACKEND", "describe_emulated"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 #: hf-prefill's DBO expert schedules, a row each
@@ -30,6 +32,31 @@ EP_EXPERTS = ("auto", "library", "model")
 GENERATE_MODES = {"plain": ("plain", False, False, False), "dbo-prefill": ("DBO prefill", True, False, False),
                   "dbo": ("DBO", True, True, False), "graph": ("plain, graph decode", False, False, True),
                   "dbo-prefill-graph": ("DBO prefill, graph decode", True, False, True)}
+
+
+#: the one backend pair of an emulated rank: DeepEP's high-throughput layout for the prompt, its
+#: low-latency one inside the decode steps (as the deepep_ht/deepep_ll pair on real ranks)
+EMULATED_BACKEND = "emulated"
+
+
+def describe_emulated(record: dict[str, Any], device: str) -> str:
+    """What a table says of an emulated rank (``record``: :meth:`ModelOptions.emulation_record`)
+    played on ``device`` (a device name): its group, its share of bytes crossing the link, and
+    what the emulation leaves out."""
+    n, per_host, share = record["ep_size"], record["gpus_per_host"], record["remote_fraction"]
+    crossing = (f"{share:.3f} of the bytes to other ranks cross the link" if share is not None
+                else f"{1 - min(per_host, n) / n:.3f} of its bytes leave the host")
+    return (f"one {device} as the emulated rank {record['rank']} of EP{n} ({per_host} GPUs a host: "
+            f"{crossing}; its own tokens stand in for its peers'; not modelled: incast and congestion "
+            "across ranks, stragglers, routing skew, the SMs of DeepEP's RDMA proxies)")
+
+
+def _check_emulated_backends(names: Any) -> None:
+    other = [n for n in names if n != EMULATED_BACKEND]
+    if other:
+        raise ValueError(f"--backend {other[0]} with --emulate-ep: an emulated rank runs the emulated "
+                         "backend (DeepEP's high-throughput layout for the prefill, its low-latency one "
+                         "for decode); leave --backend out")
 
 
 def _at_least(low: int, **values: int | None) -> None:
@@ -46,7 +73,9 @@ class ModelOptions:
     ``dtype`` is a torch dtype; ``checkpoint`` is the directory loaded (``--save-checkpoint``'s
     where given: it writes the checkpoint it then loads); ``config`` is the model's transformers
     config (the preset's, or the checkpoint's); ``link_model`` the ``SimulatedLink`` of
-    ``--link`` (its text is ``link``).
+    ``--link`` (its text is ``link``). ``emulate_ep`` (``--emulate-ep``): this one process plays
+    rank ``emulate_rank`` of a group of that many ranks, ``gpus_per_host`` a host
+    (:attr:`emulated`), with the model built holding that rank's experts.
 
     Raises:
         ValueError: a bad value, in one line naming the option.
@@ -63,6 +92,9 @@ class ModelOptions:
     remote_fraction: float | None = None
     seed: int = 0
     json: str | None = None
+    emulate_ep: int | None = None
+    emulate_rank: int = 0
+    gpus_per_host: int = 8
     config: Any = field(default=None, compare=False, repr=False)
     link_model: Any = field(default=None, compare=False)
 
@@ -77,6 +109,52 @@ class ModelOptions:
         if self.save_checkpoint and self.checkpoint != self.save_checkpoint:
             raise ValueError(f"--checkpoint {self.checkpoint} and --save-checkpoint {self.save_checkpoint}: "
                              "give one (--save-checkpoint writes the checkpoint it then loads)")
+        if self.emulate_ep is not None:
+            self._check_emulation()
+
+    def _check_emulation(self) -> None:
+        n, rank, per_host = self.emulate_ep, self.emulate_rank, self.gpus_per_host
+        if n < 2:
+            raise ValueError(f"--emulate-ep {n}: an expert-parallel group has at least 2 ranks")
+        if not 0 <= rank < n:
+            raise ValueError(f"--emulate-rank {rank}: must be in [0, {n})")
+        if per_host < 1 or (n > per_host and n % per_host):
+            raise ValueError(f"--gpus-per-host {per_host}: must be >= 1 and divide --emulate-ep {n} when "
+                             "the group spans hosts")
+        if self.checkpoint:
+            given = "--save-checkpoint" if self.save_checkpoint else "--checkpoint"
+            raise ValueError(f"{given} with --emulate-ep {n}: an emulated rank builds --preset with random "
+                             "weights, holding its own experts; it loads no checkpoint (leave the option "
+                             "out)")
+        if self.dtype != torch.bfloat16:
+            raise ValueError(f"--dtype {self.dtype_name} with --emulate-ep {n}: an emulated rank moves "
+                             "bfloat16 in DeepEP's layouts (leave --dtype out)")
+
+    @property
+    def emulated(self) -> EmulatedGroup | None:
+        """The group this process plays one rank of (``--emulate-ep``), None without it."""
+        if self.emulate_ep is None:
+            return None
+        return EmulatedGroup(self.emulate_ep, self.emulate_rank, self.gpus_per_host)
+
+    def emulated_backend_kwargs(self, layout: str, max_tokens_per_rank: int) -> dict[str, Any]:
+        """The emulated backend's options: ``layout`` (``deepep_ht``, ``deepep_ll``),
+        ``max_tokens_per_rank``, ``--link`` and ``--remote-fraction`` (the share of the bytes to
+        every other rank that crosses the link, in place of counting it from the hosts). The
+        group (size, rank, hosts) is the model's."""
+        out: dict[str, Any] = {"layout": layout, "max_tokens_per_rank": max_tokens_per_rank}
+        if self.link_model is not None:
+            out["link"] = self.link_model
+        if self.remote_fraction is not None:
+            out["remote_fraction"] = self.remote_fraction
+        return out
+
+    def emulation_record(self) -> dict[str, Any] | None:
+        """The emulated group as the JSON files record it (None without ``--emulate-ep``)."""
+        if self.emulate_ep is None:
+            return None
+        return {"ep_size": self.emulate_ep, "rank": self.emulate_rank, "gpus_per_host": self.gpus_per_host,
+                "remote_fraction": self.remote_fraction, "link": self.link}
 
     @property
     def dtype_name(self) -> str:
@@ -140,6 +218,12 @@ class PrefillOptions:
         if self.ep_experts is not None and any(e not in EP_EXPERTS for e in self.ep_experts):
             raise ValueError(f"--ep-experts {' '.join(self.ep_experts)}: want one or more of "
                              f"{', '.join(EP_EXPERTS)}")
+        if self.model.emulate_ep is not None:
+            _check_emulated_backends(self.backends)
+            if self.unconverted:
+                raise ValueError(f"--unconverted with --emulate-ep {self.model.emulate_ep}: an emulated "
+                                 "rank's model holds its own experts only, and its tokens stand in for its "
+                                 "peers'; there is no original model to compare it with (leave it out)")
         if not self.model.checkpoint:
             for flag, given in (("--hf-all-to-all", self.hf_all_to_all), ("--ep-experts", self.ep_experts)):
                 if given:
@@ -194,6 +278,8 @@ class GenerateOptions:
             raise ValueError("--modes: give plain too (every DBO row's tokens are checked against it)")
         if not self.pairs:
             raise ValueError("--backend: want at least one backend")
+        if self.model.emulate_ep is not None:
+            _check_emulated_backends([name for pair in self.pairs for name in pair if name])
         if self.temporary_checkpoint and self.model.device == "cuda":
             raise ValueError("--device cuda: give --checkpoint DIR (or --save-checkpoint DIR to write one)")
 

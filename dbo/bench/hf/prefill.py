@@ -5,6 +5,9 @@
     torchrun --nproc-per-node 2 -m dbo.bench hf-prefill --device cuda --preset qwen3-30b-a3b \\
         --backend deepep_ht all2all --shape 8x2048 16x4096 --unconverted --json qwen.json
     torchrun --nproc-per-node 2 -m dbo.bench hf-prefill --checkpoint DIR --backend all2all copy_engine
+    # one GPU as rank 0 of EP 16 (plain python: the emulated backend, no process group)
+    python -m dbo.bench hf-prefill --device cuda --preset qwen3-30b-a3b --emulate-ep 16 \
+        --link deepep-ib-ht --shape 8x2048 16x4096
 
 Without ``--checkpoint`` every rank builds the model from its config on the meta device,
 converts it expert-parallel and materialises only its share, with seeded random weights
@@ -25,6 +28,12 @@ prints a markdown table, then one verdict line (exit 1 where a row's logits diff
 ``DBO_DISABLE=1`` the DBO rows run the plain forward: the table and the verdict say so.
 ``--unconverted`` also times the original model (all experts on every rank, no communication)
 where it fits, and compares its logits with the expert-parallel model's.
+
+``--emulate-ep N`` (plain ``python``, one process, no process group) plays rank
+``--emulate-rank`` of an ``N``-rank group: the model holds that rank's ``E / N`` experts, and the
+``emulated`` backend (:mod:`dbo.backends.emulated`) moves the rank's bytes in DeepEP's
+high-throughput layout over ``--link``, its own tokens standing in for its peers'. The row is
+``emulated deepep_ht``.
 """
 
 from __future__ import annotations
@@ -44,6 +53,7 @@ from dbo.backends import cpu_backends
 from dbo.bench.cli import ArgumentParser, check_memory_fits, check_writable_folder, verdict
 from dbo.bench.hf.args import add_model_arguments, backend_name, check_backends, check_model, model_options
 from dbo.bench.hf.model import (
+    alone,
     backend_kwargs,
     build_model,
     load_checkpoint,
@@ -53,7 +63,7 @@ from dbo.bench.hf.model import (
     reset_peak,
     save_checkpoint,
 )
-from dbo.bench.hf.options import EP_EXPERTS, EXPERT_SCHEDULES, PrefillOptions
+from dbo.bench.hf.options import EMULATED_BACKEND, EP_EXPERTS, EXPERT_SCHEDULES, PrefillOptions
 from dbo.bench.hf.prefill_table import (
     PrefillResult,
     PrefillRow,
@@ -140,7 +150,8 @@ def parse_args(argv: list[str] | None = None) -> PrefillOptions:
     cuda = model.device == "cuda"
     try:
         opts = PrefillOptions(
-            model=model, backends=args.backend or (["deepep_ht", "all2all"] if cuda else cpu_backends()),
+            model=model, backends=args.backend or ([EMULATED_BACKEND] if model.emulate_ep is not None
+                                                   else ["deepep_ht", "all2all"] if cuda else cpu_backends()),
             shapes=args.shape or ([(8, 2048), (16, 4096)] if cuda else [(4, 32)]), steps=args.steps,
             warmup=args.warmup, logits_to_keep=args.logits_to_keep, unconverted=args.unconverted,
             sm_carveout=args.sm_carveout, tune_sm_carveout=args.tune_sm_carveout,
@@ -181,7 +192,8 @@ def _profile_step(fn: Callable[[], object], path: Path, rank: int, device: torch
         return
     fn()
     torch.cuda.synchronize()
-    dist.barrier()
+    if dist.is_initialized():  # (an emulated rank runs alone)
+        dist.barrier()
     if rank != 0:
         fn()
         torch.cuda.synchronize()
@@ -220,8 +232,11 @@ def _backend_rows(opts: PrefillOptions, model, backend: str, choice: str | None,
     """Time and check plain and DBO (per expert schedule) at every shape on ``backend``."""
     keep, cuda, multi = opts.logits_to_keep, device.type == "cuda", len(opts.expert_schedules) > 1
     max_tokens = opts.max_tokens_per_rank or opts.largest_batch_tokens
-    use_backend(model, backend, **backend_kwargs(backend, max_tokens_per_rank=max_tokens,
-                                                 link=opts.model.link_model))
+    if opts.model.emulate_ep is not None:  # the prefill in DeepEP's high-throughput layout
+        use_backend(model, backend, **opts.model.emulated_backend_kwargs("deepep_ht", max_tokens))
+    else:
+        use_backend(model, backend, **backend_kwargs(backend, max_tokens_per_rank=max_tokens,
+                                                     link=opts.model.link_model))
     # adaptive=False: each row times the schedule it names ("auto" is the autotune's choice)
     runners = {sched: DBOPrefill(model, prefill_split_config(
         2, adaptive=False, **({} if sched == "auto" else {"expert_schedule": sched})),
@@ -243,7 +258,8 @@ def _backend_rows(opts: PrefillOptions, model, backend: str, choice: str | None,
             t_dbo, peak_dbo = _timed(lambda ids=ids, r=run_dbo: r(ids), opts, device)
             t_p, t_d, rel, neg_agree, p_plain, p_dbo, vs = all_reduce_max(
                 [t_plain, t_dbo, rel, -agree, peak_plain or 0.0, peak_dbo or 0.0, vs_a2a], phase=PROG)
-            label = backend if not multi else f"{backend}/{sched}"
+            name = "emulated deepep_ht" if opts.model.emulate_ep is not None else backend
+            label = name if not multi else f"{name}/{sched}"
             if tuned is not None:
                 picked = tuned.schedule.value
                 label += f" ({picked})" if multi else f"/auto ({picked})"
@@ -318,7 +334,7 @@ def run(opts: PrefillOptions, rank: int, world: int, device: torch.device) -> in
     # DBO_DISABLE: every plan unsplit, the DBO rows run the plain forward
     result = PrefillResult(preset=m.preset, checkpoint=m.checkpoint, layers=config.num_hidden_layers,
                            world=world, device=name, dtype=str(m.dtype), steps=opts.steps,
-                           dbo_disabled=dbo_disabled_by_env())
+                           dbo_disabled=dbo_disabled_by_env(), emulated=m.emulation_record())
 
     def on_row(row: PrefillRow) -> None:
         result.rows.append(row)
@@ -331,7 +347,7 @@ def run(opts: PrefillOptions, rank: int, world: int, device: torch.device) -> in
         model = load_checkpoint(m.checkpoint, m.dtype, device, backend=opts.backends[0])
         config = model.config
     else:
-        model = build_model(m.preset, config, m.dtype, device, seed=m.seed, convert=True)
+        model = build_model(m.preset, config, m.dtype, device, seed=m.seed, convert=True, group=m.emulated)
     build_s = time.perf_counter() - t0
     plain_logits: dict = {}
     with torch.inference_mode():
@@ -360,6 +376,8 @@ def run(opts: PrefillOptions, rank: int, world: int, device: torch.device) -> in
 
 def main(argv: list[str] | None = None) -> int:
     opts = parse_args(argv)
+    if opts.model.emulate_ep is not None:  # one process plays the rank: no process group
+        return run(opts, 0, 1, alone(opts.model.device))
     with distributed(opts.model.device) as (rank, world, device):
         return run(opts, rank, world, device)
 

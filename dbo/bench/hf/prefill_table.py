@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from dbo.bench.hf.options import describe_emulated
 from dbo.files import write_whole
 
 __all__ = ["PrefillRow", "PrefillResult", "logits_match", "print_table", "write_json", "verdict_reason"]
@@ -46,8 +47,9 @@ class PrefillRow:
 @dataclass
 class PrefillResult:
     """A run: the model (``preset``, ``checkpoint`` loaded, decoder ``layers``), where it ran
-    (``world`` ranks of ``device``, a device name), its ``dtype`` (torch's name), the ``steps``
-    timed, whether ``DBO_DISABLE`` was set, and its rows so far. ``to_json`` is the ``--json``
+    (``world`` ranks of ``device``, a device name, or ``emulated``: one rank of a larger group
+    played alone), its ``dtype`` (torch's name), the ``steps`` timed, whether ``DBO_DISABLE`` was
+    set, and its rows so far. ``to_json`` is the ``--json``
     file; ``from_json`` reads one back."""
 
     preset: str
@@ -59,6 +61,8 @@ class PrefillResult:
     steps: int
     dbo_disabled: bool = False
     rows: list[PrefillRow] = field(default_factory=list)
+    #: the emulated rank this one process played (``ModelOptions.emulation_record``), None: a group
+    emulated: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -83,8 +87,10 @@ def _header(result: PrefillResult, *, cuda: bool, hidden: int, build_s: float, l
     what = f"{result.checkpoint} (loaded expert-parallel)" if result.checkpoint else result.preset
     per = "GPU" if cuda else "rank"
     dtype = result.dtype.removeprefix("torch.")
+    where = (f"{result.world} x {result.device}" if result.emulated is None
+             else describe_emulated(result.emulated, result.device))
     return (f"{what}: {result.layers} layers, hidden {hidden}, {dtype}, "
-            f"{result.world} x {result.device}; rank 0 {'loaded' if result.checkpoint else 'built'} its "
+            f"{where}; rank 0 {'loaded' if result.checkpoint else 'built'} its "
             f"model in {build_s:.1f} s; median of {result.steps} steps, slowest rank; tokens/s per {per} = "
             f"batch*seq / time{'; ' + link if link else ''}")
 
