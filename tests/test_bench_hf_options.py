@@ -78,7 +78,7 @@ def test_the_prefill_record_round_trips_to_the_same_json():
                                   rel_err=None, top1_agree=None, ok=None, split="out of memory"))
     doc = json.loads(json.dumps(result.to_json()))
     assert set(doc) == {"preset", "checkpoint", "layers", "world", "device", "dtype", "steps",
-                        "dbo_disabled", "rows"}
+                        "dbo_disabled", "rows", "emulated"}
     assert doc["dtype"] == "torch.float32" and doc["rows"][0]["autotune"]["choice"] == "split"
     assert json.loads(json.dumps(PrefillResult.from_json(doc).to_json())) == doc
     # the verdict reads the records or their JSON alike
