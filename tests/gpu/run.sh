@@ -54,7 +54,9 @@
 #                  top-8, I=2048, one shared expert, 8 layers, CUDA graphs, every mode) under EMU_LINK
 #                  (deepep-ib) at EMU_TOKENS ("32 64 128 256 512"); EMU_ARGS (more options); EMU_PREFILL=1
 #                  adds prefill with deepep_ht's layout at EP EMU_PREFILL_EPS ("16 32 64"), T 4096 8192
-#                  16384 x I 256 2048, eager
+#                  16384 x I 256 2048, eager; EMU_VALIDATE=1 adds the emulated rank of the 2- and 4-GPU
+#                  link-model decode tables (EP 2 / 16 experts and EP 4 / 32 experts, remote 7/8, the
+#                  link in host order, at each of EMU_VALIDATE_LINKS "25,10 50,5"), to hold against them
 #   onerank        the one-rank overlap benchmark (naive: nothing to hide) at T 4096/16384 x
 #                  I 256/2048, and the decode sizes: what splitting alone costs
 #   hf:N           `dbo.bench hf-prefill`: a tiny DeepSeek-V3 smoke test, then Qwen3-30B-A3B at full size
@@ -263,6 +265,17 @@ for arg in "$@"; do
             --emulate-layout deepep_ht --link "${EMU_PREFILL_LINK:-deepep-ib-ht}" --layers 8 --attn-width 1024 \
             --intermediate ${EMU_INTER:-2048 256} --tokens ${EMU_PREFILL_TOKENS:-4096 8192 16384} --steps 6 \
             --profile-shape none --time-budget-s "${EMU_BUDGET_S:-120}" ${EMU_ARGS:-} --out "$files/prefill_ep$ep"
+        done
+      fi
+      if [ "${EMU_VALIDATE:-0}" = 1 ]; then
+        for l in ${EMU_VALIDATE_LINKS:-25,10 50,5}; do
+          for ep in 2 4; do
+            run "emulated-validate-$ep-$l" "${EMU_CAP_S:-150}" python3 -m dbo.bench overlap --device cuda \
+              --emulate-ep "$ep" --experts $((8 * ep)) --remote-fraction 0.875 --link "$l" --link-order host \
+              --intermediate 2048 --tokens 64 256 512 --cuda-graph --modes compute dbo_compute merged_compute comm \
+              serial dbo merged sbo --profile-shape none --time-budget-s "${EMU_BUDGET_S:-120}" ${EMU_ARGS:-} \
+              --out "$files/validate_ep${ep}_${l/,/_}"
+          done
         done
       fi ;;
     onerank)
