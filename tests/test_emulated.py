@@ -170,3 +170,24 @@ def test_imbalance_is_checked():
         _backend("deepep_ll", 4, 8, 2, 8, imbalance=0.5)
     with pytest.raises(ValueError, match="deepep_ll"):
         _backend("deepep_ht", 4, 8, 2, 8, imbalance=1.5)
+
+
+@pytest.mark.parametrize("imbalance", [1.0, 2.5])
+def test_a_copied_handle_finds_rows_holding_each_pairs_expert_and_token(imbalance):
+    # sbo+dbo copies the handle out of the buffer; the combine then finds each pair's row from
+    # the handle alone, a row of the same local expert holding the same token
+    n, experts, t, k = 4, 16, 10, 3
+    buf = EmulatedBuffer(EmulatedGroup(n, 1, 8), low_latency_mode=True, imbalance=imbalance)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(t)])
+    ids[2, 1] = -1
+    x = torch.randn(t, HIDDEN, generator=g).to(torch.bfloat16)
+    _, _, handle, _, _ = buf.low_latency_dispatch(x, ids, 3 * t, experts, use_fp8=False)
+    own = buf._slot_of(handle[0])["pair_rows"]
+    src, ranges = handle[0].clone(), handle[1].clone()
+    for second in (ranges, (ranges & 0xFFFFFFFF).sum(1).to(torch.int32)):  # a group combine's counts
+        rows = buf._rows_from_handle((src, second, *handle[2:]), ids, buf.extra_pairs(t * k))
+        assert rows.shape == own.shape
+        cap = n * 3 * t
+        flat = src.reshape(-1)
+        assert torch.equal(rows // cap, own // cap) and torch.equal(flat[rows].long(), flat[own].long())

@@ -377,6 +377,29 @@ class EmulatedBuffer:
         hook = receive if return_recv_hook else None
         return recv_x, slot["count"], handle, event, hook
 
+    def _rows_from_handle(self, handle: tuple, topk_idx: torch.Tensor, extra: int) -> torch.Tensor:
+        """Each pair's slab row ``[T * k + extra]`` int64 (0 for no expert), read off a dispatch
+        handle's ``src_info`` (each row's token) and its counts (``layout_range`` ``[L, N]``, or a
+        group combine's ``[L]`` counts): a row of local expert ``le`` whose token is ``t`` holds
+        that expert's output for ``t``. Where ``t`` has two rows in one expert (pairs "from" two
+        ranks, or a hot rank's extra pairs), they hold the same output, so any one serves."""
+        src_info, ranges, max_tokens, _, num_experts = handle
+        n_local = num_experts // self.group_size
+        cap = self.group_size * max_tokens
+        dev = topk_idx.device
+        counts = ranges.to(torch.int64) if ranges.dim() == 1 else (ranges & 0xFFFFFFFF).sum(1)
+        live = torch.arange(cap, device=dev)[None, :] < counts[:, None]  # [L, cap]
+        key = torch.arange(n_local, device=dev)[:, None] * max_tokens + src_info.reshape(n_local, cap).long()
+        spare = n_local * max_tokens
+        row_of = torch.zeros(spare + 1, dtype=torch.int64, device=dev)
+        row_of.scatter_(0, torch.where(live, key, spare).reshape(-1), torch.arange(n_local * cap, device=dev))
+        ids = self._with_extra(topk_idx, extra).reshape(-1)
+        pairs = max(topk_idx.numel(), 1)
+        tokens = torch.arange(ids.numel(), device=dev) % pairs // topk_idx.shape[1]
+        valid = ids >= 0
+        local = torch.where(valid, torch.remainder(ids, n_local), 0)
+        return torch.where(valid, row_of[local * max_tokens + tokens], 0)
+
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                             handle: tuple, *, use_logfmt: bool = False, zero_copy: bool = False,
                             async_finish: bool = False, return_recv_hook: bool = False,
@@ -403,10 +426,8 @@ class EmulatedBuffer:
             if slot is not None and slot.get("pair_rows") is not None \
                     and slot["pair_rows"].numel() == t * k + extra:
                 rows0 = slot["pair_rows"]
-            else:  # a handle whose tensors were copied out of the buffer (sbo+dbo): the same rows again
-                ids = self._with_extra(topk_idx, extra)
-                rows, _, _ = self.pair_rows(ids, num_experts, cap)
-                rows0 = torch.where(ids.reshape(-1) >= 0, rows, 0)
+            else:  # a handle whose tensors were copied out of the buffer (sbo+dbo)
+                rows0 = self._rows_from_handle(handle, topk_idx, extra)
             # (a group's combine masks whole experts' ids: the others' rows do not move, and the
             # bytes are its own pairs'); the extra pairs go back to their ranks, not summed here
             wire = x.reshape(n_local * cap, hidden).index_select(0, rows0)
