@@ -57,6 +57,14 @@
 #                  16384 x I 256 2048, eager; EMU_VALIDATE=1 adds the emulated rank of the 2- and 4-GPU
 #                  link-model decode tables (EP 2 / 16 experts and EP 4 / 32 experts, remote 7/8, the
 #                  link in host order, at each of EMU_VALIDATE_LINKS "25,10 50,5"), to hold against them
+#   emulated_hf    a real transformers model as one rank of a large deployment, on one GPU (random weights,
+#                  the rank's experts only; `dbo.bench hf-prefill|hf-generate --emulate-ep`): for each of
+#                  EMU_HF_RUNS ("qwen-prefill qwen-generate dsv3-generate"): Qwen3-30B-A3B (48 layers) as
+#                  rank 0 of EP 16, hf-prefill at 8x2048 16x4096 (split, merged) under EMU_HF_PREFILL_LINK
+#                  (deepep-ib-ht); the same model's hf-generate of EMU_HF_BATCH ("64 256") sequences x
+#                  (512 + 64) tokens under EMU_HF_LINK (deepep-ib), 3 alternating calls a row, graph decode
+#                  rows too; DeepSeek-V3 (EMU_DSV3_LAYERS: 8) as rank 0 of EP 64, 256 sequences x
+#                  (128 + 32); EMU_HF_CAP_S (540) per run: give run.sh -d for more than one
 #   onerank        the one-rank overlap benchmark (naive: nothing to hide) at T 4096/16384 x
 #                  I 256/2048, and the decode sizes: what splitting alone costs
 #   hf:N           `dbo.bench hf-prefill`: a tiny DeepSeek-V3 smoke test, then Qwen3-30B-A3B at full size
@@ -278,6 +286,29 @@ for arg in "$@"; do
           done
         done
       fi ;;
+    emulated_hf)
+      gen="-m dbo.bench hf-generate --device cuda --steps 3 --warmup 1 --modes plain graph dbo-prefill-graph dbo"
+      for r in ${EMU_HF_RUNS:-qwen-prefill qwen-generate dsv3-generate}; do
+        case $r in
+          qwen-prefill)
+            run emulated-hf-qwen-prefill "${EMU_HF_CAP_S:-540}" python3 -m dbo.bench hf-prefill --device cuda \
+              --preset qwen3-30b-a3b --emulate-ep 16 --link "${EMU_HF_PREFILL_LINK:-deepep-ib-ht}" \
+              --shape 8x2048 16x4096 --expert-schedule split merged --steps 3 --warmup 1 \
+              --json "$files/hf_qwen_ep16_prefill.json" ;;
+          qwen-generate)
+            for b in ${EMU_HF_BATCH:-64 256}; do
+              run "emulated-hf-qwen-generate-$b" "${EMU_HF_CAP_S:-540}" python3 $gen --preset qwen3-30b-a3b \
+                --emulate-ep 16 --link "${EMU_HF_LINK:-deepep-ib}" --batch "$b" --prompt 512 --new-tokens 64 \
+                --json "$files/hf_qwen_ep16_generate_b$b.json"
+            done ;;
+          dsv3-generate)
+            run emulated-hf-dsv3-generate "${EMU_HF_CAP_S:-540}" python3 $gen --preset deepseek-v3 \
+              --layers "${EMU_DSV3_LAYERS:-8}" --emulate-ep 64 --link "${EMU_HF_LINK:-deepep-ib}" --batch 256 \
+              --prompt 128 --new-tokens 32 --json "$files/hf_dsv3_ep64_generate.json" ;;
+          *) echo "=== [emulated_hf] unknown run $r (qwen-prefill qwen-generate dsv3-generate)" | tee -a "$log"
+             status=1 ;;
+        esac
+      done ;;
     onerank)
       run onerank 240 $tr_ 1 -m dbo.bench overlap $ov_thin --backend naive --tokens 4096 16384 \
         --intermediate 256 2048 --time-budget-s 200 --out "$files/prefill"
