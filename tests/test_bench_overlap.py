@@ -15,8 +15,10 @@ import torch
 
 from dbo.backends import BACKENDS, make_backend
 from dbo.bench.__main__ import main as bench_main
+from dbo.bench.cli import legend
 from dbo.bench.compare import compare_bundles, load_bundle
 from dbo.bench.overlap.args import MODES
+from dbo.bench.overlap.report import LIMIT_COLUMNS, LINK_COLUMNS, MAIN_COLUMNS, PLOT_HINT
 from dbo.testing.launch import run_entry
 
 pytestmark = pytest.mark.long_file
@@ -62,6 +64,18 @@ def _run_bench(tmp_path: Path, *args: str, nproc: int | None = 2) -> dict:
     assert {"ub0 running", "ub1 running", "dispatch", "combine"} <= {e.get("name") for e in trace}
     if bundle["files"]["plot"]:
         assert (out / bundle["files"]["plot"]).read_bytes()[:4] == b"\x89PNG"
+    else:  # how to get it, in the bundle's line
+        assert f"no PNG plot ({PLOT_HINT})" in proc.stdout, log
+    # every table's columns are explained in the line under it
+    lines = proc.stdout.splitlines()
+    for columns in (MAIN_COLUMNS, LIMIT_COLUMNS, LINK_COLUMNS):
+        head = next((i for i, ln in enumerate(lines) if ln.lstrip().startswith("tokens ") and all(
+            part in ln for k in columns for part in k.split(", "))), None)
+        assert head is not None or columns is not MAIN_COLUMNS, log  # the others where measured
+        if head is not None:  # under its rows, before any other table
+            rest = lines[head + 1:]
+            end = next((i for i, ln in enumerate(rest) if ln.lstrip().startswith("tokens ")), len(rest))
+            assert legend(columns)[0] in rest[:end], log
     return bundle
 
 

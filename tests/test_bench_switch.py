@@ -18,6 +18,7 @@ def test_switch_bench_command(tmp_path):
     assert (verdict, proc.returncode) in (("PASS", 0), ("FAIL", 1)), proc.stdout + proc.stderr
     assert last.startswith("python -m dbo.bench switch: ") and "targets: <= 1.5 us, >= 5x" in last
     assert "dbo greenlet (dbo_yield)" in proc.stdout and "cheaper per switch" in proc.stdout
+    assert "\n  min, median: over 2 repeats, microseconds per switch; " in proc.stdout  # the columns
     res = json.loads(out.read_text())
     assert res["device"] == "cpu"
     assert 0 < res["dbo_us_min"] <= res["dbo_us_median"]

@@ -197,6 +197,7 @@ def test_breakdown_that_hid_nothing_ends_in_fail(tmp_path):
     proc = _run([*BENCH, "breakdown", "s.json", "d.json"], tmp_path)
     last = proc.stdout.strip().splitlines()[-1]
     assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "\n  serial ms, DBO ms: per step, from each trace; " in proc.stdout  # the columns
     assert last.startswith("python -m dbo.bench breakdown: FAIL: the DBO step hid nothing")
 
 
@@ -230,7 +231,7 @@ def test_compare_names_its_ratio_for_what_it_is():
     row = {"tokens": 4096, "intermediate": 256, "serial_ms": 12.28, "serial_backend": "deepep_ht",
            "dbo_ms": 9.95, "dbo_choice": "copy_engine/split", "speedup": 12.28 / 9.95, "comm_ms": {}}
     head, _, cells = ([c.strip() for c in line.strip("|").split("|")]
-                      for line in format_comparison([row]).splitlines())
+                      for line in format_comparison([row]).splitlines()[:3])
     assert cells[head.index("speedup (best serial / best DBO)")] == "1.234x"
 
 
@@ -249,4 +250,15 @@ def test_compare_leaves_out_the_dbo_rows_of_a_bundle_made_under_dbo_disable(tmp_
     assert lines[0].startswith("DBO_DISABLE=1 when off ran: DBO was disabled there"), run.stdout
     row = next(ln for ln in lines if ln.startswith("| 64 | 64 |"))
     assert "8.00 (on/split)" in row and "1.250x" in row, row  # the disabled bundle's 5.0 is not DBO's
+    under = lines[lines.index(row) + 1]  # the columns
+    assert under.startswith("  T: tokens per rank; ") and "speedup: best serial / best DBO" in under, under
     assert lines[-1].startswith("python -m dbo.bench compare: PASS: DBO_DISABLE=1 when off ran"), run.stdout
+
+
+def test_the_plot_hint_names_an_extra_that_holds_matplotlib():
+    tomllib = pytest.importorskip("tomllib")
+    from dbo.bench.overlap.report import PLOT_HINT
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    extra = re.search(r"\.\[(\w+)\]", PLOT_HINT).group(1)
+    assert any(dep.startswith("matplotlib") for dep in extras[extra]), (extra, extras)

@@ -110,6 +110,7 @@ def test_hf_prefill_under_dbo_disable_says_dbo_was_off(tmp_path):
     assert "DBO_DISABLE=1: DBO was disabled in this run" in out, out
     row = next(ln for ln in out.splitlines() if ln.startswith("| naive |"))
     assert "| off |" in row and not re.search(r"\d\.\d\dx", row), row
+    assert "\n  plain ms, DBO ms: the prefill forward" in out and "DBO speedup: plain ms / DBO ms" in out, out
     last = out.strip().splitlines()[-1]
     assert last.startswith("hf-prefill: PASS: DBO_DISABLE=1: DBO was disabled"), out
     assert "DBO matches plain" not in out, out
@@ -255,6 +256,7 @@ def test_hf_generate_under_dbo_disable_marks_its_dbo_rows_and_speaks_once(tmp_pa
     rows = [ln for ln in out.splitlines() if ln.startswith("| dbo greedy_generate")]
     dbo_rows = [ln for ln in rows if "DBO" in ln.split("|")[1]]
     assert dbo_rows and all("(ran plain: DBO_DISABLE=1)" in ln for ln in dbo_rows), out
+    assert "\n  ms: one greedy decode, prefill included (median); " in out, out  # the columns
     assert not any("ran plain" in ln for ln in rows if ln not in dbo_rows), out  # the plain rows are plain
     last = out.strip().splitlines()[-1]
     assert last.startswith("hf-generate: PASS: DBO_DISABLE=1: DBO was disabled"), out

@@ -17,7 +17,7 @@ import os
 import sys
 from collections import defaultdict
 
-from dbo.bench.cli import ArgumentParser, verdict
+from dbo.bench.cli import ArgumentParser, legend, verdict
 from dbo.bench.timeline import read_chrome_trace
 from dbo.cli import run_main
 
@@ -168,6 +168,10 @@ def main(argv: list[str] | None = None) -> int:
             x, y = hs[part], hd[part]
             ratio = f"{y / x:10.2f}" if x else f"{'-':>10}"
             print(f"{'  ' + part:32} {x:10.2f} {y:10.2f} {ratio}")
+    print("\n".join(legend({"serial ms, DBO ms": "per step, from each trace",
+                             "step span": "first kernel's start to last kernel's end",
+                             "busy, idle": "the compute stream's time with and without a kernel",
+                             "kernels": "GPU time by kind", "DBO/serial": "DBO ms / serial ms"})))
     removed = s["compute_idle"] - d["compute_idle"]
     added = d["compute_busy"] - s["compute_busy"]
     hidden = removed - added

@@ -1,9 +1,11 @@
 """The benchmarks' command-line parts: the library's front door (:mod:`dbo.cli`: one-line errors
-for bad input, plain help, the verdict line, re-exported here) and the simulated-link options."""
+for bad input, plain help, the verdict line, re-exported here), the simulated-link options, and
+the legend under a table."""
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Mapping
 from typing import Any
 
 from dbo.cli import (
@@ -21,7 +23,7 @@ from dbo.cli import (
 
 __all__ = ["ArgumentParser", "env_world_size", "check_at_least", "check_device", "check_experts_split",
            "check_backend_fits", "verdict", "add_link_arguments", "parse_link", "check_writable_file",
-           "check_writable_folder", "check_memory_fits"]
+           "check_writable_folder", "check_memory_fits", "legend"]
 
 
 def add_link_arguments(p: argparse.ArgumentParser) -> None:
@@ -55,3 +57,9 @@ def parse_link(p: argparse.ArgumentParser, args: argparse.Namespace) -> Any:
         return SimulatedLink.parse(args.link, share, getattr(args, "link_order", "nic"))
     except ValueError as exc:
         p.error(f"--link {args.link}: {exc}")
+
+
+def legend(columns: Mapping[str, str]) -> list[str]:
+    """The line under a table that says what each of its columns is (``columns``: heading ->
+    meaning): ``  heading: meaning; heading: meaning``."""
+    return ["  " + "; ".join(f"{name}: {meaning}" for name, meaning in columns.items())]

@@ -21,7 +21,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from dbo.bench.cli import ArgumentParser, check_writable_file, verdict
+from dbo.bench.cli import ArgumentParser, check_writable_file, legend, verdict
 from dbo.files import write_whole
 
 __all__ = ["load_bundle", "label", "dbo_disabled", "compare_bundles", "format_comparison", "main"]
@@ -107,6 +107,11 @@ def format_comparison(rows: list[dict[str, Any]]) -> str:
                  f"{_f(r['dbo_ms'])} ({r['dbo_choice'] or '-'})",
                  "-" if r["speedup"] is None else f"{r['speedup']:.3f}x"]
         lines.append("| " + " | ".join(cells) + " |")
+    lines += legend({"T": "tokens per rank", "I": "each expert's intermediate size",
+                     "BACKEND comm": "that backend's all-to-all alone",
+                     "best serial": "the fastest serial step of any backend",
+                     "best DBO": "the fastest overlapped step of any backend and schedule (split, merged)",
+                     "speedup": "best serial / best DBO (above 1: DBO pays)"})
     return "\n".join(lines)
 
 

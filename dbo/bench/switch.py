@@ -22,7 +22,7 @@ import time
 import torch
 
 from dbo import dbo_yield, run_ubatches
-from dbo.bench.cli import ArgumentParser, check_device, check_writable_file, verdict
+from dbo.bench.cli import ArgumentParser, check_device, check_writable_file, legend, verdict
 from dbo.cli import run_main
 from dbo.files import write_whole
 
@@ -128,6 +128,10 @@ def main(argv: list[str] | None = None) -> int:
           f"{res['threads_us_median']:>18.3f}")
     print(f"{'bare greenlet switch (floor)':<28}{res['greenlet_floor_us_min']:>15.3f}"
           f"{res['greenlet_floor_us_median']:>18.3f}")
+    print("\n".join(legend({"min, median": f"over {args.repeats} repeats, microseconds per switch",
+                             "dbo greenlet": "two ubatches of run_ubatches handing over with dbo_yield",
+                             "threads": "two threads handing over with threading.Event",
+                             "floor": "a bare greenlet switch, the least a switch costs"})))
     print(f"dbo is {res['ratio_median']:.1f}x cheaper per switch (medians)")
     if args.json:
         write_whole(args.json, json.dumps(res, indent=2))

@@ -37,7 +37,7 @@ from collections.abc import Callable
 
 import torch
 
-from dbo.bench.cli import ArgumentParser, check_writable_file, verdict
+from dbo.bench.cli import ArgumentParser, check_writable_file, legend, verdict
 from dbo.bench.experts.cases import BatchedCase, ExpertsCase, make_batched_case, make_case
 from dbo.bench.experts.options import DEFAULT_GRID, LAYOUTS, TIMINGS, ExpertsOptions
 from dbo.bench.limits import DeviceLimits, experts_cost, measure_device_limits
@@ -273,6 +273,12 @@ def format_rows(rows: list[dict], baseline: str) -> str:
         line += (f" {r['limit_ms']:>5.3f} ms" if lim else "") + "  " + " ".join(
             f"{res[n]['median_ms'] / res[baseline]['median_ms']:>21.3f}" for n in names if n != baseline)
         lines.append(line)
+    lines += legend({"hidden, I": "the hidden and each expert's intermediate size",
+                     "L": "the rank's local experts", "tokens": "tokens per rank",
+                     "pairs": "(token, expert) pairs routed to this rank", "rows/e": "pairs per expert "
+                     "that has any", "NAME": "that implementation's median apply() time",
+                     **({"x lim": "its time / limit", "limit": "the hardware limit (above)"} if lim else {}),
+                     "A/B": f"A's time / {baseline}'s"})
     if lim:
         for name, s in limit_summary(rows).items():
             held = "" if "geomean_x_held" not in s else \

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from dbo.bench.cli import legend
 from dbo.bench.hf.options import GenerateOptions, describe_emulated
 
 __all__ = ["TF_SLACK", "fastest_generate_ms", "verdict_reason", "model_name", "print_table"]
@@ -86,11 +87,7 @@ def print_table(a: GenerateOptions, rows: list[dict], world: int, device: torch.
         where, against = describe_emulated(record, name), "the plain row"
     link = "" if a.model.link_model is None else f"; {a.model.link_model.describe()}"
     print(f"\n{model_name(a)}: batch {a.batch} x prompt {a.prompt} + {a.new_tokens} new tokens per rank, "
-          f"{where}, {a.model.dtype_name}{link}; ms per call (prefill included), slowest rank; prefill ms = "
-          f"the same call with one new token; new tokens/s per {per} = new tokens / time; agreement with "
-          f"{against}: sequences identical to the end / mean share of new tokens before the first "
-          "difference; teacher-forced: share of the new tokens that one plain forward over the whole "
-          "sequences also picks (up to near ties)\n")
+          f"{where}, {a.model.dtype_name}{link}; slowest rank\n")
     print(f"| run | ms | fastest-slowest call | prefill ms | new tokens/s per {per} | identical "
           "| before 1st diff | identical to plain | teacher-forced |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -102,6 +99,14 @@ def print_table(a: GenerateOptions, rows: list[dict], world: int, device: torch.
         tf = f"{r['teacher_forced']:.3f}" if "teacher_forced" in r else "-"
         print(f"| {r['run']} | {r['ms']:.1f} | {spread} | {r['prefill_ms']:.1f} | {r['tok_s']:,.0f} "
               f"| {r['same']:.2f} | {r['prefix']:.2f} | {r.get('same_plain', 1.0):.2f} | {tf} |")
+    print("\n".join(legend({
+        "ms": "one greedy decode, prefill included (median)", "fastest-slowest call": "over the timed calls",
+        "prefill ms": "the same call with one new token", f"new tokens/s per {per}": "new tokens / time",
+        "identical": f"sequences identical to {against}'s to the end",
+        "before 1st diff": f"the mean share of new tokens before the first difference from {against}",
+        "identical to plain": "the same against this backend's plain row",
+        "teacher-forced": "the share of the new tokens that one plain forward over the whole sequences "
+                          "also picks (up to near ties)"})))
     if record is not None:
         _print_overlapped_against_plain(rows)
         return

@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 
 from dbo.backends import cpu_backends
-from dbo.bench.cli import ArgumentParser, check_writable_file, check_writable_folder, verdict
+from dbo.bench.cli import ArgumentParser, check_writable_file, check_writable_folder, legend, verdict
 from dbo.bench.hf.args import PRESET_CHOICES, backend_name, model_config, num_routed_experts
 from dbo.bench.hf.options import LoadOptions
 from dbo.cli import run_main
@@ -171,6 +171,10 @@ def report(rows: list[dict], size_gb: float, args: LoadOptions) -> None:
         print(f"| {r['mode']} | {r['rank']} | {r['load_s']:.1f} | {r['rss_after_imports_mib']:.0f} | "
               f"{r['peak_rss_after_load_mib']:.0f} | {r['peak_rss_after_prefill_mib']:.0f} | "
               f"{r['expert_bytes'] / 1e9:.2f} | {r['prefill_s']:.2f} |")
+    print("\n".join(legend({"mode": "plain: the whole model on every rank; ep: loaded expert-parallel, "
+                                     "each rank its share of the routed experts",
+                             "RSS": "the rank's resident memory", "peak RSS": "its highest so far",
+                             "prefill s": "one prefill (ep: through DBOPrefill)"})))
     for r in rows:
         if "first_forward_gathered_bytes" in r:
             print(f"rank {r['rank']}: the first prefill as loaded all-gathered "

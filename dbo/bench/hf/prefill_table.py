@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from dbo.bench.cli import legend
 from dbo.bench.hf.options import describe_emulated
 from dbo.files import write_whole
 
@@ -133,6 +134,14 @@ def print_table(result: PrefillResult, *, cuda: bool, hidden: int, build_s: floa
         if anchor:
             cells.append("-" if r.rel_vs_a2a is None else f"{r.rel_vs_a2a:.1e}")
         print("| " + " | ".join(cells) + " |")
+    print("\n".join(legend({
+        "plain ms, DBO ms": "the prefill forward, plain and overlapped (DBOPrefill)",
+        "tok/s": "batch*seq / time", "DBO speedup": "plain ms / DBO ms",
+        "rel err": "DBO's logits against plain's (relative error; MISMATCH: beyond the tolerance)",
+        "top-1 agree": "the share of tokens whose likeliest next token is the same",
+        **({"peak GiB": "the step's peak GPU memory"} if cuda else {}),
+        **({"rel vs a2a": "this backend's plain logits against the all2all backend's"} if anchor else {}),
+    })))
     if any(r.backend == "unconverted" for r in rows):
         print("\n(unconverted: the original model, every expert on every rank, no communication; its "
               "rel err / agreement are against the converted model's plain logits)")

@@ -9,11 +9,12 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from dbo.bench.cli import legend
 from dbo.bench.limits import rate_text
 from dbo.bench.overlap.record import OverlapResult
 from dbo.files import whole_file
 
-__all__ = ["format_table", "write_plot"]
+__all__ = ["PLOT_HINT", "format_table", "write_plot"]
 
 
 def _f(x: float | None, spec: str = ".2f") -> str:
@@ -29,6 +30,40 @@ def _link(env: dict) -> str:
     name = f"{sim['name']}=" if sim.get("name") else ""
     return (f" link={name}{sim['gbps']:g}GB/s,{fixed},{sim.get('order', 'host')},"
             f"remote={sim['remote_fraction']:.3f}")
+
+
+#: what the bundle says in place of the plot where matplotlib is missing
+PLOT_HINT = ("matplotlib is not installed: pip install matplotlib, or pip install -e '.[bench]' in "
+             "the clone, draws it")
+
+#: the columns of the main table, as the line under it explains them
+MAIN_COLUMNS = {
+    "tokens": "tokens per rank", "I": "each expert's intermediate size",
+    "compute": "the layer's compute alone (communication replayed)",
+    "comm": "its all-to-all alone (dispatch and combine)", "x link": "comm / the link limit (below)",
+    "comm%": "comm / serial, in %", "serial": "the fastest serial run", "dbo": "the fastest DBO run "
+    "(split schedule)", "[cfg]": "the run's config (sN DeepEP SMs, kN DBO SM carve-out)",
+    "speedup": "serial / dbo", "eff": "(serial - dbo) / min(compute, comm): the share of the "
+    "hideable time hidden (1 perfect, 0 none)", "dbo-cmp": "DBO's compute alone",
+    "peak": "peak memory of the best DBO run / of the best serial (weights included)",
+    "peak+": "the same for the memory allocated during the step only",
+    "wrap": "DBOWrapper with the autotuned config / serial, timed alternately",
+    "untun": "DBOWrapper with the default adaptive config / serial",
+    "merged": "the fastest DBO run with the merged schedule (one experts call per layer)",
+    "m-cmp": "merged's compute alone", "sbo": "the unsplit schedule, shared experts beside the "
+    "dispatch", "best": "the fastest of plain (serial), split (dbo), merged"}
+SMS_COLUMNS = {"sms": "DeepEP's SM count", "comm": "comm alone at that count",
+               "serial, dbo": "the fastest at that count", "speedup, eff": "as above, against the "
+               "best serial overall"}
+GRAPH_COLUMNS = {"eager-s, eager-d": "serial and DBO step without a graph",
+                 "graph-s, graph-d, graph-m, graph-b": "serial, DBO, merged, sbo replayed from a "
+                 "CUDA graph", "d/s, m/s, b/s": "graph-d, graph-m, graph-b / graph-s",
+                 "equal": "the DBO replay's output equals the eager DBO step's"}
+LIMIT_COLUMNS = {"limit": "the compute's hardware limit (above)", "x lim": "compute / limit",
+                 "dbo-cmp, m-cmp": "split and merged DBO's compute alone",
+                 "x-cmp": "dbo-cmp / compute", "m/cmp": "m-cmp / compute"}
+LINK_COLUMNS = {"MB out": "the bytes a rank sends per layer", "link": "MB out at the measured rate",
+                "x link": "comm / link"}
 
 
 def format_table(result: OverlapResult | Mapping[str, Any]) -> str:
@@ -74,6 +109,7 @@ def format_table(result: OverlapResult | Mapping[str, Any]) -> str:
             f"{_f(s.merged_ms):>7} "
             f"{_f(s.merged_compute_ms):>7} {_f(s.sbo_ms):>7} "
             f"{'off' if off else s.best_schedule or '-':>6}")
+    lines.extend(legend(MAIN_COLUMNS))
     if any(s.per_num_sms for _, s in shapes):
         lines.append("DeepEP SM count (Buffer.set_num_sms): comm alone, best serial/DBO at that count, "
                      "speedup and efficiency against the best serial overall")
@@ -85,6 +121,7 @@ def format_table(result: OverlapResult | Mapping[str, Any]) -> str:
                              f"{_f(r.comm_ms):>7} {_f(r.serial_ms):>7} {_f(r.dbo_ms):>7} "
                              f"{r.dbo_config:>8} {'off' if off else _f(r.speedup, '.3f'):>7} "
                              f"{'off' if off else _f(r.efficiency):>5}")
+        lines.extend(legend(SMS_COLUMNS))
     graphs = [sh for sh in result.shapes if sh.cuda_graph]
     if graphs:
         lines.append("CUDA graph (whole step captured; per layer ms): eager serial/DBO, replayed "
@@ -103,6 +140,7 @@ def format_table(result: OverlapResult | Mapping[str, Any]) -> str:
                          f"{str(g['dbo_replay_equals_eager']):>6} {_f(g.get('graph_merged_ms')):>7} "
                          f"{_f(g.get('graph_merged_over_serial'), '.3f'):>6} {_f(g.get('graph_sbo_ms')):>7} "
                          f"{_f(g.get('graph_sbo_over_serial'), '.3f'):>6}")
+        lines.extend(legend(GRAPH_COLUMNS))
     if any(s.limit_ms for _, s in shapes):
         lim = env.get("limits") or {}
         lines.append(f"compute against the limit (per layer; limit = sum over the layer's parts of "
@@ -118,6 +156,7 @@ def format_table(result: OverlapResult | Mapping[str, Any]) -> str:
                          f"{_f(s.dbo_compute_over_compute, '.3f'):>6} "
                          f"{_f(s.merged_compute_ms):>7} "
                          f"{_f(s.merged_compute_over_compute, '.3f'):>6}")
+        lines.extend(legend(LIMIT_COLUMNS))
     link = env.get("link")
     if link and any(s.link_ms for _, s in shapes):
         lines.append(f"comm against the link (per layer; link = bytes out of a rank / "
@@ -129,6 +168,7 @@ def format_table(result: OverlapResult | Mapping[str, Any]) -> str:
             lines.append(f"{sh.tokens:>6} {sh.intermediate:>5} {_f(s.comm_ms):>7} "
                          f"{_f(None if mb is None else mb / 1e6, '.1f'):>7} {_f(s.link_ms):>7} "
                          f"{_f(s.comm_x_link):>6}")
+        lines.extend(legend(LINK_COLUMNS))
     for cross in [] if off else result.crossover or []:
         lines.append(f"I={cross['intermediate']}: DBO faster than serial from "
                      f"{cross.get('eager', '-')} tokens/rank on (eager), {cross.get('graph', '-')} "
@@ -148,7 +188,7 @@ def format_table(result: OverlapResult | Mapping[str, Any]) -> str:
         lines.append(f"note: {notes[0]}:")
         lines.extend(f"  {n}" for n in notes[1:])
     files = result.files
-    no_plot = "; no PNG plot (matplotlib is not installed)" if "plot" in files and not files["plot"] else ""
+    no_plot = f"; no PNG plot ({PLOT_HINT})" if "plot" in files and not files["plot"] else ""
     lines.append("bundle: " + ", ".join(f"{k}={v}" for k, v in files.items() if v) + no_plot)
     return "\n".join(lines)
 
