@@ -45,7 +45,7 @@ from dbo.experts.kernels.gather_reduce import gather_reduce
 
 from ..fp8 import FP8_BLOCK, quantize_fp8_blocks
 from ..simulated_link import LinkServer, SimulatedLink
-from . import ll_kernels
+from . import kernels
 from .streams import EventOverlap, StreamEvent, Streams
 
 __all__ = ["EmulatedGroup", "EmulatedBuffer", "EmulatedConfig", "DISPATCH_PAIR_EXTRA_BYTES"]
@@ -229,8 +229,8 @@ class EmulatedBuffer:
         ones in turn) that leave the host, each weighted by its destination's share of bytes that
         cross the link, in 1/1024 units: ``[1]`` int64 (a low-latency call sends one message per
         pair). ``dest``: the pairs' destination ranks ``[T * k]``, where known."""
-        if dest is None and ll_kernels.usable(topk_idx):
-            return ll_kernels.ll_remote_units(topk_idx, self.share_q, n_local, extra)
+        if dest is None and kernels.usable(topk_idx):
+            return kernels.ll_remote_units(topk_idx, self.share_q, n_local, extra)
         if extra:
             topk_idx = self._with_extra(topk_idx, extra)
         if dest is None:
@@ -332,10 +332,10 @@ class EmulatedBuffer:
             # the send: the fp8 cast once per token, where each pair lands, the bytes that leave
             pair_bytes = hidden * (1 if use_fp8 else 2) + (hidden // FP8_BLOCK * 4 if use_fp8 else 0) \
                 + DISPATCH_PAIR_EXTRA_BYTES
-            fused = ll_kernels.usable(x)
+            fused = kernels.usable(x)
             extra = self.extra_pairs(t * k)
             if fused:
-                q, scales, rows, rows0, units = ll_kernels.ll_send(
+                q, scales, rows, rows0, units = kernels.ll_send(
                     x, topk_idx, self.share_q, slot, n=n, n_local=n_local, cap=cap, use_fp8=use_fp8,
                     extra=extra)
             else:
@@ -355,7 +355,7 @@ class EmulatedBuffer:
             def receive() -> None:
                 held()
                 if fused:
-                    ll_kernels.ll_unpack(q, scales, rows, k, slot)
+                    kernels.ll_unpack(q, scales, rows, k, slot)
                 else:
                     tokens = torch.arange(t * k + extra, device=x.device) % max(t * k, 1) // k
                     # (as bytes: CUDA has no fp8 index_copy)
@@ -519,15 +519,6 @@ class EmulatedBuffer:
             m_recv, per_expert_list = got[0], got[1:]
             if expert_alignment > 1:
                 per_expert_list = [-(-c // expert_alignment) * expert_alignment for c in per_expert_list]
-            # where each (source rank, token) row goes: its received row, or a spare row
-            row_src = torch.zeros(t * n + 1, dtype=torch.int64, device=q.device)
-            tokens = torch.arange(t, device=q.device).repeat(n)
-            row_src.index_copy_(0, torch.where(flat, pos, t * n), tokens)
-            row_src = row_src[:m_recv]
-            row_rank = torch.zeros(t * n + 1, dtype=torch.int64, device=q.device)
-            ranks = torch.arange(n, device=q.device).repeat_interleave(t)
-            row_rank.index_copy_(0, torch.where(flat, pos, t * n), ranks)
-            row_rank = row_rank[:m_recv]
             # the send: the rows pack into the send buffer; the bytes that leave the host
             send_q = q.clone()
             send_scales = None if scales is None else scales.clone()
@@ -535,15 +526,27 @@ class EmulatedBuffer:
             units = self._quantized(self.rows_off_host(in_rank))
             held = self._hold("dispatch", units, row_bytes, fixed_us=0.0)
             held()
-            # the receive: the rows, their local top-k (-1 for experts of other ranks)
-            recv_q = send_q.index_select(0, row_src)
-            recv_scales = None if send_scales is None else send_scales.index_select(0, row_src)
-            ids = topk_idx.index_select(0, row_src)
-            mine = (torch.div(ids, n_local, rounding_mode="floor") == row_rank[:, None]) & (ids >= 0)
-            recv_ids = torch.where(mine, torch.remainder(ids, n_local), -1)
-            recv_weights = torch.where(mine, topk_weights.index_select(0, row_src).to(torch.float32), 0.0)
+            # the receive: each (source rank, token) row at its received row, with its local
+            # top-k (-1 for experts of other ranks)
+            if kernels.usable(q):
+                recv_q, recv_scales, recv_ids, recv_weights, row_src = kernels.ht_receive(
+                    send_q, send_scales, topk_idx, topk_weights, in_rank, pos, m_recv, n_local)
+            else:
+                spare = torch.where(flat, pos, t * n)
+                row_src = torch.zeros(t * n + 1, dtype=torch.int64, device=q.device)
+                row_src.index_copy_(0, spare, torch.arange(t, device=q.device).repeat(n))
+                row_src = row_src[:m_recv]
+                row_rank = torch.zeros(t * n + 1, dtype=torch.int64, device=q.device)
+                row_rank.index_copy_(0, spare, torch.arange(n, device=q.device).repeat_interleave(t))
+                row_rank = row_rank[:m_recv]
+                recv_q = send_q.index_select(0, row_src)
+                recv_scales = None if send_scales is None else send_scales.index_select(0, row_src)
+                ids = topk_idx.index_select(0, row_src)
+                mine = (torch.div(ids, n_local, rounding_mode="floor") == row_rank[:, None]) & (ids >= 0)
+                recv_ids = torch.where(mine, torch.remainder(ids, n_local), -1)
+                recv_weights = torch.where(mine, topk_weights.index_select(0, row_src).to(torch.float32), 0.0)
             recv_x = recv_q if recv_scales is None else (recv_q, recv_scales)
-            handle = _HTHandle(row_src, in_rank, t)
+            handle = _HTHandle(row_src, in_rank, t, pos)
             event = streams.finish(stream, async_finish, (q, topk_idx))
         return recv_x, recv_ids, recv_weights, per_expert_list, handle, event
 
@@ -563,9 +566,12 @@ class EmulatedBuffer:
             units = self._quantized(self.rows_off_host(handle.in_rank))
             held = self._hold("combine", units, x.shape[1] * x.element_size())
             held()
-            acc = torch.zeros((handle.num_tokens, x.shape[1]), dtype=torch.float32, device=x.device)
-            acc.index_add_(0, handle.row_src, send.float())
-            combined = acc.to(torch.bfloat16)
+            if kernels.usable(send):
+                combined = kernels.ht_combine(send, handle.in_rank, handle.pos)
+            else:
+                acc = torch.zeros((handle.num_tokens, x.shape[1]), dtype=torch.float32, device=x.device)
+                acc.index_add_(0, handle.row_src, send.float())
+                combined = acc.to(torch.bfloat16)
             event = streams.finish(stream, async_finish, (x,))
         return combined, None, event
 
@@ -584,8 +590,10 @@ class EmulatedBuffer:
 @dataclass
 class _HTHandle:
     """What a normal-mode combine needs of its dispatch: each received row's token, the
-    (token, rank) table and the number of tokens."""
+    (token, rank) table, the number of tokens and each (rank, token)'s received row
+    (``[N * T]``, valid where the table says)."""
 
     row_src: torch.Tensor
     in_rank: torch.Tensor
     num_tokens: int
+    pos: torch.Tensor

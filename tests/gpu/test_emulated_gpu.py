@@ -187,7 +187,7 @@ def test_a_captured_low_latency_step_replays_as_eager():
 @pytest.mark.parametrize("n,experts,t,k,extra",
                          [(16, 256, 128, 8, 0), (4, 16, 9, 3, 20), (256, 256, 33, 8, 0)])
 def test_the_fused_low_latency_kernels_route_as_the_torch_ops(n, experts, t, k, extra):
-    from dbo.backends.emulated import ll_kernels
+    from dbo.backends.emulated import kernels as ll_kernels
     from dbo.backends.emulated.buffer import EmulatedBuffer, EmulatedGroup
     from dbo.backends.fp8 import quantize_fp8_blocks
 
@@ -219,3 +219,45 @@ def test_the_fused_low_latency_kernels_route_as_the_torch_ops(n, experts, t, k, 
     assert torch.equal(slot["scales"][rows[valid]], scales[tokens[valid]])
     assert torch.equal(slot["src_info"][rows[valid]].long(), tokens[valid])
     assert ll_kernels.ll_remote_units(ids, buf.share_q, n_local, extra).item() == units.item()
+
+
+@pytest.mark.parametrize("n,experts,t,k,fp8", [(16, 256, 512, 8, True), (4, 16, 9, 3, False)])
+def test_the_fused_normal_mode_kernels_receive_and_combine_as_the_torch_ops(n, experts, t, k, fp8):
+    from dbo.backends.emulated import kernels
+
+    torch.manual_seed(n)
+    dev, hidden, n_local = "cuda", 7168, experts // n
+    ids = torch.stack([torch.randperm(experts)[:k] for _ in range(t)]).to(dev)
+    ids[0, 0] = -1
+    w = torch.rand(t, k, device=dev)
+    dest = torch.where(ids >= 0, ids // n_local, n)
+    in_rank = torch.zeros(t, n + 1, dtype=torch.bool, device=dev)
+    in_rank.scatter_(1, dest, True)
+    in_rank = in_rank[:, :n].contiguous()
+    flat = in_rank.t().reshape(-1)
+    pos = torch.cumsum(flat.long(), 0) - 1
+    m = int(flat.sum())
+    x = torch.randn(t, hidden, device=dev)
+    q, scales = (x.to(torch.float8_e4m3fn), torch.rand(t, hidden // 128, device=dev)) if fp8 \
+        else (x.to(torch.bfloat16), None)
+    recv_q, recv_scales, recv_ids, recv_w, row_src = kernels.ht_receive(q, scales, ids, w, in_rank, pos, m,
+                                                                        n_local)
+    spare = torch.where(flat, pos, t * n)
+    want_src = torch.zeros(t * n + 1, dtype=torch.long, device=dev)
+    want_src.index_copy_(0, spare, torch.arange(t, device=dev).repeat(n))
+    want_rank = torch.zeros(t * n + 1, dtype=torch.long, device=dev)
+    want_rank.index_copy_(0, spare, torch.arange(n, device=dev).repeat_interleave(t))
+    want_src, want_rank = want_src[:m], want_rank[:m]
+    assert torch.equal(row_src, want_src)
+    assert torch.equal(recv_q.view(torch.uint8), q.view(torch.uint8)[want_src])
+    if fp8:
+        assert torch.equal(recv_scales, scales[want_src])
+    rows_ids = ids[want_src]
+    mine = (rows_ids // n_local == want_rank[:, None]) & (rows_ids >= 0)
+    assert torch.equal(recv_ids, torch.where(mine, rows_ids % n_local, -1))
+    assert torch.equal(recv_w, torch.where(mine, w[want_src], 0.0))
+    back = torch.randn(m, hidden, device=dev).to(torch.bfloat16)
+    acc = torch.zeros(t, hidden, device=dev)
+    acc.index_add_(0, want_src, back.float())
+    # (float32 sums in another order: equal up to bf16's rounding)
+    assert relative_error(kernels.ht_combine(back, in_rank, pos), acc.to(torch.bfloat16)) < 1e-2

@@ -1,4 +1,4 @@
-"""The emulated low-latency calls' GPU work in three kernels, as DeepEP's is in two per call.
+"""The emulated calls' GPU work in a few kernels, as DeepEP's is in one or two per call.
 
 A DeepEP low-latency dispatch is one send kernel (the fp8 cast of each token, the messages per
 (token, expert) pair) and one receive kernel (the pairs into the experts' slabs); a combine is
@@ -14,6 +14,10 @@ launches and gaps would be timed as communication. Here:
   row and writes its ``src_info``.
 * :func:`ll_remote_units` is one launch: the bytes a combine sends off the host (a group
   combine masks whole experts, so it counts its own pairs).
+* :func:`ht_receive` is the receive of a normal-mode dispatch in one launch, once the host knows
+  the received count: each token's rows, scales, local top-k and weights into the rows received
+  from each rank it is "sent" to; :func:`ht_combine` is a normal-mode combine's receive, each
+  token's rows summed, in one launch.
 
 The torch route (:meth:`EmulatedBuffer.pair_rows`) is the reference the GPU test holds these to;
 the pairs of one (local expert, source rank) key take their rows in atomic order, not token order
@@ -33,7 +37,7 @@ try:
 except ImportError:  # pragma: no cover - the CPU install has no Triton
     AVAILABLE = False
 
-__all__ = ["AVAILABLE", "usable", "ll_send", "ll_unpack", "ll_remote_units"]
+__all__ = ["AVAILABLE", "usable", "ll_send", "ll_unpack", "ll_remote_units", "ht_receive", "ht_combine"]
 
 #: the fp8 cast's block, as :mod:`dbo.backends.fp8`'s
 _BLOCK = 128
@@ -147,6 +151,46 @@ if AVAILABLE:
             units += tl.where(valid, tl.load(share_ptr + dest, mask=valid, other=0), 0)
         tl.store(units_ptr, tl.sum(units, 0))
 
+    @triton.jit
+    def _ht_receive(q_ptr, scales_ptr, topk_ptr, w_ptr, in_rank_ptr, pos_ptr, recv_q_ptr, recv_scales_ptr,
+                    recv_ids_ptr, recv_w_ptr, row_src_ptr, t_count, n, n_local, k, row_bytes, num_scales,
+                    SCALES: tl.constexpr, BYTES: tl.constexpr, S_PAD: tl.constexpr, K_PAD: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        j = tl.arange(0, K_PAD)
+        jm = j < k
+        ids = tl.load(topk_ptr + t * k + j, mask=jm, other=-1)
+        w = tl.load(w_ptr + t * k + j, mask=jm, other=0.0).to(tl.float32)
+        for s in range(0, n):
+            if tl.load(in_rank_ptr + t * n + s) != 0:
+                r = tl.load(pos_ptr + s * t_count + t)
+                for off in range(0, row_bytes, BYTES):
+                    o = off + tl.arange(0, BYTES)
+                    m = o < row_bytes
+                    row = tl.load(q_ptr + t * row_bytes + o, mask=m)
+                    tl.store(recv_q_ptr + r * row_bytes + o, row, mask=m)
+                if SCALES:
+                    c = tl.arange(0, S_PAD)
+                    cm = c < num_scales
+                    tl.store(recv_scales_ptr + r * num_scales + c,
+                             tl.load(scales_ptr + t * num_scales + c, mask=cm), mask=cm)
+                mine = (ids >= 0) & (tl.where(ids >= 0, ids, 0) // n_local == s)
+                tl.store(recv_ids_ptr + r * k + j, tl.where(mine, tl.where(ids >= 0, ids, 0) % n_local, -1),
+                         mask=jm)
+                tl.store(recv_w_ptr + r * k + j, tl.where(mine, w, 0.0), mask=jm)
+                tl.store(row_src_ptr + r, t)
+
+    @triton.jit
+    def _ht_combine(x_ptr, in_rank_ptr, pos_ptr, out_ptr, t_count, n, hidden, BLOCK: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        hm = h < hidden
+        acc = tl.zeros([BLOCK], tl.float32)
+        for s in range(0, n):
+            if tl.load(in_rank_ptr + t * n + s) != 0:
+                r = tl.load(pos_ptr + s * t_count + t)
+                acc += tl.load(x_ptr + r * hidden + h, mask=hm, other=0.0).to(tl.float32)
+        tl.store(out_ptr + t * hidden + h, acc.to(out_ptr.dtype.element_ty), mask=hm)
+
 
 def ll_send(x: torch.Tensor, topk_idx: torch.Tensor, share_q: torch.Tensor, slot: dict[str, torch.Tensor],
             *, n: int, n_local: int, cap: int, use_fp8: bool, extra: int = 0
@@ -216,3 +260,51 @@ def ll_remote_units(topk_idx: torch.Tensor, share_q: torch.Tensor, n_local: int,
     _units[(1,)](topk_idx.contiguous(), share_q, units, topk_idx.numel() + extra, max(topk_idx.numel(), 1),
                  n_local, PAIRS=1024, num_warps=4)
     return units
+
+
+def ht_receive(q: torch.Tensor, scales: torch.Tensor | None, topk_idx: torch.Tensor,
+               topk_weights: torch.Tensor, in_rank: torch.Tensor, pos: torch.Tensor, m_recv: int, n_local: int
+               ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The receive of a normal-mode dispatch, one launch. ``q`` ``[T, hidden]`` (the send buffer;
+    ``scales`` ``[T, hidden / 128]`` float32 with fp8), ``topk_idx`` ``[T, k]`` int64,
+    ``topk_weights`` ``[T, k]``, ``in_rank`` ``[T, N]`` bool, ``pos`` ``[N * T]`` int64 (the
+    received row of (rank ``s``, token ``t``) at ``s * T + t``, where ``in_rank[t, s]``),
+    ``m_recv`` rows received. Returns ``(recv_q [M, hidden], recv_scales [M, hidden / 128] or
+    None, recv_ids [M, k] int64 (local ids, -1 for other ranks' experts), recv_weights [M, k]
+    float32, row_src [M] int64)``."""
+    t, k = topk_idx.shape
+    n = in_rank.shape[1]
+    dev = q.device
+    recv_q = torch.empty((m_recv, q.shape[1]), dtype=q.dtype, device=dev)
+    recv_scales = None if scales is None else torch.empty((m_recv, scales.shape[1]), dtype=scales.dtype,
+                                                          device=dev)
+    recv_ids = torch.empty((m_recv, k), dtype=torch.int64, device=dev)
+    recv_w = torch.empty((m_recv, k), dtype=torch.float32, device=dev)
+    row_src = torch.empty(m_recv, dtype=torch.int64, device=dev)
+    if m_recv == 0 or t == 0:
+        return recv_q, recv_scales, recv_ids, recv_w, row_src
+    row_bytes = q.shape[1] * q.element_size()
+    num_scales = 0 if scales is None else scales.shape[1]
+    _ht_receive[(t,)](
+        q.contiguous().view(torch.uint8), scales if scales is not None else recv_w, topk_idx.contiguous(),
+        topk_weights.contiguous(), in_rank.contiguous().view(torch.uint8), pos, recv_q.view(torch.uint8),
+        recv_scales if recv_scales is not None else recv_w, recv_ids, recv_w, row_src, t, n, n_local, k,
+        row_bytes, max(num_scales, 1), SCALES=scales is not None,
+        BYTES=min(4096, triton.next_power_of_2(row_bytes)),
+        S_PAD=triton.next_power_of_2(max(num_scales, 1)), K_PAD=triton.next_power_of_2(k), num_warps=4)
+    return recv_q, recv_scales, recv_ids, recv_w, row_src
+
+
+def ht_combine(x: torch.Tensor, in_rank: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """The receive of a normal-mode combine, one launch: token ``t``'s rows ``x[pos[s * T + t]]``
+    over the ranks ``s`` with ``in_rank[t, s]``, summed in float32, ``[T, hidden]`` in ``x``'s
+    dtype."""
+    t, n = in_rank.shape
+    hidden = x.shape[1]
+    out = torch.empty((t, hidden), dtype=x.dtype, device=x.device)
+    if t == 0:
+        return out
+    block = min(1024, triton.next_power_of_2(hidden))
+    _ht_combine[(t, triton.cdiv(hidden, block))](x.contiguous(), in_rank.contiguous().view(torch.uint8), pos,
+                                                 out, t, n, hidden, BLOCK=block, num_warps=4)
+    return out
