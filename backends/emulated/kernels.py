@@ -116,8 +116,9 @@ if AVAILABLE:
             mask = (b * 128 < hidden) & (c < 128)
             v = tl.load(x_ptr + t * hidden + b * 128 + c, mask=mask, other=0.0).to(tl.float32)
             amax = tl.maximum(tl.max(tl.abs(v), 1), 1e-4)
-            scale = amax / 448.0
-            q = tl.clamp(v / scale[:, None], -448.0, 448.0)
+            # IEEE divisions (Triton's plain one is approximate), so the cast rounds as torch's
+            scale = tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
+            q = tl.clamp(tl.math.div_rn(v, tl.broadcast_to(scale[:, None], v.shape)), -448.0, 448.0)
             tl.store(q_ptr + t * hidden + b * 128 + c, q.to(tl.float8e4nv), mask=mask)
             bb = tl.arange(0, BLOCKS)
             tl.store(scales_ptr + t * (hidden // 128) + bb, scale, mask=bb * 128 < hidden)
