@@ -40,7 +40,8 @@ def test_grid_times_every_implementation_and_outputs_agree():
         assert all(v["median_ms"] > 0 for v in r["results"].values())
         assert r["results"]["device"]["rel_err"] < 1e-6
     table = format_rows(rows, "host").splitlines()
-    assert len(table) == 1 + len(rows) and "device/host" in table[0]
+    assert len(table) == 1 + len(rows) + 1 and "device/host" in table[0]
+    assert table[-1].startswith("  hidden, I: ") and "A/B: A's time / host's" in table[-1]  # the columns
     case = make_case(40, 32, 16, 2, num_experts=8, topk=3, dtype=torch.float32, device="cpu", seed=40)
     out = apply_experts(SwiGLUExperts(use_triton=False), case, False, Workspace())
     assert relative_error(out, reference_moe(case.x, case.w1, case.w2, case.weights, case.ids)) < 1e-5

@@ -51,7 +51,7 @@ def _interrupted(argv: list[str], tmp_path: Path, line: str, *, nproc: int | Non
 @pytest.mark.multiproc
 def test_demo_under_two_ranks(tmp_path):
     _interrupted([DEMO, "--steps", "100000"], tmp_path, "moe_overlap.py: interrupted (Ctrl-C)",
-                 nproc=2, interrupt=3.0)
+                 nproc=2, interrupt=6.0)
     assert not (tmp_path / "moe_overlap.trace.json").exists()
 
 
@@ -71,7 +71,7 @@ def test_bench_hf_generate_under_two_ranks_removes_its_checkpoint(tmp_path):
 
 def test_bench_switch_plain_python(tmp_path):
     _interrupted(["-m", "dbo.bench", "switch", "--repeats", "1000000"], tmp_path,
-                 "python -m dbo.bench switch: interrupted (Ctrl-C)", interrupt=2.0)
+                 "python -m dbo.bench switch: interrupted (Ctrl-C)", interrupt=3.0)
 
 
 PROGRAM = """
