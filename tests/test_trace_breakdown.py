@@ -29,7 +29,9 @@ def _breakdown(tmp_path, serial: list[dict], dbo: list[dict], gz: bool = False) 
     assert run.returncode == 0, run.stdout + run.stderr
     out = run.stdout
     rows = {}
-    for line in out.splitlines()[1:-2]:  # the last two: the overlap arithmetic, the verdict
+    lines = out.splitlines()
+    assert lines[-3].startswith("  serial ms, DBO ms: "), out  # the columns, under the table
+    for line in lines[1:-3]:  # the last three: the legend, the overlap arithmetic, the verdict
         if line.endswith(":"):  # a heading
             continue
         *label, a, b, r = line.split()
