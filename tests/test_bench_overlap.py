@@ -317,8 +317,23 @@ def test_cuda_graph_rows_in_the_table(naive_run):
     lines = format_table(dict(bundle, shapes=shapes)).splitlines()
     head = next(i for i, ln in enumerate(lines) if ln.startswith("CUDA graph"))
     rows = [ln.split() for ln in lines[head + 2:head + 5]]
-    assert rows[0][-4:] == ["0.80", "0.800", "0.95", "0.950"] and rows[1][-4:] == ["-"] * 4
+    assert rows[0][8:12] == ["0.80", "0.800", "0.95", "0.950"] and rows[1][8:12] == ["-"] * 4
     assert rows[2][:3] == ["256", str(shape["intermediate"]), "FAILED:"]
+
+
+def test_the_graph_bound_is_the_serial_replay_over_the_larger_part():
+    from dbo.bench.overlap.capture import graph_bound
+
+    res = {"graph_serial_ms": 1.0, "graph_dbo_ms": 0.9, "graph_merged_ms": 0.8, "graph_sbo_ms": 0.95,
+           "graph_compute_ms": 0.4, "graph_comm_ms": 0.7}
+    graph_bound(res)
+    assert res["graph_best"] == "merged" and res["graph_best_ms"] == 0.8
+    assert res["graph_best_speedup"] == pytest.approx(1.25)
+    assert res["graph_bound_speedup"] == pytest.approx(1 / 0.7)
+    assert res["graph_efficiency"] == pytest.approx(0.2 / 0.4)
+    res = {"graph_serial_ms": 1.0, "graph_dbo_ms": 1.1}  # no parts alone: no bound
+    graph_bound(res)
+    assert res["graph_best_speedup"] == pytest.approx(1 / 1.1) and "graph_bound_speedup" not in res
 
 
 def test_sbo_mode_is_measured_and_checked(tmp_path):

@@ -194,17 +194,27 @@ class EmulatedBuffer:
 
     # ---- the link ---------------------------------------------------------------------------
 
-    def _hold(self, phase: str, units_q: torch.Tensor, unit_bytes: float, fixed_us: float | None = None
-              ) -> Callable[[], None]:
+    def _hold(self, phase: str, units_q: torch.Tensor, unit_bytes: float, fixed_us: float | None = None,
+              begun: torch.Tensor | None = None) -> Callable[[], None]:
         """Queue a flow of ``units_q / 1024 * unit_bytes`` bytes (``units_q``: a one-element int64
         tensor on the device, counted from the routing in 1/1024 units) ready at this point of the
         current stream; returns what its receiver calls first. ``fixed_us``: instead of the
-        phase's fixed cost."""
+        phase's fixed cost. ``begun``: where the call's first kernel stamped the GPU's global
+        timer (:meth:`_stamp`): the NIC-like link counts the fixed cost from there."""
         if self._server is None:
             return _nothing
         start = self._server.start(self.device)
         return self._server.hold(start, self.device, phase, count=units_q,
-                                 bytes_per_count=unit_bytes / 1024, fixed_us=fixed_us)
+                                 bytes_per_count=unit_bytes / 1024, fixed_us=fixed_us, begun=begun)
+
+    def _stamp(self, fused: bool) -> torch.Tensor | None:
+        """Where a fused send kernel stamps its start (``[1]`` int64), when a link holds the call:
+        DeepEP's published times count a call from its kernels' start, its own work included,
+        so the emulation's own work (routing, the cast, packing) is part of the modelled time, not
+        added to it."""
+        if not fused or self._server is None:
+            return None
+        return torch.empty(1, dtype=torch.int64, device=self.device)
 
     @staticmethod
     def _quantized(units: torch.Tensor) -> torch.Tensor:
@@ -224,13 +234,14 @@ class EmulatedBuffer:
         return ids.view(-1, 1)
 
     def remote_units(self, topk_idx: torch.Tensor, n_local: int, dest: torch.Tensor | None = None, *,
-                     extra: int = 0) -> torch.Tensor:
+                     extra: int = 0, begun: torch.Tensor | None = None) -> torch.Tensor:
         """The (token, expert) pairs of ``topk_idx`` ``[T, k]`` (and ``extra`` copies of its first
         ones in turn) that leave the host, each weighted by its destination's share of bytes that
         cross the link, in 1/1024 units: ``[1]`` int64 (a low-latency call sends one message per
-        pair). ``dest``: the pairs' destination ranks ``[T * k]``, where known."""
+        pair). ``dest``: the pairs' destination ranks ``[T * k]``, where known. ``begun``: where
+        the fused kernel stamps its start (:meth:`_stamp`)."""
         if dest is None and kernels.usable(topk_idx):
-            return kernels.ll_remote_units(topk_idx, self.share_q, n_local, extra)
+            return kernels.ll_remote_units(topk_idx, self.share_q, n_local, extra, begun=begun)
         if extra:
             topk_idx = self._with_extra(topk_idx, extra)
         if dest is None:
@@ -334,10 +345,11 @@ class EmulatedBuffer:
                 + DISPATCH_PAIR_EXTRA_BYTES
             fused = kernels.usable(x)
             extra = self.extra_pairs(t * k)
+            begun = self._stamp(fused)
             if fused:
                 q, scales, rows, rows0, units = kernels.ll_send(
                     x, topk_idx, self.share_q, slot, n=n, n_local=n_local, cap=cap, use_fp8=use_fp8,
-                    extra=extra)
+                    extra=extra, begun=begun)
             else:
                 q, scales = quantize_fp8_blocks(x) if use_fp8 else (x, None)
                 ids = self._with_extra(topk_idx, extra)
@@ -350,7 +362,7 @@ class EmulatedBuffer:
             # the combine of this dispatch finds its pairs' rows here (a group combine
             # masks whole experts' ids, which moves no other pair's row)
             slot["pair_rows"] = rows0
-            held = self._hold("dispatch", units, pair_bytes)
+            held = self._hold("dispatch", units, pair_bytes, begun=begun)
 
             def receive() -> None:
                 held()
@@ -429,10 +441,12 @@ class EmulatedBuffer:
             else:  # a handle whose tensors were copied out of the buffer (sbo+dbo)
                 rows0 = self._rows_from_handle(handle, topk_idx, extra)
             # (a group's combine masks whole experts' ids: the others' rows do not move, and the
-            # bytes are its own pairs'); the extra pairs go back to their ranks, not summed here
+            # bytes are its own pairs'); the extra pairs go back to their ranks, not summed here.
+            # The count first: its kernel stamps the call's start
+            begun = self._stamp(kernels.usable(topk_idx))
+            units = self.remote_units(topk_idx, n_local, extra=extra, begun=begun)
             wire = x.reshape(n_local * cap, hidden).index_select(0, rows0)
-            units = self.remote_units(topk_idx, n_local, extra=extra)
-            held = self._hold("combine", units, hidden * 2)
+            held = self._hold("combine", units, hidden * 2, begun=begun)
             slots = torch.arange(t * k, device=x.device).view(t, k)
             weights = topk_weights.to(torch.float32)
             local = topk_idx >= 0

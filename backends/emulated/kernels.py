@@ -14,6 +14,11 @@ launches and gaps would be timed as communication. Here:
   row and writes its ``src_info``.
 * :func:`ll_remote_units` is one launch: the bytes a combine sends off the host (a group
   combine masks whole experts, so it counts its own pairs).
+
+The send kernels can stamp the GPU's global timer (ns) when they begin (``begun``): the call's
+start, from which a NIC-like link counts the call's fixed cost, so that the emulation's own work
+(routing, the cast, packing) runs inside the modelled time as DeepEP's own kernels do in its
+published figures (:func:`dbo.backends.simulated_link.wall_wait.nic_flow`).
 * :func:`ht_receive` is the receive of a normal-mode dispatch in one launch, once the host knows
   the received count: each token's rows, scales, local top-k and weights into the rows received
   from each rank it is "sent" to; :func:`ht_combine` is a normal-mode combine's receive, each
@@ -32,6 +37,7 @@ import torch
 try:
     import triton
     import triton.language as tl
+    from triton.language.extra.cuda import globaltimer
 
     AVAILABLE = True
 except ImportError:  # pragma: no cover - the CPU install has no Triton
@@ -102,11 +108,13 @@ if AVAILABLE:
 
     @triton.jit
     def _send(x_ptr, q_ptr, scales_ptr, topk_ptr, share_ptr, hist_ptr, cursor_ptr, rows_ptr,
-              rows0_ptr, count_ptr, layout_ptr, units_ptr, num_pairs, src_pairs, n, n_local, cap, hidden,
-              FP8: tl.constexpr, E_PAD: tl.constexpr, L_PAD: tl.constexpr, PAIRS: tl.constexpr,
-              BLOCKS: tl.constexpr):
+              rows0_ptr, count_ptr, layout_ptr, units_ptr, begun_ptr, num_pairs, src_pairs, n, n_local, cap,
+              hidden, FP8: tl.constexpr, E_PAD: tl.constexpr, L_PAD: tl.constexpr, PAIRS: tl.constexpr,
+              BLOCKS: tl.constexpr, STAMP: tl.constexpr):
         pid = tl.program_id(0)
         if pid == 0:
+            if STAMP:
+                tl.store(begun_ptr, globaltimer())
             _route(topk_ptr, share_ptr, hist_ptr, cursor_ptr, rows_ptr, rows0_ptr, count_ptr,
                    layout_ptr, units_ptr, num_pairs, src_pairs, n, n_local, cap, E_PAD, L_PAD, PAIRS)
         elif FP8:
@@ -116,8 +124,11 @@ if AVAILABLE:
             mask = (b * 128 < hidden) & (c < 128)
             v = tl.load(x_ptr + t * hidden + b * 128 + c, mask=mask, other=0.0).to(tl.float32)
             amax = tl.maximum(tl.max(tl.abs(v), 1), 1e-4)
-            # IEEE divisions (Triton's plain one is approximate), so the cast rounds as torch's
-            scale = tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
+            # as torch's: the scale times the float32 reciprocal of 448 (torch multiplies by the
+            # reciprocal of a scalar divisor), the values by an IEEE division (Triton's plain one
+            # is approximate)
+            inv = tl.math.div_rn(tl.full(amax.shape, 1.0, tl.float32), tl.full(amax.shape, 448.0, tl.float32))
+            scale = amax * inv
             q = tl.clamp(tl.math.div_rn(v, tl.broadcast_to(scale[:, None], v.shape)), -448.0, 448.0)
             tl.store(q_ptr + t * hidden + b * 128 + c, q.to(tl.float8e4nv), mask=mask)
             bb = tl.arange(0, BLOCKS)
@@ -142,7 +153,10 @@ if AVAILABLE:
         tl.store(src_ptr + row, token.to(tl.int32))
 
     @triton.jit
-    def _units(topk_ptr, share_ptr, units_ptr, num_pairs, src_pairs, n_local, PAIRS: tl.constexpr):
+    def _units(topk_ptr, share_ptr, units_ptr, begun_ptr, num_pairs, src_pairs, n_local, PAIRS: tl.constexpr,
+               STAMP: tl.constexpr):
+        if STAMP:
+            tl.store(begun_ptr, globaltimer())
         units = tl.zeros([PAIRS], tl.int64)
         for start in range(0, num_pairs, PAIRS):
             p = start + tl.arange(0, PAIRS)
@@ -194,7 +208,8 @@ if AVAILABLE:
 
 
 def ll_send(x: torch.Tensor, topk_idx: torch.Tensor, share_q: torch.Tensor, slot: dict[str, torch.Tensor],
-            *, n: int, n_local: int, cap: int, use_fp8: bool, extra: int = 0
+            *, n: int, n_local: int, cap: int, use_fp8: bool, extra: int = 0,
+            begun: torch.Tensor | None = None
             ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The send of a low-latency dispatch, one launch.
 
@@ -202,7 +217,8 @@ def ll_send(x: torch.Tensor, topk_idx: torch.Tensor, share_q: torch.Tensor, slot
     ``[n]`` int64, each destination rank's share of its bytes that crosses the link, x 1024;
     ``extra``: pairs that arrive beyond the rank's own, copies of its first ones in turn (the
     peers' pairs a hot rank receives). Writes the slot's ``count`` ``[L]`` int32 and
-    ``layout_range`` ``[L, n]`` int64 (DeepEP's ``(begin << 32) | count``).
+    ``layout_range`` ``[L, n]`` int64 (DeepEP's ``(begin << 32) | count``), and into ``begun``
+    (``[1]`` int64, if given) the global timer when the kernel began.
 
     Returns ``(q, scales, rows, rows0, units_q)``: the send buffer (``[T, hidden]`` fp8 and
     ``[T, hidden / 128]`` float32 with ``use_fp8``, else ``x`` and None); each pair's slab row,
@@ -226,10 +242,11 @@ def ll_send(x: torch.Tensor, topk_idx: torch.Tensor, share_q: torch.Tensor, slot
         q, scales = x, None
     _send[(1 + (t if use_fp8 else 0),)](
         x, q, scales if scales is not None else units, topk_idx.contiguous(), share_q, hist, cursor,
-        rows, rows0, slot["count"], slot["layout_range"], units, t * k + extra, max(t * k, 1), n, n_local,
-        cap, hidden,
+        rows, rows0, slot["count"], slot["layout_range"], units, units if begun is None else begun,
+        t * k + extra, max(t * k, 1), n, n_local, cap, hidden,
         FP8=use_fp8, E_PAD=triton.next_power_of_2(num_keys), L_PAD=triton.next_power_of_2(n_local),
-        PAIRS=1024, BLOCKS=triton.next_power_of_2(max(hidden // _BLOCK, 1)), num_warps=4)
+        PAIRS=1024, BLOCKS=triton.next_power_of_2(max(hidden // _BLOCK, 1)), STAMP=begun is not None,
+        num_warps=4)
     return q, scales, rows, rows0, units
 
 
@@ -253,13 +270,15 @@ def ll_unpack(q: torch.Tensor, scales: torch.Tensor | None, rows: torch.Tensor, 
         num_warps=4)
 
 
-def ll_remote_units(topk_idx: torch.Tensor, share_q: torch.Tensor, n_local: int, extra: int = 0
-                    ) -> torch.Tensor:
+def ll_remote_units(topk_idx: torch.Tensor, share_q: torch.Tensor, n_local: int, extra: int = 0,
+                    begun: torch.Tensor | None = None) -> torch.Tensor:
     """The pairs of ``topk_idx`` ``[T, k]`` and ``extra`` copies of its first pairs in turn that
-    leave the host, x 1024 (``share_q`` per destination rank), ``[1]`` int64, one launch."""
+    leave the host, x 1024 (``share_q`` per destination rank), ``[1]`` int64, one launch; into
+    ``begun`` (``[1]`` int64, if given) the global timer when it began."""
     units = torch.empty(1, dtype=torch.int64, device=topk_idx.device)
-    _units[(1,)](topk_idx.contiguous(), share_q, units, topk_idx.numel() + extra, max(topk_idx.numel(), 1),
-                 n_local, PAIRS=1024, num_warps=4)
+    _units[(1,)](topk_idx.contiguous(), share_q, units, units if begun is None else begun,
+                 topk_idx.numel() + extra, max(topk_idx.numel(), 1), n_local, PAIRS=1024,
+                 STAMP=begun is not None, num_warps=4)
     return units
 
 

@@ -229,11 +229,13 @@ class LinkServer:
 
     def hold(self, start: Any, device: torch.device, phase: str, *, nbytes: float = 0.0,
              count: torch.Tensor | None = None, bytes_per_count: float = 0.0,
-             fixed_us: float | None = None) -> Callable[[], None]:
+             fixed_us: float | None = None, begun: torch.Tensor | None = None) -> Callable[[], None]:
         """Queue a flow of ``phase`` ready at ``start`` with ``nbytes`` remote bytes, or
         ``count * bytes_per_count`` with ``count`` a one-element int64 tensor counted on the
         device (kept from reuse until the flow has read it), and the phase's fixed cost (or
-        ``fixed_us``). Returns the receiver's wait."""
+        ``fixed_us``). ``begun``: where the call stamped the GPU's global timer when it began
+        (:meth:`NicGpu.flow`); the NIC-like link counts the fixed cost from there. Returns the
+        receiver's wait."""
         link = self.link
         fixed = link.fixed_us(phase) if fixed_us is None else fixed_us
         if count is not None and device.type != "cuda":
@@ -242,6 +244,7 @@ class LinkServer:
             if _wall_wait.AVAILABLE:
                 done = NIC_GPU.flow(device, start, gbps=link.gbps, fixed_us=fixed, nbytes=nbytes,
                                     count=count, bytes_per_count=bytes_per_count,
+                                    begun=None if link.order == "host" else begun,
                                     host_order=link.order == "host")
             elif link.order == "host" and count is None:  # SM cycles, on the host-order link stream
                 stream = LINK_STREAMS.get(device)

@@ -9,6 +9,11 @@ is a latency: two flows pay theirs at the same time. So a flow ready at ``t0`` a
 
     arrival = (the time processor sharing has served its bytes, from t0) + fixed_us
 
+On the GPU a call may stamp when it began (its first kernel's start, before the flow's data is
+ready): the fixed cost then counts from that stamp, so the call's own work before the flow (the
+emulated rank's routing, cast and packing) is part of it, as DeepEP's own kernels are part of its
+published per-call times; the arrival is the served bytes plus what is left of the fixed cost.
+
 :func:`serve` is that model in plain Python, the reference the tests hold both runtimes to:
 
 * :class:`NicGpu` queues each flow as one warp of a GPU kernel on a stream of its own (a pool
@@ -138,6 +143,7 @@ class NicGpu:
     def __init__(self) -> None:
         self._state: dict[int, torch.Tensor] = {}
         self._one: dict[int, torch.Tensor] = {}
+        self._zero: dict[int, torch.Tensor] = {}
         self._streams: dict[int, list[torch.cuda.Stream]] = {}
         self._next: dict[int, int] = {}
 
@@ -152,18 +158,23 @@ class NicGpu:
             # row is the host-order queue's (its flows never overlap: one stream)
             self._state[idx] = torch.zeros(2, 4, dtype=torch.int64, device=f"cuda:{idx}")
             self._one[idx] = torch.ones(1, dtype=torch.int64, device=f"cuda:{idx}")
+            self._zero[idx] = torch.zeros(1, dtype=torch.int64, device=f"cuda:{idx}")
             # the last stream is the host-order queue's
             self._streams[idx] = [torch.cuda.Stream(priority=-1) for _ in range(NIC_STREAMS + 1)]
             self._next[idx] = 0
 
     def flow(self, device: torch.device, ready: torch.cuda.Event, *, gbps: float, fixed_us: float,
              nbytes: float = 0.0, count: torch.Tensor | None = None,
-             bytes_per_count: float = 0.0, host_order: bool = False) -> torch.cuda.Event:
+             bytes_per_count: float = 0.0, begun: torch.Tensor | None = None,
+             host_order: bool = False) -> torch.cuda.Event:
         """Queue one flow that is ready when ``ready`` completes; returns the event of its arrival.
 
         Its bytes are ``nbytes`` (known on the host), or ``count * bytes_per_count`` with
         ``count`` a one-element int64 tensor on the device (counted there, read when the flow
         starts; its memory is kept from reuse until the flow has read it).
+        ``begun``: a one-element int64 tensor on the device where the call stamped the global
+        timer (ns) when it began: the fixed cost counts from there (the call's own work before
+        the flow is part of it), as DeepEP's figures count a call from its kernels' start.
         ``host_order``: queue it behind the flows queued before it in this mode instead (one
         queue in the host's order, each flow at the full rate in turn).
         """
@@ -183,9 +194,13 @@ class NicGpu:
             # free and reuse its memory: a reused count is a garbage byte count, a flow that
             # never ends
             count.record_stream(stream)
+        if begun is None:
+            begun = self._zero[idx]
+        else:
+            begun.record_stream(stream)
         stream.wait_event(ready)
         with torch.cuda.stream(stream):  # no yield inside
-            wall_wait.nic_flow(state, count_t, unit_q=round(unit * 1024),
+            wall_wait.nic_flow(state, count_t, begun, unit_q=round(unit * 1024),
                                rate_q=round(gbps * 1024), fixed_ns=round(fixed_us * 1e3))
             done = torch.cuda.Event()
             done.record()
@@ -195,6 +210,7 @@ class NicGpu:
         """Forget the states and streams (with no flow in flight)."""
         self._state.clear()
         self._one.clear()
+        self._zero.clear()
         self._streams.clear()
         self._next.clear()
 

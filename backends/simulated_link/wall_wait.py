@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import os
 
+import torch
+
 __all__ = ["AVAILABLE", "MAX_NS", "wait_wall_ns", "nic_flow"]
 
 #: the longest wait one launch takes (an int32 argument: one specialization for every length)
@@ -46,10 +48,11 @@ if AVAILABLE:
         tl.atomic_xchg(state, tl.full((), 0, tl.int64))
 
     @triton.jit
-    def _nic_flow_kernel(state, count_ptr, unit_q, rate_q, fixed_ns, poll_ns):
+    def _nic_flow_kernel(state, count_ptr, begun_ptr, unit_q, rate_q, fixed_ns, poll_ns):
         # state: [lock, flows sending, last update (ns), bytes served per flow so far (x 1024)];
         # processor sharing: while n flows send, each is served rate / n, so the bytes served per
         # flow grow by dt * rate / n; a flow that joined when they stood at v is done at v + need
+        start = globaltimer()
         need = tl.load(count_ptr) * unit_q
         if need > 0:
             _lock(state)
@@ -84,22 +87,35 @@ if AVAILABLE:
                     t = globaltimer()
                     while t < until:
                         t = globaltimer()
+        # the fixed cost is a latency counted from the call's start, where the call stamped it:
+        # the time between that and this flow's start (the call's own work) is part of it
+        fixed = tl.full((), 0, tl.int64) + fixed_ns  # (an int argument of 1 is a constexpr)
+        begun = tl.load(begun_ptr)
+        if begun > 0:
+            fixed = tl.maximum(fixed - (start - begun), 0)
         t0 = globaltimer()
         t = t0
-        while t - t0 < fixed_ns:
+        while t - t0 < fixed:
             t = globaltimer()
 
 
-def nic_flow(state, count, *, unit_q: int, rate_q: int, fixed_ns: int, poll_ns: int = 2000) -> None:
+def nic_flow(state, count, begun=None, *, unit_q: int, rate_q: int, fixed_ns: int, poll_ns: int = 2000
+             ) -> None:
     """Queue one NIC flow's wait on the current CUDA stream: ``count[0] * unit_q / 1024`` bytes
     served by processor sharing at ``rate_q / 1024`` bytes per ns among the flows of ``state``
     (int64 ``[4]``, zeros at first, one per link), then ``fixed_ns``. One warp; the flows poll
-    the shared state at most every ``poll_ns`` (a flow that ends is seen within that)."""
+    the shared state at most every ``poll_ns`` (a flow that ends is seen within that).
+
+    ``begun``: a ``[1]`` int64 tensor holding the global timer (ns) when the flow's call began
+    (0: unknown, the fixed cost starts after the bytes); the fixed cost then counts from there,
+    less what has passed before the flow starts, none below zero."""
     if not AVAILABLE:
         raise RuntimeError("nic_flow needs Triton, not importable here or run by its interpreter")
     from dbo.kernels.triton_launch import launch
 
-    launch(_nic_flow_kernel, (1,), (state, count, int(unit_q), max(int(rate_q), 1),
+    if begun is None:
+        begun = torch.zeros(1, dtype=torch.int64, device=count.device)
+    launch(_nic_flow_kernel, (1,), (state, count, begun, int(unit_q), max(int(rate_q), 1),
                                    max(int(fixed_ns), 0), int(poll_ns)), {"num_warps": 1})
 
 

@@ -2,11 +2,12 @@
 settings: 128 tokens per rank, hidden 7168, top-8 of 256 experts, FP8 dispatch, BF16 combine) at
 EP 16/32/64/128/256 under a link, against DeepEP's published internode table.
 
-    python tools/probes/emulated_comm.py [--link deepep-ib] [--steps 30] [--json OUT]
+    python tools/probes/emulated_comm.py [--link deepep-ib] [--steps 30] [--calls 8] [--json OUT]
 
-Each figure is the median over ``--steps`` replays of one call captured in a CUDA graph (CUDA
-events around the replay; the send and the receive in one call, as DeepEP's test times its
-kernels; no host launch time), uniform random routing.
+Each figure is the median over ``--steps`` replays of a CUDA graph holding ``--calls`` calls one
+after the other, divided by ``--calls`` (CUDA events around the replay; the send and the receive
+in one call, as DeepEP's test times its kernels; no host launch time, and the replay's own launch
+spread over the calls), uniform random routing. DeepEP's figures are its kernels' durations.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from dbo.backends.simulated_link import SimulatedLink
 from dbo.backends.simulated_link.presets import DEEPEP_LL_SHAPE, DEEPEP_LL_TABLE, fit_report
 
 
-def _time(fn, steps: int) -> float:
+def _time(fn, steps: int, calls: int) -> float:
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     graph = torch.cuda.CUDAGraph()
@@ -32,7 +33,8 @@ def _time(fn, steps: int) -> float:
         fn()
         torch.cuda.synchronize()
         with torch.cuda.graph(graph, stream=stream):
-            fn()
+            for _ in range(calls):
+                fn()
     torch.cuda.synchronize()
     times = []
     for _ in range(steps):
@@ -41,11 +43,11 @@ def _time(fn, steps: int) -> float:
         graph.replay()
         b.record()
         b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
+        times.append(a.elapsed_time(b) * 1e3 / calls)
     return statistics.median(times)
 
 
-def measure(ep: int, link: SimulatedLink | None, steps: int) -> tuple[float, float]:
+def measure(ep: int, link: SimulatedLink | None, steps: int, calls: int = 8) -> tuple[float, float]:
     shape = DEEPEP_LL_SHAPE
     t, k, hidden, experts = shape["tokens"], shape["topk"], shape["hidden"], shape["num_experts"]
     buf = EmulatedBuffer(EmulatedGroup(ep, 0, shape["gpus_per_host"]), low_latency_mode=True,
@@ -69,8 +71,8 @@ def measure(ep: int, link: SimulatedLink | None, steps: int) -> tuple[float, flo
         dispatch()
         combine()
     torch.cuda.synchronize()
-    d = _time(dispatch, steps)
-    c = _time(combine, steps)
+    d = _time(dispatch, steps, calls)
+    c = _time(combine, steps, calls)
     return d, c
 
 
@@ -78,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--link", default="deepep-ib")
     p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--calls", type=int, default=8, help="calls per captured graph (default 8)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -89,8 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     print(" EP  dispatch us (DeepEP, x)   combine us (DeepEP, x)   no-link dispatch / combine us")
     rows = {}
     for ep, (dd, dc) in DEEPEP_LL_TABLE.items():
-        d0, c0 = measure(ep, None, args.steps)
-        d, c = measure(ep, link, args.steps)
+        d0, c0 = measure(ep, None, args.steps, args.calls)
+        d, c = measure(ep, link, args.steps, args.calls)
         EMULATED.reset()
         rows[ep] = {"dispatch_us": d, "combine_us": c, "deepep_dispatch_us": dd, "deepep_combine_us": dc,
                     "nolink_dispatch_us": d0, "nolink_combine_us": c0}

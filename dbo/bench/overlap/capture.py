@@ -73,8 +73,11 @@ def traces(sb: ShapeBench, profile: bool, out_dir: Path) -> dict | None:
 
 def _capture(sb: ShapeBench, mode: str, res: dict[str, Any], graphs: list[Any]) -> torch.Tensor:
     """Time ``mode``'s eager step, capture it whole, replay it: its figures into ``res``."""
-    sb.use_best(mode)
-    fn = sb.step(mode)
+    if mode in sb.alone:  # "compute", "comm"
+        fn = sb.alone[mode]()
+    else:
+        sb.use_best(mode)
+        fn = sb.step(mode)
     eager = fn()
     res[f"eager_{mode}_ms"] = measure(fn, warmup=1, steps=sb.opts.steps, device=sb.device,
                                       memory=False).median_ms / sb.layers
@@ -118,6 +121,23 @@ def _clean_after_failed_capture(sb: ShapeBench, res: dict[str, Any], key: str) -
         raise
 
 
+def graph_bound(res: dict[str, Any]) -> None:
+    """The replayed schedules against the bound, into ``res``: ``graph_best_ms`` (the fastest
+    overlapped schedule replayed) and, where the compute and the comm alone were replayed,
+    ``graph_bound_speedup`` (serial / max(compute, comm)), ``graph_best_speedup`` (serial /
+    best) and ``graph_efficiency`` ((serial - best) / min(compute, comm): the share of the
+    hideable time hidden)."""
+    tried = {m: res[f"graph_{m}_ms"] for m in ("dbo", "merged", "sbo", "sbo_dbo") if f"graph_{m}_ms" in res}
+    best = min(tried, key=tried.get)
+    res["graph_best"], res["graph_best_ms"] = best, tried[best]
+    serial = res["graph_serial_ms"]
+    res["graph_best_speedup"] = serial / tried[best]
+    c, x = res.get("graph_compute_ms"), res.get("graph_comm_ms")
+    if c and x:
+        res["graph_bound_speedup"] = serial / max(c, x)
+        res["graph_efficiency"] = (serial - tried[best]) / min(c, x)
+
+
 def cuda_graph(sb: ShapeBench) -> None:
     """Capture a whole serial, DBO (split), merged-schedule and sbo step; replay; compare with
     eager. The merged and sbo captures are optional (``--modes``): where one fails, the serial
@@ -142,8 +162,12 @@ def cuda_graph(sb: ShapeBench) -> None:
             res["error"] = f"{type(exc).__name__}: {exc}"
             sb.rec.warnings.append(f"T={sb.T}: CUDA graph capture/replay failed: {res['error']}")
             _clean_after_failed_capture(sb, res, "error")
-        for extra in ("merged", "sbo", "sbo_dbo"):  # the other schedules, where asked for and time allows
+        # the other schedules, and the compute and the comm alone (the bound), where asked for and
+        # time allows
+        for extra in ("merged", "sbo", "sbo_dbo", "compute", "comm"):
             if not res["ok"] or extra not in sb.opts.modes or sb.budget.expired():
+                continue
+            if extra in ("compute", "comm") and extra not in sb.alone:
                 continue
             try:
                 out = _capture(sb, extra, res, graphs)
@@ -154,6 +178,8 @@ def cuda_graph(sb: ShapeBench) -> None:
                 res[f"{extra}_error"] = f"{type(exc).__name__}: {exc}"
                 sb.rec.warnings.append(f"T={sb.T}: {extra} CUDA graph failed: {res[extra + '_error']}")
                 _clean_after_failed_capture(sb, res, f"{extra}_error")
+        if res["ok"]:
+            graph_bound(res)
     finally:
         graphs.clear()
         sb.pf.reset()

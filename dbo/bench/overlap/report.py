@@ -56,9 +56,13 @@ SMS_COLUMNS = {"sms": "DeepEP's SM count", "comm": "comm alone at that count",
                "serial, dbo": "the fastest at that count", "speedup, eff": "as above, against the "
                "best serial overall"}
 GRAPH_COLUMNS = {"eager-s, eager-d": "serial and DBO step without a graph",
-                 "graph-s, graph-d, graph-m, graph-b": "serial, DBO, merged, sbo replayed from a "
-                 "CUDA graph", "d/s, m/s, b/s": "graph-d, graph-m, graph-b / graph-s",
-                 "equal": "the DBO replay's output equals the eager DBO step's"}
+                 "graph-s, graph-d, graph-m, graph-b, g-sd": "serial, DBO, merged, sbo, sbo+dbo "
+                 "replayed from a CUDA graph", "d/s, m/s, b/s": "graph-d, graph-m, graph-b / graph-s",
+                 "equal": "the DBO replay's output equals the eager DBO step's",
+                 "g-cmp, g-comm": "the compute alone and the comm alone, replayed",
+                 "best": "graph-s / the fastest overlapped replay (a speedup)",
+                 "bound": "graph-s / max(g-cmp, g-comm): the most overlap could give",
+                 "eff": "(graph-s - fastest) / min(g-cmp, g-comm): the share of the hideable time hidden"}
 LIMIT_COLUMNS = {"limit": "the compute's hardware limit (above)", "x lim": "compute / limit",
                  "dbo-cmp, m-cmp": "split and merged DBO's compute alone",
                  "x-cmp": "dbo-cmp / compute", "m/cmp": "m-cmp / compute"}
@@ -125,10 +129,11 @@ def format_table(result: OverlapResult | Mapping[str, Any]) -> str:
     graphs = [sh for sh in result.shapes if sh.cuda_graph]
     if graphs:
         lines.append("CUDA graph (whole step captured; per layer ms): eager serial/DBO, replayed "
-                     "serial/DBO, DBO replay == eager DBO, replayed merged and sbo schedules and "
-                     "their ratios to serial")
+                     "serial/DBO, DBO replay == eager DBO, replayed merged, sbo and sbo+dbo schedules, "
+                     "their ratios to serial, and the bound from the compute and comm replayed alone")
         lines.append(f"{'tokens':>6} {'I':>5} {'eager-s':>7} {'eager-d':>7} {'graph-s':>7} {'graph-d':>7} "
-                     f"{'d/s':>6} {'equal':>6} {'graph-m':>7} {'m/s':>6} {'graph-b':>7} {'b/s':>6}")
+                     f"{'d/s':>6} {'equal':>6} {'graph-m':>7} {'m/s':>6} {'graph-b':>7} {'b/s':>6} "
+                     f"{'g-sd':>6} {'g-cmp':>6} {'g-comm':>6} {'best':>6} {'bound':>6} {'eff':>5}")
         for sh in graphs:
             g = sh.cuda_graph
             if not g.get("ok"):
@@ -139,7 +144,11 @@ def format_table(result: OverlapResult | Mapping[str, Any]) -> str:
                          f"{_f(g['graph_dbo_ms']):>7} {_f(g['graph_dbo_over_serial'], '.3f'):>6} "
                          f"{str(g['dbo_replay_equals_eager']):>6} {_f(g.get('graph_merged_ms')):>7} "
                          f"{_f(g.get('graph_merged_over_serial'), '.3f'):>6} {_f(g.get('graph_sbo_ms')):>7} "
-                         f"{_f(g.get('graph_sbo_over_serial'), '.3f'):>6}")
+                         f"{_f(g.get('graph_sbo_over_serial'), '.3f'):>6} {_f(g.get('graph_sbo_dbo_ms')):>6} "
+                         f"{_f(g.get('graph_compute_ms')):>6} {_f(g.get('graph_comm_ms')):>6} "
+                         f"{_f(g.get('graph_best_speedup'), '.3f'):>6} "
+                         f"{_f(g.get('graph_bound_speedup'), '.3f'):>6} "
+                         f"{_f(g.get('graph_efficiency')):>5}")
         lines.extend(legend(GRAPH_COLUMNS))
     if any(s.limit_ms for _, s in shapes):
         lim = env.get("limits") or {}

@@ -134,6 +134,9 @@ class ShapeBench:
         self.batched = backend.activation_format.name == "BATCHED_EXPERTS"
         #: the run's link rate (dbo.bench.overlap.link), set by the caller
         self.link: LinkLimits | None = None
+        #: "compute" and "comm" alone, as steps a CUDA graph can hold: each entry readies the
+        #: backend and returns the step (set by compute_alone and comm_alone)
+        self.alone: dict[str, Callable[[], Callable[[], torch.Tensor]]] = {}
 
     # -- steps --
 
@@ -281,6 +284,11 @@ class ShapeBench:
                 replay.begin_step()
                 return fn()
 
+            def ready(replay=replay, mode=mode, step=step) -> Callable[[], torch.Tensor]:
+                self.use(replay, mode)
+                return step
+
+            self.alone[mode] = ready
             self.run_config(mode, None, step)
         records.clear()
 
@@ -304,6 +312,7 @@ class ShapeBench:
         ident = IdentityExperts()
         kernels = [MoEKernel(self.pf, ident) for _ in range(self.layers)]
         step = self.model.comm_step(kernels, routing)
+        self.alone["comm"] = lambda: step
         for s in self.opts.num_sms or [None]:
             self.sms.set(s)
             self.run_config("comm", s, step)
