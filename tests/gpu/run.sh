@@ -56,7 +56,8 @@
 #                  adds prefill with deepep_ht's layout at EP EMU_PREFILL_EPS ("16 32 64"), T 4096 8192
 #                  16384 x I 256 2048, eager; EMU_VALIDATE=1 adds the emulated rank of the 2- and 4-GPU
 #                  link-model decode tables (EP 2 / 16 experts and EP 4 / 32 experts, remote 7/8, the
-#                  link in host order, at each of EMU_VALIDATE_LINKS "25,10 50,5"), to hold against them
+#                  link in host order, at each of EMU_VALIDATE_LINKS "25,10 50,5"), to hold against them;
+#                  EMU_TESTS=0 leaves out the tests and the probe; EMU_EPS=" " the decode grid
 #   emulated_hf    a real transformers model as one rank of a large deployment, on one GPU (random weights,
 #                  the rank's experts only; `dbo.bench hf-prefill|hf-generate --emulate-ep`): for each of
 #                  EMU_HF_RUNS ("qwen-prefill qwen-generate dsv3-generate"): Qwen3-30B-A3B (48 layers) as
@@ -259,8 +260,10 @@ for arg in "$@"; do
           --out "$files/${l/,/_}/deepep_ll"
       done ;;
     emulated)
-      run emulated-tests 200 $pytest_gpu tests/gpu/test_emulated_gpu.py
-      run emulated-comm 120 python3 tools/probes/emulated_comm.py --link "${EMU_LINK:-deepep-ib}" --json "$files/comm.json"
+      if [ "${EMU_TESTS:-1}" = 1 ]; then
+        run emulated-tests 200 $pytest_gpu tests/gpu/test_emulated_gpu.py
+        run emulated-comm 120 python3 tools/probes/emulated_comm.py --link "${EMU_LINK:-deepep-ib}" --json "$files/comm.json"
+      fi
       for ep in ${EMU_EPS:-16 32 64 128 256}; do
         run "emulated-decode-$ep" "${EMU_CAP_S:-150}" python3 -m dbo.bench overlap --device cuda --emulate-ep "$ep" \
           --link "${EMU_LINK:-deepep-ib}" --layers 8 --intermediate 2048 --tokens ${EMU_TOKENS:-32 64 128 256 512} \
