@@ -198,15 +198,25 @@ def _logits_job(directory: str) -> float:
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
+    from dbo.deployment import DeploymentConfig
+    from dbo.integrations.transformers import DBOPrefill
     from dbo.integrations.transformers.ep import ep_distributed_config
-    from dbo.integrations.transformers.ep_model import expert_parallel_modules
+    from dbo.integrations.transformers.ep_model import expert_parallel_deployment, expert_parallel_modules
+    from dbo.split import SplitConfig
 
     rank = dist.get_rank()
     g = torch.Generator().manual_seed(11 + rank)
     ids = torch.randint(0, 64, ((3, 5)[rank], 9), generator=g)  # each rank its own batch
     whole = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
-    ep = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32,
-                                              distributed_config=ep_distributed_config("all2all")).eval()
+    # loaded for a tuned deployment: the model carries it, and DBOPrefill runs it
+    tuned = DeploymentConfig(SplitConfig(decode_token_threshold=3), sbo_groups=4, sm_carveout=0)
+    ep = AutoModelForCausalLM.from_pretrained(
+        directory, dtype=torch.float32,
+        distributed_config=ep_distributed_config("all2all", deployment=tuned)).eval()
+    assert expert_parallel_deployment(ep) == tuned
+    prefill = DBOPrefill(ep)
+    assert prefill.wrapper.config == tuned.split and prefill.wrapper.options.sbo_groups == 4
+    assert expert_parallel_deployment(whole) is None
     layers = expert_parallel_modules(ep)
     assert len(layers) == whole.config.num_hidden_layers
     assert layers[0][1].first_expert == rank * whole.config.num_experts // 2

@@ -406,6 +406,35 @@ def test_config_and_mistakes():
         DBOExpertParallel(object(), Mesh(), Mesh())
 
 
+def test_a_deployment_file_rides_on_the_implementation(tmp_path):
+    from dbo.deployment import DeploymentConfig, save_deployment_config
+    from dbo.integrations.transformers.ep import ep_distributed_config, ep_interface
+    from dbo.split import SplitConfig
+
+    tuned = DeploymentConfig(SplitConfig(decode_token_threshold=96), sbo_groups=4, sm_carveout=8,
+                             deployment={"group_size": 64})
+    path = tmp_path / "dbo_ep64.json"
+    save_deployment_config(path, tuned)
+    name = ep_distributed_config("deepep", world_size=2, deployment=path).ep_implementation
+    assert name.startswith("dbo_deepep@")
+    cls = ep_interface()()[name]
+    assert cls.deployment == tuned and cls.deployment.sbo_groups == 4
+    assert (cls.backend, cls.decode_backend) == ("deepep_ht", "deepep_ll")
+    assert cls.decode_backend_kwargs == ep_interface()()["dbo_deepep"].decode_backend_kwargs
+    assert ep_interface()()["dbo_deepep"].deployment is None  # the plain name is untouched
+    # the same config (a value or its file) is one name; another config another
+    assert ep_distributed_config("deepep", world_size=2, deployment=tuned).ep_implementation == name
+    other = DeploymentConfig(SplitConfig(decode_token_threshold=32))
+    assert ep_distributed_config("deepep", world_size=2, deployment=other).ep_implementation != name
+    assert ep_distributed_config("all2all", world_size=2, experts="model", deployment=tuned
+                                 ).ep_implementation.startswith("dbo_all2all:model@")
+    with pytest.raises(FileNotFoundError):
+        ep_distributed_config("deepep", world_size=2, deployment=tmp_path / "missing.json")
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(ValueError, match="not a dbo deployment config"):
+        ep_distributed_config("deepep", world_size=2, deployment=tmp_path / "bad.json")
+
+
 def _slot_sum(experts, x, ids, weights):
     # the reference: each local slot through the module alone (no sentinel ids), weighted, summed
     import torch

@@ -33,12 +33,16 @@ read them when they run, whichever copy FSDP has registered then.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+import os
 from typing import Any, ClassVar
 
 import torch
 
 from dbo.backends import backend_spec, make_backend
+from dbo.deployment import DeploymentConfig, load_deployment_config
 from dbo.errors import DBOError
 from dbo.integrations.transformers.checkpoint import check_checkpoint_being_loaded
 from dbo.integrations.transformers.decode_phase import (
@@ -151,6 +155,9 @@ class DBOExpertParallel:
     #: the backend of the calls made inside :func:`decode_phase` (None: :attr:`backend` there too)
     decode_backend: ClassVar[str | None] = None
     decode_backend_kwargs: ClassVar[dict[str, Any]] = {}
+    #: the tuned deployment the model was loaded for (:func:`ep_distributed_config`'s
+    #: ``deployment``), which :class:`DBOPrefill` runs by default; None: none
+    deployment: ClassVar[DeploymentConfig | None] = None
 
     def __init__(self, experts: torch.nn.Module, ep_mesh: Any, tp_mesh: Any):
         if tp_mesh.size() != 1:
@@ -267,12 +274,15 @@ def check_experts_choice(experts: str) -> None:
 def register_ep_implementation(name: str, backend: str, *, experts: str = "auto",
                                decode_backend: str | None = None,
                                decode_backend_kwargs: dict[str, Any] | None = None,
+                               deployment: DeploymentConfig | None = None,
                                **backend_kwargs: Any) -> str:
     """Register dbo backend ``backend`` (built with ``backend_kwargs``) under ``name`` in
     transformers' ``EPImplementationInterface``, running ``experts`` (:data:`EXPERTS_CHOICES`);
     returns ``name``. With ``decode_backend``, the calls made inside :func:`decode_phase` go
     through that backend instead (built with ``decode_backend_kwargs``; a backend sized by its
     tokens per call, such as ``deepep_ll``, takes :data:`DEEPEP_LL_MAX_TOKENS` by default).
+    ``deployment``: the tuned deployment a model loaded with it runs
+    (:func:`dbo.integrations.transformers.ep_model.expert_parallel_deployment`).
 
     Raises:
         ValueError: unknown backend, decode backend or experts choice.
@@ -281,11 +291,13 @@ def register_ep_implementation(name: str, backend: str, *, experts: str = "auto"
     backend_spec(backend)
     check_experts_choice(experts)
     decode_kwargs = checked_decode_kwargs(decode_backend, decode_backend_kwargs)
+    if deployment is not None and not isinstance(deployment, DeploymentConfig):
+        raise TypeError(f"deployment must be a DeploymentConfig, got {type(deployment).__name__}")
     interface = ep_interface()
     cls = type(f"DBOExpertParallel_{name}", (DBOExpertParallel,),
                {"backend": backend, "backend_kwargs": dict(backend_kwargs), "experts_choice": experts,
                 "decode_backend": decode_backend, "decode_backend_kwargs": decode_kwargs,
-                "__module__": __name__})
+                "deployment": deployment, "__module__": __name__})
     interface.register(name, cls)
     return name
 
@@ -303,7 +315,8 @@ def register_default_ep_implementations() -> list[str]:
 
 
 def ep_distributed_config(backend: str = "all2all", world_size: int | None = None, *,
-                          experts: str | None = None) -> Any:
+                          experts: str | None = None,
+                          deployment: DeploymentConfig | str | os.PathLike | None = None) -> Any:
     """``DistributedConfig(fsdp_size=W, ep_size=W, ep_implementation="dbo_<backend>")`` for
     ``from_pretrained``: every rank holds ``E / W`` whole experts and its own batch. The model it
     loads keeps its dense weights whole from its first forward on, which may run under
@@ -320,9 +333,16 @@ def ep_distributed_config(backend: str = "all2all", world_size: int | None = Non
             (the experts module's own forward); None: the implementation's own (``"auto"`` for
             the ``dbo_<backend>`` names). Another choice than that is the implementation
             ``"dbo_<backend>:<experts>"``, registered by this call (on this rank).
+        deployment: a tuned deployment (:class:`dbo.deployment.DeploymentConfig`, or the path of
+            the file :func:`dbo.deployment.save_deployment_config` wrote, e.g. by ``python -m
+            dbo.bench overlap --save-config``): the loaded model carries it
+            (:func:`~dbo.integrations.transformers.ep_model.expert_parallel_deployment`) and
+            :class:`DBOPrefill` runs it when given no config. The implementation is then
+            ``"<name>@<digest of the config>"``, registered by this call (on this rank).
 
     Raises:
         TransformersVersionError: transformers < :data:`MIN_TRANSFORMERS`.
+        FileNotFoundError, ValueError: a ``deployment`` file that is missing or is not one.
         ValueError: unknown backend or experts choice; no process group and no ``world_size``;
             a ``world_size`` other than the initialized process group's size; one rank
             (transformers loads a model whole at ``ep_size`` 1: convert it instead).
@@ -364,7 +384,26 @@ def ep_distributed_config(backend: str = "all2all", world_size: int | None = Non
                          "and dbo's implementation would not run; load it without distributed_config and "
                          "call convert_to_expert_parallel(model, backend=...), which runs on any number "
                          "of ranks")
+    if deployment is not None:
+        name = _with_deployment(name, deployment, interface())
     return DistributedConfig(fsdp_size=world_size, ep_size=world_size, ep_implementation=name)
+
+
+def _with_deployment(name: str, deployment: DeploymentConfig | str | os.PathLike,
+                     registered: dict[str, Any]) -> str:
+    """The implementation ``name`` carrying ``deployment`` (loaded if a path): registered as
+    ``"<name>@<digest>"``, one name per distinct config."""
+    if not isinstance(deployment, DeploymentConfig):
+        deployment = load_deployment_config(deployment)
+    text = json.dumps(dict(deployment.as_dict(), deployment={}), sort_keys=True)
+    variant = f"{name}@{hashlib.sha1(text.encode()).hexdigest()[:10]}"
+    if variant not in registered:
+        base = registered[name]
+        register_ep_implementation(variant, base.backend, experts=base.experts_choice,
+                                   decode_backend=base.decode_backend,
+                                   decode_backend_kwargs=base.decode_backend_kwargs or None,
+                                   deployment=deployment, **base.backend_kwargs)
+    return variant
 
 
 # importing this module (or dbo.integrations.transformers) registers the names; a no-op before 5.23

@@ -10,12 +10,13 @@ from typing import Any
 import torch
 
 from dbo.backends import backend_spec
+from dbo.deployment import DeploymentConfig
 from dbo.integrations.transformers.decode_phase import checked_decode_kwargs
 from dbo.integrations.transformers.ep import DBOExpertParallel, check_experts_choice
 from dbo.integrations.transformers.experts import LibraryExperts
 
-__all__ = ["expert_parallel_modules", "expert_parallel_group", "switch_ep_backend", "switch_ep_experts",
-           "ep_experts"]
+__all__ = ["expert_parallel_modules", "expert_parallel_group", "expert_parallel_deployment",
+           "switch_ep_backend", "switch_ep_experts", "ep_experts"]
 
 
 def expert_parallel_modules(model: torch.nn.Module) -> list[tuple[str, DBOExpertParallel]]:
@@ -29,6 +30,13 @@ def expert_parallel_group(model: torch.nn.Module) -> Any:
     """The expert-parallel process group of a model loaded with dbo's implementations, or None."""
     found = expert_parallel_modules(model)
     return found[0][1].group if found else None
+
+
+def expert_parallel_deployment(model: torch.nn.Module) -> DeploymentConfig | None:
+    """The tuned deployment a model was loaded for (``ep_distributed_config(...,
+    deployment=...)``), or None."""
+    found = expert_parallel_modules(model)
+    return found[0][1].deployment if found else None
 
 
 def _require_dbo_modules(model: torch.nn.Module) -> list[tuple[str, DBOExpertParallel]]:

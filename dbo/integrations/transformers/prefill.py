@@ -18,7 +18,7 @@ import torch
 from dbo.autotune import AutotuneResult, autotune_split_config
 from dbo.deployment import DeploymentConfig
 from dbo.integrations.transformers.ep import prepare_for_overlap
-from dbo.integrations.transformers.ep_model import expert_parallel_group
+from dbo.integrations.transformers.ep_model import expert_parallel_deployment, expert_parallel_group
 from dbo.integrations.transformers.faults import named_device_faults
 from dbo.integrations.transformers.moe_block import routing_token_mask
 from dbo.overlap import DBOWrapper
@@ -72,9 +72,10 @@ class DBOPrefill(torch.nn.Module):
 
     Args:
         model: the model (converted with :func:`convert_to_expert_parallel`).
-        config: the split; default :func:`prefill_split_config` (split from 2 sequences). A
-            tuned deployment's :class:`dbo.deployment.DeploymentConfig` gives its split config,
-            SM carve-out and sbo groups, as for :class:`dbo.DBOWrapper`.
+        config: the split; default: the deployment the model was loaded for
+            (``ep_distributed_config(..., deployment=...)``), else :func:`prefill_split_config`
+            (split from 2 sequences). A tuned deployment's :class:`dbo.deployment.DeploymentConfig`
+            gives its split config, SM carve-out and sbo groups, as for :class:`dbo.DBOWrapper`.
         group: the expert-parallel group (agrees on the split; default: the group of a model
             loaded with dbo's expert-parallel implementations, else the default group).
         logits_to_keep, mask_padding_tokens: as in :func:`prefill_logits`.
@@ -102,7 +103,9 @@ class DBOPrefill(torch.nn.Module):
         self.logits_to_keep = logits_to_keep
         self.mask_padding_tokens = mask_padding_tokens
         self.sync_faults = bool(sync_faults)
-        self.wrapper = DBOWrapper(self._forward, prefill_split_config() if config is None else config,
+        if config is None:  # the deployment the model was loaded for, else split from 2 sequences
+            config = expert_parallel_deployment(model) or prefill_split_config()
+        self.wrapper = DBOWrapper(self._forward, config,
                                   group=group, sm_carveout=sm_carveout, trace=trace,
                                   timeout_s=timeout_s, options=options)
         #: device memory per token (of ``input_ids``) that the plain prefill needs, with the
