@@ -57,7 +57,8 @@
 #                  16384 x I 256 2048, eager; EMU_VALIDATE=1 adds the emulated rank of the 2- and 4-GPU
 #                  link-model decode tables (EP 2 / 16 experts and EP 4 / 32 experts, remote 7/8, the
 #                  link in host order, at each of EMU_VALIDATE_LINKS "25,10 50,5"), to hold against them;
-#                  EMU_TESTS=0 leaves out the tests and the probe; EMU_EPS=" " the decode grid
+#                  EMU_VALIDATE_EPS ("2 4"); EMU_TESTS=0 leaves out the tests and the probe; EMU_EPS=" "
+#                  the decode grid
 #   emulated_hf    a real transformers model as one rank of a large deployment, on one GPU (random weights,
 #                  the rank's experts only; `dbo.bench hf-prefill|hf-generate --emulate-ep`): for each of
 #                  EMU_HF_RUNS ("qwen-prefill qwen-generate dsv3-generate"): Qwen3-30B-A3B (48 layers) as
@@ -280,7 +281,7 @@ for arg in "$@"; do
       fi
       if [ "${EMU_VALIDATE:-0}" = 1 ]; then
         for l in ${EMU_VALIDATE_LINKS:-25,10 50,5}; do
-          for ep in 2 4; do
+          for ep in ${EMU_VALIDATE_EPS:-2 4}; do
             run "emulated-validate-$ep-$l" "${EMU_CAP_S:-150}" python3 -m dbo.bench overlap --device cuda \
               --emulate-ep "$ep" --experts $((8 * ep)) --remote-fraction 0.875 --link "$l" --link-order host \
               --intermediate 2048 --tokens 64 256 512 --cuda-graph --modes compute dbo_compute merged_compute comm \
