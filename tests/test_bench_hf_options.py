@@ -83,3 +83,28 @@ def test_the_prefill_record_round_trips_to_the_same_json():
     assert json.loads(json.dumps(PrefillResult.from_json(doc).to_json())) == doc
     # the verdict reads the records or their JSON alike
     assert verdict_reason(result.rows, None) == verdict_reason(doc["rows"], None)
+
+
+def test_the_generate_record_round_trips_to_the_same_json():
+    from dbo.bench.hf.generate_table import GenerateResult, GenerateRow, fastest_generate_ms
+
+    result = GenerateResult(model="tiny-qwen3_moe (2 layers, random weights)", world=2, batch=4, prompt=8,
+                            new_tokens=4)
+    result.rows += [GenerateRow(run="transformers generate (all_to_all)", mode="hf-eager", ms=5.0,
+                                prefill_ms=1.0, tok_s=3200.0, same=1.0, prefix=1.0),
+                    GenerateRow(run="transformers generate, static cache (all_to_all)", mode="hf-static",
+                                error="RuntimeError: no"),
+                    GenerateRow(run="dbo greedy_generate all2all plain", mode="plain", ms=2.0, ms_min=1.9,
+                                ms_max=2.2, rounds=3, prefill_ms=0.5, tok_s=8000.0, same=1.0, prefix=1.0,
+                                same_plain=1.0, prefix_plain=1.0, first_plain=1.0, teacher_forced=1.0,
+                                split="plain")]
+    doc = json.loads(json.dumps(result.to_json()))
+    # the keys hf-generate's --json file has had, the rows last; emulated: None where the run was a group
+    assert list(doc) == ["model", "world", "batch", "prompt", "new_tokens", "dbo_disabled", "emulated",
+                         "rows"]
+    assert doc["emulated"] is None
+    # a row's JSON has the figures it has: the error row its error, the eager row no plan
+    assert set(doc["rows"][1]) == {"run", "mode", "error"}
+    assert set(doc["rows"][0]) == {"run", "mode", "ms", "prefill_ms", "tok_s", "same", "prefix"}
+    assert json.loads(json.dumps(GenerateResult.from_json(doc).to_json())) == doc
+    assert fastest_generate_ms(result.rows) == fastest_generate_ms(doc["rows"]) == 5.0

@@ -70,7 +70,7 @@ import torch
 
 from dbo.bench.cli import ArgumentParser, verdict
 from dbo.bench.hf.args import add_model_arguments, backend_name, check_backends, check_model, model_options
-from dbo.bench.hf.generate_table import model_name, print_table, verdict_reason
+from dbo.bench.hf.generate_table import GenerateResult, GenerateRow, model_name, print_table, verdict_reason
 from dbo.bench.hf.model import (
     alone,
     backend_kwargs,
@@ -234,17 +234,17 @@ def _timed(fn: Callable[[], object], steps: int, warmup: int, device: torch.devi
     return median_ms(call, steps=steps, warmup=warmup, device=device), last[0]
 
 
-def _add_row(rows: list[dict], rank: int, row: dict) -> None:
+def _add_row(rows: list[GenerateRow], rank: int, row: GenerateRow) -> None:
     """Keep ``row`` and print it at once (rank 0): a run cut short still shows what it measured."""
     rows.append(row)
     if rank == 0:
-        vs_plain = (f"; against plain: identical {row['same_plain']:.2f}, before 1st diff "
-                    f"{row['prefix_plain']:.2f}; teacher-forced {row['teacher_forced']:.3f}"
-                    if "same_plain" in row else "")
-        spread = f" [{row['ms_min']:.1f}-{row['ms_max']:.1f}]" if "ms_min" in row else ""
-        print(f"row: {row['run']}: {row['ms']:.1f} ms{spread} (prefill {row['prefill_ms']:.1f}), "
-              f"{row['tok_s']:,.0f} new tokens/s, identical {row['same']:.2f}, "
-              f"before 1st diff {row['prefix']:.2f}{vs_plain}",
+        vs_plain = (f"; against plain: identical {row.same_plain:.2f}, before 1st diff "
+                    f"{row.prefix_plain:.2f}; teacher-forced {row.teacher_forced:.3f}"
+                    if row.same_plain is not None else "")
+        spread = f" [{row.ms_min:.1f}-{row.ms_max:.1f}]" if row.ms_min is not None else ""
+        print(f"row: {row.run}: {row.ms:.1f} ms{spread} (prefill {row.prefill_ms:.1f}), "
+              f"{row.tok_s:,.0f} new tokens/s, identical {row.same:.2f}, "
+              f"before 1st diff {row.prefix:.2f}{vs_plain}",
               flush=True)
 
 
@@ -282,7 +282,7 @@ def transformers_generate(a: GenerateOptions, ids: torch.Tensor, mask: torch.Ten
     return out
 
 
-def run(a: GenerateOptions, rank: int, world: int, device: torch.device) -> list[dict]:
+def run(a: GenerateOptions, rank: int, world: int, device: torch.device) -> list[GenerateRow]:
     m = a.model
     if m.save_checkpoint:
         save_checkpoint(m.config, m.save_checkpoint, m.dtype, device, m.seed, rank)
@@ -290,7 +290,7 @@ def run(a: GenerateOptions, rank: int, world: int, device: torch.device) -> list
     ids = torch.randint(0, m.config.vocab_size, (a.batch, a.prompt), generator=g).to(device)
     mask = torch.ones_like(ids)
     new = a.batch * a.new_tokens
-    rows: list[dict] = []
+    rows: list[GenerateRow] = []
 
     if m.emulate_ep is not None:  # no generate() row: transformers' EP needs a process group
         model = build_model(m.preset, m.config, m.dtype, device, seed=m.seed, convert=True, group=m.emulated)
@@ -298,22 +298,23 @@ def run(a: GenerateOptions, rank: int, world: int, device: torch.device) -> list
     hf = transformers_generate(a, ids, mask, device)
     ms, pre_ms, want = hf["eager"]
     ms, pre_ms = all_reduce_max([ms, pre_ms], phase=PROG)
-    _add_row(rows, rank, dict(run=HF_RUNS["eager"][0], mode="hf-eager", ms=ms, prefill_ms=pre_ms,
-                              tok_s=new / ms * 1e3, same=1.0, prefix=1.0))
+    _add_row(rows, rank, GenerateRow(run=HF_RUNS["eager"][0], mode="hf-eager", ms=ms, prefill_ms=pre_ms,
+                                     tok_s=new / ms * 1e3, same=1.0, prefix=1.0))
     if "static" in hf:
         res = hf["static"]
         failed = all_reduce_max([float(isinstance(res, str))], phase=PROG)[0]
         if failed:  # on any rank: the row says how (this rank's words, or a peer's failure)
             error = res if isinstance(res, str) else "failed on another rank"
-            rows.append(dict(run=HF_RUNS["static"][0], mode="hf-static", error=error))
+            rows.append(GenerateRow(run=HF_RUNS["static"][0], mode="hf-static", error=error))
             if rank == 0:
                 print(f"row: {HF_RUNS['static'][0]}: failed: {error}", flush=True)
         else:
             s_ms, s_pre, s_ids = res
             same, prefix, _ = _agreement(s_ids, want, a.prompt)
             s_ms, s_pre, neg_same, neg_prefix = all_reduce_max([s_ms, s_pre, -same, -prefix], phase=PROG)
-            _add_row(rows, rank, dict(run=HF_RUNS["static"][0], mode="hf-static", ms=s_ms, prefill_ms=s_pre,
-                                      tok_s=new / s_ms * 1e3, same=-neg_same, prefix=-neg_prefix))
+            _add_row(rows, rank, GenerateRow(run=HF_RUNS["static"][0], mode="hf-static", ms=s_ms,
+                                             prefill_ms=s_pre, tok_s=new / s_ms * 1e3, same=-neg_same,
+                                             prefix=-neg_prefix))
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -323,7 +324,7 @@ def run(a: GenerateOptions, rank: int, world: int, device: torch.device) -> list
 
 
 def _dbo_rows(a: GenerateOptions, model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor,
-              want: torch.Tensor | None, rank: int, rows: list[dict]) -> list[dict]:
+              want: torch.Tensor | None, rank: int, rows: list[GenerateRow]) -> list[GenerateRow]:
     """The rows of dbo's ``greedy_generate`` per backend pair and mode; agreement against
     ``want`` (``generate()``'s tokens; None: the plain row's)."""
     from dbo.integrations.transformers.generate import greedy_generate
@@ -367,20 +368,20 @@ def _dbo_rows(a: GenerateOptions, model: torch.nn.Module, ids: torch.Tensor, mas
                      *(-v for v in vs_plain), -tf], phase=PROG)
                 # DBO_DISABLE makes every plan unsplit: the DBO rows then time the plain forward
                 off = f" (ran plain: {DISABLE_ENV_VAR}=1)" if cfg is dbo_cfg and dbo_disabled_by_env() else ""
-                _add_row(rows, rank, dict(run=f"dbo greedy_generate {label} {name}{off}", mode=name, ms=ms,
-                                          ms_min=lo, ms_max=hi, rounds=len(t), prefill_ms=pre_ms,
-                                          tok_s=new / ms * 1e3, same=-neg[0], prefix=-neg[1],
-                                          same_plain=-neg[2], prefix_plain=-neg[3], first_plain=-neg[4],
-                                          teacher_forced=-neg[5], split=str(plan)))
+                _add_row(rows, rank, GenerateRow(
+                    run=f"dbo greedy_generate {label} {name}{off}", mode=name, ms=ms, ms_min=lo, ms_max=hi,
+                    rounds=len(t), prefill_ms=pre_ms, tok_s=new / ms * 1e3, same=-neg[0], prefix=-neg[1],
+                    same_plain=-neg[2], prefix_plain=-neg[3], first_plain=-neg[4], teacher_forced=-neg[5],
+                    split=str(plan)))
     return rows
 
 
-def _write_json(a: GenerateOptions, rows: list[dict], world: int, disabled: bool) -> None:
+def _write_json(a: GenerateOptions, rows: list[GenerateRow], world: int, disabled: bool) -> None:
     if a.model.json:
-        write_whole(a.model.json, json.dumps({
-            "model": model_name(a), "world": world, "batch": a.batch, "prompt": a.prompt,
-            "new_tokens": a.new_tokens, "dbo_disabled": disabled, "emulated": a.model.emulation_record(),
-            "rows": rows}, indent=1))
+        result = GenerateResult(model=model_name(a), world=world, batch=a.batch, prompt=a.prompt,
+                                new_tokens=a.new_tokens, dbo_disabled=disabled, rows=rows,
+                                emulated=a.model.emulation_record())
+        write_whole(a.model.json, json.dumps(result.to_json(), indent=1))
 
 
 def main(argv: list[str] | None = None) -> int:

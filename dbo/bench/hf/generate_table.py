@@ -1,38 +1,113 @@
-"""The table and the verdict of ``python -m dbo.bench hf-generate`` (:mod:`dbo.bench.hf.generate`):
-its rows printed with the model they decoded, the verdict on every DBO row's tokens, and the
+"""The record, the table and the verdict of ``python -m dbo.bench hf-generate``
+(:mod:`dbo.bench.hf.generate`): its rows (:class:`GenerateRow`, in a :class:`GenerateResult`,
+the ``--json`` file), printed with the model they decoded, the verdict on every DBO row's tokens, and the
 faster of transformers' two ``generate()`` rows that dbo's speed-ups are quoted against.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import torch
 
 from dbo.bench.cli import legend
 from dbo.bench.hf.options import GenerateOptions, describe_emulated
 
-__all__ = ["TF_SLACK", "fastest_generate_ms", "verdict_reason", "model_name", "print_table"]
+__all__ = ["TF_SLACK", "GenerateRow", "GenerateResult", "fastest_generate_ms", "verdict_reason", "model_name",
+           "print_table"]
 
 #: how far below the plain row's teacher-forced share another row's may fall
 TF_SLACK = 0.02
 
 
-def fastest_generate_ms(rows: list[dict]) -> float:
+@dataclass(frozen=True)
+class GenerateRow:
+    """One row: the ``run`` (its name) and ``mode`` (``hf-eager``, ``hf-static``, or a
+    :data:`~dbo.bench.hf.options.GENERATE_MODES` key), ms per whole call (``ms``; ``ms_min`` /
+    ``ms_max`` its fastest and slowest call over ``rounds`` rounds where timed interleaved) and
+    per one-token call (``prefill_ms``), new tokens/s (``tok_s``), its agreement with
+    transformers' ``generate()`` (an emulated rank's: with the plain row) (``same``: sequences
+    identical to the end; ``prefix``: mean share of new tokens before the first difference) and,
+    for dbo's rows, with its plain row
+    (``same_plain``, ``prefix_plain``, ``first_plain``: first new token) and the teacher-forced
+    share (``teacher_forced``), the plan (``split``); ``error``: why the row could not run. A
+    figure the row does not have is None and left out of its JSON."""
+
+    run: str
+    mode: str
+    ms: float | None = None
+    ms_min: float | None = None
+    ms_max: float | None = None
+    rounds: int | None = None
+    prefill_ms: float | None = None
+    tok_s: float | None = None
+    same: float | None = None
+    prefix: float | None = None
+    same_plain: float | None = None
+    prefix_plain: float | None = None
+    first_plain: float | None = None
+    teacher_forced: float | None = None
+    split: str | None = None
+    error: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> GenerateRow:
+        return cls(**d)
+
+
+@dataclass
+class GenerateResult:
+    """A run: the ``model`` decoded (:func:`model_name`), ``world`` ranks, ``batch`` sequences
+    of ``prompt`` tokens per rank and ``new_tokens`` decoded, whether ``DBO_DISABLE`` was set,
+    the rows, and ``emulated``: the emulated rank this one process played
+    (``ModelOptions.emulation_record``; None: a group). ``to_json`` is the ``--json`` file (the
+    rows last); ``from_json`` reads one back."""
+
+    model: str
+    world: int
+    batch: int
+    prompt: int
+    new_tokens: int
+    dbo_disabled: bool = False
+    rows: list[GenerateRow] = field(default_factory=list)
+    emulated: dict[str, Any] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {**{k: v for k, v in vars(self).items() if k != "rows"},
+                "rows": [r.to_json() for r in self.rows]}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> GenerateResult:
+        return cls(**{**d, "rows": [GenerateRow.from_json(r) for r in d.get("rows", ())]})
+
+
+def _rows(rows: Iterable[GenerateRow | Mapping[str, Any]]) -> list[GenerateRow]:
+    return [r if isinstance(r, GenerateRow) else GenerateRow.from_json(r) for r in rows]
+
+
+def fastest_generate_ms(rows: Iterable[GenerateRow | Mapping[str, Any]]) -> float:
     """The faster of transformers' generate() rows (eager, static cache) that ran: what dbo's
-    speed-ups are quoted against."""
-    return min(r["ms"] for r in rows if r.get("mode", "").startswith("hf-") and "ms" in r)
+    speed-ups are quoted against. ``rows``: records, or their JSON."""
+    return min(r.ms for r in _rows(rows) if r.mode.startswith("hf-") and r.ms is not None)
 
 
-def verdict_reason(a: GenerateOptions, rows: list[dict], dbo_disabled: bool = False) -> tuple[bool, str]:
+def verdict_reason(a: GenerateOptions, rows: list[GenerateRow],
+                   dbo_disabled: bool = False) -> tuple[bool, str]:
     """(passed, why) for the run's last line: every DBO row's tokens are its plain row's (see
     :mod:`dbo.bench.hf.generate`). ``dbo_disabled``: ``DBO_DISABLE`` was set (the DBO rows ran
     the plain forward), which the line then says first."""
-    dbo_rows = [r for r in rows if r.get("mode") not in (None, "plain", "hf-eager", "hf-static")]
+    dbo_rows = [r for r in rows if r.mode not in ("plain", "hf-eager", "hf-static")]
     fp32 = a.model.dtype == torch.float32
     # every row's new tokens must be the teacher-forced forward's choices, up to near ties, as
     # nearly as the plain row's are: that checks each decode step, not the first token only
-    plain_tf = min((r["teacher_forced"] for r in rows if r.get("mode") == "plain"), default=1.0)
-    bad = [r for r in dbo_rows if (r["same_plain"] < 1.0 if fp32 else r["first_plain"] < 0.75)
-           or r["teacher_forced"] < min(plain_tf, 1.0) - TF_SLACK]
+    plain_tf = min((r.teacher_forced for r in rows if r.mode == "plain"), default=1.0)
+    bad = [r for r in dbo_rows if (r.same_plain < 1.0 if fp32 else r.first_plain < 0.75)
+           or r.teacher_forced < min(plain_tf, 1.0) - TF_SLACK]
     wrote = f"; wrote {a.model.json}" if a.model.json else ""
     off = ("DBO_DISABLE=1: DBO was disabled, every DBO row ran the plain forward (what follows "
            "checks plain against plain); " if dbo_disabled else "")
@@ -40,19 +115,19 @@ def verdict_reason(a: GenerateOptions, rows: list[dict], dbo_disabled: bool = Fa
     return ok, off + why
 
 
-def _verdict(rows: list[dict], dbo_rows: list[dict], plain_tf: float, bad: list[dict], fp32: bool,
-             wrote: str) -> tuple[bool, str]:
+def _verdict(rows: list[GenerateRow], dbo_rows: list[GenerateRow], plain_tf: float, bad: list[GenerateRow],
+             fp32: bool, wrote: str) -> tuple[bool, str]:
     if not dbo_rows:
         return True, f"plain rows only{wrote}"
     if bad:
         return False, ("DBO's tokens differ from plain's in " + ", ".join(
-            f"{r['run']} (identical {r['same_plain']:.2f}, first token {r['first_plain']:.2f}, "
-            f"teacher-forced {r['teacher_forced']:.3f} against plain's {plain_tf:.3f})" for r in bad)
+            f"{r.run} (identical {r.same_plain:.2f}, first token {r.first_plain:.2f}, "
+            f"teacher-forced {r.teacher_forced:.3f} against plain's {plain_tf:.3f})" for r in bad)
             + wrote)
     if fp32:
         return True, f"every DBO run's tokens equal its plain run's ({len(dbo_rows)} runs){wrote}"
-    low = min(r["first_plain"] for r in dbo_rows)
-    tf_low = min(r["teacher_forced"] for r in dbo_rows)
+    low = min(r.first_plain for r in dbo_rows)
+    tf_low = min(r.teacher_forced for r in dbo_rows)
     return True, (f"every DBO run's first new token agrees with plain's for >= 75% of sequences "
                   f"(lowest {low:.2f}; {len(dbo_rows)} runs), and its new tokens are a plain "
                   f"forward's choices as often as plain's (lowest {tf_low:.3f}, plain {plain_tf:.3f})"
@@ -71,7 +146,7 @@ def model_name(a: GenerateOptions) -> str:
     return f"{m.checkpoint} ({m.config.model_type})"
 
 
-def print_table(a: GenerateOptions, rows: list[dict], world: int, device: torch.device,
+def print_table(a: GenerateOptions, rows: list[GenerateRow], world: int, device: torch.device,
                 dbo_disabled: bool = False) -> None:
     """The rows as a table (rank 0); ``dbo_disabled``: a line above it says that the DBO rows
     (marked 'ran plain') timed the plain forward."""
@@ -92,13 +167,14 @@ def print_table(a: GenerateOptions, rows: list[dict], world: int, device: torch.
           "| before 1st diff | identical to plain | teacher-forced |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        if "error" in r:
-            print(f"| {r['run']} | failed: {r['error']} | - | - | - | - | - | - | - |")
+        if r.error is not None:
+            print(f"| {r.run} | failed: {r.error} | - | - | - | - | - | - | - |")
             continue
-        spread = f"{r['ms_min']:.1f}-{r['ms_max']:.1f}" if "ms_min" in r else "-"
-        tf = f"{r['teacher_forced']:.3f}" if "teacher_forced" in r else "-"
-        print(f"| {r['run']} | {r['ms']:.1f} | {spread} | {r['prefill_ms']:.1f} | {r['tok_s']:,.0f} "
-              f"| {r['same']:.2f} | {r['prefix']:.2f} | {r.get('same_plain', 1.0):.2f} | {tf} |")
+        spread = f"{r.ms_min:.1f}-{r.ms_max:.1f}" if r.ms_min is not None else "-"
+        tf = f"{r.teacher_forced:.3f}" if r.teacher_forced is not None else "-"
+        same_plain = 1.0 if r.same_plain is None else r.same_plain
+        print(f"| {r.run} | {r.ms:.1f} | {spread} | {r.prefill_ms:.1f} | {r.tok_s:,.0f} "
+              f"| {r.same:.2f} | {r.prefix:.2f} | {same_plain:.2f} | {tf} |")
     print("\n".join(legend({
         "ms": "one greedy decode, prefill included (median)", "fastest-slowest call": "over the timed calls",
         "prefill ms": "the same call with one new token", f"new tokens/s per {per}": "new tokens / time",
@@ -111,24 +187,24 @@ def print_table(a: GenerateOptions, rows: list[dict], world: int, device: torch.
         _print_overlapped_against_plain(rows)
         return
     fastest = fastest_generate_ms(rows)
-    best = min((r for r in rows if r.get("mode") not in (None, "hf-eager", "hf-static") and "ms" in r),
-               key=lambda r: r["ms"], default=None)
+    best = min((r for r in rows if r.mode not in ("hf-eager", "hf-static") and r.ms is not None),
+               key=lambda r: r.ms, default=None)
     if best is not None:
-        print(f"\nfastest dbo run: {best['run']}, {fastest / best['ms']:.2f}x the faster of transformers' "
+        print(f"\nfastest dbo run: {best.run}, {fastest / best.ms:.2f}x the faster of transformers' "
               f"generate() rows ({fastest:.1f} ms)")
 
 
-def _print_overlapped_against_plain(rows: list[dict]) -> None:
+def _print_overlapped_against_plain(rows: list[GenerateRow]) -> None:
     """An emulated rank's last lines: the fastest overlapped row against the plain row, and
     against the plain graph row where it ran (there is no generate() row to quote)."""
     plain_modes = ("plain", "plain, graph decode")
-    timed = {r["mode"]: r for r in rows if "ms" in r}
-    overlapped = [r for r in timed.values() if r["mode"] not in plain_modes]
+    timed = {r.mode: r for r in rows if r.ms is not None}
+    overlapped = [r for r in timed.values() if r.mode not in plain_modes]
     if not overlapped:
         return
-    best = min(overlapped, key=lambda r: r["ms"])
+    best = min(overlapped, key=lambda r: r.ms)
     print()
     for mode in plain_modes:
         if mode in timed:
-            print(f"fastest overlapped run: {best['run']}, {timed[mode]['ms'] / best['ms']:.2f}x "
-                  f"{timed[mode]['run']} ({timed[mode]['ms']:.1f} ms)")
+            print(f"fastest overlapped run: {best.run}, {timed[mode].ms / best.ms:.2f}x "
+                  f"{timed[mode].run} ({timed[mode].ms:.1f} ms)")
