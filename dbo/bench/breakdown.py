@@ -45,6 +45,8 @@ CATEGORIES = (  # (name, substring of the kernel name), first match wins
     ("dense GEMM", "nvjet"),
     ("dense GEMM", "gemm"),
     ("token gather", "gather_kernel"),
+    # the emulated rank's own work of a call (dbo.backends.emulated.kernels)
+    *(("emulated comm work", k) for k in ("_send", "_unpack", "_units", "_ht_receive", "_ht_combine")),
     ("gather-reduce", "gather_reduce"),
     ("index_add", "indexFunc"),
 )

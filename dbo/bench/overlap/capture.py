@@ -42,36 +42,45 @@ def traces(sb: ShapeBench, profile: bool, out_dir: Path) -> dict | None:
             fn = sb.step(mode)
             fn()
             torch.cuda.synchronize()
-            path = out_dir / f"gpu_trace_{mode}.json"
-            prof = None
-            if sb.rank == 0:
-                try:
-                    from torch.profiler import ProfilerActivity, profile
-                    prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
-                    prof.__enter__()
-                except Exception as exc:  # noqa: BLE001 - a profile is a bonus, never fatal
-                    prof = None
-                    sb.rec.warnings.append(f"torch.profiler failed: {type(exc).__name__}: {exc}")
-            fn()  # every rank runs the step: its collectives must match
-            torch.cuda.synchronize()
-            if prof is not None:
-                try:
-                    prof.__exit__(None, None, None)
-                    out_dir.mkdir(parents=True, exist_ok=True)
-                    with whole_file(path) as tmp:
-                        prof.export_chrome_trace(str(tmp))
-                    files[f"gpu_trace_{mode}"] = path.name
-                    svg = out_dir / f"timeline_{mode}.svg"
-                    write_whole(svg, timeline_svg(json.loads(path.read_text()),
-                                                 title=f"{sb.label(mode)}, {sb.opts.backend}"))
-                    files[f"timeline_{mode}"] = svg.name
-                except Exception as exc:  # noqa: BLE001
-                    sb.rec.warnings.append(f"torch.profiler failed: {type(exc).__name__}: {exc}")
+            files.update(_profiled(sb, fn, out_dir, mode, f"{sb.label(mode)}, {sb.opts.backend}"))
     sb.rec.trace_files = files
     sb.progress.update(sb.label("traces"))
     return trace.to_chrome() if sb.rank == 0 else None
 
-def _capture(sb: ShapeBench, mode: str, res: dict[str, Any], graphs: list[Any]) -> torch.Tensor:
+def _profiled(sb: ShapeBench, fn: Any, out_dir: Path, name: str, title: str) -> dict[str, str]:
+    """Run ``fn`` once on every rank (its collectives must match), under torch.profiler on rank 0:
+    its kernel trace ``gpu_trace_<name>.json`` and timeline ``timeline_<name>.svg`` in
+    ``out_dir``; returns the files written, by key. A profile is a bonus: a failure is a warning."""
+    files: dict[str, str] = {}
+    prof = None
+    if sb.rank == 0:
+        try:
+            from torch.profiler import ProfilerActivity, profile
+            prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+            prof.__enter__()
+        except Exception as exc:  # noqa: BLE001 - a profile is a bonus, never fatal
+            prof = None
+            sb.rec.warnings.append(f"torch.profiler failed: {type(exc).__name__}: {exc}")
+    fn()
+    torch.cuda.synchronize()
+    if prof is not None:
+        try:
+            prof.__exit__(None, None, None)
+            out_dir.mkdir(parents=True, exist_ok=True)
+            path = out_dir / f"gpu_trace_{name}.json"
+            with whole_file(path) as tmp:
+                prof.export_chrome_trace(str(tmp))
+            files[f"gpu_trace_{name}"] = path.name
+            svg = out_dir / f"timeline_{name}.svg"
+            write_whole(svg, timeline_svg(json.loads(path.read_text()), title=title))
+            files[f"timeline_{name}"] = svg.name
+        except Exception as exc:  # noqa: BLE001
+            sb.rec.warnings.append(f"torch.profiler failed: {type(exc).__name__}: {exc}")
+    return files
+
+
+def _capture(sb: ShapeBench, mode: str, res: dict[str, Any], graphs: list[Any],
+             profile_dir: Path | None = None) -> torch.Tensor:
     """Time ``mode``'s eager step, capture it whole, replay it: its figures into ``res``."""
     if mode in sb.alone:  # "compute", "comm"
         fn = sb.alone[mode]()
@@ -100,6 +109,10 @@ def _capture(sb: ShapeBench, mode: str, res: dict[str, Any], graphs: list[Any]) 
     timing = measure(g.replay, warmup=2, steps=sb.opts.steps, device=sb.device)
     res[f"graph_{mode}_ms"] = timing.median_ms / sb.layers
     res[f"graph_{mode}_timing"] = timing.to_json()
+    if profile_dir is not None and mode in ("serial", "dbo"):  # the replayed step's kernels, by stream
+        files = _profiled(sb, g.replay, profile_dir, f"graph_{mode}",
+                          f"{mode} replayed from a CUDA graph, {sb.opts.backend}")
+        sb.rec.trace_files = {**(sb.rec.trace_files or {}), **files}
     if res[f"{mode}_replay_rel_err"] > sb.tol:
         sb.rec.warnings.append(f"T={sb.T}: the replayed {mode} graph differs from "
                                   f"eager (rel err {res[f'{mode}_replay_rel_err']:.3e})")
@@ -138,10 +151,13 @@ def graph_bound(res: dict[str, Any]) -> None:
         res["graph_efficiency"] = (serial - tried[best]) / min(c, x)
 
 
-def cuda_graph(sb: ShapeBench) -> None:
+def cuda_graph(sb: ShapeBench, profile_dir: Path | None = None) -> None:
     """Capture a whole serial, DBO (split), merged-schedule and sbo step; replay; compare with
     eager. The merged and sbo captures are optional (``--modes``): where one fails, the serial
-    and DBO figures stand."""
+    and DBO figures stand. ``profile_dir``: profile one replay of the serial and the DBO step
+    there (``gpu_trace_graph_serial.json``, ``gpu_trace_graph_dbo.json``: the kernels of the
+    step as the GPU ran them, with no host in the way; ``python -m dbo.bench breakdown`` reads
+    them)."""
     res: dict[str, Any] = {"ok": False}
     sb.rec.cuda_graph = res
     if sb.budget.expired():
@@ -151,7 +167,7 @@ def cuda_graph(sb: ShapeBench) -> None:
     graphs: list[Any] = []
     try:
         try:
-            outs = {mode: _capture(sb, mode, res, graphs) for mode in ("serial", "dbo")}
+            outs = {mode: _capture(sb, mode, res, graphs, profile_dir) for mode in ("serial", "dbo")}
             res["dbo_vs_serial_rel_err"] = max_rel_error(outs["dbo"], outs["serial"], sb.device)
             res["dbo_replay_equals_eager"] = res["dbo_replay_rel_err"] <= sb.tol
             res["graph_dbo_over_serial"] = res["graph_dbo_ms"] / res["graph_serial_ms"]

@@ -155,14 +155,15 @@ def run(opts: OverlapOptions, rank: int, world: int, device: torch.device, out_d
                     sb.compute_alone()
                     sb.comm_alone()
                     sb.serial_and_dbo()
-                    trace = traces(sb, target == (tokens, inter), out_dir)
+                    profiled = target == (tokens, inter)
+                    trace = traces(sb, profiled, out_dir)
                     if trace is not None:
                         chrome.append((f"{opts.backend} T={tokens} I={inter}", trace))
                     if opts.autotune:  # the untuned wrapper: the default config, adaptive
                         time_wrapper(sb, SplitConfig(), decision_group, mode="wrapper_untuned")
                     if opts.cuda_graph:
                         if device.type == "cuda" and opts.layout in GRAPH_BACKENDS:
-                            cuda_graph(sb)
+                            cuda_graph(sb, out_dir if profiled else None)
                         else:
                             sb.rec.cuda_graph = {"ok": False, "error": "--cuda-graph needs "
                                                  f"--device cuda and a backend of {GRAPH_BACKENDS}"}
