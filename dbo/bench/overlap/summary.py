@@ -35,88 +35,11 @@ Definitions (per shape; every time is per MoE layer: a step's time over its laye
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:  # the record holds a summary; a summary reads a record
-    from dbo.bench.overlap.record import Measurement, ShapeRecord
+from dbo.bench.overlap.record import Measurement, ShapeRecord, ShapeSummary, SmsRow
 
 __all__ = ["ShapeSummary", "SmsRow", "summarize", "best_measurement"]
-
-
-@dataclass(frozen=True)
-class SmsRow:
-    """The best serial and DBO runs at one DeepEP SM count (``num_sms``), per layer in ms;
-    ``speedup`` and ``efficiency`` against the best serial run overall."""
-
-    num_sms: int
-    comm_ms: float | None
-    serial_ms: float | None
-    dbo_ms: float | None
-    dbo_config: str
-    speedup: float | None
-    efficiency: float | None
-
-
-@dataclass(frozen=True)
-class ShapeSummary:
-    """One shape's figures (see the module docstring); times per layer in ms, None where the
-    mode was not run. ``*_config``: the configuration of the fastest run (``s24 k16``: DeepEP
-    SMs, DBO carve-out; ``-``: none)."""
-
-    compute_ms: float | None
-    compute_config: str
-    comm_ms: float | None
-    comm_config: str
-    serial_ms: float | None
-    serial_config: str
-    dbo_ms: float | None
-    dbo_config: str
-    dbo_compute_ms: float | None
-    speedup: float | None
-    efficiency: float | None
-    comm_share: float | None
-    ideal_ms: float | None
-    peak_ratio: float | None
-    peak_extra_ratio: float | None
-    default_config_splits: bool
-    merged_ms: float | None
-    merged_config: str
-    merged_compute_ms: float | None
-    merged_speedup: float | None
-    merged_efficiency: float | None
-    sbo_ms: float | None
-    sbo_speedup: float | None
-    sbo_dbo_ms: float | None
-    sbo_dbo_speedup: float | None
-    best_schedule: str | None
-    comm_bytes: float | None
-    link_ms: float | None
-    comm_x_link: float | None
-    limit_ms: float | None
-    compute_x_limit: float | None
-    dbo_compute_over_compute: float | None
-    merged_compute_over_compute: float | None
-    wrapper_ms: float | None
-    wrapper_measured: bool
-    serial_paired_ms: float | None
-    wrapper_vs_serial: float | None
-    wrapper_vs_serial_unpaired: float | None
-    untuned_wrapper_ms: float | None
-    untuned_wrapper_vs_serial: float | None
-    online_choice: str | None
-    per_num_sms: tuple[SmsRow, ...] = ()
-    #: "autotuned" where ``wrapper`` was timed with the autotune's config
-    wrapper_config: str | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["per_num_sms"] = [asdict(r) for r in self.per_num_sms]
-        return d
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> ShapeSummary:
-        return cls(**{**d, "per_num_sms": tuple(SmsRow(**r) for r in d.get("per_num_sms", ()))})
 
 
 def best_measurement(meas: Iterable[Measurement], mode: str, *, num_sms: Any = ...) -> Measurement | None:
