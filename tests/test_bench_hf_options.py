@@ -1,5 +1,6 @@
 """The transformers benchmarks' options values (bad combinations are a ValueError naming the
-option) and hf-prefill's record (its JSON, read back, writes the same JSON)."""
+option) and the records of hf-prefill, hf-generate and hf-load (their JSON, read back, writes the
+same JSON)."""
 
 from __future__ import annotations
 
@@ -108,3 +109,42 @@ def test_the_generate_record_round_trips_to_the_same_json():
     assert set(doc["rows"][0]) == {"run", "mode", "ms", "prefill_ms", "tok_s", "same", "prefix"}
     assert json.loads(json.dumps(GenerateResult.from_json(doc).to_json())) == doc
     assert fastest_generate_ms(result.rows) == fastest_generate_ms(doc["rows"]) == 5.0
+
+
+def test_the_load_record_round_trips_to_the_same_json():
+    from dbo.bench.hf.load_table import LoadResult, LoadRow
+    from dbo.bench.hf.load_table import verdict_reason as load_verdict
+
+    base = dict(rss_after_imports_mib=293.0, load_s=2.5, peak_rss_after_load_mib=348.0,
+                rss_after_load_mib=340.0, prefill_s=0.01, peak_rss_after_prefill_mib=354.0)
+    result = LoadResult(size_gb=3.6, ranks=2, backend="all2all")
+    result.rows += [LoadRow(mode="plain", rank=0, expert_bytes=1000, **base),
+                    LoadRow(mode="ep", rank=0, expert_bytes=500, first_forward_s=0.05,
+                            first_forward_gathered_bytes=4096, layers_through_dbo=2, dbo_gathered_bytes=0,
+                            rel_err_vs_plain=0.0, top1_agree=1.0, logits_match=True, **base),
+                    LoadRow(mode="ep", rank=1, expert_bytes=500, first_forward_s=0.05,
+                            first_forward_gathered_bytes=4096, layers_through_dbo=2, dbo_gathered_bytes=0,
+                            **base)]
+    doc = json.loads(json.dumps(result.to_json()))
+    # the keys, in the order hf-load's --json file has had them; a row has the figures it has
+    assert list(doc) == ["size_gb", "ranks", "backend", "rows"]
+    measured = ["mode", "rank", "rss_after_imports_mib", "load_s", "peak_rss_after_load_mib",
+                "rss_after_load_mib", "expert_bytes"]
+    prefill = ["prefill_s", "peak_rss_after_prefill_mib"]
+    ep = ["first_forward_s", "first_forward_gathered_bytes", "layers_through_dbo", "dbo_gathered_bytes"]
+    checked = ["rel_err_vs_plain", "top1_agree", "logits_match"]
+    assert list(doc["rows"][0]) == measured + prefill
+    assert list(doc["rows"][1]) == measured + ep + prefill + checked
+    assert list(doc["rows"][2]) == measured + ep + prefill
+    again = LoadResult.from_json(doc)
+    assert again == result and json.loads(json.dumps(again.to_json())) == doc
+    # the verdict reads the records or their JSON alike
+    args = LoadOptions(dir="ckpt", check=True, json="load.json")
+    assert load_verdict(result.rows, args) == load_verdict(doc["rows"], args) == (
+        True, "every ep rank holds 1/2 of the routed experts and its DBOPrefill gathered nothing; "
+              "DBO logits match the plain model's; wrote load.json")
+    bad = [dataclasses.replace(result.rows[1], expert_bytes=1000, logits_match=False, rel_err_vs_plain=0.5,
+                               top1_agree=0.0)]
+    assert load_verdict(result.rows[:1] + bad, args) == (
+        False, "ep rank 0 holds 1,000 bytes of experts, not 500; ep rank 0's logits differ from the plain "
+               "model's (rel err 5.0e-01, top-1 agree 0.00); wrote load.json")

@@ -2,7 +2,7 @@
 expert-parallel by dbo.
 
 One module per command (``prefill``, ``generate``, ``load``), with the record, table and verdict
-of the first two beside them (``prefill_table``, ``generate_table``); the parts they share:
+of each beside it (``prefill_table``, ``generate_table``, ``load_table``); the parts they share:
 ``options`` (what a run is asked for, as frozen, validated values: the model's options and each
 command's), ``args`` (the model's command-line arguments and their checks) and ``model`` (the
 model built with seeded random weights, or written as a checkpoint and loaded expert-parallel).

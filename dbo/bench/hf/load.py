@@ -23,7 +23,10 @@ bytes FSDP2 all-gathers in the first prefill (the dense weights, once) and in th
 prefill after it (none). Safetensors are memory-mapped: pages of the file a process touched count
 in its RSS (and are shared with the page cache), so RSS is what the process touched, not only what
 it allocated. The verdict: every ``ep`` rank holds 1/RANKS of the routed experts, its overlapped
-prefill gathered nothing, and (``--check``) its logits match the plain model's.
+prefill gathered nothing, and (``--check``) its logits match the plain model's. Each rank's
+numbers are a :class:`~dbo.bench.hf.load_table.LoadRow`, the run a
+:class:`~dbo.bench.hf.load_table.LoadResult` (the ``--json`` file) that the table and the verdict
+read (:mod:`dbo.bench.hf.load_table`).
 """
 
 from __future__ import annotations
@@ -41,8 +44,9 @@ import time
 from pathlib import Path
 
 from dbo.backends import cpu_backends
-from dbo.bench.cli import ArgumentParser, check_writable_file, check_writable_folder, legend, verdict
+from dbo.bench.cli import ArgumentParser, check_writable_file, check_writable_folder, verdict
 from dbo.bench.hf.args import PRESET_CHOICES, backend_name, model_config, num_routed_experts
+from dbo.bench.hf.load_table import LoadResult, LoadRow, print_table, verdict_reason, write_json
 from dbo.bench.hf.options import LoadOptions
 from dbo.cli import run_main
 from dbo.files import write_whole
@@ -76,21 +80,21 @@ def worker(args: LoadOptions) -> None:
     from dbo.peers.process_group import distributed
 
     with distributed("cpu") as (rank, world, _):
-        out = {"mode": args.mode, "rank": rank, "rss_after_imports_mib": rss_mib()}
+        rss_after_imports = rss_mib()
         kw = {"distributed_config": ep_distributed_config(args.backend, world)} if args.mode == "ep" else {}
         dist.barrier()
         t0 = time.perf_counter()
         model = AutoModelForCausalLM.from_pretrained(args.dir, dtype=torch.bfloat16, **kw).eval()
         dist.barrier()
-        out["load_s"] = time.perf_counter() - t0
-        out["peak_rss_after_load_mib"] = peak_rss_mib()
-        out["rss_after_load_mib"] = rss_mib()
+        load_s = time.perf_counter() - t0
+        peak_after_load, rss_after_load = peak_rss_mib(), rss_mib()
 
         def local_bytes(p):
             t = p.to_local() if hasattr(p, "to_local") else p
             return t.numel() * t.element_size()
 
-        out["expert_bytes"] = sum(local_bytes(p) for n, p in model.named_parameters() if ".experts." in n)
+        expert_bytes = sum(local_bytes(p) for n, p in model.named_parameters() if ".experts." in n)
+        ep: dict = {}  # the ep mode's figures: its first prefill and the overlapped one
         g = torch.Generator().manual_seed(rank)
         ids = torch.randint(0, model.config.vocab_size, (args.batch, args.seq), generator=g)
         with torch.inference_mode():
@@ -99,34 +103,40 @@ def worker(args: LoadOptions) -> None:
                 with count_all_gathered_bytes() as gathered:
                     t0 = time.perf_counter()
                     prefill_logits(model, ids, logits_to_keep=1)
-                    out["first_forward_s"] = time.perf_counter() - t0
-                    out["first_forward_gathered_bytes"] = sum(gathered)
+                    ep["first_forward_s"] = time.perf_counter() - t0
+                    ep["first_forward_gathered_bytes"] = sum(gathered)
                     gathered.clear()
-                    out["layers_through_dbo"] = len(expert_parallel_modules(model))
+                    ep["layers_through_dbo"] = len(expert_parallel_modules(model))
                     t0 = time.perf_counter()
                     logits = DBOPrefill(model, prefill_split_config(adaptive=False),
                                         logits_to_keep=1)(ids)
-                    out["dbo_gathered_bytes"] = sum(gathered)
+                    ep["dbo_gathered_bytes"] = sum(gathered)
             else:
                 t0 = time.perf_counter()
                 logits = prefill_logits(model, ids, logits_to_keep=1)
-            out["prefill_s"] = time.perf_counter() - t0
-        out["peak_rss_after_prefill_mib"] = peak_rss_mib()
+            prefill_s = time.perf_counter() - t0
+        peak_after_prefill = peak_rss_mib()
+        checked: dict = {}  # --check: the ep logits against the plain model's
         if args.check and args.mode == "ep":
             del model
             full = AutoModelForCausalLM.from_pretrained(args.dir, dtype=torch.bfloat16).eval()
             with torch.inference_mode():
                 want = prefill_logits(full, ids, logits_to_keep=1)
-            out["rel_err_vs_plain"] = relative_error(logits, want)
-            out["top1_agree"] = (logits[:, -1].argmax(-1) == want[:, -1].argmax(-1)).float().mean().item()
-            out["logits_match"] = logits_match(out["rel_err_vs_plain"], out["top1_agree"], torch.bfloat16)
+            rel_err = relative_error(logits, want)
+            top1 = (logits[:, -1].argmax(-1) == want[:, -1].argmax(-1)).float().mean().item()
+            checked = {"rel_err_vs_plain": rel_err, "top1_agree": top1,
+                       "logits_match": logits_match(rel_err, top1, torch.bfloat16)}
+        row = LoadRow(mode=args.mode, rank=rank, rss_after_imports_mib=rss_after_imports, load_s=load_s,
+                      peak_rss_after_load_mib=peak_after_load, rss_after_load_mib=rss_after_load,
+                      expert_bytes=expert_bytes, prefill_s=prefill_s,
+                      peak_rss_after_prefill_mib=peak_after_prefill, **ep, **checked)
         rows: list = [None] * world
-        dist.all_gather_object(rows, out)
+        dist.all_gather_object(rows, row.to_json())
         if rank == 0:
             write_whole(args.out, json.dumps(rows))
 
 
-def launch(args: LoadOptions, mode: str, out: Path) -> list[dict]:
+def launch(args: LoadOptions, mode: str, out: Path) -> list[LoadRow]:
     """Run ``mode`` on ``--ranks`` fresh processes; their rows."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.ranks),
            "-m", "dbo.bench", PROG, "--worker", "--mode", mode, "--dir", args.dir, "--out", str(out),
@@ -145,7 +155,7 @@ def launch(args: LoadOptions, mode: str, out: Path) -> list[dict]:
     if proc.returncode != 0:
         sys.stderr.write(stdout[-4000:] + stderr[-8000:])
         raise SystemExit(f"{PROG}: {mode} failed (exit {proc.returncode}); its output is above")
-    return json.loads(out.read_text())
+    return [LoadRow.from_json(r) for r in json.loads(out.read_text())]
 
 
 def stop_launched(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
@@ -159,52 +169,6 @@ def stop_launched(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate()
-
-
-def report(rows: list[dict], size_gb: float, args: LoadOptions) -> None:
-    print(f"\n{args.dir}: {size_gb:.2f} GB of bf16 safetensors, {args.ranks} gloo ranks on CPU, "
-          f"backend {args.backend}; prefill of {args.batch}x{args.seq} tokens per rank\n")
-    print("| mode | rank | load s | RSS after imports MiB | peak RSS after load MiB | peak RSS after "
-          "prefill MiB | routed-expert bytes held GB | prefill s |")
-    print("|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['mode']} | {r['rank']} | {r['load_s']:.1f} | {r['rss_after_imports_mib']:.0f} | "
-              f"{r['peak_rss_after_load_mib']:.0f} | {r['peak_rss_after_prefill_mib']:.0f} | "
-              f"{r['expert_bytes'] / 1e9:.2f} | {r['prefill_s']:.2f} |")
-    print("\n".join(legend({"mode": "plain: the whole model on every rank; ep: loaded expert-parallel, "
-                                     "each rank its share of the routed experts",
-                             "RSS": "the rank's resident memory", "peak RSS": "its highest so far",
-                             "prefill s": "one prefill (ep: through DBOPrefill)"})))
-    for r in rows:
-        if "first_forward_gathered_bytes" in r:
-            print(f"rank {r['rank']}: the first prefill as loaded all-gathered "
-                  f"{r['first_forward_gathered_bytes'] / 1e9:.2f} GB (the dense weights, kept whole) and "
-                  f"took {r['first_forward_s']:.2f} s; then DBOPrefill {r['prefill_s']:.2f} s, "
-                  f"{r['dbo_gathered_bytes'] / 1e9:.2f} GB gathered")
-        if "rel_err_vs_plain" in r:
-            print(f"rank {r['rank']}: DBO logits vs plain model rel err {r['rel_err_vs_plain']:.1e}, "
-                  f"top-1 agreement {r['top1_agree']:.2f}")
-
-
-def check_rows(rows: list[dict], args: LoadOptions) -> tuple[bool, str]:
-    """(passed, why): every ep rank holds 1/ranks of the routed experts, its overlapped prefill
-    gathered nothing and (``--check``) its logits match the plain model's."""
-    plain = [r for r in rows if r["mode"] == "plain"]
-    ep = [r for r in rows if r["mode"] == "ep"]
-    share = plain[0]["expert_bytes"] // args.ranks
-    problems = [f"ep rank {r['rank']} holds {r['expert_bytes']:,} bytes of experts, not {share:,}"
-                for r in ep if r["expert_bytes"] != share]
-    problems += [f"ep rank {r['rank']}'s DBOPrefill all-gathered {r['dbo_gathered_bytes']:,} bytes"
-                 for r in ep if r["dbo_gathered_bytes"]]
-    problems += [f"ep rank {r['rank']}'s logits differ from the plain model's (rel err "
-                 f"{r['rel_err_vs_plain']:.1e}, top-1 agree {r['top1_agree']:.2f})"
-                 for r in ep if r.get("logits_match") is False]
-    wrote = f"; wrote {args.json}" if args.json else ""
-    if problems:
-        return False, "; ".join(problems) + wrote
-    checked = "; DBO logits match the plain model's" if args.check else ""
-    return True, (f"every ep rank holds 1/{args.ranks} of the routed experts and its DBOPrefill "
-                  f"gathered nothing{checked}{wrote}")
 
 
 def parse_args(argv: list[str] | None = None) -> LoadOptions:
@@ -262,14 +226,12 @@ def main(argv: list[str] | None = None) -> int:
         write_random_checkpoint(args.config, path, seed=args.seed)
         print(f"wrote {path} in {time.perf_counter() - t0:.0f} s")
     size = sum(f.stat().st_size for f in path.glob("*.safetensors")) / 1e9
-    rows = []
+    result = LoadResult(size_gb=size, ranks=args.ranks, backend=args.backend)
     for mode in ("plain", "ep"):
-        rows += launch(args, mode, path.parent / f".{path.name}.{mode}.json")
-    report(rows, size, args)
-    ok, why = check_rows(rows, args)
-    if args.json:
-        write_whole(args.json, json.dumps({"size_gb": size, "ranks": args.ranks, "backend": args.backend,
-                                               "rows": rows}, indent=1))
+        result.rows += launch(args, mode, path.parent / f".{path.name}.{mode}.json")
+    print_table(result, args)
+    ok, why = verdict_reason(result.rows, args)
+    write_json(result, args.json)
     return verdict(PROG, ok, why)
 
 
