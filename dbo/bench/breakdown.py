@@ -2,8 +2,10 @@
 
 ``python -m dbo.bench breakdown SERIAL.json DBO.json`` (``gpu_trace_serial.json`` and
 ``gpu_trace_dbo.json`` of a ``dbo.bench overlap`` bundle; ``.json.gz`` works too) prints, for each
-step, the GPU time of each kernel category, the busy and idle time of the compute stream (the stream
-with the most kernel time, past DeepEP's and the simulated link's) and the step's span, then the
+step, the GPU time of each kernel category, the busy and idle time of the compute (the union of the
+kernels that neither move nor wait for data, DeepEP's, the simulated link's and the emulated rank's
+own, on any stream: a CUDA graph's replay spreads its kernels over streams of its own) and the
+step's span, then the
 overlap arithmetic: idle time removed, compute time added, and the share of the serial step's idle
 (its communication) that was hidden, and where the host's time of the step went (:func:`host_split`:
 kernel launches, waits on the GPU, other CUDA calls, and the rest: Python and torch's dispatch).
@@ -21,11 +23,11 @@ from dbo.bench.cli import ArgumentParser, legend, verdict
 from dbo.bench.timeline import read_chrome_trace
 from dbo.cli import run_main
 
-__all__ = ["CATEGORIES", "HOST_PARTS", "breakdown", "host_split", "main"]
+__all__ = ["CATEGORIES", "MOVING", "HOST_PARTS", "breakdown", "host_split", "main"]
 
 PROG = "python -m dbo.bench breakdown"
 
-#: the simulated link's modelled waits, on a link stream of their own (never the compute stream):
+#: the simulated link's modelled waits, on a link stream of their own:
 #: the global-timer wait (``dbo.backends.simulated_link.wall_wait``), or torch's cycle-counting
 #: spin kernel without Triton
 LINK_WAITS = ("_wait_wall_kernel", "_nic_flow_kernel", "spin_kernel")
@@ -92,6 +94,10 @@ def _load(path: str) -> list[dict]:
     return [e for e in read_chrome_trace(path)["traceEvents"] if e.get("ph") == "X" and e.get("cat") in gpu]
 
 
+#: the categories of kernels that move or wait for data (the rest is the compute)
+MOVING = ("DeepEP", "link wait (simulated)", "emulated comm work")
+
+
 def _category(name: str) -> str:
     for cat, key in CATEGORIES:
         if key in name:
@@ -100,7 +106,8 @@ def _category(name: str) -> str:
 
 
 def breakdown(path: str) -> dict:
-    """One trace's step: ``span``, ``compute_busy``, ``compute_idle`` (ms) and ``categories``
+    """One trace's step: ``span``, ``compute_busy``, ``compute_idle`` (ms; the compute: the kernels
+    outside :data:`MOVING`, on any stream) and ``categories``
     (ms of kernel time per :data:`CATEGORIES` name).
 
     Raises:
@@ -110,23 +117,19 @@ def breakdown(path: str) -> dict:
     kernels = _load(path)
     if not kernels:
         raise ValueError(f"{path}: no GPU kernels in this trace")
-    per_stream: dict[int, float] = defaultdict(float)
-    for k in kernels:
-        per_stream[k["args"].get("stream")] += k["dur"]
-    # the stream with the most kernel time, past the ones that only move or wait for data
-    # (under the simulated link, its waits can outweigh the compute)
-    not_compute = {k["args"].get("stream") for k in kernels
-                   if "deep_ep" in k["name"] or any(w in k["name"] for w in LINK_WAITS)}
-    candidates = [s for s in per_stream if s not in not_compute] or list(per_stream)
-    compute = max(candidates, key=per_stream.get)
+    # the compute: the kernels that neither move nor wait for data, on whichever stream (a CUDA
+    # graph's replay spreads its branches over streams of its own, and may run the link's waits
+    # on the compute's stream)
+    def moves(k: dict) -> bool:
+        return _category(k["name"]) in MOVING
     cats: dict[str, float] = defaultdict(float)
     for k in kernels:
         cats[_category(k["name"])] += k["dur"] / 1000
     start = min(k["ts"] for k in kernels)
     span = (max(k["ts"] + k["dur"] for k in kernels) - start) / 1000
-    comp = sorted((k for k in kernels if k["args"].get("stream") == compute), key=lambda k: k["ts"])
+    comp = sorted((k for k in kernels if not moves(k)), key=lambda k: k["ts"]) or [kernels[0]]
     busy, end = 0.0, comp[0]["ts"]
-    for k in comp:  # union of the compute stream's kernel intervals
+    for k in comp:  # union of the compute kernels' intervals
         s, e = max(k["ts"], end), k["ts"] + k["dur"]
         if e > s:
             busy += e - s
@@ -156,8 +159,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(str(exc))
     print(f"{'':32} {'serial ms':>10} {'DBO ms':>10} {'DBO/serial':>10}")
     rows = [("step span", s["span"], d["span"]),
-            ("compute stream busy", s["compute_busy"], d["compute_busy"]),
-            ("compute stream idle", s["compute_idle"], d["compute_idle"])]
+            ("compute busy", s["compute_busy"], d["compute_busy"]),
+            ("compute idle", s["compute_idle"], d["compute_idle"])]
     for cat in sorted(set(s["categories"]) | set(d["categories"])):
         rows.append((f"  kernels: {cat}", s["categories"].get(cat, 0.0), d["categories"].get(cat, 0.0)))
     for name, x, y in rows:
@@ -172,13 +175,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{'  ' + part:32} {x:10.2f} {y:10.2f} {ratio}")
     print("\n".join(legend({"serial ms, DBO ms": "per step, from each trace",
                              "step span": "first kernel's start to last kernel's end",
-                             "busy, idle": "the compute stream's time with and without a kernel",
+                             "busy, idle": "the step's time with and without a compute kernel running "
+                             "(any stream; the compute: every kernel but those that move or wait "
+                             "for data)",
                              "kernels": "GPU time by kind", "DBO/serial": "DBO ms / serial ms"})))
     removed = s["compute_idle"] - d["compute_idle"]
     added = d["compute_busy"] - s["compute_busy"]
     hidden = removed - added
     if not s["compute_idle"]:
-        return verdict(PROG, False, "the serial step's compute stream is never idle: no "
+        return verdict(PROG, False, "the serial step's compute is never idle: no "
                                     "communication to hide in these traces")
     print(f"idle removed {removed:.2f} ms, compute added {added:.2f} ms: "
           f"{hidden:.2f} ms of the serial step's {s['compute_idle']:.2f} ms idle hidden "
