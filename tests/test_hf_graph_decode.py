@@ -80,10 +80,13 @@ def _ep_job(ckpt: str, backend: str) -> list:
             for pads, new in (((0, 2, 0, 1), 6), ((3, 0), 2), ((0, 0, 0), 1)):
                 ids, mask = (t.to(device) for t in
                              left_padded_prompts(5 + rank, pads, 8, vocab=model.config.vocab_size))
-                for cfg in (PLAIN, SPLIT):
-                    want, _ = greedy_generate(model, ids, mask, max_new_tokens=new, config=cfg)
+                # plain; split prefill, joined decode; every decode step split (its own static
+                # cache per ubatch, the captured step the overlapped one)
+                for cfg, split_decode in ((PLAIN, False), (SPLIT, False), (SPLIT, True)):
+                    want, _ = greedy_generate(model, ids, mask, max_new_tokens=new, config=cfg,
+                                              split_decode=split_decode)
                     got, _ = greedy_generate(model, ids, mask, max_new_tokens=new, config=cfg,
-                                             cuda_graph=True)
+                                             split_decode=split_decode, cuda_graph=True)
                     tf = teacher_forced_share(model, got, 8, attention_mask=mask)
                     out.append((len(pads), new, cfg.enabled, torch.equal(want.cpu(), got.cpu()), tf,
                                 got.shape[1] - 8))
@@ -110,10 +113,10 @@ def test_static_decode_gives_the_plain_decodes_tokens_on_two_ranks(tmp_path, bac
             assert all(tf == 1.0 for *_, tf, _ in out), out
         else:  # float32: the eager decode's tokens exactly
             assert all(same and tf == 1.0 for *_, same, tf, _ in out), out
-        assert [n for *_, n in out] == [6, 6, 2, 2, 1, 1], out
+        assert [n for *_, n in out] == [6, 6, 6, 2, 2, 2, 1, 1, 1], out
         # every call of more than one new token took the static path: captured and replayed on
         # GPUs, eagerly on the CPU
-        assert ran == [BACKEND == "nccl"] * 4, ran
+        assert ran == [BACKEND == "nccl"] * 6, ran
 
 
 def _eager_and_static(model, *, seq: int, padded_row: int, pad: int, new: int):
@@ -201,11 +204,31 @@ def test_a_static_step_reads_nothing_on_the_host_outside_the_moe_blocks(monkeypa
     assert mode.seen == [], mode.seen
 
 
+@pytest.mark.parametrize("batch", [4, 5])
+def test_split_decode_steps_from_a_static_cache_per_ubatch(batch, monkeypatch):
+    # split_decode with cuda_graph: each ubatch its own static cache (an odd batch pads the
+    # second ubatch, whose cache holds the padding row too), the same tokens as the eager split
+    # decode and the plain one
+    model = _tiny_moe()
+    ran = []
+    real = graph_decode.static_decode
+    monkeypatch.setattr("dbo.integrations.transformers.generate.static_decode",
+                        lambda *a, **k: ran.append(1) or real(*a, **k))
+    ids = torch.randint(0, model.config.vocab_size, (batch, 5))
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    with torch.inference_mode():
+        plain, _ = greedy_generate(model, ids, mask, max_new_tokens=4, config=PLAIN)
+        eager, plan = greedy_generate(model, ids, mask, max_new_tokens=4, config=SPLIT, split_decode=True)
+        static, _ = greedy_generate(model, ids, mask, max_new_tokens=4, config=SPLIT, split_decode=True,
+                                    cuda_graph=True)
+    assert plan.split and ran == [1]
+    assert torch.equal(static, eager) and torch.equal(static, plain)
+
+
 def test_arguments_and_caches_that_cannot_be_static():
     model = _tiny_moe()
     ids = torch.randint(0, model.config.vocab_size, (2, 4))
-    with pytest.raises(ValueError, match="split_decode=False"):
-        greedy_generate(model, ids, max_new_tokens=2, cuda_graph=True, split_decode=True)
     assert graph_decode.static_cache_from(model, object(), 16) is None
     from transformers.cache_utils import DynamicCache
 

@@ -291,7 +291,7 @@ for arg in "$@"; do
         done
       fi ;;
     emulated_hf)
-      gen="-m dbo.bench hf-generate --device cuda --steps 3 --warmup 1 --modes plain graph dbo-prefill-graph dbo"
+      gen="-m dbo.bench hf-generate --device cuda --steps 3 --warmup 1 --modes plain graph dbo-prefill-graph dbo-graph"
       for r in ${EMU_HF_RUNS:-qwen-prefill qwen-generate dsv3-generate}; do
         case $r in
           qwen-prefill)

@@ -7,7 +7,8 @@ with its own ``all_to_all`` expert parallelism beside dbo's ``greedy_generate`` 
         --backend copy_engine deepep_ht/deepep_ll
     # one GPU as rank 0 of EP 16 (plain python: the emulated backend, no process group)
     python -m dbo.bench hf-generate --device cuda --preset qwen3-30b-a3b --emulate-ep 16 \
-        --link deepep-ib --batch 64 --prompt 512 --new-tokens 64 --modes plain graph dbo-prefill-graph dbo
+        --link deepep-ib --batch 64 --prompt 512 --new-tokens 64 \
+        --modes plain graph dbo-prefill-graph dbo-graph
 
 Both loads read a checkpoint: ``--checkpoint DIR``, or ``--preset`` written with random weights to
 ``--save-checkpoint DIR`` or, without either (CPU only), to a temporary directory removed at the
@@ -124,8 +125,9 @@ def parse_args(argv: list[str] | None = None) -> GenerateOptions:
                    help="the dbo rows of each backend: plain, DBO prefill (the prompt overlapped, the "
                         "decode steps plain: greedy_generate's default), DBO (every step overlapped), "
                         "graph and dbo-prefill-graph (plain or DBO prefill, then the decode steps from a "
-                        "static cache replayed from a CUDA graph: cuda_graph=True) (default: plain "
-                        "dbo-prefill dbo)")
+                        "static cache replayed from a CUDA graph: cuda_graph=True), dbo-graph (every step "
+                        "overlapped, the decode steps from a static cache per ubatch replayed from a CUDA "
+                        "graph) (default: plain dbo-prefill dbo)")
     p.add_argument("--no-static", dest="static", action="store_false",
                    help="leave out transformers' generate() with cache_implementation='static' (its "
                         "static cache, compiled on CUDA)")

@@ -31,7 +31,8 @@ EP_EXPERTS = ("auto", "library", "model")
 #: decode from a CUDA graph)
 GENERATE_MODES = {"plain": ("plain", False, False, False), "dbo-prefill": ("DBO prefill", True, False, False),
                   "dbo": ("DBO", True, True, False), "graph": ("plain, graph decode", False, False, True),
-                  "dbo-prefill-graph": ("DBO prefill, graph decode", True, False, True)}
+                  "dbo-prefill-graph": ("DBO prefill, graph decode", True, False, True),
+                  "dbo-graph": ("DBO, graph decode", True, True, True)}
 
 
 #: the one backend pair of an emulated rank: DeepEP's high-throughput layout for the prompt, its

@@ -127,7 +127,8 @@ def greedy_generate(model: torch.nn.Module, input_ids: torch.Tensor,
         cuda_graph: decode from a static KV cache, the steps after the first replayed from one
             CUDA graph captured in this call (:mod:`~dbo.integrations.transformers.graph_decode`;
             the backend must be capturable: ``deepep_ll``, ``copy_engine``; on the CPU the same
-            steps run eagerly). Needs ``split_decode=False``; where the cache cannot be made
+            steps run eagerly). With ``split_decode`` each ubatch decodes from a static cache
+            of its own and the captured step is the overlapped one. Where a cache cannot be made
             static (not a ``DynamicCache`` of full-attention layers) the steps run eagerly, said
             once in the log. The same on every rank of ``group``.
 
@@ -143,8 +144,6 @@ def greedy_generate(model: torch.nn.Module, input_ids: torch.Tensor,
     mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.long()
     if mask.shape != input_ids.shape:
         raise ValueError(f"attention_mask {tuple(mask.shape)} must match input_ids {tuple(input_ids.shape)}")
-    if cuda_graph and split_decode:
-        raise ValueError("cuda_graph=True decodes over the whole batch: it needs split_decode=False")
     if config is None:
         config = SplitConfig(prefill_token_threshold=2, decode_token_threshold=2)
     prepare_for_overlap(model)
@@ -165,28 +164,27 @@ def greedy_generate(model: torch.nn.Module, input_ids: torch.Tensor,
         return out.logits[:, -1]
 
     def graph_steps(ids: torch.Tensor, positions: torch.Tensor, full_mask: torch.Tensor,
-                    steps: int) -> torch.Tensor | None:
-        """The decode steps from a static cache (``cuda_graph``), or None where the cache cannot
-        be made static."""
+                    steps: int, step_plan: UBatchPlan) -> torch.Tensor | None:
+        """The decode steps from static caches (``cuda_graph``), one per ubatch of ``step_plan``
+        (one where it does not split), or None where a cache cannot be made static."""
         slots = full_mask.shape[1] + steps
-        static = static_cache_from(model, caches.get(0) if len(caches) == 1 else None, slots)
-        if static is None:
+        statics = [static_cache_from(model, caches.get(u), slots) for u in range(len(caches))]
+        if not statics or any(c is None for c in statics):
             if not _STATIC_FALLBACK_LOGGED:
                 _STATIC_FALLBACK_LOGGED.append(True)
                 logger.warning("greedy_generate(cuda_graph=True): the cache (%s) cannot be made static; "
                                "the decode steps run eagerly", type(caches.get(0)).__name__)
             return None
-        caches[0] = static
+        caches.update(enumerate(statics))
 
         def static_step(ids_b: torch.Tensor, mask4d: torch.Tensor, pos_b: torch.Tensor) -> torch.Tensor:
-            out = model(input_ids=ids_b, attention_mask=mask4d, position_ids=pos_b,
-                        use_cache=True, logits_to_keep=1, **{cache_kw: static})
+            info = current_ubatch()
+            out = model(input_ids=ids_b, attention_mask=mask4d, position_ids=pos_b, use_cache=True,
+                        logits_to_keep=1, **{cache_kw: statics[0 if info is None else info.index]})
             return out.logits[:, -1]
 
-        plain = no_split_plan(ids.shape[0], detail="the decode steps run plainly (cuda_graph=True)")
-
         def run(ids_b: torch.Tensor, mask4d: torch.Tensor, pos_b: torch.Tensor) -> torch.Tensor:
-            return overlapped_forward(static_step, ids_b, mask4d, pos_b, plan=plain)
+            return overlapped_forward(static_step, ids_b, mask4d, pos_b, plan=step_plan)
 
         with decode_phase(True):
             return static_decode(run, ids, positions, full_mask, slots, steps, capture=ids.is_cuda)
@@ -223,8 +221,9 @@ def _decode(step: Any, input_ids: torch.Tensor, mask: torch.Tensor, plan: UBatch
                 # no vote: every rank joins at the same step
                 step_plan = no_split_plan(input_ids.shape[0],
                                           detail="the decode steps run plainly (split_decode=False)")
-        if i == 1 and graph_steps is not None and len(caches) == 1:
-            new = graph_steps(ids, positions, mask, max_new_tokens - 1)
+        if i == 1 and graph_steps is not None and len(caches) == len(step_plan.slices):
+            # (a plain plan has one slice; caches that could not be joined stay split: eager)
+            new = graph_steps(ids, positions, mask, max_new_tokens - 1, step_plan)
             if new is not None:
                 return torch.cat([tokens, new], dim=1)
         with decode_phase(i > 0):  # the decode backend, where the model has one, after the prefill

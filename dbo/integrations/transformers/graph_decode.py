@@ -8,7 +8,9 @@ the first run from a static KV cache and static inputs, so that one CUDA graph h
 
 - the joined prefill cache (a ``DynamicCache``) is copied into a transformers ``StaticCache`` of
   ``prompt + max_new_tokens`` slots (its public ``update``), whose layers write each step's keys
-  and values in place at a device-side position;
+  and values in place at a device-side position; with ``split_decode`` each ubatch's cache into
+  one of its own, and the captured step is the overlapped one (each ubatch's rows, through its
+  cache);
 - the step's inputs are static buffers: the token ``[batch, 1]``, its position ``[batch, 1]``
   and a 4-D boolean attention mask ``[batch, 1, 1, slots]`` (the prompt's padding, then one slot
   more each step), which transformers takes as it is;
