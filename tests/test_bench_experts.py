@@ -34,11 +34,12 @@ def test_grid_times_every_implementation_and_outputs_agree():
              "device": (SwiGLUExperts(use_triton=False), False)}
     rows = run_grid(impls, hidden=[32], intermediate=[16], tokens=[8, 40], local_experts=[4, 2],
                     topk=3, steps=3, num_experts=8, dtype=torch.float32, device="cpu")
-    assert [(r["local_experts"], r["tokens"]) for r in rows] == [(4, 8), (4, 40), (2, 8), (2, 40)]
+    assert [(r.local_experts, r.tokens) for r in rows] == [(4, 8), (4, 40), (2, 8), (2, 40)]
     for r in rows:
-        assert set(r["results"]) == {"host", "device"}
-        assert all(v["median_ms"] > 0 for v in r["results"].values())
-        assert r["results"]["device"]["rel_err"] < 1e-6
+        assert set(r.results) == {"host", "device"}
+        assert all(v.median_ms > 0 for v in r.results.values())
+        assert r.results["device"].rel_err < 1e-6
+        assert r.limit_ms is None and r.ranks is None  # no limits yet; standard rows have no ranks
     table = format_rows(rows, "host").splitlines()
     assert len(table) == 1 + len(rows) + 1 and "device/host" in table[0]
     assert table[-1].startswith("  hidden, I: ") and "A/B: A's time / host's" in table[-1]  # the columns
@@ -54,10 +55,11 @@ def test_limits_are_measured_and_every_row_gets_its_ratio():
     impls = {"a": (SwiGLUExperts(use_triton=False), False)}
     rows = run_grid(impls, hidden=[32], intermediate=[16], tokens=[8, 40], local_experts=[4],
                     topk=3, steps=2, num_experts=8, dtype=torch.float32, device="cpu")
-    add_limits(rows, limits, dtype_bytes=4)
+    rows = add_limits(rows, limits, dtype_bytes=4)
     for r in rows:
-        res = r["results"]["a"]
-        assert r["limit_ms"] > 0 and res["x_limit"] == res["median_ms"] / r["limit_ms"]
+        res = r.results["a"]
+        assert r.limit_ms > 0 and res.x_limit == res.median_ms / r.limit_ms
+        assert r.limit_bound in ("flops", "bytes")
     summary = limit_summary(rows)["a"]
     assert summary["worst_x_limit"] >= summary["geomean_x_limit"] > 0
     table = format_rows(rows, "a")
@@ -102,15 +104,17 @@ def test_rows_get_their_ratio_to_the_held_limit_where_it_was_measured():
     rows = run_grid(impls, hidden=[32], intermediate=[16], tokens=[8, 40], local_experts=[4],
                     topk=3, steps=2, num_experts=8, dtype=torch.float32, device="cpu")
     # a GEMM rate so low that every row is flops-bound: the held ratio is the burst one x 2
-    add_limits(rows, DeviceLimits("t", copy_gbps=1e6, gemm_tflops=1e-6, held_gemm_tflops=5e-7), dtype_bytes=4)
+    rows = add_limits(rows, DeviceLimits("t", copy_gbps=1e6, gemm_tflops=1e-6, held_gemm_tflops=5e-7),
+                      dtype_bytes=4)
     for r in rows:
-        res = r["results"]["a"]
-        assert res["x_held"] == pytest.approx(res["x_limit"] / 2)
+        res = r.results["a"]
+        assert res.x_held == pytest.approx(res.x_limit / 2)
     s = limit_summary(rows)["a"]
     assert s["geomean_x_held"] == pytest.approx(s["geomean_x_limit"] / 2)
     assert "at the held GEMM rate" in format_rows(rows, "a")
-    add_limits(rows, DeviceLimits("t", copy_gbps=1e6, gemm_tflops=1e-6), dtype_bytes=4)
+    rows = add_limits(rows, DeviceLimits("t", copy_gbps=1e6, gemm_tflops=1e-6), dtype_bytes=4)
     assert "geomean_x_held" not in limit_summary(rows)["a"]
+    assert all(r.held_limit_ms is None and r.results["a"].x_held is None for r in rows)
 
 
 def test_timings_are_checked_and_each_call_reports_its_host_time():
@@ -157,9 +161,9 @@ def test_the_batched_grid_compares_the_rows_that_arrived():
     impls = {"a": (SwiGLUExperts(use_triton=False), False), "b": (SwiGLUExperts(use_triton=False), True)}
     rows = run_grid(impls, hidden=[32], intermediate=[16], tokens=[4, 12], local_experts=[4], topk=3,
                     steps=2, dtype=torch.float32, device="cpu", layout="batched", ranks=2)
-    shapes = [(r["layout"], r["tokens"], r["capacity"]) for r in rows]
-    assert shapes == [("batched", 4, 8), ("batched", 12, 24)]
-    assert all(r["results"]["b"]["rel_err"] < 1e-6 for r in rows)
+    shapes = [(r.layout, r.tokens, r.ranks, r.capacity) for r in rows]
+    assert shapes == [("batched", 4, 2, 8), ("batched", 12, 2, 24)]
+    assert all(r.results["b"].rel_err < 1e-6 for r in rows)
     case = make_batched_case(12, 32, 16, 4, ranks=2, topk=3, dtype=torch.float32, device="cpu", seed=12)
     got = case.arrived(apply_experts(SwiGLUExperts(use_triton=False), case, False, Workspace()))
     want = torch.cat([swiglu_expert(case.x[e, :c], case.w1[e], case.w2[e])

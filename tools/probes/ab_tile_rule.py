@@ -24,6 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from dbo.bench.experts.command import add_limits, make_batched_case, make_case, time_experts  # noqa: E402
+from dbo.bench.experts.record import ExpertsRow, ImplTiming  # noqa: E402
 from dbo.bench.limits import measure_device_limits  # noqa: E402
 from dbo.experts import SwiGLUExperts  # noqa: E402
 from dbo.experts.kernels import batched, fused_experts  # noqa: E402
@@ -74,15 +75,17 @@ def main() -> int:
             impls = {"A": (SwiGLUExperts(num_global_experts=None if slabs else 256), False),
                      "B": (RuleExperts(picks, num_global_experts=None if slabs else 256), False)}
             res = time_experts(impls, case, steps=a.steps, timings=("device",))
-            row = {"hidden": 7168, "intermediate": inter, "local_pairs": int(counts.sum()),
-                   "experts_with_rows": int((counts > 0).sum()), "results": res}
-            add_limits([row], lim)
-            r = res["B"]["median_ms"] / res["A"]["median_ms"]
+            row = ExpertsRow(layout="batched" if slabs else "standard", hidden=7168, intermediate=inter,
+                             local_experts=n_local, tokens=t, local_pairs=int(counts.sum()),
+                             experts_with_rows=int((counts > 0).sum()),
+                             results={name: ImplTiming(**v) for name, v in res.items()})
+            (row,) = add_limits([row], lim)
+            ra, rb = row.results["A"], row.results["B"]
+            r = rb.median_ms / ra.median_ms
             ratios.append(r)
-            ra, rb = res["A"], res["B"]
-            print(f"{shape}: {row['local_pairs'] / n_local:.0f} rows/expert; A {ra['median_ms']:.3f} ms "
-                  f"({ra['x_limit']:.2f}x limit), B {rb['median_ms']:.3f} ms ({rb['x_limit']:.2f}x); "
-                  f"B/A {r:.3f}; B's error {rb['rel_err']:.1e}", flush=True)
+            print(f"{shape}: {row.local_pairs / n_local:.0f} rows/expert; A {ra.median_ms:.3f} ms "
+                  f"({ra.x_limit:.2f}x limit), B {rb.median_ms:.3f} ms ({rb.x_limit:.2f}x); "
+                  f"B/A {r:.3f}; B's error {rb.rel_err:.1e}", flush=True)
             del case
             torch.cuda.empty_cache()
     print(f"B/A geometric mean {statistics.geometric_mean(ratios):.3f} over {len(ratios)} shapes")

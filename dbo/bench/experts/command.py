@@ -29,17 +29,19 @@ I=2048); the outputs are compared on the rows that arrived (the rest of a slab i
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
 from dbo.bench.cli import ArgumentParser, check_writable_file, legend, verdict
 from dbo.bench.experts.cases import BatchedCase, ExpertsCase, make_batched_case, make_case
 from dbo.bench.experts.options import DEFAULT_GRID, LAYOUTS, TIMINGS, ExpertsOptions
+from dbo.bench.experts.record import ExpertsResult, ExpertsRow, ImplTiming, limit_summary
 from dbo.bench.limits import DeviceLimits, experts_cost, measure_device_limits
 from dbo.bench.timing import gpu_sleep
 from dbo.cli import run_main
@@ -181,8 +183,9 @@ def run_grid(impls: dict[str, tuple[MoEExperts, bool]], *, hidden: list[int], in
              num_experts: int = 256, dtype: torch.dtype = torch.bfloat16,
              device: torch.device | str = "cuda", log: Callable[[str], None] | None = None,
              timings: tuple[str, ...] = ("device", "idle"), layout: str = "standard",
-             ranks: int = 2) -> list[dict]:
-    """:func:`time_experts` over the grid; one row per shape (weights made once per size).
+             ranks: int = 2) -> list[ExpertsRow]:
+    """:func:`time_experts` over the grid; one row per shape (weights made once per size), no
+    limits yet (:func:`add_limits`).
     ``layout``: ``"standard"`` (:func:`make_case`, ``num_experts`` over all ranks) or
     ``"batched"`` (:func:`make_batched_case`, ``tokens`` per rank over ``ranks`` ranks)."""
     if layout not in LAYOUTS:
@@ -203,12 +206,12 @@ def run_grid(impls: dict[str, tuple[MoEExperts, bool]], *, hidden: list[int], in
                         counts = case.counts
                     w = (case.w1, case.w2)
                     res = time_experts(impls, case, steps=steps, timings=timings)
-                    row = {"layout": layout, "hidden": h, "intermediate": inter, "local_experts": n_local,
-                           "tokens": t, "local_pairs": int(counts.sum()),
-                           "experts_with_rows": int((counts > 0).sum()), "results": res}
-                    if layout == "batched":
-                        row.update(ranks=ranks, capacity=case.x.shape[1])
-                    rows.append(row)
+                    batched = layout == "batched"
+                    rows.append(ExpertsRow(
+                        layout=layout, hidden=h, intermediate=inter, local_experts=n_local, tokens=t,
+                        local_pairs=int(counts.sum()), experts_with_rows=int((counts > 0).sum()),
+                        results={name: ImplTiming(**v) for name, v in res.items()},
+                        ranks=ranks if batched else None, capacity=case.x.shape[1] if batched else None))
                     if log is not None:
                         log(f"H={h} I={inter} L={n_local} T={t}: " + ", ".join(
                             f"{k} {v['median_ms']:.3f} ms" for k, v in res.items()))
@@ -218,45 +221,33 @@ def run_grid(impls: dict[str, tuple[MoEExperts, bool]], *, hidden: list[int], in
     return rows
 
 
-def add_limits(rows: list[dict], limits: DeviceLimits, dtype_bytes: int = 2) -> None:
-    """Give each row its limit (``limit_ms``) and each result its ratio to it (``x_limit``);
-    where ``limits`` has the held GEMM rate, also ``held_limit_ms`` and ``x_held``."""
+def add_limits(rows: Sequence[ExpertsRow], limits: DeviceLimits, dtype_bytes: int = 2) -> list[ExpertsRow]:
+    """The rows with their limit (``limit_ms``, and what bounds it: ``limit_bound``) and each
+    result with its ratio to it (``x_limit``); where ``limits`` has the held GEMM rate, also
+    ``held_limit_ms`` and ``x_held`` (else none: held figures from an earlier call are dropped)."""
     # informative: the limit at the GEMM rate held for seconds (a power cap's)
     held = limits.held_gemm_tflops is not None
+    out = []
     for r in rows:
-        flops, nbytes = experts_cost(hidden=r["hidden"], intermediate=r["intermediate"],
-                                     local_pairs=r["local_pairs"], experts_with_rows=r["experts_with_rows"],
-                                     dtype_bytes=dtype_bytes)
-        r["limit_ms"] = limits.time_ms(flops, nbytes)
-        r["limit_bound"] = "flops" if flops / limits.gemm_tflops / 1e12 > nbytes / limits.copy_gbps / 1e9 \
-            else "bytes"
-        r.pop("held_limit_ms", None)
-        if held:
-            r["held_limit_ms"] = limits.time_ms(flops, nbytes, held=True)
-        for res in r["results"].values():
-            res["x_limit"] = res["median_ms"] / r["limit_ms"]
-            res.pop("x_held", None)
-            if held:
-                res["x_held"] = res["median_ms"] / r["held_limit_ms"]
-
-
-def limit_summary(rows: list[dict]) -> dict[str, dict[str, float]]:
-    """Per implementation: geometric mean and worst of ``x_limit`` over the rows (and of
-    ``x_held``, the ratio to the limit at the held GEMM rate, where it was measured)."""
-    out = {}
-    for name in (rows[0]["results"] if rows else {}):
-        res = [r["results"][name] for r in rows]
-        xs = [x["x_limit"] for x in res]
-        out[name] = {"geomean_x_limit": statistics.geometric_mean(xs), "worst_x_limit": max(xs)}
-        if all("x_held" in x for x in res):
-            out[name]["geomean_x_held"] = statistics.geometric_mean(x["x_held"] for x in res)
+        flops, nbytes = experts_cost(hidden=r.hidden, intermediate=r.intermediate, local_pairs=r.local_pairs,
+                                     experts_with_rows=r.experts_with_rows, dtype_bytes=dtype_bytes)
+        limit_ms = limits.time_ms(flops, nbytes)
+        held_ms = limits.time_ms(flops, nbytes, held=True) if held else None
+        bound = "flops" if flops / limits.gemm_tflops / 1e12 > nbytes / limits.copy_gbps / 1e9 else "bytes"
+        results = {name: dataclasses.replace(t, x_limit=t.median_ms / limit_ms,
+                                             x_held=None if held_ms is None else t.median_ms / held_ms)
+                   for name, t in r.results.items()}
+        out.append(dataclasses.replace(r, results=results, limit_ms=limit_ms, limit_bound=bound,
+                                       held_limit_ms=held_ms))
     return out
 
 
-def format_rows(rows: list[dict], baseline: str) -> str:
-    """A table: per shape the median ms of each implementation and ``baseline``'s time over it."""
-    names = list(rows[0]["results"]) if rows else []
-    lim = bool(rows) and "limit_ms" in rows[0]
+def format_rows(rows: Sequence[ExpertsRow], baseline: str) -> str:
+    """A table: per shape the median ms of each implementation and ``baseline``'s time over it;
+    with the limits (:func:`add_limits`), each time over the limit and a line per implementation
+    summing them up."""
+    names = list(rows[0].results) if rows else []
+    lim = bool(rows) and rows[0].limit_ms is not None
     wid = {n: max(16, len(n)) for n in names}
     head = f"{'hidden':>6} {'I':>5} {'L':>4} {'tokens':>6} {'pairs':>7} {'rows/e':>6} " + " ".join(
         f"{n:>{wid[n]}}" + (f" {'x lim':>6}" if lim else "") for n in names)
@@ -264,14 +255,13 @@ def format_rows(rows: list[dict], baseline: str) -> str:
         f"{(n[:10] + '/' + baseline[:10]):>21}" for n in names if n != baseline)
     lines = [head]
     for r in rows:
-        res = r["results"]
-        per = r["local_pairs"] / max(1, r.get("experts_with_rows") or r["local_experts"])
-        line = f"{r['hidden']:>6} {r['intermediate']:>5} {r['local_experts']:>4} {r['tokens']:>6} " \
-               f"{r['local_pairs']:>7} {per:>6.0f} " + " ".join(
-                   f"{res[n]['median_ms']:>{wid[n] - 3}.3f} ms"
-                   + (f" {res[n]['x_limit']:>6.2f}" if lim else "") for n in names)
-        line += (f" {r['limit_ms']:>5.3f} ms" if lim else "") + "  " + " ".join(
-            f"{res[n]['median_ms'] / res[baseline]['median_ms']:>21.3f}" for n in names if n != baseline)
+        res = r.results
+        line = f"{r.hidden:>6} {r.intermediate:>5} {r.local_experts:>4} {r.tokens:>6} " \
+               f"{r.local_pairs:>7} {r.pairs_per_expert:>6.0f} " + " ".join(
+                   f"{res[n].median_ms:>{wid[n] - 3}.3f} ms"
+                   + (f" {res[n].x_limit:>6.2f}" if lim else "") for n in names)
+        line += (f" {r.limit_ms:>5.3f} ms" if lim else "") + "  " + " ".join(
+            f"{res[n].median_ms / res[baseline].median_ms:>21.3f}" for n in names if n != baseline)
         lines.append(line)
     lines += legend({"hidden, I": "the hidden and each expert's intermediate size",
                      "L": "the rank's local experts", "tokens": "tokens per rank",
@@ -357,21 +347,20 @@ def main(argv: list[str] | None = None) -> int:
                         local_experts=opts.local_experts, topk=opts.topk, steps=opts.steps,
                         log=lambda s: print(s, flush=True), timings=opts.timing, layout=opts.layout,
                         ranks=opts.ranks)
-    add_limits(rows, limits)
+    result = ExpertsResult(limits, add_limits(rows, limits))
     print(f"dbo.bench experts: {torch.cuda.get_device_name()}, bf16, {what}, median of {opts.steps} "
           f"apply() calls (CUDA events: NAME = queued behind a GPU sleep, the GPU's time; "
           f"NAME{IDLE_SUFFIX} = after a host sync, an isolated call's latency); {limits.describe()}; "
           f"last columns: time over the first implementation's")
-    print(format_rows(rows, next(iter(impls))))
+    print(format_rows(result.rows, next(iter(impls))))
     if opts.json:
-        write_whole(opts.json, json.dumps({"limits": limits.as_dict(), "rows": rows,
-                                        "summary": limit_summary(rows)}, indent=1))
-    worst = max((res["rel_err"] for r in rows for res in r["results"].values()), default=0.0)
+        write_whole(opts.json, json.dumps(result.to_json(), indent=1))
+    worst = result.worst_rel_err
     first = next(iter(impls))
-    speed = (f"{first} at {limit_summary(rows)[first]['geomean_x_limit']:.2f}x the limit "
-             "(geometric mean)") if rows else "no shape timed"
-    return verdict(PROG, bool(rows) and worst <= EXPERTS_TOLERANCE,
-                   f"{len(rows)} shape(s), {speed}; every implementation within {worst:.1e} of "
+    speed = (f"{first} at {result.summary()[first]['geomean_x_limit']:.2f}x the limit "
+             "(geometric mean)") if result.rows else "no shape timed"
+    return verdict(PROG, bool(result.rows) and worst <= EXPERTS_TOLERANCE,
+                   f"{len(result.rows)} shape(s), {speed}; every implementation within {worst:.1e} of "
                    f"{first}'s output (limit {EXPERTS_TOLERANCE:g})")
 
 
