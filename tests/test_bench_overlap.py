@@ -375,6 +375,30 @@ def test_bench_as_one_emulated_rank_of_a_large_group(tmp_path):
     assert bundle["shapes"][0]["summary"]["serial_ms"] > 0
 
 
+def test_a_graph_decode_run_saves_the_replays_choice():
+    # decode with --cuda-graph: the saved decode threshold and schedule are the replays' (from the
+    # smallest token count that beats the replayed serial step by 2% at every larger one)
+    from dbo.bench.overlap.command import graph_decode_choice
+    from dbo.bench.overlap.record import ShapeRecord
+    from dbo.expert_schedule import ExpertSchedule
+    from dbo.split import NEVER_SPLIT
+
+    def shape(tokens: int, serial: float, dbo: float, merged: float | None = None) -> ShapeRecord:
+        graph = {"ok": True, "graph_serial_ms": serial, "graph_dbo_ms": dbo}
+        if merged is not None:
+            graph["graph_merged_ms"] = merged
+        return ShapeRecord(backend="emulated", tokens=tokens, intermediate=2048, cuda_graph=graph)
+
+    shapes = [shape(32, 1.0, 1.3), shape(64, 1.0, 0.99), shape(128, 1.0, 0.85, merged=0.95),
+              shape(256, 2.0, 1.7, merged=1.6), shape(512, 3.0, 2.5)]
+    threshold, schedule, speedups = graph_decode_choice(shapes)
+    assert (threshold, schedule) == (128, ExpertSchedule.SPLIT)  # 64 is within the margin
+    assert speedups[256] == pytest.approx(2.0 / 1.6)  # merged was the faster there
+    assert graph_decode_choice(shapes[:2])[0] == NEVER_SPLIT
+    failed = ShapeRecord(backend="emulated", tokens=64, intermediate=2048, cuda_graph={"ok": False})
+    assert graph_decode_choice([failed]) is None
+
+
 @pytest.mark.parametrize("args,wanted", [
     (["--emulate-ep", "1"], "at least 2 ranks"),
     (["--emulate-ep", "16", "--emulate-rank", "16"], "--emulate-rank 16"),

@@ -186,10 +186,11 @@ def test_overlap_defaults_to_a_backend_that_runs_on_the_device():
 
 def test_breakdown_that_hid_nothing_ends_in_fail(tmp_path):
     def kernel(stream: int, ts: float, dur: float) -> dict:
-        return {"ph": "X", "cat": "kernel", "name": "gemm", "ts": ts, "dur": dur,
+        name = "deep_ep::dispatch" if stream == 9 else "gemm"  # stream 9: the communication
+        return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur,
                 "args": {"stream": stream}}
 
-    # serial: 1 ms of the compute stream idle; DBO: the same idle, and 1 ms more compute
+    # serial: 1 ms with no compute running; DBO: the same idle, and 1 ms more compute
     serial = [kernel(7, 0, 1000), kernel(9, 1000, 1000), kernel(7, 2000, 1000)]
     dbo = [kernel(7, 0, 1500), kernel(9, 1500, 1000), kernel(7, 2500, 1500)]
     for name, events in (("s.json", serial), ("d.json", dbo)):

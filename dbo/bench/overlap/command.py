@@ -43,6 +43,7 @@ says so above its rows, marks their speedups ``off``, and the verdict says DBO w
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -68,8 +69,9 @@ from dbo.bench.overlap.wrapper import time_wrapper, tune_and_time_wrapper
 from dbo.bench.timing import Progress
 from dbo.cli import refuse, run_main
 from dbo.deployment import DeploymentConfig, save_deployment_config
+from dbo.expert_schedule import ExpertSchedule
 from dbo.files import write_whole
-from dbo.split import DISABLE_ENV_VAR, SplitConfig, Vote, dbo_disabled_by_env, local_vote
+from dbo.split import DISABLE_ENV_VAR, NEVER_SPLIT, SplitConfig, Vote, dbo_disabled_by_env, local_vote
 from dbo.ubatch.sm import sm_carveout, torch_sm_carveout_supported
 
 __all__ = ["run", "main"]
@@ -191,15 +193,49 @@ def run(opts: OverlapOptions, rank: int, world: int, device: torch.device, out_d
         result.warnings.append(f"time budget of {opts.time_budget_s:.0f} s reached: some configurations "
                                "were skipped (see 'skipped' in the JSON)")
     if opts.save_config and rank == 0:
-        save_tuned(opts, env, configs.get(opts.intermediate[0]), result.warnings, ep_world)
+        save_tuned(opts, env, configs.get(opts.intermediate[0]), result.warnings, ep_world, result.shapes)
     finish(result, chrome, out_dir, rank)
     return result
 
 
+def graph_decode_choice(shapes: list[ShapeRecord], margin: float = 0.02
+                        ) -> tuple[int, ExpertSchedule, dict[int, float]] | None:
+    """The decode steps' choice from their CUDA-graph replays (the regime a decode step runs in;
+    eager decode steps are the host's pace): the smallest token count from which the fastest
+    splitting schedule replayed (split, merged, sbo+dbo) beats the replayed serial step by
+    ``margin`` at every larger count measured (:data:`NEVER_SPLIT` where none), that schedule at
+    the threshold, and each count's speedup; None without replays."""
+    best: dict[int, tuple[str, float]] = {}
+    for sh in shapes:
+        g = sh.cuda_graph or {}
+        tried = {m: g[f"graph_{m}_ms"] for m in ("dbo", "merged", "sbo_dbo") if g.get(f"graph_{m}_ms")}
+        if g.get("ok") and tried:
+            mode = min(tried, key=tried.get)
+            best[sh.tokens] = (mode, g["graph_serial_ms"] / tried[mode])
+    if not best:
+        return None
+    threshold = NEVER_SPLIT
+    for t in sorted(best, reverse=True):
+        if best[t][1] < 1 + margin:
+            break
+        threshold = t
+    schedules = {"dbo": ExpertSchedule.SPLIT, "merged": ExpertSchedule.MERGED,
+                 "sbo_dbo": ExpertSchedule.SBO_DBO}
+    schedule = schedules[best[threshold][0]] if threshold in best else ExpertSchedule.SPLIT
+    return threshold, schedule, {t: v for t, (_, v) in sorted(best.items())}
+
+
 def save_tuned(opts: OverlapOptions, env: dict, config: SplitConfig | None, warnings: list[str],
-               ep_world: int) -> None:
+               ep_world: int, shapes: list[ShapeRecord] = ()) -> None:
     """``--save-config``: the autotune's ``config`` of the run's one intermediate size, with
-    the deployment it was tuned for (:mod:`dbo.deployment`)."""
+    the deployment it was tuned for (:mod:`dbo.deployment`). A decode run with ``--cuda-graph``
+    takes its decode threshold and schedule from the replays (:func:`graph_decode_choice`): the
+    autotune times eager steps, which at decode sizes are the host's pace, not the GPU's."""
+    graph = graph_decode_choice(list(shapes)) if opts.cuda_graph and opts.decode else None
+    if graph is not None:
+        threshold, schedule, speedups = graph
+        config = dataclasses.replace(config or SplitConfig(), decode_token_threshold=threshold,
+                                     expert_schedule=schedule)
     if config is None:
         warnings.append(f"--save-config {opts.save_config}: the autotune did not finish (time budget?); "
                         "nothing written")
@@ -210,6 +246,9 @@ def save_tuned(opts: OverlapOptions, env: dict, config: SplitConfig | None, warn
                   "device": env.get("device_name"), "tokens": list(opts.tokens),
                   "intermediate": opts.intermediate[0], "hidden": opts.hidden, "experts": opts.experts,
                   "topk": opts.topk, "argv": env.get("argv"), "time": env.get("time")}
+    if graph is not None:
+        deployment["decode_choice"] = {"from": "CUDA graph replays",
+                                       "speedup_by_tokens": {str(t): v for t, v in speedups.items()}}
     save_deployment_config(opts.save_config, DeploymentConfig(
         config, sbo_groups=opts.sbo_groups, sm_carveout=carveouts[0] if len(carveouts) == 1 else None,
         deployment=deployment))
