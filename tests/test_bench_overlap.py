@@ -387,7 +387,8 @@ def test_a_graph_decode_run_saves_the_replays_choice():
         graph = {"ok": True, "graph_serial_ms": serial, "graph_dbo_ms": dbo}
         if merged is not None:
             graph["graph_merged_ms"] = merged
-        return ShapeRecord(backend="emulated", tokens=tokens, intermediate=2048, cuda_graph=graph)
+        return ShapeRecord(backend="emulated", tokens=tokens, intermediate=2048, shared_intermediate=2048,
+                           layers=8, cuda_graph=graph)
 
     shapes = [shape(32, 1.0, 1.3), shape(64, 1.0, 0.99), shape(128, 1.0, 0.85, merged=0.95),
               shape(256, 2.0, 1.7, merged=1.6), shape(512, 3.0, 2.5)]
@@ -395,7 +396,8 @@ def test_a_graph_decode_run_saves_the_replays_choice():
     assert (threshold, schedule) == (128, ExpertSchedule.SPLIT)  # 64 is within the margin
     assert speedups[256] == pytest.approx(2.0 / 1.6)  # merged was the faster there
     assert graph_decode_choice(shapes[:2])[0] == NEVER_SPLIT
-    failed = ShapeRecord(backend="emulated", tokens=64, intermediate=2048, cuda_graph={"ok": False})
+    failed = ShapeRecord(backend="emulated", tokens=64, intermediate=2048, shared_intermediate=2048, layers=8,
+                         cuda_graph={"ok": False})
     assert graph_decode_choice([failed]) is None
 
 
