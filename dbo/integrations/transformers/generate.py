@@ -222,7 +222,7 @@ def _decode(step: Any, input_ids: torch.Tensor, mask: torch.Tensor, plan: UBatch
                 step_plan = no_split_plan(input_ids.shape[0],
                                           detail="the decode steps run plainly (split_decode=False)")
         if i == 1 and graph_steps is not None and len(caches) == len(step_plan.slices):
-            # (a plain plan has one slice; caches that could not be joined stay split: eager)
+            # (a cache per ubatch of the decode steps' plan: one where they run plainly)
             new = graph_steps(ids, positions, mask, max_new_tokens - 1, step_plan)
             if new is not None:
                 return torch.cat([tokens, new], dim=1)
