@@ -46,6 +46,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -198,6 +199,17 @@ def run(opts: OverlapOptions, rank: int, world: int, device: torch.device, out_d
     return result
 
 
+def wins_from(vals: list[tuple[int, float | None]], wins: Callable[[float], bool]) -> int | None:
+    """The smallest token count of ``vals`` (``(tokens, speedup)``, ascending) from which every
+    larger count's speedup ``wins``; None where the largest does not (or was not measured)."""
+    start = None
+    for t, v in reversed(vals):
+        if v is None or not wins(v):
+            break
+        start = t
+    return start
+
+
 def graph_decode_choice(shapes: list[ShapeRecord], margin: float = 0.02
                         ) -> tuple[int, ExpertSchedule, dict[int, float]] | None:
     """The decode steps' choice from their CUDA-graph replays (the regime a decode step runs in;
@@ -214,11 +226,8 @@ def graph_decode_choice(shapes: list[ShapeRecord], margin: float = 0.02
             best[sh.tokens] = (mode, g["graph_serial_ms"] / tried[mode])
     if not best:
         return None
-    threshold = NEVER_SPLIT
-    for t in sorted(best, reverse=True):
-        if best[t][1] < 1 + margin:
-            break
-        threshold = t
+    threshold = wins_from(sorted((t, v) for t, (_, v) in best.items()), lambda v: v >= 1 + margin)
+    threshold = NEVER_SPLIT if threshold is None else threshold
     schedules = {"dbo": ExpertSchedule.SPLIT, "merged": ExpertSchedule.MERGED,
                  "sbo_dbo": ExpertSchedule.SBO_DBO}
     schedule = schedules[best[threshold][0]] if threshold in best else ExpertSchedule.SPLIT
@@ -266,12 +275,7 @@ def _crossovers(result: OverlapResult) -> list[dict]:
             vals = [(sh.tokens, get(sh)) for sh in rows]
             if all(v is None for _, v in vals):
                 continue
-            start = None
-            for t, v in reversed(vals):
-                if v is None or v <= 1.0:
-                    break
-                start = t
-            res[kind] = start
+            res[kind] = wins_from(vals, lambda v: v > 1.0)
         out.append(res)
     return out
 
