@@ -18,6 +18,10 @@ from dbo.split import FALLBACK_LOG
 from dbo.testing.dist import DistWorld
 from dbo.ubatch.streams import current_logical_stream
 
+#: the overlap benchmark's shared checks (tests/bench_overlap_checks.py), imported by two test
+#: modules: pytest's assertion messages there too
+pytest.register_assert_rewrite("bench_overlap_checks")
+
 settings.register_profile("default", max_examples=100, deadline=None)
 settings.register_profile(
     "ci", max_examples=60, deadline=None, derandomize=True, print_blob=True,

@@ -1,24 +1,23 @@
 """The overlap benchmark (``python -m dbo.bench overlap``): a torchrun smoke run on gloo whose
 JSON bundle must have the documented structure (the GPU numbers themselves come from the GPU
-host), and the command-line entry."""
+host), its reports (the comparison of bundles, the CUDA-graph table, a run under DBO_DISABLE),
+one emulated rank of a large group, and the command-line entry. The runs through each backend's
+own paths (the fake DeepEP, copy_engine, a simulated link): tests/test_bench_overlap_backends.py."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
 import os
-import re
 from pathlib import Path
 
 import pytest
 import torch
+from bench_overlap_checks import check_structure, run_bench
 
 from dbo.backends import BACKENDS, make_backend
 from dbo.bench.__main__ import main as bench_main
-from dbo.bench.cli import legend
 from dbo.bench.compare import compare_bundles, load_bundle
-from dbo.bench.overlap.args import MODES
-from dbo.bench.overlap.report import LIMIT_COLUMNS, LINK_COLUMNS, MAIN_COLUMNS, PLOT_HINT
 from dbo.testing.launch import run_entry
 
 pytestmark = pytest.mark.long_file
@@ -40,115 +39,20 @@ def test_backend_registry_names_every_backend_module():
                      dtype=torch.float32, device=torch.device("cpu"))
 
 
-def _run_bench(tmp_path: Path, *args: str, nproc: int | None = 2) -> dict:
-    out = tmp_path / "bundle"
-    # torchrun's two ranks, forked from a process that has imported torch (dbo.testing.launch)
-    argv = ["-m", "dbo.bench", "overlap", "--device", "cpu", "--quick", "--out", str(out), *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("DBO_DISABLE", None)
-    proc = run_entry(argv, nproc=nproc, cwd=tmp_path, env=env, timeout=120)
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 0, log
-    assert "dbo bench_overlap: backend=" in proc.stdout, log
-    # the last line: the verdict, naming the folder written
-    last = proc.stdout.strip().splitlines()[-1]
-    assert last.startswith("python -m dbo.bench overlap: PASS: "), log
-    assert last.endswith(f"bundle in {out}/"), log
-    # nothing on a CPU run reads as a fault: no rate rounded to 0 (a CPU's GEMM rate is GFLOP/s),
-    # no warning (matplotlib is optional, and its own log stays out of the output)
-    assert not re.search(r"(?<![\d.])0 [kMGT]?(FLOP|B)/s", proc.stdout), log
-    assert "WARNING" not in proc.stdout and "matplotlib" not in proc.stderr, log
-    bundle = json.loads((out / "bench_overlap.json").read_text())
-    assert bundle["files"]["json"] == "bench_overlap.json"
-    trace = json.loads((out / bundle["files"]["trace"]).read_text())["traceEvents"]
-    assert {"ub0 running", "ub1 running", "dispatch", "combine"} <= {e.get("name") for e in trace}
-    if bundle["files"]["plot"]:
-        assert (out / bundle["files"]["plot"]).read_bytes()[:4] == b"\x89PNG"
-    else:  # how to get it, in the bundle's line
-        assert f"no PNG plot ({PLOT_HINT})" in proc.stdout, log
-    # every table's columns are explained in the line under it
-    lines = proc.stdout.splitlines()
-    for columns in (MAIN_COLUMNS, LIMIT_COLUMNS, LINK_COLUMNS):
-        head = next((i for i, ln in enumerate(lines) if ln.lstrip().startswith("tokens ") and all(
-            part in ln for k in columns for part in k.split(", "))), None)
-        assert head is not None or columns is not MAIN_COLUMNS, log  # the others where measured
-        if head is not None:  # under its rows, before any other table
-            rest = lines[head + 1:]
-            end = next((i for i, ln in enumerate(rest) if ln.lstrip().startswith("tokens ")), len(rest))
-            assert legend(columns)[0] in rest[:end], log
-    return bundle
-
-
-def _check_structure(bundle: dict, backend: str, sms: list[int], extra_modes: tuple[str, ...] = ()) -> None:
-    assert bundle["schema"] == "dbo.bench_overlap/2" and bundle["partial"] is False
-    assert bundle["env"]["world_size"] == 2 and bundle["env"]["torch"] == torch.__version__
-    assert bundle["args"]["backend"] == backend and bundle["args"]["steps"] >= 1
-    assert bundle["shapes"], "no shapes measured"
-    for sh in bundle["shapes"]:
-        assert {"tokens", "intermediate", "layers", "measurements", "checks", "summary", "plan"} <= sh.keys()
-        assert sh["plan"].startswith("split(")
-        got = {(m["mode"], m["num_sms"]) for m in sh["measurements"]}
-        s_or_none = sms or [None]
-        want = ({("compute", None), ("dbo_compute", None), ("merged_compute", None), ("wrapper", None),
-                 ("serial_paired", None), ("wrapper_untuned", None), ("serial_paired_untuned", None)}
-                | {(mode, s) for mode in ("comm", "serial", "dbo", "merged", *extra_modes)
-                   for s in s_or_none})
-        assert got == want
-        for m in sh["measurements"]:
-            t = m["timing"]
-            assert len(t["step_ms"]) == bundle["args"]["steps"]
-            assert 0 < t["p10_ms"] <= t["median_ms"] <= t["p90_ms"]
-            assert t["cpu_launch_ms"] > 0
-        # every serial and DBO output was checked against the serial reference, and matched
-        checked = {"dbo_vs_serial", "merged_vs_serial", "wrapper",
-                   *(f"{mode}_s{s}" for mode in ("serial", "dbo", "merged") for s in s_or_none)}
-        assert checked <= sh["checks"].keys()
-        assert all(v["token_median"] <= 2e-2 for v in sh["checks"].values())
-        s = sh["summary"]
-        for key in ("compute_ms", "comm_ms", "serial_ms", "dbo_ms", "speedup", "efficiency", "comm_share",
-                    "merged_ms", "merged_compute_ms", "merged_speedup"):
-            assert isinstance(s[key], float), key
-        assert s["merged_speedup"] == pytest.approx(s["serial_ms"] / s["merged_ms"])
-        if not extra_modes:
-            assert s["best_schedule"] == min((s["serial_ms"], "plain"), (s["dbo_ms"], "split"),
-                                             (s["merged_ms"], "merged"))[1]
-        assert s["speedup"] == pytest.approx(s["serial_ms"] / s["dbo_ms"])
-        # the compute columns against the hardware limit measured in the same run
-        assert bundle["env"]["limits"]["copy_gbps"] > 0 and bundle["env"]["limits"]["gemm_tflops"] > 0
-        assert s["limit_ms"] == pytest.approx(sh["limit_ms_per_layer"]["total"]) and s["limit_ms"] > 0
-        assert s["compute_x_limit"] == pytest.approx(s["compute_ms"] / s["limit_ms"])
-        assert s["merged_compute_over_compute"] == pytest.approx(s["merged_compute_ms"] / s["compute_ms"])
-        hideable = min(s["compute_ms"], s["comm_ms"])
-        assert s["efficiency"] == pytest.approx((s["serial_ms"] - s["dbo_ms"]) / hideable)
-        assert [r["num_sms"] for r in s["per_num_sms"]] == sms
-        # the wrapper was timed with the autotuned config, which the autotune section records
-        assert s["wrapper_measured"] is True and s["wrapper_config"] == "autotuned"
-        # ... against the serial forward timed in alternation with it
-        assert s["serial_paired_ms"] > 0
-        assert s["wrapper_vs_serial"] == pytest.approx(s["wrapper_ms"] / s["serial_paired_ms"])
-        assert s["wrapper_vs_serial_unpaired"] == pytest.approx(s["wrapper_ms"] / s["serial_ms"])
-    for inter, tuned in bundle["autotune"].items():
-        assert tuned["ok"], tuned
-        assert sorted(r["tokens"] for r in tuned["rows"]) == sorted(
-            sh["tokens"] for sh in bundle["shapes"] if str(sh["intermediate"]) == inter)
-        assert all(r["serial_ms"] > 0 for r in tuned["rows"])
-        assert "threshold: split" in tuned["table"] and "merged ms" in tuned["table"]
-        assert tuned["schedule"] in ("plain", "split", "merged", "sbo")
-        assert all(r["merged_ms"] > 0 for r in tuned["rows"])
-
-
 @pytest.fixture(scope="module")
 def naive_run(tmp_path_factory) -> tuple[Path, dict]:
-    """The folder and the bundle of one default run on the naive backend, which two tests read."""
+    """The folder and the bundle of one run on the naive backend, the options left at their defaults
+    but for DBO's SM carve-outs (none, and 4: each DBO schedule measured with both), which three
+    tests read."""
     folder = tmp_path_factory.mktemp("naive")
-    return folder, _run_bench(folder, "--backend", "naive")
+    return folder, run_bench(folder, "--backend", "naive", "--dbo-sm-carveout", "none", "4")
 
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(180)
 def test_bench_naive_cpu_bundle(naive_run):
     tmp_path, bundle = naive_run
-    _check_structure(bundle, "naive", [])
+    check_structure(bundle, "naive", [])
     assert bundle["shapes"][0]["tokens"] == 64
     link = bundle["env"]["link"]
     assert link["world_size"] == 2 and link["gbps_out"] > 0 and "gloo" in link["transport"]
@@ -217,46 +121,14 @@ def _check_compare(tmp_path: Path, bundle: dict) -> None:
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(180)
-def test_bench_dbo_sm_carveout_variants(tmp_path):
-    bundle = _run_bench(tmp_path, "--backend", "naive", "--dbo-sm-carveout", "none", "4")
-    sh = bundle["shapes"][0]
+def test_bench_dbo_sm_carveout_variants(naive_run):
+    sh = naive_run[1]["shapes"][0]
     for mode in ("dbo", "merged"):
         carve = sorted((m["sm_carveout"] is None, m["sm_carveout"]) for m in sh["measurements"]
                        if m["mode"] == mode)
         assert carve == [(False, 4), (True, None)]
         assert {f"{mode}_sNone", f"{mode}_sNone_k4"} <= sh["checks"].keys()
     assert all(m["sm_carveout"] is None for m in sh["measurements"] if m["mode"] not in ("dbo", "merged"))
-
-
-@pytest.mark.multiproc
-@pytest.mark.timeout(180)
-@pytest.mark.parametrize("backend, extra, sms", [
-    ("deepep_ht", ["--num-sms", "24", "32"], [24, 32]),
-    ("deepep_ll", ["--tokens", "32", "--ll-rows", "auto"], []),
-    ("deepep_ll", ["--tokens", "32", "--modes", *MODES, "--sbo-groups", "4"], []),
-])
-def test_bench_deepep_paths_on_fake(tmp_path, backend, extra, sms):
-    # the fake deep_ep (dbo.testing) runs the DeepEP code paths of the benchmark on gloo:
-    # SM-count switching, record/replay, the low-latency row bound (--ll-rows auto) or none
-    # (the default: the experts take the rows that arrived from the device counts); the grouped
-    # schedules with four groups of low-latency combines
-    bundle = _run_bench(tmp_path, "--backend", backend, "--fake-deep-ep", *extra)
-    sh = bundle["shapes"][0]
-    grouped = ("sbo", "sbo_dbo") if "--modes" in extra else ()
-    _check_structure(bundle, backend, sms, grouped)
-    if grouped:  # every mode, the grouped ones with four groups of low-latency combines
-        assert bundle["args"]["sbo_groups"] == 4
-        _check_grouped_modes(sh)
-    if backend == "deepep_ll":
-        rows = sh["ll_rows"]
-        if "auto" in extra:
-            assert 0 < rows["dbo"] <= rows["serial"] <= 2 * sh["tokens"]
-            assert rows["dbo"] <= rows["merged"] <= 2 * rows["dbo"] + 16
-        else:
-            assert rows == {"serial": None, "dbo": None, "merged": None}
-        assert bundle["crossover"][0]["intermediate"] == sh["intermediate"]
-    else:
-        assert bundle["env"]["deepep_setup"]["deep_ep_default_num_sms"] == 20
 
 
 def test_backend_opts_parse():
@@ -267,36 +139,6 @@ def test_backend_opts_parse():
     for bad in ("novalue", "1x=2", "=3"):
         with pytest.raises(ValueError, match="KEY=VALUE"):
             parse_backend_opts([bad])
-
-
-@pytest.mark.multiproc
-@pytest.mark.timeout(180)
-def test_bench_copy_engine_with_backend_opt(tmp_path):
-    bundle = _run_bench(tmp_path, "--backend", "copy_engine", "--backend-opt", "put_order=rank")
-    _check_structure(bundle, "copy_engine", [])
-    assert bundle["args"]["backend_kwargs"] == {"put_order": "rank"}
-    s = bundle["shapes"][0]["summary"]
-    assert s["comm_bytes"] == 64 * (2 * bundle["args"]["hidden"] * 4 + 2 * bundle["args"]["topk"] * 4)
-    from dbo.bench.compare import label
-
-    assert label(bundle) == "copy_engine[put_order=rank]"
-
-
-@pytest.mark.multiproc
-@pytest.mark.timeout(180)
-def test_bench_under_a_simulated_link(tmp_path):
-    bundle = _run_bench(tmp_path, "--backend", "all2all", "--link", "1000,5000",
-                        "--remote-fraction", "0.875", "--link-order", "host")
-    _check_structure(bundle, "all2all", [])
-    sim = bundle["env"]["simulated_link"]
-    from dbo.backends.simulated_link import wait_clock
-
-    assert sim == {"gbps": 1000.0, "latency_us": 5000.0, "remote_fraction": 0.875,
-                   "combine_latency_us": None, "order": "host", "name": "",
-                   "formula": "arrival >= send + latency_us + remote_fraction * bytes / gbps",
-                   "wait_clock": wait_clock()}
-    s = bundle["shapes"][0]["summary"]
-    assert s["comm_ms"] >= 2 * 5.0  # a dispatch and a combine per layer, each past its latency
 
 
 @pytest.mark.multiproc
@@ -336,34 +178,15 @@ def test_the_graph_bound_is_the_serial_replay_over_the_larger_part():
     assert res["graph_best_speedup"] == pytest.approx(1 / 1.1) and "graph_bound_speedup" not in res
 
 
-def test_sbo_mode_is_measured_and_checked(tmp_path):
-    # the unsplit sbo step and the split sbo+dbo one: timed beside serial and checked against
-    # the same reference
-    bundle = _run_bench(tmp_path, "--backend", "all2all", "--modes", "serial", "dbo", "sbo", "sbo_dbo")
-    _check_grouped_modes(bundle["shapes"][0])
-
-
-def _check_grouped_modes(shape: dict) -> None:
-    for mode in ("sbo", "sbo_dbo"):
-        assert any(m["mode"] == mode and m.get("timing") for m in shape["measurements"])
-        assert any(k.startswith(f"{mode}_s") for k in shape["checks"]), shape["checks"]
-        assert shape["summary"][f"{mode}_ms"] > 0
-    assert "sbo_dbo_vs_serial" in shape["checks"]
-    assert all(c["token_median"] <= 2e-2 for k, c in shape["checks"].items() if k.startswith("sbo"))
-    s = shape["summary"]
-    names = (("serial_ms", "plain"), ("dbo_ms", "split"), ("merged_ms", "merged"), ("sbo_ms", "sbo"),
-             ("sbo_dbo_ms", "sbo+dbo"))
-    timed = [(s[k], name) for k, name in names if s.get(k) is not None]
-    assert s["best_schedule"] == min(timed)[1]
-
-
 @pytest.mark.timeout(180)
 def test_bench_as_one_emulated_rank_of_a_large_group(tmp_path):
     # plain python (no torchrun): one process plays rank 3 of 16 in deepep_ll's layout under the
-    # NIC-like preset link; the model keeps 32 / 16 local experts
-    bundle = _run_bench(tmp_path, "--emulate-ep", "16", "--emulate-rank", "3", "--link", "deepep-ib",
-                        "--hidden", "2048", "--experts", "32", "--tokens", "16", "--modes", "serial", "dbo",
-                        "sbo_dbo", "--save-config", str(tmp_path / "ep16.json"), nproc=None)
+    # NIC-like preset link; the model keeps 32 / 16 local experts (hidden 512: on a CPU the bf16
+    # layers take seconds a step at 2048; two timed steps and no warm-up per configuration)
+    bundle = run_bench(tmp_path, "--emulate-ep", "16", "--emulate-rank", "3", "--link", "deepep-ib",
+                       "--hidden", "512", "--experts", "32", "--tokens", "16", "--modes", "serial", "dbo",
+                       "sbo_dbo", "--steps", "2", "--warmup", "0",
+                       "--save-config", str(tmp_path / "ep16.json"), nproc=None)
     from dbo.deployment import load_deployment_config
 
     tuned = load_deployment_config(tmp_path / "ep16.json")  # what the autotune chose for EP16
