@@ -240,9 +240,10 @@ def test_buffers_size_themselves_and_grow(world2):
     assert caps[4] == [70 + 10, 48]  # 70 > 2 * 32 (rounded up to 16); slot 1 needs 35: 2 * 16 < 35
 
 
-def _stop_mid_step(stopper: int, block: bool = False, how: str = "stall") -> float:
+def _stop_mid_step(stopper: int, block: bool = False, how: str = "stall", release: str = "") -> float:
     # block: the backend's own timeout is 60 s, a collective_timeout(2.0) block around the step
-    # sets the one in force; how: the stopper stalls (its process runs on) or exits
+    # sets the one in force; how: the stopper stalls (its process runs on, until the waiting rank
+    # has given up and made the file ``release``, at most 30 s) or exits
     import contextlib
 
     from dbo.backends.copy_engine import CopyEnginePrepareAndFinalize
@@ -265,7 +266,9 @@ def _stop_mid_step(stopper: int, block: bool = False, how: str = "stall") -> flo
             for layer in range(4):
                 if rank == stopper and layer == 2:  # mid-step, between two layers
                     if how == "stall":
-                        time.sleep(8.0)
+                        deadline = time.monotonic() + 30.0
+                        while not os.path.exists(release) and time.monotonic() < deadline:
+                            time.sleep(0.05)
                     os._exit(3)
                 weights, ids = topk_route(torch.randn(16, 2 * world), 2)
                 h = kernel(h, w1, w2, weights, ids, global_num_experts=2 * world)
@@ -273,13 +276,17 @@ def _stop_mid_step(stopper: int, block: bool = False, how: str = "stall") -> flo
         want = "died or fell out of step" if how == "stall" else "exited"
         assert "rank 1" in str(exc) and want in str(exc), exc
         return time.monotonic() - t0
+    finally:
+        if release and rank != stopper:  # the waiting rank is done: the stalled one may go
+            open(release, "w").close()
     return -1.0
 
 
 @pytest.mark.parametrize("block", [False, True], ids=["backend timeout", "collective_timeout block"])
-def test_a_stalled_peer_fails_the_waiting_rank_within_the_timeout(block):
+def test_a_stalled_peer_fails_the_waiting_rank_within_the_timeout(tmp_path, block):
     with DistWorld(2) as world:
-        outcomes = world.run_outcomes(_stop_mid_step, 1, block, "stall", timeout_s=30.0)
+        outcomes = world.run_outcomes(_stop_mid_step, 1, block, "stall", str(tmp_path / "released"),
+                                      timeout_s=45.0)
     assert outcomes[1].exitcode == 3 or not outcomes[1].ok
     assert outcomes[0].ok, outcomes[0].traceback
     # the 2 s timeout (not the backend's 60 s in the block case), with 10x slack above
