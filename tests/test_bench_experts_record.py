@@ -3,6 +3,7 @@ JSON, with the keys (and their order) it has always had."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -87,3 +88,26 @@ def test_the_grid_makes_records_that_round_trip():
     doc = json.loads(json.dumps(result.to_json()))
     assert ExpertsResult.from_json(doc).to_json() == result.to_json()
     assert list(doc["rows"][0]) == ROW_KEYS + ["ranks", "capacity", "limit_ms", "limit_bound"]
+
+
+def test_a_run_of_the_idle_timing_alone_compares_against_its_first_timing(monkeypatch, capsys):
+    # `--timing idle` alone: every result is named "NAME, from idle", and the table and the verdict
+    # compare against the first of those (the GPU's part replaced: this checks what main reads)
+    from dbo.bench.experts import command
+
+    limits = DeviceLimits("H200", copy_gbps=4000.0, gemm_tflops=700.0)
+    asked = {}
+
+    def grid(impls, **kw):
+        asked.update(kw)
+        return [dataclasses.replace(r, results={f"{k}{command.IDLE_SUFFIX}": v for k, v in r.results.items()})
+                for r in _rows()]
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "H200")
+    monkeypatch.setattr(command, "measure_device_limits", lambda **kw: limits)
+    monkeypatch.setattr(command, "run_grid", grid)
+    assert command.main(["--timing", "idle", "--baseline-only"]) == 0
+    out = capsys.readouterr().out
+    assert tuple(asked["timings"]) == ("idle",)
+    assert "library, offsets, from idle at " in out and "PASS" in out, out

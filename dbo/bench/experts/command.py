@@ -348,15 +348,17 @@ def main(argv: list[str] | None = None) -> int:
                         log=lambda s: print(s, flush=True), timings=opts.timing, layout=opts.layout,
                         ranks=opts.ranks)
     result = ExpertsResult(limits, add_limits(rows, limits))
+    # the first implementation under the first timing asked for (NAME, or NAME, from idle where
+    # only --timing idle ran) is what the others are compared to
+    first = result.names[0] if result.rows else next(iter(impls))
     print(f"dbo.bench experts: {torch.cuda.get_device_name()}, bf16, {what}, median of {opts.steps} "
           f"apply() calls (CUDA events: NAME = queued behind a GPU sleep, the GPU's time; "
           f"NAME{IDLE_SUFFIX} = after a host sync, an isolated call's latency); {limits.describe()}; "
           f"last columns: time over the first implementation's")
-    print(format_rows(result.rows, next(iter(impls))))
+    print(format_rows(result.rows, first))
     if opts.json:
         write_whole(opts.json, json.dumps(result.to_json(), indent=1))
     worst = result.worst_rel_err
-    first = next(iter(impls))
     speed = (f"{first} at {result.summary()[first]['geomean_x_limit']:.2f}x the limit "
              "(geometric mean)") if result.rows else "no shape timed"
     return verdict(PROG, bool(result.rows) and worst <= EXPERTS_TOLERANCE,
