@@ -154,24 +154,24 @@ NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("args, line, torchrun", [
-    (["--experts", "7"], "moe_overlap.py: --experts 7 is not a multiple of the world size 2", True),
-    # without CUDA: found before the CUDA set-up and the process group; torchrun's two ranks forked
-    # from a process that has imported torch (dbo.testing.launch), torchrun's own report being
-    # checked by the case above
-    pytest.param(["--device", "cuda"], "moe_overlap.py: --device cuda: needs CUDA, and this machine "
-                 "has no CUDA device; use --device cpu", False, marks=NO_CUDA),
-], ids=["experts", "no-cuda"])
-def test_rank_0_says_it_under_torchrun_and_torchrun_adds_what_the_readme_says(tmp_path, args, line,
-                                                                              torchrun):
-    if not torchrun:
-        run = run_entry([DEMO, *args], nproc=2, cwd=tmp_path, env=_env({}), timeout=90)
-        out = run.stdout + run.stderr
-        assert out.count(line) == 1 and "rank 1:" not in out, out  # rank 0's line, rank 1 silent
-        # rank 0 exits 2; rank 1 exits 2 too, or takes the SIGTERM sent once rank 0 had failed
-        assert run.returncodes[0] == 2 and set(run.returncodes) <= {2, -15}, (run.returncodes, out)
-        assert "Traceback" not in out, out
-        return
+@NO_CUDA
+def test_rank_0_alone_says_cuda_is_missing_under_two_ranks(tmp_path):
+    # found before the CUDA set-up and the process group; the two ranks forked from a process that
+    # has imported torch (dbo.testing.launch), as torchrun starts them: what torchrun itself adds is
+    # checked under a real torchrun below
+    line = "moe_overlap.py: --device cuda: needs CUDA, and this machine has no CUDA device; use --device cpu"
+    run = run_entry([DEMO, "--device", "cuda"], nproc=2, cwd=tmp_path, env=_env({}), timeout=90)
+    out = run.stdout + run.stderr
+    assert out.count(line) == 1 and "rank 1:" not in out, out  # rank 0's line, rank 1 silent
+    # rank 0 exits 2; rank 1 exits 2 too, or takes the SIGTERM sent once rank 0 had failed
+    assert run.returncodes[0] == 2 and set(run.returncodes) <= {2, -15}, (run.returncodes, out)
+    assert "Traceback" not in out, out
+
+
+@pytest.mark.multiproc
+def test_rank_0_says_it_under_torchrun_and_torchrun_adds_what_the_readme_says(tmp_path):
+    args = ["--experts", "7"]
+    line = "moe_overlap.py: --experts 7 is not a multiple of the world size 2"
     proc = _torchrun(["--standalone", "--nproc-per-node", "2", DEMO, *args], tmp_path)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1, out  # torchrun's own, whatever the ranks'
