@@ -22,6 +22,7 @@ from dbo.moe import (
     TopKWeightAndReduceContiguous,
     TopKWeightAndReduceDelegate,
     TopKWeightAndReduceNoOp,
+    WorkspacePool,
     check_routing_inputs,
     contiguous_expert_map,
     topk_route,
@@ -166,7 +167,40 @@ def test_workspaces_are_per_ubatch():
     assert seen[0] is not seen[1]
     assert seen[0]._bufs["fused_out"].data_ptr() != seen[1]._bufs["fused_out"].data_ptr()
     k.reset()
-    assert k._workspaces == []
+    assert k.workspaces._ubatches == []
+
+
+def test_layers_sharing_a_pool_keep_one_layers_scratch_and_the_same_results():
+    """Two layers in sequence (the second's input is the first's output), overlapped: with one
+    pool the second layer reuses the first's buffers, and the result is the one with a pool per
+    layer, and the plain one's."""
+    x, weights, ids, w1, w2 = _inputs(11, 8, 4, 2)
+    w1b, w2b = make_expert_weights(4, 16, 8, seed=12)
+
+    def model(kernels):
+        def body(sl):
+            h = kernels[0](x[sl], w1, w2, weights[sl], ids[sl], global_num_experts=4)
+            return kernels[1](h, w1b, w2b, weights[sl], ids[sl], global_num_experts=4)
+        return body
+
+    pool = WorkspacePool()
+    shared = [MoEKernel(LocalPrepareAndFinalize(ActivationFormat.STANDARD), SwiGLUExperts(),
+                        workspaces=pool) for _ in range(2)]
+    own = [_kernel(ActivationFormat.STANDARD, False) for _ in range(2)]
+    plain = model(own)(slice(0, 8))
+    outs = {}
+    for name, kernels in (("shared", shared), ("own", own)):
+        body = model(kernels)
+        outs[name] = torch.cat(dbo.run_ubatches([lambda b=body: b(slice(0, 4)),
+                                                 lambda b=body: b(slice(4, 8))], device="cpu"))
+    torch.testing.assert_close(outs["shared"], outs["own"], rtol=0, atol=0)
+    torch.testing.assert_close(outs["shared"], plain, rtol=TOL[torch.float32], atol=TOL[torch.float32])
+    assert shared[0].workspace() is shared[1].workspace() is pool.ubatch(0)
+    assert own[0].workspace() is not own[1].workspace()
+    assert len(pool._ubatches) == 2 and set(pool.ubatch(1)._bufs) == set(pool.ubatch(0)._bufs)
+    with pytest.raises(TypeError, match="WorkspacePool"):
+        MoEKernel(LocalPrepareAndFinalize(ActivationFormat.STANDARD), SwiGLUExperts(), workspaces={})
+    assert WorkspacePool.of_device("cpu") is WorkspacePool.of_device(torch.device("cpu"))
 
 
 def test_weight_and_reduce_variants():

@@ -27,6 +27,7 @@ from dbo.moe.base import (
     PrepareResult,
     Receiver,
     Workspace,
+    WorkspacePool,
 )
 from dbo.moe.errors import MergedScheduleError, MoEProtocolError
 from dbo.moe.handles import PerUBatch
@@ -57,6 +58,7 @@ __all__ = [
     "PrepareAndFinalize",
     "MoEExperts",
     "Workspace",
+    "WorkspacePool",
     "MoEKernel",
     "MoEProtocolError",
     "MergedScheduleError",

@@ -49,6 +49,7 @@ __all__ = [
     "PrepareAndFinalize",
     "MoEExperts",
     "Workspace",
+    "WorkspacePool",
     "TopKWeightAndReduce",
     "TopKWeightAndReduceContiguous",
     "TopKWeightAndReduceNoOp",
@@ -353,6 +354,48 @@ class Workspace:
     def clear(self) -> None:
         self._bufs.clear()
         self._bound.clear()
+
+
+class WorkspacePool:
+    """The scratch buffers of one or more :class:`~dbo.moe.MoEKernel` s: one :class:`Workspace`
+    per ubatch, and one for the merged expert schedule's call.
+
+    A kernel has a pool of its own unless it is given one. Kernels that run one after another in
+    data, each one's input computed from the previous one's output (the MoE layers of one model),
+    may share a pool: a layer's experts then reuse the buffer the previous layer's combine read,
+    which that combine has finished with, since this layer's tokens came out of it. The scratch
+    memory is then one layer's, not one per layer (at prefill sizes, a layer's expert output is
+    about a GiB). Kernels whose calls are independent in data (two branches of one layer) must
+    not share one.
+    """
+
+    #: the pools :meth:`of_device` hands out, one per device
+    _per_device: dict[str, WorkspacePool] = {}
+
+    def __init__(self) -> None:
+        self._ubatches: list[Workspace] = []
+        self.merged = Workspace()
+
+    @classmethod
+    def of_device(cls, device: torch.device | str) -> WorkspacePool:
+        """The process's pool for the MoE layers of the models it runs on ``device`` (one after
+        another, as a model's layers run): what the transformers integration gives every layer."""
+        key = str(torch.device(device))
+        pool = cls._per_device.get(key)
+        if pool is None:
+            pool = cls._per_device[key] = cls()
+        return pool
+
+    def ubatch(self, ub: int) -> Workspace:
+        """Ubatch ``ub``'s workspace (made at its first use)."""
+        while len(self._ubatches) <= ub:
+            self._ubatches.append(Workspace())
+        return self._ubatches[ub]
+
+    def clear(self) -> None:
+        """Free every buffer."""
+        self._ubatches.clear()
+        self.merged.clear()
 
 
 class MoEExperts(ABC):

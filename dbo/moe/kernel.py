@@ -45,6 +45,7 @@ from dbo.moe.base import (
     PrepareAndFinalize,
     PrepareResult,
     Workspace,
+    WorkspacePool,
 )
 from dbo.moe.errors import MoEProtocolError
 from dbo.moe.merged import ExpertsInput, ExpertsRendezvous, same_call_key
@@ -101,6 +102,8 @@ class MoEKernel:
         experts: the expert computation; must accept the backend's activation format.
         shared_experts: optional ``f(hidden_states [M, hidden]) -> [M, hidden]`` run on the
             local tokens while the combine is in flight; its output is added to the routed one.
+        workspaces: the scratch buffers, shared with the model's other MoE layers
+            (:class:`~dbo.moe.WorkspacePool`, which says when sharing is safe); None: its own.
 
     Scratch buffers are kept per ubatch (indexed by ``dbo_current_ubatch_id()``), so one kernel
     object serves every ubatch of a run. Under the ``merged`` expert schedule the kernel is
@@ -109,7 +112,8 @@ class MoEKernel:
     """
 
     def __init__(self, prepare_finalize: PrepareAndFinalize, experts: MoEExperts,
-                 shared_experts: Callable[[torch.Tensor], torch.Tensor] | None = None):
+                 shared_experts: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 workspaces: WorkspacePool | None = None):
         if not isinstance(prepare_finalize, PrepareAndFinalize):
             raise TypeError(f"prepare_finalize must be a PrepareAndFinalize, got "
                             f"{type(prepare_finalize).__name__}")
@@ -123,11 +127,13 @@ class MoEKernel:
             )
         if shared_experts is not None and not callable(shared_experts):
             raise TypeError("shared_experts must be callable or None")
+        if workspaces is not None and not isinstance(workspaces, WorkspacePool):
+            raise TypeError(f"workspaces must be a WorkspacePool or None, got {type(workspaces).__name__}")
         self.prepare_finalize = prepare_finalize
         self.experts = experts
         self.shared_experts = shared_experts
-        self._workspaces: list[Workspace] = []
-        self._merged_workspace = Workspace()
+        #: the per-ubatch scratch buffers (shared with the model's other layers where given)
+        self.workspaces = WorkspacePool() if workspaces is None else workspaces
         self._sbo_stream: Any = None  # see _side_stream
         self._group_workspaces: dict[tuple[int, int], Workspace] = {}
         self._rendezvous = ExpertsRendezvous()
@@ -142,10 +148,7 @@ class MoEKernel:
 
     def workspace(self) -> Workspace:
         """The running ubatch's scratch buffers (ubatch 0's outside a run)."""
-        ub = dbo_current_ubatch_id()
-        while len(self._workspaces) <= ub:
-            self._workspaces.append(Workspace())
-        return self._workspaces[ub]
+        return self.workspaces.ubatch(dbo_current_ubatch_id())
 
     def _prepare(self, a1: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                  num_experts: int, expert_map: torch.Tensor | None, router_on_input: bool,
@@ -259,7 +262,7 @@ class MoEKernel:
         if schedule is ExpertSchedule.MERGED and dbo_enabled() and dbo_num_ubatches() > 1:
             fused = self._rendezvous.run(
                 inp, fmt, same_call_key(w1, w2, apply_router_weight_on_input),
-                lambda merged: apply(merged, self._merged_workspace),
+                lambda merged: apply(merged, self.workspaces.merged),
                 segmented=self.experts.accepts_batched_segments(inp.a1q))
         else:
             with dbo_region("experts"):
@@ -348,8 +351,7 @@ class MoEKernel:
     def reset(self) -> None:
         """Free the per-ubatch scratch buffers, any merged-schedule rendezvous in progress and
         the backend's per-ubatch state."""
-        self._workspaces.clear()
-        self._merged_workspace.clear()
+        self.workspaces.clear()
         self._group_workspaces.clear()
         self._rendezvous.reset()
         self.prepare_finalize.reset()

@@ -36,6 +36,7 @@ from dbo.moe import (
     PrepareResult,
     TopKWeightAndReduceDelegate,
     TopKWeightAndReduceNoOp,
+    WorkspacePool,
     topk_route,
 )
 from dbo.overlap import mask_current_padding
@@ -260,7 +261,8 @@ class BenchModel:
 
     def use(self, backend: PrepareAndFinalize, experts: MoEExperts) -> BenchModel:
         """Route every layer's experts through ``backend`` and ``experts``."""
-        self.kernels = [MoEKernel(backend, experts, shared_experts=self.shared_expert)
+        pool = WorkspacePool()  # the layers run one after another: one layer's scratch memory
+        self.kernels = [MoEKernel(backend, experts, shared_experts=self.shared_expert, workspaces=pool)
                         for _ in range(self.dims.layers)]
         return self
 

@@ -60,7 +60,7 @@ from dbo.integrations.transformers.experts import (
 )
 from dbo.integrations.transformers.fsdp import prepare_at_first_forward, prepare_for_overlap
 from dbo.integrations.transformers.moe_block import mask_routing
-from dbo.moe import MoEKernel
+from dbo.moe import MoEKernel, WorkspacePool
 
 __all__ = [
     "MIN_TRANSFORMERS",
@@ -193,7 +193,8 @@ class DBOExpertParallel:
                           topk=topk, dtype=x.dtype, device=x.device, **kwargs)
         logger.info("dbo: expert-parallel experts %d..%d of %d through %s", self.first_expert,
                     self.first_expert + self.num_local_experts - 1, self.num_experts, backend)
-        return MoEKernel(pf, self.experts), pf.topk_indices_dtype() or torch.int64
+        return (MoEKernel(pf, self.experts, workspaces=WorkspacePool.of_device(x.device)),
+                pf.topk_indices_dtype() or torch.int64)
 
     def _kernel(self, x: torch.Tensor, topk: int) -> tuple[MoEKernel, torch.dtype]:
         """The kernel of this call and its ids' dtype: the decode backend's inside
@@ -260,9 +261,11 @@ class DBOExpertParallel:
         self.reset()
         self.experts, self.experts_kind = experts, kind
         if self.kernel is not None:
-            self.kernel = MoEKernel(self.kernel.prepare_finalize, experts)
+            self.kernel = MoEKernel(self.kernel.prepare_finalize, experts,
+                                    workspaces=self.kernel.workspaces)
         if self.decode_kernel is not None:
-            self.decode_kernel = MoEKernel(self.decode_kernel.prepare_finalize, experts)
+            self.decode_kernel = MoEKernel(self.decode_kernel.prepare_finalize, experts,
+                                           workspaces=self.decode_kernel.workspaces)
         return kind
 
 

@@ -25,7 +25,7 @@ from dbo.backends import make_backend
 from dbo.experts import SwiGLUExperts
 from dbo.integrations.transformers.decode_phase import checked_decode_kwargs, decoding
 from dbo.integrations.transformers.emulated import backend_group_options
-from dbo.moe import MoEKernel, PrepareAndFinalize
+from dbo.moe import MoEKernel, PrepareAndFinalize, WorkspacePool
 from dbo.overlap import current_ubatch
 from dbo.split import mask_padding_routing
 from dbo.ubatch.context import dbo_region
@@ -171,7 +171,8 @@ class ExpertParallelMoE(torch.nn.Module):
     def _kernel_of(self, backend: PrepareAndFinalize) -> tuple[MoEKernel, torch.dtype]:
         shared: Callable[[torch.Tensor], torch.Tensor] | None = (
             None if self.shared_experts is None else self._shared)
-        return (MoEKernel(backend, SwiGLUExperts(), shared_experts=shared),
+        return (MoEKernel(backend, SwiGLUExperts(), shared_experts=shared,
+                          workspaces=WorkspacePool.of_device(self.w1.device)),
                 backend.topk_indices_dtype() or torch.int64)
 
     @property
