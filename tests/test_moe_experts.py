@@ -89,17 +89,30 @@ def test_grouping_argument_errors():
 
 @given(seed=st.integers(0, 2**16), m=st.integers(0, 24), n_local=st.sampled_from([1, 3, 8]),
        topk=st.integers(1, 8), host=st.booleans(), reduce_in_experts=st.booleans(),
-       dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       scratch_tokens=st.sampled_from([None, 1, 5]))
 @settings(deadline=None)
-def test_torch_fallback_matches_reference(seed, m, n_local, topk, host, reduce_in_experts, dtype):
+def test_torch_fallback_matches_reference(seed, m, n_local, topk, host, reduce_in_experts, dtype,
+                                          scratch_tokens):
     topk = min(topk, 2 * n_local)
     x, weights, ids, w1, w2 = make_case(seed, m, n_local, topk)
     x, w1, w2 = x.to(dtype), w1.to(dtype), w2.to(dtype)
     ref = reference_moe(x.double(), w1.double(), w2.double(), weights, ids, out_dtype=torch.float64)
-    ex = SwiGLUExperts(use_triton=False, reduce_in_experts=reduce_in_experts)
+    # scratch_tokens: a scratch bound that holds that many tokens' slot rows, so larger calls
+    # run in chunks of tokens
+    scratch = None if scratch_tokens is None else scratch_tokens * topk * x.shape[1] * x.element_size()
+    ex = SwiGLUExperts(use_triton=False, reduce_in_experts=reduce_in_experts, max_scratch_bytes=scratch)
+    if scratch_tokens is not None:
+        assert ex.chunk_tokens(topk, x.shape[1], x.element_size()) == scratch_tokens
     out = run_case(ex, x, w1, w2, weights, ids, host)
     assert out.shape == x.shape and out.dtype == dtype
     assert relative_error(out, ref) <= (1e-5 if dtype == torch.float32 else 2e-2)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, "4G"])
+def test_max_scratch_bytes_must_be_a_positive_int(bad):
+    with pytest.raises(ValueError, match="max_scratch_bytes"):
+        SwiGLUExperts(max_scratch_bytes=bad)
 
 
 def test_router_weight_on_input_and_no_local_pairs():
@@ -171,7 +184,10 @@ for seed, m, n_local, topk, host, red in [(0, 37, 5, 3, False, True), (1, 37, 5,
                                           (6, 200, 2, 2, False, True), (7, 150, 3, 2, True, True)]:
     x, weights, ids, w1, w2 = make_case(seed, m, n_local, topk, hidden=40, inter=24)
     ref = reference_moe(x, w1, w2, weights, ids)
-    out = run_case(SwiGLUExperts(use_triton=True, reduce_in_experts=red), x, w1, w2, weights, ids, host)
+    # the last case in chunks of 50 tokens (a scratch bound of 50 tokens' slot rows)
+    scratch = 50 * topk * 40 * 4 if seed == 7 else None
+    out = run_case(SwiGLUExperts(use_triton=True, reduce_in_experts=red, max_scratch_bytes=scratch),
+                   x, w1, w2, weights, ids, host)
     err = relative_error(out, ref)
     assert err < 1e-5, (seed, err)
 from dbo.experts.kernels.fused_experts import route_order

@@ -38,6 +38,7 @@ the first GEMM; the GEMMs themselves run in the weights' dtype.
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Any
 
 import torch
@@ -63,10 +64,15 @@ from dbo.moe.base import (
 from dbo.moe.validate import check_expert_weights
 from dbo.ubatch.sm import check_sm_carveout, current_experts_sm_carveout
 
-__all__ = ["SwiGLUExperts", "swiglu_expert", "dequantize_blocks", "FP8_SCALE_BLOCK",
+__all__ = ["SwiGLUExperts", "MAX_SCRATCH_BYTES", "swiglu_expert", "dequantize_blocks", "FP8_SCALE_BLOCK",
            "find_swiglu_experts"]
 
 logger = logging.getLogger(__name__)
+
+#: the default bound of one STANDARD pass's largest scratch tensor (``SwiGLUExperts(max_scratch_bytes=...)``):
+#: 4 GiB is 37,449 tokens of hidden 7168 bf16 at top-8 (a rank of EP 32 receives about 117k tokens
+#: in a prefill of 16384 per rank)
+MAX_SCRATCH_BYTES = 4 << 30
 
 #: hidden elements per fp8 scale (DeepEP's layout)
 FP8_SCALE_BLOCK = 128
@@ -126,14 +132,22 @@ class SwiGLUExperts(MoEExperts):
             carve-out set for a run (the overlapped forward's ``sm_carveout``, or a
             :func:`dbo.ubatch.sm.experts_sm_carveout` block) takes its place while it is in
             force; the attribute itself is never written.
+        max_scratch_bytes: STANDARD format: the most bytes a pass's largest scratch tensor (a
+            row per slot, ``[tokens * topk, hidden]``) may take; a call over more tokens runs in
+            chunks of tokens (:meth:`chunk_tokens`), as a large prefill's received rows would
+            not fit the GPU otherwise (default :data:`MAX_SCRATCH_BYTES`; None: one pass).
     """
 
     def __init__(self, *, reduce_in_experts: bool = True, use_grouped_mm: bool | None = None,
                  use_triton: bool | None = None, batched_rows: int | None = None,
                  fused: bool | None = None, num_global_experts: int | None = None,
-                 sm_carveout: int | None = None):
+                 sm_carveout: int | None = None, max_scratch_bytes: int | None = MAX_SCRATCH_BYTES):
         if batched_rows is not None and batched_rows < 1:
             raise ValueError(f"batched_rows must be >= 1 or None, got {batched_rows}")
+        if max_scratch_bytes is not None and (not isinstance(max_scratch_bytes, int)
+                                              or max_scratch_bytes < 1):
+            raise ValueError(f"max_scratch_bytes must be an int >= 1 or None, got {max_scratch_bytes!r}")
+        self.max_scratch_bytes = max_scratch_bytes
         self.sm_carveout = check_sm_carveout(sm_carveout)
         self.reduce_in_experts = reduce_in_experts
         self.use_grouped_mm = use_grouped_mm
@@ -190,8 +204,33 @@ class SwiGLUExperts(MoEExperts):
         else:  # the slots' share that is local, expected: nothing is read from the device
             share = 1.0 if not self.num_global_experts else min(1.0, n_local / self.num_global_experts)
             pairs = max(1, round(m * topk_ids.shape[1] * share))
+        weights = torch.ones_like(topk_weights) if router_on_input else topk_weights
+        chunk = self.chunk_tokens(topk, hidden, x.element_size())
+        if m <= chunk:
+            return self._standard_rows(x, w1, w2, weights, topk_ids, host, pairs, out, n_local)
+        # in chunks of tokens, each with its share of the pairs (the host's counts are the
+        # whole call's: no chunk's bound): every token's output is its own row's
+        for a in range(0, m, chunk):
+            b = min(m, a + chunk)
+            self._standard_rows(x[a:b], w1, w2, weights[a:b], topk_ids[a:b], None,
+                                max(1, round(pairs * (b - a) / m)), out[a:b], n_local)
+        return out
+
+    def chunk_tokens(self, topk: int, hidden: int, elem_bytes: int) -> int:
+        """The most tokens one STANDARD pass takes: its largest scratch tensor, a row per slot
+        (``[tokens * topk, hidden]``), within :attr:`max_scratch_bytes`."""
+        if self.max_scratch_bytes is None:
+            return sys.maxsize
+        return max(1, self.max_scratch_bytes // max(1, topk * hidden * elem_bytes))
+
+    def _standard_rows(self, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                       weights: torch.Tensor, topk_ids: torch.Tensor, host: torch.Tensor | None,
+                       pairs: int, out: torch.Tensor, n_local: int) -> torch.Tensor:
+        """The experts over ``x``'s tokens into ``out`` (``pairs``: their local pairs, the host's
+        count where ``host`` is given, else an estimate)."""
+        m, hidden = x.shape
+        topk = topk_ids.shape[1]
         if m and self._use_fused(x, pairs / n_local, w2.shape[2], n_local):
-            weights = torch.ones_like(topk_weights) if router_on_input else topk_weights
             return fused_swiglu_experts(
                 x, w1, w2, weights, topk_ids, out=out, reduce=self.reduce_in_experts,
                 max_local_pairs=None if host is None else pairs, rows_per_expert=pairs / n_local,
@@ -211,7 +250,6 @@ class SwiGLUExperts(MoEExperts):
             zero = rows.new_zeros(())
             torch.where(groups.local.reshape(-1, 1), rows, zero, out=out.view(m * topk, hidden))
             return out
-        weights = torch.ones_like(topk_weights) if router_on_input else topk_weights
         return gather_reduce(y, groups.slot_rows, weights, groups.local, out=out,
                              use_triton=self.use_triton)
 
