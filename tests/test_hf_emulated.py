@@ -199,9 +199,17 @@ def test_hf_generate_as_one_emulated_rank(tmp_path):
     record = json.loads((tmp_path / "g.json").read_text())
     assert record["emulated"]["ep_size"] == 4 and record["emulated"]["rank"] == 3
     rows = record["rows"]
-    assert [r["mode"] for r in rows] == ["plain", "DBO prefill", "DBO", "plain, graph decode"]
+    # under a link, the fastest plain mode again with the link off: the compute alone, for the bound
+    assert [r["mode"] for r in rows] == ["plain", "DBO prefill", "DBO", "plain, graph decode",
+                                         "compute alone"]
     assert all(r["run"].startswith("dbo greedy_generate emulated deepep_ht/deepep_ll") for r in rows)
-    assert all(r["same_plain"] == 1.0 for r in rows), rows
+    assert all(r["same_plain"] == 1.0 for r in rows[:-1]), rows
+    alone = rows[-1]
+    assert alone["same"] == 1.0 and alone["run"].endswith(", link off"), alone
+    bound = next(line for line in out.splitlines() if line.startswith("bound: "))
+    plain = min((r for r in rows if r["mode"] in ("plain", "plain, graph decode")), key=lambda r: r["ms"])
+    comm = max(0.0, plain["ms"] - alone["ms"])
+    assert f"= {plain['ms'] / max(alone['ms'], comm):.2f}x" in bound and plain["run"] in bound, bound
 
 
 BAD = [

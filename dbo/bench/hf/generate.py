@@ -71,7 +71,15 @@ import torch
 
 from dbo.bench.cli import ArgumentParser, verdict
 from dbo.bench.hf.args import add_model_arguments, backend_name, check_backends, check_model, model_options
-from dbo.bench.hf.generate_table import GenerateResult, GenerateRow, model_name, print_table, verdict_reason
+from dbo.bench.hf.generate_table import (
+    COMPUTE_ALONE,
+    PLAIN_MODES,
+    GenerateResult,
+    GenerateRow,
+    model_name,
+    print_table,
+    verdict_reason,
+)
 from dbo.bench.hf.model import (
     alone,
     backend_kwargs,
@@ -244,7 +252,8 @@ def _add_row(rows: list[GenerateRow], rank: int, row: GenerateRow) -> None:
                     f"{row.prefix_plain:.2f}; teacher-forced {row.teacher_forced:.3f}"
                     if row.same_plain is not None else "")
         spread = f" [{row.ms_min:.1f}-{row.ms_max:.1f}]" if row.ms_min is not None else ""
-        print(f"row: {row.run}: {row.ms:.1f} ms{spread} (prefill {row.prefill_ms:.1f}), "
+        prefill = "" if row.prefill_ms is None else f" (prefill {row.prefill_ms:.1f})"
+        print(f"row: {row.run}: {row.ms:.1f} ms{spread}{prefill}, "
               f"{row.tok_s:,.0f} new tokens/s, identical {row.same:.2f}, "
               f"before 1st diff {row.prefix:.2f}{vs_plain}",
               flush=True)
@@ -337,9 +346,7 @@ def _dbo_rows(a: GenerateOptions, model: torch.nn.Module, ids: torch.Tensor, mas
     with torch.inference_mode():
         for prefill, decode in a.pairs:
             if m.emulate_ep is not None:  # the prompt in DeepEP's high-throughput layout, decode low-latency
-                use_backend(model, prefill, decode_backend=decode,
-                            decode_backend_kwargs=m.emulated_backend_kwargs("deepep_ll", a.batch),
-                            **m.emulated_backend_kwargs("deepep_ht", a.batch * a.prompt))
+                _use_emulated(a, model, prefill, decode)
                 label = "emulated deepep_ht/deepep_ll"
             else:
                 decode_kw = None if decode is None else backend_kwargs(decode, max_tokens_per_rank=a.batch,
@@ -375,7 +382,46 @@ def _dbo_rows(a: GenerateOptions, model: torch.nn.Module, ids: torch.Tensor, mas
                     rounds=len(t), prefill_ms=pre_ms, tok_s=new / ms * 1e3, same=-neg[0], prefix=-neg[1],
                     same_plain=-neg[2], prefix_plain=-neg[3], first_plain=-neg[4], teacher_forced=-neg[5],
                     split=str(plan)))
+            if m.emulate_ep is not None and m.link_model is not None:
+                _use_emulated(a, model, prefill, decode, link=False)
+                _compute_alone_row(a, model, ids, mask, modes, label, plain, rows)
+                _use_emulated(a, model, prefill, decode)
     return rows
+
+
+def _use_emulated(a: GenerateOptions, model: torch.nn.Module, prefill: str, decode: str | None, *,
+                  link: bool = True) -> None:
+    """An emulated rank's backends: the prompt in DeepEP's high-throughput layout, the decode
+    steps in its low-latency one; ``link=False``: the rank's own work with no link waits."""
+    m = a.model
+    use_backend(model, prefill, decode_backend=decode,
+                decode_backend_kwargs=m.emulated_backend_kwargs("deepep_ll", a.batch, link=link),
+                **m.emulated_backend_kwargs("deepep_ht", a.batch * a.prompt, link=link))
+
+
+def _compute_alone_row(a: GenerateOptions, model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor,
+                       modes: tuple, label: str, plain: torch.Tensor, rows: list[GenerateRow]) -> None:
+    """An emulated rank whose backends now run with the link off: the fastest plain mode that
+    ran (graph decode where it did) again, the compute alone (the emulated rank's own work
+    included), for the bound that ``print_table`` puts beside the overlapped rows."""
+    from dbo.integrations.transformers.generate import greedy_generate
+
+    ms = {r.mode: r.ms for r in rows if r.ms is not None}
+    plain_modes = [mode for mode in modes if mode[0] in ms and mode[0] in PLAIN_MODES]
+    if not plain_modes:
+        return
+    name, cfg, every, graph = min(plain_modes, key=lambda mode: ms[mode[0]])
+    times, last = interleaved_ms({COMPUTE_ALONE: lambda: greedy_generate(
+        model, ids, mask, max_new_tokens=a.new_tokens, config=cfg, split_decode=every, cuda_graph=graph)},
+        a.steps, a.warmup, ids.device)
+    got, plan = last[COMPUTE_ALONE]
+    same, prefix, _ = _agreement(got, plain, a.prompt)
+    t = times[COMPUTE_ALONE]
+    _add_row(rows, 0, GenerateRow(
+        run=f"dbo greedy_generate {label} {name}, link off", mode=COMPUTE_ALONE,
+        ms=statistics.median(t), ms_min=min(t), ms_max=max(t), rounds=len(t),
+        tok_s=a.batch * a.new_tokens / statistics.median(t) * 1e3, same=same, prefix=prefix,
+        split=f"{plan} (the compute alone of {name!r})"))
 
 
 def _write_json(a: GenerateOptions, rows: list[GenerateRow], world: int, disabled: bool) -> None:

@@ -15,11 +15,15 @@ import torch
 from dbo.bench.cli import legend
 from dbo.bench.hf.options import GenerateOptions, describe_emulated
 
-__all__ = ["TF_SLACK", "GenerateRow", "GenerateResult", "fastest_generate_ms", "verdict_reason", "model_name",
-           "print_table"]
+__all__ = ["TF_SLACK", "PLAIN_MODES", "COMPUTE_ALONE", "GenerateRow", "GenerateResult",
+           "fastest_generate_ms", "verdict_reason", "model_name", "print_table", "overlap_bound"]
 
 #: how far below the plain row's teacher-forced share another row's may fall
 TF_SLACK = 0.02
+#: the rows that run no overlap
+PLAIN_MODES = ("plain", "plain, graph decode")
+#: an emulated rank's row of the fastest plain mode with the link off: the compute alone
+COMPUTE_ALONE = "compute alone"
 
 
 @dataclass(frozen=True)
@@ -101,7 +105,7 @@ def verdict_reason(a: GenerateOptions, rows: list[GenerateRow],
     """(passed, why) for the run's last line: every DBO row's tokens are its plain row's (see
     :mod:`dbo.bench.hf.generate`). ``dbo_disabled``: ``DBO_DISABLE`` was set (the DBO rows ran
     the plain forward), which the line then says first."""
-    dbo_rows = [r for r in rows if r.mode not in ("plain", "hf-eager", "hf-static")]
+    dbo_rows = [r for r in rows if r.mode not in ("plain", "hf-eager", "hf-static", COMPUTE_ALONE)]
     fp32 = a.model.dtype == torch.float32
     # every row's new tokens must be the teacher-forced forward's choices, up to near ties, as
     # nearly as the plain row's are: that checks each decode step, not the first token only
@@ -173,7 +177,8 @@ def print_table(a: GenerateOptions, rows: list[GenerateRow], world: int, device:
         spread = f"{r.ms_min:.1f}-{r.ms_max:.1f}" if r.ms_min is not None else "-"
         tf = f"{r.teacher_forced:.3f}" if r.teacher_forced is not None else "-"
         same_plain = 1.0 if r.same_plain is None else r.same_plain
-        print(f"| {r.run} | {r.ms:.1f} | {spread} | {r.prefill_ms:.1f} | {r.tok_s:,.0f} "
+        prefill = "-" if r.prefill_ms is None else f"{r.prefill_ms:.1f}"
+        print(f"| {r.run} | {r.ms:.1f} | {spread} | {prefill} | {r.tok_s:,.0f} "
               f"| {r.same:.2f} | {r.prefix:.2f} | {same_plain:.2f} | {tf} |")
     print("\n".join(legend({
         "ms": "one greedy decode, prefill included (median)", "fastest-slowest call": "over the timed calls",
@@ -196,15 +201,38 @@ def print_table(a: GenerateOptions, rows: list[GenerateRow], world: int, device:
 
 def _print_overlapped_against_plain(rows: list[GenerateRow]) -> None:
     """An emulated rank's last lines: the fastest overlapped row against the plain row, and
-    against the plain graph row where it ran (there is no generate() row to quote)."""
-    plain_modes = ("plain", "plain, graph decode")
+    against the plain graph row where it ran (there is no generate() row to quote); and under a
+    link, the bound (:func:`overlap_bound`)."""
     timed = {r.mode: r for r in rows if r.ms is not None}
-    overlapped = [r for r in timed.values() if r.mode not in plain_modes]
+    overlapped = [r for r in timed.values() if r.mode not in (*PLAIN_MODES, COMPUTE_ALONE)]
     if not overlapped:
         return
     best = min(overlapped, key=lambda r: r.ms)
     print()
-    for mode in plain_modes:
+    for mode in PLAIN_MODES:
         if mode in timed:
             print(f"fastest overlapped run: {best.run}, {timed[mode].ms / best.ms:.2f}x "
                   f"{timed[mode].run} ({timed[mode].ms:.1f} ms)")
+    bound = overlap_bound(rows)
+    if bound is not None:
+        plain, compute, comm, x = bound
+        print(f"bound: {plain.run} ({plain.ms:.1f} ms) over max(compute, comm) = {x:.2f}x; compute: "
+              f"the same call with the link off, {compute:.1f} ms; comm: the rest, {comm:.1f} ms")
+
+
+def overlap_bound(rows: Iterable[GenerateRow | Mapping[str, Any]]
+                  ) -> tuple[GenerateRow, float, float, float] | None:
+    """An emulated rank's bound on overlap, from the plain row the link-off row repeats (the
+    fastest plain mode): ``(that row, compute ms, comm ms, plain / max(compute, comm))``, where
+    the compute is the link-off row's time and the comm the rest of the plain row's. None
+    without a link-off row."""
+    rows = _rows(rows)
+    alone = next((r for r in rows if r.mode == COMPUTE_ALONE and r.ms is not None), None)
+    if alone is None:
+        return None
+    plain = min((r for r in rows if r.mode in PLAIN_MODES and r.ms is not None), key=lambda r: r.ms,
+                default=None)
+    if plain is None:
+        return None
+    comm = max(0.0, plain.ms - alone.ms)
+    return plain, alone.ms, comm, plain.ms / max(alone.ms, comm)

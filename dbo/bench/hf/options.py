@@ -138,13 +138,15 @@ class ModelOptions:
             return None
         return EmulatedGroup(self.emulate_ep, self.emulate_rank, self.gpus_per_host)
 
-    def emulated_backend_kwargs(self, layout: str, max_tokens_per_rank: int) -> dict[str, Any]:
+    def emulated_backend_kwargs(self, layout: str, max_tokens_per_rank: int, *,
+                                link: bool = True) -> dict[str, Any]:
         """The emulated backend's options: ``layout`` (``deepep_ht``, ``deepep_ll``),
-        ``max_tokens_per_rank``, ``--link`` and ``--remote-fraction`` (the share of the bytes to
-        every other rank that crosses the link, in place of counting it from the hosts). The
-        group (size, rank, hosts) is the model's."""
+        ``max_tokens_per_rank``, ``--link`` (unless ``link`` is False: the rank's own work with
+        no link waits) and ``--remote-fraction`` (the share of the bytes to every other rank
+        that crosses the link, in place of counting it from the hosts). The group (size, rank,
+        hosts) is the model's."""
         out: dict[str, Any] = {"layout": layout, "max_tokens_per_rank": max_tokens_per_rank}
-        if self.link_model is not None:
+        if link and self.link_model is not None:
             out["link"] = self.link_model
         if self.remote_fraction is not None:
             out["remote_fraction"] = self.remote_fraction
