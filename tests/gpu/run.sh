@@ -54,7 +54,8 @@
 #                  top-8, I=2048, one shared expert, 8 layers, CUDA graphs, every mode) under EMU_LINK
 #                  (deepep-ib) at EMU_TOKENS ("32 64 128 256 512"); EMU_ARGS (more options); EMU_PREFILL=1
 #                  adds prefill with deepep_ht's layout at EP EMU_PREFILL_EPS ("16 32 64"), T 4096 8192
-#                  16384 x I 256 2048, eager; EMU_VALIDATE=1 adds the emulated rank of the 2- and 4-GPU
+#                  16384 x I 256 2048, eager, the DBO runs with each of EMU_PREFILL_CARVEOUTS ("none 8")
+#                  SMs carved out; EMU_VALIDATE=1 adds the emulated rank of the 2- and 4-GPU
 #                  link-model decode tables (EP 2 / 16 experts and EP 4 / 32 experts, remote 7/8, the
 #                  link in host order, at each of EMU_VALIDATE_LINKS "25,10 50,5"), to hold against them;
 #                  EMU_VALIDATE_EPS ("2 4"); EMU_TESTS=0 leaves out the tests and the probe; EMU_EPS=" "
@@ -67,8 +68,8 @@
 #                  (512 + 64) tokens under EMU_HF_LINK (deepep-ib), 3 alternating calls a row, graph decode
 #                  rows too; DeepSeek-V3 (EMU_DSV3_LAYERS: 8) as rank 0 of EP 64, 256 sequences x
 #                  (128 + 32); EMU_HF_CAP_S (540) per run: give run.sh -d for more than one;
-#                  EMU_HF_PREFILL_ARGS, EMU_HF_ARGS: more options for hf-prefill, hf-generate
-#                  (e.g. "--sm-carveout 8")
+#                  EMU_HF_PREFILL_ARGS ("--sm-carveout 8"), EMU_HF_ARGS: options for hf-prefill,
+#                  more for hf-generate
 #   onerank        the one-rank overlap benchmark (naive: nothing to hide) at T 4096/16384 x
 #                  I 256/2048, and the decode sizes: what splitting alone costs
 #   hf:N           `dbo.bench hf-prefill`: a tiny DeepSeek-V3 smoke test, then Qwen3-30B-A3B at full size
@@ -278,7 +279,8 @@ for arg in "$@"; do
           run "emulated-prefill-$ep" "${EMU_CAP_S:-150}" python3 -m dbo.bench overlap --device cuda --emulate-ep "$ep" \
             --emulate-layout deepep_ht --link "${EMU_PREFILL_LINK:-deepep-ib-ht}" --layers 8 --attn-width 1024 \
             --intermediate ${EMU_INTER:-2048 256} --tokens ${EMU_PREFILL_TOKENS:-4096 8192 16384} --steps 6 \
-            --profile-shape none --time-budget-s "${EMU_BUDGET_S:-120}" ${EMU_ARGS:-} --out "$files/prefill_ep$ep"
+            --dbo-sm-carveout ${EMU_PREFILL_CARVEOUTS:-none 8} --profile-shape none \
+            --time-budget-s "${EMU_BUDGET_S:-120}" ${EMU_ARGS:-} --out "$files/prefill_ep$ep"
         done
       fi
       if [ "${EMU_VALIDATE:-0}" = 1 ]; then
@@ -300,7 +302,7 @@ for arg in "$@"; do
             run emulated-hf-qwen-prefill "${EMU_HF_CAP_S:-540}" python3 -m dbo.bench hf-prefill --device cuda \
               --preset qwen3-30b-a3b --emulate-ep 16 --link "${EMU_HF_PREFILL_LINK:-deepep-ib-ht}" \
               --shape 8x2048 16x4096 --expert-schedule split merged --steps 3 --warmup 1 \
-              ${EMU_HF_PREFILL_ARGS:-} --json "$files/hf_qwen_ep16_prefill.json" ;;
+              ${EMU_HF_PREFILL_ARGS:---sm-carveout 8} --json "$files/hf_qwen_ep16_prefill.json" ;;
           qwen-generate)
             for b in ${EMU_HF_BATCH:-64 256}; do
               run "emulated-hf-qwen-generate-$b" "${EMU_HF_CAP_S:-540}" python3 $gen --preset qwen3-30b-a3b \
