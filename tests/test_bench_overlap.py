@@ -263,3 +263,33 @@ def test_bench_under_dbo_disable_says_dbo_was_off(tmp_path):
     bundle = json.loads((out / "bench_overlap.json").read_text())
     assert bundle["env"]["dbo_disabled"] is True
     assert all(sh["plan"].startswith("plain") for sh in bundle["shapes"]), bundle["shapes"][0]["plan"]
+
+
+@pytest.mark.timeout(180)
+def test_a_measured_shape_frees_its_replays_before_the_next(tmp_path, monkeypatch):
+    # the compute-alone and comm-alone steps hold every layer's recorded receive (a GB and more a
+    # layer at prefill sizes); the bench keeps its shapes for the autotune, so a shape must drop
+    # them once measured, before the next shape records its own
+    from dbo.bench.overlap import command
+    from dbo.bench.overlap.shape import ShapeBench
+
+    made: list[ShapeBench] = []
+    held: list[list[int]] = []
+    init, record = ShapeBench.__init__, ShapeBench.compute_alone
+
+    def tracked_init(self, *a, **kw):
+        init(self, *a, **kw)
+        made.append(self)
+
+    def checked_compute_alone(self):
+        held.append([len(sb.alone) for sb in made if sb is not self])
+        record(self)
+        assert self.alone, "compute_alone set no replay"
+
+    monkeypatch.setattr(ShapeBench, "__init__", tracked_init)
+    monkeypatch.setattr(ShapeBench, "compute_alone", checked_compute_alone)
+    assert command.main(["--device", "cpu", "--emulate-ep", "4", "--emulate-layout", "deepep_ht",
+                         "--experts", "8", "--tokens", "8", "16", "--intermediate", "16",
+                         "--modes", "compute", "comm", "serial", "dbo", "--steps", "1", "--warmup", "0",
+                         "--no-autotune", "--profile-shape", "none", "--out", str(tmp_path)]) in (0, None)
+    assert held == [[], [0]], held  # the second shape found the first one's replays gone

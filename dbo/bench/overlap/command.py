@@ -171,6 +171,7 @@ def run(opts: OverlapOptions, rank: int, world: int, device: torch.device, out_d
                             sb.rec.cuda_graph = {"ok": False, "error": "--cuda-graph needs "
                                                  f"--device cuda and a backend of {GRAPH_BACKENDS}"}
                             progress.update("cuda graph (n/a)")
+                    sb.drop_alone()
                 else:
                     sb.rec.skipped = "time budget"
                 backend.reset()
