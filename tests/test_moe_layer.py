@@ -201,6 +201,18 @@ def test_layers_sharing_a_pool_keep_one_layers_scratch_and_the_same_results():
     with pytest.raises(TypeError, match="WorkspacePool"):
         MoEKernel(LocalPrepareAndFinalize(ActivationFormat.STANDARD), SwiGLUExperts(), workspaces={})
     assert WorkspacePool.of_device("cpu") is WorkspacePool.of_device(torch.device("cpu"))
+    # the device's pool lives while a kernel holds it: deleting the model frees its buffers
+    import gc
+    import weakref
+
+    k = MoEKernel(LocalPrepareAndFinalize(ActivationFormat.STANDARD), SwiGLUExperts(),
+                  workspaces=WorkspacePool.of_device("cpu"))
+    k(x, w1, w2, weights, ids, global_num_experts=4)
+    held = weakref.ref(k.workspaces)
+    assert WorkspacePool.of_device("cpu") is held()
+    del k
+    gc.collect()
+    assert held() is None
 
 
 def test_weight_and_reduce_variants():

@@ -20,6 +20,7 @@ Conventions used by every backend and experts class of this package:
 from __future__ import annotations
 
 import enum
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
@@ -369,8 +370,8 @@ class WorkspacePool:
     not share one.
     """
 
-    #: the pools :meth:`of_device` hands out, one per device
-    _per_device: dict[str, WorkspacePool] = {}
+    #: the pools :meth:`of_device` hands out, one per device, each alive while a kernel holds it
+    _per_device: weakref.WeakValueDictionary[str, WorkspacePool] = weakref.WeakValueDictionary()
 
     def __init__(self) -> None:
         self._ubatches: list[Workspace] = []
@@ -379,7 +380,8 @@ class WorkspacePool:
     @classmethod
     def of_device(cls, device: torch.device | str) -> WorkspacePool:
         """The process's pool for the MoE layers of the models it runs on ``device`` (one after
-        another, as a model's layers run): what the transformers integration gives every layer."""
+        another, as a model's layers run): what the transformers integration gives every layer.
+        The pool lives while a kernel holds it: deleting the models frees its buffers."""
         key = str(torch.device(device))
         pool = cls._per_device.get(key)
         if pool is None:
