@@ -66,6 +66,7 @@ import shutil
 import statistics
 import sys
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -357,10 +358,8 @@ def _dbo_rows(a: GenerateOptions, model: torch.nn.Module, ids: torch.Tensor, mas
                 label = prefill if decode is None else f"{prefill}/{decode}"
             modes = tuple((name, dbo_cfg if split else plain_cfg, every, graph)
                           for k, (name, split, every, graph) in MODES.items() if k in a.modes)
-            times, last = interleaved_ms({name: (
-                lambda split=split, every=every, graph=graph: greedy_generate(
-                    model, ids, mask, max_new_tokens=a.new_tokens, config=split, split_decode=every,
-                    cuda_graph=graph)) for name, split, every, graph in modes}, a.steps, a.warmup, device)
+            times, last = interleaved_ms({name: _decode_call(a, model, ids, mask, split, every, graph)
+                                          for name, split, every, graph in modes}, a.steps, a.warmup, device)
             pre_times, _ = interleaved_ms({name: (lambda split=split: greedy_generate(
                 model, ids, mask, max_new_tokens=1, config=split)) for name, split, *_ in modes},
                 a.steps, 1, device)
@@ -389,6 +388,16 @@ def _dbo_rows(a: GenerateOptions, model: torch.nn.Module, ids: torch.Tensor, mas
     return rows
 
 
+def _decode_call(a: GenerateOptions, model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor,
+                 config: SplitConfig, every: bool, graph: bool) -> Callable[[], Any]:
+    """One row's call: ``greedy_generate`` of ``a.new_tokens`` under ``config``, splitting every
+    decode step (``every``) or the prompt only, the decode steps from a CUDA graph (``graph``)."""
+    from dbo.integrations.transformers.generate import greedy_generate
+
+    return lambda: greedy_generate(model, ids, mask, max_new_tokens=a.new_tokens, config=config,
+                                   split_decode=every, cuda_graph=graph)
+
+
 def _use_emulated(a: GenerateOptions, model: torch.nn.Module, prefill: str, decode: str | None, *,
                   link: bool = True) -> None:
     """An emulated rank's backends: the prompt in DeepEP's high-throughput layout, the decode
@@ -404,16 +413,13 @@ def _compute_alone_row(a: GenerateOptions, model: torch.nn.Module, ids: torch.Te
     """An emulated rank whose backends now run with the link off: the fastest plain mode that
     ran (graph decode where it did) again, the compute alone (the emulated rank's own work
     included), for the bound that ``print_table`` puts beside the overlapped rows."""
-    from dbo.integrations.transformers.generate import greedy_generate
-
     ms = {r.mode: r.ms for r in rows if r.ms is not None}
     plain_modes = [mode for mode in modes if mode[0] in ms and mode[0] in PLAIN_MODES]
     if not plain_modes:
         return
     name, cfg, every, graph = min(plain_modes, key=lambda mode: ms[mode[0]])
-    times, last = interleaved_ms({COMPUTE_ALONE: lambda: greedy_generate(
-        model, ids, mask, max_new_tokens=a.new_tokens, config=cfg, split_decode=every, cuda_graph=graph)},
-        a.steps, a.warmup, ids.device)
+    times, last = interleaved_ms({COMPUTE_ALONE: _decode_call(a, model, ids, mask, cfg, every, graph)},
+                                 a.steps, a.warmup, ids.device)
     got, plan = last[COMPUTE_ALONE]
     same, prefix, _ = _agreement(got, plain, a.prompt)
     t = times[COMPUTE_ALONE]
