@@ -1,0 +1,127 @@
+"""Where the host's time of an eager step goes, without torch's profiler: its own time (launches,
+Python, torch's dispatch) against its waits on the GPU.
+
+    python tools/probes/host_split.py [--profile-every 4] [--top 40] [--out DIR] -- \
+        --device cuda --emulate-ep 32 --emulate-layout deepep_ht --link deepep-ib-ht --layers 8 \
+        --attn-width 1024 --tokens 4096 --intermediate 2048 --modes serial dbo --steps 20 \
+        --no-autotune --profile-shape none
+
+Runs ``dbo.bench overlap`` (its arguments after ``--``, as plain ``python``) and times every
+serial, split (``dbo``) and merged step on the host: its wall time from call to return (the step
+does not wait for its GPU work at the end) and, inside it, the time spent blocked on the GPU
+(``Event.synchronize``, ``Stream.synchronize``, ``torch.cuda.synchronize``, and ``item`` /
+``tolist`` / ``cpu`` of a CUDA tensor: DeepEP normal mode's wait for the received counts is one).
+The host's own time is the rest. torch's profiler records every op and inflates that part; this
+costs two ``perf_counter`` calls a wait. Every ``--profile-every``-th step of each mode runs under
+cProfile instead (left out of the times), and the functions with the most own time are printed
+per mode (``DIR/<mode>.prof`` for ``python -m pstats``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+_WAIT = [0.0]  # seconds blocked on the GPU inside the current timed step
+_IN_STEP = [False]
+
+
+def _timed(fn, cuda_only: bool = False):
+    def wrapper(*args, **kwargs):
+        if not _IN_STEP[0] or (cuda_only and not (args and getattr(args[0], "is_cuda", False))):
+            return fn(*args, **kwargs)
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _WAIT[0] += time.perf_counter() - t0
+    wrapper.__wrapped__ = fn
+    return wrapper
+
+
+def _patch_waits() -> None:
+    torch.cuda.Event.synchronize = _timed(torch.cuda.Event.synchronize)
+    torch.cuda.Stream.synchronize = _timed(torch.cuda.Stream.synchronize)
+    torch.cuda.synchronize = _timed(torch.cuda.synchronize)
+    for name in ("item", "tolist", "cpu"):
+        setattr(torch.Tensor, name, _timed(getattr(torch.Tensor, name), cuda_only=True))
+
+
+def main() -> int:
+    argv = sys.argv[1:]
+    bench_args = argv[argv.index("--") + 1:] if "--" in argv else []
+    own = argv[:argv.index("--")] if "--" in argv else argv
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--profile-every", type=int, default=4, help="cProfile every N-th step of a mode "
+                   "(0: none)")
+    p.add_argument("--top", type=int, default=40)
+    p.add_argument("--out", default="host_split")
+    a = p.parse_args(own)
+    _patch_waits()
+    from dbo.bench.overlap.command import main as bench_main
+    from dbo.bench.overlap.shape import ShapeBench
+
+    layers = {"n": 1}
+    times: dict[tuple[int, str], list[tuple[float, float]]] = defaultdict(list)
+    calls: dict[tuple[int, str], int] = defaultdict(int)
+    profs: dict[str, cProfile.Profile] = {}
+
+    def wrap(mode: str):
+        step = getattr(ShapeBench, mode)
+
+        def timed(self, *args, **kwargs):
+            layers["n"] = self.layers
+            key = (self.T, mode if mode != "dbo" or self.carveout is None else f"dbo k{self.carveout}")
+            calls[key] += 1
+            if a.profile_every and calls[key] % a.profile_every == 0:
+                prof = profs.setdefault(mode, cProfile.Profile())
+                prof.enable()
+                try:
+                    return step(self, *args, **kwargs)
+                finally:
+                    prof.disable()
+            _WAIT[0] = 0.0
+            _IN_STEP[0] = True
+            t0 = time.perf_counter()
+            try:
+                return step(self, *args, **kwargs)
+            finally:
+                wall = time.perf_counter() - t0
+                _IN_STEP[0] = False
+                times[key].append((wall, _WAIT[0]))
+        return timed
+
+    for mode in ("serial", "dbo", "merged"):
+        setattr(ShapeBench, mode, wrap(mode))
+    rc = bench_main(bench_args)
+    n = layers["n"]
+    print(f"\nhost time per layer (ms), median over the unprofiled steps; own = wall - waits "
+          f"({n} layers a step)")
+    print(f"{'T':>6} {'mode':<10} {'steps':>5} {'wall':>8} {'waits':>8} {'own':>8}")
+    for (t, mode), rows in sorted(times.items()):
+        rows = rows[2:] or rows  # the first steps warm the allocator and the kernels' caches
+        wall = statistics.median(r[0] for r in rows) * 1e3 / n
+        wait = statistics.median(r[1] for r in rows) * 1e3 / n
+        own = statistics.median(r[0] - r[1] for r in rows) * 1e3 / n
+        print(f"{t:>6} {mode:<10} {len(rows):>5} {wall:>8.3f} {wait:>8.3f} {own:>8.3f}")
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for mode, prof in profs.items():
+        prof.dump_stats(str(out / f"{mode}.prof"))
+        s = io.StringIO()
+        pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(a.top)
+        print(f"\n=== {mode} steps under cProfile, by own time\n{s.getvalue()}")
+    return rc
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
