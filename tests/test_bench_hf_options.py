@@ -44,6 +44,7 @@ def _generate(**changes) -> GenerateOptions:
     (lambda: _prefill(model=LOADED, ep_experts=("mine",)), "--ep-experts mine"),
     (lambda: _generate(new_tokens=0), "--new-tokens 0: must be >= 1"),
     (lambda: _generate(modes=["dbo"]), "--modes: give plain too"),
+    (lambda: _generate(sm_carveout=-1), "--sm-carveout -1: must be >= 0"),
     (lambda: _generate(modes=["plain", "fast"]), "--modes plain fast"),
     (lambda: _generate(model=dataclasses.replace(MODEL, device="cuda"), temporary_checkpoint=True),
      "--device cuda: give --checkpoint DIR"),
@@ -102,8 +103,8 @@ def test_the_generate_record_round_trips_to_the_same_json():
     doc = json.loads(json.dumps(result.to_json()))
     # the keys hf-generate's --json file has had, the rows last; emulated: None where the run was a group
     assert list(doc) == ["model", "world", "batch", "prompt", "new_tokens", "dbo_disabled", "emulated",
-                         "rows"]
-    assert doc["emulated"] is None
+                         "sm_carveout", "rows"]
+    assert doc["emulated"] is None and doc["sm_carveout"] is None
     # a row's JSON has the figures it has: the error row its error, the eager row no plan
     assert set(doc["rows"][1]) == {"run", "mode", "error"}
     assert set(doc["rows"][0]) == {"run", "mode", "ms", "prefill_ms", "tok_s", "same", "prefix"}

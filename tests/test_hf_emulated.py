@@ -132,6 +132,9 @@ def test_decode_runs_the_low_latency_layout_and_generates_as_plain():
         runs["graph"], _ = greedy_generate(model, ids, max_new_tokens=new, config=SplitConfig(enabled=False),
                                            cuda_graph=True)  # on the CPU: the static-cache steps, eager
         runs["dbo prefill, graph"], _ = greedy_generate(model, ids, max_new_tokens=new, cuda_graph=True)
+        # the overlapped steps with SMs carved out for the communication (on the CPU: no SMs)
+        runs["dbo, 8 SMs free"], _ = greedy_generate(model, ids, max_new_tokens=new, split_decode=True,
+                                                     sm_carveout=8)
     for name, tokens in runs.items():
         assert torch.equal(tokens, runs["plain"]), name
     with torch.inference_mode():  # the plain decode's steps are the whole model's choices
@@ -193,11 +196,13 @@ def test_hf_prefill_as_one_emulated_rank(tmp_path):
 def test_hf_generate_as_one_emulated_rank(tmp_path):
     out = _run(["hf-generate", "--emulate-ep", "4", "--emulate-rank", "3", "--link", "50,5",
                 "--batch", "4", "--prompt", "6", "--new-tokens", "3", "--steps", "1", "--warmup", "0",
-                "--modes", "plain", "dbo-prefill", "dbo", "graph", "--json", "g.json"], tmp_path)
+                "--modes", "plain", "dbo-prefill", "dbo", "graph", "--sm-carveout", "4", "--json", "g.json"],
+               tmp_path)
     assert out.strip().splitlines()[-1].startswith("hf-generate: PASS: every DBO run's first new token"), out
     assert "fastest overlapped run: " in out
     record = json.loads((tmp_path / "g.json").read_text())
     assert record["emulated"]["ep_size"] == 4 and record["emulated"]["rank"] == 3
+    assert record["sm_carveout"] == 4 and "the overlapped steps leave 4 SMs free" in out
     rows = record["rows"]
     # under a link, the fastest plain mode again with the link off: the compute alone, for the bound
     assert [r["mode"] for r in rows] == ["plain", "DBO prefill", "DBO", "plain, graph decode",

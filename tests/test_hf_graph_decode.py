@@ -236,6 +236,8 @@ def test_arguments_and_caches_that_cannot_be_static():
     with pytest.raises(ValueError, match="need 9 slots"):
         graph_decode.static_decode(lambda *a: None, ids[:, :1], ids[:, :1], torch.ones(2, 5), 8, 5,
                                    capture=False)
+    with pytest.raises(ValueError, match="sm_carveout must be a non-negative int"):  # before any step
+        greedy_generate(model, ids, max_new_tokens=2, sm_carveout=-1)
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "deepseek_v3"])

@@ -68,8 +68,8 @@
 #                  (512 + 64) tokens under EMU_HF_LINK (deepep-ib), 3 alternating calls a row, graph decode
 #                  rows too; DeepSeek-V3 (EMU_DSV3_LAYERS: 8) as rank 0 of EP 64, 256 sequences x
 #                  (128 + 32); EMU_HF_CAP_S (540) per run: give run.sh -d for more than one;
-#                  EMU_HF_PREFILL_ARGS ("--sm-carveout 8"), EMU_HF_ARGS: options for hf-prefill,
-#                  more for hf-generate
+#                  EMU_HF_PREFILL_ARGS ("--sm-carveout 8"), EMU_HF_ARGS ("--sm-carveout 8"): options
+#                  for hf-prefill and for hf-generate
 #   onerank        the one-rank overlap benchmark (naive: nothing to hide) at T 4096/16384 x
 #                  I 256/2048, and the decode sizes: what splitting alone costs
 #   hf:N           `dbo.bench hf-prefill`: a tiny DeepSeek-V3 smoke test, then Qwen3-30B-A3B at full size
@@ -307,12 +307,12 @@ for arg in "$@"; do
             for b in ${EMU_HF_BATCH:-64 256}; do
               run "emulated-hf-qwen-generate-$b" "${EMU_HF_CAP_S:-540}" python3 $gen --preset qwen3-30b-a3b \
                 --emulate-ep 16 --link "${EMU_HF_LINK:-deepep-ib}" --batch "$b" --prompt 512 --new-tokens 64 \
-                ${EMU_HF_ARGS:-} --json "$files/hf_qwen_ep16_generate_b$b.json"
+                ${EMU_HF_ARGS:---sm-carveout 8} --json "$files/hf_qwen_ep16_generate_b$b.json"
             done ;;
           dsv3-generate)
             run emulated-hf-dsv3-generate "${EMU_HF_CAP_S:-540}" python3 $gen --preset deepseek-v3 \
               --layers "${EMU_DSV3_LAYERS:-8}" --emulate-ep 64 --link "${EMU_HF_LINK:-deepep-ib}" --batch 256 \
-              --prompt 128 --new-tokens 32 ${EMU_HF_ARGS:-} --json "$files/hf_dsv3_ep64_generate.json" ;;
+              --prompt 128 --new-tokens 32 ${EMU_HF_ARGS:---sm-carveout 8} --json "$files/hf_dsv3_ep64_generate.json" ;;
           *) echo "=== [emulated_hf] unknown run $r (qwen-prefill qwen-generate dsv3-generate)" | tee -a "$log"
              status=1 ;;
         esac

@@ -137,6 +137,9 @@ def parse_args(argv: list[str] | None = None) -> GenerateOptions:
                         "static cache replayed from a CUDA graph: cuda_graph=True), dbo-graph (every step "
                         "overlapped, the decode steps from a static cache per ubatch replayed from a CUDA "
                         "graph) (default: plain dbo-prefill dbo)")
+    p.add_argument("--sm-carveout", type=int, default=None, metavar="N",
+                   help="the SMs the matmuls of the overlapped steps leave free (greedy_generate's "
+                        "sm_carveout): room for the communication beside the experts (default: none)")
     p.add_argument("--no-static", dest="static", action="store_false",
                    help="leave out transformers' generate() with cache_implementation='static' (its "
                         "static cache, compiled on CUDA)")
@@ -153,7 +156,7 @@ def parse_args(argv: list[str] | None = None) -> GenerateOptions:
                 else [("all2all", None), ("copy_engine", None)]),
             batch=_given(a.batch, 64 if cuda else 4), prompt=_given(a.prompt, 512 if cuda else 8),
             new_tokens=_given(a.new_tokens, 64 if cuda else 4), steps=a.steps, warmup=a.warmup,
-            modes=a.modes, static=a.static,
+            modes=a.modes, static=a.static, sm_carveout=a.sm_carveout,
             temporary_checkpoint=not model.checkpoint and model.emulate_ep is None)
     except ValueError as exc:
         p.error(str(exc))
@@ -361,7 +364,8 @@ def _dbo_rows(a: GenerateOptions, model: torch.nn.Module, ids: torch.Tensor, mas
             times, last = interleaved_ms({name: _decode_call(a, model, ids, mask, split, every, graph)
                                           for name, split, every, graph in modes}, a.steps, a.warmup, device)
             pre_times, _ = interleaved_ms({name: (lambda split=split: greedy_generate(
-                model, ids, mask, max_new_tokens=1, config=split)) for name, split, *_ in modes},
+                model, ids, mask, max_new_tokens=1, config=split, sm_carveout=a.sm_carveout))
+                for name, split, *_ in modes},
                 a.steps, 1, device)
             plain = last["plain"][0]
             for name, cfg, *_ in modes:
@@ -395,7 +399,7 @@ def _decode_call(a: GenerateOptions, model: torch.nn.Module, ids: torch.Tensor, 
     from dbo.integrations.transformers.generate import greedy_generate
 
     return lambda: greedy_generate(model, ids, mask, max_new_tokens=a.new_tokens, config=config,
-                                   split_decode=every, cuda_graph=graph)
+                                   split_decode=every, cuda_graph=graph, sm_carveout=a.sm_carveout)
 
 
 def _use_emulated(a: GenerateOptions, model: torch.nn.Module, prefill: str, decode: str | None, *,
@@ -434,7 +438,7 @@ def _write_json(a: GenerateOptions, rows: list[GenerateRow], world: int, disable
     if a.model.json:
         result = GenerateResult(model=model_name(a), world=world, batch=a.batch, prompt=a.prompt,
                                 new_tokens=a.new_tokens, dbo_disabled=disabled, rows=rows,
-                                emulated=a.model.emulation_record())
+                                emulated=a.model.emulation_record(), sm_carveout=a.sm_carveout)
         write_whole(a.model.json, json.dumps(result.to_json(), indent=1))
 
 

@@ -68,8 +68,8 @@ class GenerateRow:
 class GenerateResult:
     """A run: the ``model`` decoded (:func:`model_name`), ``world`` ranks, ``batch`` sequences
     of ``prompt`` tokens per rank and ``new_tokens`` decoded, whether ``DBO_DISABLE`` was set,
-    the rows, and ``emulated``: the emulated rank this one process played
-    (``ModelOptions.emulation_record``; None: a group). ``to_json`` is the ``--json`` file (the
+    the overlapped steps' ``sm_carveout``, the rows, and ``emulated``: the emulated rank this one
+    process played (``ModelOptions.emulation_record``; None: a group). ``to_json`` is the ``--json`` file (the
     rows last); ``from_json`` reads one back."""
 
     model: str
@@ -80,6 +80,7 @@ class GenerateResult:
     dbo_disabled: bool = False
     rows: list[GenerateRow] = field(default_factory=list)
     emulated: dict[str, Any] | None = None
+    sm_carveout: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {**{k: v for k, v in vars(self).items() if k != "rows"},
@@ -165,8 +166,9 @@ def print_table(a: GenerateOptions, rows: list[GenerateRow], world: int, device:
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
         where, against = describe_emulated(record, name), "the plain row"
     link = "" if a.model.link_model is None else f"; {a.model.link_model.describe()}"
+    carve = "" if a.sm_carveout is None else f"; the overlapped steps leave {a.sm_carveout} SMs free"
     print(f"\n{model_name(a)}: batch {a.batch} x prompt {a.prompt} + {a.new_tokens} new tokens per rank, "
-          f"{where}, {a.model.dtype_name}{link}; slowest rank\n")
+          f"{where}, {a.model.dtype_name}{link}{carve}; slowest rank\n")
     print(f"| run | ms | fastest-slowest call | prefill ms | new tokens/s per {per} | identical "
           "| before 1st diff | identical to plain | teacher-forced |")
     print("|---|---|---|---|---|---|---|---|---|")

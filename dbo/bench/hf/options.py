@@ -252,7 +252,8 @@ class GenerateOptions:
     """``hf-generate``'s options (see its module): backend ``pairs`` (prefill backend, decode
     backend or None for the same), ``batch`` sequences of ``prompt`` tokens per rank decoded
     for ``new_tokens`` steps, the dbo rows' ``modes`` (:data:`GENERATE_MODES`), ``static``
-    (also transformers' static-cache ``generate()``) and ``temporary_checkpoint`` (the model is
+    (also transformers' static-cache ``generate()``), ``sm_carveout`` (the overlapped steps')
+    and ``temporary_checkpoint`` (the model is
     written to a temporary directory for this run only, removed at the end).
 
     Raises:
@@ -269,10 +270,11 @@ class GenerateOptions:
     modes: list[str] = field(default_factory=lambda: ["plain", "dbo-prefill", "dbo"])
     static: bool = True
     temporary_checkpoint: bool = False
+    sm_carveout: int | None = None
 
     def __post_init__(self) -> None:
         _at_least(1, batch=self.batch, prompt=self.prompt, new_tokens=self.new_tokens, steps=self.steps)
-        _at_least(0, warmup=self.warmup)
+        _at_least(0, warmup=self.warmup, sm_carveout=self.sm_carveout)
         unknown = [m for m in self.modes if m not in GENERATE_MODES]
         if unknown:
             raise ValueError(f"--modes {' '.join(self.modes)}: want one or more of "

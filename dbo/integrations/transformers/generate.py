@@ -40,6 +40,7 @@ from dbo.integrations.transformers.graph_decode import static_cache_from, static
 from dbo.integrations.transformers.moe_block import routing_token_mask
 from dbo.overlap import current_ubatch, overlapped_forward
 from dbo.split import SplitConfig, UBatchPlan, no_split_plan, plan_ubatches
+from dbo.ubatch.sm import check_sm_carveout
 
 __all__ = ["greedy_generate", "join_caches", "mask_positions", "cache_keyword"]
 
@@ -105,7 +106,8 @@ def greedy_generate(model: torch.nn.Module, input_ids: torch.Tensor,
                     config: SplitConfig | None = None, group: Any = None,
                     mask_padding_tokens: bool = True,
                     split_decode: bool = False,
-                    cuda_graph: bool = False) -> tuple[torch.Tensor, UBatchPlan]:
+                    cuda_graph: bool = False,
+                    sm_carveout: int | None = None) -> tuple[torch.Tensor, UBatchPlan]:
     """Greedy decoding of ``max_new_tokens`` tokens, the prefill overlapped when the group
     splits (and the decode steps too with ``split_decode``).
 
@@ -131,6 +133,10 @@ def greedy_generate(model: torch.nn.Module, input_ids: torch.Tensor,
             of its own and the captured step is the overlapped one. Where a cache cannot be made
             static (not a ``DynamicCache`` of full-attention layers) the steps run eagerly, said
             once in the log. The same on every rank of ``group``.
+        sm_carveout: SMs the matmuls leave free while the ubatches of an overlapped step run
+            (the prefill, and the decode steps with ``split_decode``), as
+            :func:`~dbo.overlap.overlapped_forward`'s: room for the communication kernels beside
+            the experts' persistent grids. None (default): every SM. A plain step runs without it.
 
     Returns:
         ``(tokens [batch, seq + max_new_tokens] int64, plan)``: the prompts followed by the
@@ -141,6 +147,7 @@ def greedy_generate(model: torch.nn.Module, input_ids: torch.Tensor,
         raise ValueError(f"input_ids must be a non-empty [batch, seq], got {tuple(input_ids.shape)}")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    check_sm_carveout(sm_carveout)
     mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.long()
     if mask.shape != input_ids.shape:
         raise ValueError(f"attention_mask {tuple(mask.shape)} must match input_ids {tuple(input_ids.shape)}")
@@ -184,7 +191,8 @@ def greedy_generate(model: torch.nn.Module, input_ids: torch.Tensor,
             return out.logits[:, -1]
 
         def run(ids_b: torch.Tensor, mask4d: torch.Tensor, pos_b: torch.Tensor) -> torch.Tensor:
-            return overlapped_forward(static_step, ids_b, mask4d, pos_b, plan=step_plan)
+            return overlapped_forward(static_step, ids_b, mask4d, pos_b, plan=step_plan,
+                                      sm_carveout=sm_carveout)
 
         with decode_phase(True):
             return static_decode(run, ids, positions, full_mask, slots, steps, capture=ids.is_cuda)
@@ -194,7 +202,7 @@ def greedy_generate(model: torch.nn.Module, input_ids: torch.Tensor,
     # here, named, not bare at the caller's next CUDA call
     with named_device_faults(sync=True):
         return _decode(step, input_ids, mask, plan, caches, max_new_tokens, split_decode,
-                       graph_steps if cuda_graph else None), plan
+                       graph_steps if cuda_graph else None, sm_carveout), plan
 
 
 #: the static cache's fallback is logged once per process
@@ -203,7 +211,7 @@ _STATIC_FALLBACK_LOGGED: list[bool] = []
 
 def _decode(step: Any, input_ids: torch.Tensor, mask: torch.Tensor, plan: UBatchPlan,
             caches: dict[int, Any], max_new_tokens: int, split_decode: bool,
-            graph_steps: Any = None) -> torch.Tensor:
+            graph_steps: Any = None, sm_carveout: int | None = None) -> torch.Tensor:
     """:func:`greedy_generate`'s steps: the prefill, then the decode steps; the tokens."""
     tokens, positions = input_ids, mask_positions(mask)
     ids = input_ids
@@ -227,7 +235,7 @@ def _decode(step: Any, input_ids: torch.Tensor, mask: torch.Tensor, plan: UBatch
             if new is not None:
                 return torch.cat([tokens, new], dim=1)
         with decode_phase(i > 0):  # the decode backend, where the model has one, after the prefill
-            logits = overlapped_forward(step, ids, mask, positions, plan=step_plan)
+            logits = overlapped_forward(step, ids, mask, positions, plan=step_plan, sm_carveout=sm_carveout)
         ids = logits.argmax(-1, keepdim=True)
         tokens = torch.cat([tokens, ids], dim=1)
         positions = positions[:, -1:] + 1
