@@ -560,7 +560,7 @@ class EmulatedBuffer:
                 recv_ids = torch.where(mine, torch.remainder(ids, n_local), -1)
                 recv_weights = torch.where(mine, topk_weights.index_select(0, row_src).to(torch.float32), 0.0)
             recv_x = recv_q if recv_scales is None else (recv_q, recv_scales)
-            handle = _HTHandle(row_src, in_rank, t, pos)
+            handle = _HTHandle(row_src, in_rank, t, pos, units)
             event = streams.finish(stream, async_finish, (q, topk_idx))
         return recv_x, recv_ids, recv_weights, per_expert_list, handle, event
 
@@ -577,8 +577,8 @@ class EmulatedBuffer:
         streams = self._streams
         with streams.kernel(previous_event, on_current=False) as stream:
             send = x.clone()  # the rows pack into the send buffer
-            units = self._quantized(self.rows_off_host(handle.in_rank))
-            held = self._hold("combine", units, x.shape[1] * x.element_size())
+            # the rows go back the way they came: the dispatch's rows off the host
+            held = self._hold("combine", handle.units, x.shape[1] * x.element_size())
             held()
             if kernels.usable(send):
                 combined = kernels.ht_combine(send, handle.in_rank, handle.pos)
@@ -604,10 +604,12 @@ class EmulatedBuffer:
 @dataclass
 class _HTHandle:
     """What a normal-mode combine needs of its dispatch: each received row's token, the
-    (token, rank) table, the number of tokens and each (rank, token)'s received row
-    (``[N * T]``, valid where the table says)."""
+    (token, rank) table, the number of tokens, each (rank, token)'s received row (``[N * T]``,
+    valid where the table says) and the rows that crossed the link (``[1]`` int64, 1/1024 units:
+    the combine sends the same rows back)."""
 
     row_src: torch.Tensor
     in_rank: torch.Tensor
     num_tokens: int
     pos: torch.Tensor
+    units: torch.Tensor
