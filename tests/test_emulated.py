@@ -6,6 +6,11 @@ plays."""
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from hypothesis import example, given, note, settings
@@ -191,3 +196,43 @@ def test_a_copied_handle_finds_rows_holding_each_pairs_expert_and_token(imbalanc
         cap = n * 3 * t
         flat = src.reshape(-1)
         assert torch.equal(rows // cap, own // cap) and torch.equal(flat[rows].long(), flat[own].long())
+
+
+_HT_LAYOUT_SCRIPT = r"""
+import torch
+from dbo.backends.emulated import EmulatedBuffer, EmulatedGroup, kernels
+
+g = torch.Generator().manual_seed(0)
+for n, gph, n_local, k, t, rank in [(4, 2, 2, 2, 1, 3), (16, 8, 4, 8, 37, 9), (32, 8, 8, 8, 300, 0),
+                                    (8, 8, 1, 3, 50, 5), (64, 8, 1, 8, 129, 63), (2, 1, 3, 2, 17, 1)]:
+    experts = n * n_local
+    ids = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(t)])
+    ids[torch.rand(t, k, generator=g) < 0.2] = -1  # padding and masked pairs
+    buf = EmulatedBuffer(EmulatedGroup(n, rank, gpus_per_host=gph))
+    per_rank, per_host, per_expert, in_rank, _ = buf.get_dispatch_layout(ids, experts)  # the torch route
+    flat = in_rank.t().reshape(-1)
+    local = torch.bincount(torch.remainder(ids[ids >= 0], n_local), minlength=n_local)
+    lay = kernels.ht_layout(ids, n=n, n_local=n_local, num_hosts=buf.num_hosts, rank=rank)
+    case = (n, gph, n_local, k, t, rank)
+    assert torch.equal(lay.in_rank, in_rank), case
+    assert torch.equal(lay.per_rank, per_rank) and torch.equal(lay.per_expert, per_expert), case
+    assert (lay.per_host is None) == (per_host is None), case
+    assert per_host is None or torch.equal(lay.per_host, per_host), case
+    assert torch.equal(lay.pos, torch.cumsum(flat.to(torch.int64), 0) - 1), case
+    assert lay.counts.tolist() == [int(flat.sum())] + local.tolist(), case
+    if buf.num_hosts > 1:
+        assert torch.equal(lay.units, buf._quantized(buf.rows_off_host(in_rank))), case
+    assert int(lay.other) == int((in_rank & buf._other_rank).sum()), case
+print("ok")
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+@pytest.mark.timeout(300)
+def test_the_normal_mode_layout_kernels_count_as_the_torch_route():
+    # the two launches of a normal-mode dispatch's layout, run by Triton's CPU interpreter,
+    # against the torch route: tables, counts, received rows and the bytes off the host
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-c", _HT_LAYOUT_SCRIPT], cwd=root, capture_output=True,
+                          text=True, timeout=280, env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stdout + proc.stderr

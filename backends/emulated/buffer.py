@@ -141,6 +141,10 @@ class EmulatedBuffer:
         self._ll_slots: list[dict[str, torch.Tensor] | None] = [None, None]
         self._ll_next = 0
         self._ll_layout: tuple | None = None
+        #: the last normal-mode layout counted on the device, for the dispatch that takes it
+        self._ht_layout: kernels.HTLayout | None = None
+        #: the notify's flow: no bytes (its fixed cost only)
+        self._no_bytes = torch.zeros(1, dtype=torch.int64, device=self.device)
         self._host = self.rank // group.gpus_per_host
         hosts = torch.arange(self.group_size) // group.gpus_per_host
         self._off_host = (hosts != self._host).to(self.device)  # [N] bool: rank s is on another host
@@ -471,6 +475,13 @@ class EmulatedBuffer:
         n, n_local = self.group_size, num_experts // self.group_size
         streams = self._streams
         with streams.kernel(previous_event, on_current=False) as stream:
+            if kernels.usable(topk_idx) and topk_idx.shape[0]:
+                # two launches, as DeepEP's layout is one kernel; the dispatch that takes this
+                # table finds its received rows and counts here
+                lay = self._ht_layout = kernels.ht_layout(topk_idx, n=n, n_local=n_local,
+                                                          num_hosts=self.num_hosts, rank=self.rank)
+                event = streams.finish(stream, async_finish, (topk_idx,))
+                return lay.per_rank, lay.per_host, lay.per_expert, lay.in_rank, event
             valid = topk_idx >= 0
             dest = torch.where(valid, torch.div(topk_idx, n_local, rounding_mode="floor"), n)
             in_rank = torch.zeros((topk_idx.shape[0], n + 1), dtype=torch.bool, device=topk_idx.device)
@@ -510,18 +521,25 @@ class EmulatedBuffer:
         streams = self._streams
         with streams.kernel(previous_event, on_current=False) as stream:
             in_rank = is_token_in_rank  # [T, N] bool: token t is "received from" rank s
-            flat = in_rank.t().reshape(-1)  # (source rank, token) order
-            pos = torch.cumsum(flat.to(torch.int64), 0) - 1
-            num_recv = flat.sum().reshape(1)
-            # the notify: the counts cross the link (its fixed cost), then the host reads them
             n_local = num_tokens_per_expert.numel() // n
-            valid = topk_idx >= 0
-            local_ids = torch.where(valid, torch.remainder(topk_idx, n_local), n_local)
-            per_expert = torch.zeros(n_local + 1, dtype=torch.int64, device=q.device)
-            per_expert.index_add_(0, local_ids.reshape(-1),
-                                  torch.ones(t * k, dtype=torch.int64, device=q.device))
-            counts = torch.cat([num_recv, per_expert[:-1]])
-            notify = self._hold("notify", torch.zeros(1, dtype=torch.int64, device=q.device), 0.0,
+            lay, self._ht_layout = self._ht_layout, None
+            if lay is not None and lay.in_rank is in_rank:  # counted with the layout
+                pos, counts = lay.pos, lay.counts
+                units = lay.units if self.remote_fraction is None else \
+                    self._quantized(lay.other.to(torch.float32) * self.remote_fraction)
+            else:
+                flat = in_rank.t().reshape(-1)  # (source rank, token) order
+                pos = torch.cumsum(flat.to(torch.int64), 0) - 1
+                num_recv = flat.sum().reshape(1)
+                valid = topk_idx >= 0
+                local_ids = torch.where(valid, torch.remainder(topk_idx, n_local), n_local)
+                per_expert = torch.zeros(n_local + 1, dtype=torch.int64, device=q.device)
+                per_expert.index_add_(0, local_ids.reshape(-1),
+                                      torch.ones(t * k, dtype=torch.int64, device=q.device))
+                counts = torch.cat([num_recv, per_expert[:-1]])
+                units = self._quantized(self.rows_off_host(in_rank))
+            # the notify: the counts cross the link (its fixed cost), then the host reads them
+            notify = self._hold("notify", self._no_bytes, 0.0,
                                 fixed_us=None if self.link is None else self.link.fixed_us("dispatch"))
             notify()
             host = torch.empty(counts.shape, dtype=torch.int64, pin_memory=q.is_cuda)
@@ -537,7 +555,6 @@ class EmulatedBuffer:
             send_q = q.clone()
             send_scales = None if scales is None else scales.clone()
             row_bytes = q.shape[1] * q.element_size() + (0 if scales is None else scales.shape[1] * 4)
-            units = self._quantized(self.rows_off_host(in_rank))
             held = self._hold("dispatch", units, row_bytes, fixed_us=0.0)
             held()
             # the receive: each (source rank, token) row at its received row, with its local

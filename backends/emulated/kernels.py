@@ -32,6 +32,8 @@ the pairs of one (local expert, source rank) key take their rows in atomic order
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 try:
@@ -43,7 +45,8 @@ try:
 except ImportError:  # pragma: no cover - the CPU install has no Triton
     AVAILABLE = False
 
-__all__ = ["AVAILABLE", "usable", "ll_send", "ll_unpack", "ll_remote_units", "ht_receive", "ht_combine"]
+__all__ = ["AVAILABLE", "usable", "ll_send", "ll_unpack", "ll_remote_units", "HTLayout", "ht_layout",
+           "ht_receive", "ht_combine"]
 
 #: the fp8 cast's block, as :mod:`dbo.backends.fp8`'s
 _BLOCK = 128
@@ -206,6 +209,63 @@ if AVAILABLE:
                 acc += tl.load(x_ptr + r * hidden + h, mask=hm, other=0.0).to(tl.float32)
         tl.store(out_ptr + t * hidden + h, acc.to(out_ptr.dtype.element_ty), mask=hm)
 
+    @triton.jit
+    def _ht_count(topk_ptr, in_rank_ptr, block_ptr, cnt_ptr, t_count, n, n_local, num_hosts, per_host_ranks,
+                  my_host, my_rank, host_base, expert_base, local_base, off_index,
+                  K: tl.constexpr, BLOCK_T: tl.constexpr, N_PAD: tl.constexpr, H_PAD: tl.constexpr):
+        # one block of tokens: their (token, rank) and (token, host) tables, the counts by atomics
+        pid = tl.program_id(0)
+        t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+        tm = t < t_count
+        s = tl.arange(0, N_PAD)
+        hh = tl.arange(0, H_PAD)
+        member = tl.zeros([BLOCK_T, N_PAD], tl.int32)
+        hosts = tl.zeros([BLOCK_T, H_PAD], tl.int32)
+        for j in tl.static_range(K):
+            ids = tl.load(topk_ptr + t.to(tl.int64) * K + j, mask=tm, other=-1)
+            valid = ids >= 0
+            safe = tl.where(valid, ids, 0)
+            d = safe // n_local
+            member = tl.where((d[:, None] == s[None, :]) & valid[:, None], 1, member)
+            hosts = tl.where(((d // per_host_ranks)[:, None] == hh[None, :]) & valid[:, None], 1, hosts)
+            tl.atomic_add(cnt_ptr + expert_base + safe, tl.full([BLOCK_T], 1, tl.int32), mask=valid)
+            tl.atomic_add(cnt_ptr + local_base + safe % n_local, tl.full([BLOCK_T], 1, tl.int32), mask=valid)
+        sm = s < n
+        tl.store(in_rank_ptr + t[:, None].to(tl.int64) * n + s[None, :], member.to(tl.uint8),
+                 mask=tm[:, None] & sm[None, :])
+        col = tl.sum(member, 0)
+        tl.store(block_ptr + pid * N_PAD + s, col)
+        tl.atomic_add(cnt_ptr + s, col, mask=sm)
+        hcol = tl.sum(hosts, 0)
+        tl.atomic_add(cnt_ptr + host_base + hh, hcol, mask=hh < num_hosts)
+        tl.atomic_add(cnt_ptr + off_index, tl.sum(tl.where((hh != my_host) & (hh < num_hosts), hcol, 0), 0))
+        tl.atomic_add(cnt_ptr + off_index + 1, tl.sum(tl.where((s != my_rank) & sm, col, 0), 0))
+
+    @triton.jit
+    def _ht_positions(in_rank_ptr, block_ptr, cnt_ptr, pos_ptr, counts_ptr, units_ptr, t_count, n, n_local,
+                      local_base, off_index, BLOCK_T: tl.constexpr, N_PAD: tl.constexpr, L_PAD: tl.constexpr):
+        # each (rank, token)'s received row: the rows of the ranks before it, of its rank's tokens in
+        # the blocks before (row pid of block_ptr, an exclusive prefix), and in its block up to it
+        pid = tl.program_id(0)
+        s = tl.arange(0, N_PAD)
+        sm = s < n
+        per_rank = tl.load(cnt_ptr + s, mask=sm, other=0)
+        rank_off = tl.cumsum(per_rank, 0) - per_rank
+        before = tl.load(block_ptr + pid * N_PAD + s)  # the blocks before this one, per rank
+        t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+        tm = t < t_count
+        m = tl.load(in_rank_ptr + t[:, None].to(tl.int64) * n + s[None, :], mask=tm[:, None] & sm[None, :],
+                    other=0).to(tl.int32)
+        pos = (rank_off + before)[None, :] + tl.cumsum(m, 0) - 1
+        tl.store(pos_ptr + s[None, :].to(tl.int64) * t_count + t[:, None], pos.to(tl.int64),
+                 mask=tm[:, None] & sm[None, :])
+        if pid == 0:
+            tl.store(counts_ptr, tl.sum(per_rank, 0).to(tl.int64))
+            le = tl.arange(0, L_PAD)
+            local = tl.load(cnt_ptr + local_base + le, mask=le < n_local, other=0)
+            tl.store(counts_ptr + 1 + le, local.to(tl.int64), mask=le < n_local)
+            tl.store(units_ptr, tl.load(cnt_ptr + off_index).to(tl.int64) * 1024)
+
 
 def ll_send(x: torch.Tensor, topk_idx: torch.Tensor, share_q: torch.Tensor, slot: dict[str, torch.Tensor],
             *, n: int, n_local: int, cap: int, use_fp8: bool, extra: int = 0,
@@ -280,6 +340,59 @@ def ll_remote_units(topk_idx: torch.Tensor, share_q: torch.Tensor, n_local: int,
                  topk_idx.numel() + extra, max(topk_idx.numel(), 1), n_local, PAIRS=1024,
                  STAMP=begun is not None, num_warps=4)
     return units
+
+
+@dataclass
+class HTLayout:
+    """A normal-mode dispatch's layout, counted on the device by :func:`ht_layout`: DeepEP's
+    ``get_dispatch_layout`` results (``per_rank [N]``, ``per_host [H]`` or None, ``per_expert
+    [E]`` int32, ``in_rank [T, N]`` bool) and what the emulated dispatch needs of them: ``pos
+    [N * T]`` int64 (the received row of (rank ``s``, token ``t``) at ``s * T + t``: the rows
+    before it in (rank, token) order), ``counts [1 + L]`` int64 (the rows received, then the
+    pairs per local expert), ``units [1]`` int64 (the (token, other host) rows x 1024) and
+    ``other [1]`` int32 (the (token, other rank) rows)."""
+
+    in_rank: torch.Tensor
+    per_rank: torch.Tensor
+    per_host: torch.Tensor | None
+    per_expert: torch.Tensor
+    pos: torch.Tensor
+    counts: torch.Tensor
+    units: torch.Tensor
+    other: torch.Tensor
+
+
+def ht_layout(topk_idx: torch.Tensor, *, n: int, n_local: int, num_hosts: int, rank: int) -> HTLayout:
+    """The layout of a normal-mode dispatch of ``topk_idx`` ``[T, k]`` int64 (global expert ids,
+    -1 for none) for rank ``rank`` of ``n`` ranks of ``n_local`` experts, ``num_hosts`` hosts
+    of ``n // num_hosts`` ranks: a zeroing, two launches and a prefix sum (the torch route is
+    some forty small kernels). ``T`` must be positive."""
+    t, k = topk_idx.shape
+    dev = topk_idx.device
+    num_experts = n * n_local
+    n_pad = triton.next_power_of_2(n)
+    block_t = max(16, min(256, 4096 // n_pad))
+    blocks = triton.cdiv(t, block_t)
+    host_base, expert_base = n, n + num_hosts
+    local_base = expert_base + num_experts
+    off_index = local_base + n_local
+    cnt = torch.zeros(off_index + 2, dtype=torch.int32, device=dev)
+    in_rank = torch.empty((t, n), dtype=torch.bool, device=dev)
+    # row 0 stays zero: after the prefix sum, row b + 1 holds the tokens of blocks <= b per rank
+    block = torch.zeros((blocks + 1, n_pad), dtype=torch.int32, device=dev)
+    _ht_count[(blocks,)](topk_idx.contiguous(), in_rank.view(torch.uint8), block[1:], cnt, t, n, n_local,
+                         num_hosts, n // num_hosts, rank // (n // num_hosts), rank, host_base, expert_base,
+                         local_base, off_index, K=k, BLOCK_T=block_t, N_PAD=n_pad,
+                         H_PAD=triton.next_power_of_2(num_hosts), num_warps=4)
+    torch.cumsum(block, 0, out=block)
+    pos = torch.empty(n * t, dtype=torch.int64, device=dev)
+    counts = torch.empty(1 + n_local, dtype=torch.int64, device=dev)
+    units = torch.empty(1, dtype=torch.int64, device=dev)
+    _ht_positions[(blocks,)](in_rank.view(torch.uint8), block, cnt, pos, counts, units, t, n, n_local,
+                             local_base, off_index, BLOCK_T=block_t, N_PAD=n_pad,
+                             L_PAD=triton.next_power_of_2(n_local), num_warps=4)
+    return HTLayout(in_rank, cnt[:n], cnt[host_base:expert_base] if num_hosts > 1 else None,
+                    cnt[expert_base:local_base], pos, counts, units, cnt[off_index + 1:off_index + 2])
 
 
 def ht_receive(q: torch.Tensor, scales: torch.Tensor | None, topk_idx: torch.Tensor,

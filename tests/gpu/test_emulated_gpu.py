@@ -297,3 +297,32 @@ def test_the_fused_normal_mode_kernels_receive_and_combine_as_the_torch_ops(n, e
     acc.index_add_(0, want_src, back.float())
     # (float32 sums in another order: equal up to bf16's rounding)
     assert relative_error(kernels.ht_combine(back, in_rank, pos), acc.to(torch.bfloat16)) < 1e-2
+
+
+@pytest.mark.parametrize("n,gph,n_local,k,t,rank", [(32, 8, 8, 8, 4096, 5), (256, 8, 1, 8, 2051, 255),
+                                                    (8, 8, 2, 4, 300, 1), (16, 8, 16, 8, 16384, 0)])
+def test_the_normal_mode_layout_kernels_count_as_the_torch_ops(n, gph, n_local, k, t, rank):
+    from dbo.backends.emulated import kernels
+    from dbo.backends.emulated.buffer import EmulatedBuffer, EmulatedGroup
+
+    torch.manual_seed(t)
+    experts = n * n_local
+    ids = torch.stack([torch.randperm(experts)[:k] for _ in range(t)]).to("cuda")
+    ids[torch.rand(t, k, device="cuda") < 0.1] = -1
+    buf = EmulatedBuffer(EmulatedGroup(n, rank, gpus_per_host=gph), device="cuda")
+    lay = kernels.ht_layout(ids, n=n, n_local=n_local, num_hosts=buf.num_hosts, rank=rank)
+    buf._ht_layout = None
+    with pytest.MonkeyPatch.context() as mp:  # the torch route
+        mp.setattr(kernels, "usable", lambda _t: False)
+        per_rank, per_host, per_expert, in_rank, _ = buf.get_dispatch_layout(ids, experts)
+    flat = in_rank.t().reshape(-1)
+    local = torch.bincount(torch.remainder(ids[ids >= 0], n_local), minlength=n_local)
+    assert torch.equal(lay.in_rank, in_rank)
+    assert torch.equal(lay.per_rank, per_rank) and torch.equal(lay.per_expert, per_expert)
+    assert (lay.per_host is None) == (per_host is None)
+    assert per_host is None or torch.equal(lay.per_host, per_host)
+    assert torch.equal(lay.pos, torch.cumsum(flat.to(torch.int64), 0) - 1)
+    assert lay.counts.tolist() == [int(flat.sum())] + local.tolist()
+    if buf.num_hosts > 1:
+        assert torch.equal(lay.units, buf._quantized(buf.rows_off_host(in_rank)))
+    assert int(lay.other) == int((in_rank & buf._other_rank).sum())
