@@ -544,9 +544,8 @@ class EmulatedBuffer:
             notify()
             host = torch.empty(counts.shape, dtype=torch.int64, pin_memory=q.is_cuda)
             host.copy_(counts, non_blocking=q.is_cuda)
-            ready = StreamEvent(self.device, stream)
             if q.is_cuda:
-                ready.event.synchronize()  # DeepEP's host wait for the received counts
+                streams.host_wait(stream)  # DeepEP's host wait for the received counts
             got = host.tolist()
             m_recv, per_expert_list = got[0], got[1:]
             if expert_alignment > 1:

@@ -65,6 +65,22 @@ class Streams:
                           else LogicalStream("emulated deep_ep"))
         #: the streams current when each open kernel began (what finish() joins)
         self._callers: list[Any] = []
+        #: one CUDA event for every record-then-wait at once: a stream's wait takes the event's
+        #: state when it is queued, so the event can be recorded again right after
+        self._handoff = torch.cuda.Event() if device.type == "cuda" else None
+
+    def join(self, waiter: Any, stream: Any) -> None:
+        """``waiter`` waits for what ``stream`` has queued so far."""
+        if self._handoff is None:
+            _wait(waiter, StreamEvent(self.device, stream))
+            return
+        self._handoff.record(stream)
+        waiter.wait_event(self._handoff)
+
+    def host_wait(self, stream: Any) -> None:
+        """The host waits for what the CUDA ``stream`` has queued so far."""
+        self._handoff.record(stream)
+        self._handoff.synchronize()
 
     def current(self) -> Any:
         if self.device.type == "cuda":
@@ -90,7 +106,7 @@ class Streams:
             ev = previous_event.event if isinstance(previous_event, EventOverlap) else previous_event
             _wait(self.comm, ev)
         else:
-            _wait(self.comm, StreamEvent(self.device, current))
+            self.join(self.comm, current)
         if self.device.type == "cuda":
             with torch.cuda.stream(self.comm):
                 yield self.comm
@@ -104,7 +120,7 @@ class Streams:
             return EventOverlap(StreamEvent(self.device, stream), tensors)
         current = self._callers[-1]
         if stream is not current:
-            _wait(current, StreamEvent(self.device, stream))
+            self.join(current, stream)
         return EventOverlap(None)
 
 
