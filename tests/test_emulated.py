@@ -236,3 +236,58 @@ def test_the_normal_mode_layout_kernels_count_as_the_torch_route():
     proc = subprocess.run([sys.executable, "-c", _HT_LAYOUT_SCRIPT], cwd=root, capture_output=True,
                           text=True, timeout=280, env={**os.environ, "TRITON_INTERPRET": "1"})
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stdout + proc.stderr
+
+
+_HT_FUSED_SCRIPT = r"""
+import torch
+from dbo.backends import make_backend
+from dbo.backends.emulated import EMULATED, kernels
+from dbo.experts import SwiGLUExperts, reference_moe, relative_error
+from dbo.moe import MoEKernel
+from dbo.moe.validate import stand_in_local_ids
+from dbo.ubatch.context import run_ubatches
+
+hidden = 2048
+for n, n_local, topk, tokens, rank in [(4, 2, 2, 13, 3), (16, 1, 4, 40, 0), (8, 4, 3, 1, 5)]:
+    experts = n * n_local
+    g = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, hidden, generator=g).to(torch.bfloat16)
+    w1 = (torch.randn(n_local, 64, hidden, generator=g) * 0.05).to(torch.bfloat16)
+    w2 = (torch.randn(n_local, hidden, 32, generator=g) * 0.05).to(torch.bfloat16)
+    weights, ids = torch.topk(torch.softmax(torch.randn(tokens, experts, generator=g), -1), topk)
+    ids.view(-1)[::5] = -1
+    outs = {}
+    for fused in (False, True):
+        # the layout's kernels (they take the routing: int64); the receive and the combine keep the
+        # torch route, their kernels' loops over loaded values being beyond the interpreter
+        kernels.usable = (lambda t: not t.is_floating_point()) if fused else (lambda t: False)
+        EMULATED.reset()
+        pf = make_backend("emulated", None, hidden=hidden, num_experts=experts, topk=topk,
+                          dtype=torch.bfloat16, device="cpu", max_tokens_per_rank=tokens, ep_size=n,
+                          rank=rank, layout="deepep_ht")
+        kernel = MoEKernel(pf, SwiGLUExperts())
+
+        def call(lo, hi):
+            return kernel(x[lo:hi], w1, w2, weights[lo:hi], ids[lo:hi], global_num_experts=experts)
+
+        cut = tokens // 2
+        outs[fused] = (call(0, tokens),
+                       torch.cat(run_ubatches([lambda: call(0, cut), lambda: call(cut, tokens)])))
+    ref = reference_moe(x, w1, w2, weights, stand_in_local_ids(ids, experts, n))
+    plain, dbo = outs[True]
+    assert relative_error(plain, ref) < 2e-2, (n, tokens)
+    assert relative_error(dbo, plain) < 1e-2, (n, tokens)
+    assert torch.equal(plain, outs[False][0]), (n, tokens)  # the torch route's layer
+print("ok")
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+@pytest.mark.timeout(300)
+def test_a_normal_mode_layer_on_the_kernels_is_the_torch_routes_layer():
+    # the layout's kernels through the buffer (their table, received rows, counts and bytes handed
+    # to the dispatch and its combine), run by Triton's CPU interpreter, plain and overlapped
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-c", _HT_FUSED_SCRIPT], cwd=root, capture_output=True,
+                          text=True, timeout=280, env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stdout + proc.stderr

@@ -562,7 +562,7 @@ class EmulatedBuffer:
                 recv_q, recv_scales, recv_ids, recv_weights, row_src = kernels.ht_receive(
                     send_q, send_scales, topk_idx, topk_weights, in_rank, pos, m_recv, n_local)
             else:
-                spare = torch.where(flat, pos, t * n)
+                spare = torch.where(in_rank.t().reshape(-1), pos, t * n)  # (source rank, token) order
                 row_src = torch.zeros(t * n + 1, dtype=torch.int64, device=q.device)
                 row_src.index_copy_(0, spare, torch.arange(t, device=q.device).repeat(n))
                 row_src = row_src[:m_recv]
