@@ -99,10 +99,11 @@ def test_prefill_as_one_rank_matches_the_stand_in_reference(family, group):
     assert (plain[:, -1].argmax(-1) == want[:, -1].argmax(-1)).float().mean() >= 0.75
 
 
-def test_decode_runs_the_low_latency_layout_and_generates_as_plain():
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_decode_runs_the_low_latency_layout_and_generates_as_plain(family):
     group = EmulatedGroup(4, 2, gpus_per_host=2)
     batch, prompt, new = 4, 6, 4
-    model = _emulated("qwen3_moe", group, max_tokens=batch * prompt, decode_tokens=batch)
+    model = _emulated(family, group, max_tokens=batch * prompt, decode_tokens=batch)
     blocks = [m for m in model.modules() if isinstance(m, ExpertParallelMoE)]
     calls = {"emulated:deepep_ht": 0, "emulated:deepep_ll": 0}
 
@@ -132,13 +133,14 @@ def test_decode_runs_the_low_latency_layout_and_generates_as_plain():
         runs["graph"], _ = greedy_generate(model, ids, max_new_tokens=new, config=SplitConfig(enabled=False),
                                            cuda_graph=True)  # on the CPU: the static-cache steps, eager
         runs["dbo prefill, graph"], _ = greedy_generate(model, ids, max_new_tokens=new, cuda_graph=True)
+        runs["dbo, graph"], _ = greedy_generate(model, ids, max_new_tokens=new, split_decode=True, cuda_graph=True)
         # the overlapped steps with SMs carved out for the communication (on the CPU: no SMs)
         runs["dbo, 8 SMs free"], _ = greedy_generate(model, ids, max_new_tokens=new, split_decode=True,
                                                      sm_carveout=8)
     for name, tokens in runs.items():
         assert torch.equal(tokens, runs["plain"]), name
     with torch.inference_mode():  # the plain decode's steps are the whole model's choices
-        want = prefill_logits(_stand_in_reference("qwen3_moe", group), runs["plain"][:, :-1],
+        want = prefill_logits(_stand_in_reference(family, group), runs["plain"][:, :-1],
                               logits_to_keep=new)
     agree = (want.argmax(-1) == runs["plain"][:, prompt:]).float().mean()
     assert agree >= 0.75, agree
