@@ -51,7 +51,8 @@
 #                  rank against the remapped reference, graph replay), the low-latency calls alone against
 #                  DeepEP's published table (tools/probes/emulated_comm.py), then decode at each of
 #                  EMU_EPS ("16 32 64 128 256") with deepep_ll's layout (DeepSeek-V3's layer: 256 experts
-#                  top-8, I=2048, one shared expert, 8 layers, CUDA graphs, every mode) under EMU_LINK
+#                  top-8, I=2048, one shared expert, 8 layers, CUDA graphs, every mode, the overlapped
+#                  steps leaving EMU_DECODE_CARVEOUT (16) SMs to the link) under EMU_LINK
 #                  (deepep-ib) at EMU_TOKENS ("32 64 128 256 512"); EMU_ARGS (more options); EMU_PREFILL=1
 #                  adds prefill with deepep_ht's layout at EP EMU_PREFILL_EPS ("16 32 64"), T 4096 8192
 #                  16384 x I 256 2048, eager, the DBO runs with each of EMU_PREFILL_CARVEOUTS ("none 8")
@@ -271,7 +272,8 @@ for arg in "$@"; do
       for ep in ${EMU_EPS:-16 32 64 128 256}; do
         run "emulated-decode-$ep" "${EMU_CAP_S:-150}" python3 -m dbo.bench overlap --device cuda --emulate-ep "$ep" \
           --link "${EMU_LINK:-deepep-ib}" --layers 8 --intermediate 2048 --tokens ${EMU_TOKENS:-32 64 128 256 512} \
-          --cuda-graph --modes $all_modes --profile-shape none --time-budget-s "${EMU_BUDGET_S:-120}" ${EMU_ARGS:-} \
+          --cuda-graph --modes $all_modes --dbo-sm-carveout ${EMU_DECODE_CARVEOUT:-16} --profile-shape none \
+          --time-budget-s "${EMU_BUDGET_S:-120}" ${EMU_ARGS:-} \
           --out "$files/decode_ep$ep"
       done
       if [ "${EMU_PREFILL:-0}" = 1 ]; then
