@@ -133,7 +133,8 @@ def test_decode_runs_the_low_latency_layout_and_generates_as_plain(family):
         runs["graph"], _ = greedy_generate(model, ids, max_new_tokens=new, config=SplitConfig(enabled=False),
                                            cuda_graph=True)  # on the CPU: the static-cache steps, eager
         runs["dbo prefill, graph"], _ = greedy_generate(model, ids, max_new_tokens=new, cuda_graph=True)
-        runs["dbo, graph"], _ = greedy_generate(model, ids, max_new_tokens=new, split_decode=True, cuda_graph=True)
+        runs["dbo, graph"], _ = greedy_generate(model, ids, max_new_tokens=new, split_decode=True,
+                                                cuda_graph=True)
         # the overlapped steps with SMs carved out for the communication (on the CPU: no SMs)
         runs["dbo, 8 SMs free"], _ = greedy_generate(model, ids, max_new_tokens=new, split_decode=True,
                                                      sm_carveout=8)
