@@ -15,6 +15,16 @@ The host's own time is the rest. torch's profiler records every op and inflates 
 costs two ``perf_counter`` calls a wait. Every ``--profile-every``-th step of each mode runs under
 cProfile instead (left out of the times), and the functions with the most own time are printed
 per mode (``DIR/<mode>.prof`` for ``python -m pstats``).
+
+``--tree DIR`` times another revision's ``dbo`` against this one's, e.g. before and after a change:
+
+    mkdir -p /tmp/old && git archive REV dbo backends | tar -x -C /tmp/old
+    mv /tmp/old/backends /tmp/old/dbo/
+    python tools/probes/host_split.py --tree /tmp/old -- ...
+
+``dbo`` (and ``dbo.backends``) are then imported from DIR, past an editable install's finder,
+which would otherwise map ``dbo.backends`` to this checkout's ``backends/``. The first line printed
+says where both came from.
 """
 
 from __future__ import annotations
@@ -56,6 +66,19 @@ def _patch_waits() -> None:
         setattr(torch.Tensor, name, _timed(getattr(torch.Tensor, name), cuda_only=True))
 
 
+def _use_tree(tree: Path) -> None:
+    """Import ``dbo`` from ``tree`` rather than from the installed checkout."""
+    if not (tree / "dbo" / "backends" / "__init__.py").is_file():
+        raise SystemExit(f"host_split.py --tree {tree}: want {tree}/dbo/backends/__init__.py (the "
+                         "revision's backends/ moved into its dbo/)")
+    if "dbo" in sys.modules:
+        raise SystemExit("host_split.py --tree: dbo was imported before the tree could be put first")
+    sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in type(f).__module__.lower()]
+    here = Path(__file__).resolve().parents[2]  # this checkout: not on the path, or its dbo wins
+    sys.path[:] = [str(tree.resolve())] + [q for q in sys.path
+                                           if Path(q or ".").resolve() != here]
+
+
 def main() -> int:
     argv = sys.argv[1:]
     bench_args = argv[argv.index("--") + 1:] if "--" in argv else []
@@ -65,7 +88,16 @@ def main() -> int:
                    "(0: none)")
     p.add_argument("--top", type=int, default=40)
     p.add_argument("--out", default="host_split")
+    p.add_argument("--tree", default=None, help="import dbo from this directory (DIR/dbo, with "
+                   "dbo/backends in it): another revision to time")
     a = p.parse_args(own)
+    if a.tree is not None:
+        _use_tree(Path(a.tree))
+    import dbo
+    import dbo.backends
+
+    print(f"host_split: dbo from {Path(dbo.__file__).parent}, dbo.backends from "
+          f"{Path(dbo.backends.__file__).parent}")
     _patch_waits()
     from dbo.bench.overlap.command import main as bench_main
     from dbo.bench.overlap.shape import ShapeBench
