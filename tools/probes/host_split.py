@@ -14,7 +14,9 @@ does not wait for its GPU work at the end) and, inside it, the time spent blocke
 The host's own time is the rest. torch's profiler records every op and inflates that part; this
 costs two ``perf_counter`` calls a wait. Every ``--profile-every``-th step of each mode runs under
 cProfile instead (left out of the times), and the functions with the most own time are printed
-per mode (``DIR/<mode>.prof`` for ``python -m pstats``).
+per mode (``DIR/<mode>.prof`` for ``python -m pstats``). ``--find-syncs K`` runs the K-th step of
+each mode under torch's sync debug mode and prints the call sites that made the host wait, the
+implicit ones (``nonzero``, a boolean index) included, which the timing above counts as own time.
 
 ``--tree DIR`` times another revision's ``dbo`` against this one's, e.g. before and after a change:
 
@@ -87,6 +89,9 @@ def main() -> int:
     p.add_argument("--profile-every", type=int, default=4, help="cProfile every N-th step of a mode "
                    "(0: none)")
     p.add_argument("--top", type=int, default=40)
+    p.add_argument("--find-syncs", type=int, default=0, metavar="K",
+                   help="on CUDA, the K-th step of each mode runs under torch's sync debug mode (left out "
+                        "of the times) and the sites that made the host wait are printed (0: none)")
     p.add_argument("--out", default="host_split")
     p.add_argument("--tree", default=None, help="import dbo from this directory (DIR/dbo, with "
                    "dbo/backends in it): another revision to time")
@@ -101,11 +106,13 @@ def main() -> int:
     _patch_waits()
     from dbo.bench.overlap.command import main as bench_main
     from dbo.bench.overlap.shape import ShapeBench
+    from dbo.bench.syncs import format_sites, host_syncs
 
     layers = {"n": 1}
     times: dict[tuple[int, str], list[tuple[float, float]]] = defaultdict(list)
     calls: dict[tuple[int, str], int] = defaultdict(int)
     profs: dict[str, cProfile.Profile] = {}
+    syncs: dict[tuple[int, str], list] = {}
 
     def wrap(mode: str):
         step = getattr(ShapeBench, mode)
@@ -114,6 +121,11 @@ def main() -> int:
             layers["n"] = self.layers
             key = (self.T, mode if mode != "dbo" or self.carveout is None else f"dbo k{self.carveout}")
             calls[key] += 1
+            if a.find_syncs and calls[key] == a.find_syncs:
+                with host_syncs() as found:
+                    result = step(self, *args, **kwargs)
+                syncs[key] = found
+                return result
             if a.profile_every and calls[key] % a.profile_every == 0:
                 prof = profs.setdefault(mode, cProfile.Profile())
                 prof.enable()
@@ -145,6 +157,9 @@ def main() -> int:
         wait = statistics.median(r[1] for r in rows) * 1e3 / n
         own = statistics.median(r[0] - r[1] for r in rows) * 1e3 / n
         print(f"{t:>6} {mode:<10} {len(rows):>5} {wall:>8.3f} {wait:>8.3f} {own:>8.3f}")
+    for (t, mode), found in sorted(syncs.items()):
+        print(f"\nhost syncs in one {mode} step at T={t} ({n} layers): "
+              f"{sum(site.count for site in found)}\n{format_sites(found)}")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     for mode, prof in profs.items():
