@@ -36,6 +36,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dbo.kernels.triton_launch import cdiv, launch, next_pow2
+
 try:
     import triton
     import triton.language as tl
@@ -300,13 +302,12 @@ def ll_send(x: torch.Tensor, topk_idx: torch.Tensor, share_q: torch.Tensor, slot
         scales = torch.empty((t, hidden // _BLOCK), dtype=torch.float32, device=dev)
     else:
         q, scales = x, None
-    _send[(1 + (t if use_fp8 else 0),)](
+    launch(_send, (1 + (t if use_fp8 else 0),), (
         x, q, scales if scales is not None else units, topk_idx.contiguous(), share_q, hist, cursor,
         rows, rows0, slot["count"], slot["layout_range"], units, units if begun is None else begun,
-        t * k + extra, max(t * k, 1), n, n_local, cap, hidden,
-        FP8=use_fp8, E_PAD=triton.next_power_of_2(num_keys), L_PAD=triton.next_power_of_2(n_local),
-        PAIRS=1024, BLOCKS=triton.next_power_of_2(max(hidden // _BLOCK, 1)), STAMP=begun is not None,
-        num_warps=4)
+        t * k + extra, max(t * k, 1), n, n_local, cap, hidden), dict(
+        FP8=use_fp8, E_PAD=next_pow2(num_keys), L_PAD=next_pow2(n_local), PAIRS=1024,
+        BLOCKS=next_pow2(max(hidden // _BLOCK, 1)), STAMP=begun is not None, num_warps=4))
     return q, scales, rows, rows0, units
 
 
@@ -322,12 +323,11 @@ def ll_unpack(q: torch.Tensor, scales: torch.Tensor | None, rows: torch.Tensor, 
     num_scales = 0 if scales is None else scales.shape[1]
     slab = slot["x"].view(torch.uint8)
     slab_scales = slot["scales"] if scales is not None else slot["src_info"]
-    _unpack[(num_pairs,)](
+    launch(_unpack, (num_pairs,), (
         q.view(torch.uint8), scales if scales is not None else slot["src_info"], rows, slot["src_info"],
-        slab, slab_scales, k, max(q.shape[0] * k, 1), row_bytes, max(num_scales, 1),
-        SCALES=scales is not None,
-        BYTES=min(4096, triton.next_power_of_2(row_bytes)), S_PAD=triton.next_power_of_2(max(num_scales, 1)),
-        num_warps=4)
+        slab, slab_scales, k, max(q.shape[0] * k, 1), row_bytes, max(num_scales, 1)), dict(
+        SCALES=scales is not None, BYTES=min(4096, next_pow2(row_bytes)), S_PAD=next_pow2(max(num_scales, 1)),
+        num_warps=4))
 
 
 def ll_remote_units(topk_idx: torch.Tensor, share_q: torch.Tensor, n_local: int, extra: int = 0,
@@ -336,9 +336,9 @@ def ll_remote_units(topk_idx: torch.Tensor, share_q: torch.Tensor, n_local: int,
     leave the host, x 1024 (``share_q`` per destination rank), ``[1]`` int64, one launch; into
     ``begun`` (``[1]`` int64, if given) the global timer when it began."""
     units = torch.empty(1, dtype=torch.int64, device=topk_idx.device)
-    _units[(1,)](topk_idx.contiguous(), share_q, units, units if begun is None else begun,
-                 topk_idx.numel() + extra, max(topk_idx.numel(), 1), n_local, PAIRS=1024,
-                 STAMP=begun is not None, num_warps=4)
+    launch(_units, (1,), (topk_idx.contiguous(), share_q, units, units if begun is None else begun,
+                          topk_idx.numel() + extra, max(topk_idx.numel(), 1), n_local),
+           dict(PAIRS=1024, STAMP=begun is not None, num_warps=4))
     return units
 
 
@@ -370,9 +370,9 @@ def ht_layout(topk_idx: torch.Tensor, *, n: int, n_local: int, num_hosts: int, r
     t, k = topk_idx.shape
     dev = topk_idx.device
     num_experts = n * n_local
-    n_pad = triton.next_power_of_2(n)
+    n_pad = next_pow2(n)
     block_t = max(16, min(256, 4096 // n_pad))
-    blocks = triton.cdiv(t, block_t)
+    blocks = cdiv(t, block_t)
     host_base, expert_base = n, n + num_hosts
     local_base = expert_base + num_experts
     off_index = local_base + n_local
@@ -380,17 +380,18 @@ def ht_layout(topk_idx: torch.Tensor, *, n: int, n_local: int, num_hosts: int, r
     in_rank = torch.empty((t, n), dtype=torch.bool, device=dev)
     # row 0 stays zero: after the prefix sum, row b + 1 holds the tokens of blocks <= b per rank
     block = torch.zeros((blocks + 1, n_pad), dtype=torch.int32, device=dev)
-    _ht_count[(blocks,)](topk_idx.contiguous(), in_rank.view(torch.uint8), block[1:], cnt, t, n, n_local,
-                         num_hosts, n // num_hosts, rank // (n // num_hosts), rank, host_base, expert_base,
-                         local_base, off_index, K=k, BLOCK_T=block_t, N_PAD=n_pad,
-                         H_PAD=triton.next_power_of_2(num_hosts), num_warps=4)
+    per_host = n // num_hosts
+    launch(_ht_count, (blocks,), (topk_idx.contiguous(), in_rank.view(torch.uint8), block[1:], cnt, t, n,
+                                  n_local, num_hosts, per_host, rank // per_host, rank, host_base,
+                                  expert_base, local_base, off_index),
+           dict(K=k, BLOCK_T=block_t, N_PAD=n_pad, H_PAD=next_pow2(num_hosts), num_warps=4))
     torch.cumsum(block, 0, out=block)
     pos = torch.empty(n * t, dtype=torch.int64, device=dev)
     counts = torch.empty(1 + n_local, dtype=torch.int64, device=dev)
     units = torch.empty(1, dtype=torch.int64, device=dev)
-    _ht_positions[(blocks,)](in_rank.view(torch.uint8), block, cnt, pos, counts, units, t, n, n_local,
-                             local_base, off_index, BLOCK_T=block_t, N_PAD=n_pad,
-                             L_PAD=triton.next_power_of_2(n_local), num_warps=4)
+    launch(_ht_positions, (blocks,), (in_rank.view(torch.uint8), block, cnt, pos, counts, units, t, n,
+                                      n_local, local_base, off_index),
+           dict(BLOCK_T=block_t, N_PAD=n_pad, L_PAD=next_pow2(n_local), num_warps=4))
     return HTLayout(in_rank, cnt[:n], cnt[host_base:expert_base] if num_hosts > 1 else None,
                     cnt[expert_base:local_base], pos, counts, units, cnt[off_index + 1:off_index + 2])
 
@@ -418,13 +419,13 @@ def ht_receive(q: torch.Tensor, scales: torch.Tensor | None, topk_idx: torch.Ten
         return recv_q, recv_scales, recv_ids, recv_w, row_src
     row_bytes = q.shape[1] * q.element_size()
     num_scales = 0 if scales is None else scales.shape[1]
-    _ht_receive[(t,)](
+    launch(_ht_receive, (t,), (
         q.contiguous().view(torch.uint8), scales if scales is not None else recv_w, topk_idx.contiguous(),
         topk_weights.contiguous(), in_rank.contiguous().view(torch.uint8), pos, recv_q.view(torch.uint8),
         recv_scales if recv_scales is not None else recv_w, recv_ids, recv_w, row_src, t, n, n_local, k,
-        row_bytes, max(num_scales, 1), SCALES=scales is not None,
-        BYTES=min(4096, triton.next_power_of_2(row_bytes)),
-        S_PAD=triton.next_power_of_2(max(num_scales, 1)), K_PAD=triton.next_power_of_2(k), num_warps=4)
+        row_bytes, max(num_scales, 1)), dict(
+        SCALES=scales is not None, BYTES=min(4096, next_pow2(row_bytes)), S_PAD=next_pow2(max(num_scales, 1)),
+        K_PAD=next_pow2(k), num_warps=4))
     return recv_q, recv_scales, recv_ids, recv_w, row_src
 
 
@@ -437,7 +438,8 @@ def ht_combine(x: torch.Tensor, in_rank: torch.Tensor, pos: torch.Tensor) -> tor
     out = torch.empty((t, hidden), dtype=x.dtype, device=x.device)
     if t == 0:
         return out
-    block = min(1024, triton.next_power_of_2(hidden))
-    _ht_combine[(t, triton.cdiv(hidden, block))](x.contiguous(), in_rank.contiguous().view(torch.uint8), pos,
-                                                 out, t, n, hidden, BLOCK=block, num_warps=4)
+    block = min(1024, next_pow2(hidden))
+    launch(_ht_combine, (t, cdiv(hidden, block)),
+           (x.contiguous(), in_rank.contiguous().view(torch.uint8), pos, out, t, n, hidden),
+           dict(BLOCK=block, num_warps=4))
     return out

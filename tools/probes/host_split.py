@@ -11,12 +11,13 @@ serial, split (``dbo``) and merged step on the host: its wall time from call to 
 does not wait for its GPU work at the end) and, inside it, the time spent blocked on the GPU
 (``Event.synchronize``, ``Stream.synchronize``, ``torch.cuda.synchronize``, and ``item`` /
 ``tolist`` / ``cpu`` of a CUDA tensor: DeepEP normal mode's wait for the received counts is one).
-The host's own time is the rest. torch's profiler records every op and inflates that part; this
-costs two ``perf_counter`` calls a wait. Every ``--profile-every``-th step of each mode runs under
-cProfile instead (left out of the times), and the functions with the most own time are printed
-per mode (``DIR/<mode>.prof`` for ``python -m pstats``). ``--find-syncs K`` runs the K-th step of
-each mode under torch's sync debug mode and prints the call sites that made the host wait, the
-implicit ones (``nonzero``, a boolean index) included, which the timing above counts as own time.
+The host's own time is the rest (``gc``: the part of it in Python's garbage collector). torch's
+profiler records every op and inflates that part; this costs two ``perf_counter`` calls a wait.
+Every ``--profile-every``-th step of each mode runs under cProfile instead (left out of the
+times), and the functions with the most own time are printed per mode (``DIR/<mode>.prof`` for
+``python -m pstats``). ``--find-syncs K`` runs the K-th step of each mode under torch's sync
+debug mode (also left out) and prints the call sites that made the host wait, the implicit ones
+(``nonzero``, a boolean index) included, which the timing above counts as own time.
 
 ``--tree DIR`` times another revision's ``dbo`` against this one's, e.g. before and after a change:
 
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import io
 import pstats
 import statistics
@@ -45,6 +47,16 @@ import torch
 
 _WAIT = [0.0]  # seconds blocked on the GPU inside the current timed step
 _IN_STEP = [False]
+_GC = [0.0, 0.0]  # seconds in Python's garbage collector inside the current step; its last start
+
+
+def _gc_callback(phase: str, info: dict) -> None:  # noqa: ARG001
+    if not _IN_STEP[0]:
+        return
+    if phase == "start":
+        _GC[1] = time.perf_counter()
+    else:
+        _GC[0] += time.perf_counter() - _GC[1]
 
 
 def _timed(fn, cuda_only: bool = False):
@@ -104,6 +116,7 @@ def main() -> int:
     print(f"host_split: dbo from {Path(dbo.__file__).parent}, dbo.backends from "
           f"{Path(dbo.backends.__file__).parent}")
     _patch_waits()
+    gc.callbacks.append(_gc_callback)
     from dbo.bench.overlap.command import main as bench_main
     from dbo.bench.overlap.shape import ShapeBench
     from dbo.bench.syncs import format_sites, host_syncs
@@ -133,7 +146,7 @@ def main() -> int:
                     return step(self, *args, **kwargs)
                 finally:
                     prof.disable()
-            _WAIT[0] = 0.0
+            _WAIT[0] = _GC[0] = 0.0
             _IN_STEP[0] = True
             t0 = time.perf_counter()
             try:
@@ -141,7 +154,7 @@ def main() -> int:
             finally:
                 wall = time.perf_counter() - t0
                 _IN_STEP[0] = False
-                times[key].append((wall, _WAIT[0]))
+                times[key].append((wall, _WAIT[0], _GC[0]))
         return timed
 
     for mode in ("serial", "dbo", "merged"):
@@ -150,13 +163,14 @@ def main() -> int:
     n = layers["n"]
     print(f"\nhost time per layer (ms), median over the unprofiled steps; own = wall - waits "
           f"({n} layers a step)")
-    print(f"{'T':>6} {'mode':<10} {'steps':>5} {'wall':>8} {'waits':>8} {'own':>8}")
+    print(f"{'T':>6} {'mode':<10} {'steps':>5} {'wall':>8} {'waits':>8} {'own':>8} {'gc':>8}")
     for (t, mode), rows in sorted(times.items()):
         rows = rows[2:] or rows  # the first steps warm the allocator and the kernels' caches
         wall = statistics.median(r[0] for r in rows) * 1e3 / n
         wait = statistics.median(r[1] for r in rows) * 1e3 / n
         own = statistics.median(r[0] - r[1] for r in rows) * 1e3 / n
-        print(f"{t:>6} {mode:<10} {len(rows):>5} {wall:>8.3f} {wait:>8.3f} {own:>8.3f}")
+        in_gc = statistics.median(r[2] for r in rows) * 1e3 / n
+        print(f"{t:>6} {mode:<10} {len(rows):>5} {wall:>8.3f} {wait:>8.3f} {own:>8.3f} {in_gc:>8.3f}")
     for (t, mode), found in sorted(syncs.items()):
         print(f"\nhost syncs in one {mode} step at T={t} ({n} layers): "
               f"{sum(site.count for site in found)}\n{format_sites(found)}")
