@@ -149,3 +149,29 @@ def test_the_load_record_round_trips_to_the_same_json():
     assert load_verdict(result.rows[:1] + bad, args) == (
         False, "ep rank 0 holds 1,000 bytes of experts, not 500; ep rank 0's logits differ from the plain "
                "model's (rel err 5.0e-01, top-1 agree 0.00); wrote load.json")
+
+
+def test_a_dbo_rows_decode_may_miss_a_plain_forwards_choice_up_to_twice_as_often_as_plains():
+    from types import SimpleNamespace
+
+    from dbo.bench.hf.generate_table import GenerateRow, tf_floor
+    from dbo.bench.hf.generate_table import verdict_reason as generate_verdict
+
+    a = SimpleNamespace(model=SimpleNamespace(dtype=torch.bfloat16, json=None))
+
+    def rows(plain_tf: float, dbo_tf: float, first: float = 0.9) -> list[GenerateRow]:
+        return [GenerateRow(run="plain", mode="plain", teacher_forced=plain_tf, same_plain=1.0,
+                            first_plain=1.0),
+                GenerateRow(run="dbo", mode="dbo", teacher_forced=dbo_tf, same_plain=0.5, first_plain=first)]
+
+    # a model of near ties (random weights): plain misses 9.5%, DBO may miss 19%
+    assert tf_floor(0.905) == pytest.approx(0.81)
+    assert generate_verdict(a, rows(0.905, 0.846))[0]
+    assert not generate_verdict(a, rows(0.905, 0.80))[0]
+    # a model of clear choices: the fixed slack
+    assert tf_floor(0.999) == pytest.approx(0.979)
+    assert generate_verdict(a, rows(0.999, 0.985))[0]
+    ok, why = generate_verdict(a, rows(0.999, 0.97))
+    assert not ok and "floor 0.979" in why
+    # the first new token (the prefill's) still counts on its own
+    assert not generate_verdict(a, rows(0.905, 0.9, first=0.5))[0]
