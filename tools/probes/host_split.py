@@ -101,6 +101,9 @@ def main() -> int:
     p.add_argument("--profile-every", type=int, default=4, help="cProfile every N-th step of a mode "
                    "(0: none)")
     p.add_argument("--top", type=int, default=40)
+    p.add_argument("--sort", nargs="+", default=["tottime", "cumulative"], choices=["tottime", "cumulative"],
+                   help="the profiled functions' listings, each by this key (cumulative: dbo's own "
+                        "functions only, what each call path costs with everything under it)")
     p.add_argument("--find-syncs", type=int, default=0, metavar="K",
                    help="on CUDA, the K-th step of each mode runs under torch's sync debug mode (left out "
                         "of the times) and the sites that made the host wait are printed (0: none)")
@@ -178,9 +181,13 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     for mode, prof in profs.items():
         prof.dump_stats(str(out / f"{mode}.prof"))
-        s = io.StringIO()
-        pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(a.top)
-        print(f"\n=== {mode} steps under cProfile, by own time\n{s.getvalue()}")
+        for key in a.sort:
+            s = io.StringIO()
+            stats = pstats.Stats(prof, stream=s).sort_stats(key)
+            # cumulative: the project's functions, not torch's or the interpreter's
+            stats.print_stats(*(("(dbo|backends)/", a.top) if key == "cumulative" else (a.top,)))
+            what = "own time" if key == "tottime" else "cumulative time"
+            print(f"\n=== {mode} steps under cProfile, by {what}\n{s.getvalue()}")
     return rc
 
 
