@@ -39,6 +39,7 @@ import io
 import pstats
 import statistics
 import sys
+import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -107,7 +108,8 @@ def main() -> int:
     p.add_argument("--find-syncs", type=int, default=0, metavar="K",
                    help="on CUDA, the K-th step of each mode runs under torch's sync debug mode (left out "
                         "of the times) and the sites that made the host wait are printed (0: none)")
-    p.add_argument("--out", default="host_split")
+    p.add_argument("--out", default=str(Path(tempfile.gettempdir()) / "host_split"),
+                   help="where the profiles go (DIR/<mode>.prof; default: the system's temporary folder)")
     p.add_argument("--tree", default=None, help="import dbo from this directory (DIR/dbo, with "
                    "dbo/backends in it): another revision to time")
     a = p.parse_args(own)
