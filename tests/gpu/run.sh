@@ -61,6 +61,11 @@
 #                  link in host order, at each of EMU_VALIDATE_LINKS "25,10 50,5"), to hold against them;
 #                  EMU_VALIDATE_EPS ("2 4"); EMU_TESTS=0 leaves out the tests and the probe; EMU_EPS=" "
 #                  the decode grid
+#   hostsplit      where the host's time of an eager prefill step goes (tools/probes/host_split.py): the
+#                  emulated rank of EP HS_EP (32), deepep_ht, I=2048, 8 layers, at HS_TOKENS ("512 4096"):
+#                  wall, waits on the GPU and own time per layer, the implicit host syncs, cProfile by own
+#                  and by cumulative time (the .prof files in hostsplit.tgz); HS_TREE=DIR times another
+#                  revision's tree the same way (DIR/dbo with its backends in dbo/backends: see the probe)
 #   emulated_hf    a real transformers model as one rank of a large deployment, on one GPU (random weights,
 #                  the rank's experts only; `dbo.bench hf-prefill|hf-generate --emulate-ep`): for each of
 #                  EMU_HF_RUNS ("qwen-prefill qwen-generate dsv3-generate"): Qwen3-30B-A3B (48 layers) as
@@ -295,6 +300,14 @@ for arg in "$@"; do
               --out "$files/validate_ep${ep}_${l/,/_}"
           done
         done
+      fi ;;
+    hostsplit)
+      hs="--device cuda --emulate-ep ${HS_EP:-32} --emulate-layout deepep_ht --link deepep-ib-ht --layers 8
+        --attn-width 1024 --tokens ${HS_TOKENS:-512 4096} --intermediate 2048 --modes serial dbo --steps 10
+        --no-autotune --profile-shape none --out /tmp/hostsplit_bench"
+      run hostsplit 150 python3 tools/probes/host_split.py --profile-every 4 --find-syncs 3 --out "$files" -- $hs
+      if [ -n "${HS_TREE:-}" ]; then
+        run hostsplit-tree 120 python3 tools/probes/host_split.py --tree "$HS_TREE" --profile-every 0 -- $hs
       fi ;;
     emulated_hf)
       gen="-m dbo.bench hf-generate --device cuda --steps 3 --warmup 1 --modes plain graph dbo-prefill-graph dbo-graph"
