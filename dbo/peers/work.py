@@ -12,12 +12,15 @@ finished. ``destroy_process_group()`` does not prevent it (the worker threads we
 in ``Py_FinalizeEx`` after it, torch 2.13); a barrier before the end does in practice: while
 the main thread waits in it, the worker gets the GIL.
 
-How: :class:`LentWork` hands the collective fresh views of its tensors and keeps only weak
-references to them, so each view lives exactly as long as the work holds it. :meth:`LentWork.wait`
-waits for the work, drops the handle, then gives up the GIL until the views are gone: at once
-if the handle was the last reference (the work is freed on this thread), else as soon as the
-worker has freed it. After that no gloo thread needs the GIL for this work, and the program may
-end at any moment.
+How: :class:`LentWork` hands the collective fresh aliases of its tensors (``detach()``: the same
+storage, shape and strides, a tensor object of its own) and keeps only weak references to them,
+so each alias lives exactly as long as the work holds it. :meth:`LentWork.wait` waits for the
+work, drops the handle, then gives up the GIL until the aliases are gone: at once if the handle
+was the last reference (the work is freed on this thread), else as soon as the worker has freed
+it. After that no gloo thread needs the GIL for this work, and the program may end at any
+moment. An alias must not be a view (``t.view(...)``): a view holds its base tensor, whose Python
+object then outlives the caller's last reference and is freed by the worker with the view, a
+moment after the view's own object, when the weak reference already says the work is gone.
 """
 
 from __future__ import annotations
@@ -42,15 +45,16 @@ RELEASE_TIMEOUT_S = 1.0
 
 
 class LentWork:
-    """One collective, issued on views of ``tensors`` that only its work holds.
+    """One collective, issued on aliases of ``tensors`` that only its work holds.
 
     Args:
-        issue: called once, at construction, with one view per tensor of ``tensors`` (same
-            shape, dtype and storage: what the collective writes into a view lands in the
-            tensor), in that order; it starts the collective with ``async_op=True`` and returns
-            its work handle (``None`` where there is nothing to wait for).
+        issue: called once, at construction, with one alias per tensor of ``tensors`` (same
+            shape, strides, dtype and storage: what the collective writes into an alias lands in
+            the tensor; no reference to the tensor itself), in that order; it starts the
+            collective with ``async_op=True`` and returns its work handle (``None`` where there
+            is nothing to wait for).
         tensors: the tensors the collective reads and writes.
-        lend: hand the collective views (gloo). False passes ``tensors`` themselves and skips
+        lend: hand the collective aliases (gloo). False passes ``tensors`` themselves and skips
             the release wait (NCCL, whose work waits are stream waits).
 
     Nothing else may keep the work handle: only :meth:`wait` drops it.
@@ -59,9 +63,9 @@ class LentWork:
     def __init__(self, issue: Callable[..., Any], tensors: Sequence[torch.Tensor], *,
                  lend: bool = True):
         if lend:
-            views = [t.view(t.shape) for t in tensors]
-            self._lent = [weakref.ref(v) for v in views]
-            self._work = issue(*views)
+            aliases = [t.detach() for t in tensors]  # not views: see the module's docstring
+            self._lent = [weakref.ref(a) for a in aliases]
+            self._work = issue(*aliases)
         else:
             self._lent = []
             self._work = issue(*tensors)
@@ -75,7 +79,7 @@ class LentWork:
 
     def wait(self, timeout_s: float | None = None) -> bool:
         """Wait for the work (at most ``timeout_s`` seconds where given), then, once it is
-        complete, until gloo's worker thread has freed it.
+        complete, until gloo's worker thread has freed it (and with it the aliases).
 
         Returns what the work's ``wait`` returns (True once complete; a backend that reports a
         timeout with False leaves the work pending). Raises what the work's ``wait`` raises (gloo:
