@@ -127,7 +127,7 @@ def main() -> int:
     from dbo.bench.syncs import format_sites, host_syncs
 
     layers = {"n": 1}
-    times: dict[tuple[int, str], list[tuple[float, float]]] = defaultdict(list)
+    times: dict[tuple[int, str], list[tuple[float, float, float]]] = defaultdict(list)  # wall, waits, gc
     calls: dict[tuple[int, str], int] = defaultdict(int)
     profs: dict[str, cProfile.Profile] = {}
     syncs: dict[tuple[int, str], list] = {}

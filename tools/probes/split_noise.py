@@ -22,14 +22,14 @@ import sys
 import torch
 
 from dbo.bench.hf.model import alone, build_model
-from dbo.bench.hf.prefill import parse_args
+from dbo.bench.hf.prefill import parse_args, top1_agreement
 from dbo.experts import relative_error
 from dbo.integrations.transformers import DBOPrefill, prefill_logits, prefill_split_config, use_backend
 
 
 def _line(what: str, got: torch.Tensor, want: torch.Tensor) -> None:
-    agree = (got[:, -1].argmax(-1) == want[:, -1].argmax(-1)).float().mean().item()
-    print(f"  {what:<34} rel err {relative_error(got, want):.4f}   top-1 agree {agree:.3f}", flush=True)
+    rel, agree = relative_error(got, want), top1_agreement(got, want)
+    print(f"  {what:<34} rel err {rel:.4f}   top-1 agree {agree:.3f}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -172,7 +172,7 @@ def parse_args(argv: list[str] | None = None) -> PrefillOptions:
     return opts
 
 
-def _agreement(got: torch.Tensor, want: torch.Tensor) -> float:
+def top1_agreement(got: torch.Tensor, want: torch.Tensor) -> float:
     """Share of sequences whose last position's top token agrees."""
     return (got[:, -1].argmax(-1) == want[:, -1].argmax(-1)).float().mean().item()
 
@@ -254,7 +254,7 @@ def _backend_rows(opts: PrefillOptions, model, backend: str, choice: str | None,
                                          warmup=opts.warmup, steps=opts.steps,
                                          sm_carveouts=opts.tune_sm_carveout)
             got = run_dbo(ids)
-            rel, agree = relative_error(got, plain), _agreement(got, plain)
+            rel, agree = relative_error(got, plain), top1_agreement(got, plain)
             t_dbo, peak_dbo = _timed(lambda ids=ids, r=run_dbo: r(ids), opts, device)
             t_p, t_d, rel, neg_agree, p_plain, p_dbo, vs = all_reduce_max(
                 [t_plain, t_dbo, rel, -agree, peak_plain or 0.0, peak_dbo or 0.0, vs_a2a], phase=PROG)
@@ -309,7 +309,7 @@ def _unconverted_rows(opts: PrefillOptions, inputs: dict, plain_logits: dict, de
         for shape, ids in inputs.items():
             out = prefill_logits(full, ids, logits_to_keep=keep)
             want = plain_logits[shape].to(device)
-            rel, agree = relative_error(want, out), _agreement(want, out)
+            rel, agree = relative_error(want, out), top1_agreement(want, out)
             t = median_ms(lambda ids=ids: prefill_logits(full, ids, logits_to_keep=keep), steps=opts.steps,
                           warmup=opts.warmup, device=device)
             t, rel, neg_agree = all_reduce_max([t, rel, -agree], phase=PROG)
