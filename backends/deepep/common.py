@@ -30,7 +30,7 @@ from dbo.peers.watchdog import (
     resolve_timeout,
 )
 from dbo.ubatch.context import dbo_current_ubatch_id, dbo_enabled
-from dbo.ubatch.streams import hand_over
+from dbo.ubatch.streams import cuda_current_stream, hand_over
 
 from .buffer import BufferMode, DeepEPDtypeError, SharedDeepEPBuffer
 
@@ -250,7 +250,7 @@ def hand_to_current_stream(tensors: Iterable[torch.Tensor | None]) -> None:
         if t is None or not t.is_cuda:
             continue
         if stream is None:
-            stream = torch.cuda.current_stream(t.device)
+            stream = cuda_current_stream(t.device)
         hand_over(t, stream)
 
 

@@ -11,7 +11,13 @@ from typing import Any
 
 import torch
 
-from dbo.ubatch.streams import LogicalEvent, LogicalStream, current_logical_stream
+from dbo.ubatch.streams import (
+    LogicalEvent,
+    LogicalStream,
+    cuda_current_stream,
+    current_logical_stream,
+    on_cuda_stream,
+)
 
 __all__ = ["StreamEvent", "EventOverlap", "Streams"]
 
@@ -20,16 +26,17 @@ class StreamEvent:
 
     def __init__(self, device: torch.device, stream: Any = None):
         self.cuda = device.type == "cuda"
+        self.device = device
         if self.cuda:
             self.event = torch.cuda.Event()
-            self.event.record(stream)
+            self.event.record(stream if stream is not None else cuda_current_stream(device))
         else:
             self.event = LogicalEvent("emulated deep_ep")
             self.event.record(stream if stream is not None else current_logical_stream())
 
     def current_stream_wait(self) -> None:
         if self.cuda:
-            torch.cuda.current_stream().wait_event(self.event)
+            cuda_current_stream(self.device).wait_event(self.event)
         else:
             current_logical_stream().wait_event(self.event)
 
@@ -84,7 +91,7 @@ class Streams:
 
     def current(self) -> Any:
         if self.device.type == "cuda":
-            return torch.cuda.current_stream(self.device)
+            return cuda_current_stream(self.device)
         return current_logical_stream()
 
     @contextlib.contextmanager
@@ -108,7 +115,7 @@ class Streams:
         else:
             self.join(self.comm, current)
         if self.device.type == "cuda":
-            with torch.cuda.stream(self.comm):
+            with on_cuda_stream(self.comm):
                 yield self.comm
         else:
             yield self.comm

@@ -52,7 +52,7 @@ from typing import Any
 import torch
 
 from dbo.moe.base import ActivationFormat, PrepareAndFinalize
-from dbo.ubatch.streams import gpu_sleep
+from dbo.ubatch.streams import cuda_current_stream, gpu_sleep
 
 from ..fp8 import FP8_DISPATCH_BYTES
 from . import wall_wait as _wall_wait
@@ -223,7 +223,7 @@ class LinkServer:
         clock (seconds)."""
         if device.type == "cuda":
             ev = torch.cuda.Event()
-            ev.record()
+            ev.record(cuda_current_stream(device))
             return ev
         return time.perf_counter()
 
@@ -258,7 +258,7 @@ class LinkServer:
                                    "counted on the device); use --link-order host without it")
 
             def wait() -> None:
-                torch.cuda.current_stream().wait_event(done)
+                cuda_current_stream(device).wait_event(done)
             return wait
 
         if link.order == "host":

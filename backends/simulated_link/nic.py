@@ -40,6 +40,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dbo.ubatch.streams import on_cuda_stream
+
 from . import wall_wait
 
 __all__ = ["Flow", "serve", "NicHost", "NicGpu", "NIC_GPU", "NIC_STREAMS"]
@@ -199,11 +201,11 @@ class NicGpu:
         else:
             begun.record_stream(stream)
         stream.wait_event(ready)
-        with torch.cuda.stream(stream):  # no yield inside
+        with on_cuda_stream(stream):  # no yield inside
             wall_wait.nic_flow(state, count_t, begun, unit_q=round(unit * 1024),
                                rate_q=round(gbps * 1024), fixed_ns=round(fixed_us * 1e3))
-            done = torch.cuda.Event()
-            done.record()
+        done = torch.cuda.Event()
+        done.record(stream)
         return done
 
     def reset(self) -> None:

@@ -38,9 +38,18 @@ __all__ = [
     "current_logical_stream",
     "hand_over",
     "gpu_sleep",
+    "cuda_current_stream",
+    "on_cuda_stream",
 ]
 
 _stream_ids = itertools.count()
+
+# Private but long-standing torch entry points (CudaStreamSet reads them too): torch's own
+# current_stream(), Event.record()/wait() without a stream and torch.cuda.stream() resolve the
+# device through its generic device look-up, which asks torch.cuda.is_available() on every call.
+_GET_STREAM = getattr(torch._C, "_cuda_getCurrentStream", None)
+_SET_STREAM = getattr(torch._C, "_cuda_setStream", None)
+_GET_DEVICE = getattr(torch._C, "_cuda_getDevice", None)
 
 
 class LogicalStream:
@@ -293,10 +302,9 @@ class CudaStreamSet(StreamSet):
         self.comm_stream = torch.cuda.Stream(device=self._index, priority=hi)
         self.default_stream = torch.cuda.default_stream(self._index)
         self._by_key: dict[tuple, torch.cuda.Stream] = {}
-        # Private but long-standing torch entry points: a tuple key is far cheaper to read,
-        # compare and restore than a torch.cuda.Stream object.
-        self._get = getattr(torch._C, "_cuda_getCurrentStream", None)
-        self._set = getattr(torch._C, "_cuda_setStream", None)
+        # a tuple key is far cheaper to read, compare and restore than a torch.cuda.Stream object
+        self._get = _GET_STREAM
+        self._set = _SET_STREAM
         self._init_events()
 
     def current_getter(self) -> Callable[[], Any]:
@@ -368,6 +376,64 @@ class StreamPool:
 
 
 STREAM_POOL = StreamPool()
+
+
+#: the Stream object of each current-stream key seen (a handful: the default, the comm and the
+#: link streams, a graph's capture stream); cleared past _MAX_STREAM_KEYS
+_STREAM_OF_KEY: dict[tuple, torch.cuda.Stream] = {}
+_MAX_STREAM_KEYS = 256
+
+
+def cuda_current_stream(device: torch.device | int | None = None) -> torch.cuda.Stream:
+    """``torch.cuda.current_stream(device)`` at a few hundred nanoseconds of host time: the
+    current stream's key read in C and one Stream object kept per key. For the per-call paths
+    (the emulated rank's and the link's events and hand-overs)."""
+    if _GET_STREAM is None or _GET_DEVICE is None:
+        return torch.cuda.current_stream(device)
+    if device is None:
+        index = _GET_DEVICE()
+    elif isinstance(device, int):
+        index = device
+    else:
+        index = device.index if device.index is not None else _GET_DEVICE()
+    key = _GET_STREAM(index)
+    s = _STREAM_OF_KEY.get(key)
+    if s is None:
+        if len(_STREAM_OF_KEY) >= _MAX_STREAM_KEYS:
+            _STREAM_OF_KEY.clear()
+        s = _STREAM_OF_KEY[key] = torch.cuda.Stream(stream_id=key[0], device_index=key[1],
+                                                    device_type=key[2])
+    return s
+
+
+class on_cuda_stream:  # noqa: N801 (used as a context manager, like torch.cuda.stream)
+    """``with torch.cuda.stream(stream):`` for a stream of the current device, without torch's
+    device look-ups on entry and exit (a stream of another device takes torch's path, which
+    also switches the current device). Not re-entrant: one object per ``with``."""
+
+    __slots__ = ("stream", "_prev", "_ctx")
+
+    def __init__(self, stream: torch.cuda.Stream):
+        self.stream = stream
+        self._prev: tuple | None = None
+        self._ctx: Any = None
+
+    def __enter__(self) -> torch.cuda.Stream:
+        s = self.stream
+        if _SET_STREAM is None or _GET_DEVICE is None or s.device_index != _GET_DEVICE():
+            self._ctx = torch.cuda.stream(s)
+            self._ctx.__enter__()
+            return s
+        self._prev = _GET_STREAM(s.device_index)
+        _SET_STREAM(stream_id=s.stream_id, device_index=s.device_index, device_type=s.device_type)
+        return s
+
+    def __exit__(self, *exc: object) -> None:
+        if self._ctx is not None:
+            self._ctx.__exit__(*exc)
+            return
+        p = self._prev
+        _SET_STREAM(stream_id=p[0], device_index=p[1], device_type=p[2])
 
 
 #: cycles of ``torch.cuda._sleep`` per millisecond, by CUDA device index (measured once each)

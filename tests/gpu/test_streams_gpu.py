@@ -247,3 +247,50 @@ def test_captured_run_replays_like_eager():
         torch.testing.assert_close(static_out[1], eager[1])
         torch.testing.assert_close(static_out[1], ref[1])
         keep.clear()
+
+
+def test_fast_current_stream_and_stream_context_match_torch():
+    """``cuda_current_stream`` and ``on_cuda_stream`` (the per-call paths' cheaper forms) see and
+    set what torch's ``current_stream`` and ``torch.cuda.stream`` do, nested, restored on an
+    exception, and inside a graph capture (where the current stream is the capture's)."""
+    from dbo.ubatch.streams import cuda_current_stream, on_cuda_stream
+
+    dev = torch.device("cuda")
+    outer, inner = torch.cuda.Stream(), torch.cuda.Stream(priority=-1)
+    base = torch.cuda.current_stream()
+    assert cuda_current_stream() == base and cuda_current_stream(dev) == base
+    assert cuda_current_stream(torch.cuda.current_device()) == base
+    with on_cuda_stream(outer) as s:
+        assert s is outer and torch.cuda.current_stream() == outer == cuda_current_stream(dev)
+        with torch.cuda.stream(inner):
+            assert cuda_current_stream() == inner
+        assert torch.cuda.current_stream() == outer
+        with pytest.raises(ValueError), on_cuda_stream(inner):
+            assert torch.cuda.current_stream() == inner
+            raise ValueError("inside")
+        assert torch.cuda.current_stream() == outer
+    assert torch.cuda.current_stream() == base == cuda_current_stream()
+    # an event recorded on the fast form's stream orders like one recorded on torch's
+    x = torch.zeros(1 << 20, device=dev)
+    with on_cuda_stream(outer):
+        torch.cuda._sleep(50_000_000)
+        x.fill_(1.0)
+        ev = torch.cuda.Event()
+        ev.record(cuda_current_stream())
+    cuda_current_stream().wait_event(ev)
+    assert x.sum().item() == x.numel()
+
+    side = torch.cuda.Stream()
+    side.wait_stream(base)
+    graph = torch.cuda.CUDAGraph()
+    y = torch.zeros(8, device=dev)
+    with torch.cuda.stream(side), torch.cuda.graph(graph):
+        capture = torch.cuda.current_stream()
+        assert cuda_current_stream() == capture
+        with on_cuda_stream(inner):
+            assert torch.cuda.current_stream() == inner
+        assert cuda_current_stream() == capture
+        y.add_(1.0)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert y.sum().item() == 8
