@@ -385,9 +385,10 @@ _MAX_STREAM_KEYS = 256
 
 
 def cuda_current_stream(device: torch.device | int | None = None) -> torch.cuda.Stream:
-    """``torch.cuda.current_stream(device)`` at a few hundred nanoseconds of host time: the
-    current stream's key read in C and one Stream object kept per key. For the per-call paths
-    (the emulated rank's and the link's events and hand-overs)."""
+    """``torch.cuda.current_stream(device)`` without torch's device look-up: the current stream's
+    key read in C and one Stream object kept per key (a Stream is only those three values, so a
+    key reused after its stream was destroyed names the new one). For the per-call paths (the
+    emulated rank's and the link's events and hand-overs), where CUDA is initialized already."""
     if _GET_STREAM is None or _GET_DEVICE is None:
         return torch.cuda.current_stream(device)
     if device is None:
