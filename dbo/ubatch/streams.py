@@ -51,6 +51,23 @@ _GET_STREAM = getattr(torch._C, "_cuda_getCurrentStream", None)
 _SET_STREAM = getattr(torch._C, "_cuda_setStream", None)
 _GET_DEVICE = getattr(torch._C, "_cuda_getDevice", None)
 
+#: the Stream object of each CUDA stream key (stream id, device index, device type) seen: a
+#: handful (the default, comm and link streams, a graph's capture stream); cleared past
+#: _MAX_STREAM_KEYS. A Stream is only those three values, so a key reused after its stream was
+#: destroyed names the new one.
+_STREAM_OF_KEY: dict[tuple, torch.cuda.Stream] = {}
+_MAX_STREAM_KEYS = 256
+
+
+def _stream_of(key: tuple) -> torch.cuda.Stream:
+    s = _STREAM_OF_KEY.get(key)
+    if s is None:
+        if len(_STREAM_OF_KEY) >= _MAX_STREAM_KEYS:
+            _STREAM_OF_KEY.clear()
+        s = _STREAM_OF_KEY[key] = torch.cuda.Stream(stream_id=key[0], device_index=key[1],
+                                                    device_type=key[2])
+    return s
+
 
 class LogicalStream:
     """A CPU stand-in for a CUDA stream: a name and a vector clock ``{stream id: count}``."""
@@ -301,7 +318,6 @@ class CudaStreamSet(StreamSet):
         lo, hi = torch.cuda.Stream.priority_range()
         self.comm_stream = torch.cuda.Stream(device=self._index, priority=hi)
         self.default_stream = torch.cuda.default_stream(self._index)
-        self._by_key: dict[tuple, torch.cuda.Stream] = {}
         # a tuple key is far cheaper to read, compare and restore than a torch.cuda.Stream object
         self._get = _GET_STREAM
         self._set = _SET_STREAM
@@ -328,15 +344,13 @@ class CudaStreamSet(StreamSet):
         if not isinstance(stream, torch.cuda.Stream):
             raise TypeError(f"comm_stream must be a torch.cuda.Stream, got {type(stream).__name__}")
         k = (stream.stream_id, stream.device_index, stream.device_type)
-        self._by_key.setdefault(k, stream)
+        _STREAM_OF_KEY.setdefault(k, stream)
         return k
 
     def stream(self, key: tuple) -> torch.cuda.Stream:
-        s = self._by_key.get(key)
-        if s is None:
-            s = torch.cuda.Stream(stream_id=key[0], device_index=key[1], device_type=key[2])
-            self._by_key[key] = s
-        return s
+        # on every switch's record and wait: the hit without a second call
+        s = _STREAM_OF_KEY.get(key)
+        return s if s is not None else _stream_of(key)
 
     def new_event(self, name: str) -> torch.cuda.Event:
         return torch.cuda.Event()
@@ -378,17 +392,10 @@ class StreamPool:
 STREAM_POOL = StreamPool()
 
 
-#: the Stream object of each current-stream key seen (a handful: the default, the comm and the
-#: link streams, a graph's capture stream); cleared past _MAX_STREAM_KEYS
-_STREAM_OF_KEY: dict[tuple, torch.cuda.Stream] = {}
-_MAX_STREAM_KEYS = 256
-
-
 def cuda_current_stream(device: torch.device | int | None = None) -> torch.cuda.Stream:
     """``torch.cuda.current_stream(device)`` without torch's device look-up: the current stream's
-    key read in C and one Stream object kept per key (a Stream is only those three values, so a
-    key reused after its stream was destroyed names the new one). For the per-call paths (the
-    emulated rank's and the link's events and hand-overs), where CUDA is initialized already."""
+    key read in C and one Stream object kept per key. For the per-call paths (the emulated rank's
+    and the link's events and hand-overs), where CUDA is initialized already."""
     if _GET_STREAM is None or _GET_DEVICE is None:
         return torch.cuda.current_stream(device)
     if device is None:
@@ -397,14 +404,7 @@ def cuda_current_stream(device: torch.device | int | None = None) -> torch.cuda.
         index = device
     else:
         index = device.index if device.index is not None else _GET_DEVICE()
-    key = _GET_STREAM(index)
-    s = _STREAM_OF_KEY.get(key)
-    if s is None:
-        if len(_STREAM_OF_KEY) >= _MAX_STREAM_KEYS:
-            _STREAM_OF_KEY.clear()
-        s = _STREAM_OF_KEY[key] = torch.cuda.Stream(stream_id=key[0], device_index=key[1],
-                                                    device_type=key[2])
-    return s
+    return _stream_of(_GET_STREAM(index))
 
 
 class on_cuda_stream:  # noqa: N801 (used as a context manager, like torch.cuda.stream)
